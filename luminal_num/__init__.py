@@ -1,0 +1,1 @@
+"""luminal_num: a numerics-aware, precision-searching tensor compiler."""

@@ -1,0 +1,111 @@
+"""Reference evaluation of an HLIR graph with numpy.
+
+`precision="f64"`: every op in float64 — the judge of every later stage.
+`precision="f32"`: each elementwise op computed exactly (float64) then rounded once to the node's
+dtype (what a correctly rounded FP32 unit does); SumReduce accumulates in float32 (numpy's pairwise
+order); Softmax, a fused op, is computed in float64 and rounded once. Inputs are rounded to their
+declared dtype first.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from ..dtypes.formats import F64, Kind
+from .graph import Graph, Node
+from .ops import CUSTOM_KINDS, Group, Op
+from .symbolic import evaluate as eval_dim
+
+PRECISIONS = ("f64", "f32")
+
+
+def softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def _round(x: np.ndarray, node_dtype, precision: str) -> np.ndarray:
+    if precision == "f64" or node_dtype.kind is not Kind.FLOAT or node_dtype is F64:
+        return x
+    from ..dtypes.rounding import round_to  # dtypes is a lower layer; imported lazily to keep import cheap
+    return np.asarray(round_to(x, node_dtype), dtype=np.float64)
+
+
+def eval_node(node: Node, srcs: list[np.ndarray], graph: Graph, inputs: Mapping[str, np.ndarray],
+              bindings: Mapping[str, int], precision: str) -> np.ndarray:
+    """One node's value from its (already viewed) source values."""
+    op, g = node.op, node.op.group
+    if op is Op.INPUT:
+        name = node.attr("name")
+        val = graph.weights[name] if name in graph.weights else inputs[name]
+        val = np.asarray(val)
+        return val.astype(np.int64) if node.dtype.kind is Kind.INT else _round(val.astype(np.float64), node.dtype, precision)
+    if op is Op.CONSTANT:
+        v = node.attr("value")
+        return np.asarray(float(v) if isinstance(v, float) else float(eval_dim(v, bindings)), dtype=np.float64)
+    if op is Op.IOTA:
+        return np.arange(eval_dim(node.attr("length"), bindings), dtype=np.float64)
+    if op is Op.OUTPUT:
+        return srcs[0]
+    if op is Op.CAST:
+        return _round(srcs[0], node.dtype, precision)
+    if g in (Group.UNARY, Group.BINARY):
+        with np.errstate(all="ignore"):
+            return _round(op.decl.fn(*srcs), node.dtype, precision)
+    if op is Op.CUSTOM:
+        with np.errstate(all="ignore"):
+            return _round(CUSTOM_KINDS[node.attr("kind")].fn(srcs[0]), node.dtype, precision)
+    if op is Op.SUM_REDUCE:
+        acc = np.float32 if precision == "f32" else np.float64
+        return _round(np.sum(srcs[0].astype(acc), axis=node.attr("axis")).astype(np.float64), node.dtype, precision)
+    if op is Op.MAX_REDUCE:
+        return np.max(srcs[0], axis=node.attr("axis"))
+    if op is Op.SOFTMAX:
+        with np.errstate(all="ignore"):
+            return _round(softmax(srcs[0], node.attr("axis")), node.dtype, precision)
+    if op is Op.GATHER:
+        table, idx = srcs
+        return table[_indices(idx, table.shape[0], "gather")]
+    if op is Op.SCATTER:
+        dest, src, idx = srcs
+        out = dest.copy()
+        out[_indices(idx, dest.shape[0], "scatter")] = src
+        return out
+    raise NotImplementedError(f"no reference semantics for {op!r}")  # unreachable: every Op is handled
+
+
+def _indices(idx: np.ndarray, n: int, what: str) -> np.ndarray:
+    i = np.asarray(idx)
+    if i.dtype.kind == "f":
+        if not np.all(np.isfinite(i)) or not np.all(i == np.round(i)):
+            raise ValueError(f"{what}: indices must be integers")
+        i = i.astype(np.int64)
+    if i.size and (i.min() < 0 or i.max() >= n):
+        raise IndexError(f"{what}: index out of range [0, {n})")
+    return i
+
+
+def evaluate_nodes(graph: Graph, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
+                   precision: str = "f64") -> dict[int, np.ndarray]:
+    """Values of every node (each a contiguous array of the node's shape)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    missing = [n for n, info in graph.inputs.items() if not info.is_weight and n not in inputs]
+    if missing:
+        raise KeyError(f"missing inputs: {missing}")
+    bindings = graph.bind_symbols(inputs, bindings)
+    values: dict[int, np.ndarray] = {}
+    for node in graph.nodes:
+        srcs = [s.view.realize(values[s.node], bindings) for s in node.srcs]
+        values[node.id] = np.asarray(eval_node(node, srcs, graph, inputs, bindings, precision))
+    return values
+
+
+def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
+             precision: str = "f64") -> dict[str, np.ndarray]:
+    """Output values by name."""
+    values = evaluate_nodes(graph, inputs, bindings, precision)
+    return {name: values[nid] for name, nid in graph.outputs.items()}

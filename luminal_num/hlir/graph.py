@@ -1,0 +1,192 @@
+"""The HLIR graph: an append-only DAG of primop nodes (ids are creation order, hence topological).
+
+Each node stores the views through which it reads its sources, its (symbolic) output shape, its
+logical dtype and the chunk it belongs to (`graph_break()` starts a new chunk).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from ..dtypes.formats import F32, Format
+from .ops import Group, Op
+from .shape import ShapeTracker
+from .symbolic import Dim, Poly, encode, evaluate
+
+
+@dataclass(frozen=True)
+class Source:
+    node: int
+    view: ShapeTracker
+
+
+@dataclass(frozen=True)
+class Node:
+    id: int
+    op: Op
+    srcs: tuple[Source, ...]
+    shape: tuple[Dim, ...]
+    dtype: Format
+    attrs: tuple[tuple[str, Any], ...] = ()
+    chunk: int = 0
+
+    def attr(self, name: str) -> Any:
+        for k, v in self.attrs:
+            if k == name:
+                return v
+        raise KeyError(f"{self.op!r} node {self.id} has no attribute {name!r}")
+
+    def structural_attrs(self) -> tuple:
+        """Attributes that define the computed function; names of inputs/outputs are excluded."""
+        out = []
+        for k, v in self.attrs:
+            if k == "name":
+                continue
+            if isinstance(v, float):
+                v = ("float", v.hex())
+            elif isinstance(v, (Poly, int)) and not isinstance(v, bool):
+                v = encode(v)
+            out.append((k, v))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    name: str
+    node: int
+    shape: tuple[Dim, ...]
+    dtype: Format
+    is_weight: bool
+    value_range: tuple[float, float] | None = None  # declared range for static analysis
+
+
+@dataclass
+class Graph:
+    nodes: list[Node] = field(default_factory=list)
+    inputs: dict[str, InputInfo] = field(default_factory=dict)
+    outputs: dict[str, int] = field(default_factory=dict)
+    weights: dict[str, np.ndarray] = field(default_factory=dict)
+    chunk: int = 0
+    _consts: dict[tuple, int] = field(default_factory=dict, repr=False)
+
+    # -- building -----------------------------------------------------------------------------
+    def add(self, op: Op, srcs: Iterable[Source], shape: tuple[Dim, ...], dtype: Format,
+            attrs: Mapping[str, Any] | None = None) -> int:
+        srcs = tuple(srcs)
+        decl = op.decl
+        if decl.arity >= 0 and len(srcs) != decl.arity:
+            raise ValueError(f"{decl.name} takes {decl.arity} sources, got {len(srcs)}")
+        attrs = tuple((attrs or {}).items())
+        names = tuple(k for k, _ in attrs)
+        if set(names) != set(decl.attrs):
+            raise ValueError(f"{decl.name} needs attributes {decl.attrs}, got {names}")
+        for s in srcs:
+            if not 0 <= s.node < len(self.nodes):
+                raise ValueError(f"source node {s.node} does not exist")
+        node = Node(len(self.nodes), op, srcs, tuple(shape), dtype, attrs, self.chunk)
+        self.nodes.append(node)
+        return node.id
+
+    def input(self, name: str, shape, dtype: Format = F32, value_range=None):
+        from .tensor import GraphTensor
+        return GraphTensor._input(self, name, shape, dtype, value_range, weight=None)
+
+    def weight(self, name: str, value: np.ndarray, dtype: Format = F32):
+        """A weight: an Input whose value is known at compile time (static scales come from it)."""
+        from .tensor import GraphTensor
+        return GraphTensor._input(self, name, value.shape, dtype, None, weight=np.asarray(value))
+
+    def constant(self, value: float | Dim, dtype: Format = F32):
+        from .tensor import GraphTensor
+        return GraphTensor._constant(self, value, dtype)
+
+    def arange(self, length: Dim, dtype: Format = F32):
+        from .tensor import GraphTensor
+        return GraphTensor._iota(self, length, dtype)
+
+    def graph_break(self) -> None:
+        """Start a new chunk: later nodes are searched separately (per layer, at KV writes)."""
+        self.chunk += 1
+
+    def output(self, tensor, name: str) -> int:
+        if name in self.outputs:
+            raise ValueError(f"output {name!r} already exists")
+        nid = self.add(Op.OUTPUT, [Source(tensor.id, tensor.st)], tensor.shape, tensor.dtype, {"name": name})
+        self.outputs[name] = nid
+        return nid
+
+    # -- queries ------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def consumers(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {n.id: [] for n in self.nodes}
+        for n in self.nodes:
+            for s in n.srcs:
+                out[s.node].append(n.id)
+        return out
+
+    def count(self, op: Op) -> int:
+        return sum(1 for n in self.nodes if n.op is op)
+
+    def bind_symbols(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Infer symbolic dims from input shapes (a dim that is a single symbol binds to the size)."""
+        out = dict(bindings or {})
+        for name, info in self.inputs.items():
+            if name not in inputs:
+                continue
+            arr = inputs[name]
+            if len(arr.shape) != len(info.shape):
+                raise ValueError(f"input {name!r}: expected rank {len(info.shape)}, got shape {arr.shape}")
+            for d, actual in zip(info.shape, arr.shape):
+                if isinstance(d, Poly) and len(d.terms) == 1 and d.terms[0][1] == 1 and len(d.terms[0][0]) == 1:
+                    s = d.terms[0][0][0]
+                    if out.setdefault(s, actual) != actual:
+                        raise ValueError(f"symbol {s!r} bound to {out[s]} and {actual} (input {name!r})")
+        for name, info in self.inputs.items():
+            if name in inputs:
+                want = tuple(evaluate(d, out) for d in info.shape)
+                if tuple(inputs[name].shape) != want:
+                    raise ValueError(f"input {name!r}: expected shape {want}, got {tuple(inputs[name].shape)}")
+        return out
+
+    def structural_key(self, node_ids: Iterable[int] | None = None) -> str:
+        """sha256 of a canonical encoding of ops, views, shapes and dtypes (names and values ignored).
+
+        Sources outside `node_ids` are encoded by position of first appearance, so two chunks that
+        compute the same function of their inputs get the same key.
+        """
+        ids = sorted(node_ids) if node_ids is not None else [n.id for n in self.nodes]
+        local = {nid: i for i, nid in enumerate(ids)}
+        external: dict[int, int] = {}
+        items = []
+        for nid in ids:
+            n = self.nodes[nid]
+            srcs = []
+            for s in n.srcs:
+                if s.node in local:
+                    ref = ("local", local[s.node])
+                else:
+                    ref = ("ext", external.setdefault(s.node, len(external)),
+                           tuple(encode(d) for d in self.nodes[s.node].shape), self.nodes[s.node].dtype.name)
+                srcs.append((ref, s.view.encode()))
+            op_attrs = n.structural_attrs()
+            if n.op is Op.INPUT:
+                info = self.inputs[n.attr("name")]
+                op_attrs = op_attrs + (("weight", info.is_weight),)
+            items.append((n.op.decl.name, tuple(srcs), tuple(encode(d) for d in n.shape), n.dtype.name, op_attrs))
+        return hashlib.sha256(repr(tuple(items)).encode()).hexdigest()
+
+    def __str__(self) -> str:
+        lines = []
+        for n in self.nodes:
+            args = ", ".join(f"%{s.node}" + ("" if s.view.is_contiguous and tuple(s.view.shape) == self.nodes[s.node].shape
+                                                  else f"{list(map(str, s.view.shape))}") for s in n.srcs)
+            attrs = ", ".join(f"{k}={v!r}" for k, v in n.attrs)
+            shape = "x".join(map(str, n.shape)) or "scalar"
+            lines.append(f"c{n.chunk} %{n.id} = {n.op.decl.name}({args}{'; ' if args and attrs else ''}{attrs}) "
+                         f": {shape} {n.dtype}")
+        return "\n".join(lines)
