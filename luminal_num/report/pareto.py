@@ -1,0 +1,252 @@
+"""Pareto report: every evaluated plan as error vs latency, the front marked, as CSV + PNG + HTML.
+
+Why three files: the CSV is the record (full-precision floats, diffable, read back by tools), the PNG is
+the picture of the trade-off, and the HTML puts both on one self-contained page (no external assets,
+so it opens from an archive or a CI artifact as is).
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import io
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from luminal_num.report.files import atomic_files, atomic_write_text
+
+REQUIRED_COLUMNS = ("candidate", "error", "latency_s", "latency_source", "verdict_source", "passes", "label")
+NUMERIC_COLUMNS = ("error", "latency_s")
+CHOSEN_LABEL = "chosen"
+FRONT_COLUMN = "on_front"
+CSV_NAME, PNG_NAME, HTML_NAME = "pareto.csv", "pareto.png", "pareto.html"
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    csv: Path
+    png: Path
+    html: Path
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[bool]:
+    """Mark the (error, latency) points no other point dominates, minimising both.
+
+    q dominates p when q <= p in both coordinates and q != p. Exact duplicates do not dominate each
+    other; of a group of equal points only the first (lowest index) is marked, so the front has one
+    entry per distinct trade-off and the result does not depend on anything but input order.
+    Points with a NaN coordinate (e.g. never profiled) are never on the front and dominate nothing.
+    Sweep in (error, latency, index) order: a point is on the front iff its latency is strictly below
+    every latency seen before it.
+    """
+    valid = [i for i, (error, latency) in enumerate(points) if not (math.isnan(error) or math.isnan(latency))]
+    valid.sort(key=lambda i: (points[i][0], points[i][1], i))
+    on_front = [False] * len(points)
+    best_latency: float | None = None
+    for i in valid:
+        latency = points[i][1]
+        if best_latency is None or latency < best_latency:
+            on_front[i] = True
+            best_latency = latency
+    return on_front
+
+
+def _checked_table(rows: pd.DataFrame, baselines: Mapping[str, object] | None) -> pd.DataFrame:
+    """Validate the report rows and add the `on_front` column; raises ValueError on anything malformed."""
+    missing = [column for column in REQUIRED_COLUMNS if column not in rows.columns]
+    if missing:
+        raise ValueError(f"report rows lack columns {missing}; required: {list(REQUIRED_COLUMNS)}")
+    if rows.empty:
+        raise ValueError("report rows are empty: nothing was evaluated")
+    table = rows.reset_index(drop=True).copy()
+    for column in NUMERIC_COLUMNS:
+        table[column] = pd.to_numeric(table[column], errors="raise").astype(np.float64)
+        if (table[column] < 0).any():
+            raise ValueError(f"column {column!r} has negative values")
+    if not all(isinstance(value, (bool, np.bool_)) for value in table["passes"]):
+        raise ValueError("column 'passes' must hold booleans")
+    table["passes"] = table["passes"].astype(bool)
+    if table["candidate"].duplicated().any():
+        raise ValueError(f"duplicate candidate ids: {sorted(set(table['candidate'][table['candidate'].duplicated()]))}")
+    table["label"] = table["label"].fillna("").astype(str)
+    for label, candidate in (baselines or {}).items():
+        match = table["candidate"] == candidate
+        if not match.any():
+            raise ValueError(f"baseline {label!r} names candidate {candidate!r}, which is not in the rows")
+        table.loc[match, "label"] = label
+    if (table["label"] == CHOSEN_LABEL).sum() > 1:
+        raise ValueError(f"more than one row is labelled {CHOSEN_LABEL!r}")
+    table[FRONT_COLUMN] = pareto_front(list(zip(table["error"], table["latency_s"])))
+    return table
+
+
+def _csv_text(table: pd.DataFrame) -> str:
+    """CSV with floats in shortest round-trip form (pandas' default repr), never fixed decimals."""
+    return table.to_csv(index=False, lineterminator="\n", float_format=None)
+
+
+def _render_png(table: pd.DataFrame, budget_error: float, title: str, error_label: str) -> bytes:
+    """Error vs latency on log axes: front as a step line, budget line, baselines and chosen plan marked."""
+    figure = Figure(figsize=(8.0, 5.5), dpi=120)
+    axes = figure.subplots()
+    plottable = table[np.isfinite(table["error"]) & np.isfinite(table["latency_s"])
+                      & (table["error"] > 0) & (table["latency_s"] > 0)]
+    for passes, style in ((True, dict(color="tab:blue")), (False, dict(facecolors="none", edgecolors="tab:gray"))):
+        group = plottable[plottable["passes"] == passes]
+        if not group.empty:
+            axes.scatter(group["latency_s"], group["error"], s=28, zorder=3,
+                         label=f"{'passes' if passes else 'fails'} budget ({len(group)})", **style)
+    front = plottable[plottable[FRONT_COLUMN]].sort_values("latency_s")
+    if not front.empty:
+        axes.step(front["latency_s"], front["error"], where="post", color="tab:orange", zorder=2)
+        axes.scatter(front["latency_s"], front["error"], s=90, facecolors="none", edgecolors="tab:orange",
+                     linewidths=1.5, zorder=4, label=f"Pareto front ({len(front)})")
+    if math.isfinite(budget_error):
+        axes.axhline(budget_error, color="tab:red", linestyle="--", label=f"budget {budget_error!r}")
+    labelled = plottable[plottable["label"] != ""]
+    for label, latency, error in zip(labelled["label"], labelled["latency_s"], labelled["error"]):
+        axes.annotate(label, (latency, error), xytext=(8, 8), textcoords="offset points",
+                      fontsize=8, arrowprops=dict(arrowstyle="-", color="0.4"))
+    chosen = plottable[plottable["label"] == CHOSEN_LABEL]
+    if not chosen.empty:
+        axes.scatter(chosen["latency_s"], chosen["error"], marker="*", s=280, color="gold",
+                     edgecolors="black", zorder=5, label="chosen plan")
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("latency (s)")
+    axes.set_ylabel(error_label)
+    axes.set_title(title)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8, loc="best")
+    hidden = len(table) - len(plottable)
+    if hidden:
+        figure.text(0.01, 0.01, f"{hidden} candidate(s) not plotted: no latency or zero error", fontsize=8)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", metadata={"Software": None})
+    return buffer.getvalue()
+
+
+PAGE = Template("""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>$title</title>
+<style>
+body { font-family: sans-serif; margin: 1.5em; }
+table { border-collapse: collapse; font-size: 0.85em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.5em; text-align: left; }
+th { cursor: pointer; background: #eee; user-select: none; }
+tr.front { background: #fff3e0; }
+tr.chosen { background: #fff59d; font-weight: bold; }
+</style></head><body>
+<h1>$title</h1>
+<p>$summary</p>
+<img alt="error vs latency" src="data:image/png;base64,$png">
+<p>Rows on the Pareto front are shaded; click a column header to sort.</p>
+<table class="sortable"><thead><tr>$header</tr></thead>
+<tbody>
+$body
+</tbody></table>
+<script>
+document.querySelectorAll("table.sortable th").forEach(function (th, column) {
+  th.addEventListener("click", function () {
+    var body = th.closest("table").tBodies[0];
+    var ascending = th.dataset.order !== "asc";
+    th.dataset.order = ascending ? "asc" : "desc";
+    var key = function (row) { var cell = row.cells[column]; return cell.dataset.sort !== undefined ? cell.dataset.sort : cell.textContent; };
+    Array.from(body.rows).sort(function (a, b) {
+      var x = key(a), y = key(b);
+      if (x === "" || y === "") { return (x === "") - (y === ""); }
+      var nx = Number(x), ny = Number(y);
+      var order = (!isNaN(nx) && !isNaN(ny)) ? nx - ny : x.localeCompare(y);
+      return ascending ? order : -order;
+    }).forEach(function (row) { body.appendChild(row); });
+  });
+});
+</script>
+</body></html>
+""")
+
+
+def _cell(value: object) -> str:
+    """One table cell; floats carry their repr as the sort key, NaN sorts last as an empty key."""
+    if isinstance(value, (float, np.floating)):
+        number = float(value)
+        shown = "" if math.isnan(number) else repr(number)
+        return f'<td data-sort="{shown}">{shown or "&ndash;"}</td>'
+    return f"<td>{html.escape(str(value))}</td>"
+
+
+def _render_html(table: pd.DataFrame, png: bytes, budget_error: float, title: str, error_label: str) -> str:
+    header = "".join(f"<th>{html.escape(error_label if column == 'error' else column)}</th>" for column in table.columns)
+    is_chosen = table["label"] == CHOSEN_LABEL
+    body_rows = []
+    for values, front, chosen in zip(table.itertuples(index=False, name=None), table[FRONT_COLUMN], is_chosen):
+        classes = " ".join(name for name, flag in (("front", front), ("chosen", chosen)) if flag)
+        body_rows.append(f'<tr class="{classes}">{"".join(_cell(value) for value in values)}</tr>')
+    chosen_rows = table[is_chosen]
+    chosen_text = ("no plan chosen" if chosen_rows.empty else
+                   f"chosen: {chosen_rows['candidate'].iloc[0]} (error {chosen_rows['error'].iloc[0]!r}, "
+                   f"latency {chosen_rows['latency_s'].iloc[0]!r} s)")
+    summary = (f"{len(table)} candidates, {int(table['passes'].sum())} within the budget "
+               f"({html.escape(error_label)} &le; {budget_error!r}), {int(table[FRONT_COLUMN].sum())} on the "
+               f"Pareto front; {html.escape(chosen_text)}.")
+    return PAGE.substitute(title=html.escape(title), summary=summary, png=base64.b64encode(png).decode("ascii"),
+                           header=header, body="\n".join(body_rows))
+
+
+def write_pareto_report(out_dir: str | os.PathLike, rows: pd.DataFrame, budget_error: float, title: str,
+                        error_label: str, baselines: Mapping[str, object] | None = None) -> ReportFiles:
+    """Write pareto.csv, pareto.png and pareto.html into `out_dir`, all or nothing.
+
+    `rows` holds one row per evaluated candidate (REQUIRED_COLUMNS at least); baseline names come from
+    its `label` column, or from `baselines` ({label: candidate id}), which overrides it. The row
+    labelled "chosen" is the plan the search returned. Other files in `out_dir` are left alone.
+    """
+    if not budget_error > 0:
+        raise ValueError(f"budget_error must be > 0 (log axis), got {budget_error!r}")
+    table = _checked_table(rows, baselines)
+    target = Path(out_dir)
+    with atomic_files(target) as staging:
+        (staging / CSV_NAME).write_text(_csv_text(table), encoding="utf-8")
+        png = _render_png(table, budget_error, title, error_label)
+        (staging / PNG_NAME).write_bytes(png)
+        (staging / HTML_NAME).write_text(_render_html(table, png, budget_error, title, error_label), encoding="utf-8")
+    return ReportFiles(csv=target / CSV_NAME, png=target / PNG_NAME, html=target / HTML_NAME)
+
+
+def _record(row: object) -> dict[str, object]:
+    if dataclasses.is_dataclass(row) and not isinstance(row, type):
+        return {field.name: getattr(row, field.name) for field in dataclasses.fields(row)}
+    if isinstance(row, Mapping):
+        return dict(row)
+    raise TypeError(f"op table rows must be mappings or dataclass instances, got {type(row).__name__}")
+
+
+def write_op_table(path: str | os.PathLike, rows: pd.DataFrame | Sequence[object]) -> Path:
+    """Write plan_ops.csv (one row per executed op: dtype, accumulator, scales...) atomically.
+
+    Rows are a DataFrame, mappings or dataclass instances; every row must have the same fields, since a
+    silently empty cell in "what actually runs" would hide a precision choice. Values that are not
+    plain scalars (formats, tuples) are written with str().
+    """
+    if isinstance(rows, pd.DataFrame):
+        table = rows.reset_index(drop=True)
+    else:
+        records = [_record(row) for row in rows]
+        if not records:
+            raise ValueError("op table is empty")
+        columns = list(records[0])
+        for index, record in enumerate(records):
+            if list(record) != columns:
+                raise ValueError(f"op table row {index} has fields {list(record)}, expected {columns}")
+        table = pd.DataFrame.from_records(records, columns=columns)
+    plain = (str, int, float, bool, np.generic, type(None))
+    table = table.apply(lambda column: column.map(lambda v: v if isinstance(v, plain) else str(v))
+                        if column.dtype == object else column)
+    return atomic_write_text(path, _csv_text(table))

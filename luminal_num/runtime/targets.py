@@ -1,0 +1,183 @@
+"""Hardware targets as data: one frozen record per target, numbers copied from NVIDIA's published specs.
+
+Why data and not code: the cost model is one formula (roofline + launch overhead); what differs between
+an H100 and an A100 is only numbers. Keeping them in one table, each with its source, makes a wrong
+number a one-line, reviewable fix and lets a new target be added without touching the model.
+
+All peaks are DENSE rates (NVIDIA datasheets print tensor-core peaks "with sparsity", i.e. 2x the dense
+rate; the dense value is the one a GEMM on ordinary weights can reach). Units: FLOP/s (OP/s for int8),
+bytes/s, seconds, bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MATH_MODES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8", "fp64")
+
+TERA = 1e12
+
+
+@dataclass(frozen=True)
+class MathPeaks:
+    """Dense peak rate per math mode on one kind of execution unit; None = that unit has no such mode."""
+
+    fp64: float | None = None
+    fp32: float | None = None
+    tf32: float | None = None
+    bf16: float | None = None
+    fp16: float | None = None
+    fp8: float | None = None  # E4M3 and E5M2 run at the same rate
+    int8: float | None = None
+
+    def rate(self, math: str) -> float | None:
+        if math not in MATH_MODES:
+            raise ValueError(f"unknown math mode {math!r}; known: {', '.join(MATH_MODES)}")
+        return getattr(self, math)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achievable fraction of the published peaks, and where that fraction comes from.
+
+    Why: datasheet peaks are never reached; a model that assumes 100% ranks candidates correctly but
+    predicts latencies ~20% too low. One bandwidth and one compute fraction per target is coarse, but it
+    is stated, sourced and easy to replace with a better measurement.
+    """
+
+    bandwidth: float  # achieved copy bandwidth / published HBM bandwidth
+    compute: float  # achieved dense GEMM rate / published dense tensor-core peak
+    source: str
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth", "compute"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"efficiency {name} must lie in (0, 1], got {value!r}")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One hardware target. `measured_only` targets have no model: their latency comes from profiling."""
+
+    name: str
+    description: str
+    hbm_bandwidth: float | None  # bytes/s
+    tensor_cores: MathPeaks  # dense tensor-core peaks
+    cuda_cores: MathPeaks  # non-tensor (SIMT) peaks
+    efficiency: Efficiency | None
+    launch_s: float | None  # one plain kernel launch from a stream
+    graph_launch_s: float | None  # per kernel when replayed inside a CUDA graph
+    l2_bytes: int | None
+    sm_count: int | None
+    measured_only: bool = False
+
+
+# Achievable fractions measured on the project's H200 (notes/toolchain.md): ~4.3 TB/s device-to-device
+# copy against 4.8 TB/s nominal, and a dense bf16 GEMM at ~790 TFLOP/s against 989.4 nominal.
+H200_MEASURED_COPY = 4.3 * TERA
+H200_MEASURED_BF16_GEMM = 790.0 * TERA
+H200_PUBLISHED_BANDWIDTH = 4.8 * TERA  # H200 datasheet: "GPU Memory Bandwidth 4.8TB/s"
+HOPPER_DENSE_BF16 = 989.4 * TERA  # H100/H200 whitepaper/datasheet: 1,979 TF with sparsity -> 989.4 dense
+
+H200_EFFICIENCY = Efficiency(
+    bandwidth=H200_MEASURED_COPY / H200_PUBLISHED_BANDWIDTH,
+    compute=H200_MEASURED_BF16_GEMM / HOPPER_DENSE_BF16,
+    source="measured on H200: ~4.3 TB/s copy, bf16 dense GEMM ~790 TFLOP/s (notes/toolchain.md)",
+)
+# No H100 or A100 was available to measure: the H200 fractions are carried over (same generation of
+# HBM controllers and cuBLAS kernels for the H100; the A100 typically reaches similar fractions).
+CARRIED_OVER_EFFICIENCY = Efficiency(
+    bandwidth=H200_EFFICIENCY.bandwidth,
+    compute=H200_EFFICIENCY.compute,
+    source="assumed: the H200 measurement carried over (not measured on this target)",
+)
+
+# Launch overhead is not a datasheet figure. Rule of thumb from NVIDIA's "Getting Started with CUDA
+# Graphs" blog and common measurements: a plain stream launch costs ~3-5 us per small kernel end to end;
+# inside a replayed CUDA graph it drops to ~1 us per kernel.
+PLAIN_LAUNCH_S = 4e-6
+GRAPH_LAUNCH_S = 1e-6
+
+MIB = 1024 * 1024  # NVIDIA's "50 MB" / "40 MB" L2 sizes are binary megabytes
+
+# Hopper compute is identical on the H100 SXM5 and the H200 SXM (same GH100 die, 132 SMs); only the
+# memory differs. Sources: NVIDIA H100 datasheet and "NVIDIA H100 Tensor Core GPU Architecture"
+# whitepaper (Table: H100 SXM5): FP64 34 TF, FP64 tensor core 67 TF, FP32 67 TF, FP16/BF16 non-tensor
+# 133.8 TF, TF32 494.7 TF dense, BF16/FP16 989.4 TF dense, FP8 1978.9 TF dense, INT8 1978.9 TOPS dense,
+# L2 50 MB. The H200 datasheet lists the same compute figures.
+HOPPER_TENSOR_CORES = MathPeaks(
+    fp64=67 * TERA, tf32=494.7 * TERA, bf16=989.4 * TERA, fp16=989.4 * TERA,
+    fp8=1978.9 * TERA, int8=1978.9 * TERA,
+)
+HOPPER_CUDA_CORES = MathPeaks(fp64=34 * TERA, fp32=67 * TERA, bf16=133.8 * TERA, fp16=133.8 * TERA)
+HOPPER_L2_BYTES = 50 * MIB
+HOPPER_SMS = 132
+
+TARGETS: tuple[Target, ...] = (
+    Target(
+        name="h100",
+        description="NVIDIA H100 SXM5 80GB (HBM3)",
+        hbm_bandwidth=3.35 * TERA,  # H100 SXM datasheet: "GPU Memory Bandwidth 3.35TB/s"
+        tensor_cores=HOPPER_TENSOR_CORES,
+        cuda_cores=HOPPER_CUDA_CORES,
+        efficiency=CARRIED_OVER_EFFICIENCY,
+        launch_s=PLAIN_LAUNCH_S,
+        graph_launch_s=GRAPH_LAUNCH_S,
+        l2_bytes=HOPPER_L2_BYTES,
+        sm_count=HOPPER_SMS,
+    ),
+    Target(
+        name="h200",
+        description="NVIDIA H200 SXM 141GB (HBM3e)",
+        hbm_bandwidth=H200_PUBLISHED_BANDWIDTH,
+        tensor_cores=HOPPER_TENSOR_CORES,
+        cuda_cores=HOPPER_CUDA_CORES,
+        efficiency=H200_EFFICIENCY,
+        launch_s=PLAIN_LAUNCH_S,
+        graph_launch_s=GRAPH_LAUNCH_S,
+        l2_bytes=HOPPER_L2_BYTES,
+        sm_count=HOPPER_SMS,
+    ),
+    Target(
+        name="a100",
+        description="NVIDIA A100 SXM4 80GB (HBM2e)",
+        # A100 datasheet (80GB SXM column): bandwidth 2,039 GB/s; FP64 9.7 TF, FP64 tensor core 19.5 TF,
+        # FP32 19.5 TF, TF32 156 TF dense (312 sparse), BF16/FP16 312 TF dense (624 sparse), INT8 624
+        # TOPS dense (1,248 sparse); no FP8 (Ampere tensor cores have no FP8 mode). A100 whitepaper:
+        # non-tensor FP16 78 TF, non-tensor BF16 39 TF, 108 SMs, 40 MB L2.
+        hbm_bandwidth=2.039 * TERA,
+        tensor_cores=MathPeaks(fp64=19.5 * TERA, tf32=156 * TERA, bf16=312 * TERA, fp16=312 * TERA,
+                               int8=624 * TERA),
+        cuda_cores=MathPeaks(fp64=9.7 * TERA, fp32=19.5 * TERA, bf16=39 * TERA, fp16=78 * TERA),
+        efficiency=CARRIED_OVER_EFFICIENCY,
+        launch_s=PLAIN_LAUNCH_S,
+        graph_launch_s=GRAPH_LAUNCH_S,
+        l2_bytes=40 * MIB,
+        sm_count=108,
+    ),
+    Target(
+        name="cpu",
+        description="this machine's CPU running the numpy emulation backend (latency is profiled, not modelled)",
+        hbm_bandwidth=None,
+        tensor_cores=MathPeaks(),
+        cuda_cores=MathPeaks(),
+        efficiency=None,
+        launch_s=None,
+        graph_launch_s=None,
+        l2_bytes=None,
+        sm_count=None,
+        measured_only=True,
+    ),
+)
+
+TARGET_NAMES: tuple[str, ...] = tuple(t.name for t in TARGETS)
+
+
+def get_target(name: str | Target) -> Target:
+    """Look a target up by name (case-insensitive); raises a KeyError listing the known names."""
+    if isinstance(name, Target):
+        return name
+    for target in TARGETS:
+        if target.name == str(name).lower():
+            return target
+    raise KeyError(f"unknown target {name!r}; known targets: {', '.join(TARGET_NAMES)}")
