@@ -153,7 +153,7 @@ class Graph:
                     raise ValueError(f"input {name!r}: expected shape {want}, got {tuple(inputs[name].shape)}")
         return out
 
-    def structural_key(self, node_ids: Iterable[int] | None = None) -> str:
+    def structural_key(self, node_ids: Iterable[int] | None = None, extra: tuple = ()) -> str:
         """sha256 of a canonical encoding of ops, views, shapes and dtypes (names and values ignored).
 
         Sources outside `node_ids` are encoded by position of first appearance, so two chunks that
@@ -170,15 +170,17 @@ class Graph:
                 if s.node in local:
                     ref = ("local", local[s.node])
                 else:
+                    src = self.nodes[s.node]
+                    is_weight = src.op is Op.INPUT and self.inputs[src.attr("name")].is_weight
                     ref = ("ext", external.setdefault(s.node, len(external)),
-                           tuple(encode(d) for d in self.nodes[s.node].shape), self.nodes[s.node].dtype.name)
+                           tuple(encode(d) for d in src.shape), src.dtype.name, is_weight)
                 srcs.append((ref, s.view.encode()))
             op_attrs = n.structural_attrs()
             if n.op is Op.INPUT:
                 info = self.inputs[n.attr("name")]
                 op_attrs = op_attrs + (("weight", info.is_weight),)
             items.append((n.op.decl.name, tuple(srcs), tuple(encode(d) for d in n.shape), n.dtype.name, op_attrs))
-        return hashlib.sha256(repr(tuple(items)).encode()).hexdigest()
+        return hashlib.sha256(repr((tuple(items), extra)).encode()).hexdigest()
 
     def __str__(self) -> str:
         lines = []

@@ -211,7 +211,11 @@ class ShapeTracker:
                 base_shape = shape
             else:
                 n = int(np.prod(shape)) if shape else 1
-                flat = np.clip(pos, 0, max(n - 1, 0))
+                if n == 0:  # an empty lower view: nothing is readable
+                    valid = np.zeros(pos.shape, dtype=bool)
+                    pos = np.zeros(pos.shape, dtype=np.int64)
+                    continue
+                flat = np.clip(pos, 0, n - 1)
                 coords = list(np.unravel_index(flat, shape)) if shape else []
             out = np.full(base_shape if level == 0 else pos.shape, offset, dtype=np.int64)
             ok = np.ones(out.shape, dtype=bool)

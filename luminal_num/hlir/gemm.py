@@ -1,0 +1,92 @@
+"""When is Mul-over-broadcast-views + SumReduce a matrix multiply? The layout math, in one place.
+
+A Mul of shape S read through views va, vb and reduced over axis k is C = sum_k A*B. Classify every
+other axis by which operand advances along it:
+  only va (vb has stride 0)  -> an M axis   (rows of A / C)
+  only vb (va has stride 0)  -> an N axis   (columns of B / C)
+  both (or neither)          -> a batch axis
+A Gemm needs both operands to advance along k and single unmasked views (a strided read per
+operand). Several M axes that are contiguous in A can be flattened into one M (x(b,s,k) @ W(k,n) ->
+(b*s,k) @ (k,n)); otherwise the extra M/N axes become batch axes. Each valid layout is one variant.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .shape import ShapeTracker
+from .symbolic import Dim, is_const, prod
+
+
+@dataclass(frozen=True)
+class GemmLayout:
+    full_shape: tuple[Dim, ...]   # the Mul's shape (before reduction)
+    k_axis: int
+    batch_axes: tuple[int, ...]
+    m_axes: tuple[int, ...]       # flattened together into M (one axis unless variant == "flattened")
+    n_axes: tuple[int, ...]
+    variant: str                  # "batched" | "flattened"
+
+    @property
+    def out_axes(self) -> tuple[int, ...]:
+        return tuple(i for i in range(len(self.full_shape)) if i != self.k_axis)
+
+    @property
+    def m(self) -> Dim:
+        return prod(self.full_shape[i] for i in self.m_axes)
+
+    @property
+    def n(self) -> Dim:
+        return prod(self.full_shape[i] for i in self.n_axes)
+
+    @property
+    def k(self) -> Dim:
+        return self.full_shape[self.k_axis]
+
+    @property
+    def batch(self) -> Dim:
+        return prod(self.full_shape[i] for i in self.batch_axes)
+
+    def encode(self) -> tuple:
+        from .symbolic import encode
+        return (tuple(encode(d) for d in self.full_shape), self.k_axis, self.batch_axes, self.m_axes,
+                self.n_axes, self.variant)
+
+
+def _single_unmasked(st: ShapeTracker) -> bool:
+    return len(st.views) == 1 and st.views[0].mask is None
+
+
+def gemm_layouts(va: ShapeTracker, vb: ShapeTracker, k_axis: int) -> tuple[GemmLayout, ...]:
+    """All Gemm layouts of sum_k(va * vb) (empty when it is not a matrix multiply)."""
+    if not (_single_unmasked(va) and _single_unmasked(vb)) or va.shape != vb.shape:
+        return ()
+    shape = va.shape
+    if not 0 <= k_axis < len(shape):
+        return ()
+    sa, sb = va.views[0].strides, vb.views[0].strides
+    if sa[k_axis] == 0 or sb[k_axis] == 0:
+        return ()
+    m_type = [i for i in range(len(shape)) if i != k_axis and sa[i] != 0 and sb[i] == 0]
+    n_type = [i for i in range(len(shape)) if i != k_axis and sa[i] == 0 and sb[i] != 0]
+    batch = [i for i in range(len(shape)) if i != k_axis and i not in m_type and i not in n_type]
+    if not m_type and not n_type:
+        return ()  # a batched dot product: no matrix structure to exploit
+    out = [GemmLayout(shape, k_axis, tuple(sorted(batch + m_type[:-1] + n_type[:-1])),
+                      tuple(m_type[-1:]), tuple(n_type[-1:]), "batched")]
+    if len(m_type) > 1 and _mergeable(shape, sa, m_type) and _mergeable_out(shape, k_axis, m_type):
+        out.append(GemmLayout(shape, k_axis, tuple(sorted(batch + n_type[:-1])), tuple(m_type),
+                              tuple(n_type[-1:]), "flattened"))
+    return tuple(out)
+
+
+def _mergeable(shape, strides, axes) -> bool:
+    """Adjacent axes whose strides nest (stride_i == size_{i+1} * stride_{i+1}) form one strided axis."""
+    if any(b != a + 1 for a, b in zip(axes, axes[1:])):
+        return False
+    return all(strides[a] == shape[b] * strides[b] for a, b in zip(axes, axes[1:]))
+
+
+def _mergeable_out(shape, k_axis, axes) -> bool:
+    """The merged M axes must also be adjacent in C (contiguous output: adjacency suffices)."""
+    out_pos = [a - (a > k_axis) for a in axes]
+    return all(b == a + 1 for a, b in zip(out_pos, out_pos[1:])) and all(is_const(shape[a]) or True for a in axes)
