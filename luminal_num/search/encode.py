@@ -1,0 +1,140 @@
+"""Write one chunk as an egglog program: HLIR terms bound with `let`, plus the Python-computed facts.
+
+Views, constants, dims and Gemm layouts are interned into tables (value -> i64 id) that travel with
+the choice space, so the lowering reads them back by id, never by printed text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, Hashable, TypeVar
+
+from egglog import EGraph, set_
+
+from ..hlir.gemm import GemmLayout, gemm_layouts
+from ..hlir.graph import Graph
+from ..hlir.ops import Op
+from ..hlir.partition import Chunk
+from ..hlir.shape import ShapeTracker
+from . import egraph as E
+
+V = TypeVar("V", bound=Hashable)
+
+
+@dataclass
+class Interner(Generic[V]):
+    """Value <-> dense id; values are frozen dataclasses or canonical encodings."""
+
+    values: list[V] = field(default_factory=list)
+    ids: dict[V, int] = field(default_factory=dict)
+
+    def __call__(self, value: V) -> int:
+        if value not in self.ids:
+            self.ids[value] = len(self.values)
+            self.values.append(value)
+        return self.ids[value]
+
+    def __getitem__(self, i: int) -> V:
+        return self.values[i]
+
+
+@dataclass(frozen=True)
+class ChunkTables:
+    """The interned values a group's choice space refers to."""
+
+    views: tuple[ShapeTracker, ...]
+    constants: tuple[object, ...]       # float or symbolic Dim
+    dims: tuple[object, ...]
+    layouts: tuple[GemmLayout, ...]
+    ext_dtypes: tuple[str, ...]         # dtype per external slot
+    ext_shapes: tuple[tuple, ...]
+    ext_is_weight: tuple[bool, ...]
+    roots: tuple[tuple[str, int], ...]  # (let name, local node index) for every exported node
+
+
+@dataclass
+class EncodedChunk:
+    egraph: EGraph
+    tables: ChunkTables
+    terms: dict[int, object]   # graph node id -> egglog term (HLIR) of the representative chunk
+    gemm_candidates: int       # Mul+SumReduce pairs with at least one Gemm layout
+
+
+def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | None = None) -> EncodedChunk:
+    consumers = consumers if consumers is not None else graph.consumers()
+    eg = EGraph()
+    views: Interner[ShapeTracker] = Interner()
+    consts: Interner = Interner()
+    dims: Interner = Interner()
+    layouts: Interner[GemmLayout] = Interner()
+    terms: dict[int, object] = {}
+    facts: list = []
+
+    def view_id(st: ShapeTracker) -> int:
+        if st in views.ids:
+            return views.ids[st]
+        vid = views(st)
+        if all(v.mask is None for v in st.views):
+            facts.append(E.Unmasked(vid))
+        if len(st.views) > 1:  # read = materialise the lower views, then read with the top one
+            facts.append(E.SplitView(vid, view_id(ShapeTracker(st.views[:-1])), view_id(ShapeTracker((st.views[-1],)))))
+        return vid
+
+    ext_dtypes, ext_shapes, ext_weight = [], [], []
+    for slot, nid in enumerate(chunk.external):
+        node = graph.nodes[nid]
+        term = E.HExt(slot, node.dtype.name)
+        terms[nid] = term
+        ext_dtypes.append(node.dtype.name)
+        ext_shapes.append(node.shape)
+        is_w = node.op is Op.INPUT and graph.inputs[node.attr("name")].is_weight
+        ext_weight.append(is_w)
+        facts.append(set_(E.identity_view(term)).to(view_id(ShapeTracker.contiguous(node.shape))))
+        if is_w:
+            facts.append(E.IsWeight(term))
+        facts.append(set_(E.dtype(term)).to(node.dtype.name))
+
+    gemm_candidates = 0
+    for nid in chunk.nodes:
+        node = graph.nodes[nid]
+        args: list = []
+        for s in node.srcs:
+            args += [terms[s.node], view_id(s.view)]
+        for a in node.op.decl.attrs:
+            v = node.attr(a)
+            if a == "name":
+                args.append(len(terms))  # outputs: positional slot, names live outside the structure
+            elif a == "value":
+                args.append(consts(v if not isinstance(v, float) else ("f", v.hex())))
+            elif a == "length":
+                args.append(dims(v))
+            else:
+                args.append(v)
+        term = eg.let(f"n{nid}", E.HLIR[node.op](*args, node.dtype.name))
+        terms[nid] = term
+        facts.append(set_(E.identity_view(term)).to(view_id(ShapeTracker.contiguous(node.shape))))
+        if node.op is Op.SCATTER and len(consumers[node.srcs[0].node]) == 1:
+            facts.append(E.SoleReader(terms[node.srcs[0].node]))  # re-checked per chunk at lowering
+        if node.op is Op.SUM_REDUCE and graph.nodes[node.srcs[0].node].op is Op.MUL:
+            mul = graph.nodes[node.srcs[0].node]
+            va, vb = _gemm_operand_views(mul)
+            ax = node.attr("axis")
+            found = False
+            for lay in gemm_layouts(va, vb, ax):
+                facts.append(E.GemmLayoutOf(view_id(va), view_id(vb), ax, layouts(lay)))
+                found = True
+            gemm_candidates += found
+    eg.register(*facts)
+    local = {nid: i for i, nid in enumerate(chunk.nodes)}
+    tables = ChunkTables(tuple(views.values), tuple(consts.values), tuple(dims.values), tuple(layouts.values),
+                         tuple(ext_dtypes), tuple(ext_shapes), tuple(ext_weight),
+                         tuple((f"n{e}", local[e]) for e in chunk.exported))
+    return EncodedChunk(eg, tables, terms, gemm_candidates)
+
+
+def _gemm_operand_views(mul) -> tuple[ShapeTracker, ShapeTracker]:
+    """The views the Gemm reads: the Mul's views, or the top view of each if it must be split."""
+    out = []
+    for s in mul.srcs:
+        st = s.view
+        out.append(ShapeTracker((st.views[-1],)) if len(st.views) > 1 else st)
+    return out[0], out[1]
