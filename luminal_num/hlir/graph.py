@@ -70,6 +70,7 @@ class Graph:
     outputs: dict[str, int] = field(default_factory=dict)
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     chunk: int = 0
+    matmuls: list[int] = field(default_factory=list)  # SumReduce ids built by matmul() (test ground truth)
     _consts: dict[tuple, int] = field(default_factory=dict, repr=False)
 
     # -- building -----------------------------------------------------------------------------

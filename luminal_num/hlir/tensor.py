@@ -207,7 +207,9 @@ class GraphTensor:
         b3 = b.transpose(-2, -1).expand_dim(b.ndim - 2, m)  # (..., m, n, k)
         full = batch + (m, n, k)
         prod_ = a3._node(Op.MUL, [a3.broadcast_to(full), b3.broadcast_to(full)], full)
-        return prod_._node(Op.SUM_REDUCE, [prod_], full[:-1], axis=len(full) - 1)
+        out = prod_._node(Op.SUM_REDUCE, [prod_], full[:-1], axis=len(full) - 1)
+        self.graph.matmuls.append(out.id)
+        return out
 
     __matmul__ = matmul
 

@@ -37,6 +37,7 @@ class ENode:
 class ChoiceSpace:
     classes: dict[str, tuple[ENode, ...]]
     roots: tuple[tuple[int, str], ...]   # (local node index of an exported value, e-class)
+    class_view: dict[str, int]           # e-class -> id of the identity view of its value (its shape)
 
     @property
     def n_classes(self) -> int:
@@ -82,12 +83,18 @@ def read_choice_space(serialized_json: str, root_relation: str) -> ChoiceSpace:
         return json.loads(node["op"]) if typ == "String" else int(node["op"])
 
     def is_prim(nid: str) -> bool:
-        return class_data.get(nodes[nid]["eclass"], {}).get("type") in ("i64", "String")
+        """A primitive value node (function rows living in a primitive class are not values)."""
+        return nid.startswith("primitive-") and class_data.get(nodes[nid]["eclass"], {}).get("type") in ("i64", "String")
 
     classes: dict[str, list[ENode]] = {}
     roots = []
+    prim_of_class = {n["eclass"]: prim_value(n) for nid, n in nodes.items() if is_prim(nid)}
+    class_view: dict[str, int] = {}
     for nid, node in nodes.items():
         op = node["op"]
+        if op == "identity_view":
+            class_view[nodes[node["children"][0]]["eclass"]] = prim_of_class[node["eclass"]]
+            continue
         if op == root_relation:
             t_node, idx = node["children"]
             roots.append((prim_value(nodes[idx]), nodes[t_node]["eclass"]))
@@ -98,7 +105,7 @@ def read_choice_space(serialized_json: str, root_relation: str) -> ChoiceSpace:
         classes.setdefault(node["eclass"], []).append(ENode(op, kids))
     # deterministic order of alternatives (the serializer's order is not part of the contract)
     ordered = {cid: tuple(sorted(ns, key=lambda n: (n.op, repr(n.children)))) for cid, ns in sorted(classes.items())}
-    return ChoiceSpace(ordered, tuple(sorted(roots)))
+    return ChoiceSpace(ordered, tuple(sorted(roots)), class_view)
 
 
 class _Picker:

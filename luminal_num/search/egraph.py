@@ -74,7 +74,7 @@ ConsumedBuffer = _constructor("ConsumedBuffer", [("t", T)], B)
 
 # Scalar expressions (sort F).
 Load = _constructor("Load", [("t", T), ("view", i64Like)], F)
-FConst = _constructor("FConst", [("cid", i64Like)], F)
+FConst = _constructor("FConst", [("cid", i64Like), ("view", i64Like)], F)  # view: keeps the iteration shape
 FRound = _constructor("FRound", [("x", F), ("dt", StringLike)], F)
 FCustom = _constructor("FCustom", [("kind", StringLike), ("x", F)], F)
 FUNARY: dict[Op, object] = {op: _constructor("F" + op.decl.name, [("x", F)], F) for op in UNARY_OPS}

@@ -53,8 +53,9 @@ def _views_and_fusion():
                ).then(union(fa).with_(E.FRound(body, d)))
     # Bodies compute in FP32 and every loaded format is a subset of FP32: rounding to f32 is exact.
     yield rewrite(E.FRound(body, "f32")).to(body)
-    # A scalar constant read through any unmasked (broadcast) view is the constant everywhere.
-    yield rule(eq(fa).to(E.Load(x, v)), eq(x).to(E.KConst(c, "f32")), E.Unmasked(v)).then(union(fa).with_(E.FConst(c)))
+    # A scalar constant read through any unmasked (broadcast) view is the constant everywhere (the
+    # view stays an argument so loads of different shapes never share an e-class).
+    yield rule(eq(fa).to(E.Load(x, v)), eq(x).to(E.KConst(c, "f32")), E.Unmasked(v)).then(union(fa).with_(E.FConst(c, v)))
     # A stacked view = materialise the lower views (a copy kernel), then read with the top view.
     yield rule(eq(fa).to(E.Load(x, v)), E.SplitView(v, vi, vo), eq(d).to(E.dtype(x))
                ).then(union(fa).with_(E.Load(E.Ew(E.Load(x, vi), d), vo)))

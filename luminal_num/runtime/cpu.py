@@ -1,0 +1,202 @@
+"""The CPU backend: executes LLIR with numpy, each buffer stored in its plan dtype.
+
+It is the reference executor of the numerics gate: elementwise ops are computed exactly (float64)
+and rounded once to FP32 (a correctly rounded FP32 unit); stores round to the buffer's format;
+Gemm and reduction variants are emulated bit-exactly by runtime/numerics.py.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
+from ..dtypes.formats import F32, Format, Kind
+from ..hlir.evaluate import softmax
+from ..hlir.ops import CUSTOM_KINDS, Op
+from ..hlir.symbolic import Poly, evaluate as eval_dim
+from .buffers import BufferPlan, plan_buffers
+
+
+@dataclass(frozen=True)
+class RunResult:
+    outputs: dict[str, np.ndarray]                 # float64 copies of the stored values
+    kernel_seconds: tuple[tuple[int, float], ...]  # (kernel id, seconds) for launched kernels
+    plan: BufferPlan
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(s for _, s in self.kernel_seconds)
+
+
+def _round(x: np.ndarray, fmt: Format) -> np.ndarray:
+    """Values of x rounded to fmt (as float64); integers pass through."""
+    if fmt.kind is not Kind.FLOAT:
+        return x
+    if fmt is F32:
+        return np.asarray(x, dtype=np.float64).astype(np.float32).astype(np.float64)
+    from ..dtypes.rounding import round_to
+    return np.asarray(round_to(np.asarray(x, dtype=np.float64), fmt), dtype=np.float64)
+
+
+def bind_program(program: Program, inputs: Mapping[str, np.ndarray]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    ext = {k.external: k for k in program.kernels if k.kind is KernelKind.EXTERNAL}
+    for name, kid in program.inputs:
+        if name not in inputs:
+            continue
+        shape = program.kernels[kid].shape
+        arr = np.asarray(inputs[name])
+        if arr.ndim != len(shape):
+            raise ValueError(f"input {name!r}: expected rank {len(shape)}, got shape {arr.shape}")
+        for d, actual in zip(shape, arr.shape):
+            if isinstance(d, Poly) and len(d.terms) == 1 and d.terms[0][1] == 1 and len(d.terms[0][0]) == 1:
+                out.setdefault(d.terms[0][0][0], actual)
+    for name, k in ext.items():
+        if name in inputs and tuple(np.shape(inputs[name])) != tuple(eval_dim(d, out) for d in k.shape):
+            raise ValueError(f"input {name!r}: expected shape {k.shape}, got {np.shape(inputs[name])}")
+    return out
+
+
+class CpuRuntime:
+    def __init__(self, program: Program, weights: Mapping[str, np.ndarray] | None = None):
+        self.program = program
+        self.weights = dict(weights or {})
+
+    def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None) -> RunResult:
+        feed = {**self.weights, **inputs}
+        missing = [n for n, _ in self.program.inputs if n not in feed]
+        if missing:
+            raise KeyError(f"missing inputs: {missing}")
+        bindings = {**bind_program(self.program, feed), **(bindings or {})}
+        plan = plan_buffers(self.program, bindings)
+        slots = [np.empty(n, dtype=np.uint8) for n in plan.slot_bytes]
+        stored: dict[int, np.ndarray] = {}
+        timings = []
+        for k in self.program.kernels:
+            t0 = time.perf_counter()
+            value = self._execute(k, stored, feed, bindings)
+            shape = tuple(eval_dim(d, bindings) for d in k.shape)
+            buf = slots[plan.slot_of[k.id]][: max(int(np.prod(shape, dtype=np.int64)) * k.dtype.storage.itemsize, 0)]
+            arr = buf.view(k.dtype.storage).reshape(shape)
+            np.copyto(arr, np.asarray(value).astype(k.dtype.storage) if k.dtype.kind is Kind.FLOAT
+                      else np.asarray(value).astype(k.dtype.storage), casting="unsafe")
+            stored[k.id] = arr
+            if k.kind.launches:
+                timings.append((k.id, time.perf_counter() - t0))
+        outputs = {name: stored[kid].astype(np.float64) for name, kid in self.program.outputs}
+        return RunResult(outputs, tuple(timings), plan)
+
+    # -- kernels --------------------------------------------------------------------------------
+    def _read(self, k: Kernel, i: int, stored, bindings) -> np.ndarray:
+        inp = k.inputs[i]
+        return inp.view.realize(stored[inp.buffer], bindings).astype(np.float64)
+
+    def _execute(self, k: Kernel, stored, feed, bindings) -> np.ndarray:
+        kind = k.kind
+        if kind is KernelKind.EXTERNAL:
+            val = np.asarray(feed[k.external])
+            if k.dtype.kind is Kind.FLOAT and not np.all(np.isfinite(val)):
+                raise ValueError(f"input {k.external!r} contains NaN or Inf")
+            return _round(val.astype(np.float64), k.dtype) if k.dtype.kind is Kind.FLOAT else val
+        if kind is KernelKind.CONST:
+            v = k.value if isinstance(k.value, float) else float(eval_dim(k.value, bindings))
+            return _round(np.asarray(v), k.dtype)
+        if kind is KernelKind.IOTA:
+            return _round(np.arange(eval_dim(k.value, bindings), dtype=np.float64), k.dtype)
+        if kind is KernelKind.ELEMENTWISE:
+            return _round(self._body(k.body, k, stored, bindings), k.dtype)
+        if kind is KernelKind.SUM:
+            vals = self._body(k.body, k, stored, bindings)
+            return _round(reduce_sum(vals, k.axis, k.acc), k.dtype)
+        if kind is KernelKind.MAX:
+            return _round(np.max(self._body(k.body, k, stored, bindings), axis=k.axis), k.dtype)
+        if kind is KernelKind.SOFTMAX:
+            with np.errstate(all="ignore"):
+                return _round(softmax(self._body(k.body, k, stored, bindings), k.axis), k.dtype)
+        if kind is KernelKind.GEMM:
+            return _round(run_gemm(k, stored, bindings), k.dtype)
+        if kind is KernelKind.GATHER:
+            table = self._read(k, 0, stored, bindings)
+            idx = k.inputs[1].view.realize(stored[k.inputs[1].buffer], bindings).astype(np.int64)
+            if idx.size and (idx.min() < 0 or idx.max() >= table.shape[0]):
+                raise IndexError(f"gather: index out of range [0, {table.shape[0]})")
+            return table[idx]
+        if kind in (KernelKind.SCATTER, KernelKind.SCATTER_NOCOPY):
+            dest = self._read(k, 0, stored, bindings)
+            src = self._read(k, 1, stored, bindings)
+            idx = k.inputs[2].view.realize(stored[k.inputs[2].buffer], bindings).astype(np.int64)
+            if idx.size and (idx.min() < 0 or idx.max() >= dest.shape[0]):
+                raise IndexError(f"scatter: index out of range [0, {dest.shape[0]})")
+            dest[idx] = src
+            return dest
+        raise NotImplementedError(kind)  # unreachable: every KernelKind is handled above
+
+    def _body(self, e: FExpr, k: Kernel, stored, bindings) -> np.ndarray:
+        """Evaluate a fused body: exact op in float64, rounded once to FP32 per op."""
+        if isinstance(e, FLoad):
+            return self._read(k, e.slot, stored, bindings)
+        if isinstance(e, FConstV):
+            v = e.value if isinstance(e.value, float) else float(eval_dim(e.value, bindings))
+            return _round(np.asarray(v), F32)
+        if isinstance(e, FRoundTo):
+            return _round(self._body(e.x, k, stored, bindings), e.fmt)
+        args = [self._body(a, k, stored, bindings) for a in e.args]
+        with np.errstate(all="ignore"):
+            fn = CUSTOM_KINDS[e.kind].fn if e.op is Op.CUSTOM else e.op.decl.fn
+            return _round(fn(*args), F32)
+
+
+def reduce_sum(vals: np.ndarray, axis: int, acc: Format | None) -> np.ndarray:
+    """Sum with the accumulator's rounding: FP32 -> numpy float32 (pairwise), others emulated."""
+    if acc is None or acc is F32:
+        return np.sum(vals.astype(np.float32), axis=axis).astype(np.float64)
+    if acc.name == "f64":
+        return np.sum(vals, axis=axis)
+    from .numerics import emulate_reduce_sum
+    return np.asarray(emulate_reduce_sum(vals, axis, acc), dtype=np.float64)
+
+
+def _operand(k: Kernel, i: int, stored, bindings, drop_axes) -> np.ndarray:
+    """A Gemm operand as a strided view of its buffer (no broadcast copies), broadcast axes dropped."""
+    inp = k.inputs[i]
+    v = inp.view.views[0]
+    buf = stored[inp.buffer].reshape(-1)
+    shape = [eval_dim(d, bindings) for d in v.shape]
+    strides = [eval_dim(s, bindings) for s in v.strides]
+    offset = eval_dim(v.offset, bindings)
+    item = buf.dtype.itemsize
+    arr = np.lib.stride_tricks.as_strided(buf[offset:], shape=shape, strides=[s * item for s in strides],
+                                          writeable=False)
+    index = tuple(0 if ax in drop_axes else slice(None) for ax in range(len(shape)))
+    return arr[index]
+
+
+def run_gemm(k: Kernel, stored, bindings) -> np.ndarray:
+    lay = k.layout
+    full = [eval_dim(d, bindings) for d in lay.full_shape]
+    keep_a = [ax for ax in range(len(full)) if ax not in lay.n_axes]          # batch, m, k (in axis order)
+    keep_b = [ax for ax in range(len(full)) if ax not in lay.m_axes]
+    a = _operand(k, 0, stored, bindings, set(lay.n_axes))
+    b = _operand(k, 1, stored, bindings, set(lay.m_axes))
+    a = np.transpose(a, [keep_a.index(ax) for ax in (*lay.batch_axes, *lay.m_axes, lay.k_axis)])
+    b = np.transpose(b, [keep_b.index(ax) for ax in (*lay.batch_axes, lay.k_axis, *lay.n_axes)])
+    nb = int(np.prod([full[ax] for ax in lay.batch_axes], dtype=np.int64))
+    m = int(np.prod([full[ax] for ax in lay.m_axes], dtype=np.int64))
+    n = int(np.prod([full[ax] for ax in lay.n_axes], dtype=np.int64))
+    kk = full[lay.k_axis]
+    a = np.ascontiguousarray(a).reshape(nb, m, kk)
+    b = np.ascontiguousarray(b).reshape(nb, kk, n)
+    if k.precision in (None, "f32"):
+        c = np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(np.float64)
+    else:
+        from ..dtypes.variants import GEMM_VARIANTS
+        from .numerics import emulate_gemm
+        c = np.asarray(emulate_gemm(a.astype(np.float32), b.astype(np.float32), GEMM_VARIANTS[k.precision]),
+                       dtype=np.float64)
+    order = (*lay.batch_axes, *lay.m_axes, *lay.n_axes)
+    c = c.reshape([full[ax] for ax in order])
+    out_axes = [ax for ax in range(len(full)) if ax != lay.k_axis]
+    return np.transpose(c, [order.index(ax) for ax in out_axes])
