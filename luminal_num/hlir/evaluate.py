@@ -90,7 +90,7 @@ def _indices(idx: np.ndarray, n: int, what: str) -> np.ndarray:
 
 def evaluate_nodes(graph: Graph, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
                    precision: str = "f64") -> dict[int, np.ndarray]:
-    """Values of every node (each a contiguous array of the node's shape)."""
+    """Values of every node (Mul nodes folded into a BLAS matmul are skipped: only their sum exists)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     missing = [n for n, info in graph.inputs.items() if not info.is_weight and n not in inputs]
@@ -98,10 +98,46 @@ def evaluate_nodes(graph: Graph, inputs: Mapping[str, np.ndarray], bindings: Map
         raise KeyError(f"missing inputs: {missing}")
     bindings = graph.bind_symbols(inputs, bindings)
     values: dict[int, np.ndarray] = {}
-    for node in graph.nodes:
-        srcs = [s.view.realize(values[s.node], bindings) for s in node.srcs]
-        values[node.id] = np.asarray(eval_node(node, srcs, graph, inputs, bindings, precision))
+    _run_nodes(graph, [n.id for n in graph.nodes], values, inputs, bindings, precision)
     return values
+
+
+def _matmul_layout(graph: Graph, node: Node, consumers: dict[int, list[int]]):
+    """The Gemm layout of a SumReduce whose Mul source feeds nothing else (then the Mul is skipped)."""
+    if node.op is not Op.SUM_REDUCE:
+        return None
+    mul = graph.nodes[node.srcs[0].node]
+    if mul.op is not Op.MUL or consumers[mul.id] != [node.id] or not node.srcs[0].view.is_contiguous:
+        return None
+    from .gemm import gemm_layouts
+    lays = gemm_layouts(mul.srcs[0].view, mul.srcs[1].view, node.attr("axis"))
+    return (mul, lays[0]) if lays else None
+
+
+def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision: str) -> None:
+    """Evaluate nodes in order; Mul+SumReduce matmuls go through BLAS instead of (m, n, k) products."""
+    consumers = graph.consumers()
+    fused = {}
+    for nid in node_ids:
+        hit = _matmul_layout(graph, graph.nodes[nid], consumers)
+        if hit is not None and hit[0].id in node_ids:
+            fused[hit[0].id] = (nid, hit[1])
+    by_reduce = {r: (m, lay) for m, (r, lay) in fused.items()}
+    for nid in node_ids:
+        node = graph.nodes[nid]
+        if nid in fused:
+            continue
+        if nid in by_reduce:
+            mul_id, lay = by_reduce[nid]
+            mul = graph.nodes[mul_id]
+            a, b = (s.view.realize(values[s.node], bindings) for s in mul.srcs)
+            dt = np.float32 if precision == "f32" else np.float64
+            from .gemm import gemm_apply
+            out = gemm_apply(a, b, lay, lambda x, y: np.matmul(x.astype(dt), y.astype(dt)))
+            values[nid] = _round(np.asarray(out, dtype=np.float64), node.dtype, precision)
+            continue
+        srcs = [s.view.realize(values[s.node], bindings) for s in node.srcs]
+        values[nid] = np.asarray(eval_node(node, srcs, graph, inputs, bindings, precision))
 
 
 def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
@@ -109,3 +145,15 @@ def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray], bindings: Mapping[s
     """Output values by name."""
     values = evaluate_nodes(graph, inputs, bindings, precision)
     return {name: values[nid] for name, nid in graph.outputs.items()}
+
+
+def evaluate_chunk(graph: Graph, node_ids, external: Mapping[int, np.ndarray], bindings: Mapping[str, int],
+                   precision: str = "f64") -> dict[int, np.ndarray]:
+    """Values of a chunk's nodes given the values of its external sources (by graph node id).
+
+    Used to judge one group in isolation (its FP64 output from exact inputs) and to estimate how much
+    a chunk amplifies error in its inputs (finite differences).
+    """
+    values: dict[int, np.ndarray] = dict(external)
+    _run_nodes(graph, list(node_ids), values, {}, bindings, precision)
+    return {nid: values[nid] for nid in node_ids if nid in values}

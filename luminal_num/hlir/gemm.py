@@ -90,3 +90,28 @@ def _mergeable_out(shape, k_axis, axes) -> bool:
     """The merged M axes must also be adjacent in C (contiguous output: adjacency suffices)."""
     out_pos = [a - (a > k_axis) for a in axes]
     return all(b == a + 1 for a, b in zip(out_pos, out_pos[1:])) and all(is_const(shape[a]) or True for a in axes)
+
+
+def gemm_apply(a_full, b_full, layout: GemmLayout, matmul) -> "np.ndarray":
+    """C = sum_k a*b for operands given over the full Mul shape (strided, broadcast axes stride 0).
+
+    The broadcast axes are dropped (index 0), the rest permuted to (batch, M, K) / (batch, K, N),
+    `matmul` is applied, and the result is permuted back to the output's axis order.
+    """
+    import numpy as np
+    full = a_full.shape
+    a = a_full[tuple(0 if ax in layout.n_axes else slice(None) for ax in range(len(full)))]
+    b = b_full[tuple(0 if ax in layout.m_axes else slice(None) for ax in range(len(full)))]
+    keep_a = [ax for ax in range(len(full)) if ax not in layout.n_axes]
+    keep_b = [ax for ax in range(len(full)) if ax not in layout.m_axes]
+    a = np.transpose(a, [keep_a.index(ax) for ax in (*layout.batch_axes, *layout.m_axes, layout.k_axis)])
+    b = np.transpose(b, [keep_b.index(ax) for ax in (*layout.batch_axes, layout.k_axis, *layout.n_axes)])
+    nb = int(np.prod([full[ax] for ax in layout.batch_axes], dtype=np.int64))
+    m = int(np.prod([full[ax] for ax in layout.m_axes], dtype=np.int64))
+    n = int(np.prod([full[ax] for ax in layout.n_axes], dtype=np.int64))
+    kk = full[layout.k_axis]
+    c = matmul(np.ascontiguousarray(a).reshape(nb, m, kk), np.ascontiguousarray(b).reshape(nb, kk, n))
+    order = (*layout.batch_axes, *layout.m_axes, *layout.n_axes)
+    c = np.asarray(c).reshape([full[ax] for ax in order])
+    out_axes = [ax for ax in range(len(full)) if ax != layout.k_axis]
+    return np.transpose(c, [order.index(ax) for ax in out_axes])

@@ -232,6 +232,9 @@ class ShapeTracker:
     def realize(self, buffer: np.ndarray, bindings: Mapping[str, int] | None = None) -> np.ndarray:
         """Read the logical tensor out of a contiguous buffer (masked elements are 0)."""
         flat = np.ascontiguousarray(buffer).reshape(-1)
+        fast = self._strided(flat, bindings or {})
+        if fast is not None:
+            return fast
         pos, valid = self.index_map(bindings)
         if flat.size == 0:
             return np.zeros(pos.shape, dtype=buffer.dtype)
@@ -240,6 +243,23 @@ class ShapeTracker:
             raise IndexError(f"view {self} reads outside a buffer of {flat.size} elements")
         out = flat[safe]
         return np.where(valid, out, np.zeros((), dtype=buffer.dtype)) if not valid.all() else out
+
+    def _strided(self, flat: np.ndarray, bindings: Mapping[str, int]) -> np.ndarray | None:
+        """A read-only strided view (no index arrays) for one unmasked view, after a bounds check."""
+        if len(self.views) != 1 or self.views[0].mask is not None:
+            return None
+        v = self.views[0]
+        shape = [evaluate(d, bindings) for d in v.shape]
+        strides = [evaluate(s, bindings) for s in v.strides]
+        offset = evaluate(v.offset, bindings)
+        if any(d == 0 for d in shape):
+            return np.zeros(shape, dtype=flat.dtype)
+        lo = offset + sum((d - 1) * s for d, s in zip(shape, strides) if s < 0)
+        hi = offset + sum((d - 1) * s for d, s in zip(shape, strides) if s > 0)
+        if lo < 0 or hi >= flat.size:
+            raise IndexError(f"view {self} reads outside a buffer of {flat.size} elements")
+        return np.lib.stride_tricks.as_strided(flat[offset:], shape=shape,
+                                               strides=[s * flat.itemsize for s in strides], writeable=False)
 
     def __str__(self) -> str:
         return " <- ".join(

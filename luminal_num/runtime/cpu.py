@@ -15,6 +15,7 @@ import numpy as np
 from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
 from ..dtypes.formats import F32, Format, Kind
 from ..hlir.evaluate import softmax
+from ..hlir.gemm import gemm_apply
 from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import Poly, evaluate as eval_dim
 from .buffers import BufferPlan, plan_buffers
@@ -159,44 +160,21 @@ def reduce_sum(vals: np.ndarray, axis: int, acc: Format | None) -> np.ndarray:
     return np.asarray(emulate_reduce_sum(vals, axis, acc), dtype=np.float64)
 
 
-def _operand(k: Kernel, i: int, stored, bindings, drop_axes) -> np.ndarray:
-    """A Gemm operand as a strided view of its buffer (no broadcast copies), broadcast axes dropped."""
+def _operand(k: Kernel, i: int, stored, bindings) -> np.ndarray:
+    """A Gemm operand over the full Mul shape as a strided view of its buffer (no broadcast copies)."""
     inp = k.inputs[i]
-    v = inp.view.views[0]
-    buf = stored[inp.buffer].reshape(-1)
-    shape = [eval_dim(d, bindings) for d in v.shape]
-    strides = [eval_dim(s, bindings) for s in v.strides]
-    offset = eval_dim(v.offset, bindings)
-    item = buf.dtype.itemsize
-    arr = np.lib.stride_tricks.as_strided(buf[offset:], shape=shape, strides=[s * item for s in strides],
-                                          writeable=False)
-    index = tuple(0 if ax in drop_axes else slice(None) for ax in range(len(shape)))
-    return arr[index]
+    return inp.view.realize(stored[inp.buffer], bindings)
 
 
 def run_gemm(k: Kernel, stored, bindings) -> np.ndarray:
-    lay = k.layout
-    full = [eval_dim(d, bindings) for d in lay.full_shape]
-    keep_a = [ax for ax in range(len(full)) if ax not in lay.n_axes]          # batch, m, k (in axis order)
-    keep_b = [ax for ax in range(len(full)) if ax not in lay.m_axes]
-    a = _operand(k, 0, stored, bindings, set(lay.n_axes))
-    b = _operand(k, 1, stored, bindings, set(lay.m_axes))
-    a = np.transpose(a, [keep_a.index(ax) for ax in (*lay.batch_axes, *lay.m_axes, lay.k_axis)])
-    b = np.transpose(b, [keep_b.index(ax) for ax in (*lay.batch_axes, lay.k_axis, *lay.n_axes)])
-    nb = int(np.prod([full[ax] for ax in lay.batch_axes], dtype=np.int64))
-    m = int(np.prod([full[ax] for ax in lay.m_axes], dtype=np.int64))
-    n = int(np.prod([full[ax] for ax in lay.n_axes], dtype=np.int64))
-    kk = full[lay.k_axis]
-    a = np.ascontiguousarray(a).reshape(nb, m, kk)
-    b = np.ascontiguousarray(b).reshape(nb, kk, n)
+    a, b = _operand(k, 0, stored, bindings), _operand(k, 1, stored, bindings)
     if k.precision in (None, "f32"):
-        c = np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(np.float64)
+        def mm(x, y):
+            return np.matmul(x.astype(np.float32), y.astype(np.float32))
     else:
         from ..dtypes.variants import GEMM_VARIANTS
         from .numerics import emulate_gemm
-        c = np.asarray(emulate_gemm(a.astype(np.float32), b.astype(np.float32), GEMM_VARIANTS[k.precision]),
-                       dtype=np.float64)
-    order = (*lay.batch_axes, *lay.m_axes, *lay.n_axes)
-    c = c.reshape([full[ax] for ax in order])
-    out_axes = [ax for ax in range(len(full)) if ax != lay.k_axis]
-    return np.transpose(c, [order.index(ax) for ax in out_axes])
+
+        def mm(x, y):
+            return emulate_gemm(x.astype(np.float32), y.astype(np.float32), GEMM_VARIANTS[k.precision])
+    return np.asarray(gemm_apply(a, b, k.layout, mm), dtype=np.float64)
