@@ -53,7 +53,8 @@ class _ChunkLowering:
 
     def _tensor(self, cid: str, n: ENode) -> int:
         op, ch = n.op, n.children
-        label = f"chunk{self.chunk}:{op}"
+        origin = self.space.class_origin.get(cid, op)
+        label = f"{origin} (chunk {self.chunk}, {op})"
         common = dict(chunk=self.chunk, label=label)
         if op == "KExt":
             return self.slots[ch[0]]

@@ -30,8 +30,9 @@ def softmax(x: np.ndarray, axis: int) -> np.ndarray:
 def _round(x: np.ndarray, node_dtype, precision: str) -> np.ndarray:
     if precision == "f64" or node_dtype.kind is not Kind.FLOAT or node_dtype is F64:
         return x
-    from ..dtypes.rounding import round_to  # dtypes is a lower layer; imported lazily to keep import cheap
-    return np.asarray(round_to(x, node_dtype), dtype=np.float64)
+    from ..dtypes.rounding import Overflow, round_to  # imported lazily to keep import cheap
+    policy = Overflow.SATURATE if node_dtype.bits <= 8 else Overflow.INF  # IEEE stores; FP8 saturates
+    return np.asarray(round_to(x, node_dtype, policy), dtype=np.float64)
 
 
 def eval_node(node: Node, srcs: list[np.ndarray], graph: Graph, inputs: Mapping[str, np.ndarray],

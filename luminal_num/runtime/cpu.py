@@ -38,8 +38,10 @@ def _round(x: np.ndarray, fmt: Format) -> np.ndarray:
         return x
     if fmt is F32:
         return np.asarray(x, dtype=np.float64).astype(np.float32).astype(np.float64)
-    from ..dtypes.rounding import round_to
-    return np.asarray(round_to(np.asarray(x, dtype=np.float64), fmt), dtype=np.float64)
+    from ..dtypes.rounding import Overflow, round_to
+    # 16-bit stores are plain IEEE conversions (overflow -> inf); 8-bit ones saturate (PTX .satfinite)
+    policy = Overflow.SATURATE if fmt.bits <= 8 else Overflow.INF
+    return np.asarray(round_to(np.asarray(x, dtype=np.float64), fmt, policy), dtype=np.float64)
 
 
 def bind_program(program: Program, inputs: Mapping[str, np.ndarray]) -> dict[str, int]:

@@ -13,7 +13,7 @@ from typing import Iterable, Union
 
 import numpy as np
 
-from .egraph import SELECTABLE
+from .egraph import HLIR_NAMES, SELECTABLE
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class ChoiceSpace:
     classes: dict[str, tuple[ENode, ...]]
     roots: tuple[tuple[int, str], ...]   # (local node index of an exported value, e-class)
     class_view: dict[str, int]           # e-class -> id of the identity view of its value (its shape)
+    class_origin: dict[str, str]         # e-class -> the HLIR op it implements (for messages, op tables)
 
     @property
     def n_classes(self) -> int:
@@ -90,6 +91,7 @@ def read_choice_space(serialized_json: str, root_relation: str) -> ChoiceSpace:
     roots = []
     prim_of_class = {n["eclass"]: prim_value(n) for nid, n in nodes.items() if is_prim(nid)}
     class_view: dict[str, int] = {}
+    origins: dict[str, set[str]] = {}
     for nid, node in nodes.items():
         op = node["op"]
         if op == "identity_view":
@@ -99,13 +101,17 @@ def read_choice_space(serialized_json: str, root_relation: str) -> ChoiceSpace:
             t_node, idx = node["children"]
             roots.append((prim_value(nodes[idx]), nodes[t_node]["eclass"]))
             continue
+        if op in HLIR_NAMES:
+            origins.setdefault(node["eclass"], set()).add(op[1:])
+            continue
         if op not in SELECTABLE or node.get("subsumed"):
             continue
         kids = tuple(prim_value(nodes[c]) if is_prim(c) else ClassRef(nodes[c]["eclass"]) for c in node["children"])
         classes.setdefault(node["eclass"], []).append(ENode(op, kids))
     # deterministic order of alternatives (the serializer's order is not part of the contract)
     ordered = {cid: tuple(sorted(ns, key=lambda n: (n.op, repr(n.children)))) for cid, ns in sorted(classes.items())}
-    return ChoiceSpace(ordered, tuple(sorted(roots)), class_view)
+    origin = {cid: "/".join(sorted(ops)) for cid, ops in origins.items()}
+    return ChoiceSpace(ordered, tuple(sorted(roots)), class_view, origin)
 
 
 class _Picker:

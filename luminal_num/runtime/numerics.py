@@ -1,0 +1,208 @@
+"""Exact CPU emulation of the precision variants (numpy): the reference executor of the numerics gate.
+
+What a GemmPrecision computes, step by step (every rounding below is round-to-nearest-even):
+1. Operands. Unscaled: rounded to their format (F32 operands pass through: the graph's values are
+   FP32). Scaled: x / s in FP32, then rounded to the format (luminal_num.quant), under the overflow
+   policy. Products of operands are exact (<= 12-bit significands, or TF32's 11: <= 24 bits).
+2. Accumulation of one chunk of K (the whole of K, a promotion interval, or a scale block):
+   - FP32 accumulator: FP32 BLAS (sgemm) over the chunk. IEEE leaves a dot product's summation order
+     open and so do GPUs; the error bound (gamma_n) holds for every order. This is the one step whose
+     bits depend on the BLAS library.
+   - INT32 accumulator: exact integer sum (two's complement wrap past 2^31, as the hardware does).
+   - narrow accumulator (acc_mantissa_bits, or F16): one MMA instruction adds a group of mma_k
+     products (32 bytes of K) to the accumulator: acc = RN_acc(acc + exact group sum). The group sum
+     is formed in FP64 (exact for E4M3/INT8 operands; for F16/E5M2 exact unless the group's products
+     span more than 2^(53 - 22) resp. 2^(53 - 6)), and acc + group is exact or rounds innocuously.
+3. Scales. Constant along K (tensor/channel): once, y = fl32(fl32(acc) * fl32(sa * sb)). Varying
+   along K with promote_every: at each promotion the chunk is scaled and added into an FP32
+   accumulator in K order, out = fl32(out + fl32(partial * fl32(sa * sb))) (no FMA contraction).
+   Varying along K without promotion: applied inside the MMA, to every product: power-of-two (E8M0)
+   scales exactly on the operands then one FP32 accumulation (MX); with a narrow accumulator each
+   group enters as fl32(fl32(group) * fl32(sa * sb)) (no promotion: one accumulator over all of K).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..dtypes.formats import BF16, F32, INT32, Format, get
+from ..dtypes.rounding import Overflow, round_to
+from ..dtypes.variants import ElementwisePrecision, GemmPrecision, ScaleSpec
+from ..quant import QuantOverflow, convert, expand_scales, quantize_tensor, resolved_block
+
+
+@dataclass(frozen=True, eq=False)
+class _Operand:
+    values: np.ndarray  # float32 in the operand format (the quantized domain when scaled)
+    scales: np.ndarray | None
+    spec: ScaleSpec | None
+
+
+def _operand(x: np.ndarray, fmt: Format, spec: ScaleSpec | None, scales, overflow: QuantOverflow) -> _Operand:
+    if spec is not None:
+        quantized = quantize_tensor(x, fmt, spec, overflow, scales)
+        return _Operand(quantized.values, quantized.scales, spec)
+    if fmt is F32:  # no conversion happens on the device; wider inputs become the FP32 graph values
+        return _Operand(x if x.dtype == np.float32 else round_to(x, F32, Overflow.INF), None, None)
+    return _Operand(convert(x, fmt, overflow), None, None)
+
+
+def _scale_vector(op: _Operand, k_block_index: int, k_axis: int, extent: int) -> np.ndarray | None:
+    """The operand's scales for one K-block, expanded along its M (A) or N (B) axis: shape (..., extent)."""
+    if op.scales is None:
+        return None
+    vector = np.take(op.scales, min(k_block_index, op.scales.shape[k_axis] - 1), axis=k_axis)
+    if vector.shape[-1] > 1:
+        block = resolved_block(op.spec, op.values.shape)[1 + k_axis]  # A: rows (k_axis -1), B: cols (-2)
+        vector = np.repeat(vector, block, axis=-1)[..., :extent]
+    return vector
+
+
+def _chunk_scale(a: _Operand, b: _Operand, k_block_index: int, rows: slice = slice(None)) -> np.ndarray | None:
+    """fl32(sa * sb) for the outputs of one K-block (those in `rows`), broadcastable to (..., M, N)."""
+    sa = _scale_vector(a, k_block_index, -1, a.values.shape[-2])
+    if sa is not None and sa.shape[-1] > 1:
+        sa = sa[..., rows]
+    sb = _scale_vector(b, k_block_index, -2, b.values.shape[-1])
+    if sa is None and sb is None:
+        return None
+    if sa is None:
+        return sb[..., None, :]
+    if sb is None:
+        return sa[..., :, None]
+    return sa[..., :, None] * sb[..., None, :]
+
+
+def _exact_integer_sum(qa: np.ndarray, qb: np.ndarray) -> np.ndarray:
+    """The int32 accumulator: exact in FP32 BLAS while K * 128^2 <= 2^24, else in FP64 (exact to 2^53)."""
+    k = qa.shape[-1]
+    if k * 128 * 128 <= 2 ** 24:
+        return np.matmul(qa, qb)
+    sums = np.matmul(qa.astype(np.float64), qb.astype(np.float64))
+    if np.abs(sums).max(initial=0.0) > INT32.max_finite:
+        sums = np.mod(sums + 2.0 ** 31, 2.0 ** 32) - 2.0 ** 31
+    return sums.astype(np.float32)
+
+
+_TILE_ELEMENTS = 1 << 15  # outputs per elementwise step: ~256 KB of float64 stays in cache
+
+
+def _grouped_sum(qa: np.ndarray, qb: np.ndarray, acc: Format, group: int,
+                 scale_of: Callable[[int, slice], np.ndarray] | None = None) -> np.ndarray:
+    """acc = RN_acc(acc + group sum), one rounding per MMA group of `group` products along K.
+
+    Each group's sums come from one FP64 BLAS call over all outputs (few, large calls: small ones
+    thrash OpenBLAS's threads); the accumulator update then runs in row tiles of about _TILE_ELEMENTS
+    outputs so its many small elementwise steps stay in cache. scale_of(k_start, rows): per-product
+    scales of the group starting at k_start, for those rows.
+    """
+    qa64, qb64 = qa.astype(np.float64), qb.astype(np.float64)
+    shape = np.broadcast_shapes(qa.shape[:-2], qb.shape[:-2]) + (qa.shape[-2], qb.shape[-1])
+    group_sum, total = np.empty(shape, np.float64), np.empty(shape, np.float32)
+    step = max(1, _TILE_ELEMENTS // max(1, int(np.prod(shape[:-2], dtype=np.int64)) * shape[-1]))
+    for start in range(0, qa.shape[-1], group):
+        np.matmul(qa64[..., start:start + group], qb64[..., start:start + group, :], out=group_sum)
+        for row in range(0, shape[-2], step):
+            rows = slice(row, row + step)
+            term = group_sum[..., rows, :]
+            if scale_of is not None:  # fl32(fl32(group) * s), widened again so acc + term stays exact
+                term = (term.astype(np.float32) * scale_of(start, rows)).astype(np.float64)
+            total[..., rows, :] = round_to(term if start == 0 else total[..., rows, :] + term, acc, Overflow.INF)
+    return total
+
+
+def _chunk_sum(qa: np.ndarray, qb: np.ndarray, variant: GemmPrecision) -> np.ndarray:
+    if variant.acc_format is INT32:
+        return _exact_integer_sum(qa, qb)
+    if variant.grouped:
+        return _grouped_sum(qa, qb, variant.accumulator, variant.mma_k)
+    return np.matmul(qa, qb)
+
+
+def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = None,
+                 overflow: QuantOverflow = QuantOverflow.SATURATE) -> np.ndarray:
+    """a (..., M, K) @ b (..., K, N) computed exactly as `variant` defines it (module doc); float32.
+
+    b_scales: static weight scales computed at compile time (else computed from b, like A's).
+    overflow: what an operand value that does not fit its format becomes (SATURATE) or raises (REJECT).
+    """
+    a, b = np.asarray(a), np.asarray(b)
+    if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"cannot multiply shapes {a.shape} and {b.shape}")
+    qa = _operand(a, variant.a_format, variant.a_scale, None, overflow)
+    qb = _operand(b, variant.b_format, variant.b_scale, b_scales, overflow)
+    k = a.shape[-1]
+    if k == 0:
+        return np.zeros(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), np.float32)
+    k_block = variant.scale_k_block or k
+    if variant.scales_per_product:
+        return _per_product_scaled(qa, qb, variant, k_block)
+    chunk = min(variant.promote_every or k_block, k)
+    out = None
+    for start in range(0, k, chunk):
+        partial = _chunk_sum(qa.values[..., start:start + chunk], qb.values[..., start:start + chunk, :], variant)
+        scale = _chunk_scale(qa, qb, start // k_block)
+        term = partial if scale is None else partial * scale
+        out = term if out is None else out + term
+    return out
+
+
+def _per_product_scaled(qa: _Operand, qb: _Operand, variant: GemmPrecision, k_block: int) -> np.ndarray:
+    if variant.grouped:
+        return _grouped_sum(qa.values, qb.values, variant.accumulator, variant.mma_k,
+                            scale_of=lambda start, rows: _chunk_scale(qa, qb, start // k_block, rows))
+    # power-of-two scales (checked by GemmPrecision): q * 2^e is exact in FP32, so is every product
+    operands = [op.values if op.scales is None else op.values * expand_scales(op.scales, op.values.shape, op.spec)
+                for op in (qa, qb)]
+    return np.matmul(*operands)
+
+
+def emulate_reduce_sum(x, axis: int, acc: Format | str) -> np.ndarray:
+    """Sum along `axis`, strictly sequentially in index order, rounding to `acc` after every add.
+
+    The values are the stored FP32 tensor (wider inputs are rounded to FP32 first). For an FP32
+    accumulator this is np.cumsum in float32, which numpy computes sequentially (np.sum would use
+    pairwise blocks); for F16/BF16 accumulators, inputs already representable in the accumulator use
+    numpy's float16 / ml_dtypes' bfloat16 cumsum (each add is an FP32 add rounded once, an innocuous
+    double rounding for p <= 11); other inputs go through an explicit loop with FP64 adds.
+    """
+    acc = get(acc)
+    x = np.asarray(x)
+    values = x if x.dtype == np.float32 else round_to(x, F32, Overflow.INF)
+    axis = axis % values.ndim
+    if values.shape[axis] == 0:
+        return round_to(np.zeros(values.shape[:axis] + values.shape[axis + 1:], np.float32), acc)
+    if acc is F32:
+        return np.take(np.cumsum(values, axis=axis, dtype=np.float32), -1, axis=axis)
+    representable = np.array_equal(round_to(values, acc, Overflow.INF), values, equal_nan=True)
+    if representable:
+        with np.errstate(over="ignore"):
+            sums = np.cumsum(values.astype(acc.storage), axis=axis, dtype=acc.storage)
+        return np.take(sums, -1, axis=axis).astype(np.float32)
+    moved = np.moveaxis(values, axis, 0).astype(np.float64)
+    total = round_to(moved[0], acc, Overflow.INF)
+    for row in moved[1:]:
+        total = round_to(total + row, acc, Overflow.INF)
+    return total
+
+
+def emulate_elementwise(fn: Callable[..., np.ndarray], inputs: Sequence, precision: ElementwisePrecision,
+                        overflow: Overflow = Overflow.INF) -> np.ndarray:
+    """fn applied the way `precision` computes it, returned as float32 values in the storage format.
+
+    F32 compute: inputs as FP32, fn evaluated in numpy float32 (each numpy op one IEEE rounding; fn
+    must keep float32). BF16 compute: inputs rounded to BF16, fn evaluated in float64 and rounded once
+    to BF16, the model of a fused kernel with correctly rounded bf16 arithmetic. Then stored: rounded to
+    the storage format under `overflow` (INF: the plain non-saturating store).
+    """
+    compute = precision.compute
+    operands = [round_to(x, compute, Overflow.INF) for x in inputs]
+    if compute is BF16:
+        result = round_to(fn(*(op.astype(np.float64) for op in operands)), BF16, Overflow.INF)
+    else:
+        result = np.asarray(fn(*operands))
+        if result.dtype != np.float32:
+            raise TypeError(f"fn must compute in float32 under {precision.name}; it returned {result.dtype}")
+    return round_to(result, precision.storage, overflow)
