@@ -129,6 +129,7 @@ class Program:
     kernels: tuple[Kernel, ...]
     inputs: tuple[tuple[str, int], ...]    # graph input name -> EXTERNAL kernel id
     outputs: tuple[tuple[str, int], ...]   # graph output name -> kernel id
+    exports: tuple[tuple[int, int], ...] = ()  # (graph node id, kernel id) of every chunk export (audits)
 
     def dtypes(self) -> dict[int, Format]:
         return {k.id: k.dtype for k in self.kernels}

@@ -58,6 +58,8 @@ class _ChunkLowering:
         common = dict(chunk=self.chunk, label=label)
         if op == "KExt":
             return self.slots[ch[0]]
+        if op == "KVariant":  # an alias: consumers read the low-precision buffer and widen on load
+            return self.tensor(ch[0].id)
         if op == "KConst":
             return self.b.add(kind=KernelKind.CONST, inputs=(), shape=(), dtype=get_format(ch[1]),
                               value=self.const(ch[0]), **common)
@@ -145,7 +147,8 @@ def lower_program(graph: Graph, part: Partition, spaces: Mapping[str, GroupSpace
         for local, cid in gs.space.roots:
             node_kernel[chunk.nodes[local]] = low.tensor(cid)
     outputs = tuple((name, node_kernel[nid]) for name, nid in graph.outputs.items())
-    return _legalize_inplace(Program(tuple(b.kernels), tuple(inputs), outputs))
+    exports = tuple((nid, node_kernel[nid]) for c in part.chunks for nid in c.exported)
+    return _legalize_inplace(Program(tuple(b.kernels), tuple(inputs), outputs, exports))
 
 
 def _legalize_inplace(p: Program) -> Program:
@@ -162,4 +165,4 @@ def _legalize_inplace(p: Program) -> Program:
             if readers.get(dest, 0) > 1 or dest in outs:
                 k = Kernel(**{**k.__dict__, "kind": KernelKind.SCATTER, "aliases": None})
         fixed.append(k)
-    return Program(tuple(fixed), p.inputs, p.outputs)
+    return Program(tuple(fixed), p.inputs, p.outputs, p.exports)

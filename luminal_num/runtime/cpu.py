@@ -26,6 +26,7 @@ class RunResult:
     outputs: dict[str, np.ndarray]                 # float64 copies of the stored values
     kernel_seconds: tuple[tuple[int, float], ...]  # (kernel id, seconds) for launched kernels
     plan: BufferPlan
+    exports: dict[int, np.ndarray] | None = None   # graph node id -> value (when asked for)
 
     @property
     def total_seconds(self) -> float:
@@ -68,7 +69,8 @@ class CpuRuntime:
         self.program = program
         self.weights = dict(weights or {})
 
-    def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None) -> RunResult:
+    def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
+            keep_exports: bool = False) -> RunResult:
         feed = {**self.weights, **inputs}
         missing = [n for n, _ in self.program.inputs if n not in feed]
         if missing:
@@ -78,6 +80,8 @@ class CpuRuntime:
         slots = [np.empty(n, dtype=np.uint8) for n in plan.slot_bytes]
         stored: dict[int, np.ndarray] = {}
         timings = []
+        wanted = {kid: nid for nid, kid in self.program.exports} if keep_exports else {}
+        exports: dict[int, np.ndarray] = {}
         for k in self.program.kernels:
             t0 = time.perf_counter()
             value = self._execute(k, stored, feed, bindings)
@@ -87,10 +91,13 @@ class CpuRuntime:
             np.copyto(arr, np.asarray(value).astype(k.dtype.storage) if k.dtype.kind is Kind.FLOAT
                       else np.asarray(value).astype(k.dtype.storage), casting="unsafe")
             stored[k.id] = arr
+            for nid, kid in self.program.exports if k.id in wanted else ():
+                if kid == k.id:
+                    exports[nid] = arr.astype(np.float64)  # copied now: the slot may be reused later
             if k.kind.launches:
                 timings.append((k.id, time.perf_counter() - t0))
         outputs = {name: stored[kid].astype(np.float64) for name, kid in self.program.outputs}
-        return RunResult(outputs, tuple(timings), plan)
+        return RunResult(outputs, tuple(timings), plan, exports if keep_exports else None)
 
     # -- kernels --------------------------------------------------------------------------------
     def _read(self, k: Kernel, i: int, stored, bindings) -> np.ndarray:

@@ -117,25 +117,30 @@ def read_choice_space(serialized_json: str, root_relation: str) -> ChoiceSpace:
 class _Picker:
     """Cycle-safe random DFS with undo, so a dead end never leaves half a candidate behind."""
 
-    def __init__(self, space: ChoiceSpace, rng: np.random.Generator, fixed: dict[str, int] | None = None):
+    def __init__(self, space: ChoiceSpace, rng: np.random.Generator | None, fixed: dict[str, int] | None = None,
+                 order=None):
         self.space, self.rng = space, rng
         self.ok = space.extractable()
         self.fixed = fixed or {}
+        self.order = order  # optional (class id, picker) -> preferred alternative order (deterministic)
         self.chosen: dict[str, int] = {}
         self.on_stack: set[str] = set()
 
     def pick(self, cid: str) -> bool:
         if cid in self.chosen:
-            return cid not in self.on_stack or False
+            return cid not in self.on_stack
         if cid in self.on_stack:
             return False
         nodes = self.space.classes.get(cid, ())
-        order = list(range(len(nodes)))
-        self.rng.shuffle(order)
+        self.on_stack.add(cid)  # before ordering: an order callback may pick other classes
+        if self.order is not None:
+            order = self.order(cid, self)
+        else:
+            order = list(range(len(nodes)))
+            self.rng.shuffle(order)
         if cid in self.fixed and self.fixed[cid] < len(nodes):
             order.remove(self.fixed[cid])
             order.insert(0, self.fixed[cid])
-        self.on_stack.add(cid)
         for i in order:
             kids = nodes[i].child_classes()
             if not all(k in self.ok for k in kids):

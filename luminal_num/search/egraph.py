@@ -71,6 +71,10 @@ KScatter = _constructor("KScatter", [("dest", T), ("vd", i64Like), ("src", T), (
 KScatterNoCopy = _constructor("KScatterNoCopy", [("dest", B), ("vd", i64Like), ("src", T), ("vs", i64Like),
                                                  ("idx", T), ("vi", i64Like), ("dt", StringLike)], T)
 ConsumedBuffer = _constructor("ConsumedBuffer", [("t", T)], B)
+# The F32 value of a buffer held in a lower-precision format (a precision variant). It launches
+# nothing: consumers read `inner`'s buffer and widen on load (exact), so low-precision kernels hand
+# data to each other without casts. `tag` names the variant ("ew:bf16", "sum:f16_accf32", ...).
+KVariant = _constructor("KVariant", [("inner", T), ("tag", StringLike)], T)
 
 # Scalar expressions (sort F).
 Load = _constructor("Load", [("t", T), ("view", i64Like)], F)
@@ -99,7 +103,7 @@ class KernelCtor:
 
 
 KERNEL_T = ("KExt", "KConst", "KIota", "Ew", "KSum", "KMax", "KSoftmax", "KGemm", "KGather", "KScatter",
-            "KScatterNoCopy")
+            "KScatterNoCopy", "KVariant")
 SCALAR_F = ("Load", "FConst", "FRound", "FCustom") + tuple("F" + o.decl.name for o in UNARY_OPS | BINARY_OPS)
 BUFFER_B = ("ConsumedBuffer",)
 SELECTABLE = frozenset(KERNEL_T + SCALAR_F + BUFFER_B)

@@ -25,3 +25,5 @@ def _kernel_dtypes():
                     E.KGather(x, vx, y, vy, d), E.KScatter(x, vx, y, vy, z, vz, d),
                     E.KScatterNoCopy(bx, vx, y, vy, z, vz, d)):
         yield rule(eq(t).to(pattern)).then(set_(E.dtype(t)).to(d))
+    # A variant stands for the F32 value it approximates (its buffer's own format is dtype(inner)).
+    yield rule(eq(t).to(E.KVariant(x, prec))).then(set_(E.dtype(t)).to("f32"))

@@ -1,0 +1,482 @@
+"""Gemm on CUDA: the cuBLAS / cuBLASLt call an LLIR Gemm maps to, and a tiled kernel for every variant.
+
+`gemm_call(kernel, program)` says how cuBLAS computes the kernel (column-major, so a row-major C is
+computed as C^T = B^T A^T), or None when it cannot: scales other than per-tensor FP8, integer or
+FP16-accumulator variants on FP32 buffers, a matrix with no unit stride, batch axes that do not
+collapse into one batch stride. `render_gemm` writes the fallback for every variant: per-block scale
+kernels (luminal_num.quant.scales' rule) and a 16x16-tile kernel that quantizes operands as it loads
+them and accumulates exactly as runtime/numerics.py defines each GemmPrecision (chunks, MMA groups,
+narrow accumulators, promotion, per-product scales). Per-tensor FP8 goes through cuBLASLt: the same
+scale kernels, then quantize kernels writing both operands K-contiguous (the "TN" layout FP8 needs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+from ..dtypes.formats import BF16, F8E4M3, F8E5M2, F16, F32, INT8, INT32, TF32, Format, Kind
+from ..dtypes.variants import GEMM_VARIANTS, WHOLE, GemmPrecision, Granularity, ScaleSpec
+from ..hlir.gemm import GemmLayout
+from ..hlir.shape import contiguous_strides
+from ..hlir.symbolic import Dim, evaluate, is_const, prod
+from . import ctypes_map
+from .cuda_body import (IndexExpr, SymbolTable, c_add, c_div, c_index, c_mul, dims_symbols, dot, load_float,
+                        round_expr, row_major_strides, store, unravel, view_index, view_symbols)
+from .cuda_kernels import (ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, Arg, KernelSource, Launch, Scratch,
+                           entry_name, indent, input_formats, name_launches, per, source_header)
+from .llir import Kernel, KernelKind, Program
+
+TILE = 16      # output rows and columns per block (16 x 16 threads)
+K_TILE = 32    # K per shared-memory stage: a multiple of every mma_k
+SCALE_THREADS = 256
+
+CUDA_DATA_TYPES = {F32: "CUDA_R_32F", F16: "CUDA_R_16F", BF16: "CUDA_R_16BF", F8E4M3: "CUDA_R_8F_E4M3",
+                   F8E5M2: "CUDA_R_8F_E5M2", INT8: "CUDA_R_8I", INT32: "CUDA_R_32I"}
+# cudaDataType_t / cublasComputeType_t / cublasOperation_t values (library_types.h, cublas_api.h).
+CUBLAS_ENUMS = {"CUDA_R_32F": 0, "CUDA_R_16F": 2, "CUDA_R_8I": 3, "CUDA_R_32I": 10, "CUDA_R_16BF": 14,
+                "CUDA_R_8F_E4M3": 28, "CUDA_R_8F_E5M2": 29,
+                "CUBLAS_COMPUTE_16F": 64, "CUBLAS_COMPUTE_32F": 68, "CUBLAS_COMPUTE_32I": 72,
+                "CUBLAS_COMPUTE_32F_FAST_16F": 74, "CUBLAS_COMPUTE_32F_FAST_16BF": 75,
+                "CUBLAS_COMPUTE_32F_FAST_TF32": 77, "CUBLAS_OP_N": 0, "CUBLAS_OP_T": 1}
+COMPUTE_TYPES = frozenset(k for k in CUBLAS_ENUMS if k.startswith("CUBLAS_COMPUTE"))
+FP8_LT_K_MULTIPLE = 16  # cuBLASLt FP8: K (the leading dimension of both operands) a multiple of 16
+
+
+def variant_of(kernel: Kernel) -> GemmPrecision:
+    return GEMM_VARIANTS[kernel.precision or "f32"]
+
+
+# -- geometry: the Mul's full shape seen as batch x (M x K) @ (K x N) ------------------------------------
+
+@dataclass(frozen=True)
+class _Role:
+    """One logical axis group of one matrix: its extent and (when the axes nest) one stride."""
+
+    extent: Dim
+    stride: Dim | None  # None: the axes do not collapse into one strided axis
+
+    def unit(self) -> bool:
+        return self.stride == 1 or self.extent == 1
+
+
+def _collapse(shape, strides, axes) -> _Role:
+    axes = [a for a in axes if shape[a] != 1]
+    extent = prod(shape[a] for a in axes)
+    if not axes:
+        return _Role(1, 0)
+    if any(strides[a] != shape[b] * strides[b] for a, b in zip(axes, axes[1:])):
+        return _Role(extent, None)
+    return _Role(extent, strides[axes[-1]])
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    batch: tuple[_Role, _Role, _Role]   # (A, B, C) batch strides
+    a: tuple[_Role, _Role]              # (M, K)
+    b: tuple[_Role, _Role]              # (K, N)
+    c: tuple[_Role, _Role]              # (M, N)
+
+
+def _geometry(kernel: Kernel) -> _Geometry:
+    lay = kernel.layout
+    full = lay.full_shape
+    sa, sb = kernel.inputs[0].view.views[0].strides, kernel.inputs[1].view.views[0].strides
+    out_strides = dict(zip(lay.out_axes, contiguous_strides([full[a] for a in lay.out_axes])))
+    sc = [out_strides.get(a, 0) for a in range(len(full))]
+    k = [lay.k_axis]
+    return _Geometry(
+        tuple(_collapse(full, s, lay.batch_axes) for s in (sa, sb, sc)),
+        (_collapse(full, sa, lay.m_axes), _collapse(full, sa, k)),
+        (_collapse(full, sb, k), _collapse(full, sb, lay.n_axes)),
+        (_collapse(full, sc, lay.m_axes), _collapse(full, sc, lay.n_axes)))
+
+
+def _column_major(rows: _Role, cols: _Role) -> tuple[bool, Dim, Dim] | None:
+    """op(X) = this rows x cols matrix for a column-major X: (transposed, ld, smallest legal ld)."""
+    if rows.stride is None or cols.stride is None:
+        return None
+    if rows.unit():
+        return False, cols.stride if cols.extent != 1 else rows.extent, rows.extent
+    if cols.unit():
+        return True, rows.stride if rows.extent != 1 else cols.extent, cols.extent
+    return None
+
+
+# -- the cuBLAS call ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GemmCall:
+    """cublasGemmStridedBatchedEx (api "cublas") or cublasLtMatmul (api "cublasLt") arguments.
+
+    a/b/c are cuBLAS's operands (A and B may be the LLIR's B and A); offsets are in elements.
+    For cuBLASLt, `prologue` (launches of the kernel's KernelSource) first fills the scales and the
+    FP8 operands (scratch buffers); a_scale/b_scale point at the dequantization scales.
+    """
+
+    api: str
+    transa: bool
+    transb: bool
+    m: Dim
+    n: Dim
+    k: Dim
+    a: Arg
+    b: Arg
+    c: Arg
+    a_offset: Dim
+    b_offset: Dim
+    lda: Dim
+    ldb: Dim
+    ldc: Dim
+    stride_a: Dim
+    stride_b: Dim
+    stride_c: Dim
+    batch: Dim
+    a_type: str
+    b_type: str
+    c_type: str
+    compute_type: str
+    min_ld: tuple[Dim, Dim, Dim] = (1, 1, 1)
+    prologue: tuple[Launch, ...] = ()
+    a_scale: Arg | None = None
+    b_scale: Arg | None = None
+
+    def bind(self, bindings: Mapping[str, int]) -> "GemmCall":
+        """Every dimension evaluated to an int."""
+        fields = ("m", "n", "k", "a_offset", "b_offset", "lda", "ldb", "ldc", "stride_a", "stride_b", "stride_c",
+                  "batch")
+        values = {f: evaluate(getattr(self, f), bindings) for f in fields}
+        return replace(self, **values, min_ld=tuple(max(1, evaluate(d, bindings)) for d in self.min_ld))
+
+    def bind_args(self, kernel: Kernel) -> "GemmCall":
+        """Buffer ids of this kernel in the pointer arguments (the cached call has roles only)."""
+        prologue = tuple(replace(launch, args=tuple(a.bind(kernel) for a in launch.args)) for launch in self.prologue)
+        return replace(self, a=self.a.bind(kernel), b=self.b.bind(kernel), c=self.c.bind(kernel), prologue=prologue)
+
+    def legal(self) -> bool:
+        """A bound call cuBLAS accepts: leading dimensions cover their matrices, FP8 K multiple of 16."""
+        dims = (self.m, self.n, self.k, self.lda, self.ldb, self.ldc)
+        if not all(isinstance(d, int) for d in dims):
+            raise ValueError("bind() the call before asking whether it is legal")
+        lds_ok = all(ld >= need for ld, need in zip((self.lda, self.ldb, self.ldc), self.min_ld))
+        fp8_ok = self.api != "cublasLt" or self.k % FP8_LT_K_MULTIPLE == 0
+        return lds_ok and fp8_ok and max(dims) < 2 ** 31
+
+
+def _types(variant: GemmPrecision, a_fmt: Format, b_fmt: Format, out: Format) -> tuple[str, str] | None:
+    """(operand data type, compute type) for an unscaled variant over these buffers, or None."""
+    fmt = variant.a_format
+    if variant.b_format is not fmt or a_fmt is not b_fmt:
+        return None
+    if variant.acc_format is F16:
+        ok = a_fmt is F16 and out is F16
+        return ("CUDA_R_16F", "CUBLAS_COMPUTE_16F") if ok else None
+    if variant.acc_format is not F32:
+        return None
+    if a_fmt is F32 and out is F32:
+        fast = {F32: "CUBLAS_COMPUTE_32F", TF32: "CUBLAS_COMPUTE_32F_FAST_TF32", BF16: "CUBLAS_COMPUTE_32F_FAST_16BF",
+                F16: "CUBLAS_COMPUTE_32F_FAST_16F"}
+        return ("CUDA_R_32F", fast[fmt]) if fmt in fast else None
+    if a_fmt is fmt and fmt in (BF16, F16) and out in (F32, fmt):
+        return CUDA_DATA_TYPES[fmt], "CUBLAS_COMPUTE_32F"
+    return None
+
+
+def _lt_capable(variant: GemmPrecision, out: Format) -> bool:
+    scales = (variant.a_scale, variant.b_scale)
+    return (variant.a_format in (F8E4M3, F8E5M2) and variant.b_format in (F8E4M3, F8E5M2)
+            and not (variant.a_format is F8E5M2 and variant.b_format is F8E5M2)
+            and all(s is not None and s.granularity is Granularity.TENSOR for s in scales)
+            and not variant.grouped and out in (F32, BF16, F16))
+
+
+def gemm_call(kernel: Kernel, program: Program) -> GemmCall | None:
+    """The cuBLAS(Lt) call computing this Gemm kernel, or None (run the fallback kernel's launches)."""
+    from .cuda_kernels import render_kernel
+    if kernel.kind is not KernelKind.GEMM:
+        raise ValueError(f"kernel {kernel.id} is {kernel.kind.value}, not a Gemm")
+    return render_kernel(kernel, program).gemm
+
+
+def _cublas_call(kernel: Kernel, variant: GemmPrecision, formats: tuple[Format, ...], geo: _Geometry) -> GemmCall | None:
+    types = None if variant.a_scale or variant.b_scale else _types(variant, *formats, kernel.dtype)
+    if types is None or any(r.stride is None for r in geo.batch):
+        return None
+    lay = kernel.layout
+    c_rows, c_cols = geo.c
+    offsets = (kernel.inputs[0].view.views[0].offset, kernel.inputs[1].view.views[0].offset)
+    if c_cols.unit():  # row-major C: C^T (N x M) = B^T A^T
+        first, second = _column_major(geo.b[1], geo.b[0]), _column_major(geo.a[1], geo.a[0])
+        m, n, ldc = lay.n, lay.m, (c_rows.stride if c_rows.extent != 1 else lay.n)
+        order = (1, 0)
+    elif c_rows.unit():
+        first, second = _column_major(*geo.a), _column_major(*geo.b)
+        m, n, ldc = lay.m, lay.n, (c_cols.stride if c_cols.extent != 1 else lay.m)
+        order = (0, 1)
+    else:
+        return None
+    if first is None or second is None:
+        return None
+    data, compute = types
+    return GemmCall("cublas", first[0], second[0], m, n, lay.k, Arg("in", order[0]), Arg("in", order[1]), Arg("out"),
+                    offsets[order[0]], offsets[order[1]], first[1], second[1], ldc, geo.batch[order[0]].stride,
+                    geo.batch[order[1]].stride, geo.batch[2].stride, lay.batch, data, data,
+                    CUDA_DATA_TYPES[kernel.dtype], compute, (first[2], second[2], m))
+
+
+def _lt_call(kernel: Kernel, variant: GemmPrecision, geo: _Geometry, prologue: tuple[Launch, ...]) -> GemmCall | None:
+    """FP8 per-tensor scales: both operands quantized K-contiguous into scratch 2 (A: batch x M x K)
+    and 3 (B: batch x N x K); scratch 0 / 1 hold their scales."""
+    lay = kernel.layout
+    c_rows, c_cols = geo.c
+    if geo.batch[2].stride is None:
+        return None
+    if c_cols.unit():
+        m, n, ldc, order = lay.n, lay.m, (c_rows.stride if c_rows.extent != 1 else lay.n), (1, 0)
+    elif c_rows.unit():
+        m, n, ldc, order = lay.m, lay.n, (c_cols.stride if c_cols.extent != 1 else lay.m), (0, 1)
+    else:
+        return None
+    fmts = (variant.a_format, variant.b_format)
+    rows = (lay.m, lay.n)
+    return GemmCall("cublasLt", True, False, m, n, lay.k, Arg("scratch", 2 + order[0]), Arg("scratch", 2 + order[1]),
+                    Arg("out"), 0, 0, lay.k, lay.k, ldc, rows[order[0]] * lay.k, rows[order[1]] * lay.k,
+                    geo.batch[2].stride, lay.batch, CUDA_DATA_TYPES[fmts[order[0]]], CUDA_DATA_TYPES[fmts[order[1]]],
+                    CUDA_DATA_TYPES[kernel.dtype], "CUBLAS_COMPUTE_32F", (lay.k, lay.k, m), prologue,
+                    Arg("scratch", order[0]), Arg("scratch", order[1]))
+
+
+# -- the fallback kernels ------------------------------------------------------------------------------------
+
+SCALE_HELPER = r"""
+// E8M0 scale: 2^ceil(log2(ratio)), exponent clamped to [-127, 127] (luminal_num.quant.scales).
+static __device__ __forceinline__ float ln_pow2_scale(double ratio) {
+    int e;
+    const double mantissa = frexp(ratio, &e);
+    if (mantissa == 0.5) e -= 1;
+    return ldexpf(1.0f, max(-127, min(127, e)));
+}
+"""
+
+
+class _Writer:
+    """Index math of one Gemm kernel: operands as (batch, rows, cols) over the Mul's full shape."""
+
+    def __init__(self, kernel: Kernel, formats: tuple[Format, ...]):
+        self.k, self.formats, self.variant = kernel, formats, variant_of(kernel)
+        lay = kernel.layout
+        names = dims_symbols(lay.full_shape) | view_symbols(kernel.inputs[0].view) | view_symbols(kernel.inputs[1].view)
+        self.table = SymbolTable.of(names)
+        self.lay = lay
+        self.specs = (self.variant.a_scale, self.variant.b_scale)
+        self.op_formats = (self.variant.a_format, self.variant.b_format)
+
+    def dim(self, d: Dim) -> IndexExpr:
+        return self.table.dim(d)
+
+    def extents(self, slot: int) -> tuple[Dim, Dim, Dim]:
+        lay = self.lay
+        return (lay.batch, lay.m, lay.k) if slot == 0 else (lay.batch, lay.k, lay.n)
+
+    def full_coords(self, b: IndexExpr, m: IndexExpr, n: IndexExpr, k: IndexExpr) -> list[IndexExpr]:
+        lay, full = self.lay, self.lay.full_shape
+        coords: list[IndexExpr] = [0] * len(full)
+        for axes, linear in ((lay.batch_axes, b), (lay.m_axes, m), (lay.n_axes, n)):
+            for axis, c in zip(axes, unravel(linear, [self.dim(full[a]) for a in axes])):
+                coords[axis] = c
+        coords[lay.k_axis] = k
+        return coords
+
+    def element(self, slot: int, b: IndexExpr, row: IndexExpr, col: IndexExpr) -> str:
+        """Operand `slot` at (batch, row, col) as float."""
+        coords = self.full_coords(b, row, 0, col) if slot == 0 else self.full_coords(b, 0, col, row)
+        at = view_index(self.k.inputs[slot].view, coords, self.table)
+        return load_float(self.formats[slot], f"in{slot}[{c_index(at.pos)}]")
+
+    # -- scales: one per (batch, row block, col block); WHOLE extents and TENSOR collapse to one --------
+    def scale_blocks(self, slot: int) -> tuple[tuple[Dim, int], ...]:
+        spec, (nb, rows, cols) = self.specs[slot], self.extents(slot)
+        tensor = spec.granularity is Granularity.TENSOR
+        return ((1, 1) if tensor else (nb, 1), (1, 1) if spec.block[0] == WHOLE else (rows, spec.block[0]),
+                (1, 1) if spec.block[1] == WHOLE else (cols, spec.block[1]))
+
+    def scale_counts(self, slot: int) -> list[IndexExpr]:
+        out: list[IndexExpr] = []
+        for d, block in self.scale_blocks(slot):
+            e = self.dim(d)
+            out.append(-(-e // block) if isinstance(e, int) else (e if block == 1 else f"ln_ceil_div({e}, {block})"))
+        return out
+
+    def scale_index(self, slot: int, b: IndexExpr, row: IndexExpr, col: IndexExpr) -> IndexExpr:
+        spec = self.specs[slot]
+        _, rows_count, cols_count = self.scale_counts(slot)
+        b_term = 0 if spec.granularity is Granularity.TENSOR else b
+        r_term = 0 if spec.block[0] == WHOLE else c_div(row, spec.block[0])
+        c_term = 0 if spec.block[1] == WHOLE else c_div(col, spec.block[1])
+        return c_add(c_mul(c_add(c_mul(b_term, rows_count), r_term), cols_count), c_term)
+
+    def scale_value(self, slot: int, b: IndexExpr, row: IndexExpr, col: IndexExpr) -> str:
+        if self.specs[slot] is None:
+            return "1.0f"
+        return f"scale{slot}[{c_index(self.scale_index(slot, b, row, col))}]"
+
+    def quantized(self, slot: int, x: str, scale: str) -> str:
+        """What the MMA sees of one operand element: x (or x / s) rounded to the operand format."""
+        fmt, spec = self.op_formats[slot], self.specs[slot]
+        value = x if spec is None else f"__fdiv_rn({x}, {scale})"
+        if fmt.kind is Kind.INT:
+            low, high = -fmt.max_finite - 1, fmt.max_finite
+            q = f"fminf(fmaxf(rintf({value}), {low!r}f), {high!r}f)"
+        else:
+            q = round_expr(fmt, value) if fmt is not F32 else value
+        if spec is not None and self.variant.scales_per_product and not self.variant.grouped:
+            q = f"__fmul_rn({q}, {scale})"  # power-of-two scales: exact on the operand
+        return q
+
+    def dyn_param(self) -> list[str]:
+        return ["const long long* __restrict__ dyn_dims"] if self.table.symbols else []
+
+    def in_param(self, slot: int) -> str:
+        return f"const {ctypes_map.cuda_type(self.formats[slot])}* __restrict__ in{slot}"
+
+
+def _scale_kernel(w: _Writer, slot: int) -> str:
+    spec, fmt = w.specs[slot], w.op_formats[slot]
+    nb, rows, cols = (c_index(w.dim(d)) for d in w.extents(slot))
+    counts = [c_index(c) for c in w.scale_counts(slot)]
+    spans = [nb if spec.granularity is Granularity.TENSOR else "1",
+             rows if spec.block[0] == WHOLE else str(spec.block[0]),
+             cols if spec.block[1] == WHOLE else str(spec.block[1])]
+    ratio = (f"static_cast<double>(amax) * {ctypes_map.c_float_literal(spec.margin, 'double')} / "
+             f"{ctypes_map.c_float_literal(fmt.max_finite, 'double')}")
+    scale = f"ln_pow2_scale({ratio})" if spec.scale_format.kind is Kind.SCALE else \
+        f"static_cast<float>(fmax({ratio}, {ctypes_map.c_float_literal(F32.min_normal, 'double')}))"
+    params = ", ".join(["float* __restrict__ scale", w.in_param(slot)] + w.dyn_param())
+    x = w.element(slot, "b", "row", "col")
+    return (f'extern "C" __global__ void {ENTRY}_scale{slot}({params}) {{\n'
+            f"    const long long NB = {nb}, R = {rows}, C = {cols};\n"
+            f"    const long long SB = {counts[0]}, SR = {counts[1]}, SC = {counts[2]};\n"
+            f"    const long long BB = {spans[0]}, BR = {spans[1]}, BC = {spans[2]};\n"
+            "    for (long long s = blockIdx.x; s < SB * SR * SC; s += gridDim.x) {\n"
+            "        const long long sb = s / (SR * SC), sr = (s / SC) % SR, sc = s % SC;\n"
+            "        const long long nb = min(BB, NB - sb * BB), nr = min(BR, R - sr * BR), nc = min(BC, C - sc * BC);\n"
+            "        float amax = 0.0f;\n"
+            "        for (long long e = threadIdx.x; e < nb * nr * nc; e += blockDim.x) {\n"
+            "            const long long b = sb * BB + e / (nr * nc), row = sr * BR + (e / nc) % nr, col = sc * BC + e % nc;\n"
+            f"            const float x = {x};\n"
+            "            amax = LnMax::apply(amax, isfinite(x) ? fabsf(x) : 0.0f);\n        }\n"
+            "        amax = ln_block_reduce<LnMax>(amax, 0.0f);\n"
+            f"        if (threadIdx.x == 0) scale[s] = (amax > 0.0f) ? {scale} : 1.0f;\n    }}\n}}\n")
+
+
+def _quant_kernel(w: _Writer, slot: int) -> str:
+    """FP8 operand written K-contiguous: A as (batch, M, K), B as (batch, N, K)."""
+    fmt = w.op_formats[slot]
+    nb, rows, cols = (c_index(w.dim(d)) for d in w.extents(slot))
+    outer, k = ("M", "K") if slot == 0 else ("N", "K")
+    x = w.element(slot, "b", "o" if slot == 0 else "k", "k" if slot == 0 else "o")
+    q = ctypes_map.from_float_expr(fmt, f"__fdiv_rn({x}, scale{slot}[0])", saturate=True)
+    params = ", ".join([f"{ctypes_map.cuda_type(fmt)}* __restrict__ q", w.in_param(slot),
+                        f"const float* __restrict__ scale{slot}"] + w.dyn_param())
+    sizes = (rows, cols) if slot == 0 else (cols, rows)
+    return (f'extern "C" __global__ void {ENTRY}_quant{slot}({params}) {{\n'
+            f"    const long long {outer} = {sizes[0]}, {k} = {sizes[1]};\n"
+            f"    LN_GRID_STRIDE_LOOP(i, {nb} * {outer} * {k}) {{\n"
+            f"        const long long b = i / ({outer} * {k}), o = (i / {k}) % {outer}, k = i % {k};\n"
+            f"        q[i] = {q};\n    }}\n}}\n")
+
+
+def _accumulate(w: _Writer) -> list[str]:
+    """The per-product update (qa, qb at K index kk) of numerics.emulate_gemm's arithmetic."""
+    v = w.variant
+    scaled = any(w.specs)
+    per_product = v.scales_per_product
+    sab = f"__fmul_rn({w.scale_value(0, 'bz', 'ms', 'kk')}, {w.scale_value(1, 'bz', 'kk', 'ns')})"
+    lines = []
+    if v.grouped:
+        acc_add = "__dadd_rn(static_cast<double>(acc), {x})"
+        term = f"static_cast<double>(__fmul_rn(static_cast<float>(grp), {sab}))" if per_product and scaled else "grp"
+        lines += ["grp = __dadd_rn(grp, __dmul_rn(static_cast<double>(qa), static_cast<double>(qb)));",
+                  f"if ((kk + 1) % {v.mma_k} == 0 || kk + 1 == K) {{",
+                  f"    acc = {round_expr(v.accumulator, acc_add.format(x=term), 'double', saturate=False)};",
+                  "    grp = 0.0;", "}"]
+    elif v.acc_format is INT32:  # two's complement wrap, as the hardware's int32 accumulator
+        lines.append("acc += static_cast<unsigned int>(static_cast<int>(qa) * static_cast<int>(qb));")
+    else:
+        lines.append("acc = __fmaf_rn(qa, qb, acc);")
+    chunk = None if per_product else (v.promote_every or v.scale_k_block)
+    part = "static_cast<float>(static_cast<int>(acc))" if v.acc_format is INT32 else "acc"
+    term = f"__fmul_rn({part}, {sab})" if scaled and not per_product else part
+    end = "kk + 1 == K" if chunk is None else f"(kk + 1) % {chunk} == 0 || kk + 1 == K"
+    lines += [f"if ({end}) {{", f"    total = __fadd_rn(total, {term});", "    acc = 0;", "}"]
+    return lines
+
+
+def _gemm_kernel(w: _Writer) -> str:
+    k, lay, v = w.k, w.lay, w.variant
+    acc_type = "unsigned int" if v.acc_format is INT32 else "float"
+    full = w.full_coords("bz", "m", "n", 0)
+    out_coords = [c for axis, c in enumerate(full) if axis != lay.k_axis]
+    out_pos = dot(out_coords, row_major_strides([w.dim(d) for d in k.shape]))
+    loads = []
+    for slot, (row, col, bound) in enumerate((("lm", "lk", "lm < M && lk < K"), ("lk", "ln", "lk < K && ln < N"))):
+        scale = w.scale_value(slot, "bz", row, col)
+        loads.append(f"({bound}) ? {w.quantized(slot, w.element(slot, 'bz', row, col), scale)} : 0.0f")
+    params = [f"{ctypes_map.cuda_type(k.dtype)}* __restrict__ out", w.in_param(0), w.in_param(1)]
+    params += [f"const float* __restrict__ scale{s}" for s in (0, 1) if w.specs[s] is not None] + w.dyn_param()
+    return (f'extern "C" __global__ void {ENTRY}({", ".join(params)}) {{\n'
+            f"    __shared__ float ta[{TILE}][{K_TILE + 1}];\n    __shared__ float tb[{K_TILE}][{TILE + 1}];\n"
+            f"    const long long M = {c_index(w.dim(lay.m))}, N = {c_index(w.dim(lay.n))}, "
+            f"K = {c_index(w.dim(lay.k))}, NB = {c_index(w.dim(lay.batch))};\n"
+            f"    const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * {TILE} + tx;\n"
+            "    for (long long bz = blockIdx.z; bz < NB; bz += gridDim.z)\n"
+            f"    for (long long m0 = blockIdx.x * {TILE}LL; m0 < M; m0 += gridDim.x * {TILE}LL)\n"
+            f"    for (long long n0 = blockIdx.y * {TILE}LL; n0 < N; n0 += gridDim.y * {TILE}LL) {{\n"
+            "        const long long m = m0 + ty, n = n0 + tx, ms = min(m, M - 1), ns = min(n, N - 1);\n"
+            f"        {acc_type} acc = 0;\n        double grp = 0.0;\n        float total = -0.0f;\n"
+            f"        for (long long k0 = 0; k0 < K; k0 += {K_TILE}) {{\n"
+            f"            for (int e = tid; e < {TILE * K_TILE}; e += {TILE * TILE}) {{\n"
+            f"                const long long lm = m0 + e / {K_TILE}, lk = k0 + e % {K_TILE};\n"
+            f"                ta[e / {K_TILE}][e % {K_TILE}] = {loads[0]};\n            }}\n"
+            f"            for (int e = tid; e < {TILE * K_TILE}; e += {TILE * TILE}) {{\n"
+            f"                const long long lk = k0 + e / {TILE}, ln = n0 + e % {TILE};\n"
+            f"                tb[e / {TILE}][e % {TILE}] = {loads[1]};\n            }}\n"
+            "            __syncthreads();\n"
+            f"            const int kt = static_cast<int>(min(static_cast<long long>({K_TILE}), K - k0));\n"
+            "            for (int t = 0; t < kt; ++t) {\n"
+            "                const long long kk = k0 + t;\n"
+            "                const float qa = ta[ty][t], qb = tb[t][tx];\n"
+            + indent(_accumulate(w), 4) + "            }\n            __syncthreads();\n        }\n"
+            f"        if (m < M && n < N) out[{c_index(out_pos)}] = {store(k.dtype, 'total')};\n    }}\n}}\n")
+
+
+def render_gemm(kernel: Kernel, formats: tuple[Format, ...]) -> KernelSource:
+    """The fallback (scales, then the tiled kernel) and, where cuBLAS can, the GemmCall."""
+    w = _Writer(kernel, formats)
+    lay = kernel.layout
+    lt = _lt_capable(w.variant, kernel.dtype)
+    scaled = [s for s in (0, 1) if w.specs[s] is not None]
+    body = [_scale_kernel(w, s) for s in scaled] + ([_quant_kernel(w, s) for s in (0, 1)] if lt else [])
+    body.append(_gemm_kernel(w))
+    code = "".join(body)
+    text = REDUCE_HELPERS + (SCALE_HELPER if "ln_pow2_scale(" in code else "") + code
+    fmts = {*formats, kernel.dtype, *(w.op_formats if lt else ())}
+    source = source_header(fmts, text) + text
+    scratch = tuple(Scratch(f"scale{s}", F32, w.scale_blocks(s)) for s in scaled)
+    if lt:
+        scratch += (Scratch("quant0", w.op_formats[0], ((lay.batch, 1), (lay.m, 1), (lay.k, 1))),
+                    Scratch("quant1", w.op_formats[1], ((lay.batch, 1), (lay.n, 1), (lay.k, 1))))
+    scale_launches = tuple(Launch(f"{ENTRY}_scale{s}", (w.scale_blocks(s),), (SCALE_THREADS,),
+                                  (Arg("scratch", scaled.index(s)), Arg("in", s))) for s in scaled)
+    gemm = Launch(ENTRY, (per(lay.m, TILE), per(lay.n, TILE), per(lay.batch, 1)), (TILE, TILE),
+                  (Arg("out"), Arg("in", 0), Arg("in", 1), *(Arg("scratch", i) for i in range(len(scaled)))))
+    name = entry_name("gemm", source)
+    call = None
+    if lt:
+        quant = tuple(Launch(f"{ENTRY}_quant{s}", (per(prod(w.extents(s)), ELEMENTWISE_THREADS),),
+                             (ELEMENTWISE_THREADS,),
+                             (Arg("scratch", 2 + s), Arg("in", s), Arg("scratch", s))) for s in (0, 1))
+        call = _lt_call(kernel, w.variant, _geometry(kernel), name_launches(scale_launches + quant, name))
+    else:
+        call = _cublas_call(kernel, w.variant, formats, _geometry(kernel))
+    return KernelSource(0, name, source.replace(ENTRY, name), name_launches(scale_launches + (gemm,), name),
+                        w.table, scratch, call)

@@ -1,0 +1,474 @@
+"""CUDA C source for every launching LLIR kernel kind, with its launch rule and argument list.
+
+`render_kernel(kernel, program)` returns a `KernelSource`: one compilation unit (one NVRTC compile,
+cached by source) holding one or more `extern "C"` entries, the launches that run them in order
+(grid from the bound shapes, block size, pointer arguments), the symbol table of `dyn_dims`, and
+scratch buffers the launches share (Gemm scales). The semantics are the CPU backend's
+(runtime/cpu.py); cuda_body.py explains the rounding rules and view rendering. Kernel names are a
+hash of the source, so identical kernels (a layer repeated, a candidate drawn twice) are one
+compile and one module.
+
+Reductions: FP32/FP64 accumulators reduce in parallel (one block per output row, any order: equal
+to the CPU backend's pairwise sum up to rounding; MAX is order-free and exact); narrow (bf16/f16)
+accumulators run one thread per output row in index order, rounding after every add. Softmax runs
+one block per row: max, sum of exp(x - max), then the quotients. Index errors cannot raise on a
+GPU: gather reads an out-of-range row as 0 and scatter skips it (the CPU backend raises).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Mapping
+
+from ..dtypes.formats import F32, F64, Format
+from ..dtypes.rounding import round_to
+from ..hlir.shape import ShapeTracker
+from ..hlir.symbolic import Dim, evaluate, is_const, prod
+from . import ctypes_map
+from .cuda_body import (ROUND_HELPER, BodyWriter, IndexExpr, SymbolTable, body_symbols, c_add, c_and, c_index,
+                        c_mul, convert, dims_symbols, dot, float_literal, load_float, load_index, round_expr,
+                        row_major_strides, store, store_double, unravel, view_index, view_symbols)
+from .llir import Kernel, KernelInput, KernelKind, Program
+
+MAX_GRID = 65535          # every kernel loops grid-stride, so the cap is a tuning choice only
+ELEMENTWISE_THREADS = 256
+ROW_THREADS_MAX = 256
+SHORT_ROW = 64            # reductions this short (and known at compile time) use a thread per row
+ENTRY = "LN_ENTRY"        # placeholder for the kernel name until the source is hashed
+
+
+@dataclass(frozen=True)
+class Arg:
+    """A pointer argument: the kernel's output ("out"), input slot `index` ("in"), or scratch buffer
+    `index` of the source ("scratch"). `buffer` is the LLIR buffer id once bound to a kernel."""
+
+    role: str
+    index: int = 0
+    buffer: int | None = None
+
+    def bind(self, kernel: Kernel) -> "Arg":
+        if self.role == "out":
+            return replace(self, buffer=kernel.id)
+        if self.role == "in":
+            return replace(self, buffer=kernel.inputs[self.index].buffer)
+        return self
+
+
+Extent = tuple[tuple[Dim, int], ...]  # prod(ceil(dim / per)) over the factors
+
+
+def ceil_count(extent: Extent, bindings: Mapping[str, int]) -> int:
+    return math.prod(-(-evaluate(d, bindings) // per) for d, per in extent)
+
+
+def per(d: Dim, n: int) -> Extent:
+    """ceil(d / n) blocks (or scratch elements)."""
+    return ((d, n),)
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A temporary buffer (Gemm scales, quantized operands): numel = prod(ceil(dim / block))."""
+
+    label: str
+    dtype: Format
+    extents: Extent
+
+    def numel(self, bindings: Mapping[str, int]) -> int:
+        return ceil_count(self.extents, bindings)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: grid axis i has ceil_count(grid[i]) blocks, capped at MAX_GRID."""
+
+    entry: str
+    grid: tuple[Extent, ...]
+    block: tuple[int, ...]
+    args: tuple[Arg, ...]
+
+    def config(self, bindings: Mapping[str, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """(grid, block) as 3-tuples; a zero grid extent means there is nothing to do."""
+        grid = [min(ceil_count(axis, bindings), MAX_GRID) for axis in self.grid]
+        return tuple((grid + [1, 1, 1])[:3]), tuple((list(self.block) + [1, 1, 1])[:3])
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    kernel_id: int
+    name: str
+    source: str
+    launches: tuple[Launch, ...]
+    symbols: SymbolTable          # the trailing `dyn_dims` argument, present when symbols is non-empty
+    scratch: tuple[Scratch, ...] = ()
+    gemm: object = None           # GEMM only: the cuda_gemm.GemmCall that replaces `launches`, or None
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(launch.entry for launch in self.launches))
+
+    def dyn_values(self, bindings: Mapping[str, int]) -> tuple[int, ...]:
+        return tuple(int(bindings[s]) for s in self.symbols.symbols)
+
+
+# -- C building blocks ---------------------------------------------------------------------------------
+
+REDUCE_HELPERS = r"""
+struct LnSum {
+    template <class T> static __device__ __forceinline__ T apply(T a, T b) { return a + b; }
+};
+struct LnMax {  // NaN-propagating, as numpy's max
+    template <class T> static __device__ __forceinline__ T apply(T a, T b) {
+        return (a != a) ? a : ((b != b || b > a) ? b : a);
+    }
+};
+// Reduce over the block; every thread gets the result. blockDim.x: a multiple of 32, at most 1024.
+template <class Op, class T>
+static __device__ T ln_block_reduce(T v, T identity) {
+    __shared__ T partial[32];
+    for (int o = 16; o > 0; o >>= 1) v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = (threadIdx.x & 31) < (blockDim.x >> 5) ? partial[threadIdx.x & 31] : identity;
+    for (int o = 16; o > 0; o >>= 1) v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();  // `partial` is reused by the next call
+    return v;
+}
+"""
+NEG_INF = "(-__int_as_float(0x7f800000))"
+
+
+def indent(lines, depth: int) -> str:
+    return "".join(" " * (4 * depth) + line + "\n" for line in lines)
+
+
+def declare(prefix: str, exprs: list[IndexExpr]) -> tuple[list[str], list[IndexExpr]]:
+    """`const long long` variables for non-constant coordinates; constants stay literals."""
+    lines, names = [], []
+    for axis, e in enumerate(exprs):
+        if isinstance(e, int) or e.isidentifier():
+            names.append(e)
+        else:
+            lines.append(f"const long long {prefix}{axis} = {e};")
+            names.append(f"{prefix}{axis}")
+    return lines, names
+
+
+class _Context:
+    """What every renderer needs: the kernel, its input formats, its symbol table."""
+
+    def __init__(self, kernel: Kernel, formats: tuple[Format, ...]):
+        self.k, self.formats = kernel, formats
+        names = dims_symbols((*kernel.shape, *kernel.body_shape, kernel.value))
+        if kernel.layout is not None:
+            names |= dims_symbols(kernel.layout.full_shape)
+        for inp in kernel.inputs:
+            names |= view_symbols(inp.view)
+        self.table = SymbolTable.of(names | body_symbols(kernel.body))
+        self.extra_formats: set[Format] = set()
+
+    def dim(self, d: Dim) -> IndexExpr:
+        return self.table.dim(d)
+
+    def c_dim(self, d: Dim) -> str:
+        return c_index(self.table.dim(d))
+
+    def ctype(self, fmt: Format) -> str:
+        return ctypes_map.cuda_type(fmt)
+
+    def params(self, out: str | None, slots: tuple[int, ...]) -> str:
+        parts = [] if out is None else [f"{self.ctype(self.k.dtype)}* __restrict__ {out}"]
+        parts += [f"const {self.ctype(self.formats[s])}* __restrict__ in{s}" for s in slots]
+        if self.table.symbols:
+            parts.append("const long long* __restrict__ dyn_dims")
+        return ", ".join(parts)
+
+    def read(self, slot: int, coords: list[IndexExpr]) -> tuple[str, str | None]:
+        """(raw element expression, validity) of input `slot` at `coords`."""
+        at = view_index(self.k.inputs[slot].view, coords, self.table)
+        return f"in{slot}[{c_index(at.pos)}]", at.valid
+
+    def read_float(self, slot: int, coords: list[IndexExpr]) -> str:
+        raw, valid = self.read(slot, coords)
+        value = load_float(self.formats[slot], raw)
+        return value if valid is None else f"({valid}) ? {value} : 0.0f"
+
+    def body(self, coords: list[IndexExpr], prefix: str = "v") -> tuple[list[str], str]:
+        return BodyWriter(lambda slot: self.read_float(slot, coords), self.table, prefix).render(self.k.body)
+
+
+def source_header(formats, body: str) -> str:
+    """Includes for the formats a kernel touches, and the rounding helper when the body calls it."""
+    return '#include "common.cuh"\n' + ctypes_map.include_directives(
+        f for f in formats if f in ctypes_map.CUDA_FORMATS) + (ROUND_HELPER if "ln_round_format(" in body else "")
+
+
+def _args(kernel: Kernel, slots: tuple[int, ...]) -> tuple[Arg, ...]:
+    return (Arg("out"),) + tuple(Arg("in", s) for s in slots)
+
+
+# -- renderers per kind -------------------------------------------------------------------------------
+
+def _elementwise(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
+    k = cx.k
+    coord_lines, coords = declare("c", unravel("i", [cx.dim(d) for d in k.shape]))
+    body_lines, value = cx.body(coords)
+    slots = tuple(range(len(k.inputs)))
+    numel = cx.c_dim(prod(k.shape))
+    src = (f'extern "C" __global__ void {ENTRY}({cx.params("out", slots)}) {{\n'
+           f"    LN_GRID_STRIDE_LOOP(i, {numel}) {{\n" + indent(coord_lines + body_lines, 2) +
+           f"        out[i] = {store(k.dtype, value)};\n    }}\n}}\n")
+    return src, (Launch(ENTRY, (per(prod(k.shape), ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), _args(k, slots)),)
+
+
+@dataclass(frozen=True)
+class _Accumulator:
+    c_type: str
+    init: str
+    update: str       # C statement using `acc` and the body value `{v}`
+    combine: str | None  # block-reduce op, None when the order matters (narrow accumulators)
+    final: str        # C expression storing `acc` in the kernel dtype
+
+
+def _accumulator(k: Kernel) -> _Accumulator:
+    if k.kind is KernelKind.MAX:
+        return _Accumulator("float", NEG_INF, "acc = LnMax::apply(acc, {v});", "LnMax", store(k.dtype, "acc"))
+    acc = k.acc or F32
+    if acc is F32:
+        return _Accumulator("float", "0.0f", "acc = __fadd_rn(acc, {v});", "LnSum", store(k.dtype, "acc"))
+    if acc is F64:
+        return _Accumulator("double", "0.0", "acc = __dadd_rn(acc, static_cast<double>({v}));", "LnSum",
+                            store_double(k.dtype, "acc"))
+    rounded = round_expr(acc, "__dadd_rn(static_cast<double>(acc), static_cast<double>({v}))", "double",
+                         saturate=False)
+    return _Accumulator("float", "0.0f", f"acc = {rounded};", None, store(k.dtype, "acc"))
+
+
+def _row_threads(length: Dim) -> int:
+    if not is_const(length):
+        return ROW_THREADS_MAX
+    return min(ROW_THREADS_MAX, max(32, 1 << max(int(length) - 1, 0).bit_length()))
+
+
+def _row_space(cx: _Context, row: str, r: str) -> tuple[list[str], list[IndexExpr]]:
+    """Coordinates of the body element (row, r): row unravelled over the kept axes, r on the axis."""
+    axis = cx.k.axis
+    kept = [cx.dim(d) for i, d in enumerate(cx.k.body_shape) if i != axis]
+    lines, coords = declare("c", unravel(row, kept))
+    coords.insert(axis, r)
+    return lines, coords
+
+
+def _reduction(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
+    k = cx.k
+    acc = _accumulator(k)
+    length = k.body_shape[k.axis]
+    rows = prod(d for i, d in enumerate(k.body_shape) if i != k.axis)
+    per_block = acc.combine is not None and not (is_const(length) and length <= SHORT_ROW)
+    coord_lines, coords = _row_space(cx, "row", "r")
+    body_lines, value = cx.body(coords)
+    update = acc.update.format(v=value)
+    slots = tuple(range(len(k.inputs)))
+    if per_block:
+        threads = _row_threads(length)
+        outer, inner = "for (long long row = blockIdx.x; row < rows; row += gridDim.x)", \
+            "for (long long r = threadIdx.x; r < len; r += blockDim.x)"
+        finish = [f"acc = ln_block_reduce<{acc.combine}>(acc, {acc.init});",
+                  f"if (threadIdx.x == 0) out[row] = {acc.final};"]
+        grid = (per(rows, 1),)
+    else:
+        threads = 128
+        outer, inner = "LN_GRID_STRIDE_LOOP(row, rows)", "for (long long r = 0; r < len; ++r)"
+        finish = [f"out[row] = {acc.final};"]
+        grid = (per(rows, threads),)
+    src = (f'extern "C" __global__ void {ENTRY}({cx.params("out", slots)}) {{\n'
+           f"    const long long rows = {cx.c_dim(rows)};\n    const long long len = {cx.c_dim(length)};\n"
+           f"    {outer} {{\n" + indent(coord_lines + [f"{acc.c_type} acc = {acc.init};", inner + " {"], 2)
+           + indent(body_lines + [update], 3) + indent(["}"] + finish, 2) + "    }\n}\n")
+    return REDUCE_HELPERS + src, (Launch(ENTRY, grid, (threads,), _args(k, slots)),)
+
+
+def _softmax(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
+    k = cx.k
+    length = k.body_shape[k.axis]
+    rows = prod(d for i, d in enumerate(k.body_shape) if i != k.axis)
+    coord_lines, coords = _row_space(cx, "row", "r")
+    out_pos = c_index(dot(coords, row_major_strides([cx.dim(d) for d in k.body_shape])))
+    loop = "for (long long r = threadIdx.x; r < len; r += blockDim.x) {"
+    passes = []
+    for step, prefix in (("m = LnMax::apply(m, {v});", "va"), ("s = __fadd_rn(s, expf(__fsub_rn({v}, m)));", "vb"),
+                         (f"out[{out_pos}] = " + store(k.dtype, "__fdiv_rn(expf(__fsub_rn({v}, m)), s)") + ";",
+                          "vc")):
+        body_lines, value = cx.body(coords, prefix)
+        passes.append(indent([loop], 2) + indent(body_lines + [step.replace("{v}", value)], 3) + indent(["}"], 2))
+    slots = tuple(range(len(k.inputs)))
+    threads = _row_threads(length)
+    src = (f'extern "C" __global__ void {ENTRY}({cx.params("out", slots)}) {{\n'
+           f"    const long long rows = {cx.c_dim(rows)};\n    const long long len = {cx.c_dim(length)};\n"
+           "    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {\n"
+           + indent(coord_lines + [f"float m = {NEG_INF};"], 2) + passes[0]
+           + indent([f"m = ln_block_reduce<LnMax>(m, {NEG_INF});", "if (!isfinite(m)) m = 0.0f;", "float s = 0.0f;"], 2)
+           + passes[1] + indent(["s = ln_block_reduce<LnSum>(s, 0.0f);"], 2) + passes[2] + "    }\n}\n")
+    return REDUCE_HELPERS + src, (Launch(ENTRY, (per(rows, 1),), (threads,), _args(k, slots)),)
+
+
+def _const(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
+    k = cx.k
+    if isinstance(k.value, float):
+        exact = float(round_to(k.value, k.dtype)) if k.dtype.is_float and k.dtype.p < 53 else k.value
+        value = store(k.dtype, float_literal(exact)) if k.dtype is not F64 else \
+            ctypes_map.c_float_literal(exact, "double")
+    else:
+        value = store_double(k.dtype, f"static_cast<double>({cx.c_dim(k.value)})")
+    src = (f'extern "C" __global__ void {ENTRY}({cx.params("out", ())}) {{\n'
+           f"    if (blockIdx.x == 0 && threadIdx.x == 0) out[0] = {value};\n}}\n")
+    return src, (Launch(ENTRY, (per(1, 1),), (32,), _args(k, ())),)
+
+
+def _iota(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
+    k = cx.k
+    src = (f'extern "C" __global__ void {ENTRY}({cx.params("out", ())}) {{\n'
+           f"    LN_GRID_STRIDE_LOOP(i, {cx.c_dim(k.value)}) out[i] = {store_double(k.dtype, 'static_cast<double>(i)')};\n}}\n")
+    return src, (Launch(ENTRY, (per(k.value, ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), _args(k, ())),)
+
+
+def _guarded(raw: str, valid: str | None, src: Format, dst: Format) -> str:
+    value = convert(src, dst, raw)
+    return value if valid is None else f"({valid}) ? {value} : {store(dst, '0.0f')}"
+
+
+def _gather(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
+    k = cx.k
+    table, index = k.inputs
+    n_idx = len(index.view.shape)
+    coord_lines, coords = declare("c", unravel("i", [cx.dim(d) for d in k.shape]))
+    raw_i, valid_i = cx.read(1, coords[:n_idx])
+    rows = cx.c_dim(table.view.shape[0])
+    idx = load_index(cx.formats[1], raw_i)
+    raw_t, valid_t = cx.read(0, ["row", *coords[n_idx:]])
+    valid = c_and(["(row >= 0 && row < " + rows + ")"] + ([valid_t] if valid_t else []))
+    src = (f'extern "C" __global__ void {ENTRY}({cx.params("out", (0, 1))}) {{\n'
+           f"    LN_GRID_STRIDE_LOOP(i, {cx.c_dim(prod(k.shape))}) {{\n" + indent(coord_lines, 2)
+           + f"        const long long row = {idx if valid_i is None else f'({valid_i}) ? {idx} : 0LL'};\n"
+           f"        out[i] = {_guarded(raw_t, valid, cx.formats[0], k.dtype)};\n    }}\n}}\n")
+    return src, (Launch(ENTRY, (per(prod(k.shape), ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), _args(k, (0, 1))),)
+
+
+def _index_at(cx: _Context, linear: str) -> str:
+    """The scatter index number `linear` (row-major over the index view) as long long."""
+    coords = unravel(linear, [cx.dim(d) for d in cx.k.inputs[2].view.shape])
+    raw, valid = cx.read(2, coords)
+    idx = load_index(cx.formats[2], raw)
+    return idx if valid is None else f"(({valid}) ? {idx} : -1LL)"
+
+
+def _scatter(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
+    """Copying scatter: each output element looks for the LAST index naming its row (numpy's rule)."""
+    k = cx.k
+    index_shape = cx.k.inputs[2].view.shape
+    coord_lines, coords = declare("c", unravel("i", [cx.dim(d) for d in k.shape]))
+    hit_coords = unravel("hit", [cx.dim(d) for d in index_shape]) + coords[1:]
+    raw_s, valid_s = cx.read(1, hit_coords)
+    raw_d, valid_d = cx.read(0, coords)
+    src = (f'extern "C" __global__ void {ENTRY}({cx.params("out", (0, 1, 2))}) {{\n'
+           f"    const long long n_index = {cx.c_dim(prod(index_shape))};\n"
+           f"    LN_GRID_STRIDE_LOOP(i, {cx.c_dim(prod(k.shape))}) {{\n" + indent(coord_lines, 2)
+           + "        long long hit = -1;\n"
+           f"        for (long long j = n_index - 1; j >= 0; --j) if ({_index_at(cx, 'j')} == {c_index(coords[0])}) "
+           "{ hit = j; break; }\n"
+           f"        out[i] = (hit >= 0) ? {_guarded(raw_s, valid_s, cx.formats[1], k.dtype)} "
+           f": {_guarded(raw_d, valid_d, cx.formats[0], k.dtype)};\n    }}\n}}\n")
+    return src, (Launch(ENTRY, (per(prod(k.shape), ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
+                        _args(k, (0, 1, 2))),)
+
+
+def _scatter_nocopy(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
+    """In-place scatter: one thread per source element writes its row of the aliased destination.
+
+    With duplicate indices the winner is unspecified (the CPU backend keeps the last)."""
+    k = cx.k
+    dest = k.inputs[0]
+    if not dest.view.is_contiguous or cx.formats[0] is not k.dtype:
+        raise ValueError(f"kernel {k.id}: a no-copy scatter needs its destination's identity view and dtype, "
+                         f"got {dest.view} ({cx.formats[0]} -> {k.dtype})")
+    index_shape = k.inputs[2].view.shape
+    src_shape = tuple(index_shape) + tuple(k.shape[1:])
+    coord_lines, coords = declare("c", unravel("i", [cx.dim(d) for d in src_shape]))
+    n_idx = len(index_shape)
+    raw_s, valid_s = cx.read(1, coords)
+    raw_i, valid_i = cx.read(2, coords[:n_idx])
+    idx = load_index(cx.formats[2], raw_i)
+    out_pos = c_index(dot(["row", *coords[n_idx:]], row_major_strides([cx.dim(d) for d in k.shape])))
+    src = (f'extern "C" __global__ void {ENTRY}({cx.params("out", (1, 2))}) {{\n'
+           f"    LN_GRID_STRIDE_LOOP(i, {cx.c_dim(prod(src_shape))}) {{\n" + indent(coord_lines, 2)
+           + f"        const long long row = {idx if valid_i is None else f'({valid_i}) ? {idx} : -1LL'};\n"
+           f"        if (row >= 0 && row < {cx.c_dim(k.shape[0])}) out[{out_pos}] = "
+           f"{_guarded(raw_s, valid_s, cx.formats[1], k.dtype)};\n    }}\n}}\n")
+    return src, (Launch(ENTRY, (per(prod(src_shape), ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
+                        _args(k, (1, 2))),)
+
+
+_RENDERERS = {
+    KernelKind.ELEMENTWISE: _elementwise, KernelKind.SUM: _reduction, KernelKind.MAX: _reduction,
+    KernelKind.SOFTMAX: _softmax, KernelKind.CONST: _const, KernelKind.IOTA: _iota,
+    KernelKind.GATHER: _gather, KernelKind.SCATTER: _scatter, KernelKind.SCATTER_NOCOPY: _scatter_nocopy,
+}
+
+
+# -- entry point -----------------------------------------------------------------------------------------
+
+def input_formats(kernel: Kernel, program: Program) -> tuple[Format, ...]:
+    def producer(bid: int) -> Kernel:
+        k = program.kernels[bid] if bid < len(program.kernels) else None
+        return k if k is not None and k.id == bid else next(p for p in program.kernels if p.id == bid)
+    return tuple(producer(inp.buffer).dtype for inp in kernel.inputs)
+
+
+def _structure(kernel: Kernel) -> Kernel:
+    """The kernel without what does not change its code (ids, provenance): the render cache key."""
+    return replace(kernel, id=0, chunk=-1, label="",
+                   inputs=tuple(KernelInput(0, inp.view) for inp in kernel.inputs))
+
+
+@lru_cache(maxsize=4096)
+def _render_structure(kernel: Kernel, formats: tuple[Format, ...]) -> KernelSource:
+    if kernel.kind is KernelKind.GEMM:
+        from .cuda_gemm import render_gemm
+        return render_gemm(kernel, formats)
+    if kernel.kind not in _RENDERERS:
+        raise ValueError(f"{kernel.kind} kernels do not launch")
+    cx = _Context(kernel, formats)
+    body, launches = _RENDERERS[kernel.kind](cx)
+    return finish_source(kernel.kind.value, source_header((*formats, kernel.dtype), body) + body, launches, cx.table)
+
+
+def entry_name(kind: str, source: str) -> str:
+    """Entries are named after a hash of the source, so equal code has equal names."""
+    return f"ln_{kind}_{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+
+
+def name_launches(launches: tuple[Launch, ...], name: str) -> tuple[Launch, ...]:
+    return tuple(replace(launch, entry=launch.entry.replace(ENTRY, name)) for launch in launches)
+
+
+def finish_source(kind: str, source: str, launches: tuple[Launch, ...], table: SymbolTable) -> KernelSource:
+    name = entry_name(kind, source)
+    return KernelSource(0, name, source.replace(ENTRY, name), name_launches(launches, name), table)
+
+
+def _rebind(src: KernelSource, kernel: Kernel) -> KernelSource:
+    """The cached structural source with this kernel's buffer ids (slot -> producing kernel)."""
+    launches = tuple(replace(launch, args=tuple(a.bind(kernel) for a in launch.args)) for launch in src.launches)
+    gemm = None if src.gemm is None else src.gemm.bind_args(kernel)
+    return replace(src, kernel_id=kernel.id, launches=launches, gemm=gemm)
+
+
+def render_kernel(kernel: Kernel, program: Program) -> KernelSource:
+    """Source, launches and arguments of one launching kernel (cached by structure)."""
+    if not kernel.kind.launches:
+        raise ValueError(f"kernel {kernel.id} is {kernel.kind.value}: it has no code")
+    structural = _structure(kernel)
+    src = _render_structure(structural, input_formats(kernel, program))
+    return _rebind(src, kernel)

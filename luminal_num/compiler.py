@@ -1,0 +1,95 @@
+"""compile(graph, budget, target, calibration) -> Plan: the whole pipeline in one call.
+
+partition + group -> saturate (lower, precision, dtype_prop, inplace) -> search genomes (numerics gate:
+cache -> static bound -> measured vs FP64; then latency) -> the fastest plan within budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .codegen.llir import Program
+from .error.budget import Budget
+from .error.judge import Judge
+from .hlir.evaluate import evaluate_nodes
+from .hlir.graph import Graph
+from .search.plan import Plan
+from .search.search import SearchOptions, SearchResult, search
+from .search.space import SearchSpace
+
+
+class BudgetUnreachable(RuntimeError):
+    """No candidate meets the budget; carries the best error reachable."""
+
+    def __init__(self, budget: Budget, best_error: float, best_label: str, result: SearchResult):
+        super().__init__(f"no plan meets the budget {budget}: the best error reachable is an allclose ratio of "
+                         f"{best_error!r} ({best_label}); ratios <= 1 pass. Loosen the budget or check the "
+                         f"model's FP32 error.")
+        self.best_error, self.result = best_error, result
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    plan: Plan
+    program: Program
+    space: SearchSpace
+    search: SearchResult
+
+
+def calibration_ranges(graph: Graph, space: SearchSpace, calibration: Sequence[Mapping[str, np.ndarray]]) -> dict:
+    """FP64 value ranges of every output and chunk export on the calibration set (audit compares)."""
+    out: dict[str, tuple[float, float]] = {}
+    names = {nid: name for name, nid in graph.outputs.items()}
+    for inp in calibration:
+        vals = evaluate_nodes(graph, inp)
+        for chunk in space.part.chunks:
+            for nid in chunk.exported:
+                key = names.get(nid, f"chunk{chunk.index}:%{nid}")
+                v = vals[nid]
+                lo, hi = (float(np.min(v)), float(np.max(v))) if v.size else (0.0, 0.0)
+                old = out.get(key, (lo, hi))
+                out[key] = (min(old[0], lo), max(old[1], hi))
+    return out
+
+
+def compile(graph: Graph, budget: Budget, target: str = "h200",
+            calibration: Sequence[Mapping[str, np.ndarray]] = (), options: SearchOptions | None = None,
+            space: SearchSpace | None = None, use_static: bool = True) -> CompileResult:
+    """The fastest plan found whose error vs FP64 on `calibration` is within `budget` on `target`."""
+    options = options or SearchOptions(target=target)
+    if options.target != target:
+        options = SearchOptions(**{**options.__dict__, "target": target})
+    if not calibration:
+        raise ValueError("compile needs calibration inputs (a list of input dicts)")
+    _check_inputs(graph, calibration)
+    space = space or SearchSpace.build(graph)
+    judge = Judge(graph, budget, list(calibration), use_static=use_static)
+    result = search(space, judge, options, latency_inputs=calibration[0])
+    if result.chosen is None:
+        tried = [e for e in result.evaluated if np.isfinite(e.verdict.error)]
+        best = min(tried, key=lambda e: e.verdict.error) if tried else result.evaluated[0]
+        raise BudgetUnreachable(budget, best.verdict.error, best.label or f"candidate {best.id}", result)
+    chosen = result.chosen
+    program = space.program(chosen.genome)
+    plan = Plan.create(space, chosen.genome, program, budget, target, options.seed, chosen.verdict,
+                       chosen.latency, judge.bindings[0], _stable_stats(result.stats),
+                       calibration_ranges(graph, space, calibration))
+    return CompileResult(plan, program, space, result)
+
+
+def _stable_stats(stats: dict) -> dict:
+    """Search statistics that are the same on every run (wall-clock seconds are reported, not stored)."""
+    return {k: v for k, v in stats.items() if k != "seconds"}
+
+
+def _check_inputs(graph: Graph, batches) -> None:
+    for i, inp in enumerate(batches):
+        missing = [n for n, info in graph.inputs.items() if not info.is_weight and n not in inp]
+        if missing:
+            raise ValueError(f"calibration batch {i} is missing inputs {missing}")
+        for name, arr in inp.items():
+            a = np.asarray(arr)
+            if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+                raise ValueError(f"calibration batch {i}: input {name!r} contains NaN or Inf")

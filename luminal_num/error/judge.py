@@ -1,0 +1,134 @@
+"""The numerics gate: cached verdicts, then static bounds, then measured error vs FP64, cheapest first.
+
+A candidate is identified by its lowered program's key and by the precision changes it makes
+relative to the FP32 baseline. A change whose isolated error already breaks the budget prunes every
+candidate that contains it (monotone pruning), without running anything.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..codegen.llir import Program
+from ..hlir.evaluate import evaluate
+from ..hlir.graph import Graph
+from .budget import Budget
+from .interval import Interval
+from .metrics import max_abs
+from .static import static_bound
+
+Change = tuple[str, str, str]  # (group key, e-class, tag)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    passed: bool
+    source: str          # "cache" | "static" | "measured"
+    error: float         # worst allclose ratio (<= 1 passes); the bound's ratio when static decided
+    max_abs: float       # worst |y - ref| measured (nan when not measured)
+    bound: float | None  # largest static error bound (None when not computed)
+    reason: str
+
+
+@dataclass
+class GateStats:
+    cache: int = 0
+    static: int = 0
+    measured: int = 0
+    pruned: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(cache=self.cache, static=self.static, measured=self.measured, pruned=self.pruned)
+
+
+def program_key(program: Program) -> str:
+    """Identity of what runs: kernel kinds, dtypes, precisions, views, bodies (not names)."""
+    items = [(k.kind.value, k.dtype.name, k.precision, k.acc.name if k.acc else None, k.axis, repr(k.body),
+              tuple((i.buffer, i.view.encode()) for i in k.inputs), k.aliases) for k in program.kernels]
+    return hashlib.sha256(repr((items, program.outputs)).encode()).hexdigest()[:20]
+
+
+@dataclass
+class Judge:
+    graph: Graph
+    budget: Budget
+    calibration: Sequence[Mapping[str, np.ndarray]]
+    use_static: bool = True
+    stats: GateStats = field(default_factory=GateStats)
+    cache: dict[str, Verdict] = field(default_factory=dict)
+    bad_changes: dict[Change, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.calibration:
+            raise ValueError("the numerics gate needs at least one calibration batch")
+        self.refs = [evaluate(self.graph, inp) for inp in self.calibration]
+        self.ranges = [{k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in inp.items()}
+                       for inp in self.calibration]
+        self.bindings = [self.graph.bind_symbols(inp) for inp in self.calibration]
+
+    def judge(self, program: Program, changes: frozenset[Change] = frozenset()) -> Verdict:
+        key = program_key(program)
+        if key in self.cache:
+            self.stats.cache += 1
+            return self.cache[key]
+        bad = sorted(c for c in changes if c in self.bad_changes)
+        if bad:
+            self.stats.cache += 1
+            self.stats.pruned += 1
+            v = Verdict(False, "cache", np.inf, np.nan, None,
+                        f"contains a change that alone breaks the budget: {bad[0][2]} ({self.bad_changes[bad[0]]})")
+            self.cache[key] = v
+            return v
+        v = self._static(program) if self.use_static else None
+        if v is None:
+            v = self._measure(program)
+        self.cache[key] = v
+        return v
+
+    def note_isolated(self, change: Change, verdict: Verdict) -> None:
+        """Record a single change's verdict: a failure prunes every later candidate containing it."""
+        if not verdict.passed:
+            self.bad_changes[change] = verdict.reason
+
+    def _static(self, program: Program) -> Verdict | None:
+        worst, bound = 0.0, 0.0
+        for ranges, bindings, ref in zip(self.ranges, self.bindings, self.refs):
+            rep = static_bound(program, ranges, bindings, self.graph.weights)
+            if rep.overflow is not None:
+                self.stats.static += 1
+                return Verdict(False, "static", np.inf, np.nan, np.inf, rep.overflow.message())
+            names = self.budget.outputs or tuple(rep.error_bounds)
+            for name in names:
+                err = rep.error_bounds[name]
+                tol = self.budget.atol + self.budget.rtol * np.abs(np.asarray(ref[name]))
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratio = float(np.max(np.where(err == 0, 0.0, err / tol))) if err.size else 0.0
+                worst = max(worst, ratio)
+                bound = max(bound, float(np.max(err)) if err.size else 0.0)
+        if self.budget.metrics or not worst <= 1.0:
+            return None  # other metrics need measurement; a bound above budget proves nothing
+        self.stats.static += 1
+        return Verdict(True, "static", worst, np.nan, bound, f"certified: static bound ratio {worst!r} <= 1")
+
+    def _measure(self, program: Program) -> Verdict:
+        from ..runtime.cpu import CpuRuntime
+        self.stats.measured += 1
+        rt = CpuRuntime(program, self.graph.weights)
+        worst, worst_abs, reason, passed = 0.0, 0.0, "", True
+        for inp, ref in zip(self.calibration, self.refs):
+            try:
+                out = rt.run(inp).outputs
+            except (ValueError, FloatingPointError) as exc:  # e.g. a REJECT overflow policy
+                return Verdict(False, "measured", np.inf, np.inf, None, f"run failed: {exc}")
+            verdict = self.budget.check(out, ref)
+            names = self.budget.outputs or tuple(ref)
+            worst_abs = max([worst_abs] + [float(max_abs(out[n], ref[n])) for n in names])
+            if verdict.worst_allclose >= worst:
+                worst, reason = verdict.worst_allclose, verdict.reason
+            if not verdict.passed:
+                passed, reason = False, verdict.reason
+                break
+        return Verdict(passed, "measured", worst, worst_abs, None, reason)

@@ -1,0 +1,94 @@
+"""audit(plan, graph, inputs): re-check a saved plan's drift against FP64 on new inputs.
+
+Per output: the budget's metrics and the allclose ratio, against the error recorded in the plan.
+Per chunk (layer): drift of every exported value. Scale saturation: values outside the ranges seen on
+the calibration set (static scales and the contract were judged there). The contract is broken when
+any output leaves the budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from ..error.metrics import max_abs, rel_l2
+from ..hlir.evaluate import evaluate_nodes
+from ..hlir.graph import Graph
+from ..runtime.cpu import CpuRuntime
+from ..search.plan import Plan
+from .files import atomic_write_text
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    passed: bool
+    reason: str
+    outputs: pd.DataFrame      # per batch and output: allclose ratio, metrics, max_abs
+    drift: pd.DataFrame        # per batch, chunk and exported value: max_abs, rel_l2, outside calibration range
+    plan_error: float
+    audit_error: float
+
+    @property
+    def outside_range(self) -> int:
+        return int(self.drift["outside_calibration"].sum()) if len(self.drift) else 0
+
+
+def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]], space=None) -> AuditResult:
+    if not batches:
+        raise ValueError("audit needs at least one input batch")
+    for i, inp in enumerate(batches):
+        for name, arr in inp.items():
+            a = np.asarray(arr)
+            if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+                raise ValueError(f"audit batch {i}: input {name!r} contains NaN or Inf")
+    program, space = plan.program(graph, space)
+    budget = plan.budget
+    rt = CpuRuntime(program, graph.weights)
+    ranges = plan.data.get("calibration_ranges", {})
+    out_names = {nid: name for name, nid in graph.outputs.items()}
+    chunk_of = {nid: c.index for c in space.part.chunks for nid in c.exported}
+    out_rows, drift_rows, passed, reason, worst = [], [], True, "", 0.0
+    for b, inp in enumerate(batches):
+        ref_nodes = evaluate_nodes(graph, inp)
+        res = rt.run(inp, keep_exports=True)
+        refs = {name: ref_nodes[nid] for name, nid in graph.outputs.items()}
+        verdict = budget.check(res.outputs, refs)
+        worst = max(worst, verdict.worst_allclose)
+        if not verdict.passed and passed:
+            passed, reason = False, f"batch {b}: {verdict.reason}"
+        for ov in verdict.outputs:
+            out_rows.append({"batch": b, "output": ov.name, "allclose_ratio": ov.allclose_ratio,
+                             "max_abs": float(max_abs(res.outputs[ov.name], refs[ov.name])),
+                             **{m: v for m, v in ov.metric_values}, "passes": not ov.failures})
+        for nid, value in sorted(res.exports.items()):
+            ref = ref_nodes[nid]
+            key = out_names.get(nid, f"chunk{chunk_of[nid]}:%{nid}")
+            lo, hi = ranges.get(key, [None, None])
+            outside = lo is not None and ref.size > 0 and (float(np.min(ref)) < float(lo) or float(np.max(ref)) > float(hi))
+            drift_rows.append({"batch": b, "chunk": chunk_of[nid], "value": key, "max_abs": float(max_abs(value, ref)),
+                               "rel_l2": float(rel_l2(value, ref)), "outside_calibration": bool(outside)})
+    plan_err = plan.data["verdict"]["error"]
+    if passed:
+        reason = f"within budget {budget}: worst allclose ratio {worst!r} (plan recorded {plan_err!r})"
+    return AuditResult(passed, reason, pd.DataFrame(out_rows), pd.DataFrame(drift_rows),
+                       float(plan_err) if not isinstance(plan_err, str) else float("nan"), worst)
+
+
+def write_audit_report(result: AuditResult, out_dir: str | Path) -> dict[str, Path]:
+    """audit.csv (outputs), audit_drift.csv (per layer), audit.html (both tables and the verdict)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    status = "PASSED" if result.passed else "CONTRACT BROKEN"
+    html = (f"<!doctype html><html><head><meta charset='utf-8'><title>audit</title></head><body>"
+            f"<h1>Audit: {status}</h1><p>{result.reason}</p>"
+            f"<p>{result.outside_range} exported values left the calibration range.</p>"
+            f"<h2>Outputs</h2>{result.outputs.to_html(index=False, float_format=repr)}"
+            f"<h2>Drift per chunk</h2>{result.drift.to_html(index=False, float_format=repr)}</body></html>")
+    files = {"csv": out_dir / "audit.csv", "drift": out_dir / "audit_drift.csv", "html": out_dir / "audit.html"}
+    atomic_write_text(files["csv"], result.outputs.to_csv(index=False))
+    atomic_write_text(files["drift"], result.drift.to_csv(index=False))
+    atomic_write_text(files["html"], html)
+    return files

@@ -1,0 +1,57 @@
+"""Latency of an LLIR program: modelled (roofline, runtime/cost.py) for GPU targets, measured for `cpu`.
+
+Each launched kernel becomes a `KernelWork`: bytes it loads and stores, flops, and the math mode its
+flops run in (a Gemm variant's operand format on tensor cores; everything else FP32 on CUDA cores).
+"""
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+import numpy as np
+
+from ..codegen.llir import KernelKind, Program
+from ..dtypes.variants import GEMM_VARIANTS
+from .cost import KernelWork, Latency, model_latency
+from .targets import get_target
+
+_GEMM_MATH = {"f32": ("fp32", False), "tf32": ("tf32", True), "bf16": ("bf16", True), "f16": ("fp16", True),
+              "f8e4m3": ("fp8", True), "f8e5m2": ("fp8", True), "int8": ("int8", True)}
+
+
+def kernel_works(program: Program, bindings: Mapping[str, int]) -> list[KernelWork]:
+    dtypes = program.dtypes()
+    works = []
+    for k in program.launched():
+        math, tc = "fp32", False
+        if k.kind is KernelKind.GEMM:
+            math, tc = _GEMM_MATH[GEMM_VARIANTS[k.precision or "f32"].a_format.name]
+        works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes),
+                                bytes_written=k.bytes_stored(bindings), flops=k.flops(bindings), math=math,
+                                tensor_core=tc))
+    return works
+
+
+def modelled_latency(program: Program, target: str, bindings: Mapping[str, int], cuda_graph: bool = True) -> Latency:
+    return model_latency(kernel_works(program, bindings), target, cuda_graph=cuda_graph)
+
+
+def measured_cpu_latency(program: Program, weights, inputs, repeats: int = 3) -> Latency:
+    """Median wall time of the CPU backend's kernels over `repeats` runs (the `cpu` target)."""
+    from .cpu import CpuRuntime
+    rt = CpuRuntime(program, weights)
+    runs = [rt.run(inputs) for _ in range(repeats)]
+    totals = [r.total_seconds for r in runs]
+    best = runs[int(np.argsort(totals)[len(totals) // 2])]
+    return Latency(total_s=float(np.median(totals)), per_kernel=tuple((f"k{i}", s) for i, s in best.kernel_seconds),
+                   source="measured", target="cpu", cuda_graph=False)
+
+
+def program_latency(program: Program, target: str, bindings: Mapping[str, int], weights=None, inputs=None) -> Latency:
+    if get_target(target).measured_only:
+        if inputs is None:
+            raise ValueError("the cpu target is measured: calibration inputs are needed")
+        return measured_cpu_latency(program, weights, inputs)
+    return modelled_latency(program, target, bindings)
+
+

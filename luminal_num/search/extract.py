@@ -1,0 +1,87 @@
+"""Deterministic extraction from a precision genome: which variant each value uses, then the best
+structure for it (Gemm over Mul+Sum, fused elementwise chains, in-place scatter).
+
+A *knob* is an e-class whose alternatives carry different precision tags (a Gemm variant, a
+KVariant storage/accumulator choice, a softmax compute precision). A genome maps knobs to tags;
+every other choice follows from fixed preferences, so the search explores precision, not plumbing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from .choice import Candidate, ChoiceSpace, ClassRef, ENode, _Picker
+
+BASE = "f32"
+
+
+def node_tag(n: ENode) -> str:
+    if n.op == "KGemm":
+        return BASE if n.children[5] == "f32" else "gemm:" + n.children[5]
+    if n.op == "KVariant":
+        return n.children[1]
+    if n.op == "KSoftmax":
+        return BASE if n.children[2] == "f32" else "softmax:" + n.children[2]
+    return BASE
+
+
+@dataclass(frozen=True)
+class Knob:
+    cls: str
+    tags: tuple[str, ...]  # BASE first
+    origin: str            # the HLIR op this value implements
+
+
+def knobs(space: ChoiceSpace) -> tuple[Knob, ...]:
+    out = []
+    for cid, nodes in space.classes.items():
+        tags = sorted({node_tag(n) for n in nodes}, key=lambda t: (t != BASE, t))
+        if len(tags) > 1 and tags[0] == BASE:
+            out.append(Knob(cid, tuple(tags), space.class_origin.get(cid, "?")))
+    return tuple(out)
+
+
+_T_RANK = {"KGemm": 0, "KScatterNoCopy": 0, "KVariant": 0}
+
+
+def extract(space: ChoiceSpace, genome: Mapping[str, str] | None = None) -> Candidate:
+    """The candidate realising `genome` (class -> tag; missing = BASE) with preferred structure."""
+    genome = dict(genome or {})
+
+    def order(cid: str, picker: _Picker) -> list[int]:
+        nodes = space.classes[cid]
+        want = genome.get(cid, BASE)
+        idx = [i for i, n in enumerate(nodes) if node_tag(n) == want] or list(range(len(nodes)))
+        if nodes[idx[0]].op in ("Load", "FConst", "FRound", "FCustom") or nodes[idx[0]].op.startswith("F"):
+            return _scalar_order(space, cid, idx, picker)
+        return sorted(idx, key=lambda i: (_T_RANK.get(nodes[i].op, 1), i))
+
+    p = _Picker(space, None, None, order)
+    for _, cid in space.roots:
+        if not p.pick(cid):
+            raise RuntimeError(f"no acyclic extraction for root class {cid}")
+    return Candidate(tuple(sorted(p.chosen.items())))
+
+
+def _scalar_order(space: ChoiceSpace, cid: str, idx: list[int], picker: _Picker) -> list[int]:
+    """Fuse the producer when the value read is an elementwise kernel, with exactly the rounding the
+    producer's chosen variant has; otherwise read its buffer. So the variant chosen for a value is
+    what every consumer sees."""
+    nodes = space.classes[cid]
+    loads = [i for i in idx if nodes[i].op == "Load"]
+    lowp = [i for i in idx if nodes[i].op == "FRound" and nodes[i].children[1] != BASE]
+    plain = [i for i in idx if i not in loads and i not in lowp]
+    for i in loads:
+        t = nodes[i].children[0]
+        if not (isinstance(t, ClassRef) and picker.pick(t.id)):
+            continue
+        chosen = space.classes[t.id][picker.chosen[t.id]]
+        if chosen.op == "Ew":
+            return plain + loads + lowp
+        if chosen.op == "KVariant" and picker.pick(chosen.children[0].id):
+            inner = space.classes[chosen.children[0].id][picker.chosen[chosen.children[0].id]]
+            if inner.op == "Ew":
+                match = [j for j in lowp if nodes[j].children == (inner.children[0], inner.children[1])]
+                return match + loads + plain + [j for j in lowp if j not in match]
+        return loads + plain + lowp
+    return plain + loads + lowp

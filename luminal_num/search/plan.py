@@ -1,0 +1,149 @@
+"""The Plan: a versioned, self-describing JSON document of what the compiler chose and why to trust it.
+
+It records the graph's structural hash, the budget, the precision genome and the exact e-node chosen
+for every e-class (so loading can verify that this compiler rebuilds the same choice space), the
+per-kernel table of what runs, the verdict and its source, the error, the latency and its source.
+Serialisation is canonical (sorted keys, floats as repr) so the same seed gives the same bytes.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..codegen.llir import KernelKind, Program
+from ..dtypes.variants import GEMM_VARIANTS
+from ..error.budget import Budget
+from ..hlir.graph import Graph
+from ..report.files import atomic_write_text
+from .space import Genome, SearchSpace
+
+PLAN_FORMAT = "luminal_num.plan"
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan file that is missing, corrupt, of another version, or for another graph."""
+
+
+def graph_key(graph: Graph) -> str:
+    """Structure plus input/output names (a plan names the outputs it was judged on)."""
+    return graph.structural_key(extra=("io", tuple(sorted(graph.inputs)), tuple(sorted(graph.outputs))))
+
+
+def _num(x) -> Any:
+    if x is None:
+        return None
+    x = float(x)
+    return x if np.isfinite(x) else repr(x)  # JSON has no inf/nan: keep them as "inf"/"nan" strings
+
+
+def op_table(program: Program, bindings) -> list[dict]:
+    """Per launched kernel: what actually runs (dtype, accumulator, quant format, scale granularity)."""
+    rows = []
+    dtypes = program.dtypes()
+    for k in program.launched():
+        row = {"kernel": k.id, "kind": k.kind.value, "op": k.label, "dtype": k.dtype.name,
+               "inputs": ",".join(dtypes[i.buffer].name for i in k.inputs),
+               "shape": "x".join(str(d) for d in k.shape), "accumulator": "", "precision": k.precision or "",
+               "quant": "", "scales": ""}
+        if k.kind is KernelKind.SUM:
+            row["accumulator"] = (k.acc or k.dtype).name
+        if k.kind is KernelKind.GEMM:
+            v = GEMM_VARIANTS[k.precision or "f32"]
+            row["accumulator"] = v.accumulator.name + (f" (promote every {v.promote_every})" if v.promote_every else "")
+            row["quant"] = f"A:{v.a_format.name} B:{v.b_format.name}"
+            row["scales"] = "; ".join(f"{side}:{s.granularity.value}{'/static' if s.static else '/dynamic'}"
+                                      f"{'/e8m0' if s.scale_format.name == 'e8m0' else ''}"
+                                      for side, s in (("A", v.a_scale), ("B", v.b_scale)) if s is not None)
+        rows.append(row)
+    return rows
+
+
+@dataclass(frozen=True)
+class Plan:
+    data: dict
+
+    @staticmethod
+    def create(space: SearchSpace, genome: Genome, program: Program, budget: Budget, target: str, seed: int,
+               verdict, latency, bindings, search_stats: dict, calibration_ranges: dict) -> "Plan":
+        cands = space.candidates(genome)
+        groups = []
+        for gi, g in enumerate(space.part.groups):
+            cand = cands[g.chunks[0].index]
+            gs = space.groups[g.key].space
+            groups.append({"group": gi, "chunks": [c.index for c in g.chunks],
+                           "choices": [[cls, idx, gs.classes[cls][idx].op] for cls, idx in cand.choices]})
+        data = {
+            "format": PLAN_FORMAT, "version": PLAN_VERSION, "compiler_version": __version__,
+            "graph_key": graph_key(space.graph), "budget": budget.to_dict(), "target": target, "seed": seed,
+            "genome": sorted([space.group_index(g), c, t] for g, c, t in genome),
+            "groups": groups,
+            "verdict": {"passed": bool(verdict.passed), "source": verdict.source, "error": _num(verdict.error),
+                        "max_abs": _num(verdict.max_abs), "bound": _num(verdict.bound), "reason": verdict.reason},
+            "latency": {"total_s": _num(latency.total_s), "source": latency.source, "target": latency.target,
+                        "cuda_graph": latency.cuda_graph},
+            "kernels": op_table(program, bindings),
+            "calibration_ranges": {k: [_num(lo), _num(hi)] for k, (lo, hi) in sorted(calibration_ranges.items())},
+            "search": search_stats,
+        }
+        return Plan(data)
+
+    # -- serialisation ------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(self.data, sort_keys=True, indent=1) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        return atomic_write_text(path, self.to_json())
+
+    @staticmethod
+    def load(path: str | Path) -> "Plan":
+        path = Path(path)
+        if not path.exists():
+            raise PlanError(f"plan file {path} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PlanError(f"plan file {path} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise PlanError(f"{path} is not a luminal_num plan (format field missing or wrong)")
+        if data.get("version") != PLAN_VERSION:
+            raise PlanError(f"{path} has plan version {data.get('version')!r}; this compiler reads {PLAN_VERSION}")
+        for key in ("graph_key", "budget", "genome", "groups", "target", "verdict", "latency", "kernels"):
+            if key not in data:
+                raise PlanError(f"plan file {path} is missing the field {key!r}")
+        return Plan(data)
+
+    # -- use ----------------------------------------------------------------------------------
+    @property
+    def budget(self) -> Budget:
+        return Budget.from_dict(self.data["budget"])
+
+    def check_graph(self, graph: Graph) -> None:
+        if self.data["graph_key"] != graph_key(graph):
+            raise PlanError("graph hash mismatch: this plan was compiled for a different graph "
+                            f"(plan {self.data['graph_key'][:12]}, graph {graph_key(graph)[:12]})")
+
+    def genome(self, space: SearchSpace) -> Genome:
+        keys = [g.key for g in space.part.groups]
+        return frozenset((keys[gi], c, t) for gi, c, t in self.data["genome"])
+
+    def program(self, graph: Graph, space: SearchSpace | None = None) -> tuple[Program, SearchSpace]:
+        """Rebuild the program, verifying every recorded choice against this compiler's choice space."""
+        self.check_graph(graph)
+        space = space or SearchSpace.build(graph)
+        genome = self.genome(space)
+        cands = space.candidates(genome)
+        for grp in self.data["groups"]:
+            g = space.part.groups[grp["group"]]
+            got = cands[g.chunks[0].index]
+            want = [(c, i) for c, i, _ in grp["choices"]]
+            if list(got.choices) != want or any(space.groups[g.key].space.classes[c][i].op != op
+                                                 for c, i, op in grp["choices"]):
+                raise PlanError(f"group {grp['group']}: the recorded choices do not match this compiler's "
+                                "choice space (plan from another compiler version?)")
+        return space.program(genome), space

@@ -1,0 +1,154 @@
+"""The CUDA backend against the CPU backend (and FP64), on a GPU; without one only the error path runs.
+
+Bit for bit where the semantics are exact (cuda_body.EXACT_OPS bodies, casts, gather/scatter,
+narrow-accumulator reductions, the fallback Gemm's narrow/integer accumulators); elsewhere within the
+envelope test_cuda_codegen.tolerance states; cuBLAS(Lt) Gemms within their variant's a-priori bound
+against FP64. Run on a GPU machine with `pytest -m gpu tests/test_cuda_runtime.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from luminal_num.codegen.cuda_gemm import gemm_call
+from luminal_num.codegen.llir import KernelKind
+from luminal_num.dtypes.formats import INT32
+from luminal_num.dtypes.variants import GEMM_VARIANTS
+from luminal_num.hlir import evaluate as evaluate_fp64
+from luminal_num.runtime.buffers import plan_buffers
+from luminal_num.runtime.cpu import CpuRuntime, bind_program
+from luminal_num.runtime.cuda import CudaRuntime
+from luminal_num.runtime.cuda_device import CudaUnavailableError, cuda_available
+from test_cuda_codegen import GEMMS, HAND_BUILT, MODELS, feed_for, programs, stored_values, tolerance
+
+needs_gpu = pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+K_ULPS = 2.0 ** -22  # per unit of K and of max |output|: FP32 sums in another order
+
+
+@pytest.mark.skipif(cuda_available(), reason="a CUDA device is present")
+def test_without_a_device_construction_says_why():
+    with pytest.raises(CudaUnavailableError, match="no CUDA device available"):
+        CudaRuntime(HAND_BUILT["const_bf16"])
+
+
+def with_precision(program, name):
+    return dataclasses.replace(program, kernels=program.kernels[:-1] + (
+        dataclasses.replace(program.kernels[-1], precision=name),))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", sorted(HAND_BUILT))
+def test_each_kernel_kind_matches_the_cpu_backend(case):
+    program = HAND_BUILT[case]
+    feed = feed_for(program, np.random.default_rng(3))
+    ref = CpuRuntime(program).run(feed).outputs["y"]
+    got = CudaRuntime(program).run(feed).outputs["y"]
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tolerance(program.kernels[-1], ref))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("gemm", ["auto", "kernel"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_whole_models_match_the_cpu_backend(name, gemm):
+    """Every kernel checked one by one (inputs from the CPU backend), then the outputs end to end."""
+    model = MODELS[name]
+    inputs = model.make_inputs(5)
+    for program in programs(name, 3):
+        feed = {**model.graph.weights, **inputs}
+        stored = stored_values(program, feed)
+        bindings = bind_program(program, feed)
+        cuda = CudaRuntime(program, model.graph.weights, gemm=gemm)
+        result = cuda.run(inputs)
+        assert result.plan == plan_buffers(program, bindings)
+        assert {kid for kid, _ in result.kernel_seconds} == {k.id for k in program.launched()}
+        assert all(s >= 0.0 and math.isfinite(s) for _, s in result.kernel_seconds)
+        for out_name, kid in program.outputs:
+            ref = stored[kid]
+            envelope = 64 * 2.0 ** -24 * float(np.max(np.abs(ref)))  # test_pipeline's FP32 envelope
+            np.testing.assert_allclose(result.outputs[out_name], ref, rtol=0, atol=envelope, err_msg=out_name)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", sorted(GEMMS))
+def test_gemm_layouts_through_cublas_and_the_fallback(case):
+    program, expressible = GEMMS[case]
+    kernel = program.kernels[-1]
+    feed = feed_for(program, np.random.default_rng(4))
+    ref = CpuRuntime(program).run(feed).outputs["y"]
+    atol = kernel.layout.k * K_ULPS * float(np.abs(ref).max())
+    assert (gemm_call(kernel, program) is not None) == expressible
+    for mode in ("auto", "kernel"):
+        np.testing.assert_allclose(CudaRuntime(program, gemm=mode).run(feed).outputs["y"], ref, rtol=0, atol=atol)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", sorted(GEMM_VARIANTS))
+def test_every_gemm_variant(name):
+    """Fallback kernel: bit for bit with the CPU emulator where the accumulation order is defined (narrow
+    or integer accumulators), else within K ulps. cuBLAS(Lt): within the variant's a-priori bound of FP64."""
+    base, _ = GEMMS["batched_shared_weight"]
+    program = with_precision(base, name)
+    variant = GEMM_VARIANTS[name]
+    feed = feed_for(program, np.random.default_rng(8))
+    ref = CpuRuntime(program).run(feed).outputs["y"]
+    kernel = program.kernels[-1]
+    exact = variant.grouped or variant.acc_format is INT32
+    got = CudaRuntime(program, gemm="kernel").run(feed).outputs["y"]
+    atol = 0.0 if exact else kernel.layout.k * K_ULPS * float(np.abs(ref).max())
+    np.testing.assert_allclose(got, ref, rtol=0, atol=atol)
+    if gemm_call(kernel, program) is not None:
+        a = np.asarray(feed["a"], dtype=np.float32).astype(np.float64)   # (3, M, K)
+        b = np.asarray(feed["b"], dtype=np.float32).astype(np.float64)   # (K, N)
+        exact64 = a @ b
+        bound = variant.a_priori_bound(kernel.layout.k, np.abs(a) @ np.abs(b), np.abs(a).max(), np.abs(b).max())
+        got = CudaRuntime(program, gemm="auto").run(feed).outputs["y"]
+        assert np.all(np.abs(got - exact64) <= bound), name
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_graph_replays_what_run_computes():
+    """Capture once, replay twice: the same bits as an eager run (inputs re-staged where slots are reused)."""
+    model = MODELS["transformer4"]
+    program = programs("transformer4", 1)[0]
+    inputs = model.make_inputs(1)
+    cuda = CudaRuntime(program, model.graph.weights)
+    eager = cuda.run(inputs).outputs
+    state = cuda.capture(inputs)
+    for _ in range(2):
+        replayed = cuda.replay(state)
+        for name in eager:
+            np.testing.assert_array_equal(replayed[name], eager[name])
+    seconds = cuda.profile(inputs, n=5, warmup=2)
+    assert 0.0 < seconds < 1.0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_scatter_in_place_writes_only_its_rows_of_the_aliased_buffer():
+    program = HAND_BUILT["scatter_in_place"]
+    assert program.kernels[-1].kind is KernelKind.SCATTER_NOCOPY
+    feed = feed_for(program, np.random.default_rng(9))
+    got = CudaRuntime(program).run(feed).outputs["y"]
+    expected = np.asarray(feed["d"], dtype=np.float32).astype(np.float64)
+    expected[feed["i"]] = np.asarray(feed["s"], dtype=np.float32)
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fp64_reference_agrees_on_a_symbolic_model():
+    """A symbolic-length model at a length it was not traced with: the GPU result against FP64."""
+    model = MODELS["transformer1"]
+    program = programs("transformer1", 1)[0]
+    x = np.random.default_rng(2).standard_normal((5, 32))
+    ref = evaluate_fp64(model.graph, {"x": x})["y"]
+    got = CudaRuntime(program, model.graph.weights).run({"x": x}).outputs["y"]
+    assert np.max(np.abs(got - ref)) <= 64 * 2.0 ** -24 * 5 * float(np.max(np.abs(ref)))
