@@ -56,7 +56,7 @@ def calibration_ranges(graph: Graph, space: SearchSpace, calibration: Sequence[M
 
 def compile(graph: Graph, budget: Budget, target: str = "h200",
             calibration: Sequence[Mapping[str, np.ndarray]] = (), options: SearchOptions | None = None,
-            space: SearchSpace | None = None, use_static: bool = True) -> CompileResult:
+            space: SearchSpace | None = None, use_static: bool | str = "auto") -> CompileResult:
     """The fastest plan found whose error vs FP64 on `calibration` is within `budget` on `target`."""
     options = options or SearchOptions(target=target)
     if options.target != target:

@@ -15,15 +15,14 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from ..dtypes.formats import BF16, F8E4M3, F8E5M2, F16, F32, INT8, INT32, TF32, Format, Kind
-from ..dtypes.variants import GEMM_VARIANTS, WHOLE, GemmPrecision, Granularity, ScaleSpec
-from ..hlir.gemm import GemmLayout
+from ..dtypes.variants import GEMM_VARIANTS, WHOLE, GemmPrecision, Granularity
 from ..hlir.shape import contiguous_strides
-from ..hlir.symbolic import Dim, evaluate, is_const, prod
+from ..hlir.symbolic import Dim, evaluate, prod
 from . import ctypes_map
 from .cuda_body import (IndexExpr, SymbolTable, c_add, c_div, c_index, c_mul, dims_symbols, dot, load_float,
                         round_expr, row_major_strides, store, unravel, view_index, view_symbols)
 from .cuda_kernels import (ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, Arg, KernelSource, Launch, Scratch,
-                           entry_name, indent, input_formats, name_launches, per, source_header)
+                           entry_name, indent, name_launches, per, source_header)
 from .llir import Kernel, KernelKind, Program
 
 TILE = 16      # output rows and columns per block (16 x 16 threads)

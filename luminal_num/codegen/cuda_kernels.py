@@ -24,11 +24,10 @@ from typing import Mapping
 
 from ..dtypes.formats import F32, F64, Format
 from ..dtypes.rounding import round_to
-from ..hlir.shape import ShapeTracker
 from ..hlir.symbolic import Dim, evaluate, is_const, prod
 from . import ctypes_map
-from .cuda_body import (ROUND_HELPER, BodyWriter, IndexExpr, SymbolTable, body_symbols, c_add, c_and, c_index,
-                        c_mul, convert, dims_symbols, dot, float_literal, load_float, load_index, round_expr,
+from .cuda_body import (ROUND_HELPER, BodyWriter, IndexExpr, SymbolTable, body_symbols, c_and, c_index, convert,
+                        dims_symbols, dot, float_literal, load_float, load_index, round_expr,
                         row_major_strides, store, store_double, unravel, view_index, view_symbols)
 from .llir import Kernel, KernelInput, KernelKind, Program
 
@@ -97,6 +96,9 @@ class Launch:
 
 @dataclass(frozen=True)
 class KernelSource:
+    """One compilation unit and how to run it: `launches` in order (for a Gemm, the fallback; `gemm`
+    says whether cuBLAS replaces them). Buffers in `launches[i].args` are bound to LLIR ids."""
+
     kernel_id: int
     name: str
     source: str
@@ -315,11 +317,14 @@ def _softmax(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
 
 
 def _const(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
+    """One element, rounded in Python exactly as the CPU backend rounds it (then stored exactly)."""
     k = cx.k
-    if isinstance(k.value, float):
-        exact = float(round_to(k.value, k.dtype)) if k.dtype.is_float and k.dtype.p < 53 else k.value
-        value = store(k.dtype, float_literal(exact)) if k.dtype is not F64 else \
-            ctypes_map.c_float_literal(exact, "double")
+    if isinstance(k.value, float) and k.dtype is F32:
+        value = float_literal(k.value)
+    elif isinstance(k.value, float) and k.dtype.is_float and k.dtype.p < F64.p:
+        value = store(k.dtype, float_literal(float(round_to(k.value, k.dtype))))
+    elif isinstance(k.value, float):  # F64, integers: from the double (integers truncate)
+        value = store_double(k.dtype, ctypes_map.c_float_literal(k.value, "double"))
     else:
         value = store_double(k.dtype, f"static_cast<double>({cx.c_dim(k.value)})")
     src = (f'extern "C" __global__ void {ENTRY}({cx.params("out", ())}) {{\n'

@@ -56,7 +56,7 @@ class Judge:
     graph: Graph
     budget: Budget
     calibration: Sequence[Mapping[str, np.ndarray]]
-    use_static: bool = True
+    use_static: bool | str = "auto"  # "auto": keep the static stage only if it certifies the first candidate
     stats: GateStats = field(default_factory=GateStats)
     cache: dict[str, Verdict] = field(default_factory=dict)
     bad_changes: dict[Change, str] = field(default_factory=dict)
@@ -68,6 +68,7 @@ class Judge:
         self.ranges = [{k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in inp.items()}
                        for inp in self.calibration]
         self.bindings = [self.graph.bind_symbols(inp) for inp in self.calibration]
+        self.static_note = ""
 
     def judge(self, program: Program, changes: frozenset[Change] = frozenset()) -> Verdict:
         key = program_key(program)
@@ -83,6 +84,13 @@ class Judge:
             self.cache[key] = v
             return v
         v = self._static(program) if self.use_static else None
+        if self.use_static == "auto":
+            # The first candidate (the FP32 baseline) decides: a static stage that cannot certify FP32
+            # will not certify lower precisions either, and costs more than measuring them.
+            certified = v is not None and v.passed
+            self.use_static = certified
+            self.static_note = ("static bounds certify the FP32 baseline: static stage on" if certified else
+                                "static bounds do not certify the FP32 baseline: measurement decides")
         if v is None:
             v = self._measure(program)
         self.cache[key] = v
@@ -108,8 +116,8 @@ class Judge:
                     ratio = float(np.max(np.where(err == 0, 0.0, err / tol))) if err.size else 0.0
                 worst = max(worst, ratio)
                 bound = max(bound, float(np.max(err)) if err.size else 0.0)
-        if self.budget.metrics or not worst <= 1.0:
-            return None  # other metrics need measurement; a bound above budget proves nothing
+            if self.budget.metrics or not worst <= 1.0:
+                return None  # other metrics need measurement; a bound above budget proves nothing
         self.stats.static += 1
         return Verdict(True, "static", worst, np.nan, bound, f"certified: static bound ratio {worst!r} <= 1")
 

@@ -18,7 +18,7 @@ import numpy as np
 from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.variants import GEMM_VARIANTS
-from ..hlir.gemm import gemm_apply
+from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result, read_operand
 from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import evaluate as eval_dim
 from .interval import Interval, derivative_bound, hull, transfer
@@ -257,33 +257,41 @@ class StaticAnalyzer:
             err = err + get(fmt).unit_roundoff * (iv.hi + err) + get(fmt).min_subnormal / 2
         return _Val(iv, err * SLACK)
 
+    def _gemm_operand(self, k: Kernel, i: int):
+        """(lo, hi, err) of a Gemm operand as (batch, M, K) / (batch, K, N) arrays: the broadcast axes
+        are dropped before any elementwise work, so nothing of the Mul's full size is materialised."""
+        inp = k.inputs[i]
+        src = self.vals[inp.buffer]
+        pick = gemm_operand_a if i == 0 else gemm_operand_b
+        shape = src.iv.lo.shape
+        arrays = (src.iv.lo, src.iv.hi, np.broadcast_to(src.err, shape))
+        return tuple(pick(read_operand(inp.view, np.ascontiguousarray(x), self.bindings), k.layout) for x in arrays)
+
     def gemm(self, k: Kernel) -> _Val:
-        a, b = self.read(k, 0), self.read(k, 1)
         lay = k.layout
         variant = GEMM_VARIANTS[k.precision or "f32"]
-
-        def mm(x, y):
-            return np.matmul(x, y)
+        (alo, ahi, aerr), (blo, bhi, berr) = self._gemm_operand(k, 0), self._gemm_operand(k, 1)
+        full = [eval_dim(d, self.bindings) for d in lay.full_shape]
         with np.errstate(all="ignore"):
-            mid_a, rad_a = _mid_rad(a.iv)
-            mid_b, rad_b = _mid_rad(b.iv)
-            center = gemm_apply(mid_a, mid_b, lay, mm)
-            radius = (gemm_apply(np.abs(mid_a), rad_b, lay, mm) + gemm_apply(rad_a, np.abs(mid_b), lay, mm)
-                      + gemm_apply(rad_a, rad_b, lay, mm))
-            mag_a, mag_b = _mag(a.iv), _mag(b.iv)
+            a_iv, b_iv = Interval(alo, ahi), Interval(blo, bhi)
+            mid_a, rad_a = _mid_rad(a_iv)
+            mid_b, rad_b = _mid_rad(b_iv)
+            mm = np.matmul
+            center = mm(mid_a, mid_b)
             scale = 1.0 + 2.0 ** -30  # BLAS rounding in these non-negative bound products
-            radius = radius * scale + np.abs(center) * 2.0 ** -50
+            radius = (mm(np.abs(mid_a), rad_b) + mm(rad_a, np.abs(mid_b)) + mm(rad_a, rad_b)) * scale \
+                + np.abs(center) * 2.0 ** -50
             lo, hi = center - radius, center + radius
-            iv = Interval(np.where(np.isnan(lo), -np.inf, lo), np.where(np.isnan(hi), np.inf, hi))
-            prop = (gemm_apply(mag_a, b.err, lay, mm) + gemm_apply(a.err, mag_b, lay, mm)
-                    + gemm_apply(a.err, b.err, lay, mm)) * scale
-            wa, wb = _mag(a.wide), _mag(b.wide)
-            abs_dot = gemm_apply(wa, wb, lay, mm) * scale
-            kk = a.iv.lo.shape[lay.k_axis]
-            rounding = variant.a_priori_bound(kk, abs_dot, float(np.max(wa)) if wa.size else 0.0,
+            mag_a, mag_b = a_iv.magnitude, b_iv.magnitude
+            prop = (mm(mag_a, berr) + mm(aerr, mag_b) + mm(aerr, berr)) * scale
+            wa, wb = mag_a + aerr, mag_b + berr
+            abs_dot = mm(wa, wb) * scale
+            rounding = variant.a_priori_bound(alo.shape[-1], abs_dot, float(np.max(wa)) if wa.size else 0.0,
                                               float(np.max(wb)) if wb.size else 0.0)
-        err = np.nan_to_num(prop + rounding, nan=np.inf) * SLACK
-        return _Val(iv, err)
+            err = np.nan_to_num(prop + rounding, nan=np.inf) * SLACK
+        lo = gemm_result(np.where(np.isnan(lo), -np.inf, lo), lay, full)
+        hi = gemm_result(np.where(np.isnan(hi), np.inf, hi), lay, full)
+        return _Val(Interval(lo, hi), gemm_result(err, lay, full))
 
 
 def _mid_rad(iv: Interval) -> tuple[np.ndarray, np.ndarray]:

@@ -110,8 +110,8 @@ def _matmul_layout(graph: Graph, node: Node, consumers: dict[int, list[int]]):
     mul = graph.nodes[node.srcs[0].node]
     if mul.op is not Op.MUL or consumers[mul.id] != [node.id] or not node.srcs[0].view.is_contiguous:
         return None
-    from .gemm import gemm_layouts
-    lays = gemm_layouts(mul.srcs[0].view, mul.srcs[1].view, node.attr("axis"))
+    from .gemm import gemm_layouts, split_operand
+    lays = gemm_layouts(split_operand(mul.srcs[0].view)[1], split_operand(mul.srcs[1].view)[1], node.attr("axis"))
     return (mul, lays[0]) if lays else None
 
 
@@ -131,9 +131,9 @@ def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision
         if nid in by_reduce:
             mul_id, lay = by_reduce[nid]
             mul = graph.nodes[mul_id]
-            a, b = (s.view.realize(values[s.node], bindings) for s in mul.srcs)
+            from .gemm import gemm_apply, read_operand
+            a, b = (read_operand(s.view, values[s.node], bindings) for s in mul.srcs)
             dt = np.float32 if precision == "f32" else np.float64
-            from .gemm import gemm_apply
             out = gemm_apply(a, b, lay, lambda x, y: np.matmul(x.astype(dt), y.astype(dt)))
             values[nid] = _round(np.asarray(out, dtype=np.float64), node.dtype, precision)
             continue

@@ -52,6 +52,21 @@ class GemmLayout:
                 self.n_axes, self.variant)
 
 
+def split_operand(st: ShapeTracker) -> tuple[ShapeTracker | None, ShapeTracker]:
+    """(lower views to materialise first or None, the single top view the Gemm reads with)."""
+    if len(st.views) == 1:
+        return None, st
+    return ShapeTracker(st.views[:-1]), ShapeTracker((st.views[-1],))
+
+
+def read_operand(st: ShapeTracker, buffer, bindings):
+    """An operand over the Mul shape: materialise stacked lower views, then a strided top-view read."""
+    inner, top = split_operand(st)
+    if inner is not None:
+        buffer = inner.realize(buffer, bindings)
+    return top.realize(buffer, bindings)
+
+
 def _single_unmasked(st: ShapeTracker) -> bool:
     return len(st.views) == 1 and st.views[0].mask is None
 
@@ -92,26 +107,38 @@ def _mergeable_out(shape, k_axis, axes) -> bool:
     return all(b == a + 1 for a, b in zip(out_pos, out_pos[1:])) and all(is_const(shape[a]) or True for a in axes)
 
 
-def gemm_apply(a_full, b_full, layout: GemmLayout, matmul) -> "np.ndarray":
-    """C = sum_k a*b for operands given over the full Mul shape (strided, broadcast axes stride 0).
+def gemm_operand_a(a_full, layout: GemmLayout):
+    """A over the full Mul shape (strided, stride 0 along N axes) -> contiguous (batch, M, K)."""
+    return _operand(a_full, layout, layout.n_axes, (*layout.batch_axes, *layout.m_axes, layout.k_axis))
 
-    The broadcast axes are dropped (index 0), the rest permuted to (batch, M, K) / (batch, K, N),
-    `matmul` is applied, and the result is permuted back to the output's axis order.
-    """
+
+def gemm_operand_b(b_full, layout: GemmLayout):
+    """B over the full Mul shape (strided, stride 0 along M axes) -> contiguous (batch, K, N)."""
+    return _operand(b_full, layout, layout.m_axes, (*layout.batch_axes, layout.k_axis, *layout.n_axes))
+
+
+def _operand(full_arr, layout: GemmLayout, drop, order):
     import numpy as np
-    full = a_full.shape
-    a = a_full[tuple(0 if ax in layout.n_axes else slice(None) for ax in range(len(full)))]
-    b = b_full[tuple(0 if ax in layout.m_axes else slice(None) for ax in range(len(full)))]
-    keep_a = [ax for ax in range(len(full)) if ax not in layout.n_axes]
-    keep_b = [ax for ax in range(len(full)) if ax not in layout.m_axes]
-    a = np.transpose(a, [keep_a.index(ax) for ax in (*layout.batch_axes, *layout.m_axes, layout.k_axis)])
-    b = np.transpose(b, [keep_b.index(ax) for ax in (*layout.batch_axes, layout.k_axis, *layout.n_axes)])
-    nb = int(np.prod([full[ax] for ax in layout.batch_axes], dtype=np.int64))
-    m = int(np.prod([full[ax] for ax in layout.m_axes], dtype=np.int64))
-    n = int(np.prod([full[ax] for ax in layout.n_axes], dtype=np.int64))
-    kk = full[layout.k_axis]
-    c = matmul(np.ascontiguousarray(a).reshape(nb, m, kk), np.ascontiguousarray(b).reshape(nb, kk, n))
+    full = full_arr.shape
+    x = full_arr[tuple(0 if ax in drop else slice(None) for ax in range(len(full)))]
+    keep = [ax for ax in range(len(full)) if ax not in drop]
+    x = np.transpose(x, [keep.index(ax) for ax in order])
+    size = lambda axes: int(np.prod([full[ax] for ax in axes], dtype=np.int64))  # noqa: E731
+    first = size(layout.batch_axes)
+    if order[-1] == layout.k_axis:  # A: (batch, M, K)
+        return np.ascontiguousarray(x).reshape(first, size(layout.m_axes), full[layout.k_axis])
+    return np.ascontiguousarray(x).reshape(first, full[layout.k_axis], size(layout.n_axes))
+
+
+def gemm_result(c, layout: GemmLayout, full_shape) -> "np.ndarray":
+    """(batch, M, N) -> the output tensor in the SumReduce's axis order."""
+    import numpy as np
     order = (*layout.batch_axes, *layout.m_axes, *layout.n_axes)
-    c = np.asarray(c).reshape([full[ax] for ax in order])
-    out_axes = [ax for ax in range(len(full)) if ax != layout.k_axis]
+    c = np.asarray(c).reshape([full_shape[ax] for ax in order])
+    out_axes = [ax for ax in range(len(full_shape)) if ax != layout.k_axis]
     return np.transpose(c, [order.index(ax) for ax in out_axes])
+
+
+def gemm_apply(a_full, b_full, layout: GemmLayout, matmul) -> "np.ndarray":
+    """C = sum_k a*b for operands given over the full Mul shape (strided, broadcast axes stride 0)."""
+    return gemm_result(matmul(gemm_operand_a(a_full, layout), gemm_operand_b(b_full, layout)), layout, a_full.shape)

@@ -13,7 +13,7 @@ from typing import Mapping
 import numpy as np
 
 from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
-from ..dtypes.formats import F32, Format, Kind
+from ..dtypes.formats import F32, Format, Kind, get as get_format
 from ..hlir.evaluate import softmax
 from ..hlir.gemm import gemm_apply
 from ..hlir.ops import CUSTOM_KINDS, Op
@@ -124,8 +124,13 @@ class CpuRuntime:
         if kind is KernelKind.MAX:
             return _round(np.max(self._body(k.body, k, stored, bindings), axis=k.axis), k.dtype)
         if kind is KernelKind.SOFTMAX:
+            x = self._body(k.body, k, stored, bindings)
+            compute = None if k.precision in (None, "f32") else get_format(k.precision)
             with np.errstate(all="ignore"):
-                return _round(softmax(self._body(k.body, k, stored, bindings), k.axis), k.dtype)
+                if compute is None:
+                    return _round(softmax(x, k.axis), k.dtype)
+                # a low-precision softmax: inputs and result rounded to the compute format
+                return _round(_round(softmax(_round(x, compute), k.axis), compute), k.dtype)
         if kind is KernelKind.GEMM:
             return _round(run_gemm(k, stored, bindings), k.dtype)
         if kind is KernelKind.GATHER:

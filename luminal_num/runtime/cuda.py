@@ -157,14 +157,20 @@ class CudaRuntime:
         self._modules: dict[str, object] = {}
         self._lt: CublasLt | None | str = None
         self.workspace = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
-        self.cublas = cupy.cuda.device.get_cublas_handle()
         from cupy.cuda import cublas
         self._cublas_api = cublas
+        self.cublas = cublas.create()  # our own handle: its modes do not leak into CuPy's
         cublas.setPointerMode(self.cublas, 0)  # CUBLAS_POINTER_MODE_HOST: alpha/beta are host scalars
+        cublas.setMathMode(self.cublas, 0)  # CUBLAS_DEFAULT_MATH: only the compute type may relax FP32
+        cublas.setStream(self.cublas, self.stream.ptr)
         if hasattr(cublas, "setWorkspace"):
             cublas.setWorkspace(self.cublas, self.workspace.data.ptr, WORKSPACE_BYTES)
         for src in self.sources.values():
             self._load(src)
+
+    def __del__(self):
+        if getattr(self, "cublas", None):
+            self._cublas_api.destroy(self.cublas)
 
     # -- modules ----------------------------------------------------------------------------------------
     def _load(self, src: KernelSource) -> None:
@@ -246,7 +252,7 @@ class CudaRuntime:
         values = self.sources[kid].dyn_values(state.bindings)
         if values:
             args.append(state.dyn[values])
-        self._functions[launch.entry](grid, block, tuple(args), stream=self.stream)
+        self._functions[launch.entry](grid, block, tuple(args))  # on the current stream: self.stream
 
     def _address(self, state: _Prepared, kid: int, arg: Arg, offset: int, fmt: Format) -> int:
         return self._pointer(state, kid, arg).data.ptr + offset * fmt.storage.itemsize
@@ -268,7 +274,6 @@ class CudaRuntime:
         scalar = np.float16 if call.compute_type == "CUBLAS_COMPUTE_16F" else np.float32
         alpha, beta = np.ones(1, scalar), np.zeros(1, scalar)
         e = CUBLAS_ENUMS
-        self._cublas_api.setStream(self.cublas, self.stream.ptr)
         self._cublas_api.gemmStridedBatchedEx(
             self.cublas, e["CUBLAS_OP_T"] if call.transa else e["CUBLAS_OP_N"],
             e["CUBLAS_OP_T"] if call.transb else e["CUBLAS_OP_N"], call.m, call.n, call.k, alpha.ctypes.data,

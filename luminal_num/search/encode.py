@@ -10,7 +10,7 @@ from typing import Generic, Hashable, TypeVar
 
 from egglog import EGraph, set_
 
-from ..hlir.gemm import GemmLayout, gemm_layouts
+from ..hlir.gemm import GemmLayout, gemm_layouts, split_operand
 from ..hlir.graph import Graph
 from ..hlir.ops import Op
 from ..hlir.partition import Chunk
@@ -133,8 +133,4 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
 
 def _gemm_operand_views(mul) -> tuple[ShapeTracker, ShapeTracker]:
     """The views the Gemm reads: the Mul's views, or the top view of each if it must be split."""
-    out = []
-    for s in mul.srcs:
-        st = s.view
-        out.append(ShapeTracker((st.views[-1],)) if len(st.views) > 1 else st)
-    return out[0], out[1]
+    return split_operand(mul.srcs[0].view)[1], split_operand(mul.srcs[1].view)[1]

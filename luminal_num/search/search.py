@@ -121,21 +121,41 @@ class Searcher:
         self.mutate(singles)
         self.bar.close()
         passing = [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
-        chosen = min(passing, key=lambda e: (e.latency_s, e.verdict.error, e.id)) if passing else None
+        chosen = choose(passing)
         stats = {"candidates": len(self.evaluated), "seconds": time.perf_counter() - self.t0,
                  **self.judge.stats.as_dict()}
         return SearchResult(self.evaluated, baselines, chosen, stats)
 
     def sensitivity(self, base: Evaluated) -> list[Evaluated]:
-        """Each change alone against the FP32 baseline; failures prune every candidate containing them."""
-        out = []
-        for change in self.space.all_changes():
-            if not self.budget_left():
-                break
-            e = self.evaluate(frozenset([change]), "sensitivity")
-            self.judge.note_isolated(change, e.verdict)
-            out.append(e)
+        """Each change alone against the FP32 baseline; a failure prunes every candidate containing it.
+
+        Per knob, the variants are grouped into speed classes (the target's peak for their math, the
+        bytes they store) and walked fastest class first, breadth-first over knobs; within a class only
+        the a-priori most accurate variant is tried (the others cost the same and are less accurate),
+        and a knob stops after two classes pass (a fast choice and a safer one for the greedy step).
+        """
+        cap = int(self.opt.max_candidates * 0.6)
+        plans = []
+        for gk, ks in self.space.knobs.items():
+            for k in ks:
+                plans.append([(gk, k.cls, tags[0]) for tags in variant_classes(k.tags, self.opt.target)])
+        kinds = {"gemm": 0, "sum": 1, "softmax": 2, "ew": 3}
+        plans.sort(key=lambda p: kinds.get(p[0][2].split(":")[0], 4) if p else 9)
+        out, passed = [], [0] * len(plans)
+        for round_ in range(max((len(p) for p in plans), default=0)):
+            for i, p in enumerate(plans):
+                if round_ >= len(p) or passed[i] >= 2:
+                    continue
+                if not self.budget_left() or self._count("sensitivity") >= cap:
+                    return out
+                e = self.evaluate(frozenset([p[round_]]), "sensitivity")
+                self.judge.note_isolated(p[round_], e.verdict)
+                out.append(e)
+                passed[i] += e.verdict.passed
         return out
+
+    def _count(self, stage: str) -> int:
+        return sum(1 for e in self.evaluated if e.stage == stage)
 
     def greedy(self, base: Evaluated, singles: list[Evaluated]) -> None:
         """Add passing changes in order of latency gain per unit of error while the whole stays in budget."""
@@ -151,7 +171,9 @@ class Searcher:
         current, current_lat = frozenset(), base.latency_s
         for e in useful:
             (change,) = tuple(e.genome)
-            if any((g, c) == change[:2] for g, c, _ in current) or not self.budget_left():
+            if not self.budget_left() or self._count("greedy") >= max(int(self.opt.max_candidates * 0.25), 1):
+                break
+            if any((g, c) == change[:2] for g, c, _ in current):
                 continue
             trial = self.evaluate(current | {change}, "greedy")
             if trial.verdict.passed and trial.latency is not None and trial.latency_s < current_lat:
@@ -189,6 +211,51 @@ class Searcher:
                 out.append(e)
                 best_err = e.verdict.error
         return out
+
+
+LATENCY_TIE = 1e-3  # relative: latencies this close are a tie, broken by lower error
+
+
+def choose(passing: list[Evaluated]) -> Evaluated | None:
+    """The fastest passing candidate; among those within LATENCY_TIE of it, the most accurate."""
+    if not passing:
+        return None
+    fastest = min(e.latency_s for e in passing)
+    near = [e for e in passing if e.latency_s <= fastest * (1 + LATENCY_TIE)]
+    return min(near, key=lambda e: (e.verdict.error, e.latency_s, e.id))
+
+
+def variant_classes(tags, target: str) -> list[list[str]]:
+    """Non-FP32 tags grouped by speed (fastest first), each group ordered most accurate first.
+
+    Speed: a Gemm variant's math peak on the target; a storage variant's bytes per element.
+    Accuracy: the variant's a-priori bound (Gemms) or its unit roundoffs (storage, accumulators).
+    """
+    from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
+    from ..runtime.latency import _GEMM_MATH
+    from ..runtime.targets import get_target
+    t = get_target(target)
+    t = get_target("h200") if t.measured_only else t
+
+    def key(tag: str) -> tuple[float, float]:
+        kind, name = tag.split(":", 1)
+        if kind == "gemm":
+            v = GEMM_VARIANTS[name]
+            math, tc = _GEMM_MATH[v.a_format.name]
+            peak = (t.tensor_cores if tc else t.cuda_cores).rate(math) or 0.0
+            return -peak, float(v.a_priori_bound(1024, 1024.0, 1.0, 1.0))
+        if kind == "ew":
+            p = ELEMENTWISE_VARIANTS[name]
+            return p.storage.bits, p.storage.unit_roundoff + p.compute.unit_roundoff
+        if kind == "sum":
+            p = REDUCE_VARIANTS[name]
+            return p.storage.bits, p.storage.unit_roundoff + p.acc.unit_roundoff
+        return 0.0, 0.0
+    groups: dict[float, list[str]] = {}
+    for tag in tags:
+        if tag != "f32":
+            groups.setdefault(key(tag)[0], []).append(tag)
+    return [sorted(groups[s], key=lambda tg: (key(tg)[1], tg)) for s in sorted(groups)]
 
 
 def search(space: SearchSpace, judge: Judge, options: SearchOptions, latency_inputs=None) -> SearchResult:

@@ -37,7 +37,11 @@ class SearchSpace:
         return [g.key for g in self.part.groups].index(key)
 
     def all_changes(self) -> list[Change]:
-        return [(gk, k.cls, tag) for gk, ks in self.knobs.items() for k in ks for tag in k.tags if tag != BASE]
+        """Every single precision change, Gemms first (where the time goes), then reductions, softmax,
+        elementwise storage; group order and tag order are kept, so the list is deterministic."""
+        kinds = {"gemm": 0, "sum": 1, "softmax": 2, "ew": 3}
+        out = [(gk, k.cls, tag) for gk, ks in self.knobs.items() for k in ks for tag in k.tags if tag != BASE]
+        return sorted(out, key=lambda c: kinds.get(c[2].split(":")[0], 4))
 
     def candidates(self, genome: Iterable[Change]) -> dict[int, Candidate]:
         per_group: dict[str, dict[str, str]] = {gk: {} for gk in self.groups}

@@ -1,0 +1,76 @@
+"""The models the CLI and the benchmarks know by name, with calibration and held-out inputs.
+
+Each job fixes the graph's static sizes and ships its data: MiniLM on real sentences (the text files
+in models/data), the Llama config on seeded random tokens, the test transformer on seeded noise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..hlir.graph import Graph
+
+
+@dataclass(frozen=True)
+class ModelJob:
+    name: str
+    graph: Graph
+    calibration: tuple[dict, ...]   # input batches the contract is judged on
+    heldout: tuple[dict, ...]       # input batches audit re-checks the plan on
+    default_budget: str
+    description: str
+
+
+def _batches(items, size):
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def minilm_job(batch: int = 12) -> ModelJob:
+    from .assets import Tokenizer, load_sentences, minilm_files
+    from .bert import load_minilm
+    tok = Tokenizer.from_files(minilm_files())
+    cal, held = load_sentences("calibration"), load_sentences("heldout")
+    seq = int(max(tok.encode_batch(cal).ids.shape[1], tok.encode_batch(held).ids.shape[1]))
+    model = load_minilm(batch, seq)
+
+    def feed(sentences):
+        out = []
+        for chunk in _batches(sentences, batch):
+            chunk = chunk + chunk[: batch - len(chunk)] if len(chunk) < batch else chunk  # fill a short batch
+            out.append(model.make_inputs(tok.encode_batch(chunk)))
+        return tuple(out)
+    return ModelJob("minilm", model.graph, feed(cal), feed(held),
+                    "atol=4e-3,rtol=0,cosine>=0.999",
+                    f"all-MiniLM-L6-v2 sentence embeddings, batch {batch} x {seq} tokens, real sentences")
+
+
+def llama_tiny_job(seq: int = 16, layers: int | None = None) -> ModelJob:
+    from .llama import LLAMA_TINY, build_prefill, random_weights
+    cfg = LLAMA_TINY if layers is None else LLAMA_TINY.with_layers(layers)
+    model = build_prefill(cfg, random_weights(cfg, seed=0), seq=seq, max_cache=2 * seq)
+
+    def feed(seeds):
+        return tuple(model.make_inputs(np.random.default_rng(s).integers(0, cfg.vocab_size, seq), np.arange(seq))
+                     for s in seeds)
+    return ModelJob("llama-tiny", model.graph, feed([1, 2]), feed([101, 102]), "atol=5e-2,rtol=5e-2,outputs=logits",
+                    f"Llama-style decoder ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, GQA), "
+                    f"random weights, prefill of {seq} tokens")
+
+
+def transformer_job(layers: int = 2) -> ModelJob:
+    from .testnets import transformer
+    m = transformer(layers)
+    return ModelJob("transformer", m.graph, (m.make_inputs(1),), (m.make_inputs(101), m.make_inputs(102)),
+                    "atol=1e-2,rtol=1e-2", f"test transformer, {layers} layers, seeded weights")
+
+
+JOBS: dict[str, Callable[[], ModelJob]] = {"minilm": minilm_job, "llama-tiny": llama_tiny_job,
+                                           "transformer": transformer_job}
+
+
+def load_job(name: str) -> ModelJob:
+    if name not in JOBS:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(JOBS)}")
+    return JOBS[name]()
