@@ -12,6 +12,7 @@ import numpy as np
 
 from .codegen.llir import Program
 from .error.budget import Budget
+from .error.groups import GroupEstimator
 from .error.judge import Judge
 from .hlir.evaluate import evaluate_nodes
 from .hlir.graph import Graph
@@ -65,7 +66,8 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
         raise ValueError("compile needs calibration inputs (a list of input dicts)")
     _check_inputs(graph, calibration)
     space = space or SearchSpace.build(graph)
-    judge = Judge(graph, budget, list(calibration), use_static=use_static)
+    estimator = GroupEstimator(graph, space, calibration[0]) if len(space.part.chunks) > 1 else None
+    judge = Judge(graph, budget, list(calibration), use_static=use_static, estimator=estimator)
     result = search(space, judge, options, latency_inputs=calibration[0])
     if result.chosen is None:
         tried = [e for e in result.evaluated if np.isfinite(e.verdict.error)]

@@ -33,7 +33,7 @@ from luminal_num.hlir.partition import partition
 from luminal_num.hlir.shape import ShapeTracker
 from luminal_num.hlir.symbolic import evaluate, prod, sym
 from luminal_num.models.testnets import all_test_models, transformer
-from luminal_num.quant.scales import compute_scales
+from luminal_num.quant import compute_scales, quantize
 from luminal_num.runtime.cpu import CpuRuntime, bind_program
 from luminal_num.search.choice import random_candidate
 from luminal_num.search.saturate import saturate_group
@@ -69,15 +69,10 @@ def stored_values(program: Program, feed: dict) -> dict[int, np.ndarray]:
     return out
 
 
-def interpret(program: Program, kernel: Kernel, stored: dict[int, np.ndarray], bindings: dict) -> np.ndarray:
-    """The kernel's output computed by running its generated C (every launch) in the interpreter."""
-    src = render_kernel(kernel, program)
+def run_launches(src, launches, program: Program, stored: dict, bindings: dict, out: Buffer, scratch: list) -> None:
+    """Run launches of a KernelSource in the interpreter (lockstep threads where the entry synchronises)."""
     integer = {k.id: k.dtype.kind is Kind.INT for k in program.kernels}
-    n = kernel.numel(bindings)
-    first = stored[kernel.inputs[0].buffer] if kernel.kind is KernelKind.SCATTER_NOCOPY else np.zeros(n)
-    out = Buffer(np.array(first, dtype=np.float64).reshape(-1), integer[kernel.id])
-    scratch = [Buffer(np.zeros(s.numel(bindings)), False) for s in src.scratch]
-    for launch_ in src.launches:
+    for launch_ in launches:
         fn, params = compile_entry(src.source, launch_.entry)
         args = {}
         for name, arg in zip(params, launch_.args):
@@ -93,15 +88,25 @@ def interpret(program: Program, kernel: Kernel, stored: dict[int, np.ndarray], b
             launch(fn, args, *launch_.config(bindings))  # cooperating threads (the tiled Gemm)
         else:
             fn(**args)
+
+
+def interpret(program: Program, kernel: Kernel, stored: dict[int, np.ndarray], bindings: dict) -> np.ndarray:
+    """The kernel's output computed by running its generated C (every launch) in the interpreter."""
+    src = render_kernel(kernel, program)
+    first = stored[kernel.inputs[0].buffer] if kernel.kind is KernelKind.SCATTER_NOCOPY else \
+        np.zeros(kernel.numel(bindings))
+    out = Buffer(np.array(first, dtype=np.float64).reshape(-1), kernel.dtype.kind is Kind.INT)
+    scratch = [Buffer(np.zeros(s.numel(bindings)), False) for s in src.scratch]
+    run_launches(src, src.launches, program, stored, bindings, out, scratch)
     return out.values.reshape([evaluate(d, bindings) for d in kernel.shape])
 
 
-def tolerance(kernel: Kernel, ref: np.ndarray) -> float:
+def tolerance(kernel: Kernel, ref: np.ndarray, bindings=None) -> float:
     """0 where CUDA and the CPU backend agree bit for bit; else the documented envelope."""
     scale = float(np.max(np.abs(ref), initial=0.0)) + 1.0
     if kernel.kind is KernelKind.SUM:
         narrow = kernel.acc not in (None, F32, F64)
-        return 0.0 if narrow else kernel.body_shape[kernel.axis] * 2.0 ** -23 * scale
+        return 0.0 if narrow else evaluate(kernel.body_shape[kernel.axis], bindings or {}) * 2.0 ** -23 * scale
     if kernel.kind is KernelKind.SOFTMAX:
         return 2.0 ** -18
     return 0.0 if is_exact(kernel.body) else 2.0 ** -18 * scale
@@ -115,7 +120,7 @@ def check_against_cpu(program: Program, feed: dict, kernels=None) -> int:
         if k.kind is KernelKind.GEMM:
             continue
         got, ref = interpret(program, k, stored, bindings), stored[k.id].reshape([evaluate(d, bindings) for d in k.shape])
-        np.testing.assert_allclose(got, ref, rtol=0, atol=tolerance(k, ref), err_msg=f"kernel {k.id} {k.kind}")
+        np.testing.assert_allclose(got, ref, rtol=0, atol=tolerance(k, ref, bindings), err_msg=f"kernel {k.id} {k.kind}")
         checked += 1
     return checked
 
@@ -268,8 +273,9 @@ def test_hand_built_kernel_matches_cpu_backend(case):
     assert check_against_cpu(program, feed_for(program, np.random.default_rng(3))) == 1
 
 
-def test_narrow_accumulators_and_saturation_are_exercised():
-    """The hand-built inputs really overflow fp8 (so saturation is checked) and round in bf16."""
+def test_ln_round_format_is_round_to_and_the_fp8_case_overflows():
+    """ln_round_format (as the interpreter runs it) is rounding.round_to for a narrow accumulator under both
+    overflow policies; and the fp8 hand-built case really overflows, so its saturation is checked."""
     rng = np.random.default_rng(3)
     a = feed_for(HAND_BUILT["round_to_bf16_and_fp8"], rng)["a"]
     assert np.max(np.abs(a * 300.0)) > F8E4M3.max_finite
@@ -386,7 +392,8 @@ SCALED = [name for name, v in GEMM_VARIANTS.items() if v.a_scale is not None]
 
 @pytest.mark.parametrize("name", SCALED)
 def test_scale_kernels_compute_the_quantizers_scales(name):
-    """Ragged blocks (M=5, K=160, N=130 against 128-blocks), one all-zero row of A (scale 1)."""
+    """Ragged blocks (M=5, K=160, N=130 against 128-blocks), one all-zero row of A (scale 1); for
+    cuBLASLt also the FP8 operands its prologue writes K-contiguous."""
     variant = GEMM_VARIANTS[name]
     a_view = ShapeTracker.contiguous((5, 160)).expand_dim(1, 130)
     b_view = ShapeTracker.contiguous((160, 130)).permute((1, 0)).expand_dim(0, 5)
@@ -394,16 +401,21 @@ def test_scale_kernels_compute_the_quantizers_scales(name):
                          dtype=F32, inputs=(KernelInput(0, a_view), KernelInput(1, b_view)),
                          layout=gemm_layouts(a_view, b_view, 2)[0], precision=name)
     rng = np.random.default_rng(5)
-    a, b = rng.standard_normal((5, 160)) * 40, rng.standard_normal((160, 130))
+    a, b = (rng.standard_normal((5, 160)) * 40).astype(np.float32), rng.standard_normal((160, 130)).astype(np.float32)
     a[2] = 0.0
     src = render_kernel(program.kernels[-1], program)
-    stored = {0: a.astype(np.float32).astype(np.float64), 1: b.astype(np.float32).astype(np.float64)}
-    for slot, (x, spec) in enumerate(((a, variant.a_scale), (b, variant.b_scale))):
-        fn, params = compile_entry(src.source, src.launches[slot].entry)
-        scale = Buffer(np.zeros(src.scratch[slot].numel({})), False)
-        fn(**{params[0]: scale, params[1]: Buffer(stored[slot].reshape(-1), False)})
-        expected = compute_scales(x.astype(np.float32), variant.a_format if slot == 0 else variant.b_format, spec)
-        np.testing.assert_array_equal(scale.values, expected.reshape(-1).astype(np.float64))
+    scratch = [Buffer(np.zeros(s.numel({})), False) for s in src.scratch]
+    stored = {0: a, 1: b}
+    launches = src.gemm.prologue if src.gemm is not None else src.launches[:2]
+    run_launches(src, launches, program, stored, {}, None, scratch)
+    operands = ((a, variant.a_format, variant.a_scale), (b, variant.b_format, variant.b_scale))
+    for slot, (x, fmt, spec) in enumerate(operands):
+        expected = compute_scales(x, fmt, spec)
+        np.testing.assert_array_equal(scratch[slot].values, expected.reshape(-1))
+        if src.gemm is not None:  # A as (M, K), B as (N, K): x / s rounded to fmt, saturating
+            q = quantize(x, fmt, expected, spec)
+            np.testing.assert_array_equal(scratch[2 + slot].values, (q if slot == 0 else q.T).reshape(-1))
+    assert (src.gemm is not None) == (name in EXPECTED_CALLS)
 
 
 # -- every kernel of every test model compiles, each distinct source once ------------------------------------

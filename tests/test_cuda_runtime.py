@@ -151,4 +151,5 @@ def test_fp64_reference_agrees_on_a_symbolic_model():
     x = np.random.default_rng(2).standard_normal((5, 32))
     ref = evaluate_fp64(model.graph, {"x": x})["y"]
     got = CudaRuntime(program, model.graph.weights).run({"x": x}).outputs["y"]
-    assert np.max(np.abs(got - ref)) <= 64 * 2.0 ** -24 * 5 * float(np.max(np.abs(ref)))
+    # twice test_pipeline's FP32 envelope: CUDA's exp2f/tanhf are 2-ulp functions, not correctly rounded
+    assert np.max(np.abs(got - ref)) <= 128 * 2.0 ** -24 * float(np.max(np.abs(ref)))

@@ -49,6 +49,7 @@ class FConstV:
 class FRoundTo:
     x: "FExpr"
     fmt: Format
+    origin: str = ""  # the HLIR op whose value is rounded (a fused low-precision producer), for messages
 
 
 @dataclass(frozen=True)

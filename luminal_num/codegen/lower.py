@@ -121,7 +121,12 @@ class _ChunkLowering:
             shapes.append(self.view(ch[1]).shape)
             return FConstV(self.const(ch[0]))
         if op == "FRound":
-            return FRoundTo(self.scalar(ch[0].id, inputs, shapes), get_format(ch[1]))
+            inner = self.scalar(ch[0].id, inputs, shapes)
+            if ch[1] == "f32":
+                return inner  # bodies compute in FP32: rounding to it is exact
+            reads = [a.children[0].id for a in self.space.classes[cid] if a.op == "Load"]
+            origin = self.space.class_origin.get(reads[0], "") if reads else ""
+            return FRoundTo(inner, get_format(ch[1]), origin)
         if op == "FCustom":
             return FApply(Op.CUSTOM, (self.scalar(ch[1].id, inputs, shapes),), kind=ch[0])
         hop = UNARY_BY_NAME.get(op) or BINARY_BY_NAME.get(op)
@@ -166,3 +171,21 @@ def _legalize_inplace(p: Program) -> Program:
                 k = Kernel(**{**k.__dict__, "kind": KernelKind.SCATTER, "aliases": None})
         fixed.append(k)
     return Program(tuple(fixed), p.inputs, p.outputs, p.exports)
+
+
+def lower_chunk_program(graph: Graph, chunk, gs: GroupSpace, cand: Candidate) -> Program:
+    """One chunk alone: its external sources become inputs named "%<node id>", its exports outputs.
+
+    Used to judge a group in isolation from exact (FP64) inputs, and to measure its amplification.
+    """
+    b = _Builder()
+    slots, inputs = [], []
+    for nid in chunk.external:
+        node = graph.nodes[nid]
+        kid = b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=node.shape, dtype=node.dtype, external=f"%{nid}",
+                    label=f"external %{nid}")
+        slots.append(kid)
+        inputs.append((f"%{nid}", kid))
+    low = _ChunkLowering(b, gs, cand, slots, chunk.index)
+    outputs = tuple((f"%{chunk.nodes[local]}", low.tensor(cid)) for local, cid in gs.space.roots)
+    return _legalize_inplace(Program(tuple(b.kernels), tuple(inputs), outputs))

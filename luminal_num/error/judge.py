@@ -37,11 +37,16 @@ class Verdict:
 class GateStats:
     cache: int = 0
     static: int = 0
-    measured: int = 0
+    groups: int = 0      # rejected by the composed per-group estimate (no end-to-end run)
+    measured: int = 0    # end-to-end measurements
     pruned: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return dict(cache=self.cache, static=self.static, measured=self.measured, pruned=self.pruned)
+        return dict(cache=self.cache, static=self.static, groups=self.groups, measured=self.measured,
+                    pruned=self.pruned)
+
+
+SCREEN_FACTOR = 4.0  # the group estimate runs ~1-2x above the true error: 4x over budget is a sure failure
 
 
 def program_key(program: Program) -> str:
@@ -57,6 +62,7 @@ class Judge:
     budget: Budget
     calibration: Sequence[Mapping[str, np.ndarray]]
     use_static: bool | str = "auto"  # "auto": keep the static stage only if it certifies the first candidate
+    estimator: object | None = None   # error.groups.GroupEstimator: per-group screening before end to end
     stats: GateStats = field(default_factory=GateStats)
     cache: dict[str, Verdict] = field(default_factory=dict)
     bad_changes: dict[Change, str] = field(default_factory=dict)
@@ -70,7 +76,7 @@ class Judge:
         self.bindings = [self.graph.bind_symbols(inp) for inp in self.calibration]
         self.static_note = ""
 
-    def judge(self, program: Program, changes: frozenset[Change] = frozenset()) -> Verdict:
+    def judge(self, program: Program, changes: frozenset[Change] = frozenset(), candidates=None) -> Verdict:
         key = program_key(program)
         if key in self.cache:
             self.stats.cache += 1
@@ -91,10 +97,30 @@ class Judge:
             self.use_static = certified
             self.static_note = ("static bounds certify the FP32 baseline: static stage on" if certified else
                                 "static bounds do not certify the FP32 baseline: measurement decides")
+        if v is None and self.estimator is not None and candidates is not None:
+            v = self._screen(candidates)
         if v is None:
             v = self._measure(program)
         self.cache[key] = v
         return v
+
+    def _screen(self, candidates) -> Verdict | None:
+        """Reject from the composed per-group estimate when it is far over the allclose budget."""
+        est = self.estimator.output_estimate(candidates)
+        ref = self.refs[0]
+        worst, name = 0.0, ""
+        for out in self.budget.outputs or tuple(ref):
+            r = np.asarray(ref[out], dtype=np.float64)
+            rms = float(np.sqrt(np.mean(r * r))) if r.size else 0.0
+            tol = self.budget.atol + self.budget.rtol * float(np.max(np.abs(r), initial=0.0))
+            ratio = est[out] * rms / tol if tol > 0 else np.inf
+            if ratio > worst:
+                worst, name = ratio, out
+        if worst <= SCREEN_FACTOR:
+            return None
+        self.stats.groups += 1
+        return Verdict(False, "groups", worst, np.nan, None,
+                       f"output {name!r}: composed per-group error estimate is {worst:.3g}x the allclose budget")
 
     def note_isolated(self, change: Change, verdict: Verdict) -> None:
         """Record a single change's verdict: a failure prunes every later candidate containing it."""

@@ -91,7 +91,7 @@ class _Overflowed(Exception):
         self.ov = ov
 
 
-def _store(v: _Val, fmt: Format, k: Kernel) -> _Val:
+def _store(v: _Val, fmt: Format, k: Kernel, origin: str = "") -> _Val:
     """Round to the storage format: half-ulp relative + half the smallest subnormal; range check."""
     if fmt.kind is not Kind.FLOAT or fmt.name == "f64":
         return v
@@ -99,7 +99,8 @@ def _store(v: _Val, fmt: Format, k: Kernel) -> _Val:
     lo_abs = np.where((wide.lo <= 0) & (wide.hi >= 0), 0.0, np.minimum(np.abs(wide.lo), np.abs(wide.hi)))
     certain = lo_abs > fmt.max_finite
     if np.any(certain):
-        raise _Overflowed(Overflow(k.id, k.label or k.kind.value, fmt.name, float(np.max(lo_abs))))
+        where = f"{origin} fused into {k.label}" if origin else (k.label or k.kind.value)
+        raise _Overflowed(Overflow(k.id, where, fmt.name, float(np.max(lo_abs))))
     maybe = _mag(wide) > fmt.max_finite
     rounding = fmt.unit_roundoff * _mag(wide) + fmt.min_subnormal / 2
     err = np.where(maybe, np.inf, (v.err + rounding) * SLACK)
@@ -149,7 +150,7 @@ class StaticAnalyzer:
             c = e.value if isinstance(e.value, float) else float(eval_dim(e.value, self.bindings))
             return _Val(Interval.point(c), np.asarray(abs(float(np.float32(c)) - c)))
         if isinstance(e, FRoundTo):
-            return _store(self.body(e.x, k), e.fmt, k)
+            return _store(self.body(e.x, k), e.fmt, k, e.origin)
         args = [self.body(a, k) for a in e.args]
         return _round_f32(self._apply(e, args), k)
 

@@ -99,7 +99,7 @@ class Searcher:
         if genome in self.seen:
             return self.seen[genome]
         program = self.space.program(genome)
-        verdict = self.judge.judge(program, genome)
+        verdict = self.judge.judge(program, genome, self.space.candidates(genome))
         lat = self.latency(program) if (verdict.passed or force_latency) else None
         if verdict.passed and lat is None:  # the target cannot run this variant (FP8 on an A100)
             verdict = Verdict(False, verdict.source, verdict.error, verdict.max_abs, verdict.bound,

@@ -49,10 +49,11 @@ def _views_and_fusion():
                ).then(union(z).with_(x))
     # Fusion: reading element i of an elementwise kernel through its identity view = its body at i,
     # rounded to the kernel's storage dtype (so fusing never skips a rounding the plan promised).
+    # FRound(body, "f32") is kept as a node (lowering drops it: bodies compute in FP32, so it is
+    # exact): merging the read with the body itself would put every variant's rounding of the value
+    # into the body's own e-class, and a consumer could no longer pick a rounding its producer lacks.
     yield rule(eq(fa).to(E.Load(x, v)), eq(x).to(E.Ew(body, d)), eq(v).to(E.identity_view(x))
                ).then(union(fa).with_(E.FRound(body, d)))
-    # Bodies compute in FP32 and every loaded format is a subset of FP32: rounding to f32 is exact.
-    yield rewrite(E.FRound(body, "f32")).to(body)
     # A scalar constant read through any unmasked (broadcast) view is the constant everywhere (the
     # view stays an argument so loads of different shapes never share an e-class).
     yield rule(eq(fa).to(E.Load(x, v)), eq(x).to(E.KConst(c, "f32")), E.Unmasked(v)).then(union(fa).with_(E.FConst(c, v)))
@@ -65,5 +66,9 @@ def _views_and_fusion():
 def _gemm():
     # sum_k A[.., m, k] * B[.., k, n] over strided views with the layout math of hlir/gemm.py
     # (transposes are strides, batch axes share one launch): a Gemm in the storage precision.
-    yield rule(eq(z).to(E.KSum(E.FBINARY[Op.MUL](E.Load(x, vx), E.Load(y, vy)), ax, d, d)),
-               E.GemmLayoutOf(vx, vy, ax, lay)).then(union(z).with_(E.KGemm(x, vx, y, vy, lay, d, d)))
+    # Only an FP32-accumulated sum is a plain Gemm (exact products, FP32 accumulation, stored in d);
+    # a sum accumulated in BF16 is not any Gemm variant, so it stays a reduction.
+    product = E.FBINARY[Op.MUL](E.Load(x, vx), E.Load(y, vy))
+    for body_form in (product, E.FRound(product, "f32")):  # the Mul fused into the sum, exactly
+        yield rule(eq(z).to(E.KSum(body_form, ax, "f32", d)),
+                   E.GemmLayoutOf(vx, vy, ax, lay)).then(union(z).with_(E.KGemm(x, vx, y, vy, lay, "f32", d)))
