@@ -38,14 +38,14 @@ class GroupEstimator:
         self.amplification = {c.index: self._amplification(c) for c in self.space.part.chunks}
 
     def _ext_values(self, chunk) -> dict[int, np.ndarray]:
-        return {nid: np.asarray(self.values[nid], dtype=np.float64) for nid in chunk.external}
+        return {nid: np.asarray(self.values[nid]) for nid in chunk.external}
 
     def _amplification(self, chunk) -> float:
         """max over two random directions of (rel change of outputs) / (rel change of inputs), FP64."""
         rng = np.random.default_rng(self.seed + chunk.index)
         ext = self._ext_values(chunk)
         base = evaluate_chunk(self.graph, chunk.nodes, ext, self.bindings)
-        movable = [n for n in chunk.external if self._is_activation(n) and ext[n].dtype.kind == "f"]
+        movable = [n for n in chunk.external if self._is_activation(n) and self.graph.nodes[n].dtype.is_float]
         if not movable:
             return 0.0
         worst = 0.0
@@ -53,9 +53,10 @@ class GroupEstimator:
             pert = dict(ext)
             num = den = 0.0
             for n in movable:
-                d = rng.standard_normal(ext[n].shape) * 1e-6 * (np.abs(ext[n]) + 1e-30)
-                pert[n] = ext[n] + d
-                den = max(den, float(rel_l2(pert[n], ext[n])))
+                x = ext[n].astype(np.float64)
+                d = rng.standard_normal(x.shape) * 1e-6 * (np.abs(x) + 1e-30)
+                pert[n] = x + d
+                den = max(den, float(rel_l2(pert[n], x)))
             out = evaluate_chunk(self.graph, chunk.nodes, pert, self.bindings)
             for nid in chunk.exported:
                 num = max(num, float(rel_l2(out[nid], base[nid])))
