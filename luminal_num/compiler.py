@@ -77,7 +77,7 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     program = space.program(chosen.genome)
     plan = Plan.create(space, chosen.genome, program, budget, target, options.seed, chosen.verdict,
                        chosen.latency, judge.bindings[0], _stable_stats(result.stats),
-                       calibration_ranges(graph, space, calibration))
+                       calibration_ranges(graph, space, calibration), graph.weights)
     return CompileResult(plan, program, space, result)
 
 

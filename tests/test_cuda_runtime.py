@@ -153,3 +153,24 @@ def test_fp64_reference_agrees_on_a_symbolic_model():
     got = CudaRuntime(program, model.graph.weights).run({"x": x}).outputs["y"]
     # twice test_pipeline's FP32 envelope: CUDA's exp2f/tanhf are 2-ulp functions, not correctly rounded
     assert np.max(np.abs(got - ref)) <= 128 * 2.0 ** -24 * float(np.max(np.abs(ref)))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("genome_kind", ["fp32", "tf32", "bf16"])
+def test_minilm_end_to_end_on_the_gpu(genome_kind):
+    """MiniLM on real sentences: the CUDA run of a plan equals the CPU emulation of the same plan."""
+    from luminal_num.models.registry import load_job
+    from luminal_num.search.space import SearchSpace
+    job = load_job("minilm")
+    space = SearchSpace.build(job.graph)
+    tag = {"fp32": None, "tf32": "gemm:tf32", "bf16": "gemm:bf16"}[genome_kind]
+    genome = frozenset(c for c in space.all_changes() if c[2] == tag) if tag else frozenset()
+    program = space.program(genome)
+    batch = job.calibration[0]
+    cpu = CpuRuntime(program, job.graph.weights).run(batch).outputs["embedding"]
+    gpu = CudaRuntime(program, job.graph.weights).run(batch).outputs["embedding"]
+    cos = np.sum(cpu * gpu, axis=1) / (np.linalg.norm(cpu, axis=1) * np.linalg.norm(gpu, axis=1))
+    assert np.all(cos >= 0.99999), cos.min()
+    ref = evaluate_fp64(job.graph, batch)["embedding"]
+    assert np.max(np.abs(gpu - ref)) <= 4 * max(np.max(np.abs(cpu - ref)), 1e-6)

@@ -65,9 +65,13 @@ def bind_program(program: Program, inputs: Mapping[str, np.ndarray]) -> dict[str
 
 
 class CpuRuntime:
-    def __init__(self, program: Program, weights: Mapping[str, np.ndarray] | None = None):
+    def __init__(self, program: Program, weights: Mapping[str, np.ndarray] | None = None,
+                 static_scales: Mapping[int, np.ndarray] | None = None):
+        """`static_scales`: Gemm kernel id -> B's compile-time scales (a plan's scales file); without
+        them static scales are computed from the weights, which gives the same values."""
         self.program = program
         self.weights = dict(weights or {})
+        self.static_scales = dict(static_scales or {})
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
@@ -132,7 +136,7 @@ class CpuRuntime:
                 # a low-precision softmax: inputs and result rounded to the compute format
                 return _round(_round(softmax(_round(x, compute), k.axis), compute), k.dtype)
         if kind is KernelKind.GEMM:
-            return _round(run_gemm(k, stored, bindings), k.dtype)
+            return _round(run_gemm(k, stored, bindings, self.static_scales.get(k.id)), k.dtype)
         if kind is KernelKind.GATHER:
             table = self._read(k, 0, stored, bindings)
             idx = k.inputs[1].view.realize(stored[k.inputs[1].buffer], bindings).astype(np.int64)
@@ -180,7 +184,7 @@ def _operand(k: Kernel, i: int, stored, bindings) -> np.ndarray:
     return inp.view.realize(stored[inp.buffer], bindings)
 
 
-def run_gemm(k: Kernel, stored, bindings) -> np.ndarray:
+def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None) -> np.ndarray:
     a, b = _operand(k, 0, stored, bindings), _operand(k, 1, stored, bindings)
     if k.precision in (None, "f32"):
         def mm(x, y):
@@ -190,5 +194,6 @@ def run_gemm(k: Kernel, stored, bindings) -> np.ndarray:
         from .numerics import emulate_gemm
 
         def mm(x, y):
-            return emulate_gemm(x.astype(np.float32), y.astype(np.float32), GEMM_VARIANTS[k.precision])
+            return emulate_gemm(x.astype(np.float32), y.astype(np.float32), GEMM_VARIANTS[k.precision],
+                                b_scales=b_scales)
     return np.asarray(gemm_apply(a, b, k.layout, mm), dtype=np.float64)

@@ -64,13 +64,41 @@ def op_table(program: Program, bindings) -> list[dict]:
     return rows
 
 
+def static_weight_scales(program: Program, weights, bindings) -> dict[int, np.ndarray]:
+    """Compile-time scales of every Gemm whose variant scales its weight operand statically."""
+    from ..hlir.gemm import gemm_operand_b, read_operand
+    from ..quant.scales import compute_scales
+    out = {}
+    ext = {k.id: k.external for k in program.kernels if k.kind is KernelKind.EXTERNAL}
+    for k in program.launched():
+        if k.kind is not KernelKind.GEMM:
+            continue
+        v = GEMM_VARIANTS[k.precision or "f32"]
+        if v.b_scale is None or not v.b_scale.static:
+            continue
+        name = ext.get(k.inputs[1].buffer)
+        if name not in weights:
+            raise PlanError(f"kernel {k.id} uses static weight scales but its B operand is not a weight")
+        b = gemm_operand_b(read_operand(k.inputs[1].view, np.asarray(weights[name], dtype=np.float32), bindings),
+                           k.layout)
+        out[k.id] = compute_scales(b, v.b_format, v.b_scale)
+    return out
+
+
+def scales_path(plan_path: str | Path) -> Path:
+    p = Path(plan_path)
+    return p.with_name(p.stem + "_scales.npz")
+
+
 @dataclass(frozen=True)
 class Plan:
     data: dict
+    scales: dict | None = None  # Gemm kernel id -> static weight scales (saved beside the plan)
 
     @staticmethod
     def create(space: SearchSpace, genome: Genome, program: Program, budget: Budget, target: str, seed: int,
-               verdict, latency, bindings, search_stats: dict, calibration_ranges: dict) -> "Plan":
+               verdict, latency, bindings, search_stats: dict, calibration_ranges: dict,
+               weights=None) -> "Plan":
         cands = space.candidates(genome)
         groups = []
         for gi, g in enumerate(space.part.groups):
@@ -91,20 +119,33 @@ class Plan:
             "calibration_ranges": {k: [_num(lo), _num(hi)] for k, (lo, hi) in sorted(calibration_ranges.items())},
             "search": search_stats,
         }
-        return Plan(data)
+        scales = static_weight_scales(program, weights or {}, bindings)
+        data["static_scales"] = {str(kid): {"kernel": kid, "shape": list(arr.shape)} for kid, arr in sorted(scales.items())}
+        return Plan(data, scales)
 
     # -- serialisation ------------------------------------------------------------------------
     def to_json(self) -> str:
         return json.dumps(self.data, sort_keys=True, indent=1) + "\n"
 
     def save(self, path: str | Path) -> Path:
-        return atomic_write_text(path, self.to_json())
+        """plan.json, plus <stem>_scales.npz holding the static weight scales when there are any."""
+        data = dict(self.data)
+        if self.scales:
+            from ..report.files import atomic_write_bytes
+            import io
+            buf = io.BytesIO()
+            np.savez(buf, **{f"k{kid}": arr for kid, arr in sorted(self.scales.items())})
+            atomic_write_bytes(scales_path(path), buf.getvalue())
+            data["scales_file"] = scales_path(path).name
+        return atomic_write_text(path, json.dumps(data, sort_keys=True, indent=1) + "\n")
 
     @staticmethod
     def load(path: str | Path) -> "Plan":
         path = Path(path)
         if not path.exists():
             raise PlanError(f"plan file {path} does not exist")
+        if not path.is_file():
+            raise PlanError(f"{path} is not a plan file (it is a directory or a special file)")
         try:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -116,7 +157,19 @@ class Plan:
         for key in ("graph_key", "budget", "genome", "groups", "target", "verdict", "latency", "kernels"):
             if key not in data:
                 raise PlanError(f"plan file {path} is missing the field {key!r}")
-        return Plan(data)
+        scales = None
+        if data.get("scales_file"):
+            sp = path.with_name(data["scales_file"])
+            if not sp.exists():
+                raise PlanError(f"the plan's static scales file {sp} is missing")
+            try:
+                with np.load(sp) as f:
+                    scales = {int(k[1:]): f[k] for k in f.files}
+            except Exception as exc:  # noqa: BLE001 - any unreadable scales file is a corrupt plan
+                raise PlanError(f"cannot read the plan's static scales {sp}: {exc}") from None
+            if sorted(scales) != sorted(v["kernel"] for v in data.get("static_scales", {}).values()):
+                raise PlanError(f"{sp} does not hold the scales the plan lists")
+        return Plan(data, scales)
 
     # -- use ----------------------------------------------------------------------------------
     @property
@@ -130,7 +183,13 @@ class Plan:
 
     def genome(self, space: SearchSpace) -> Genome:
         keys = [g.key for g in space.part.groups]
-        return frozenset((keys[gi], c, t) for gi, c, t in self.data["genome"])
+        out = []
+        for entry in self.data["genome"]:
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
+                    and 0 <= entry[0] < len(keys)):
+                raise PlanError(f"genome entry {entry!r} names no group of this graph ({len(keys)} groups)")
+            out.append((keys[entry[0]], entry[1], entry[2]))
+        return frozenset(out)
 
     def program(self, graph: Graph, space: SearchSpace | None = None) -> tuple[Program, SearchSpace]:
         """Rebuild the program, verifying every recorded choice against this compiler's choice space."""
@@ -139,6 +198,8 @@ class Plan:
         genome = self.genome(space)
         cands = space.candidates(genome)
         for grp in self.data["groups"]:
+            if not 0 <= grp.get("group", -1) < len(space.part.groups):
+                raise PlanError(f"the plan names group {grp.get('group')!r}, which this graph does not have")
             g = space.part.groups[grp["group"]]
             got = cands[g.chunks[0].index]
             want = [(c, i) for c, i, _ in grp["choices"]]
