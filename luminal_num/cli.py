@@ -74,12 +74,16 @@ def cmd_compile(args) -> int:
     except BudgetUnreachable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONTRACT
+    except KeyError as exc:  # unknown target
+        raise InputError(str(exc.args[0])) from None
+    except ValueError as exc:  # budget outputs the model lacks, bad options, bad inputs
+        raise InputError(str(exc)) from None
     files = write_compile_report(result, out, f"{job.name}: error vs latency ({args.target})")
     rows = candidate_rows(result)
-    front = rows[rows.passes & rows.latency_s.notna()].sort_values("latency_s")
+    front = _front(rows[rows.passes & rows.latency_s.notna()])
     print(f"[luminal-num] {result.search.stats['candidates']} candidates; gate: "
           + ", ".join(f"{k}={v}" for k, v in result.search.stats.items() if k in ("cache", "static", "measured", "pruned")))
-    print("\nPareto candidates within budget (fastest first):")
+    print("\nPareto front within budget (fastest first):")
     _print_table(front, ["candidate", "error", "latency_s", "verdict_source", "variants"])
     print("\nBaselines:")
     _print_table(rows[rows.stage == "baseline"], ["label", "error", "latency_s", "passes"])
@@ -89,6 +93,24 @@ def cmd_compile(args) -> int:
     _summary(plan)
     print("\nwrote " + ", ".join(str(p) for p in files.values()))
     return EXIT_OK
+
+
+def _front(rows):
+    """Rows not dominated in (latency, error), fastest first."""
+    rows = rows.sort_values(["latency_s", "error", "candidate"])
+    keep, best = [], float("inf")
+    for i, r in rows.iterrows():
+        if r.error < best:
+            keep.append(i)
+            best = r.error
+    return rows.loc[keep]
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _summary(plan: dict) -> None:
@@ -173,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=default_model, help="minilm | llama-tiny | transformer")
         p.add_argument("--budget", help='e.g. "atol=1e-3,rtol=0,cosine>=0.9999" (default: the model\'s)')
         p.add_argument("--target", default="h200", help="h200 | h100 | a100 | cpu (cpu is measured)")
-        p.add_argument("--candidates", type=int, default=default_candidates, help="candidates to evaluate")
+        p.add_argument("--candidates", type=_positive, default=default_candidates, help="candidates to evaluate")
         p.add_argument("--time-limit", type=float, default=None, help="seconds (makes the result timing-dependent)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--out", help="report folder (default reports/<model>)")

@@ -19,6 +19,7 @@ from .hlir.graph import Graph
 from .search.plan import Plan
 from .search.search import SearchOptions, SearchResult, search
 from .search.space import SearchSpace
+from .runtime.targets import get_target
 
 
 class BudgetUnreachable(RuntimeError):
@@ -64,6 +65,13 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
         options = SearchOptions(**{**options.__dict__, "target": target})
     if not calibration:
         raise ValueError("compile needs calibration inputs (a list of input dicts)")
+    get_target(target)  # an unknown target fails now, not after the first candidate
+    unknown = [o for o in budget.outputs or () if o not in graph.outputs]
+    if unknown:
+        raise ValueError(f"the budget names outputs {unknown} that the graph does not have "
+                         f"(outputs: {', '.join(graph.outputs)})")
+    if options.max_candidates < 1:
+        raise ValueError(f"max_candidates must be >= 1, got {options.max_candidates}")
     _check_inputs(graph, calibration)
     space = space or SearchSpace.build(graph)
     estimator = GroupEstimator(graph, space, calibration[0]) if len(space.part.chunks) > 1 else None

@@ -73,10 +73,13 @@ class Op(enum.Enum):
         return self.value.name
 
 
-UNARY_OPS = frozenset(o for o in Op if o.group is Group.UNARY)
-BINARY_OPS = frozenset(o for o in Op if o.group is Group.BINARY)
-ELEMENTWISE_OPS = UNARY_OPS | BINARY_OPS | {Op.CAST}
-REDUCE_OPS = frozenset(o for o in Op if o.group is Group.REDUCE)
+# Op groups are tuples in declaration order, never sets: egglog numbers e-classes in the order
+# constructors and rules are declared, and a set's order changes with PYTHONHASHSEED (a plan's
+# recorded e-class ids must mean the same thing in every process).
+UNARY_OPS = tuple(o for o in Op if o.group is Group.UNARY)
+BINARY_OPS = tuple(o for o in Op if o.group is Group.BINARY)
+ELEMENTWISE_OPS = UNARY_OPS + BINARY_OPS + (Op.CAST,)
+REDUCE_OPS = tuple(o for o in Op if o.group is Group.REDUCE)
 
 
 @dataclass(frozen=True)

@@ -104,10 +104,10 @@ class KernelCtor:
 
 KERNEL_T = ("KExt", "KConst", "KIota", "Ew", "KSum", "KMax", "KSoftmax", "KGemm", "KGather", "KScatter",
             "KScatterNoCopy", "KVariant")
-SCALAR_F = ("Load", "FConst", "FRound", "FCustom") + tuple("F" + o.decl.name for o in UNARY_OPS | BINARY_OPS)
+SCALAR_F = ("Load", "FConst", "FRound", "FCustom") + tuple("F" + o.decl.name for o in UNARY_OPS + BINARY_OPS)
 BUFFER_B = ("ConsumedBuffer",)
 SELECTABLE = frozenset(KERNEL_T + SCALAR_F + BUFFER_B)
 HLIR_NAMES = frozenset(["HExt"] + ["H" + op.decl.name for op in HLIR])
 UNARY_BY_NAME = {"F" + o.decl.name: o for o in UNARY_OPS}
 BINARY_BY_NAME = {"F" + o.decl.name: o for o in BINARY_OPS}
-assert all(o.group in (Group.UNARY, Group.BINARY) for o in UNARY_OPS | BINARY_OPS)
+assert all(o.group in (Group.UNARY, Group.BINARY) for o in UNARY_OPS + BINARY_OPS)

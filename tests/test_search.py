@@ -1,0 +1,263 @@
+"""The precision search under an error budget, on the 2-layer test transformer.
+
+What is checked: the returned plan holds its contract on held-out inputs; looser budgets never give
+slower plans and the search's front is a true Pareto front; a budget FP32 itself misses is refused
+with the best error reachable; the same seed gives the same plan bytes; latency is only ever spent on
+candidates the numerics gate passed; a change that alone breaks the budget prunes every candidate
+containing it without running anything.
+"""
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import luminal_num.search.search as search_module
+from luminal_num.compiler import BudgetUnreachable, compile as compile_plan
+from luminal_num.error.budget import Budget
+from luminal_num.error.judge import Judge, program_key
+from luminal_num.hlir.evaluate import evaluate
+from luminal_num.models.registry import transformer_job
+from luminal_num.models.testnets import transformer
+from luminal_num.report.audit import audit
+from luminal_num.runtime.cpu import CpuRuntime
+from luminal_num.search.plan import Plan
+from luminal_num.search.search import SearchOptions, Searcher
+from luminal_num.search.space import SearchSpace
+
+# Interval arithmetic in the static stage overflows to inf on purpose (an unbounded error is a verdict).
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+OPTIONS = SearchOptions(seed=0, max_candidates=30, progress=False)
+TARGET = "h200"  # a modelled target: latencies are deterministic (the cpu target is measured)
+# Tight to loose; FP32 passes all three (its allclose ratio is ~6e-3 at the tightest).
+BUDGETS = ("atol=1e-4,rtol=1e-4", "atol=1e-3,rtol=1e-3", "atol=1e-2,rtol=1e-2")
+
+
+@pytest.fixture(scope="module")
+def job():
+    return transformer_job(2)
+
+
+@pytest.fixture(scope="module")
+def space(job):
+    return SearchSpace.build(job.graph)
+
+
+@pytest.fixture(scope="module")
+def compiled(job, space):
+    """The plan for the job's default budget, compiled once for the module."""
+    return compile_plan(job.graph, Budget.parse(job.default_budget), TARGET, job.calibration, OPTIONS, space=space)
+
+
+@pytest.fixture(scope="module")
+def by_budget(job, space):
+    return {text: compile_plan(job.graph, Budget.parse(text), TARGET, job.calibration, OPTIONS, space=space)
+            for text in BUDGETS}
+
+
+def worst_allclose(program, graph, batches, budget: Budget) -> float:
+    """max |y - ref| / (atol + rtol |ref|) over batches and outputs, written out with numpy."""
+    worst = 0.0
+    for inp in batches:
+        out = CpuRuntime(program, graph.weights).run(inp).outputs
+        ref = evaluate(graph, inp)
+        for name in budget.outputs or tuple(ref):
+            err = np.abs(np.asarray(out[name], np.float64) - ref[name])
+            worst = max(worst, float(np.max(err / (budget.atol + budget.rtol * np.abs(ref[name])))))
+    return worst
+
+
+# -- 1. the contract holds on held-out inputs -------------------------------------------------------
+
+def test_plan_passes_audit_on_heldout_inputs(job, space, compiled):
+    plan = compiled.plan
+    for held in job.heldout:  # held-out batches come from other seeds than calibration
+        assert not np.array_equal(held["x"], job.calibration[0]["x"])
+    result = audit(plan, job.graph, list(job.heldout), space)
+    assert result.passed, result.reason
+    program, _ = plan.program(job.graph, space)
+    assert result.audit_error == pytest.approx(worst_allclose(program, job.graph, job.heldout, plan.budget), rel=1e-12)
+    assert 0 < result.audit_error <= 1
+    assert set(result.outputs["output"]) == set(job.graph.outputs)
+
+
+def test_audit_reports_a_broken_contract(job, space, compiled):
+    """The same plan judged against a budget far below FP32 rounding must fail the audit."""
+    strict = Plan({**compiled.plan.data, "budget": Budget(1e-12, 0.0).to_dict()})
+    result = audit(strict, job.graph, list(job.heldout), space)
+    assert not result.passed
+    assert "batch 0" in result.reason and result.audit_error > 1
+
+
+# -- 2. budgets and the front -------------------------------------------------------------------------
+
+def chosen_latencies(compiled_by_budget: dict) -> list[float]:
+    """Latency of the chosen plan per budget, tight to loose, after checking each plan's contract."""
+    for text, result in compiled_by_budget.items():
+        chosen = result.search.chosen
+        assert chosen.verdict.passed and chosen.verdict.error <= 1
+        assert result.plan.budget == Budget.parse(text)
+    return [compiled_by_budget[text].search.chosen.latency_s for text in BUDGETS]
+
+
+def test_looser_budgets_never_give_slower_plans(by_budget):
+    latencies = chosen_latencies(by_budget)
+    assert all(np.isfinite(latencies))
+    assert latencies == sorted(latencies, reverse=True), dict(zip(BUDGETS, latencies))
+
+
+@pytest.mark.slow
+def test_looser_budgets_on_a_wider_transformer_buy_speed_and_hold_on_heldout_inputs():
+    """At width 128 the cost model separates the variants: the loosest budget picks a faster,
+    lower-precision plan, which must still hold its budget on held-out seeds."""
+    model = transformer(2, s=64, d=128, hidden=256)
+    space = SearchSpace.build(model.graph)
+    calibration = [model.make_inputs(1)]
+    compiled = {text: compile_plan(model.graph, Budget.parse(text), TARGET, calibration, OPTIONS, space=space)
+                for text in ("atol=1e-3,rtol=1e-3", "atol=1e-2,rtol=1e-2", "atol=1e-1,rtol=1e-1")}
+    latencies = [r.search.chosen.latency_s for r in compiled.values()]
+    assert latencies == sorted(latencies, reverse=True) and latencies[-1] < latencies[0]
+    loose = list(compiled.values())[-1]
+    assert loose.search.chosen.genome, "the loosest budget should buy a precision change"
+    result = audit(loose.plan, model.graph, [model.make_inputs(101), model.make_inputs(102)], space)
+    assert result.passed, result.reason
+
+
+def test_search_front_is_a_monotone_pareto_front(job, space):
+    budget = Budget.parse(BUDGETS[-1])
+    searcher = Searcher(space, Judge(job.graph, budget, list(job.calibration)), OPTIONS, job.calibration[0])
+    result = searcher.run()
+    passing = result.passing()
+    front = searcher.front()
+    assert len(passing) >= len(front) >= 1
+    lat = [e.latency_s for e in front]
+    err = [e.verdict.error for e in front]
+    assert lat == sorted(lat)
+    assert all(a > b for a, b in zip(err, err[1:])), "error must fall along the front as latency rises"
+
+    def dominates(q, p):
+        return (q.latency_s <= p.latency_s and q.verdict.error <= p.verdict.error
+                and (q.latency_s < p.latency_s or q.verdict.error < p.verdict.error))
+    for p in front:  # nothing that passed beats a front member on both axes
+        assert not any(dominates(q, p) for q in passing), p.id
+    for p in passing:  # everything that passed is matched or beaten by the front
+        assert any(dominates(q, p) or (q.latency_s, q.verdict.error) == (p.latency_s, p.verdict.error)
+                   for q in front), p.id
+    assert result.chosen in front
+
+
+def test_budget_below_fp32_error_is_unreachable_with_best_error_reported(job, space):
+    budget = Budget(1e-12, 0.0)
+    with pytest.raises(BudgetUnreachable) as info:
+        compile_plan(job.graph, budget, TARGET, job.calibration, OPTIONS, space=space)
+    evaluated = info.value.result.evaluated
+    best = min(e.verdict.error for e in evaluated if np.isfinite(e.verdict.error))
+    match = re.search(r"best error reachable is an allclose ratio of (\S+) \(", str(info.value))
+    assert match, str(info.value)
+    assert float(match.group(1)) == best == info.value.best_error
+    fp32 = info.value.result.baselines["FP32 everywhere"]
+    assert not fp32.verdict.passed and fp32.verdict.error >= best > 1
+    assert info.value.result.chosen is None
+
+
+# -- 3. determinism -------------------------------------------------------------------------------------
+
+def test_same_seed_gives_byte_identical_plans(job, tmp_path):
+    budget = Budget.parse(job.default_budget)
+    plans = [compile_plan(job.graph, budget, TARGET, job.calibration,  # a fresh choice space each time
+                          SearchOptions(seed=7, max_candidates=20, progress=False)).plan for _ in range(2)]
+    paths = [plan.save(tmp_path / f"{i}.json") for i, plan in enumerate(plans)]
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert Plan.load(paths[0]).data["seed"] == 7
+
+
+# -- 4. the gate comes before latency -------------------------------------------------------------------
+
+def test_every_candidate_is_gated_before_its_latency_is_taken(job, space, monkeypatch):
+    judged, timed = {}, []
+    real_judge, real_latency = Judge.judge, search_module.program_latency
+
+    def spy_judge(self, program, *args, **kwargs):
+        verdict = real_judge(self, program, *args, **kwargs)
+        judged[program_key(program)] = verdict
+        return verdict
+
+    def spy_latency(program, *args, **kwargs):
+        timed.append(judged.get(program_key(program)))
+        return real_latency(program, *args, **kwargs)
+    monkeypatch.setattr(Judge, "judge", spy_judge)
+    monkeypatch.setattr(search_module, "program_latency", spy_latency)
+    result = compile_plan(job.graph, Budget.parse(BUDGETS[1]), TARGET, job.calibration, OPTIONS, space=space).search
+
+    assert timed and None not in timed, "a latency was taken before the gate judged the program"
+    failing_baselines = [e for e in result.evaluated if e.stage == "baseline" and not e.verdict.passed]
+    assert sum(not v.passed for v in timed) == len(failing_baselines)  # only baselines are timed when failing
+    searched = [e for e in result.evaluated if e.stage != "baseline"]
+    for e in searched:
+        assert (e.latency is not None) == e.verdict.passed, (e.id, e.verdict.reason)
+    assert any(e.verdict.passed for e in searched) and any(not e.verdict.passed for e in searched)
+
+
+# -- 8. monotone pruning in the judge -------------------------------------------------------------------
+
+def gate(job) -> Judge:
+    """A fresh judge (its own cache and statistics) whose budget FP32 passes."""
+    return Judge(job.graph, Budget.parse(BUDGETS[1]), list(job.calibration), use_static=False)
+
+
+@pytest.fixture(scope="module")
+def bad_change(job, space):
+    """An FP8 Gemm change that alone breaks the budget, with its verdict."""
+    judge = gate(job)
+    assert judge.judge(space.program(frozenset())).passed
+    fp8 = [(gk, k.cls, tag) for gk, ks in space.knobs.items() for k in ks for tag in k.tags
+           if tag.startswith("gemm:f8")]
+    for change in fp8:
+        verdict = judge.judge(space.program(frozenset([change])), frozenset([change]))
+        if not verdict.passed:
+            return change, verdict
+    pytest.fail(f"no single FP8 change breaks {judge.budget} ({len(fp8)} tried)")
+
+
+def _other_changes(space, bad):
+    """One change per other e-class (its first non-FP32 tag): partners for the bad change."""
+    return [(gk, k.cls, k.tags[1]) for gk, ks in space.knobs.items() for k in ks
+            if (gk, k.cls) != bad[:2] and len(k.tags) > 1]
+
+
+def test_a_change_that_breaks_the_budget_prunes_without_measuring(job, space, bad_change):
+    bad, bad_verdict = bad_change
+    assert bad_verdict.source == "measured" and bad_verdict.error > 1
+    judge = gate(job)
+    judge.note_isolated(bad, bad_verdict)
+    partner = _other_changes(space, bad)[0]
+    genome = frozenset([bad, partner])
+    measured, static = judge.stats.measured, judge.stats.static
+    verdict = judge.judge(space.program(genome), genome)
+    assert verdict.source == "cache" and not verdict.passed
+    assert bad[2] in verdict.reason
+    assert judge.stats.pruned == 1
+    assert (judge.stats.measured, judge.stats.static) == (measured, static)
+    # control: the partner alone is not pruned; it is measured
+    alone = judge.judge(space.program(frozenset([partner])), frozenset([partner]))
+    assert alone.source == "measured"
+    assert (judge.stats.measured, judge.stats.pruned) == (measured + 1, 1)
+
+
+@pytest.fixture(scope="module")
+def primed_gate(job, bad_change):
+    judge = gate(job)
+    judge.note_isolated(*bad_change)
+    return judge
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_any_genome_with_a_bad_change_is_pruned(space, bad_change, primed_gate, data):
+    bad = bad_change[0]
+    partners = data.draw(st.lists(st.sampled_from(_other_changes(space, bad)), min_size=1, max_size=6,
+                                  unique_by=lambda c: c[:2]))
+    genome = frozenset([bad, *partners])
+    verdict = primed_gate.judge(space.program(genome), genome)
+    assert verdict.source == "cache" and not verdict.passed
+    assert primed_gate.stats.measured == 0
