@@ -5,6 +5,7 @@ cache -> static bound -> measured vs FP64; then latency) -> the fastest plan wit
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -25,10 +26,12 @@ from .runtime.targets import get_target
 class BudgetUnreachable(RuntimeError):
     """No candidate meets the budget; carries the best error reachable."""
 
-    def __init__(self, budget: Budget, best_error: float, best_label: str, result: SearchResult):
+    def __init__(self, budget: Budget, best_error: float, best_label: str, result: SearchResult,
+                 headroom: float = 1.0):
         super().__init__(f"no plan meets the budget {budget}: the best error reachable is an allclose ratio of "
-                         f"{best_error!r} ({best_label}); ratios <= 1 pass. Loosen the budget or check the "
-                         f"model's FP32 error.")
+                         f"{best_error!r} ({best_label}); a plan may use {headroom!r} of the budget on the "
+                         f"calibration set (ratio <= {headroom!r}). Loosen the budget or check the model's "
+                         f"FP32 error.")
         self.best_error, self.result = best_error, result
 
 
@@ -75,17 +78,24 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     _check_inputs(graph, calibration)
     space = space or SearchSpace.build(graph)
     estimator = GroupEstimator(graph, space, calibration[0]) if len(space.part.chunks) > 1 else None
-    judge = Judge(graph, budget, list(calibration), use_static=use_static, estimator=estimator)
+    # candidates are judged against the budget scaled by the headroom; errors are reported against
+    # the user's budget (an allclose ratio scales linearly with the tolerance)
+    judge = Judge(graph, budget.tightened(options.headroom), list(calibration), use_static=use_static,
+                  estimator=estimator)
     result = search(space, judge, options, latency_inputs=calibration[0])
+    result.stats["headroom"] = options.headroom
     if result.chosen is None:
-        tried = [e for e in result.evaluated if np.isfinite(e.verdict.error)]
+        tried = [e for e in result.evaluated if np.isfinite(e.verdict.error) and e.verdict.source != "groups"]
         best = min(tried, key=lambda e: e.verdict.error) if tried else result.evaluated[0]
-        raise BudgetUnreachable(budget, best.verdict.error, best.label or f"candidate {best.id}", result)
+        raise BudgetUnreachable(budget, best.verdict.error * options.headroom, best.label or f"candidate {best.id}",
+                                result, options.headroom)
     chosen = result.chosen
     program = space.program(chosen.genome)
-    plan = Plan.create(space, chosen.genome, program, budget, target, options.seed, chosen.verdict,
+    verdict = dataclasses.replace(chosen.verdict, error=chosen.verdict.error * options.headroom)
+    plan = Plan.create(space, chosen.genome, program, budget, target, options.seed, verdict,
                        chosen.latency, judge.bindings[0], _stable_stats(result.stats),
                        calibration_ranges(graph, space, calibration), graph.weights)
+    plan.data["headroom"] = options.headroom
     return CompileResult(plan, program, space, result)
 
 

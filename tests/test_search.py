@@ -151,12 +151,15 @@ def test_budget_below_fp32_error_is_unreachable_with_best_error_reported(job, sp
     with pytest.raises(BudgetUnreachable) as info:
         compile_plan(job.graph, budget, TARGET, job.calibration, OPTIONS, space=space)
     evaluated = info.value.result.evaluated
-    best = min(e.verdict.error for e in evaluated if np.isfinite(e.verdict.error))
+    # verdicts are judged on the budget scaled by the headroom; the message reports the user's scale,
+    # from measured candidates (not the per-group screening estimates)
+    h = OPTIONS.headroom
+    best = min(e.verdict.error for e in evaluated if np.isfinite(e.verdict.error) and e.verdict.source != "groups") * h
     match = re.search(r"best error reachable is an allclose ratio of (\S+) \(", str(info.value))
     assert match, str(info.value)
     assert float(match.group(1)) == best == info.value.best_error
     fp32 = info.value.result.baselines["FP32 everywhere"]
-    assert not fp32.verdict.passed and fp32.verdict.error >= best > 1
+    assert not fp32.verdict.passed and fp32.verdict.error * h >= best > 1
     assert info.value.result.chosen is None
 
 

@@ -8,6 +8,12 @@ kernels (luminal_num.quant.scales' rule) and a 16x16-tile kernel that quantizes 
 them and accumulates exactly as runtime/numerics.py defines each GemmPrecision (chunks, MMA groups,
 narrow accumulators, promotion, per-product scales). Per-tensor FP8 goes through cuBLASLt: the same
 scale kernels, then quantize kernels writing both operands K-contiguous (the "TN" layout FP8 needs).
+
+A LLIR QUANTIZE kernel (`render_quantize`) is those two kernels for A alone: the scale kernel into
+its scratch 0 (the scales beside its buffer) and the quantize kernel writing A as (batch, M, K) in
+the variant's format. A Gemm reading such a buffer (`prequantized[0]`) loads q as it is, takes the
+scales from the QUANTIZE kernel (Arg role "scales"), and for cuBLASLt hands the buffer over as its
+K-contiguous A: only B is still scaled and quantized in the Gemm's own prologue.
 """
 from __future__ import annotations
 
@@ -21,9 +27,9 @@ from ..hlir.symbolic import Dim, evaluate, prod
 from . import ctypes_map
 from .cuda_body import (IndexExpr, SymbolTable, c_add, c_div, c_index, c_mul, dims_symbols, dot, load_float,
                         round_expr, row_major_strides, store, unravel, view_index, view_symbols)
-from .cuda_kernels import (ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, Arg, KernelSource, Launch, Scratch,
-                           entry_name, indent, name_launches, per, source_header)
-from .llir import Kernel, KernelKind, Program
+from .cuda_kernels import (ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, SCALES_SCRATCH, Arg, KernelSource, Launch,
+                           Scratch, entry_name, indent, name_launches, per, source_header)
+from .llir import Kernel, KernelKind, Program, quantized_a_view
 
 TILE = 16      # output rows and columns per block (16 x 16 threads)
 K_TILE = 32    # K per shared-memory stage: a multiple of every mma_k
@@ -109,7 +115,8 @@ class GemmCall:
 
     a/b/c are cuBLAS's operands (A and B may be the LLIR's B and A); offsets are in elements.
     For cuBLASLt, `prologue` (launches of the kernel's KernelSource) first fills the scales and the
-    FP8 operands (scratch buffers); a_scale/b_scale point at the dequantization scales.
+    FP8 operands (scratch buffers, or for a pre-quantized A its QUANTIZE kernel's buffer and scales);
+    a_scale/b_scale point at the dequantization scales.
     """
 
     api: str
@@ -149,7 +156,9 @@ class GemmCall:
     def bind_args(self, kernel: Kernel) -> "GemmCall":
         """Buffer ids of this kernel in the pointer arguments (the cached call has roles only)."""
         prologue = tuple(replace(launch, args=tuple(a.bind(kernel) for a in launch.args)) for launch in self.prologue)
-        return replace(self, a=self.a.bind(kernel), b=self.b.bind(kernel), c=self.c.bind(kernel), prologue=prologue)
+        scales = {f: getattr(self, f).bind(kernel) for f in ("a_scale", "b_scale") if getattr(self, f) is not None}
+        return replace(self, a=self.a.bind(kernel), b=self.b.bind(kernel), c=self.c.bind(kernel), prologue=prologue,
+                       **scales)
 
     def legal(self) -> bool:
         """A bound call cuBLAS accepts: leading dimensions cover their matrices, FP8 K multiple of 16."""
@@ -222,9 +231,10 @@ def _cublas_call(kernel: Kernel, variant: GemmPrecision, formats: tuple[Format, 
                     CUDA_DATA_TYPES[kernel.dtype], compute, (first[2], second[2], m))
 
 
-def _lt_call(kernel: Kernel, variant: GemmPrecision, geo: _Geometry, prologue: tuple[Launch, ...]) -> GemmCall | None:
-    """FP8 per-tensor scales: both operands quantized K-contiguous into scratch 2 (A: batch x M x K)
-    and 3 (B: batch x N x K); scratch 0 / 1 hold their scales."""
+def _lt_call(kernel: Kernel, variant: GemmPrecision, geo: _Geometry, prologue: tuple[Launch, ...],
+             operands: tuple[Arg, Arg], scales: tuple[Arg, Arg]) -> GemmCall | None:
+    """FP8 per-tensor scales: both operands K-contiguous, `operands` (A: batch x M x K, B: batch x N x K)
+    with their `scales`."""
     lay = kernel.layout
     c_rows, c_cols = geo.c
     if geo.batch[2].stride is None:
@@ -237,11 +247,11 @@ def _lt_call(kernel: Kernel, variant: GemmPrecision, geo: _Geometry, prologue: t
         return None
     fmts = (variant.a_format, variant.b_format)
     rows = (lay.m, lay.n)
-    return GemmCall("cublasLt", True, False, m, n, lay.k, Arg("scratch", 2 + order[0]), Arg("scratch", 2 + order[1]),
+    return GemmCall("cublasLt", True, False, m, n, lay.k, operands[order[0]], operands[order[1]],
                     Arg("out"), 0, 0, lay.k, lay.k, ldc, rows[order[0]] * lay.k, rows[order[1]] * lay.k,
                     geo.batch[2].stride, lay.batch, CUDA_DATA_TYPES[fmts[order[0]]], CUDA_DATA_TYPES[fmts[order[1]]],
                     CUDA_DATA_TYPES[kernel.dtype], "CUBLAS_COMPUTE_32F", (lay.k, lay.k, m), prologue,
-                    Arg("scratch", order[0]), Arg("scratch", order[1]))
+                    scales[order[0]], scales[order[1]])
 
 
 # -- the fallback kernels ------------------------------------------------------------------------------------
@@ -258,12 +268,14 @@ static __device__ __forceinline__ float ln_pow2_scale(double ratio) {
 
 
 class _Writer:
-    """Index math of one Gemm kernel: operands as (batch, rows, cols) over the Mul's full shape."""
+    """Index math of one Gemm (or QUANTIZE) kernel: operands as (batch, rows, cols) over the Mul's full
+    shape. `prequantized[slot]`: that input is a QUANTIZE kernel's q, to be read as it is."""
 
-    def __init__(self, kernel: Kernel, formats: tuple[Format, ...]):
+    def __init__(self, kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...] = (False, False)):
         self.k, self.formats, self.variant = kernel, formats, variant_of(kernel)
+        self.prequantized = prequantized
         lay = kernel.layout
-        names = dims_symbols(lay.full_shape) | view_symbols(kernel.inputs[0].view) | view_symbols(kernel.inputs[1].view)
+        names = dims_symbols(lay.full_shape).union(*(view_symbols(inp.view) for inp in kernel.inputs))
         self.table = SymbolTable.of(names)
         self.lay = lay
         self.specs = (self.variant.a_scale, self.variant.b_scale)
@@ -319,10 +331,13 @@ class _Writer:
         return f"scale{slot}[{c_index(self.scale_index(slot, b, row, col))}]"
 
     def quantized(self, slot: int, x: str, scale: str) -> str:
-        """What the MMA sees of one operand element: x (or x / s) rounded to the operand format."""
+        """What the MMA sees of one operand element: x (or x / s) rounded to the operand format; a
+        pre-quantized operand's x is that already."""
         fmt, spec = self.op_formats[slot], self.specs[slot]
         value = x if spec is None else f"__fdiv_rn({x}, {scale})"
-        if fmt.kind is Kind.INT:
+        if self.prequantized[slot]:
+            q = x
+        elif fmt.kind is Kind.INT:
             low, high = -fmt.max_finite - 1, fmt.max_finite
             q = f"fminf(fmaxf(rintf({value}), {low!r}f), {high!r}f)"
         else:
@@ -367,17 +382,19 @@ def _scale_kernel(w: _Writer, slot: int) -> str:
             f"        if (threadIdx.x == 0) scale[s] = (amax > 0.0f) ? {scale} : 1.0f;\n    }}\n}}\n")
 
 
-def _quant_kernel(w: _Writer, slot: int) -> str:
-    """FP8 operand written K-contiguous: A as (batch, M, K), B as (batch, N, K)."""
+def _quant_kernel(w: _Writer, slot: int, entry: str | None = None) -> str:
+    """An 8-bit operand written K-contiguous: A as (batch, M, K), B as (batch, N, K); x / s rounded to
+    nearest even, saturating (luminal_num.quant)."""
     fmt = w.op_formats[slot]
     nb, rows, cols = (c_index(w.dim(d)) for d in w.extents(slot))
     outer, k = ("M", "K") if slot == 0 else ("N", "K")
-    x = w.element(slot, "b", "o" if slot == 0 else "k", "k" if slot == 0 else "o")
-    q = ctypes_map.from_float_expr(fmt, f"__fdiv_rn({x}, scale{slot}[0])", saturate=True)
+    at = ("b", "o", "k") if slot == 0 else ("b", "k", "o")
+    q = ctypes_map.from_float_expr(fmt, f"__fdiv_rn({w.element(slot, *at)}, {w.scale_value(slot, *at)})",
+                                   saturate=True)
     params = ", ".join([f"{ctypes_map.cuda_type(fmt)}* __restrict__ q", w.in_param(slot),
                         f"const float* __restrict__ scale{slot}"] + w.dyn_param())
     sizes = (rows, cols) if slot == 0 else (cols, rows)
-    return (f'extern "C" __global__ void {ENTRY}_quant{slot}({params}) {{\n'
+    return (f'extern "C" __global__ void {entry or f"{ENTRY}_quant{slot}"}({params}) {{\n'
             f"    const long long {outer} = {sizes[0]}, {k} = {sizes[1]};\n"
             f"    LN_GRID_STRIDE_LOOP(i, {nb} * {outer} * {k}) {{\n"
             f"        const long long b = i / ({outer} * {k}), o = (i / {k}) % {outer}, k = i % {k};\n"
@@ -448,34 +465,61 @@ def _gemm_kernel(w: _Writer) -> str:
             f"        if (m < M && n < N) out[{c_index(out_pos)}] = {store(k.dtype, 'total')};\n    }}\n}}\n")
 
 
-def render_gemm(kernel: Kernel, formats: tuple[Format, ...]) -> KernelSource:
-    """The fallback (scales, then the tiled kernel) and, where cuBLAS can, the GemmCall."""
-    w = _Writer(kernel, formats)
-    lay = kernel.layout
-    lt = _lt_capable(w.variant, kernel.dtype)
-    scaled = [s for s in (0, 1) if w.specs[s] is not None]
-    body = [_scale_kernel(w, s) for s in scaled] + ([_quant_kernel(w, s) for s in (0, 1)] if lt else [])
-    body.append(_gemm_kernel(w))
-    code = "".join(body)
+def _source(code: str, formats) -> str:
     text = REDUCE_HELPERS + (SCALE_HELPER if "ln_pow2_scale(" in code else "") + code
-    fmts = {*formats, kernel.dtype, *(w.op_formats if lt else ())}
-    source = source_header(fmts, text) + text
-    scratch = tuple(Scratch(f"scale{s}", F32, w.scale_blocks(s)) for s in scaled)
-    if lt:
-        scratch += (Scratch("quant0", w.op_formats[0], ((lay.batch, 1), (lay.m, 1), (lay.k, 1))),
-                    Scratch("quant1", w.op_formats[1], ((lay.batch, 1), (lay.n, 1), (lay.k, 1))))
+    return source_header(formats, text) + text
+
+
+def _cublaslt_reads(kernel: Kernel, prequantized: tuple[bool, ...]) -> bool:
+    """cuBLASLt takes a pre-quantized A as its buffer: only when the Gemm reads it in the canonical
+    (batch, M, K) layout the QUANTIZE kernel wrote."""
+    return not prequantized[0] or kernel.inputs[0].view == quantized_a_view(kernel.layout)
+
+
+def render_gemm(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...] = (False, False)) -> KernelSource:
+    """The fallback (scales, then the tiled kernel) and, where cuBLAS can, the GemmCall.
+
+    Scratch: the scales of each operand this kernel scales itself, then (cuBLASLt) its quantized
+    copies; a pre-quantized operand brings both from its QUANTIZE kernel instead."""
+    w = _Writer(kernel, formats, prequantized)
+    lay = kernel.layout
+    lt = _lt_capable(w.variant, kernel.dtype) and _cublaslt_reads(kernel, prequantized)
+    own = [s for s in (0, 1) if w.specs[s] is not None and not prequantized[s]]
+    own_quant = own if lt else []
+    source = _source("".join([_scale_kernel(w, s) for s in own] + [_quant_kernel(w, s) for s in own_quant]
+                                + [_gemm_kernel(w)]), {*formats, kernel.dtype, *(w.op_formats if lt else ())})
+    scratch = tuple(Scratch(f"scale{s}", F32, w.scale_blocks(s)) for s in own)
+    scratch += tuple(Scratch(f"quant{s}", w.op_formats[s], ((lay.batch, 1), (w.extents(s)[1 + s], 1), (lay.k, 1)))
+                     for s in own_quant)
+    scale_arg = {s: Arg("scales", s) if prequantized[s] else Arg("scratch", own.index(s))
+                 for s in (0, 1) if w.specs[s] is not None}
+    operand_arg = {s: Arg("scratch", len(own) + own_quant.index(s)) if s in own_quant else Arg("in", s) for s in (0, 1)}
     scale_launches = tuple(Launch(f"{ENTRY}_scale{s}", (w.scale_blocks(s),), (SCALE_THREADS,),
-                                  (Arg("scratch", scaled.index(s)), Arg("in", s))) for s in scaled)
+                                  (scale_arg[s], Arg("in", s))) for s in own)
     gemm = Launch(ENTRY, (per(lay.m, TILE), per(lay.n, TILE), per(lay.batch, 1)), (TILE, TILE),
-                  (Arg("out"), Arg("in", 0), Arg("in", 1), *(Arg("scratch", i) for i in range(len(scaled)))))
+                  (Arg("out"), Arg("in", 0), Arg("in", 1), *scale_arg.values()))
     name = entry_name("gemm", source)
-    call = None
     if lt:
         quant = tuple(Launch(f"{ENTRY}_quant{s}", (per(prod(w.extents(s)), ELEMENTWISE_THREADS),),
-                             (ELEMENTWISE_THREADS,),
-                             (Arg("scratch", 2 + s), Arg("in", s), Arg("scratch", s))) for s in (0, 1))
-        call = _lt_call(kernel, w.variant, _geometry(kernel), name_launches(scale_launches + quant, name))
+                             (ELEMENTWISE_THREADS,), (operand_arg[s], Arg("in", s), scale_arg[s])) for s in own_quant)
+        call = _lt_call(kernel, w.variant, _geometry(kernel), name_launches(scale_launches + quant, name),
+                        (operand_arg[0], operand_arg[1]), (scale_arg[0], scale_arg[1]))
     else:
         call = _cublas_call(kernel, w.variant, formats, _geometry(kernel))
     return KernelSource(0, name, source.replace(ENTRY, name), name_launches(scale_launches + (gemm,), name),
                         w.table, scratch, call)
+
+
+def render_quantize(kernel: Kernel, formats: tuple[Format, ...]) -> KernelSource:
+    """A QUANTIZE kernel: the Gemm's scale kernel for A into scratch SCALES_SCRATCH (the scales kept
+    beside the buffer, which the Gemm reads), then its quantize kernel (the main entry, named after
+    the source) writing (batch, M, K)."""
+    w = _Writer(kernel, formats)
+    source = _source(_scale_kernel(w, 0) + _quant_kernel(w, 0, entry=ENTRY), {*formats, kernel.dtype})
+    scales = Arg("scratch", SCALES_SCRATCH)
+    launches = (Launch(f"{ENTRY}_scale0", (w.scale_blocks(0),), (SCALE_THREADS,), (scales, Arg("in", 0))),
+                Launch(ENTRY, (per(prod(kernel.shape), ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
+                       (Arg("out"), Arg("in", 0), scales)))
+    name = entry_name("quantize", source)
+    return KernelSource(0, name, source.replace(ENTRY, name), name_launches(launches, name), w.table,
+                        (Scratch("scales", F32, w.scale_blocks(0)),))

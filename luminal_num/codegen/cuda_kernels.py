@@ -3,7 +3,7 @@
 `render_kernel(kernel, program)` returns a `KernelSource`: one compilation unit (one NVRTC compile,
 cached by source) holding one or more `extern "C"` entries, the launches that run them in order
 (grid from the bound shapes, block size, pointer arguments), the symbol table of `dyn_dims`, and
-scratch buffers the launches share (Gemm scales). The semantics are the CPU backend's
+scratch buffers the launches share (Gemm and QUANTIZE scales). The semantics are the CPU backend's
 (runtime/cpu.py); cuda_body.py explains the rounding rules and view rendering. Kernel names are a
 hash of the source, so identical kernels (a layer repeated, a candidate drawn twice) are one
 compile and one module.
@@ -38,10 +38,15 @@ SHORT_ROW = 64            # reductions this short (and known at compile time) us
 ENTRY = "LN_ENTRY"        # placeholder for the kernel name until the source is hashed
 
 
+SCALES_SCRATCH = 0  # a QUANTIZE kernel keeps its scales in this scratch buffer of its source
+
+
 @dataclass(frozen=True)
 class Arg:
-    """A pointer argument: the kernel's output ("out"), input slot `index` ("in"), or scratch buffer
-    `index` of the source ("scratch"). `buffer` is the LLIR buffer id once bound to a kernel."""
+    """A pointer argument: the kernel's output ("out"), input slot `index` ("in"), scratch buffer
+    `index` of the source ("scratch"), or the scales beside input slot `index`, which a QUANTIZE
+    kernel produced ("scales": its scratch SCALES_SCRATCH). `buffer` is the LLIR buffer id once bound
+    to a kernel (for "in" and "scales", the producing kernel's)."""
 
     role: str
     index: int = 0
@@ -50,7 +55,7 @@ class Arg:
     def bind(self, kernel: Kernel) -> "Arg":
         if self.role == "out":
             return replace(self, buffer=kernel.id)
-        if self.role == "in":
+        if self.role in ("in", "scales"):
             return replace(self, buffer=kernel.inputs[self.index].buffer)
         return self
 
@@ -425,10 +430,7 @@ _RENDERERS = {
 # -- entry point -----------------------------------------------------------------------------------------
 
 def input_formats(kernel: Kernel, program: Program) -> tuple[Format, ...]:
-    def producer(bid: int) -> Kernel:
-        k = program.kernels[bid] if bid < len(program.kernels) else None
-        return k if k is not None and k.id == bid else next(p for p in program.kernels if p.id == bid)
-    return tuple(producer(inp.buffer).dtype for inp in kernel.inputs)
+    return tuple(program.kernel(inp.buffer).dtype for inp in kernel.inputs)
 
 
 def _structure(kernel: Kernel) -> Kernel:
@@ -438,10 +440,13 @@ def _structure(kernel: Kernel) -> Kernel:
 
 
 @lru_cache(maxsize=4096)
-def _render_structure(kernel: Kernel, formats: tuple[Format, ...]) -> KernelSource:
+def _render_structure(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...]) -> KernelSource:
     if kernel.kind is KernelKind.GEMM:
         from .cuda_gemm import render_gemm
-        return render_gemm(kernel, formats)
+        return render_gemm(kernel, formats, prequantized)
+    if kernel.kind is KernelKind.QUANTIZE:
+        from .cuda_gemm import render_quantize
+        return render_quantize(kernel, formats)
     if kernel.kind not in _RENDERERS:
         raise ValueError(f"{kernel.kind} kernels do not launch")
     cx = _Context(kernel, formats)
@@ -475,5 +480,5 @@ def render_kernel(kernel: Kernel, program: Program) -> KernelSource:
     if not kernel.kind.launches:
         raise ValueError(f"kernel {kernel.id} is {kernel.kind.value}: it has no code")
     structural = _structure(kernel)
-    src = _render_structure(structural, input_formats(kernel, program))
+    src = _render_structure(structural, input_formats(kernel, program), program.quantized_inputs(kernel))
     return _rebind(src, kernel)

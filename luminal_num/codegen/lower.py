@@ -2,7 +2,8 @@
 
 Chunks are lowered in graph order; a chunk's external slots resolve to graph inputs or to the
 kernels that earlier chunks exported. Interned ids (views, constants, layouts) are read back from
-the group's tables.
+the group's tables. A Gemm whose variant scales A dynamically becomes two kernels: QUANTIZE (A in
+the variant's format, contiguous (batch, M, K), scales beside it) and the Gemm reading that buffer.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..dtypes.formats import get as get_format
+from ..dtypes.variants import GEMM_VARIANTS
+from ..hlir.gemm import GemmLayout
 from ..hlir.graph import Graph
 from ..hlir.ops import Op
 from ..hlir.partition import Partition
@@ -17,17 +20,28 @@ from ..hlir.shape import ShapeTracker
 from ..search.choice import Candidate, ClassRef, ENode
 from ..search.egraph import BINARY_BY_NAME, UNARY_BY_NAME
 from ..search.saturate import GroupSpace
-from .llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program
+from .llir import (FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program,
+                   quantized_a_view)
 
 
 @dataclass
 class _Builder:
     kernels: list[Kernel] = field(default_factory=list)
+    quantized: dict[tuple, int] = field(default_factory=dict)  # one QUANTIZE per (A read, layout, variant)
 
     def add(self, **kw) -> int:
         k = Kernel(id=len(self.kernels), **kw)
         self.kernels.append(k)
         return k.id
+
+    def quantize(self, a: KernelInput, layout: GemmLayout, precision: str, chunk: int, label: str) -> int:
+        """The QUANTIZE kernel of A for this Gemm (shared by Gemms reading the same A the same way)."""
+        key = (a, layout, precision)
+        if key not in self.quantized:
+            self.quantized[key] = self.add(kind=KernelKind.QUANTIZE, inputs=(a,), shape=(layout.batch, layout.m, layout.k),
+                                           dtype=GEMM_VARIANTS[precision].a_format, precision=precision, layout=layout,
+                                           chunk=chunk, label=label)
+        return self.quantized[key]
 
 
 class _ChunkLowering:
@@ -87,7 +101,12 @@ class _ChunkLowering:
         if op == "KGemm":
             a, va, bb, vb, lay, prec, dt = ch
             layout = self.t.layouts[lay]
-            ins = (KernelInput(self.tensor(a.id), self.view(va)), KernelInput(self.tensor(bb.id), self.view(vb)))
+            a_in = KernelInput(self.tensor(a.id), self.view(va))
+            a_scale = GEMM_VARIANTS[prec].a_scale
+            if a_scale is not None and not a_scale.static:  # activations: scales computed at run time
+                q = self.b.quantize(a_in, layout, prec, self.chunk, f"{origin} (chunk {self.chunk}, quantize A: {prec})")
+                a_in = KernelInput(q, quantized_a_view(layout))
+            ins = (a_in, KernelInput(self.tensor(bb.id), self.view(vb)))
             shape = tuple(d for i, d in enumerate(layout.full_shape) if i != layout.k_axis)
             return self.b.add(kind=KernelKind.GEMM, inputs=ins, shape=shape, dtype=get_format(dt), layout=layout,
                               precision=prec, **common)

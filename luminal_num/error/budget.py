@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from luminal_num.error.metrics import METRICS, allclose_violation, get_metric
+from luminal_num.error.metrics import METRICS, Direction, allclose_violation, get_metric
 
 
 class BudgetSyntaxError(ValueError):
@@ -127,6 +127,21 @@ class Budget:
         names = [m.name for m in self.metrics]
         if len(set(names)) != len(names):
             raise ValueError(f"a metric is limited twice: {names}")
+
+    def tightened(self, headroom: float) -> "Budget":
+        """The budget scaled to use only `headroom` (0 < h <= 1) of every allowance: atol, rtol and each
+        metric's distance from perfect (1 - cosine, KL, 1 - top1 ...). A plan judged against it on the
+        calibration set keeps the rest of the budget for inputs it has not seen."""
+        if not 0 < headroom <= 1:
+            raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
+        limits = []
+        for m in self.metrics:
+            metric = METRICS[m.name]
+            if metric.direction is Direction.LOWER:
+                limits.append(MetricLimit(m.name, m.limit * headroom))
+            else:  # higher is better, perfect is 1 (cosine, top-1 agreement)
+                limits.append(MetricLimit(m.name, 1.0 - (1.0 - m.limit) * headroom))
+        return Budget(self.atol * headroom, self.rtol * headroom, self.outputs, tuple(limits))
 
     # ---- text form ----
 

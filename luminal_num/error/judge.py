@@ -70,6 +70,9 @@ class Judge:
     def __post_init__(self):
         if not self.calibration:
             raise ValueError("the numerics gate needs at least one calibration batch")
+        if self.use_static == "auto" and self.budget.metrics:
+            # bounds certify allclose only: with cosine/KL/top-1 limits every verdict needs a measurement
+            self.use_static = False
         self.refs = [evaluate(self.graph, inp) for inp in self.calibration]
         self.ranges = [{k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in inp.items()}
                        for inp in self.calibration]

@@ -6,6 +6,9 @@ derivative bound over the interval widened by the error) and adds its own roundi
 fused op, the Gemm variant's a-priori bound, gamma_n of the accumulator for sums, the storage
 format's half-ulp. A buffer whose exact value certainly exceeds its format's range is an overflow
 verdict naming the kernel; one that only might overflow gets an infinite bound (measure instead).
+A QUANTIZE kernel passes A's interval and error through unchanged (as the (batch, M, K) operand):
+its Gemm's variant bound already charges A's quantization, so charging it here too would count it
+twice, and the interval it carries is the exact value's, which quantizing does not change.
 """
 from __future__ import annotations
 
@@ -228,6 +231,9 @@ class StaticAnalyzer:
             return _store(self.softmax(k), k.dtype, k)
         if kind is KernelKind.GEMM:
             return _store(self.gemm(k), k.dtype, k)
+        if kind is KernelKind.QUANTIZE:
+            lo, hi, err = self._gemm_operand(k, 0)
+            return _Val(Interval(lo, hi), err)
         if kind is KernelKind.GATHER:
             table = self.read(k, 0)
             rows = Interval(table.iv.lo.min(axis=0), table.iv.hi.max(axis=0))
@@ -259,8 +265,9 @@ class StaticAnalyzer:
         return _Val(iv, err * SLACK)
 
     def _gemm_operand(self, k: Kernel, i: int):
-        """(lo, hi, err) of a Gemm operand as (batch, M, K) / (batch, K, N) arrays: the broadcast axes
-        are dropped before any elementwise work, so nothing of the Mul's full size is materialised."""
+        """(lo, hi, err) of a Gemm (or QUANTIZE) operand as (batch, M, K) / (batch, K, N) arrays: the
+        broadcast axes are dropped before any elementwise work, so nothing of the Mul's full size is
+        materialised."""
         inp = k.inputs[i]
         src = self.vals[inp.buffer]
         pick = gemm_operand_a if i == 0 else gemm_operand_b

@@ -2,7 +2,9 @@
 
 It is the reference executor of the numerics gate: elementwise ops are computed exactly (float64)
 and rounded once to FP32 (a correctly rounded FP32 unit); stores round to the buffer's format;
-Gemm and reduction variants are emulated bit-exactly by runtime/numerics.py.
+Gemm and reduction variants are emulated bit-exactly by runtime/numerics.py. A QUANTIZE kernel
+stores q in its format and keeps the scales beside it (per run, keyed by its kernel id); a Gemm
+reading its buffer multiplies q with those scales, as the GPU does.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import numpy as np
 from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
 from ..dtypes.formats import F32, Format, Kind, get as get_format
 from ..hlir.evaluate import softmax
-from ..hlir.gemm import gemm_apply
+from ..hlir.gemm import gemm_apply, gemm_operand_a
+from ..quant import quantize_tensor
 from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import Poly, evaluate as eval_dim
 from .buffers import BufferPlan, plan_buffers
@@ -83,12 +86,13 @@ class CpuRuntime:
         plan = plan_buffers(self.program, bindings)
         slots = [np.empty(n, dtype=np.uint8) for n in plan.slot_bytes]
         stored: dict[int, np.ndarray] = {}
+        scales: dict[int, np.ndarray] = {}  # QUANTIZE kernel id -> the scales beside its buffer
         timings = []
         wanted = {kid: nid for nid, kid in self.program.exports} if keep_exports else {}
         exports: dict[int, np.ndarray] = {}
         for k in self.program.kernels:
             t0 = time.perf_counter()
-            value = self._execute(k, stored, feed, bindings)
+            value = self._execute(k, stored, scales, feed, bindings)
             shape = tuple(eval_dim(d, bindings) for d in k.shape)
             buf = slots[plan.slot_of[k.id]][: max(int(np.prod(shape, dtype=np.int64)) * k.dtype.storage.itemsize, 0)]
             arr = buf.view(k.dtype.storage).reshape(shape)
@@ -106,9 +110,9 @@ class CpuRuntime:
     # -- kernels --------------------------------------------------------------------------------
     def _read(self, k: Kernel, i: int, stored, bindings) -> np.ndarray:
         inp = k.inputs[i]
-        return inp.view.realize(stored[inp.buffer], bindings).astype(np.float64)
+        return realize(inp.view, stored[inp.buffer], bindings).astype(np.float64)
 
-    def _execute(self, k: Kernel, stored, feed, bindings) -> np.ndarray:
+    def _execute(self, k: Kernel, stored, scales, feed, bindings) -> np.ndarray:
         kind = k.kind
         if kind is KernelKind.EXTERNAL:
             val = np.asarray(feed[k.external])
@@ -135,8 +139,13 @@ class CpuRuntime:
                     return _round(softmax(x, k.axis), k.dtype)
                 # a low-precision softmax: inputs and result rounded to the compute format
                 return _round(_round(softmax(_round(x, compute), k.axis), compute), k.dtype)
+        if kind is KernelKind.QUANTIZE:
+            quantized = run_quantize(k, stored, bindings)
+            scales[k.id] = quantized.scales
+            return quantized.values
         if kind is KernelKind.GEMM:
-            return _round(run_gemm(k, stored, bindings, self.static_scales.get(k.id)), k.dtype)
+            a_scales = scales.get(k.inputs[0].buffer) if self.program.quantized_inputs(k)[0] else None
+            return _round(run_gemm(k, stored, bindings, self.static_scales.get(k.id), a_scales), k.dtype)
         if kind is KernelKind.GATHER:
             table = self._read(k, 0, stored, bindings)
             idx = k.inputs[1].view.realize(stored[k.inputs[1].buffer], bindings).astype(np.int64)
@@ -178,13 +187,29 @@ def reduce_sum(vals: np.ndarray, axis: int, acc: Format | None) -> np.ndarray:
     return np.asarray(emulate_reduce_sum(vals, axis, acc), dtype=np.float64)
 
 
+def realize(view, buffer: np.ndarray, bindings) -> np.ndarray:
+    """view.realize(buffer); one-byte ml_dtypes floats (fp8) are read through their bytes, because
+    numpy's strided views cannot describe those dtypes (their array interface says '<f1')."""
+    if buffer.dtype.itemsize == 1 and buffer.dtype.kind not in "biu":
+        return view.realize(buffer.view(np.uint8), bindings).view(buffer.dtype)
+    return view.realize(buffer, bindings)
+
+
 def _operand(k: Kernel, i: int, stored, bindings) -> np.ndarray:
     """A Gemm operand over the full Mul shape as a strided view of its buffer (no broadcast copies)."""
     inp = k.inputs[i]
-    return inp.view.realize(stored[inp.buffer], bindings)
+    return realize(inp.view, stored[inp.buffer], bindings)
 
 
-def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None) -> np.ndarray:
+def run_quantize(k: Kernel, stored, bindings):
+    """A QUANTIZE kernel: its Gemm's A operand as (batch, M, K), quantized with scales from itself."""
+    a = gemm_operand_a(_operand(k, 0, stored, bindings), k.layout).astype(np.float32)
+    return quantize_tensor(a, k.dtype, k.scale_spec)
+
+
+def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None,
+             a_scales: np.ndarray | None = None) -> np.ndarray:
+    """a_scales: given when input 0 is a QUANTIZE kernel's q (its side output); else A is raw."""
     a, b = _operand(k, 0, stored, bindings), _operand(k, 1, stored, bindings)
     if k.precision in (None, "f32"):
         def mm(x, y):
@@ -194,6 +219,7 @@ def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None) ->
         from .numerics import emulate_gemm
 
         def mm(x, y):
-            return emulate_gemm(x.astype(np.float32), y.astype(np.float32), GEMM_VARIANTS[k.precision],
-                                b_scales=b_scales)
+            raw, quantized = (None, (x, a_scales)) if a_scales is not None else (x.astype(np.float32), None)
+            return emulate_gemm(raw, y.astype(np.float32), GEMM_VARIANTS[k.precision], b_scales=b_scales,
+                                a_quantized=quantized)
     return np.asarray(gemm_apply(a, b, k.layout, mm), dtype=np.float64)

@@ -7,7 +7,8 @@ to a CUBIN for the device's architecture (the kernel cache applies) and loaded w
 project's NVRTC is missing, CuPy compiles the same source. A Gemm runs through cuBLAS
 (cublasGemmStridedBatchedEx) or cuBLASLt (FP8 per-tensor) when codegen says it can and the bound
 call is legal, else through its fallback kernels (`gemm="kernel"` forces those: they follow the CPU
-emulator's arithmetic). `profile()` replays one CUDA graph of the whole program between CUDA events.
+emulator's arithmetic). A QUANTIZE kernel's scales live in its scratch (allocated per binding, never
+reused by the liveness plan), where the Gemm reading its buffer finds them. `profile()` replays one CUDA graph of the whole program between CUDA events.
 
 Without a GPU, constructing a CudaRuntime raises CudaUnavailableError (runtime/cuda_device.py).
 """
@@ -25,7 +26,7 @@ from typing import Mapping
 import numpy as np
 
 from ..codegen.cuda_gemm import CUBLAS_ENUMS, GemmCall
-from ..codegen.cuda_kernels import Arg, KernelSource, Launch, render_kernel
+from ..codegen.cuda_kernels import SCALES_SCRATCH, Arg, KernelSource, Launch, render_kernel
 from ..codegen.llir import Kernel, KernelKind, Program
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.rounding import to_storage
@@ -241,6 +242,8 @@ class CudaRuntime:
     def _pointer(self, state: _Prepared, kid: int, arg: Arg) -> object:
         if arg.role == "scratch":
             return state.scratch[(kid, arg.index)]
+        if arg.role == "scales":  # kept beside a QUANTIZE kernel's buffer, in that kernel's scratch
+            return state.scratch[(arg.buffer, SCALES_SCRATCH)]
         return state.slots[state.plan.slot_of[arg.buffer]]
 
     # -- enqueueing ------------------------------------------------------------------------------------

@@ -20,13 +20,17 @@ _GEMM_MATH = {"f32": ("fp32", False), "tf32": ("tf32", True), "bf16": ("bf16", T
 
 
 def kernel_works(program: Program, bindings: Mapping[str, int]) -> list[KernelWork]:
+    """A QUANTIZE kernel runs on CUDA cores in FP32 (amax, divide, convert); a Gemm reading its buffer
+    also reads the scales kept beside it."""
     dtypes = program.dtypes()
+    scales = {k.id: k.scales_bytes(bindings) for k in program.kernels if k.kind is KernelKind.QUANTIZE}
     works = []
     for k in program.launched():
         math, tc = "fp32", False
         if k.kind is KernelKind.GEMM:
             math, tc = _GEMM_MATH[GEMM_VARIANTS[k.precision or "f32"].a_format.name]
-        works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes),
+        side = sum(scales.get(inp.buffer, 0) for inp in k.inputs)
+        works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes) + side,
                                 bytes_written=k.bytes_stored(bindings), flops=k.flops(bindings), math=math,
                                 tensor_core=tc))
     return works

@@ -121,17 +121,33 @@ def _chunk_sum(qa: np.ndarray, qb: np.ndarray, variant: GemmPrecision) -> np.nda
     return np.matmul(qa, qb)
 
 
+def _prequantized(a_quantized, variant: GemmPrecision) -> _Operand:
+    """A as a QUANTIZE kernel left it: q (values in the A format) and the scales beside it."""
+    if variant.a_scale is None:
+        raise ValueError(f"{variant.name}: A is not scaled, so it cannot arrive quantized")
+    q, scales = (np.asarray(x, dtype=np.float32) for x in a_quantized)
+    expand_scales(scales, q.shape, variant.a_scale)  # raises unless the scales fit q
+    return _Operand(q, scales, variant.a_scale)
+
+
 def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = None,
-                 overflow: QuantOverflow = QuantOverflow.SATURATE) -> np.ndarray:
+                 overflow: QuantOverflow = QuantOverflow.SATURATE,
+                 a_quantized: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """a (..., M, K) @ b (..., K, N) computed exactly as `variant` defines it (module doc); float32.
 
     b_scales: static weight scales computed at compile time (else computed from b, like A's).
     overflow: what an operand value that does not fit its format becomes (SATURATE) or raises (REJECT).
+    a_quantized: (q, scales) of A already quantized (a QUANTIZE kernel: quantize_tensor with the
+    variant's A format and scale); then `a` must be None. Step 1 for A is then done, and the result
+    is bit-identical to passing the raw A, because quantizing is the same function either way.
     """
-    a, b = np.asarray(a), np.asarray(b)
+    if (a is None) == (a_quantized is None):
+        raise ValueError("pass either the raw A or a_quantized=(q, scales), not both or neither")
+    qa = _prequantized(a_quantized, variant) if a is None else None
+    a, b = (qa.values if a is None else np.asarray(a)), np.asarray(b)
     if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
         raise ValueError(f"cannot multiply shapes {a.shape} and {b.shape}")
-    qa = _operand(a, variant.a_format, variant.a_scale, None, overflow)
+    qa = qa or _operand(a, variant.a_format, variant.a_scale, None, overflow)
     qb = _operand(b, variant.b_format, variant.b_scale, b_scales, overflow)
     k = a.shape[-1]
     if k == 0:

@@ -57,11 +57,19 @@ def op_table(program: Program, bindings) -> list[dict]:
             v = GEMM_VARIANTS[k.precision or "f32"]
             row["accumulator"] = v.accumulator.name + (f" (promote every {v.promote_every})" if v.promote_every else "")
             row["quant"] = f"A:{v.a_format.name} B:{v.b_format.name}"
-            row["scales"] = "; ".join(f"{side}:{s.granularity.value}{'/static' if s.static else '/dynamic'}"
-                                      f"{'/e8m0' if s.scale_format.name == 'e8m0' else ''}"
-                                      for side, s in (("A", v.a_scale), ("B", v.b_scale)) if s is not None)
+            row["scales"] = "; ".join(_scale_label(side, s) for side, s in (("A", v.a_scale), ("B", v.b_scale))
+                                      if s is not None)
+        if k.kind is KernelKind.QUANTIZE:  # what the dynamic scales of the Gemm's A actually are
+            row["quant"] = f"A:{k.dtype.name}"
+            row["scales"] = _scale_label("A", k.scale_spec)
         rows.append(row)
     return rows
+
+
+def _scale_label(side: str, spec) -> str:
+    """e.g. "A:channel/dynamic", "B:mx/static/e8m0"."""
+    return (f"{side}:{spec.granularity.value}{'/static' if spec.static else '/dynamic'}"
+            f"{'/e8m0' if spec.scale_format.name == 'e8m0' else ''}")
 
 
 def static_weight_scales(program: Program, weights, bindings) -> dict[int, np.ndarray]:

@@ -26,6 +26,8 @@ class SearchOptions:
     mutation_changes: int = 2
     target: str = "h200"
     progress: bool = True
+    headroom: float = 0.5          # share of the budget a plan may use on the calibration set (the rest
+                                   # is kept for unseen inputs: audit judges against the full budget)
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,9 @@ class Searcher:
         if genome in self.seen:
             return self.seen[genome]
         program = self.space.program(genome)
-        verdict = self.judge.judge(program, genome, self.space.candidates(genome))
+        # baselines are reference points: always measured end to end, never screened by the estimate
+        screen = None if stage == "baseline" else self.space.candidates(genome)
+        verdict = self.judge.judge(program, genome, screen)
         lat = self.latency(program) if (verdict.passed or force_latency) else None
         if verdict.passed and lat is None:  # the target cannot run this variant (FP8 on an A100)
             verdict = Verdict(False, verdict.source, verdict.error, verdict.max_abs, verdict.bound,
