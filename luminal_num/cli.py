@@ -97,11 +97,16 @@ def cmd_compile(args) -> int:
 
 def _front(rows):
     """Rows not dominated in (latency, error), fastest first."""
+    from .search.search import LATENCY_TIE
     rows = rows.sort_values(["latency_s", "error", "candidate"])
-    keep, best = [], float("inf")
+    keep, best, last_latency = [], float("inf"), None
     for i, r in rows.iterrows():
         if r.error < best:
-            keep.append(i)
+            if keep and r.latency_s <= last_latency * (1 + LATENCY_TIE):
+                keep[-1] = i  # a tie in latency: the more accurate one stands for it
+            else:
+                keep.append(i)
+                last_latency = r.latency_s
             best = r.error
     return rows.loc[keep]
 
