@@ -113,6 +113,8 @@ class _Parser:
             return f"_float_lit({tok!r})"
         if tok[0].isdigit():
             return repr(int(tok.rstrip("uUL"), 0))
+        if tok in ("true", "false"):  # C++ boolean literals (an empty mask folds to `false`)
+            return "1" if tok == "true" else "0"
         name = tok
         if self.peek() == "::":
             self.take()

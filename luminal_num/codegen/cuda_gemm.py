@@ -9,11 +9,9 @@ them and accumulates exactly as runtime/numerics.py defines each GemmPrecision (
 narrow accumulators, promotion, per-product scales). Per-tensor FP8 goes through cuBLASLt: the same
 scale kernels, then quantize kernels writing both operands K-contiguous (the "TN" layout FP8 needs).
 
-A LLIR QUANTIZE kernel (`render_quantize`) is those two kernels for A alone: the scale kernel into
-its scratch 0 (the scales beside its buffer) and the quantize kernel writing A as (batch, M, K) in
-the variant's format. A Gemm reading such a buffer (`prequantized[0]`) loads q as it is, takes the
-scales from the QUANTIZE kernel (Arg role "scales"), and for cuBLASLt hands the buffer over as its
-K-contiguous A: only B is still scaled and quantized in the Gemm's own prologue.
+An LLIR QUANTIZE kernel (`render_quantize`) is those scale and quantize kernels for A alone. A Gemm
+reading its buffer (`prequantized[0]`) loads q as it is with the QUANTIZE kernel's scales (Arg role
+"scales"); for cuBLASLt that buffer is A (batch x M x K): its prologue only quantizes B.
 """
 from __future__ import annotations
 
@@ -470,20 +468,17 @@ def _source(code: str, formats) -> str:
     return source_header(formats, text) + text
 
 
-def _cublaslt_reads(kernel: Kernel, prequantized: tuple[bool, ...]) -> bool:
-    """cuBLASLt takes a pre-quantized A as its buffer: only when the Gemm reads it in the canonical
-    (batch, M, K) layout the QUANTIZE kernel wrote."""
-    return not prequantized[0] or kernel.inputs[0].view == quantized_a_view(kernel.layout)
-
-
-def render_gemm(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...] = (False, False)) -> KernelSource:
+def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
+                prequantized: tuple[bool, ...] = (False, False)) -> KernelSource:
     """The fallback (scales, then the tiled kernel) and, where cuBLAS can, the GemmCall.
 
     Scratch: the scales of each operand this kernel scales itself, then (cuBLASLt) its quantized
     copies; a pre-quantized operand brings both from its QUANTIZE kernel instead."""
     w = _Writer(kernel, formats, prequantized)
     lay = kernel.layout
-    lt = _lt_capable(w.variant, kernel.dtype) and _cublaslt_reads(kernel, prequantized)
+    # cuBLASLt takes a pre-quantized A as it is: only when read in the (batch, M, K) layout it was written in
+    lt = _lt_capable(w.variant, kernel.dtype) and (
+        not prequantized[0] or kernel.inputs[0].view == quantized_a_view(kernel.layout))
     own = [s for s in (0, 1) if w.specs[s] is not None and not prequantized[s]]
     own_quant = own if lt else []
     source = _source("".join([_scale_kernel(w, s) for s in own] + [_quant_kernel(w, s) for s in own_quant]

@@ -128,7 +128,7 @@ class Kernel:
         """Bytes of those scales: FP32 each (E8M0 scales too: kernels hold them unpacked as float)."""
         if self.kind is not KernelKind.QUANTIZE:
             return 0
-        return int(np.prod(self.scales_shape(bindings), dtype=np.int64)) * F32.itemsize
+        return int(np.prod(self.scales_shape(bindings), dtype=np.int64) * F32.itemsize)
 
     # -- cost ----------------------------------------------------------------------------------
     def bytes_stored(self, bindings: Mapping[str, int]) -> int:
@@ -154,7 +154,7 @@ class Kernel:
             lay = self.layout
             return int(2 * evaluate(lay.batch * lay.m * lay.n * lay.k, bindings))
         if self.kind is KernelKind.QUANTIZE:  # a max per element, a division per element, one per scale
-            return 2 * self.numel(bindings) + self.scales_bytes(bindings) // F32.itemsize
+            return 2 * self.numel(bindings) + int(self.scales_bytes(bindings) // F32.itemsize)
         body_n = int(evaluate(prod(self.body_shape), bindings)) if self.body_shape else 1
         if self.kind is KernelKind.ELEMENTWISE:
             return self.numel(bindings) * max(count_ops(self.body), 1)

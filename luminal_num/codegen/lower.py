@@ -38,9 +38,10 @@ class _Builder:
         """The QUANTIZE kernel of A for this Gemm (shared by Gemms reading the same A the same way)."""
         key = (a, layout, precision)
         if key not in self.quantized:
-            self.quantized[key] = self.add(kind=KernelKind.QUANTIZE, inputs=(a,), shape=(layout.batch, layout.m, layout.k),
-                                           dtype=GEMM_VARIANTS[precision].a_format, precision=precision, layout=layout,
-                                           chunk=chunk, label=label)
+            self.quantized[key] = self.add(kind=KernelKind.QUANTIZE, inputs=(a,),
+                                           shape=(layout.batch, layout.m, layout.k),
+                                           dtype=GEMM_VARIANTS[precision].a_format, precision=precision,
+                                           layout=layout, chunk=chunk, label=label)
         return self.quantized[key]
 
 
@@ -104,7 +105,8 @@ class _ChunkLowering:
             a_in = KernelInput(self.tensor(a.id), self.view(va))
             a_scale = GEMM_VARIANTS[prec].a_scale
             if a_scale is not None and not a_scale.static:  # activations: scales computed at run time
-                q = self.b.quantize(a_in, layout, prec, self.chunk, f"{origin} (chunk {self.chunk}, quantize A: {prec})")
+                q = self.b.quantize(a_in, layout, prec, self.chunk,
+                                    f"{origin} (chunk {self.chunk}, quantize A: {prec})")
                 a_in = KernelInput(q, quantized_a_view(layout))
             ins = (a_in, KernelInput(self.tensor(bb.id), self.view(vb)))
             shape = tuple(d for i, d in enumerate(layout.full_shape) if i != layout.k_axis)

@@ -18,9 +18,9 @@ from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, Kern
 from ..dtypes.formats import F32, Format, Kind, get as get_format
 from ..hlir.evaluate import softmax
 from ..hlir.gemm import gemm_apply, gemm_operand_a
-from ..quant import quantize_tensor
 from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import Poly, evaluate as eval_dim
+from ..quant import quantize_tensor
 from .buffers import BufferPlan, plan_buffers
 
 
@@ -144,7 +144,7 @@ class CpuRuntime:
             scales[k.id] = quantized.scales
             return quantized.values
         if kind is KernelKind.GEMM:
-            a_scales = scales.get(k.inputs[0].buffer) if self.program.quantized_inputs(k)[0] else None
+            a_scales = scales[k.inputs[0].buffer] if self.program.quantized_inputs(k)[0] else None
             return _round(run_gemm(k, stored, bindings, self.static_scales.get(k.id), a_scales), k.dtype)
         if kind is KernelKind.GATHER:
             table = self._read(k, 0, stored, bindings)

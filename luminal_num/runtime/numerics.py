@@ -143,11 +143,12 @@ def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = Non
     """
     if (a is None) == (a_quantized is None):
         raise ValueError("pass either the raw A or a_quantized=(q, scales), not both or neither")
-    qa = _prequantized(a_quantized, variant) if a is None else None
-    a, b = (qa.values if a is None else np.asarray(a)), np.asarray(b)
+    prequantized = None if a_quantized is None else _prequantized(a_quantized, variant)
+    a = np.asarray(a) if prequantized is None else prequantized.values
+    b = np.asarray(b)
     if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
         raise ValueError(f"cannot multiply shapes {a.shape} and {b.shape}")
-    qa = qa or _operand(a, variant.a_format, variant.a_scale, None, overflow)
+    qa = prequantized if prequantized is not None else _operand(a, variant.a_format, variant.a_scale, None, overflow)
     qb = _operand(b, variant.b_format, variant.b_scale, b_scales, overflow)
     k = a.shape[-1]
     if k == 0:
