@@ -154,8 +154,22 @@ class StaticAnalyzer:
             return _Val(Interval.point(c), np.asarray(abs(float(np.float32(c)) - c)))
         if isinstance(e, FRoundTo):
             return _store(self.body(e.x, k), e.fmt, k, e.origin)
+        if e.op is Op.MUL and len(e.args) == 2 and e.args[0] == e.args[1]:
+            return _round_f32(self._square(self.body(e.args[0], k)), k)
         args = [self.body(a, k) for a in e.args]
         return _round_f32(self._apply(e, args), k)
+
+    @staticmethod
+    def _square(a: _Val) -> _Val:
+        """x*x of one value: never negative (a general product of [lo, hi] with itself would be), so a
+        variance's interval stays off zero and its reciprocal square root stays bounded."""
+        lo, hi = a.iv.lo, a.iv.hi
+        with np.errstate(over="ignore"):
+            sq_lo, sq_hi = lo * lo, hi * hi
+            low = np.where((lo <= 0) & (hi >= 0), 0.0, np.nextafter(np.minimum(sq_lo, sq_hi), -np.inf))
+            high = np.nextafter(np.maximum(sq_lo, sq_hi), np.inf)
+            err = 2 * _mag(a.iv) * a.err + a.err * a.err
+        return _Val(Interval(np.maximum(low, 0.0), high, a.iv.nan), np.nan_to_num(err, nan=np.inf) * SLACK)
 
     def _apply(self, e: FApply, args: list[_Val]) -> _Val:
         op = e.op

@@ -226,7 +226,7 @@ def choose(passing: list[Evaluated]) -> Evaluated | None:
         return None
     fastest = min(e.latency_s for e in passing)
     near = [e for e in passing if e.latency_s <= fastest * (1 + LATENCY_TIE)]
-    return min(near, key=lambda e: (e.verdict.error, e.latency_s, e.id))
+    return min(near, key=lambda e: (e.verdict.error, len(e.genome), e.latency_s, e.id))  # then fewest changes
 
 
 def variant_classes(tags, target: str) -> list[list[str]]:

@@ -1,0 +1,50 @@
+"""`python -m bench`: every benchmark in one run, CSVs and SUMMARY.md under reports/bench/.
+
+The compiles of the transformer and MiniLM jobs run once and feed both the search-efficiency and the
+numerics (plan vs baselines) tables. `--quick` is a smoke run (a few minutes): fewer layers, candidates,
+rounds and variants, and no MiniLM compile.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from . import compile_time, emulation, numerics, runtime, search_efficiency
+from .summary import write_summary
+
+
+def emulation_figures(quick: bool) -> dict:
+    df = emulation.main(["--size", "256", "--repeats", "1"] if quick else [])
+    variants = df[df.variant != emulation.BASELINE]
+    slowest = variants.loc[variants.ratio_vs_numpy_f32.idxmax()]
+    return {"matrix size": int(df["size"].iloc[0]),
+            "emulated FP32 Gemm / numpy FP32": float(df.loc[df.variant == "f32", "ratio_vs_numpy_f32"].item()),
+            f"slowest variant ({slowest.variant}) / numpy FP32": float(slowest.ratio_vs_numpy_f32)}
+
+
+def main(argv=None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="smoke run (about 3 minutes)")
+    quick = ap.parse_args(argv).quick
+    start = time.perf_counter()
+    headlines = {}
+    print("== compile time")
+    headlines["compile_time"] = compile_time.run(layers=(2, 8) if quick else (2, 8, 32), with_minilm=not quick,
+                                                 repeats=1 if quick else 3)
+    print("== search efficiency (compiles shared with numerics)")
+    compiled = search_efficiency.compile_jobs(quick)
+    headlines["search_efficiency"] = search_efficiency.run(compiled)
+    print("== numerics")
+    headlines["numerics"] = numerics.run(compiled, quick=quick)
+    print("== runtime")
+    headlines["runtime"] = runtime.run(rounds=1, variant_rounds=1, variants=runtime.QUICK_VARIANTS) if quick \
+        else runtime.run()
+    print("== emulation")
+    headlines["emulation"] = emulation_figures(quick)
+    summary = write_summary(headlines, wall_s=time.perf_counter() - start).read_text()
+    print(summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Search efficiency: how many candidates the search generates, which stage of the numerics gate decided
+them (verdict cache, static bound, measurement), how many were pruned or profiled, and how soon the
+chosen plan and the final Pareto front appeared.
+
+The gate's point is that latency is never spent on a candidate the contract rejects and measurement
+is never spent on one a cheaper stage already decided; these counts show how far that holds.
+The compiles are shared with bench/numerics.py (the plan vs baselines table), so they run once.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import pandas as pd
+
+from luminal_num.compiler import CompileResult, compile
+from luminal_num.error.budget import Budget
+from luminal_num.error.judge import GateStats
+from luminal_num.models.registry import ModelJob, minilm_job, transformer_job
+from luminal_num.report.pareto import pareto_front
+from luminal_num.search.search import Evaluated, SearchOptions
+
+from .summary import write_csv
+
+TARGET = "h200"
+# the gate's stages, in the order it tries them; `pruned` is a subset of the cache's verdicts
+VERDICT_STAGES = tuple(f.name for f in fields(GateStats) if f.name != "pruned")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job the benchmark compiles and its candidate budget (full run, --quick run; None: not in --quick,
+    MiniLM's candidates each run a real encoder on the CPU emulator, minutes for even a few)."""
+
+    name: str
+    load: Callable[[], ModelJob]
+    max_candidates: int
+    quick_candidates: int | None
+
+
+SPECS = (JobSpec("transformer", transformer_job, SearchOptions().max_candidates, 40),
+         JobSpec("minilm", minilm_job, 100, None))
+
+
+@dataclass(frozen=True)
+class CompiledJob:
+    name: str
+    job: ModelJob
+    budget: Budget
+    options: SearchOptions
+    result: CompileResult
+    compile_s: float  # wall time of compile(), including the FP64 references and saturation
+
+    def budget_ratio(self, e: Evaluated) -> float:
+        """A candidate's error as an allclose ratio of the user's budget (<= 1 fits it): the search
+        judges against the budget tightened by its headroom, and a ratio scales with the tolerance."""
+        return float(e.verdict.error) * self.options.headroom
+
+
+def compile_jobs(quick: bool = False) -> dict[str, CompiledJob]:
+    """Compile every job of SPECS with its default budget on TARGET (seed 0, deterministic)."""
+    warnings.filterwarnings("ignore", category=RuntimeWarning)  # intervals overflowing to inf are verdicts
+    out = {}
+    for spec in SPECS:
+        if quick and spec.quick_candidates is None:
+            continue
+        job = spec.load()
+        budget = Budget.parse(job.default_budget)
+        options = SearchOptions(max_candidates=spec.quick_candidates if quick else spec.max_candidates,
+                                target=TARGET, progress=False)
+        t0 = time.perf_counter()
+        result = compile(job.graph, budget, TARGET, job.calibration, options)
+        out[spec.name] = CompiledJob(spec.name, job, budget, options, result, time.perf_counter() - t0)
+        print(f"[search_efficiency] {spec.name}: {len(result.search.evaluated)} candidates in "
+              f"{out[spec.name].compile_s!r} s")
+    return out
+
+
+def final_front(evaluated: list[Evaluated]) -> list[Evaluated]:
+    """The passing, profiled candidates on the (error, latency) Pareto front at the end of the search."""
+    passing = [e for e in evaluated if e.verdict.passed and e.latency is not None]
+    marks = pareto_front([(float(e.verdict.error), e.latency_s) for e in passing])
+    return [e for e, on in zip(passing, marks) if on]
+
+
+def efficiency_row(c: CompiledJob) -> dict:
+    search = c.result.search
+    evaluated = search.evaluated
+    gate = {f"decided_by_{k}": search.stats[k] for k in VERDICT_STAGES}
+    front = final_front(evaluated)
+    chosen = search.chosen
+    return dict(job=c.name, budget=str(c.budget), candidates=len(evaluated),
+                baselines=sum(e.stage == "baseline" for e in evaluated), **gate,
+                pruned=search.stats["pruned"],  # monotone pruning: counted among the cache's verdicts
+                passed=sum(bool(e.verdict.passed) for e in evaluated),
+                profiled=sum(e.latency is not None for e in evaluated),
+                profiled_rejected=sum(e.latency is not None and not e.verdict.passed for e in evaluated),
+                search_s=search.stats["seconds"], compile_s=c.compile_s,
+                search_s_per_candidate=search.stats["seconds"] / len(evaluated),
+                chosen_index=chosen.id, chosen_stage=chosen.stage, chosen_source=chosen.verdict.source,
+                front_size=len(front), front_complete_index=max(e.id for e in front),
+                headroom=c.options.headroom, chosen_error=c.budget_ratio(chosen), chosen_latency_s=chosen.latency_s)
+
+
+def run(compiled: dict[str, CompiledJob] | None = None, quick: bool = False) -> dict:
+    compiled = compiled if compiled is not None else compile_jobs(quick)
+    df = pd.DataFrame([efficiency_row(c) for c in compiled.values()])
+    write_csv(df, "search_efficiency.csv")
+    figures = {}
+    for r in df.itertuples():
+        gate = ", ".join(f"{c.removeprefix('decided_by_')} {getattr(r, c)}" for c in df.columns
+                         if c.startswith("decided_by_"))
+        figures[f"{r.job}: candidates"] = int(r.candidates)
+        figures[f"{r.job}: decided by"] = gate
+        figures[f"{r.job}: pruned (a change that alone breaks the budget)"] = int(r.pruned)
+        figures[f"{r.job}: profiled (latency taken)"] = int(r.profiled)
+        figures[f"{r.job}: search wall seconds"] = float(r.search_s)
+        figures[f"{r.job}: chosen plan found at evaluation"] = f"{r.chosen_index} of {r.candidates} ({r.chosen_stage})"
+        figures[f"{r.job}: final front complete at evaluation"] = int(r.front_complete_index)
+    return figures
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="few candidates, transformer only (smoke run)")
+    figures = run(quick=ap.parse_args(argv).quick)
+    for k, v in figures.items():
+        print(f"{k}: {v!r}")
+    return figures
+
+
+if __name__ == "__main__":
+    main()
