@@ -22,6 +22,21 @@ def emulation_figures(quick: bool) -> dict:
             f"slowest variant ({slowest.variant}) / numpy FP32": float(slowest.ratio_vs_numpy_f32)}
 
 
+def slow_tests() -> dict:
+    """The model-scale checks kept out of the default suite (the MiniLM demo end to end, wide search)."""
+    import re
+    import subprocess
+    import sys
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "slow", "-p", "no:cacheprovider"],
+                          capture_output=True, text=True)
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr.strip()[-200:]
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|error)", tail)}
+    print(tail)
+    return {"exit code": proc.returncode, "passed": counts.get("passed", 0), "failed": counts.get("failed", 0),
+            "seconds": time.perf_counter() - t0}
+
+
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smoke run (about 3 minutes)")
@@ -41,6 +56,9 @@ def main(argv=None) -> str:
         else runtime.run()
     print("== emulation")
     headlines["emulation"] = emulation_figures(quick)
+    if not quick:
+        print("== model-scale checks (pytest -m slow)")
+        headlines["slow_tests"] = slow_tests()
     summary = write_summary(headlines, wall_s=time.perf_counter() - start).read_text()
     print(summary)
     return summary

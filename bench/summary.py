@@ -80,6 +80,9 @@ SECTIONS = (
     Section("emulation", "Gemm emulation throughput",
             "Per-variant cost of the emulated Gemm on one square matmul (bench/emulation.py).",
             (("emulation.csv", "best of the interleaved rounds"),), _emulation_columns),
+    Section("slow_tests", "Model-scale checks",
+            "`pytest -m slow`: the MiniLM demo end to end (compile, report, audit on held-out sentences) and "
+            "the wide-model search; kept out of the default suite for time.", ()),
 )
 
 
