@@ -156,3 +156,17 @@ def test_structural_key_ignores_names_not_structure():
     assert build("a", 3) == build("zzz", 3)
     assert build("a", 3) != build("a", 5)
     assert math.isfinite(float(int(build("a", 3), 16) % 7))
+
+
+def test_two_layer_transformer_fp32_error_within_gamma_n_of_longest_dot():
+    """FP64 and FP32 evaluation of a 2-layer block; FP32's error, relative to the output's magnitude,
+    stays within gamma_n(u_fp32) for n the longest dot product in the block (the MLP's hidden width)."""
+    from luminal_num.models.testnets import transformer
+    model = transformer(2, d=32, hidden=64)
+    x = model.make_inputs(3)
+    y64 = evaluate(model.graph, x, precision="f64")["y"]
+    y32 = evaluate(model.graph, x, precision="f32")["y"]
+    n, u = 64, 2.0 ** -24
+    gamma_n = n * u / (1 - n * u)
+    err = np.max(np.abs(y32 - y64)) / np.max(np.abs(y64))
+    assert 0 < err <= gamma_n
