@@ -35,7 +35,7 @@ MAX_GRID = 65535          # every kernel loops grid-stride, so the cap is a tuni
 ELEMENTWISE_THREADS = 256
 ROW_THREADS_MAX = 256
 SHORT_ROW = 64            # reductions this short (and known at compile time) use a thread per row
-ENTRY = "LN_ENTRY"        # placeholder for the kernel name until the source is hashed
+ENTRY = "LN_ENTRY"        # stands for the kernel name until the source is hashed
 
 
 SCALES_SCRATCH = 0  # a QUANTIZE kernel keeps its scales in this scratch buffer of its source

@@ -259,7 +259,7 @@ class StaticAnalyzer:
             srow = Interval(src.iv.lo.min(axis=0), src.iv.hi.max(axis=0))
             iv = hull(dest.iv, Interval(np.broadcast_to(srow.lo, dest.iv.lo.shape), np.broadcast_to(srow.hi, dest.iv.lo.shape)))
             return _Val(iv, np.maximum(dest.err, src.err.max(axis=0)))
-        raise NotImplementedError(kind)  # unreachable: every kind is handled
+        raise AssertionError(f"unhandled kernel kind {kind}")  # every KernelKind is handled above
 
     def softmax(self, k: Kernel) -> _Val:
         v = self.body(k.body, k)

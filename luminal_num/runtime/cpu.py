@@ -160,7 +160,7 @@ class CpuRuntime:
                 raise IndexError(f"scatter: index out of range [0, {dest.shape[0]})")
             dest[idx] = src
             return dest
-        raise NotImplementedError(kind)  # unreachable: every KernelKind is handled above
+        raise AssertionError(f"unhandled kernel kind {kind}")  # every KernelKind is handled above
 
     def _body(self, e: FExpr, k: Kernel, stored, bindings) -> np.ndarray:
         """Evaluate a fused body: exact op in float64, rounded once to FP32 per op."""
