@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from minilm_reference import minilm_embed_fp64
 
 from luminal_num.hlir import Op, evaluate
-from luminal_num.models.assets import Encoded, Tokenizer, load_config, load_sentences, minilm_files
+from luminal_num.models.assets import Encoded, load_sentences
 from luminal_num.models.bert import (
     EMBEDDING_OUTPUT,
     IDS_INPUT,
@@ -30,7 +30,6 @@ from luminal_num.models.bert import (
     build_bert,
     load_minilm,
 )
-from luminal_num.models.weights import load_safetensors
 
 # Tensors of the MiniLM file that the sentence encoder does not read (HF buffers and the unused pooler).
 UNUSED_FILE_TENSORS = {"embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias"}
@@ -135,26 +134,6 @@ def test_config_rejects_what_the_graph_does_not_build():
 
 
 # ---- the real all-MiniLM-L6-v2 -------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def files():
-    return minilm_files()
-
-
-@pytest.fixture(scope="module")
-def config_dict(files):
-    return load_config(files.config)
-
-
-@pytest.fixture(scope="module")
-def weights(files):
-    return load_safetensors(files.safetensors)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(files):
-    return Tokenizer.from_files(files)
-
-
 def test_config_from_minilm(config_dict):
     assert BertConfig.from_dict(config_dict) == BertConfig(
         vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from minilm_reference import minilm_embed_fp64
 
 from luminal_num.models import assets
-from luminal_num.models.assets import Tokenizer, load_config, load_sentences, minilm_files
+from luminal_num.models.assets import load_sentences, minilm_files
 from luminal_num.models.weights import (
     SAFETENSORS_DTYPES,
     load_safetensors,
@@ -50,26 +50,6 @@ PARAPHRASE_PAIRS = [
 
 
 @pytest.fixture(scope="module")
-def files():
-    return minilm_files()
-
-
-@pytest.fixture(scope="module")
-def config(files):
-    return load_config(files.config)
-
-
-@pytest.fixture(scope="module")
-def weights(files):
-    return load_safetensors(files.safetensors)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(files):
-    return Tokenizer.from_files(files)
-
-
-@pytest.fixture(scope="module")
 def vocab(files):
     return json.loads(files.tokenizer.read_text("utf-8"))["model"]["vocab"]
 
@@ -80,32 +60,32 @@ def corpus():
 
 
 @pytest.fixture(scope="module")
-def corpus_embeddings(weights, config, tokenizer, corpus):
+def corpus_embeddings(weights, config_dict, tokenizer, corpus):
     encoded = tokenizer.encode_batch(corpus)
-    return minilm_embed_fp64(weights, config, encoded.ids, encoded.attention_mask)
+    return minilm_embed_fp64(weights, config_dict, encoded.ids, encoded.attention_mask)
 
 
-def embed(weights, config, tokenizer, sentences):
+def embed(weights, config_dict, tokenizer, sentences):
     encoded = tokenizer.encode_batch(sentences)
-    return minilm_embed_fp64(weights, config, encoded.ids, encoded.attention_mask)
+    return minilm_embed_fp64(weights, config_dict, encoded.ids, encoded.attention_mask)
 
 
 # ---------------------------------------------------------------- files and weights
 
 
-def test_model_files_and_config(files, config):
+def test_model_files_and_config(files, config_dict):
     for path in (files.safetensors, files.config, files.tokenizer):
         assert path.is_file()
-    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]) == (384, 6, 12)
-    assert config["hidden_act"] == "gelu" and config["layer_norm_eps"] == 1e-12
+    assert (config_dict["hidden_size"], config_dict["num_hidden_layers"], config_dict["num_attention_heads"]) == (384, 6, 12)
+    assert config_dict["hidden_act"] == "gelu" and config_dict["layer_norm_eps"] == 1e-12
 
 
-def test_weights_match_config_shapes(weights, config):
-    hidden, inner = config["hidden_size"], config["intermediate_size"]
-    assert weights["embeddings.word_embeddings.weight"].shape == (config["vocab_size"], hidden)
-    assert weights["embeddings.position_embeddings.weight"].shape == (config["max_position_embeddings"], hidden)
-    assert weights["embeddings.token_type_embeddings.weight"].shape == (config["type_vocab_size"], hidden)
-    for layer in range(config["num_hidden_layers"]):
+def test_weights_match_config_shapes(weights, config_dict):
+    hidden, inner = config_dict["hidden_size"], config_dict["intermediate_size"]
+    assert weights["embeddings.word_embeddings.weight"].shape == (config_dict["vocab_size"], hidden)
+    assert weights["embeddings.position_embeddings.weight"].shape == (config_dict["max_position_embeddings"], hidden)
+    assert weights["embeddings.token_type_embeddings.weight"].shape == (config_dict["type_vocab_size"], hidden)
+    for layer in range(config_dict["num_hidden_layers"]):
         prefix = f"encoder.layer.{layer}"
         assert weights[f"{prefix}.attention.self.query.weight"].shape == (hidden, hidden)
         assert weights[f"{prefix}.intermediate.dense.weight"].shape == (inner, hidden)
@@ -295,8 +275,8 @@ def test_sentence_sets():
 # ---------------------------------------------------------------- FP64 reference
 
 
-def test_embeddings_are_unit_norm(corpus_embeddings, config):
-    assert corpus_embeddings.shape[1] == config["hidden_size"]
+def test_embeddings_are_unit_norm(corpus_embeddings, config_dict):
+    assert corpus_embeddings.shape[1] == config_dict["hidden_size"]
     np.testing.assert_allclose(np.linalg.norm(corpus_embeddings, axis=1), 1.0, rtol=0, atol=1e-14)
 
 
@@ -308,36 +288,36 @@ def test_paraphrases_are_each_others_nearest(corpus, corpus_embeddings):
         assert cosine[i].argmax() == j and cosine[j].argmax() == i, (first, second)
 
 
-def test_batch_equals_one_by_one(weights, config, tokenizer, corpus, corpus_embeddings):
+def test_batch_equals_one_by_one(weights, config_dict, tokenizer, corpus, corpus_embeddings):
     for row, sentence in enumerate(corpus):
-        alone = embed(weights, config, tokenizer, [sentence])[0]
+        alone = embed(weights, config_dict, tokenizer, [sentence])[0]
         np.testing.assert_allclose(corpus_embeddings[row], alone, rtol=0, atol=1e-12)
 
 
 @settings(deadline=None, max_examples=8)
 @given(extra_padding=st.integers(0, 7), seed=st.integers(0, 2**32 - 1))
-def test_padded_positions_do_not_leak(weights, config, tokenizer, extra_padding, seed):
+def test_padded_positions_do_not_leak(weights, config_dict, tokenizer, extra_padding, seed):
     """Whatever ids sit under a zero mask, and however many, the embedding does not move."""
     encoded = tokenizer.encode_batch(["Turn left at the second traffic light.", "Thank you very much."])
     ids = np.pad(encoded.ids, ((0, 0), (0, extra_padding)))
     mask = np.pad(encoded.attention_mask, ((0, 0), (0, extra_padding)))
-    garbage = np.random.default_rng(seed).integers(0, config["vocab_size"], size=ids.shape)
+    garbage = np.random.default_rng(seed).integers(0, config_dict["vocab_size"], size=ids.shape)
     ids = np.where(mask > 0, ids, garbage)
-    baseline = minilm_embed_fp64(weights, config, encoded.ids, encoded.attention_mask)
-    np.testing.assert_allclose(minilm_embed_fp64(weights, config, ids, mask), baseline, rtol=0, atol=1e-12)
+    baseline = minilm_embed_fp64(weights, config_dict, encoded.ids, encoded.attention_mask)
+    np.testing.assert_allclose(minilm_embed_fp64(weights, config_dict, ids, mask), baseline, rtol=0, atol=1e-12)
 
 
-def test_matches_published_fastembed_vector(weights, config, tokenizer):
+def test_matches_published_fastembed_vector(weights, config_dict, tokenizer):
     """qdrant/fastembed tests/test_text_onnx_embeddings.py: 'hello world', first five dimensions,
     printed to 5-6 decimals from an FP32 ONNX run."""
     published = np.array([-0.034478, 0.03102, 0.00673, 0.02611, -0.039362])
-    ours = embed(weights, config, tokenizer, ["hello world"])[0, :5]
+    ours = embed(weights, config_dict, tokenizer, ["hello world"])[0, :5]
     np.testing.assert_allclose(ours, published, rtol=0, atol=1e-5)
 
 
-def test_matches_published_quickstart_similarities(weights, config, tokenizer):
+def test_matches_published_quickstart_similarities(weights, config_dict, tokenizer):
     """sentence-transformers README quickstart with all-MiniLM-L6-v2, printed to 4 decimals."""
     sentences = ["The weather is lovely today.", "It's so sunny outside!", "He drove to the stadium."]
     published = np.array([[1.0000, 0.6660, 0.1046], [0.6660, 1.0000, 0.1411], [0.1046, 0.1411, 1.0000]])
-    ours = embed(weights, config, tokenizer, sentences)
+    ours = embed(weights, config_dict, tokenizer, sentences)
     np.testing.assert_allclose(ours @ ours.T, published, rtol=0, atol=6e-5)

@@ -17,28 +17,16 @@ from luminal_num.codegen.llir import KernelKind
 from luminal_num.compiler import compile as compile_plan
 from luminal_num.error.budget import Budget
 from luminal_num.hlir.evaluate import evaluate
-from luminal_num.models.registry import transformer_job
 from luminal_num.models.testnets import transformer
 from luminal_num.report.compile_report import write_compile_report
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.plan import PLAN_FORMAT, PLAN_VERSION, Plan, PlanError, op_table
 from luminal_num.search.search import SearchOptions
-from luminal_num.search.space import SearchSpace
 
 # Interval arithmetic in the static stage overflows to inf on purpose (an unbounded error is a verdict).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 OPTIONS = SearchOptions(seed=0, max_candidates=30, progress=False)
 OP_COLUMNS = ("kernel", "kind", "op", "dtype", "inputs", "shape", "accumulator", "precision", "quant", "scales")
-
-
-@pytest.fixture(scope="module")
-def job():
-    return transformer_job(2)
-
-
-@pytest.fixture(scope="module")
-def space(job):
-    return SearchSpace.build(job.graph)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from luminal_num.compiler import BudgetUnreachable, compile as compile_plan
 from luminal_num.error.budget import Budget
 from luminal_num.error.judge import Judge, program_key
 from luminal_num.hlir.evaluate import evaluate
-from luminal_num.models.registry import transformer_job
 from luminal_num.models.testnets import transformer
 from luminal_num.report.audit import audit
 from luminal_num.runtime.cpu import CpuRuntime
@@ -31,16 +30,6 @@ OPTIONS = SearchOptions(seed=0, max_candidates=30, progress=False)
 TARGET = "h200"  # a modelled target: latencies are deterministic (the cpu target is measured)
 # Tight to loose; FP32 passes all three (its allclose ratio is ~6e-3 at the tightest).
 BUDGETS = ("atol=1e-4,rtol=1e-4", "atol=1e-3,rtol=1e-3", "atol=1e-2,rtol=1e-2")
-
-
-@pytest.fixture(scope="module")
-def job():
-    return transformer_job(2)
-
-
-@pytest.fixture(scope="module")
-def space(job):
-    return SearchSpace.build(job.graph)
 
 
 @pytest.fixture(scope="module")
