@@ -164,3 +164,18 @@ def from_storage(stored: np.ndarray, fmt: Format | str) -> np.ndarray:
         raise TypeError(f"expected a {fmt.storage} array for {fmt}, got {stored.dtype}")
     wide = fmt is F64 or (fmt.kind is Kind.INT and fmt.p >= 24)
     return stored.astype(np.float64 if wide else np.float32)
+
+
+def store(x, fmt: Format) -> np.ndarray:
+    """x (any float array) as a kernel stores it in `fmt`, returned as float64 values; integers pass.
+
+    The one store policy every executor shares: 16/32-bit stores are plain IEEE conversions
+    (overflow -> inf, which the numerics gate then rejects), 8-bit ones saturate (PTX .satfinite).
+    """
+    if fmt.kind is not Kind.FLOAT or fmt.name == "f64":
+        return x
+    x = np.asarray(x, dtype=np.float64)
+    if fmt.name == "f32":  # the common case: numpy's own IEEE conversion, no bit manipulation
+        return x.astype(np.float32).astype(np.float64)
+    policy = Overflow.SATURATE if fmt.bits <= 8 else Overflow.INF
+    return np.asarray(round_to(x, fmt, policy), dtype=np.float64)

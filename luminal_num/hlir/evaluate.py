@@ -12,7 +12,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ..dtypes.formats import F64, Kind
+from ..dtypes.formats import Kind
 from .graph import Graph, Node
 from .ops import CUSTOM_KINDS, Group, Op
 from .symbolic import evaluate as eval_dim
@@ -28,11 +28,10 @@ def softmax(x: np.ndarray, axis: int) -> np.ndarray:
 
 
 def _round(x: np.ndarray, node_dtype, precision: str) -> np.ndarray:
-    if precision == "f64" or node_dtype.kind is not Kind.FLOAT or node_dtype is F64:
+    if precision == "f64":
         return x
-    from ..dtypes.rounding import Overflow, round_to  # imported lazily to keep import cheap
-    policy = Overflow.SATURATE if node_dtype.bits <= 8 else Overflow.INF  # IEEE stores; FP8 saturates
-    return np.asarray(round_to(x, node_dtype, policy), dtype=np.float64)
+    from ..dtypes.rounding import store  # imported lazily to keep import cheap
+    return store(x, node_dtype)
 
 
 def eval_node(node: Node, srcs: list[np.ndarray], graph: Graph, inputs: Mapping[str, np.ndarray],

@@ -14,7 +14,7 @@ import numpy as np
 from ..dtypes.formats import F32, Format
 from .ops import Group, Op
 from .shape import ShapeTracker
-from .symbolic import Dim, Poly, encode, evaluate
+from .symbolic import Dim, Poly, bind_shapes, encode
 
 
 @dataclass(frozen=True)
@@ -135,24 +135,8 @@ class Graph:
 
     def bind_symbols(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None) -> dict[str, int]:
         """Infer symbolic dims from input shapes (a dim that is a single symbol binds to the size)."""
-        out = dict(bindings or {})
-        for name, info in self.inputs.items():
-            if name not in inputs:
-                continue
-            arr = inputs[name]
-            if len(arr.shape) != len(info.shape):
-                raise ValueError(f"input {name!r}: expected rank {len(info.shape)}, got shape {arr.shape}")
-            for d, actual in zip(info.shape, arr.shape):
-                if isinstance(d, Poly) and len(d.terms) == 1 and d.terms[0][1] == 1 and len(d.terms[0][0]) == 1:
-                    s = d.terms[0][0][0]
-                    if out.setdefault(s, actual) != actual:
-                        raise ValueError(f"symbol {s!r} bound to {out[s]} and {actual} (input {name!r})")
-        for name, info in self.inputs.items():
-            if name in inputs:
-                want = tuple(evaluate(d, out) for d in info.shape)
-                if tuple(inputs[name].shape) != want:
-                    raise ValueError(f"input {name!r}: expected shape {want}, got {tuple(inputs[name].shape)}")
-        return out
+        return bind_shapes({n: i.shape for n, i in self.inputs.items()},
+                           {n: np.shape(a) for n, a in inputs.items()}, bindings)
 
     def structural_key(self, node_ids: Iterable[int] | None = None, extra: tuple = ()) -> str:
         """sha256 of a canonical encoding of ops, views, shapes and dtypes (names and values ignored).

@@ -154,3 +154,30 @@ def is_const(d: Dim) -> bool:
 def encode(d: Dim) -> tuple:
     """A canonical, hashable encoding for structural hashes (never printed text)."""
     return ("poly", d.terms) if isinstance(d, Poly) else ("int", int(d))
+
+
+def bind_shapes(declared: "Mapping[str, tuple[Dim, ...]]", actual: "Mapping[str, tuple[int, ...]]",
+                bindings: "Mapping[str, int] | None" = None) -> dict[str, int]:
+    """Bind symbolic dims from the shapes of the given arrays and check every shape against them.
+
+    A declared dim that is a single symbol (`s`) binds to the array's size there; a symbol bound to
+    two sizes, a wrong rank or any shape that disagrees once bound raises ValueError naming the input.
+    """
+    out = dict(bindings or {})
+    for name, shape in declared.items():
+        if name not in actual:
+            continue
+        got = tuple(actual[name])
+        if len(got) != len(shape):
+            raise ValueError(f"input {name!r}: expected rank {len(shape)}, got shape {got}")
+        for d, size in zip(shape, got):
+            if isinstance(d, Poly) and len(d.terms) == 1 and d.terms[0][1] == 1 and len(d.terms[0][0]) == 1:
+                s = d.terms[0][0][0]
+                if out.setdefault(s, size) != size:
+                    raise ValueError(f"symbol {s!r} bound to {out[s]} and {size} (input {name!r})")
+    for name, shape in declared.items():
+        if name in actual:
+            want = tuple(evaluate(d, out) for d in shape)
+            if tuple(actual[name]) != want:
+                raise ValueError(f"input {name!r}: expected shape {want}, got {tuple(actual[name])}")
+    return out

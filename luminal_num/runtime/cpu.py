@@ -16,10 +16,11 @@ import numpy as np
 
 from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
 from ..dtypes.formats import F32, Format, Kind, get as get_format
+from ..dtypes.rounding import store
 from ..hlir.evaluate import softmax
 from ..hlir.gemm import gemm_apply, gemm_operand_a
 from ..hlir.ops import CUSTOM_KINDS, Op
-from ..hlir.symbolic import Poly, evaluate as eval_dim
+from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
 from ..quant import quantize_tensor
 from .buffers import BufferPlan, plan_buffers
 
@@ -38,33 +39,13 @@ class RunResult:
 
 def _round(x: np.ndarray, fmt: Format) -> np.ndarray:
     """Values of x rounded to fmt (as float64); integers pass through."""
-    if fmt.kind is not Kind.FLOAT:
-        return x
-    if fmt is F32:
-        return np.asarray(x, dtype=np.float64).astype(np.float32).astype(np.float64)
-    from ..dtypes.rounding import Overflow, round_to
-    # 16-bit stores are plain IEEE conversions (overflow -> inf); 8-bit ones saturate (PTX .satfinite)
-    policy = Overflow.SATURATE if fmt.bits <= 8 else Overflow.INF
-    return np.asarray(round_to(np.asarray(x, dtype=np.float64), fmt, policy), dtype=np.float64)
+    return store(x, fmt)
 
 
 def bind_program(program: Program, inputs: Mapping[str, np.ndarray]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    ext = {k.external: k for k in program.kernels if k.kind is KernelKind.EXTERNAL}
-    for name, kid in program.inputs:
-        if name not in inputs:
-            continue
-        shape = program.kernels[kid].shape
-        arr = np.asarray(inputs[name])
-        if arr.ndim != len(shape):
-            raise ValueError(f"input {name!r}: expected rank {len(shape)}, got shape {arr.shape}")
-        for d, actual in zip(shape, arr.shape):
-            if isinstance(d, Poly) and len(d.terms) == 1 and d.terms[0][1] == 1 and len(d.terms[0][0]) == 1:
-                out.setdefault(d.terms[0][0][0], actual)
-    for name, k in ext.items():
-        if name in inputs and tuple(np.shape(inputs[name])) != tuple(eval_dim(d, out) for d in k.shape):
-            raise ValueError(f"input {name!r}: expected shape {k.shape}, got {np.shape(inputs[name])}")
-    return out
+    """Symbolic dims from the shapes of the program's inputs (the same rule as Graph.bind_symbols)."""
+    declared = {name: program.kernels[kid].shape for name, kid in program.inputs}
+    return bind_shapes(declared, {n: np.shape(a) for n, a in inputs.items()})
 
 
 class CpuRuntime:
