@@ -32,6 +32,7 @@ class Format:
     has_inf: bool
     storage: np.dtype  # numpy dtype a buffer of this format is stored in
     compute_only: bool = False  # TF32: a tensor-core input rounding, never a storage format
+    signed: bool = True  # integers: two's complement (int4/int8/int32) or unsigned codes (uint4)
 
     @property
     def unit_roundoff(self) -> float:
@@ -83,13 +84,19 @@ F4E2M1 = Format(name="f4e2m1", kind=Kind.FLOAT, bits=4, p=2, max_finite=6.0, min
                 min_subnormal=0.5, has_inf=False, storage=np.dtype(ml_dtypes.float4_e2m1fn))
 INT8 = Format(name="int8", kind=Kind.INT, bits=8, p=7, max_finite=127.0, min_normal=1.0,
               min_subnormal=1.0, has_inf=False, storage=np.dtype(np.int8))
+# 4-bit integers: the codes of group-wise weight formats (GPTQ/AWQ, llama.cpp Q4), two per byte.
+INT4 = Format(name="int4", kind=Kind.INT, bits=4, p=3, max_finite=7.0, min_normal=1.0, min_subnormal=1.0,
+              has_inf=False, storage=np.dtype(ml_dtypes.int4))
+UINT4 = Format(name="uint4", kind=Kind.INT, bits=4, p=4, max_finite=15.0, min_normal=1.0, min_subnormal=1.0,
+               has_inf=False, storage=np.dtype(ml_dtypes.uint4), signed=False)
 INT32 = Format(name="int32", kind=Kind.INT, bits=32, p=31, max_finite=float(2 ** 31 - 1), min_normal=1.0,
                min_subnormal=1.0, has_inf=False, storage=np.dtype(np.int32))
 # E8M0: unsigned powers of two 2^-127 .. 2^127 (MX block scales); 0xFF is NaN.
 E8M0 = Format(name="e8m0", kind=Kind.SCALE, bits=8, p=1, max_finite=2.0 ** 127, min_normal=2.0 ** -127,
               min_subnormal=2.0 ** -127, has_inf=False, storage=np.dtype(ml_dtypes.float8_e8m0fnu))
 
-FORMATS: dict[str, Format] = {f.name: f for f in (F64, F32, TF32, F16, BF16, F8E4M3, F8E5M2, F4E2M1, INT8, INT32, E8M0)}
+FORMATS: dict[str, Format] = {f.name: f for f in (F64, F32, TF32, F16, BF16, F8E4M3, F8E5M2, F4E2M1, INT4, UINT4, INT8, INT32,
+                                                E8M0)}
 FLOAT_FORMATS = tuple(f for f in FORMATS.values() if f.is_float)
 
 

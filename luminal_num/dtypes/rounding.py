@@ -83,9 +83,9 @@ def round_significand(x: np.ndarray, p: int, min_normal: float, min_subnormal: f
 
 
 def _clamp_bounds(fmt: Format) -> tuple[float, float]:
-    """Smallest and largest finite value: two's complement range for integers, symmetric for floats."""
+    """Smallest and largest finite value: two's complement (or unsigned) range for integers, symmetric for floats."""
     if fmt.kind is Kind.INT:
-        return -fmt.max_finite - 1.0, fmt.max_finite
+        return (-fmt.max_finite - 1.0 if fmt.signed else 0.0), fmt.max_finite
     return -fmt.max_finite, fmt.max_finite
 
 
