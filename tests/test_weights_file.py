@@ -145,6 +145,12 @@ def test_every_mismatch_is_refused_with_one_line(tmp_path):
         lambda: load_weights(path, GRAPH, expected))
 
     save_weights(path, tensors, GRAPH)
+    header = safetensors_io.read_header(path)
+    arrays = {**safetensors_io.load_safetensors(path), "stray.q": np.zeros(3, np.uint8)}
+    safetensors_io.save_safetensors(path, arrays, header.metadata)
+    assert "tensors that belong to no weight: stray.q" in _refusal(lambda: load_weights(path, GRAPH, expected))
+
+    save_weights(path, tensors, GRAPH)
     full = path.read_bytes()
     path.write_bytes(full[:-100])
     assert "truncated" in _refusal(lambda: load_weights(path, GRAPH, expected))

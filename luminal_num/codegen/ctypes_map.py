@@ -77,6 +77,8 @@ _UNSUPPORTED_REASONS: Mapping[str, str] = MappingProxyType({
     TF32.name: "tf32 is a compute-only rounding (stored as float); use tf32_round_expr()",
     "f4e2m1": "f4e2m1 packs two values per byte; kernels address it as packed bytes, not elements",
     "e8m0": "e8m0 block scales are unpacked to float by the quantization kernels",
+    "int4": "int4 packs two values per byte (luminal_num.quant.pack); kernels address packed bytes",
+    "uint4": "uint4 packs two values per byte (luminal_num.quant.pack); kernels address packed bytes",
 })
 
 
