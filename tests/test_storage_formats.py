@@ -123,6 +123,8 @@ def test_plain_formats_are_ml_dtypes_casts_and_overflow_is_refused():
         q = STORAGE_FORMATS[name].quantize(x)
         assert q.values[Part.Q].tobytes() == x.astype(dtype).astype(np.float32).tobytes()
     assert STORAGE_FORMATS["f32"].quantize(x).dequantize().tobytes() == x.tobytes()
+    checkpoint = x.astype(ml_dtypes.bfloat16).astype(np.float32)  # a BF16 checkpoint kept as bf16: no error
+    assert STORAGE_FORMATS["bf16"].quantize(checkpoint).dequantize().tobytes() == checkpoint.tobytes()
     with pytest.raises(QuantOverflowError, match="overflow f16"):
         STORAGE_FORMATS["f16"].quantize(np.array([[1.0, 70000.0]], np.float32))
 
