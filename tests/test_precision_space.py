@@ -59,7 +59,7 @@ def test_genome_fuzzing_with_variants_stays_within_bounds(model):
     for _ in range(50):
         choices = {c.index: random_candidate(space.groups[g.key].space, rng)
                    for g in space.part.groups for c in g.chunks}
-        from luminal_num.codegen.lower import lower_program
+        from luminal_num.search.lower import lower_program
         program = lower_program(model.graph, space.part, space.groups, choices)
         rep = static_bound(program, ranges, model.graph.bind_symbols(inputs), model.graph.weights)
         if rep.overflow is not None:

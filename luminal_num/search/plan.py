@@ -106,7 +106,8 @@ class Plan:
     @staticmethod
     def create(space: SearchSpace, genome: Genome, program: Program, budget: Budget, target: str, seed: int,
                verdict, latency, bindings, search_stats: dict, calibration_ranges: dict,
-               weights=None) -> "Plan":
+               weights=None, headroom: float = 1.0) -> "Plan":
+        """`verdict.budget_error` (the ratio against the user's budget) is the error the plan states."""
         cands = space.candidates(genome)
         groups = []
         for gi, g in enumerate(space.part.groups):
@@ -119,13 +120,14 @@ class Plan:
             "graph_key": graph_key(space.graph), "budget": budget.to_dict(), "target": target, "seed": seed,
             "genome": sorted([space.group_index(g), c, t] for g, c, t in genome),
             "groups": groups,
-            "verdict": {"passed": bool(verdict.passed), "source": verdict.source, "error": _num(verdict.error),
+            "verdict": {"passed": bool(verdict.passed), "source": verdict.source, "error": _num(verdict.budget_error),
                         "max_abs": _num(verdict.max_abs), "bound": _num(verdict.bound), "reason": verdict.reason},
             "latency": {"total_s": _num(latency.total_s), "source": latency.source, "target": latency.target,
                         "cuda_graph": latency.cuda_graph},
             "kernels": op_table(program, bindings),
             "calibration_ranges": {k: [_num(lo), _num(hi)] for k, (lo, hi) in sorted(calibration_ranges.items())},
             "search": search_stats,
+            "headroom": headroom,
         }
         scales = static_weight_scales(program, weights or {}, bindings)
         data["static_scales"] = {str(kid): {"kernel": kid, "shape": list(arr.shape)} for kid, arr in sorted(scales.items())}

@@ -47,7 +47,7 @@ class GroupSpace:
 
 def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=None) -> GroupSpace:
     t0 = time.perf_counter()
-    enc = encode_chunk(graph, group.representative, consumers)
+    enc = encode_chunk(graph, group.representative, consumers, group.chunks)
     eg = enc.egraph
     local = {nid: i for i, nid in enumerate(group.representative.nodes)}
     eg.register(*[RootOf(enc.terms[nid], local[nid]) for nid in group.representative.exported])
