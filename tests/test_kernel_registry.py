@@ -1,6 +1,7 @@
 """The kernel vocabulary is declared once (codegen/kinds.py) and every stage derives from it; every
 choice is made in the e-graph (QUANTIZE, in-place scatter) and `llir.verify` checks each lowering."""
 import dataclasses
+import json
 import sys
 
 import numpy as np
@@ -10,6 +11,7 @@ from luminal_num.codegen import llir
 from luminal_num.codegen.kinds import (DECL_OF_KIND, DECLS, LOWERED_KINDS, TENSOR_DECLS, Sort, assert_covers,
                                        backend_table)
 from luminal_num.codegen.llir import KernelKind, ProgramError, verify
+from luminal_num.codegen.serialize import LlirDataError, program_from_data, program_to_data
 from luminal_num.compiler import compile
 from luminal_num.dtypes.variants import GEMM_VARIANTS
 from luminal_num.error.budget import Budget
@@ -200,3 +202,19 @@ def test_compile_evaluates_the_fp64_reference_once_per_batch(monkeypatch):
     v = res.search.chosen.verdict
     assert v.budget_error == pytest.approx(v.error * 0.5, rel=1e-12)  # tightened vs the user's budget
     assert res.plan.data["verdict"]["error"] == v.budget_error and res.plan.data["headroom"] == 0.5
+
+
+# -- LLIR serialization ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("model", [mlp(), transformer(2, symbolic_seq=True)], ids=["mlp", "symbolic"])
+def test_llir_round_trips_exactly_through_json(model):
+    space = SearchSpace.build(model.graph)
+    rng = np.random.default_rng(3)
+    changes = space.all_changes()
+    for _ in range(4):
+        pick = rng.choice(len(changes), size=min(3, len(changes)), replace=False)
+        genome = frozenset({(c[0], c[1]): c for c in (changes[i] for i in pick)}.values())
+        prog = space.program(genome)
+        back = program_from_data(json.loads(json.dumps(program_to_data(prog))))
+        assert back == prog
+    with pytest.raises(LlirDataError, match="this compiler reads 1"):
+        program_from_data({**program_to_data(prog), "llir_format": 99})

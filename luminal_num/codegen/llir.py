@@ -108,6 +108,7 @@ class Kernel:
     external: str | None = None        # graph input name (EXTERNAL)
     value: object = None               # CONST value / IOTA length
     label: str = ""                    # where it came from (graph node), for op tables
+    eclass: str = ""                   # provenance: the e-class (in its chunk's group space) it implements
 
     def numel(self, bindings: Mapping[str, int]) -> int:
         return int(evaluate(prod(self.shape), bindings)) if self.shape else 1

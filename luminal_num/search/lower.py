@@ -7,6 +7,7 @@ Gemm's QUANTIZE of A, an in-place scatter) was made in the e-graph; `llir.verify
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -29,6 +30,13 @@ class _Builder:
         k = Kernel(id=len(self.kernels), **kw)
         self.kernels.append(k)
         return k.id
+
+    def provenance(self, kid: int, cid: str) -> int:
+        """Record the e-class a kernel was just lowered from (aliases return an older kernel: unchanged)."""
+        k = self.kernels[kid]
+        if kid == len(self.kernels) - 1 and not k.eclass and k.kind is not KernelKind.EXTERNAL:
+            self.kernels[kid] = dataclasses.replace(k, eclass=cid)
+        return kid
 
 
 class _ChunkLowering:
@@ -53,7 +61,8 @@ class _ChunkLowering:
         if cid not in self.memo:
             n = self.node(cid)
             hint = reader if n.decl.kind is KernelKind.QUANTIZE else None
-            self.memo[cid] = _TENSOR[n.op](self, n, self.space.class_origin.get(cid) or hint or n.op)
+            self.memo[cid] = self.b.provenance(_TENSOR[n.op](self, n, self.space.class_origin.get(cid) or hint or n.op),
+                                               cid)
         return self.memo[cid]
 
     def common(self, n: ENode, origin: str) -> dict:

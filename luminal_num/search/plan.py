@@ -16,14 +16,16 @@ import numpy as np
 
 from .. import __version__
 from ..codegen.llir import KernelKind, Program
+from ..codegen.serialize import LlirDataError, program_from_data, program_to_data
 from ..dtypes.variants import GEMM_VARIANTS
 from ..error.budget import Budget
 from ..hlir.graph import Graph
+from ..hlir.partition import Partition, partition
 from ..report.files import atomic_write_text
 from .space import Genome, SearchSpace
 
 PLAN_FORMAT = "luminal_num.plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: the lowered LLIR is stored ("llir"); version-1 files are refused
 
 
 class PlanError(ValueError):
@@ -128,6 +130,9 @@ class Plan:
             "calibration_ranges": {k: [_num(lo), _num(hi)] for k, (lo, hi) in sorted(calibration_ranges.items())},
             "search": search_stats,
             "headroom": headroom,
+            # what runs, exactly: audit and the runtimes load it without rebuilding the e-graph; each
+            # kernel names its chunk and e-class, the choices above are its provenance
+            "llir": program_to_data(program),
         }
         scales = static_weight_scales(program, weights or {}, bindings)
         data["static_scales"] = {str(kid): {"kernel": kid, "shape": list(arr.shape)} for kid, arr in sorted(scales.items())}
@@ -162,9 +167,12 @@ class Plan:
             raise PlanError(f"plan file {path} is not valid JSON: {exc}") from None
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise PlanError(f"{path} is not a luminal_num plan (format field missing or wrong)")
+        if data.get("version") == 1:
+            raise PlanError(f"{path} is a version-1 plan (no stored LLIR); this compiler reads {PLAN_VERSION}: "
+                            "compile it again")
         if data.get("version") != PLAN_VERSION:
             raise PlanError(f"{path} has plan version {data.get('version')!r}; this compiler reads {PLAN_VERSION}")
-        for key in ("graph_key", "budget", "genome", "groups", "target", "verdict", "latency", "kernels"):
+        for key in ("graph_key", "budget", "genome", "groups", "target", "verdict", "latency", "kernels", "llir"):
             if key not in data:
                 raise PlanError(f"plan file {path} is missing the field {key!r}")
         scales = None
@@ -201,10 +209,16 @@ class Plan:
             out.append((keys[entry[0]], entry[1], entry[2]))
         return frozenset(out)
 
-    def program(self, graph: Graph, space: SearchSpace | None = None) -> tuple[Program, SearchSpace]:
-        """Rebuild the program, verifying every recorded choice against this compiler's choice space."""
+    def program(self, graph: Graph, space: SearchSpace | None = None) -> tuple[Program, Partition]:
+        """The stored program (no e-graph is built), and the graph's partition. Given a `space`, also
+        verify that this compiler's choice space rebuilds exactly the recorded choices and program."""
         self.check_graph(graph)
-        space = space or SearchSpace.build(graph)
+        try:
+            program = program_from_data(self.data["llir"])
+        except LlirDataError as exc:
+            raise PlanError(f"the plan's LLIR cannot be loaded: {exc}") from None
+        if space is None:
+            return program, partition(graph)
         genome = self.genome(space)
         cands = space.candidates(genome)
         for grp in self.data["groups"]:
@@ -217,4 +231,6 @@ class Plan:
                                                  for c, i, op in grp["choices"]):
                 raise PlanError(f"group {grp['group']}: the recorded choices do not match this compiler's "
                                 "choice space (plan from another compiler version?)")
-        return space.program(genome), space
+        if program_to_data(space.program(genome)) != self.data["llir"]:
+            raise PlanError("the stored LLIR is not what this compiler lowers from the recorded choices")
+        return program, space.part
