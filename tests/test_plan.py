@@ -8,6 +8,7 @@ import base64
 import json
 import re
 
+import egglog
 import numpy as np
 import pandas as pd
 import pytest
@@ -182,8 +183,6 @@ def test_loaded_plan_rebuilds_the_judged_program(saved, compiled, job):
 
 def test_audit_of_a_saved_plan_builds_no_egraph(saved, job, monkeypatch):
     """The plan stores its LLIR: audit loads it, never saturating (egglog is made to fail loudly)."""
-    import egglog
-
     def no_egraph(*a, **kw):
         raise AssertionError("audit built an e-graph")
     monkeypatch.setattr(egglog.EGraph, "__init__", no_egraph)

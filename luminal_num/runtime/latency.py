@@ -12,6 +12,7 @@ import numpy as np
 
 from ..codegen.llir import KernelKind, Program
 from ..dtypes.variants import GEMM_VARIANTS
+from .cpu import CpuRuntime
 from .cost import KernelWork, Latency, model_latency
 from .targets import gemm_math, get_target
 
@@ -39,7 +40,6 @@ def modelled_latency(program: Program, target: str, bindings: Mapping[str, int],
 
 def measured_cpu_latency(program: Program, weights, inputs, repeats: int = 3) -> Latency:
     """Median wall time of the CPU backend's kernels over `repeats` runs (the `cpu` target)."""
-    from .cpu import CpuRuntime
     rt = CpuRuntime(program, weights)
     runs = [rt.run(inputs) for _ in range(repeats)]
     totals = [r.total_seconds for r in runs]

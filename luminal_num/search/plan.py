@@ -7,6 +7,7 @@ Serialisation is canonical (sorted keys, floats as repr) so the same seed gives 
 """
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +20,11 @@ from ..codegen.llir import KernelKind, Program
 from ..codegen.serialize import LlirDataError, program_from_data, program_to_data
 from ..dtypes.variants import GEMM_VARIANTS
 from ..error.budget import Budget
+from ..hlir.gemm import gemm_operand_b, read_operand
 from ..hlir.graph import Graph
 from ..hlir.partition import Partition, partition
-from ..report.files import atomic_write_text
+from ..files import atomic_write_bytes, atomic_write_text
+from ..quant.scales import compute_scales
 from .space import Genome, SearchSpace
 
 PLAN_FORMAT = "luminal_num.plan"
@@ -76,8 +79,6 @@ def _scale_label(side: str, spec) -> str:
 
 def static_weight_scales(program: Program, weights, bindings) -> dict[int, np.ndarray]:
     """Compile-time scales of every Gemm whose variant scales its weight operand statically."""
-    from ..hlir.gemm import gemm_operand_b, read_operand
-    from ..quant.scales import compute_scales
     out = {}
     ext = {k.id: k.external for k in program.kernels if k.kind is KernelKind.EXTERNAL}
     for k in program.launched():
@@ -146,8 +147,6 @@ class Plan:
         """plan.json, plus <stem>_scales.npz holding the static weight scales when there are any."""
         data = dict(self.data)
         if self.scales:
-            from ..report.files import atomic_write_bytes
-            import io
             buf = io.BytesIO()
             np.savez(buf, **{f"k{kid}": arr for kid, arr in sorted(self.scales.items())})
             atomic_write_bytes(scales_path(path), buf.getvalue())
