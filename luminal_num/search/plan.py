@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
+from ..codegen.kinds import LAUNCHED_KINDS, backend_table
 from ..codegen.llir import KernelKind, Program
 from ..codegen.serialize import LlirDataError, program_from_data, program_to_data
 from ..dtypes.variants import GEMM_VARIANTS
@@ -55,20 +56,32 @@ def op_table(program: Program, bindings) -> list[dict]:
         row = {"kernel": k.id, "kind": k.kind.value, "op": k.label, "dtype": k.dtype.name,
                "inputs": ",".join(dtypes[i.buffer].name for i in k.inputs),
                "shape": "x".join(str(d) for d in k.shape), "accumulator": "", "precision": k.precision or "",
-               "quant": "", "scales": ""}
-        if k.kind is KernelKind.SUM:
-            row["accumulator"] = (k.acc or k.dtype).name
-        if k.kind is KernelKind.GEMM:
-            v = GEMM_VARIANTS[k.precision or "f32"]
-            row["accumulator"] = v.accumulator.name + (f" (promote every {v.promote_every})" if v.promote_every else "")
-            row["quant"] = f"A:{v.a_format.name} B:{v.b_format.name}"
-            row["scales"] = "; ".join(_scale_label(side, s) for side, s in (("A", v.a_scale), ("B", v.b_scale))
-                                      if s is not None)
-        if k.kind is KernelKind.QUANTIZE:  # what the dynamic scales of the Gemm's A actually are
-            row["quant"] = f"A:{k.dtype.name}"
-            row["scales"] = _scale_label("A", k.scale_spec)
+               "quant": "", "scales": "", **_OP_ROW[k.kind](k)}
         rows.append(row)
     return rows
+
+
+def _gemm_row(k) -> dict:
+    v = GEMM_VARIANTS[k.precision or "f32"]
+    return {"accumulator": v.accumulator.name + (f" (promote every {v.promote_every})" if v.promote_every else ""),
+            "quant": f"A:{v.a_format.name} B:{v.b_format.name}",
+            "scales": "; ".join(_scale_label(side, s) for side, s in (("A", v.a_scale), ("B", v.b_scale))
+                                if s is not None)}
+
+
+def _no_extra(k) -> dict:
+    return {}
+
+
+# What the op table adds per kind beyond dtype and shape (one entry per launched kind).
+_OP_ROW = backend_table("plan op table", {
+    KernelKind.CONST: _no_extra, KernelKind.IOTA: _no_extra, KernelKind.ELEMENTWISE: _no_extra,
+    KernelKind.SUM: lambda k: {"accumulator": (k.acc or k.dtype).name},
+    KernelKind.MAX: _no_extra, KernelKind.SOFTMAX: _no_extra, KernelKind.GEMM: _gemm_row,
+    # what the dynamic scales of the Gemm's A actually are
+    KernelKind.QUANTIZE: lambda k: {"quant": f"A:{k.dtype.name}", "scales": _scale_label("A", k.scale_spec)},
+    KernelKind.GATHER: _no_extra, KernelKind.SCATTER: _no_extra, KernelKind.SCATTER_NOCOPY: _no_extra,
+}, LAUNCHED_KINDS)
 
 
 def _scale_label(side: str, spec) -> str:
