@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from luminal_num.codegen.lower import lower_program
+from luminal_num.search.lower import lower_program
 from luminal_num.error.interval import Interval
 from luminal_num.error.judge import program_key
 from luminal_num.error.static import static_bound

@@ -5,7 +5,6 @@ cache -> static bound -> measured vs FP64; then latency) -> the fastest plan wit
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -15,8 +14,9 @@ from .codegen.llir import Program
 from .error.budget import Budget
 from .error.groups import GroupEstimator
 from .error.judge import Judge
-from .hlir.evaluate import evaluate_nodes
+from .error.reference import Fp64Reference, references
 from .hlir.graph import Graph
+from .hlir.partition import Partition
 from .search.plan import Plan
 from .search.search import SearchOptions, SearchResult, search
 from .search.space import SearchSpace
@@ -43,13 +43,13 @@ class CompileResult:
     search: SearchResult
 
 
-def calibration_ranges(graph: Graph, space: SearchSpace, calibration: Sequence[Mapping[str, np.ndarray]]) -> dict:
+def calibration_ranges(graph: Graph, part: Partition, refs: Sequence[Fp64Reference]) -> dict:
     """FP64 value ranges of every output and chunk export on the calibration set (audit compares)."""
     out: dict[str, tuple[float, float]] = {}
     names = {nid: name for name, nid in graph.outputs.items()}
-    for inp in calibration:
-        vals = evaluate_nodes(graph, inp)
-        for chunk in space.part.chunks:
+    for ref in refs:
+        vals = ref.values
+        for chunk in part.chunks:
             for nid in chunk.exported:
                 key = names.get(nid, f"chunk{chunk.index}:%{nid}")
                 v = vals[nid]
@@ -62,10 +62,9 @@ def calibration_ranges(graph: Graph, space: SearchSpace, calibration: Sequence[M
 def compile(graph: Graph, budget: Budget, target: str = "h200",
             calibration: Sequence[Mapping[str, np.ndarray]] = (), options: SearchOptions | None = None,
             space: SearchSpace | None = None, use_static: bool | str = "auto") -> CompileResult:
-    """The fastest plan found whose error vs FP64 on `calibration` is within `budget` on `target`."""
+    """The fastest plan found whose error vs FP64 on `calibration` is within `budget` on `target`
+    (`target` wins over `options.target`)."""
     options = options or SearchOptions(target=target)
-    if options.target != target:
-        options = SearchOptions(**{**options.__dict__, "target": target})
     if not calibration:
         raise ValueError("compile needs calibration inputs (a list of input dicts)")
     get_target(target)  # an unknown target fails now, not after the first candidate
@@ -77,26 +76,25 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
         raise ValueError(f"max_candidates must be >= 1, got {options.max_candidates}")
     _check_inputs(graph, calibration)
     space = space or SearchSpace.build(graph)
-    estimator = GroupEstimator(graph, space, calibration[0]) if len(space.part.chunks) > 1 else None
-    # candidates are judged against the budget scaled by the headroom; errors are reported against
-    # the user's budget (an allclose ratio scales linearly with the tolerance)
-    judge = Judge(graph, budget.tightened(options.headroom), list(calibration), use_static=use_static,
-                  estimator=estimator)
-    result = search(space, judge, options, latency_inputs=calibration[0])
+    refs = references(graph, calibration)  # the one FP64 pass per calibration batch
+    estimator = (GroupEstimator(graph, space.part, calibration[0], space.lower_chunk, refs[0])
+                 if len(space.part.chunks) > 1 else None)
+    # candidates are judged against the budget scaled by the headroom; every verdict also carries its
+    # ratio against the user's budget, which is what plans and errors report
+    judge = Judge(graph, budget, list(calibration), use_static=use_static, estimator=estimator,
+                  headroom=options.headroom, references=refs)
+    result = search(space, judge, options, latency_inputs=calibration[0], target=target)
     result.stats["headroom"] = options.headroom
     if result.chosen is None:
         tried = [e for e in result.evaluated if np.isfinite(e.verdict.error) and e.verdict.source != "groups"]
         best = min(tried, key=lambda e: e.verdict.error) if tried else result.evaluated[0]
-        raise BudgetUnreachable(budget, best.verdict.error * options.headroom, best.label or f"candidate {best.id}",
+        raise BudgetUnreachable(budget, best.verdict.budget_error, best.label or f"candidate {best.id}",
                                 result, options.headroom)
     chosen = result.chosen
-    program = space.program(chosen.genome)
-    verdict = dataclasses.replace(chosen.verdict, error=chosen.verdict.error * options.headroom)
-    plan = Plan.create(space, chosen.genome, program, budget, target, options.seed, verdict,
+    plan = Plan.create(space, chosen.genome, chosen.program, budget, target, options.seed, chosen.verdict,
                        chosen.latency, judge.bindings[0], _stable_stats(result.stats),
-                       calibration_ranges(graph, space, calibration), graph.weights)
-    plan.data["headroom"] = options.headroom
-    return CompileResult(plan, program, space, result)
+                       calibration_ranges(graph, space.part, refs), graph.weights, headroom=options.headroom)
+    return CompileResult(plan, chosen.program, space, result)
 
 
 def _stable_stats(stats: dict) -> dict:

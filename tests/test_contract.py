@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 import pytest
 
-from luminal_num.codegen.lower import lower_program
+from luminal_num.search.lower import lower_program
 from luminal_num.dtypes.formats import F8E4M3
 from luminal_num.error.budget import Budget
 from luminal_num.error.groups import GroupEstimator
@@ -126,7 +126,7 @@ def test_group_estimate_tracks_end_to_end_error():
     model = transformer(3)
     space = SearchSpace.build(model.graph)
     inputs = model.make_inputs(1)
-    est = GroupEstimator(model.graph, space, inputs)
+    est = GroupEstimator(model.graph, space.part, inputs, space.lower_chunk)
     assert all(0.1 < a < 10 for a in est.amplification.values())  # pre-LN residual blocks barely amplify
     ref = evaluate(model.graph, inputs)["y"]
     gemm_changes = [c for c in space.all_changes() if c[2].startswith("gemm:")][:12]
@@ -142,7 +142,7 @@ def test_gate_screens_by_groups_before_end_to_end():
     space = SearchSpace.build(model.graph)
     inputs = model.make_inputs(1)
     judge = Judge(model.graph, Budget.parse("atol=1e-4,rtol=1e-4"), [inputs], use_static=False,
-                  estimator=GroupEstimator(model.graph, space, inputs))
+                  estimator=GroupEstimator(model.graph, space.part, inputs, space.lower_chunk))
     fp8 = next(c for c in space.all_changes() if c[2] == "gemm:f8e5m2_tensor")
     v = judge.judge(space.program(frozenset([fp8])), frozenset([fp8]), space.candidates(frozenset([fp8])))
     assert not v.passed and v.source == "groups"

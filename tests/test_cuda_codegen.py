@@ -23,7 +23,7 @@ from luminal_num.codegen.cuda_body import SymbolTable, is_exact, view_index, vie
 from luminal_num.codegen.cuda_gemm import COMPUTE_TYPES, gemm_call
 from luminal_num.codegen.cuda_kernels import render_kernel
 from luminal_num.codegen.llir import (FApply, FConstV, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program)
-from luminal_num.codegen.lower import lower_program
+from luminal_num.search.lower import lower_program
 from luminal_num.dtypes.formats import BF16, F8E4M3, F16, F32, F64, INT32, Kind
 from luminal_num.dtypes.rounding import Overflow, round_to
 from luminal_num.dtypes.variants import GEMM_VARIANTS, limited_accumulator

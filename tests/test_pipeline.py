@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from luminal_num.codegen.llir import KernelKind
-from luminal_num.codegen.lower import lower_program
+from luminal_num.search.lower import lower_program
 from luminal_num.hlir import Graph, Op, evaluate, index_input
 from luminal_num.hlir.partition import partition
 from luminal_num.models.testnets import all_test_models, attention_kv, transformer

@@ -8,6 +8,7 @@ import base64
 import json
 import re
 
+import egglog
 import numpy as np
 import pandas as pd
 import pytest
@@ -18,6 +19,7 @@ from luminal_num.compiler import compile as compile_plan
 from luminal_num.error.budget import Budget
 from luminal_num.hlir.evaluate import evaluate
 from luminal_num.models.testnets import transformer
+from luminal_num.report.audit import audit
 from luminal_num.report.compile_report import write_compile_report
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.plan import PLAN_FORMAT, PLAN_VERSION, Plan, PlanError, op_table
@@ -137,7 +139,8 @@ def _write(path, text: str):
      f"plan version {PLAN_VERSION + 1}; this compiler reads {PLAN_VERSION}"),
     (lambda d, plan: _write(d / "nogenome.json", json.dumps({k: v for k, v in plan.items() if k != "genome"})),
      "missing the field 'genome'"),
-], ids=["missing", "corrupt", "not-an-object", "other-format", "other-version", "missing-field"])
+    (lambda d, plan: _write(d / "v1.json", json.dumps({**plan, "version": 1})), "is a version-1 plan (no stored LLIR)"),
+], ids=["missing", "corrupt", "not-an-object", "other-format", "other-version", "missing-field", "version-1"])
 def test_bad_plan_files_raise_plan_error(tmp_path, compiled, make, message):
     path = make(tmp_path, compiled.plan.data)
     with pytest.raises(PlanError, match=re.escape(message)):
@@ -176,6 +179,30 @@ def test_loaded_plan_rebuilds_the_judged_program(saved, compiled, job):
     else:  # a static certificate bounds what runs
         assert verdict.worst_allclose <= recorded["error"]
     assert verdict.passed and recorded["passed"]
+
+
+def test_audit_of_a_saved_plan_builds_no_egraph(saved, job, monkeypatch):
+    """The plan stores its LLIR: audit loads it, never saturating (egglog is made to fail loudly)."""
+    def no_egraph(*a, **kw):
+        raise AssertionError("audit built an e-graph")
+    monkeypatch.setattr(egglog.EGraph, "__init__", no_egraph)
+    result = audit(Plan.load(saved), job.graph, list(job.heldout))
+    assert result.passed, result.reason
+
+
+def test_a_corrupt_stored_llir_is_refused(saved, job):
+    data = Plan.load(saved).data
+    data["llir"]["kernels"][-1]["inputs"][0][0] = len(data["llir"]["kernels"])  # read an unwritten buffer
+    with pytest.raises(PlanError, match="does not verify: kernel .* before it is written"):
+        Plan(data).program(job.graph)
+
+
+def test_stored_llir_that_the_choices_do_not_lower_to_is_refused(saved, job, space):
+    data = Plan.load(saved).data
+    k = next(k for k in data["llir"]["kernels"] if k["label"])
+    k["label"] += " (edited)"
+    with pytest.raises(PlanError, match="not what this compiler lowers"):
+        Plan(data).program(job.graph, space)
 
 
 def test_a_directory_is_not_a_plan(tmp_path):

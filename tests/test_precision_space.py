@@ -13,6 +13,7 @@ from luminal_num.models.testnets import all_test_models, transformer
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.choice import random_candidate
 from luminal_num.search.extract import node_tag
+from luminal_num.search.lower import lower_program
 from luminal_num.search.space import SearchSpace
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
@@ -32,7 +33,7 @@ def test_transformer_layer_space_contains_every_variant():
     activation_only = {n for n in GEMM_VARIANTS if n not in static_b}
     kinds = set()
     for nodes in layer.classes.values():
-        precs = frozenset(n.children[5] for n in nodes if n.op == "KGemm" and n.children[6] == "f32")
+        precs = frozenset(n.arg("prec") for n in nodes if n.op == "KGemm" and n.arg("dt") == "f32")
         if precs:
             assert precs in (frozenset(GEMM_VARIANTS), frozenset(activation_only)), sorted(precs)
             kinds.add(precs == frozenset(GEMM_VARIANTS))
@@ -59,7 +60,6 @@ def test_genome_fuzzing_with_variants_stays_within_bounds(model):
     for _ in range(50):
         choices = {c.index: random_candidate(space.groups[g.key].space, rng)
                    for g in space.part.groups for c in g.chunks}
-        from luminal_num.codegen.lower import lower_program
         program = lower_program(model.graph, space.part, space.groups, choices)
         rep = static_bound(program, ranges, model.graph.bind_symbols(inputs), model.graph.weights)
         if rep.overflow is not None:

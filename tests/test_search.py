@@ -6,13 +6,17 @@ with the best error reachable; the same seed gives the same plan bytes; latency 
 candidates the numerics gate passed; a change that alone breaks the budget prunes every candidate
 containing it without running anything.
 """
+import inspect
+import json
 import re
 
+import egglog
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 import luminal_num.search.search as search_module
+from luminal_num.search import egraph as E
 from luminal_num.compiler import BudgetUnreachable, compile as compile_plan
 from luminal_num.error.budget import Budget
 from luminal_num.error.judge import Judge, program_key
@@ -21,6 +25,7 @@ from luminal_num.models.testnets import transformer
 from luminal_num.report.audit import audit
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.plan import Plan
+from luminal_num.search.saturate import serialized_json
 from luminal_num.search.search import SearchOptions, Searcher
 from luminal_num.search.space import SearchSpace
 
@@ -253,3 +258,14 @@ def test_any_genome_with_a_bad_change_is_pruned(space, bad_change, primed_gate, 
     verdict = primed_gate.judge(space.program(genome), genome)
     assert verdict.source == "cache" and not verdict.passed
     assert primed_gate.stats.measured == 0
+
+
+def test_the_private_egglog_serializer_keeps_its_signature_and_format():
+    """search/saturate.serialized_json wraps egglog's private `_serialize` (pinned: egglog 14)."""
+    assert "kwargs" in inspect.signature(egglog.EGraph._serialize).parameters
+    eg = egglog.EGraph()
+    eg.let("x", E.KExt(0, "f32"))
+    data = json.loads(serialized_json(eg))
+    node = next(n for n in data["nodes"].values() if n["op"] == "KExt")
+    assert {"op", "children", "eclass"} <= set(node) and len(node["children"]) == 2
+    assert data["class_data"][node["eclass"]]["type"] == "luminal_num.search.egraph.T"

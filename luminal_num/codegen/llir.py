@@ -108,6 +108,7 @@ class Kernel:
     external: str | None = None        # graph input name (EXTERNAL)
     value: object = None               # CONST value / IOTA length
     label: str = ""                    # where it came from (graph node), for op tables
+    eclass: str = ""                   # provenance: the e-class (in its chunk's group space) it implements
 
     def numel(self, bindings: Mapping[str, int]) -> int:
         return int(evaluate(prod(self.shape), bindings)) if self.shape else 1
@@ -150,19 +151,35 @@ class Kernel:
         return total
 
     def flops(self, bindings: Mapping[str, int]) -> int:
-        if self.kind is KernelKind.GEMM:
-            lay = self.layout
-            return int(2 * evaluate(lay.batch * lay.m * lay.n * lay.k, bindings))
-        if self.kind is KernelKind.QUANTIZE:  # a max per element, a division per element, one per scale
-            return 2 * self.numel(bindings) + int(self.scales_bytes(bindings) // F32.itemsize)
-        body_n = int(evaluate(prod(self.body_shape), bindings)) if self.body_shape else 1
-        if self.kind is KernelKind.ELEMENTWISE:
-            return self.numel(bindings) * max(count_ops(self.body), 1)
-        if self.kind in (KernelKind.SUM, KernelKind.MAX):
-            return body_n * (count_ops(self.body) + 1)
-        if self.kind is KernelKind.SOFTMAX:
-            return body_n * (count_ops(self.body) + 5)
-        return 0
+        return _FLOPS[self.kind](self, bindings)
+
+
+def _body_n(k: Kernel, bindings: Mapping[str, int]) -> int:
+    return int(evaluate(prod(k.body_shape), bindings)) if k.body_shape else 1
+
+
+def _gemm_flops(k: Kernel, bindings: Mapping[str, int]) -> int:
+    lay = k.layout
+    return int(2 * evaluate(lay.batch * lay.m * lay.n * lay.k, bindings))
+
+
+def _no_flops(k: Kernel, bindings: Mapping[str, int]) -> int:
+    return 0
+
+
+# Arithmetic per kernel kind (the cost model's flops), one entry per kind.
+_FLOPS = {
+    KernelKind.EXTERNAL: _no_flops, KernelKind.CONST: _no_flops, KernelKind.IOTA: _no_flops,
+    KernelKind.ELEMENTWISE: lambda k, b: k.numel(b) * max(count_ops(k.body), 1),
+    KernelKind.SUM: lambda k, b: _body_n(k, b) * (count_ops(k.body) + 1),
+    KernelKind.MAX: lambda k, b: _body_n(k, b) * (count_ops(k.body) + 1),
+    KernelKind.SOFTMAX: lambda k, b: _body_n(k, b) * (count_ops(k.body) + 5),
+    KernelKind.GEMM: _gemm_flops,
+    # a max per element, a division per element, one per scale
+    KernelKind.QUANTIZE: lambda k, b: 2 * k.numel(b) + int(k.scales_bytes(b) // F32.itemsize),
+    KernelKind.GATHER: _no_flops, KernelKind.SCATTER: _no_flops, KernelKind.SCATTER_NOCOPY: _no_flops,
+}
+assert set(_FLOPS) == set(KernelKind), "every kernel kind has a flop count"
 
 
 def quantized_a_view(layout: GemmLayout) -> ShapeTracker:
@@ -196,3 +213,144 @@ class Program:
     def quantized_inputs(self, kernel: Kernel) -> tuple[bool, ...]:
         """Per input of `kernel`: whether it is a QUANTIZE kernel's buffer (q, read with its scales)."""
         return tuple(self.kernel(inp.buffer).kind is KernelKind.QUANTIZE for inp in kernel.inputs)
+
+
+class ProgramError(ValueError):
+    """A lowered program that breaks an LLIR invariant: a bug in a rule or in the lowering."""
+
+
+def verify(p: Program) -> Program:
+    """Check a lowered program (tinygrad's type_verify): ids, order, shapes, dtypes and aliasing.
+
+    Every buffer is written before it is read (producers have smaller ids), every kernel's inputs are
+    read through views of the shape its kind expects, and an in-place kernel overwrites a buffer no
+    other kernel reads and no output names. Returns `p` so lowering can end with `return verify(...)`.
+    """
+    readers: dict[int, int] = {}
+    for pos, k in enumerate(p.kernels):
+        if k.id != pos:
+            raise ProgramError(f"kernel at position {pos} has id {k.id} (ids are positions)")
+        if not isinstance(k.dtype, Format):
+            raise ProgramError(f"kernel {k.id}: dtype {k.dtype!r} is not a Format")
+        for inp in k.inputs:
+            if not 0 <= inp.buffer < k.id:
+                raise ProgramError(f"kernel {k.id} ({k.kind.value}) reads buffer {inp.buffer} before it is written")
+            readers[inp.buffer] = readers.get(inp.buffer, 0) + 1
+            if p.kernels[inp.buffer].kind is KernelKind.QUANTIZE and (k.kind is not KernelKind.GEMM or inp is not k.inputs[0]):
+                raise ProgramError(f"kernel {k.id} ({k.kind.value}) reads QUANTIZE buffer {inp.buffer}: only a Gemm's A may")
+        if (k.aliases is not None) != (k.kind is KernelKind.SCATTER_NOCOPY) or k.aliases not in (None, 0):
+            raise ProgramError(f"kernel {k.id} ({k.kind.value}) aliases input {k.aliases!r}: only in-place scatters "
+                               "alias, their destination (input 0)")
+        problem = _SHAPE_CHECK[k.kind](k)
+        if problem:
+            raise ProgramError(f"kernel {k.id} ({k.kind.value}, {k.label}): {problem}")
+    names = {"input": p.inputs, "output": p.outputs}
+    for role, pairs in names.items():
+        for name, kid in pairs:
+            if not 0 <= kid < len(p.kernels):
+                raise ProgramError(f"{role} {name!r} names kernel {kid}, which does not exist")
+    for name, kid in p.inputs:
+        if p.kernels[kid].kind is not KernelKind.EXTERNAL or p.kernels[kid].external != name:
+            raise ProgramError(f"input {name!r} is kernel {kid}, not its EXTERNAL buffer")
+    for nid, kid in p.exports:
+        if not 0 <= kid < len(p.kernels):
+            raise ProgramError(f"export of node {nid} names kernel {kid}, which does not exist")
+    outs = {kid for _, kid in p.outputs}
+    for k in p.kernels:
+        if k.kind is KernelKind.SCATTER_NOCOPY:
+            dest = k.inputs[0].buffer
+            if readers[dest] > 1 or dest in outs:
+                raise ProgramError(f"kernel {k.id} overwrites buffer {dest} in place, but it has {readers[dest]} "
+                                   f"readers{' and is an output' if dest in outs else ''}")
+            if p.kernels[dest].dtype != k.dtype:
+                raise ProgramError(f"kernel {k.id} overwrites a {p.kernels[dest].dtype.name} buffer as {k.dtype.name}")
+    return p
+
+
+def _views_shaped(k: Kernel, shape, n: int | None = None) -> str:
+    if n is not None and len(k.inputs) != n:
+        return f"has {len(k.inputs)} inputs, its kind takes {n}"
+    bad = [i for i, inp in enumerate(k.inputs) if tuple(inp.view.shape) != tuple(shape)]
+    return f"inputs {bad} are not read over {tuple(shape)}" if bad else ""
+
+
+def _check_body(k: Kernel, out_shape) -> str:
+    if k.body is None:
+        return "has no body"
+    if tuple(k.shape) != tuple(out_shape):
+        return f"shape {k.shape} is not {tuple(out_shape)} (from its body shape {k.body_shape})"
+    slots = _load_slots(k.body)
+    if slots and max(slots) >= len(k.inputs):
+        return f"body loads slot {max(slots)} of {len(k.inputs)} inputs"
+    return _views_shaped(k, k.body_shape)
+
+
+def _load_slots(e: FExpr) -> set[int]:
+    if isinstance(e, FLoad):
+        return {e.slot}
+    if isinstance(e, FRoundTo):
+        return _load_slots(e.x)
+    if isinstance(e, FApply):
+        return set().union(*(_load_slots(a) for a in e.args))
+    return set()
+
+
+def _check_reduce(k: Kernel) -> str:
+    if k.axis is None or not 0 <= k.axis < len(k.body_shape):
+        return f"axis {k.axis} outside its body shape {k.body_shape}"
+    if k.kind is KernelKind.SOFTMAX:
+        return _check_body(k, k.body_shape)
+    return _check_body(k, k.body_shape[:k.axis] + k.body_shape[k.axis + 1:])
+
+
+def _check_gemm(k: Kernel) -> str:
+    lay = k.layout
+    if lay is None or k.precision not in GEMM_VARIANTS:
+        return f"needs a layout and a Gemm variant, has {lay!r} / {k.precision!r}"
+    want = tuple(d for i, d in enumerate(lay.full_shape) if i != lay.k_axis)
+    if tuple(k.shape) != want:
+        return f"shape {k.shape} is not the layout's {want}"
+    return _views_shaped(k, lay.full_shape, 2)
+
+
+def _check_quantize(k: Kernel) -> str:
+    v = GEMM_VARIANTS.get(k.precision)
+    if k.layout is None or v is None or v.a_scale is None or v.a_scale.static:
+        return f"variant {k.precision!r} does not scale A at run time"
+    if k.dtype != v.a_format or tuple(k.shape) != (k.layout.batch, k.layout.m, k.layout.k):
+        return f"stores {k.dtype.name} {k.shape}, its variant wants {v.a_format.name} (batch, M, K)"
+    return _views_shaped(k, k.layout.full_shape, 1)
+
+
+def _check_source(k: Kernel) -> str:
+    if k.inputs:
+        return "a source kernel reads nothing"
+    if k.kind is KernelKind.EXTERNAL and not k.external:
+        return "an EXTERNAL buffer needs its input name"
+    if k.kind is KernelKind.IOTA and tuple(k.shape) != (k.value,):
+        return f"an arange of length {k.value} has shape {k.shape}"
+    return ""
+
+
+def _check_scatter(k: Kernel) -> str:
+    if len(k.inputs) != 3:
+        return f"has {len(k.inputs)} inputs, a scatter takes (dest, src, indices)"
+    return "" if tuple(k.shape) == tuple(k.inputs[0].view.shape) else f"shape {k.shape} is not its destination's"
+
+
+def _check_gather(k: Kernel) -> str:
+    if len(k.inputs) != 2:
+        return f"has {len(k.inputs)} inputs, a gather takes (table, indices)"
+    want = tuple(k.inputs[1].view.shape) + tuple(k.inputs[0].view.shape[1:])
+    return "" if tuple(k.shape) == want else f"shape {k.shape} is not indices + table rows {want}"
+
+
+# What each kind's kernel must look like, one entry per kind.
+_SHAPE_CHECK = {
+    KernelKind.EXTERNAL: _check_source, KernelKind.CONST: _check_source, KernelKind.IOTA: _check_source,
+    KernelKind.ELEMENTWISE: lambda k: _check_body(k, k.body_shape), KernelKind.SUM: _check_reduce,
+    KernelKind.MAX: _check_reduce, KernelKind.SOFTMAX: _check_reduce, KernelKind.GEMM: _check_gemm,
+    KernelKind.QUANTIZE: _check_quantize, KernelKind.GATHER: _check_gather, KernelKind.SCATTER: _check_scatter,
+    KernelKind.SCATTER_NOCOPY: _check_scatter,
+}
+assert set(_SHAPE_CHECK) == set(KernelKind), "every kernel kind has a verifier entry"

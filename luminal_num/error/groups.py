@@ -8,34 +8,50 @@ chunks. The estimate screens candidates before the end-to-end measurement that f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping, Protocol
 
 import numpy as np
 
-from ..codegen.lower import lower_chunk_program
-from ..hlir.evaluate import evaluate_chunk, evaluate_nodes
+from ..codegen.llir import Program
+from ..hlir.evaluate import evaluate_chunk
 from ..hlir.graph import Graph
 from ..hlir.ops import Op
+from ..hlir.partition import Chunk, Partition
+from ..runtime.cpu import CpuRuntime
 from .metrics import rel_l2
+from .reference import Fp64Reference
+
+
+class ChunkChoice(Protocol):
+    """What a chunk runs (the search's per-chunk candidate): identified by its key."""
+
+    @property
+    def key(self) -> str: ...
 
 
 @dataclass
 class GroupEstimator:
+    """`lower_chunk(chunk, choice)` is the chunk alone as a Program (inputs "%<node>", exports as
+    outputs): the search supplies it, so the error stage judges programs without importing search."""
+
     graph: Graph
-    space: object                       # search.space.SearchSpace (not imported: error sits below search)
+    part: Partition
     batch: Mapping[str, np.ndarray]
+    lower_chunk: Callable[[Chunk, ChunkChoice], Program]
+    reference: Fp64Reference | None = None  # FP64 of `batch` (computed here when not given)
     seed: int = 0
     local_cache: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.bindings = self.graph.bind_symbols(self.batch)
-        self.values = evaluate_nodes(self.graph, self.batch)
-        self.group_of = {c.index: g.key for g in self.space.part.groups for c in g.chunks}
+        if self.reference is None:
+            self.reference = Fp64Reference.of(self.graph, self.batch)
+        self.bindings = self.reference.bindings
+        self.values = self.reference.values
         self.source_chunks = {}
-        owner = {nid: c.index for c in self.space.part.chunks for nid in c.exported}
-        for c in self.space.part.chunks:
+        owner = {nid: c.index for c in self.part.chunks for nid in c.exported}
+        for c in self.part.chunks:
             self.source_chunks[c.index] = sorted({owner[n] for n in c.external if n in owner})
-        self.amplification = {c.index: self._amplification(c) for c in self.space.part.chunks}
+        self.amplification = {c.index: self._amplification(c) for c in self.part.chunks}
 
     def _ext_values(self, chunk) -> dict[int, np.ndarray]:
         return {nid: np.asarray(self.values[nid]) for nid in chunk.external}
@@ -67,12 +83,10 @@ class GroupEstimator:
         node = self.graph.nodes[nid]
         return not (node.op is Op.INPUT and self.graph.inputs[node.attr("name")].is_weight)
 
-    def local_error(self, chunk, candidate) -> float:
+    def local_error(self, chunk: Chunk, candidate: ChunkChoice) -> float:
         key = (chunk.index, candidate.key)
         if key not in self.local_cache:
-            from ..runtime.cpu import CpuRuntime
-            gs = self.space.groups[self.group_of[chunk.index]]
-            prog = lower_chunk_program(self.graph, chunk, gs, candidate)
+            prog = self.lower_chunk(chunk, candidate)
             feed = {f"%{n}": v for n, v in self._ext_values(chunk).items()}
             feed.update({name: w for name, w in self.graph.weights.items()})
             out = CpuRuntime(prog).run(feed, self.bindings).outputs
@@ -80,15 +94,15 @@ class GroupEstimator:
             self.local_cache[key] = max(errs) if errs else 0.0
         return self.local_cache[key]
 
-    def estimate(self, candidates: Mapping[int, object]) -> dict[int, float]:
+    def estimate(self, candidates: Mapping[int, ChunkChoice]) -> dict[int, float]:
         """Composed relative L2 error of every chunk's exports under per-chunk candidates."""
         est: dict[int, float] = {}
-        for c in self.space.part.chunks:
+        for c in self.part.chunks:
             e_in = max((est[s] for s in self.source_chunks[c.index]), default=0.0)
             est[c.index] = self.local_error(c, candidates[c.index]) + self.amplification[c.index] * e_in
         return est
 
     def output_estimate(self, candidates) -> dict[str, float]:
         est = self.estimate(candidates)
-        owner = {nid: c.index for c in self.space.part.chunks for nid in c.exported}
+        owner = {nid: c.index for c in self.part.chunks for nid in c.exported}
         return {name: est[owner[nid]] for name, nid in self.graph.outputs.items()}

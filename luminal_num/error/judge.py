@@ -13,11 +13,13 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..codegen.llir import Program
-from ..hlir.evaluate import evaluate
 from ..hlir.graph import Graph
+from ..runtime.cpu import CpuRuntime
 from .budget import Budget
+from .groups import GroupEstimator
 from .interval import Interval
 from .metrics import max_abs
+from .reference import Fp64Reference, references
 from .static import static_bound
 
 Change = tuple[str, str, str]  # (group key, e-class, tag)
@@ -26,11 +28,12 @@ Change = tuple[str, str, str]  # (group key, e-class, tag)
 @dataclass(frozen=True)
 class Verdict:
     passed: bool
-    source: str          # "cache" | "static" | "measured"
-    error: float         # worst allclose ratio (<= 1 passes); the bound's ratio when static decided
+    source: str          # "cache" | "static" | "groups" | "measured"
+    error: float         # worst allclose ratio against the gate's (tightened) budget: <= 1 passes
     max_abs: float       # worst |y - ref| measured (nan when not measured)
     bound: float | None  # largest static error bound (None when not computed)
     reason: str
+    budget_error: float = float("nan")  # the same ratio against the user's budget (what plans report)
 
 
 @dataclass
@@ -58,11 +61,16 @@ def program_key(program: Program) -> str:
 
 @dataclass
 class Judge:
+    """Judges against `budget.tightened(headroom)` (the share of the user's budget a plan may use on
+    the calibration set); every verdict also carries its ratio against the user's `budget`."""
+
     graph: Graph
     budget: Budget
     calibration: Sequence[Mapping[str, np.ndarray]]
     use_static: bool | str = "auto"  # "auto": keep the static stage only if it certifies the first candidate
-    estimator: object | None = None   # error.groups.GroupEstimator: per-group screening before end to end
+    estimator: GroupEstimator | None = None  # per-group screening before end to end
+    headroom: float = 1.0
+    references: Sequence[Fp64Reference] | None = None  # FP64 of each batch (computed here when not given)
     stats: GateStats = field(default_factory=GateStats)
     cache: dict[str, Verdict] = field(default_factory=dict)
     bad_changes: dict[Change, str] = field(default_factory=dict)
@@ -70,13 +78,18 @@ class Judge:
     def __post_init__(self):
         if not self.calibration:
             raise ValueError("the numerics gate needs at least one calibration batch")
+        self.gate = self.budget if self.headroom == 1.0 else self.budget.tightened(self.headroom)
         if self.use_static == "auto" and self.budget.metrics:
             # bounds certify allclose only: with cosine/KL/top-1 limits every verdict needs a measurement
             self.use_static = False
-        self.refs = [evaluate(self.graph, inp) for inp in self.calibration]
+        if self.references is None:
+            self.references = references(self.graph, self.calibration)
+        if len(self.references) != len(self.calibration):
+            raise ValueError(f"{len(self.references)} FP64 references for {len(self.calibration)} calibration batches")
+        self.refs = [r.outputs(self.graph) for r in self.references]
         self.ranges = [{k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in inp.items()}
                        for inp in self.calibration]
-        self.bindings = [self.graph.bind_symbols(inp) for inp in self.calibration]
+        self.bindings = [r.bindings for r in self.references]
         self.static_note = ""
 
     def judge(self, program: Program, changes: frozenset[Change] = frozenset(), candidates=None) -> Verdict:
@@ -89,7 +102,7 @@ class Judge:
             self.stats.cache += 1
             self.stats.pruned += 1
             v = Verdict(False, "cache", np.inf, np.nan, None,
-                        f"contains a change that alone breaks the budget: {bad[0][2]} ({self.bad_changes[bad[0]]})")
+                        f"contains a change that alone breaks the budget: {bad[0][2]} ({self.bad_changes[bad[0]]})", np.inf)
             self.cache[key] = v
             return v
         v = self._static(program) if self.use_static else None
@@ -111,19 +124,19 @@ class Judge:
         """Reject from the composed per-group estimate when it is far over the allclose budget."""
         est = self.estimator.output_estimate(candidates)
         ref = self.refs[0]
-        worst, name = 0.0, ""
-        for out in self.budget.outputs or tuple(ref):
+        worst, name, user = 0.0, "", 0.0
+        for out in self.gate.outputs or tuple(ref):
             r = np.asarray(ref[out], dtype=np.float64)
             rms = float(np.sqrt(np.mean(r * r))) if r.size else 0.0
-            tol = self.budget.atol + self.budget.rtol * float(np.max(np.abs(r), initial=0.0))
-            ratio = est[out] * rms / tol if tol > 0 else np.inf
+            amax = float(np.max(np.abs(r), initial=0.0))
+            ratio, user_ratio = (_screen_ratio(est[out] * rms, b.atol + b.rtol * amax) for b in (self.gate, self.budget))
             if ratio > worst:
-                worst, name = ratio, out
+                worst, name, user = ratio, out, user_ratio
         if worst <= SCREEN_FACTOR:
             return None
         self.stats.groups += 1
         return Verdict(False, "groups", worst, np.nan, None,
-                       f"output {name!r}: composed per-group error estimate is {worst:.3g}x the allclose budget")
+                       f"output {name!r}: composed per-group error estimate is {worst:.3g}x the allclose budget", user)
 
     def note_isolated(self, change: Change, verdict: Verdict) -> None:
         """Record a single change's verdict: a failure prunes every later candidate containing it."""
@@ -131,41 +144,50 @@ class Judge:
             self.bad_changes[change] = verdict.reason
 
     def _static(self, program: Program) -> Verdict | None:
-        worst, bound = 0.0, 0.0
+        worst, user, bound = 0.0, 0.0, 0.0
         for ranges, bindings, ref in zip(self.ranges, self.bindings, self.refs):
             rep = static_bound(program, ranges, bindings, self.graph.weights)
             if rep.overflow is not None:
                 self.stats.static += 1
-                return Verdict(False, "static", np.inf, np.nan, np.inf, rep.overflow.message())
-            names = self.budget.outputs or tuple(rep.error_bounds)
+                return Verdict(False, "static", np.inf, np.nan, np.inf, rep.overflow.message(), np.inf)
+            names = self.gate.outputs or tuple(rep.error_bounds)
             for name in names:
                 err = rep.error_bounds[name]
-                tol = self.budget.atol + self.budget.rtol * np.abs(np.asarray(ref[name]))
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    ratio = float(np.max(np.where(err == 0, 0.0, err / tol))) if err.size else 0.0
-                worst = max(worst, ratio)
+                worst = max(worst, _bound_ratio(err, ref[name], self.gate))
+                user = max(user, _bound_ratio(err, ref[name], self.budget))
                 bound = max(bound, float(np.max(err)) if err.size else 0.0)
-            if self.budget.metrics or not worst <= 1.0:
+            if self.gate.metrics or not worst <= 1.0:
                 return None  # other metrics need measurement; a bound above budget proves nothing
         self.stats.static += 1
-        return Verdict(True, "static", worst, np.nan, bound, f"certified: static bound ratio {worst!r} <= 1")
+        return Verdict(True, "static", worst, np.nan, bound, f"certified: static bound ratio {worst!r} <= 1", user)
 
     def _measure(self, program: Program) -> Verdict:
-        from ..runtime.cpu import CpuRuntime
         self.stats.measured += 1
         rt = CpuRuntime(program, self.graph.weights)
-        worst, worst_abs, reason, passed = 0.0, 0.0, "", True
+        worst, user, worst_abs, reason, passed = 0.0, 0.0, 0.0, "", True
         for inp, ref in zip(self.calibration, self.refs):
             try:
                 out = rt.run(inp).outputs
             except (ValueError, FloatingPointError) as exc:  # e.g. a REJECT overflow policy
-                return Verdict(False, "measured", np.inf, np.inf, None, f"run failed: {exc}")
-            verdict = self.budget.check(out, ref)
-            names = self.budget.outputs or tuple(ref)
+                return Verdict(False, "measured", np.inf, np.inf, None, f"run failed: {exc}", np.inf)
+            verdict = self.gate.check(out, ref)
+            user = max(user, self.budget.check(out, ref).worst_allclose)
+            names = self.gate.outputs or tuple(ref)
             worst_abs = max([worst_abs] + [float(max_abs(out[n], ref[n])) for n in names])
             if verdict.worst_allclose >= worst:
                 worst, reason = verdict.worst_allclose, verdict.reason
             if not verdict.passed:
                 passed, reason = False, verdict.reason
                 break
-        return Verdict(passed, "measured", worst, worst_abs, None, reason)
+        return Verdict(passed, "measured", worst, worst_abs, None, reason, user)
+
+
+def _screen_ratio(err: float, tol: float) -> float:
+    return err / tol if tol > 0 else np.inf
+
+
+def _bound_ratio(err: np.ndarray, ref, budget: Budget) -> float:
+    """Worst bound / allowance over the elements (an exact element needs no allowance)."""
+    tol = budget.atol + budget.rtol * np.abs(np.asarray(ref))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.max(np.where(err == 0, 0.0, err / tol))) if err.size else 0.0

@@ -12,55 +12,10 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from ..dtypes.formats import F32, Format
-from .ops import Group, Op
-from .shape import ShapeTracker
-from .symbolic import Dim, Poly, bind_shapes, encode
-
-
-@dataclass(frozen=True)
-class Source:
-    node: int
-    view: ShapeTracker
-
-
-@dataclass(frozen=True)
-class Node:
-    id: int
-    op: Op
-    srcs: tuple[Source, ...]
-    shape: tuple[Dim, ...]
-    dtype: Format
-    attrs: tuple[tuple[str, Any], ...] = ()
-    chunk: int = 0
-
-    def attr(self, name: str) -> Any:
-        for k, v in self.attrs:
-            if k == name:
-                return v
-        raise KeyError(f"{self.op!r} node {self.id} has no attribute {name!r}")
-
-    def structural_attrs(self) -> tuple:
-        """Attributes that define the computed function; names of inputs/outputs are excluded."""
-        out = []
-        for k, v in self.attrs:
-            if k == "name":
-                continue
-            if isinstance(v, float):
-                v = ("float", v.hex())
-            elif isinstance(v, (Poly, int)) and not isinstance(v, bool):
-                v = encode(v)
-            out.append((k, v))
-        return tuple(out)
-
-
-@dataclass(frozen=True)
-class InputInfo:
-    name: str
-    node: int
-    shape: tuple[Dim, ...]
-    dtype: Format
-    is_weight: bool
-    value_range: tuple[float, float] | None = None  # declared range for static analysis
+from .node import InputInfo, Node, Source
+from .ops import Op
+from .symbolic import Dim, bind_shapes, encode
+from .tensor import GraphTensor
 
 
 @dataclass
@@ -92,20 +47,16 @@ class Graph:
         return node.id
 
     def input(self, name: str, shape, dtype: Format = F32, value_range=None):
-        from .tensor import GraphTensor
         return GraphTensor._input(self, name, shape, dtype, value_range, weight=None)
 
     def weight(self, name: str, value: np.ndarray, dtype: Format = F32):
         """A weight: an Input whose value is known at compile time (static scales come from it)."""
-        from .tensor import GraphTensor
         return GraphTensor._input(self, name, value.shape, dtype, None, weight=np.asarray(value))
 
     def constant(self, value: float | Dim, dtype: Format = F32):
-        from .tensor import GraphTensor
         return GraphTensor._constant(self, value, dtype)
 
     def arange(self, length: Dim, dtype: Format = F32):
-        from .tensor import GraphTensor
         return GraphTensor._iota(self, length, dtype)
 
     def graph_break(self) -> None:

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from ..dtypes.formats import F32, INT32, Format
-from .graph import Graph, InputInfo, Source
+from .node import InputInfo, Source
 from .ops import CUSTOM_KINDS, Op
 from .shape import ShapeTracker
 from .symbolic import Dim, as_dim, is_const, prod
+
+if TYPE_CHECKING:  # annotations only: graph.py imports this module to return GraphTensors
+    from .graph import Graph
 
 LOG2_E = 1.4426950408889634  # float64 nearest to 1/ln 2
 LN_2 = 0.6931471805599453    # float64 nearest to ln 2

@@ -44,12 +44,12 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
             a = np.asarray(arr)
             if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
                 raise ValueError(f"audit batch {i}: input {name!r} contains NaN or Inf")
-    program, space = plan.program(graph, space)
+    program, part = plan.program(graph, space)
     budget = plan.budget
     rt = CpuRuntime(program, graph.weights, plan.scales)  # static scales from the plan's file
     ranges = plan.data.get("calibration_ranges", {})
     out_names = {nid: name for name, nid in graph.outputs.items()}
-    chunk_of = {nid: c.index for c in space.part.chunks for nid in c.exported}
+    chunk_of = {nid: c.index for c in part.chunks for nid in c.exported}
     out_rows, drift_rows, passed, reason, worst = [], [], True, "", 0.0
     for b, inp in enumerate(batches):
         ref_nodes = evaluate_nodes(graph, inp)

@@ -13,33 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-TEMP_PREFIX = ".tmp-"
-# mkstemp/mkdtemp create private (0600/0700) entries; a report is meant to be read by others.
-FILE_MODE = 0o644
-DIR_MODE = 0o755
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write `data` to `path` via a temp file in the same directory; on failure nothing is left behind."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(dir=target.parent, prefix=f"{TEMP_PREFIX}{target.name}.")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.chmod(temp_name, target.stat().st_mode & 0o777 if target.exists() else FILE_MODE)
-        os.replace(temp_name, target)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
-    return target
-
-
-def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
-    """Text version of atomic_write_bytes (newlines written as given, never translated)."""
-    return atomic_write_bytes(path, text.encode(encoding))
+from ..files import DIR_MODE, FILE_MODE, TEMP_PREFIX, atomic_write_bytes, atomic_write_text  # noqa: F401
 
 
 @contextmanager

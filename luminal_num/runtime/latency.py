@@ -12,11 +12,9 @@ import numpy as np
 
 from ..codegen.llir import KernelKind, Program
 from ..dtypes.variants import GEMM_VARIANTS
+from .cpu import CpuRuntime
 from .cost import KernelWork, Latency, model_latency
-from .targets import get_target
-
-_GEMM_MATH = {"f32": ("fp32", False), "tf32": ("tf32", True), "bf16": ("bf16", True), "f16": ("fp16", True),
-              "f8e4m3": ("fp8", True), "f8e5m2": ("fp8", True), "int8": ("int8", True)}
+from .targets import gemm_math, get_target
 
 
 def kernel_works(program: Program, bindings: Mapping[str, int]) -> list[KernelWork]:
@@ -28,7 +26,7 @@ def kernel_works(program: Program, bindings: Mapping[str, int]) -> list[KernelWo
     for k in program.launched():
         math, tc = "fp32", False
         if k.kind is KernelKind.GEMM:
-            math, tc = _GEMM_MATH[GEMM_VARIANTS[k.precision or "f32"].a_format.name]
+            math, tc = gemm_math(GEMM_VARIANTS[k.precision or "f32"])
         side = sum(scales.get(inp.buffer, 0) for inp in k.inputs)
         works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes) + side,
                                 bytes_written=k.bytes_stored(bindings), flops=k.flops(bindings), math=math,
@@ -42,7 +40,6 @@ def modelled_latency(program: Program, target: str, bindings: Mapping[str, int],
 
 def measured_cpu_latency(program: Program, weights, inputs, repeats: int = 3) -> Latency:
     """Median wall time of the CPU backend's kernels over `repeats` runs (the `cpu` target)."""
-    from .cpu import CpuRuntime
     rt = CpuRuntime(program, weights)
     runs = [rt.run(inputs) for _ in range(repeats)]
     totals = [r.total_seconds for r in runs]

@@ -12,7 +12,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..dtypes.variants import GemmPrecision
+
 MATH_MODES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8", "fp64")
+
+# The math mode a Gemm's flops run in, from its A operand format: (mode, on tensor cores). Public data:
+# the search ranks variants by the target's peak for it, the cost model prices their flops with it.
+OPERAND_MATH: dict[str, tuple[str, bool]] = {
+    "f32": ("fp32", False), "tf32": ("tf32", True), "bf16": ("bf16", True), "f16": ("fp16", True),
+    "f8e4m3": ("fp8", True), "f8e5m2": ("fp8", True), "int8": ("int8", True)}
+
+
+def gemm_math(variant: GemmPrecision) -> tuple[str, bool]:
+    """(math mode, tensor cores) of a Gemm variant; an operand format with no mode is refused."""
+    try:
+        return OPERAND_MATH[variant.a_format.name]
+    except KeyError:
+        raise ValueError(f"Gemm variant {variant.name}: no math mode for operand format {variant.a_format.name}") from None
 
 TERA = 1e12
 

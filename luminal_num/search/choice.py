@@ -13,6 +13,7 @@ from typing import Iterable, Union
 
 import numpy as np
 
+from ..codegen.kinds import ENodeDecl, decl
 from .egraph import HLIR_NAMES, SELECTABLE
 
 
@@ -31,6 +32,21 @@ class ENode:
 
     def child_classes(self) -> tuple[str, ...]:
         return tuple(c.id for c in self.children if isinstance(c, ClassRef))
+
+    @property
+    def decl(self) -> ENodeDecl:
+        return decl(self.op)
+
+    def arg(self, param: str) -> Child:
+        """The child bound to the declared parameter `param` (codegen/kinds.py)."""
+        return self.children[self.decl.index(param)]
+
+    def cls(self, param: str) -> str:
+        """The e-class of a tensor/scalar/buffer parameter."""
+        c = self.arg(param)
+        if not isinstance(c, ClassRef):
+            raise TypeError(f"{self.op}.{param} is a primitive value, not an e-class")
+        return c.id
 
 
 @dataclass(frozen=True)

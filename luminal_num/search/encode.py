@@ -6,10 +6,11 @@ the choice space, so the lowering reads them back by id, never by printed text.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, Hashable, TypeVar
+from typing import Generic, Hashable, Sequence, TypeVar
 
 from egglog import EGraph, set_
 
+from ..codegen.llir import quantized_a_view
 from ..hlir.gemm import GemmLayout, gemm_layouts, split_operand
 from ..hlir.graph import Graph
 from ..hlir.ops import Op
@@ -59,8 +60,12 @@ class EncodedChunk:
     gemm_candidates: int       # Mul+SumReduce pairs with at least one Gemm layout
 
 
-def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | None = None) -> EncodedChunk:
+def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | None = None,
+                 group_chunks: Sequence[Chunk] = ()) -> EncodedChunk:
+    """`group_chunks`: every chunk sharing this structure (default: `chunk` alone); facts that differ
+    per chunk (who else reads a buffer) hold for the group only when they hold in every chunk."""
     consumers = consumers if consumers is not None else graph.consumers()
+    group_chunks = tuple(group_chunks) or (chunk,)
     eg = EGraph()
     views: Interner[ShapeTracker] = Interner()
     consts: Interner = Interner()
@@ -112,15 +117,17 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
         term = eg.let(f"n{nid}", E.HLIR[node.op](*args, node.dtype.name))
         terms[nid] = term
         facts.append(set_(E.identity_view(term)).to(view_id(ShapeTracker.contiguous(node.shape))))
-        if node.op is Op.SCATTER and len(consumers[node.srcs[0].node]) == 1:
-            facts.append(E.SoleReader(terms[node.srcs[0].node]))  # re-checked per chunk at lowering
+        if node.op is Op.SCATTER and _sole_reader_everywhere(graph, group_chunks, chunk.nodes.index(nid), consumers):
+            facts.append(E.SoleReader(terms[node.srcs[0].node]))
         if node.op is Op.SUM_REDUCE and graph.nodes[node.srcs[0].node].op is Op.MUL:
             mul = graph.nodes[node.srcs[0].node]
             va, vb = _gemm_operand_views(mul)
             ax = node.attr("axis")
             found = False
             for lay in gemm_layouts(va, vb, ax):
-                facts.append(E.GemmLayoutOf(view_id(va), view_id(vb), ax, layouts(lay)))
+                lid = layouts(lay)
+                facts.append(E.GemmLayoutOf(view_id(va), view_id(vb), ax, lid))
+                facts.append(E.QuantView(lid, view_id(quantized_a_view(lay))))
                 found = True
             gemm_candidates += found
     eg.register(*facts)
@@ -129,6 +136,18 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
                          tuple(ext_dtypes), tuple(ext_shapes), tuple(ext_weight),
                          tuple((f"n{e}", local[e]) for e in chunk.exported))
     return EncodedChunk(eg, tables, terms, gemm_candidates)
+
+
+def _sole_reader_everywhere(graph: Graph, chunks: Sequence[Chunk], local: int,
+                            consumers: dict[int, list[int]]) -> bool:
+    """In every chunk, the scatter at position `local` is the only reader of its destination (so
+    overwriting it in place is unobservable) and the destination is no graph output."""
+    outputs = set(graph.outputs.values())
+    for c in chunks:
+        dest = graph.nodes[c.nodes[local]].srcs[0].node
+        if len(consumers[dest]) != 1 or dest in outputs:
+            return False
+    return True
 
 
 def _gemm_operand_views(mul) -> tuple[ShapeTracker, ShapeTracker]:

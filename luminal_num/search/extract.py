@@ -10,19 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from .choice import Candidate, ChoiceSpace, ClassRef, ENode, _Picker
+from ..codegen.kinds import Sort, decl
+from .choice import Candidate, ChoiceSpace, ENode, _Picker
 
 BASE = "f32"
 
 
 def node_tag(n: ENode) -> str:
-    if n.op == "KGemm":
-        return BASE if n.children[5] == "f32" else "gemm:" + n.children[5]
-    if n.op == "KVariant":
-        return n.children[1]
-    if n.op == "KSoftmax":
-        return BASE if n.children[2] == "f32" else "softmax:" + n.children[2]
-    return BASE
+    """The precision tag of an alternative: its declared knob parameter, prefixed (BASE when FP32)."""
+    knob = n.decl.knob
+    if knob is None:
+        return BASE
+    value = n.arg(knob[0])
+    return BASE if value == BASE else knob[1] + value
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ def knobs(space: ChoiceSpace) -> tuple[Knob, ...]:
     return tuple(out)
 
 
-_T_RANK = {"KGemm": 0, "KScatterNoCopy": 0, "KVariant": 0}
+# Preferred structure among alternatives of the same tag (lower first; undeclared names are an error).
+_T_RANK = {decl(n).name: 0 for n in ("KGemm", "KScatterNoCopy", "KVariant")}
 
 
 def extract(space: ChoiceSpace, genome: Mapping[str, str] | None = None) -> Candidate:
@@ -52,7 +53,7 @@ def extract(space: ChoiceSpace, genome: Mapping[str, str] | None = None) -> Cand
         nodes = space.classes[cid]
         want = genome.get(cid, BASE)
         idx = [i for i, n in enumerate(nodes) if node_tag(n) == want] or list(range(len(nodes)))
-        if nodes[idx[0]].op in ("Load", "FConst", "FRound", "FCustom") or nodes[idx[0]].op.startswith("F"):
+        if nodes[idx[0]].decl.sort is Sort.F:
             return _scalar_order(space, cid, idx, picker)
         return sorted(idx, key=lambda i: (_T_RANK.get(nodes[i].op, 1), i))
 
@@ -69,19 +70,19 @@ def _scalar_order(space: ChoiceSpace, cid: str, idx: list[int], picker: _Picker)
     what every consumer sees."""
     nodes = space.classes[cid]
     loads = [i for i in idx if nodes[i].op == "Load"]
-    lowp = [i for i in idx if nodes[i].op == "FRound" and nodes[i].children[1] != BASE]
+    lowp = [i for i in idx if nodes[i].op == "FRound" and nodes[i].arg("dt") != BASE]
     plain = [i for i in idx if i not in loads and i not in lowp]
     for i in loads:
-        t = nodes[i].children[0]
-        if not (isinstance(t, ClassRef) and picker.pick(t.id)):
+        t = nodes[i].cls("t")
+        if not picker.pick(t):
             continue
-        chosen = space.classes[t.id][picker.chosen[t.id]]
+        chosen = space.classes[t][picker.chosen[t]]
         if chosen.op == "Ew":
             return plain + loads + lowp
-        if chosen.op == "KVariant" and picker.pick(chosen.children[0].id):
-            inner = space.classes[chosen.children[0].id][picker.chosen[chosen.children[0].id]]
+        if chosen.op == "KVariant" and picker.pick(chosen.cls("inner")):
+            inner = space.classes[chosen.cls("inner")][picker.chosen[chosen.cls("inner")]]
             if inner.op == "Ew":
-                match = [j for j in lowp if nodes[j].children == (inner.children[0], inner.children[1])]
+                match = [j for j in lowp if (nodes[j].arg("x"), nodes[j].arg("dt")) == (inner.arg("body"), inner.arg("dt"))]
                 return match + loads + plain + [j for j in lowp if j not in match]
         return loads + plain + lowp
     return plain + loads + lowp

@@ -7,6 +7,7 @@ Serialisation is canonical (sorted keys, floats as repr) so the same seed gives 
 """
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,15 +16,20 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
+from ..codegen.kinds import LAUNCHED_KINDS, backend_table
 from ..codegen.llir import KernelKind, Program
+from ..codegen.serialize import LlirDataError, program_from_data, program_to_data
 from ..dtypes.variants import GEMM_VARIANTS
 from ..error.budget import Budget
+from ..hlir.gemm import gemm_operand_b, read_operand
 from ..hlir.graph import Graph
-from ..report.files import atomic_write_text
+from ..hlir.partition import Partition, partition
+from ..files import atomic_write_bytes, atomic_write_text
+from ..quant.scales import compute_scales
 from .space import Genome, SearchSpace
 
 PLAN_FORMAT = "luminal_num.plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: the lowered LLIR is stored ("llir"); version-1 files are refused
 
 
 class PlanError(ValueError):
@@ -50,20 +56,32 @@ def op_table(program: Program, bindings) -> list[dict]:
         row = {"kernel": k.id, "kind": k.kind.value, "op": k.label, "dtype": k.dtype.name,
                "inputs": ",".join(dtypes[i.buffer].name for i in k.inputs),
                "shape": "x".join(str(d) for d in k.shape), "accumulator": "", "precision": k.precision or "",
-               "quant": "", "scales": ""}
-        if k.kind is KernelKind.SUM:
-            row["accumulator"] = (k.acc or k.dtype).name
-        if k.kind is KernelKind.GEMM:
-            v = GEMM_VARIANTS[k.precision or "f32"]
-            row["accumulator"] = v.accumulator.name + (f" (promote every {v.promote_every})" if v.promote_every else "")
-            row["quant"] = f"A:{v.a_format.name} B:{v.b_format.name}"
-            row["scales"] = "; ".join(_scale_label(side, s) for side, s in (("A", v.a_scale), ("B", v.b_scale))
-                                      if s is not None)
-        if k.kind is KernelKind.QUANTIZE:  # what the dynamic scales of the Gemm's A actually are
-            row["quant"] = f"A:{k.dtype.name}"
-            row["scales"] = _scale_label("A", k.scale_spec)
+               "quant": "", "scales": "", **_OP_ROW[k.kind](k)}
         rows.append(row)
     return rows
+
+
+def _gemm_row(k) -> dict:
+    v = GEMM_VARIANTS[k.precision or "f32"]
+    return {"accumulator": v.accumulator.name + (f" (promote every {v.promote_every})" if v.promote_every else ""),
+            "quant": f"A:{v.a_format.name} B:{v.b_format.name}",
+            "scales": "; ".join(_scale_label(side, s) for side, s in (("A", v.a_scale), ("B", v.b_scale))
+                                if s is not None)}
+
+
+def _no_extra(k) -> dict:
+    return {}
+
+
+# What the op table adds per kind beyond dtype and shape (one entry per launched kind).
+_OP_ROW = backend_table("plan op table", {
+    KernelKind.CONST: _no_extra, KernelKind.IOTA: _no_extra, KernelKind.ELEMENTWISE: _no_extra,
+    KernelKind.SUM: lambda k: {"accumulator": (k.acc or k.dtype).name},
+    KernelKind.MAX: _no_extra, KernelKind.SOFTMAX: _no_extra, KernelKind.GEMM: _gemm_row,
+    # what the dynamic scales of the Gemm's A actually are
+    KernelKind.QUANTIZE: lambda k: {"quant": f"A:{k.dtype.name}", "scales": _scale_label("A", k.scale_spec)},
+    KernelKind.GATHER: _no_extra, KernelKind.SCATTER: _no_extra, KernelKind.SCATTER_NOCOPY: _no_extra,
+}, LAUNCHED_KINDS)
 
 
 def _scale_label(side: str, spec) -> str:
@@ -74,8 +92,6 @@ def _scale_label(side: str, spec) -> str:
 
 def static_weight_scales(program: Program, weights, bindings) -> dict[int, np.ndarray]:
     """Compile-time scales of every Gemm whose variant scales its weight operand statically."""
-    from ..hlir.gemm import gemm_operand_b, read_operand
-    from ..quant.scales import compute_scales
     out = {}
     ext = {k.id: k.external for k in program.kernels if k.kind is KernelKind.EXTERNAL}
     for k in program.launched():
@@ -106,7 +122,8 @@ class Plan:
     @staticmethod
     def create(space: SearchSpace, genome: Genome, program: Program, budget: Budget, target: str, seed: int,
                verdict, latency, bindings, search_stats: dict, calibration_ranges: dict,
-               weights=None) -> "Plan":
+               weights=None, headroom: float = 1.0) -> "Plan":
+        """`verdict.budget_error` (the ratio against the user's budget) is the error the plan states."""
         cands = space.candidates(genome)
         groups = []
         for gi, g in enumerate(space.part.groups):
@@ -119,13 +136,17 @@ class Plan:
             "graph_key": graph_key(space.graph), "budget": budget.to_dict(), "target": target, "seed": seed,
             "genome": sorted([space.group_index(g), c, t] for g, c, t in genome),
             "groups": groups,
-            "verdict": {"passed": bool(verdict.passed), "source": verdict.source, "error": _num(verdict.error),
+            "verdict": {"passed": bool(verdict.passed), "source": verdict.source, "error": _num(verdict.budget_error),
                         "max_abs": _num(verdict.max_abs), "bound": _num(verdict.bound), "reason": verdict.reason},
             "latency": {"total_s": _num(latency.total_s), "source": latency.source, "target": latency.target,
                         "cuda_graph": latency.cuda_graph},
             "kernels": op_table(program, bindings),
             "calibration_ranges": {k: [_num(lo), _num(hi)] for k, (lo, hi) in sorted(calibration_ranges.items())},
             "search": search_stats,
+            "headroom": headroom,
+            # what runs, exactly: audit and the runtimes load it without rebuilding the e-graph; each
+            # kernel names its chunk and e-class, the choices above are its provenance
+            "llir": program_to_data(program),
         }
         scales = static_weight_scales(program, weights or {}, bindings)
         data["static_scales"] = {str(kid): {"kernel": kid, "shape": list(arr.shape)} for kid, arr in sorted(scales.items())}
@@ -139,8 +160,6 @@ class Plan:
         """plan.json, plus <stem>_scales.npz holding the static weight scales when there are any."""
         data = dict(self.data)
         if self.scales:
-            from ..report.files import atomic_write_bytes
-            import io
             buf = io.BytesIO()
             np.savez(buf, **{f"k{kid}": arr for kid, arr in sorted(self.scales.items())})
             atomic_write_bytes(scales_path(path), buf.getvalue())
@@ -160,9 +179,12 @@ class Plan:
             raise PlanError(f"plan file {path} is not valid JSON: {exc}") from None
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise PlanError(f"{path} is not a luminal_num plan (format field missing or wrong)")
+        if data.get("version") == 1:
+            raise PlanError(f"{path} is a version-1 plan (no stored LLIR); this compiler reads {PLAN_VERSION}: "
+                            "compile it again")
         if data.get("version") != PLAN_VERSION:
             raise PlanError(f"{path} has plan version {data.get('version')!r}; this compiler reads {PLAN_VERSION}")
-        for key in ("graph_key", "budget", "genome", "groups", "target", "verdict", "latency", "kernels"):
+        for key in ("graph_key", "budget", "genome", "groups", "target", "verdict", "latency", "kernels", "llir"):
             if key not in data:
                 raise PlanError(f"plan file {path} is missing the field {key!r}")
         scales = None
@@ -199,10 +221,16 @@ class Plan:
             out.append((keys[entry[0]], entry[1], entry[2]))
         return frozenset(out)
 
-    def program(self, graph: Graph, space: SearchSpace | None = None) -> tuple[Program, SearchSpace]:
-        """Rebuild the program, verifying every recorded choice against this compiler's choice space."""
+    def program(self, graph: Graph, space: SearchSpace | None = None) -> tuple[Program, Partition]:
+        """The stored program (no e-graph is built), and the graph's partition. Given a `space`, also
+        verify that this compiler's choice space rebuilds exactly the recorded choices and program."""
         self.check_graph(graph)
-        space = space or SearchSpace.build(graph)
+        try:
+            program = program_from_data(self.data["llir"])
+        except LlirDataError as exc:
+            raise PlanError(f"the plan's LLIR cannot be loaded: {exc}") from None
+        if space is None:
+            return program, partition(graph)
         genome = self.genome(space)
         cands = space.candidates(genome)
         for grp in self.data["groups"]:
@@ -215,4 +243,6 @@ class Plan:
                                                  for c, i, op in grp["choices"]):
                 raise PlanError(f"group {grp['group']}: the recorded choices do not match this compiler's "
                                 "choice space (plan from another compiler version?)")
-        return space.program(genome), space
+        if program_to_data(space.program(genome)) != self.data["llir"]:
+            raise PlanError("the stored LLIR is not what this compiler lowers from the recorded choices")
+        return program, space.part

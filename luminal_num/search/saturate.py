@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from egglog import relation, i64
+from egglog import EGraph, i64, relation
 
 from ..hlir.graph import Graph
 from ..hlir.partition import Group
@@ -20,6 +20,14 @@ from .rules.inplace import cleanup, inplace
 from .rules.lower import lower
 
 RootOf = relation("RootOf", E.T, i64)  # marks exported values so they survive serialization by class
+
+
+def serialized_json(eg: EGraph) -> str:
+    """The whole e-graph as egraph-serialize JSON (`nodes` with op / children / eclass / subsumed,
+    `class_data` with each class's sort). egglog 14 has no public call for it: `freeze()` is a
+    debugging snapshot of replayable actions, not the e-classes. This is the one place that calls the
+    private `_serialize`; tests/test_search.py fails loudly if its signature or format changes."""
+    return eg._serialize(split_primitive_outputs=False).to_json()
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,7 @@ class GroupSpace:
 
 def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=None) -> GroupSpace:
     t0 = time.perf_counter()
-    enc = encode_chunk(graph, group.representative, consumers)
+    enc = encode_chunk(graph, group.representative, consumers, group.chunks)
     eg = enc.egraph
     local = {nid: i for i, nid in enumerate(group.representative.nodes)}
     eg.register(*[RootOf(enc.terms[nid], local[nid]) for nid in group.representative.exported])
@@ -58,7 +66,7 @@ def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=N
     reports.append(eg.run((inplace.saturate() + dtype_prop.saturate()).saturate()))
     reports.append(eg.run(cleanup.saturate()))
     t2 = time.perf_counter()
-    space = read_choice_space(eg._serialize(split_primitive_outputs=False).to_json(), "RootOf")
+    space = read_choice_space(serialized_json(eg), "RootOf")
     t3 = time.perf_counter()
     matches: dict[str, int] = {}
     for r in reports:

@@ -6,15 +6,19 @@ Deterministic for a seed (no wall-clock decisions unless a time limit is set).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm import tqdm
 
+from ..codegen.llir import Program
+from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ..error.judge import Judge, Verdict
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
+from ..runtime.targets import gemm_math, get_target
 from .space import Change, Genome, SearchSpace
 
 
@@ -38,6 +42,7 @@ class Evaluated:
     latency: Latency | None   # None when the gate rejected it (latency is never spent on those)
     label: str = ""
     stage: str = ""           # baseline | sensitivity | greedy | mutation
+    program: Program | None = field(default=None, repr=False, compare=False)  # what was judged (lowered once)
 
     @property
     def latency_s(self) -> float:
@@ -73,8 +78,10 @@ def _baseline_genomes(space: SearchSpace) -> dict[str, Genome]:
 
 
 class Searcher:
-    def __init__(self, space: SearchSpace, judge: Judge, options: SearchOptions, latency_inputs=None):
+    def __init__(self, space: SearchSpace, judge: Judge, options: SearchOptions, latency_inputs=None,
+                 target: str | None = None):
         self.space, self.judge, self.opt = space, judge, options
+        self.target = options.target if target is None else target
         self.rng = np.random.default_rng(options.seed)
         self.evaluated: list[Evaluated] = []
         self.seen: dict[Genome, Evaluated] = {}
@@ -93,7 +100,7 @@ class Searcher:
     def latency(self, program) -> Latency | None:
         g = self.space.graph
         try:
-            return program_latency(program, self.opt.target, self.judge.bindings[0], g.weights, self.latency_inputs)
+            return program_latency(program, self.target, self.judge.bindings[0], g.weights, self.latency_inputs)
         except UnsupportedOnTarget:
             return None
 
@@ -106,9 +113,8 @@ class Searcher:
         verdict = self.judge.judge(program, genome, screen)
         lat = self.latency(program) if (verdict.passed or force_latency) else None
         if verdict.passed and lat is None:  # the target cannot run this variant (FP8 on an A100)
-            verdict = Verdict(False, verdict.source, verdict.error, verdict.max_abs, verdict.bound,
-                              f"not supported on target {self.opt.target}")
-        e = Evaluated(len(self.evaluated), genome, verdict, lat, label, stage)
+            verdict = dataclasses.replace(verdict, passed=False, reason=f"not supported on target {self.target}")
+        e = Evaluated(len(self.evaluated), genome, verdict, lat, label, stage, program)
         self.evaluated.append(e)
         self.seen[genome] = e
         if stage != "baseline":
@@ -142,7 +148,7 @@ class Searcher:
         plans = []
         for gk, ks in self.space.knobs.items():
             for k in ks:
-                plans.append([(gk, k.cls, tags[0]) for tags in variant_classes(k.tags, self.opt.target)])
+                plans.append([(gk, k.cls, tags[0]) for tags in variant_classes(k.tags, self.target)])
         kinds = {"gemm": 0, "sum": 1, "softmax": 2, "ew": 3}
         plans.sort(key=lambda p: kinds.get(p[0][2].split(":")[0], 4) if p else 9)
         out, passed = [], [0] * len(plans)
@@ -235,9 +241,6 @@ def variant_classes(tags, target: str) -> list[list[str]]:
     Speed: a Gemm variant's math peak on the target; a storage variant's bytes per element.
     Accuracy: the variant's a-priori bound (Gemms) or its unit roundoffs (storage, accumulators).
     """
-    from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
-    from ..runtime.latency import _GEMM_MATH
-    from ..runtime.targets import get_target
     t = get_target(target)
     t = get_target("h200") if t.measured_only else t
 
@@ -245,7 +248,7 @@ def variant_classes(tags, target: str) -> list[list[str]]:
         kind, name = tag.split(":", 1)
         if kind == "gemm":
             v = GEMM_VARIANTS[name]
-            math, tc = _GEMM_MATH[v.a_format.name]
+            math, tc = gemm_math(v)
             peak = (t.tensor_cores if tc else t.cuda_cores).rate(math) or 0.0
             return -peak, float(v.a_priori_bound(1024, 1024.0, 1.0, 1.0))
         if kind == "ew":
@@ -262,5 +265,7 @@ def variant_classes(tags, target: str) -> list[list[str]]:
     return [sorted(groups[s], key=lambda tg: (key(tg)[1], tg)) for s in sorted(groups)]
 
 
-def search(space: SearchSpace, judge: Judge, options: SearchOptions, latency_inputs=None) -> SearchResult:
-    return Searcher(space, judge, options, latency_inputs).run()
+def search(space: SearchSpace, judge: Judge, options: SearchOptions, latency_inputs=None,
+           target: str | None = None) -> SearchResult:
+    """`target` (default `options.target`): where latencies are modelled or measured."""
+    return Searcher(space, judge, options, latency_inputs, target).run()

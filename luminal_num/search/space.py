@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from ..codegen.llir import Program
-from ..codegen.lower import lower_program
 from ..hlir.graph import Graph
-from ..hlir.partition import Partition, partition
+from ..hlir.partition import Chunk, Partition, partition
 from .choice import Candidate
 from .extract import BASE, Knob, extract, knobs
+from .lower import lower_chunk_program, lower_program
 from .rules.precision import precision
 from .saturate import GroupSpace, saturate_group
 
@@ -60,6 +60,11 @@ class SearchSpace:
 
     def program(self, genome: Iterable[Change]) -> Program:
         return lower_program(self.graph, self.part, self.groups, self.candidates(genome))
+
+    def lower_chunk(self, chunk: Chunk, cand: Candidate) -> Program:
+        """One chunk alone under `cand` (for the per-group error estimate)."""
+        key = next(g.key for g in self.part.groups if any(c.index == chunk.index for c in g.chunks))
+        return lower_chunk_program(self.graph, chunk, self.groups[key], cand)
 
     def knob_kind(self, change: Change) -> str:
         return change[2].split(":")[0]

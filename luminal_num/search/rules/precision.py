@@ -18,7 +18,7 @@ from .. import egraph as E
 precision = ruleset(name="precision")
 
 t, x, y, inner = vars_("t x y inner", E.T)
-vx, vy, ax, lay, v = vars_("vx vy ax lay v", i64)
+vx, vy, ax, lay, v, vq = vars_("vx vy ax lay v vq", i64)
 kind, d, tag = vars_("kind d tag", String)
 body = var("body", E.F)
 fa = var("fa", E.F)
@@ -78,5 +78,13 @@ def _gemm_variants():
         guard = [E.IsWeight(y)] if v.b_scale is not None and v.b_scale.static else []
         # the same product with operands rounded/quantized and accumulated as `v` says: equal up to
         # v.a_priori_bound; static weight scales need B to be a compile-time weight (IsWeight).
-        yield rule(eq(t).to(E.KGemm(x, vx, y, vy, lay, "f32", "f32")), *guard).then(
-            union(t).with_(E.KGemm(x, vx, y, vy, lay, name, "f32")))
+        f32_gemm = E.KGemm(a=x, va=vx, b=y, vb=vy, layout=lay, prec="f32", dt="f32")
+        if v.a_scale is not None and not v.a_scale.static:
+            # activations scaled at run time: A goes through its own QUANTIZE kernel ((batch, M, K) in
+            # the variant's format, scales beside it), which the Gemm reads by QuantView's view
+            a = E.KQuantize(a=x, va=vx, layout=lay, prec=name, dt=v.a_format.name)
+            yield rule(eq(t).to(f32_gemm), *guard, E.QuantView(lay, vq)).then(
+                union(t).with_(E.KGemm(a=a, va=vq, b=y, vb=vy, layout=lay, prec=name, dt="f32")))
+        else:
+            yield rule(eq(t).to(f32_gemm), *guard).then(
+                union(t).with_(E.KGemm(a=x, va=vx, b=y, vb=vy, layout=lay, prec=name, dt="f32")))

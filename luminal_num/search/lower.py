@@ -1,0 +1,225 @@
+"""Lower chosen e-nodes (one candidate per chunk) to an LLIR Program: a translation, not a decision.
+
+Chunks are lowered in graph order; a chunk's external slots resolve to graph inputs or to the
+kernels that earlier chunks exported. Interned ids (views, constants, layouts) are read back from
+the group's tables; children are read by their declared names (codegen/kinds.py). Every choice (a
+Gemm's QUANTIZE of A, an in-place scatter) was made in the e-graph; `llir.verify` checks the result.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from ..codegen.kinds import TENSOR_DECLS, Sort
+from ..codegen.llir import (FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program,
+                            verify)
+from ..dtypes.formats import get as get_format
+from ..hlir.graph import Graph
+from ..hlir.partition import Partition
+from ..hlir.shape import ShapeTracker
+from .choice import Candidate, ENode
+from .saturate import GroupSpace
+
+
+@dataclass
+class _Builder:
+    kernels: list[Kernel] = field(default_factory=list)
+
+    def add(self, **kw) -> int:
+        k = Kernel(id=len(self.kernels), **kw)
+        self.kernels.append(k)
+        return k.id
+
+    def provenance(self, kid: int, cid: str) -> int:
+        """Record the e-class a kernel was just lowered from (aliases return an older kernel: unchanged)."""
+        k = self.kernels[kid]
+        if kid == len(self.kernels) - 1 and not k.eclass and k.kind is not KernelKind.EXTERNAL:
+            self.kernels[kid] = dataclasses.replace(k, eclass=cid)
+        return kid
+
+
+class _ChunkLowering:
+    def __init__(self, b: _Builder, gs: GroupSpace, cand: Candidate, slots: list[int], chunk: int):
+        self.b, self.gs, self.space, self.t = b, gs, gs.space, gs.tables
+        self.choice, self.slots, self.chunk = cand.as_dict(), slots, chunk
+        self.memo: dict[str, int] = {}
+
+    def node(self, cid: str) -> ENode:
+        return self.space.classes[cid][self.choice[cid]]
+
+    def view(self, vid: int) -> ShapeTracker:
+        return self.t.views[vid]
+
+    def const(self, c: int):
+        v = self.t.constants[c]
+        return float.fromhex(v[1]) if isinstance(v, tuple) and v[0] == "f" else v
+
+    def tensor(self, cid: str, reader: str | None = None) -> int:
+        """The kernel computing e-class `cid`. A QUANTIZE class implements no HLIR op of its own: it is
+        labelled by the op of the Gemm reading it (`reader`)."""
+        if cid not in self.memo:
+            n = self.node(cid)
+            hint = reader if n.decl.kind is KernelKind.QUANTIZE else None
+            self.memo[cid] = self.b.provenance(_TENSOR[n.op](self, n, self.space.class_origin.get(cid) or hint or n.op),
+                                               cid)
+        return self.memo[cid]
+
+    def common(self, n: ENode, origin: str) -> dict:
+        return dict(chunk=self.chunk, label=f"{origin} (chunk {self.chunk}, {n.op})")
+
+    def operands(self, n: ENode, origin: str | None = None) -> tuple[KernelInput, ...]:
+        """The kernel's inputs: its declared (tensor, view) parameter pairs, in order."""
+        return tuple(KernelInput(self._operand(n, t, origin), self.view(n.arg(v))) for t, v in n.decl.operands)
+
+    def _operand(self, n: ENode, param: str, origin: str | None) -> int:
+        if n.decl.params[n.decl.index(param)].sort is Sort.B:  # a consumed buffer: the value it holds
+            return self.tensor(self.node(n.cls(param)).cls("t"))
+        return self.tensor(n.cls(param), origin)
+
+    def body(self, n: ENode) -> tuple[FExpr, tuple[KernelInput, ...], tuple]:
+        inputs: list[KernelInput] = []
+        shapes: list = []
+        body = self.scalar(n.cls("body"), inputs, shapes)
+        if any(s_ != shapes[0] for s_ in shapes):
+            raise ValueError(f"{n.op} body reads views of different shapes {set(shapes)}")
+        return body, tuple(inputs), shapes[0]
+
+    def scalar(self, cid: str, inputs: list[KernelInput], shapes: list) -> FExpr:
+        """The body expression; `shapes` collects the iteration shape of every leaf (all must agree)."""
+        n = self.node(cid)
+        if n.decl.sort is not Sort.F:
+            raise ValueError(f"e-node {n.op} is not a scalar expression")
+        if n.op == "Load":
+            ki = KernelInput(self.tensor(n.cls("t")), self.view(n.arg("view")))
+            if ki not in inputs:
+                inputs.append(ki)
+            shapes.append(ki.view.shape)
+            return FLoad(inputs.index(ki))
+        if n.op == "FConst":
+            shapes.append(self.view(n.arg("view")).shape)
+            return FConstV(self.const(n.arg("cid")))
+        if n.op == "FRound":
+            inner = self.scalar(n.cls("x"), inputs, shapes)
+            if n.arg("dt") == "f32":
+                return inner  # bodies compute in FP32: rounding to it is exact
+            reads = [a.cls("t") for a in self.space.classes[cid] if a.op == "Load"]
+            origin = self.space.class_origin.get(reads[0], "") if reads else ""
+            return FRoundTo(inner, get_format(n.arg("dt")), origin)
+        args = tuple(self.scalar(n.cls(p.name), inputs, shapes) for p in n.decl.params if p.sort is Sort.F)
+        return FApply(n.decl.op, args, kind=n.arg("kind") if n.op == "FCustom" else None)
+
+
+# -- one lowering per tensor constructor ----------------------------------------------------------
+def _ext(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    return lo.slots[n.arg("slot")]
+
+
+def _variant(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    return lo.tensor(n.cls("inner"))  # an alias: consumers read the low-precision buffer and widen on load
+
+
+def _const(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    return lo.b.add(kind=KernelKind.CONST, inputs=(), shape=(), dtype=get_format(n.arg("dt")),
+                    value=lo.const(n.arg("cid")), **lo.common(n, origin))
+
+
+def _iota(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    length = lo.t.dims[n.arg("length")]
+    return lo.b.add(kind=KernelKind.IOTA, inputs=(), shape=(length,), dtype=get_format(n.arg("dt")), value=length,
+                    **lo.common(n, origin))
+
+
+def _elementwise(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    body, inputs, shape = lo.body(n)
+    return lo.b.add(kind=KernelKind.ELEMENTWISE, inputs=inputs, shape=shape, dtype=get_format(n.arg("dt")),
+                    body=body, body_shape=shape, **lo.common(n, origin))
+
+
+def _reduction(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """KSum / KMax / KSoftmax: the body over the un-reduced space, reduced (or normalised) along axis."""
+    body, inputs, shape = lo.body(n)
+    axis = n.arg("axis")
+    out_shape = shape if n.decl.kind is KernelKind.SOFTMAX else shape[:axis] + shape[axis + 1:]
+    acc = get_format(n.arg("acc")) if n.decl.kind is KernelKind.SUM else None
+    prec = n.arg("prec") if n.decl.kind is KernelKind.SOFTMAX else None
+    return lo.b.add(kind=n.decl.kind, inputs=inputs, shape=out_shape, dtype=get_format(n.arg("dt")), body=body,
+                    body_shape=shape, axis=axis, acc=acc, precision=prec, **lo.common(n, origin))
+
+
+def _gemm(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    layout = lo.t.layouts[n.arg("layout")]
+    ins = lo.operands(n, origin)
+    shape = tuple(d for i, d in enumerate(layout.full_shape) if i != layout.k_axis)
+    return lo.b.add(kind=KernelKind.GEMM, inputs=ins, shape=shape, dtype=get_format(n.arg("dt")), layout=layout,
+                    precision=n.arg("prec"), **lo.common(n, origin))
+
+
+def _quantize(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    layout = lo.t.layouts[n.arg("layout")]
+    prec = n.arg("prec")
+    return lo.b.add(kind=KernelKind.QUANTIZE, inputs=lo.operands(n), shape=(layout.batch, layout.m, layout.k),
+                    dtype=get_format(n.arg("dt")), precision=prec, layout=layout, chunk=lo.chunk,
+                    label=f"{origin} (chunk {lo.chunk}, quantize A: {prec})")
+
+
+def _gather(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    ins = lo.operands(n)
+    shape = tuple(ins[1].view.shape) + tuple(ins[0].view.shape[1:])
+    return lo.b.add(kind=KernelKind.GATHER, inputs=ins, shape=shape, dtype=get_format(n.arg("dt")),
+                    **lo.common(n, origin))
+
+
+def _scatter(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """KScatter copies dest; KScatterNoCopy (legal only as decided in the e-graph) overwrites it."""
+    ins = lo.operands(n)
+    nocopy = n.decl.kind is KernelKind.SCATTER_NOCOPY
+    return lo.b.add(kind=n.decl.kind, inputs=ins, shape=tuple(ins[0].view.shape), dtype=get_format(n.arg("dt")),
+                    aliases=0 if nocopy else None, **lo.common(n, origin))
+
+
+_TENSOR: dict[str, Callable[[_ChunkLowering, ENode, str], int]] = {
+    "KExt": _ext, "KVariant": _variant, "KConst": _const, "KIota": _iota, "Ew": _elementwise,
+    "KSum": _reduction, "KMax": _reduction, "KSoftmax": _reduction, "KGemm": _gemm, "KQuantize": _quantize,
+    "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter,
+}
+assert set(_TENSOR) == {d.name for d in TENSOR_DECLS}, "every tensor constructor has exactly one lowering"
+
+
+def lower_program(graph: Graph, part: Partition, spaces: Mapping[str, GroupSpace],
+                  choices: Mapping[int, Candidate]) -> Program:
+    """The LLIR program for the whole graph: chunk c uses `choices[c]` in its group's space."""
+    b = _Builder()
+    node_kernel: dict[int, int] = {}
+    inputs = []
+    for name, info in graph.inputs.items():
+        node_kernel[info.node] = b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=info.shape, dtype=info.dtype,
+                                       external=name, label=f"input:{name}")
+        inputs.append((name, node_kernel[info.node]))
+    group_of = {c.index: g.key for g in part.groups for c in g.chunks}
+    for chunk in part.chunks:
+        gs = spaces[group_of[chunk.index]]
+        low = _ChunkLowering(b, gs, choices[chunk.index], [node_kernel[n] for n in chunk.external], chunk.index)
+        for local, cid in gs.space.roots:
+            node_kernel[chunk.nodes[local]] = low.tensor(cid)
+    outputs = tuple((name, node_kernel[nid]) for name, nid in graph.outputs.items())
+    exports = tuple((nid, node_kernel[nid]) for c in part.chunks for nid in c.exported)
+    return verify(Program(tuple(b.kernels), tuple(inputs), outputs, exports))
+
+
+def lower_chunk_program(graph: Graph, chunk, gs: GroupSpace, cand: Candidate) -> Program:
+    """One chunk alone: its external sources become inputs named "%<node id>", its exports outputs.
+
+    Used to judge a group in isolation from exact (FP64) inputs, and to measure its amplification.
+    """
+    b = _Builder()
+    slots, inputs = [], []
+    for nid in chunk.external:
+        node = graph.nodes[nid]
+        kid = b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=node.shape, dtype=node.dtype, external=f"%{nid}",
+                    label=f"external %{nid}")
+        slots.append(kid)
+        inputs.append((f"%{nid}", kid))
+    low = _ChunkLowering(b, gs, cand, slots, chunk.index)
+    outputs = tuple((f"%{chunk.nodes[local]}", low.tensor(cid)) for local, cid in gs.space.roots)
+    return verify(Program(tuple(b.kernels), tuple(inputs), outputs))
