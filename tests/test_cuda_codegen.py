@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from cuda_interpreter import Buffer, compile_entry, entry_body, eval_expr, launch, round_format
 from luminal_num.codegen import nvrtc
 from luminal_num.codegen.cuda_body import SymbolTable, is_exact, view_index, view_symbols
-from luminal_num.codegen.cuda_gemm import COMPUTE_TYPES, gemm_call
+from luminal_num.codegen.cuda_gemm import COMPUTE_TYPES
+from luminal_num.codegen.cuda_kernels import gemm_call
 from luminal_num.codegen.cuda_kernels import render_kernel
 from luminal_num.codegen.llir import (FApply, FConstV, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program)
 from luminal_num.codegen.lower import lower_program

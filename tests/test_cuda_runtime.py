@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from luminal_num.codegen.cuda_gemm import gemm_call
+from luminal_num.codegen.cuda_kernels import gemm_call
 from luminal_num.codegen.llir import KernelKind
 from luminal_num.dtypes.formats import INT32
 from luminal_num.dtypes.variants import GEMM_VARIANTS
