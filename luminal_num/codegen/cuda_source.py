@@ -196,7 +196,9 @@ class KernelSource:
 
     @property
     def entries(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(launch.entry for launch in self.launches))
+        """Every entry a runtime may launch: the fallback's and the cuBLASLt prologue's (quantize kernels)."""
+        prologue = self.gemm.prologue if self.gemm is not None else ()
+        return tuple(dict.fromkeys(launch.entry for launch in (*self.launches, *prologue)))
 
     def dyn_values(self, bindings: Mapping[str, int]) -> tuple[int, ...]:
         return tuple(int(bindings[s]) for s in self.symbols.symbols)

@@ -1,0 +1,165 @@
+"""The CUDA runtime's call discipline on a recording stand-in for CuPy / libcublas / libcublasLt (no GPU).
+
+Each test is one defect a first GPU run would have hit (issue 19): cuBLAS under stream capture, the
+workspace never set, uploads on the legacy null stream, FP8 shapes cuBLASLt rejects, NOT_SUPPORTED
+raising instead of falling back, the heuristic never consulted, cubins through temp files. The
+stand-in (tests/fake_cuda.py) behaves as CuPy 14 does where it matters (its cuBLAS wrappers call
+setStream, which raises while capturing); nothing computes, so values are checked elsewhere
+(test_cuda_codegen.py for the generated code, test_cuda_runtime.py on a GPU).
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+import types
+
+import numpy as np
+import pytest
+
+import luminal_num.runtime.cuda as cuda_module
+from fake_cuda import FakeCublasLib, FakeCublasLtLib, Recorder, fake_cupy
+from luminal_num.codegen import nvrtc
+from luminal_num.codegen.cuda_kernels import render_kernel
+from luminal_num.hlir.shape import ShapeTracker
+from luminal_num.runtime import cuda_device
+from luminal_num.runtime.cuda import WORKSPACE_BYTES, CudaRuntime
+from test_cuda_codegen import GEMMS, MODELS, feed_for, gemm_program, needs_nvrtc, programs
+
+pytestmark = needs_nvrtc
+NOT_SUPPORTED = 15
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """A fake device: returns (recorder, set_lt) where set_lt(FakeCublasLtLib) swaps the cuBLASLt stand-in."""
+    rec = Recorder()
+    for name, module in fake_cupy(rec).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setenv(nvrtc.CACHE_ENV, str(tmp_path))
+    libs = {"cublas": FakeCublasLib(rec), "cublaslt": FakeCublasLtLib(rec)}
+    monkeypatch.setattr(cuda_module, "load_libraries", lambda: types.SimpleNamespace(**libs), raising=False)
+    cuda_device.probe.cache_clear()
+    yield rec, lambda lt: libs.update(cublaslt=lt)
+    cuda_device.probe.cache_clear()
+
+
+def fp8_program(m: int, n: int, k: int):
+    """y = a @ b (row-major), per-tensor FP8 E4M3: the cuBLASLt variant."""
+    a, b = ShapeTracker.contiguous((m, k)), ShapeTracker.contiguous((k, n))
+    return gemm_program((m, n, k), (m, k), a.expand_dim(1, n), (k, n), b.permute((1, 0)).expand_dim(0, m), 2,
+                        precision="f8e4m3_tensor")
+
+
+def device_ops(rec: Recorder) -> list[dict]:
+    return [e for e in rec.log if e["op"] in ("upload", "download", "memcpy", "launch", "gemm", "event")]
+
+
+def test_capture_of_a_cublas_gemm_sets_no_stream_while_capturing(fake):
+    """Defect 1: CuPy's wrappers call setStream inside every call, which raises during capture."""
+    rec, _ = fake
+    program = GEMMS["row_major"][0]
+    cuda = CudaRuntime(program)
+    state = cuda.capture(feed_for(program, np.random.default_rng(1)))
+    cuda.replay(state)
+    gemms = rec.ops("gemm")
+    assert [(g["api"], g["capturing"]) for g in gemms] == [("cublas", False), ("cublas", True)]
+    assert all(g["stream"] == cuda.stream.ptr for g in gemms)
+    assert [e["stream"] for e in rec.ops("cublasSetStream")] == [cuda.stream.ptr]
+    assert rec.ops("graph_launch")[0]["stream"] == cuda.stream.ptr
+
+
+def test_the_workspace_is_set_once_after_the_stream(fake):
+    """Defect 2: cublasSetStream resets the workspace, so it is set after the stream, once, to ours."""
+    rec, _ = fake
+    program = GEMMS["batched_shared_weight"][0]
+    cuda = CudaRuntime(program)
+    for seed in (1, 2):
+        cuda.run(feed_for(program, np.random.default_rng(seed)))
+    setup = [e for e in rec.log if e["op"].startswith("cublasSet")]
+    assert [e["op"] for e in setup] == ["cublasSetPointerMode", "cublasSetMathMode", "cublasSetStream",
+                                        "cublasSetWorkspace"]
+    assert setup[0]["mode"] == 0 and setup[1]["mode"] == 0  # host pointers, default math
+    assert setup[-1]["workspace"] == cuda.workspace.data.ptr and setup[-1]["nbytes"] == WORKSPACE_BYTES
+    assert len(rec.ops("gemm")) == 2
+
+
+@pytest.mark.parametrize("name", ["transformer1", "transformer4"])
+def test_uploads_downloads_and_launches_are_all_on_the_compute_stream(fake, name):
+    """Defect 3: a non-blocking stream does not wait for the legacy null stream (ptr 0)."""
+    rec, _ = fake
+    model, program = MODELS[name], programs(name, 1)[0]
+    inputs = model.make_inputs(1)
+    cuda = CudaRuntime(program, model.graph.weights)
+    cuda.run(inputs)
+    ops = device_ops(rec)
+    assert {e["op"] for e in ops} >= {"upload", "download", "launch", "gemm"}
+    assert [e for e in ops if e["stream"] != cuda.stream.ptr] == []
+    cuda.replay(cuda.capture(inputs))
+    assert [e for e in device_ops(rec) if e["stream"] != cuda.stream.ptr] == []
+
+
+def test_cubins_are_loaded_from_bytes_without_a_temp_file(fake, monkeypatch):
+    """Defect 7: the CUBIN goes to cuModuleLoadData as bytes; no RawModule(path=...), no temp file."""
+    rec, _ = fake
+    monkeypatch.setenv(nvrtc.CACHE_ENV, "off")
+
+    def no_temp_files(*args, **kwargs):
+        raise AssertionError("a temp file was written")
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", no_temp_files)
+    model, program = MODELS["transformer1"], programs("transformer1", 1)[0]
+    CudaRuntime(program, model.graph.weights)
+    names = {render_kernel(k, program).name for k in program.launched()}
+    assert len(rec.ops("module_load")) == len(names) > 0
+    assert rec.ops("raw_module") == []
+
+
+def test_fp8_gemm_asks_the_heuristic_once_per_shape_with_the_workspace(fake):
+    """Defect 5: the heuristic's algorithm under a workspace preference, cached; eager == captured path."""
+    rec, _ = fake
+    program = fp8_program(5, 16, 32)
+    cuda = CudaRuntime(program)
+    feed = feed_for(program, np.random.default_rng(3))
+    cuda.run(feed)
+    cuda.replay(cuda.capture(feed))
+    assert len(rec.ops("ltHeuristic")) == 1
+    assert [(e["attr"], e["value"]) for e in rec.ops("ltPreferenceAttribute")] == [(1, WORKSPACE_BYTES)]
+    gemms = rec.ops("gemm")
+    assert [(g["api"], g["capturing"]) for g in gemms] == [("cublasLt", False)] * 2 + [("cublasLt", True)]
+    assert all(g["algo"] == 0xA160 and g["workspace"] == cuda.workspace.data.ptr and g["nbytes"] == WORKSPACE_BYTES
+               and g["stream"] == cuda.stream.ptr for g in gemms)
+    # the same descriptor and layouts every time: created once
+    assert len(rec.ops("ltDescCreate")) == 1 and len(rec.ops("ltLayoutCreate")) == 3
+
+
+@pytest.mark.parametrize("results, status", [(0, 0), (1, NOT_SUPPORTED)], ids=["no_algorithm", "matmul_not_supported"])
+def test_fp8_not_supported_falls_back_to_the_tiled_kernel(fake, results, status):
+    """Defect 4: NOT_SUPPORTED (15) from the heuristic or the matmul runs the fallback, and is remembered."""
+    rec, set_lt = fake
+    set_lt(FakeCublasLtLib(rec, heuristic_results=results, matmul_status=status))
+    program = fp8_program(5, 16, 32)
+    kernel = program.kernels[-1]
+    fallback = render_kernel(kernel, program).launches[-1].entry
+    cuda = CudaRuntime(program)
+    feed = feed_for(program, np.random.default_rng(4))
+    for _ in range(2):
+        cuda.run(feed)
+    tiled = [e for e in rec.ops("launch") if e["entry"] == fallback]
+    assert len(tiled) == 2
+    assert len(rec.ops("gemm")) == (1 if status else 0)  # tried once at most, then remembered
+    assert len(rec.ops("ltHeuristic")) == 1
+
+
+@pytest.mark.parametrize("m, n, k", [(5, 6, 32), (5, 16, 24), (5, 20, 32)])
+def test_fp8_shapes_cublaslt_rejects_never_reach_it(fake, m, n, k):
+    """Defect 4: N (the output's contiguous extent) and K multiples of 16, every ld 16-byte aligned."""
+    rec, _ = fake
+    program = fp8_program(m, n, k)
+    kernel = program.kernels[-1]
+    call = render_kernel(kernel, program).gemm.bind({})
+    assert call.api == "cublasLt" and not call.legal() and call.lt_violations()
+    cuda = CudaRuntime(program)
+    cuda.run(feed_for(program, np.random.default_rng(5)))
+    assert rec.ops("gemm") == [] and rec.ops("ltHeuristic") == []
+    fallback = render_kernel(kernel, program).launches[-1].entry
+    assert [e["entry"] for e in rec.ops("launch")][-1] == fallback
