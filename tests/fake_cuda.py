@@ -155,7 +155,8 @@ def _cupy_cublas(rec: Recorder) -> types.ModuleType:
 
 
 def fake_cupy(rec: Recorder) -> dict[str, types.ModuleType]:
-    """sys.modules entries for `cupy`, `cupy.cuda`, `cupy.cuda.cublas`, `cupy.cuda.function`."""
+    """sys.modules entries for `cupy`, `cupy.cuda`, `cupy.cuda.function` and the cuBLAS wrappers
+    (`cupy_backends.cuda.libs.cublas`, which `cupy.cuda.cublas` names)."""
     cupy = types.ModuleType("cupy")
     cuda = types.ModuleType("cupy.cuda")
     function = types.ModuleType("cupy.cuda.function")
@@ -181,7 +182,8 @@ def fake_cupy(rec: Recorder) -> dict[str, types.ModuleType]:
     cupy.is_available = lambda: True
     cupy.cuda, cupy.RawModule, cupy.asarray, cupy.uint8 = cuda, raw_module, asarray, np.uint8
     cupy.empty = lambda shape, dtype=np.float32: FakeArray(rec, np.zeros(shape, dtype=dtype))
-    return {"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.cublas": cuda.cublas, "cupy.cuda.function": function}
+    return {"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.function": function,
+            "cupy_backends.cuda.libs.cublas": cuda.cublas}
 
 
 # -- libcublas / libcublasLt stand-ins (the ctypes functions the runtime's binding calls) ---------------

@@ -11,6 +11,7 @@ ask them their version and a status name.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import re
 from functools import cache
@@ -20,8 +21,10 @@ import pytest
 
 from luminal_num.codegen import nvrtc
 from luminal_num.codegen.cuda_gemm import CUDA_DATA_TYPES
+from luminal_num.codegen.cuda_kernels import gemm_call
 from luminal_num.codegen.cuda_source import COMPUTE_TYPES, CUBLAS_ENUMS, DATA_TYPE_BYTES
 from luminal_num.runtime import cublas
+from test_cuda_codegen import gemm_cases
 
 
 def _include(package: str) -> Path | None:
@@ -239,3 +242,48 @@ def test_an_explicit_library_path_is_used_alone(monkeypatch, tmp_path):
     assert cublas.library_candidates("libcublas", cublas.CUBLAS_LIB_ENV) == [str(missing_lib)]
     with pytest.raises(cublas.CudaUnavailableError, match="libcublas.so.99"):
         cublas.load_libraries()
+
+
+def fp8_calls():
+    """Bound cuBLASLt calls of the FP8 per-tensor variant on legal shapes, every layout."""
+    out = []
+    for name, (program, expressible) in gemm_cases(16, 16, 32, "f8e4m3_tensor").items():
+        if expressible:
+            out.append((name, gemm_call(program.kernels[-1], program).bind({})))
+    return out
+
+
+def test_the_real_cublaslt_accepts_our_descriptors_layouts_and_attribute_sizes():
+    """Host-side cuBLASLt objects need no device: the library itself checks every attribute's id and
+    size (INVALID_VALUE, status 7, for a wrong size: checked first, so the check can fail)."""
+    lt = cublas.load_libraries().cublaslt
+    desc, layouts = cublas.describe(lt, fp8_calls()[0][1])
+    with pytest.raises(cublas.CublasError) as wrong:
+        cublas.set_attribute(lt.cublasLtMatrixLayoutSetAttribute, layouts[0],
+                             "CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET", ctypes.c_int32(0))
+    assert wrong.value.status == 7
+    for name, call in fp8_calls():
+        assert call.legal(), name
+        desc, layouts = cublas.describe(lt, call)
+        cublas.set_scales(lt, desc, 0x1000, 0x2000)
+        pref = cublas.workspace_preference(lt, 32 << 20)
+        for layout in layouts:
+            assert lt.cublasLtMatrixLayoutDestroy(layout) == 0
+        assert lt.cublasLtMatmulDescDestroy(desc) == 0 and lt.cublasLtMatmulPreferenceDestroy(pref) == 0
+
+
+def test_the_real_libraries_take_our_calls_arguments_without_a_device():
+    """Every argument of the two matmul calls marshals through the declared argtypes; without a handle
+    (no device) the libraries answer NOT_INITIALIZED (1) instead of crashing."""
+    libs = cublas.load_libraries()
+    call = fp8_calls()[0][1]
+    with pytest.raises(cublas.CublasError) as caught:
+        cublas.gemm_strided_batched(libs.cublas, None, dataclasses.replace(
+            call, api="cublas", a_type="CUDA_R_32F", b_type="CUDA_R_32F"), 0, 0, 0)
+    assert caught.value.status == 1
+    desc, layouts = cublas.describe(libs.cublaslt, call)
+    alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    status = libs.cublaslt.cublasLtMatmul(None, desc, ctypes.byref(alpha), None, layouts[0], None, layouts[1],
+                                          ctypes.byref(beta), None, layouts[2], None, layouts[2],
+                                          ctypes.byref(cublas.MatmulAlgo()), None, 0, None)
+    assert status == 1

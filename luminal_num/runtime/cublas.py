@@ -174,6 +174,20 @@ def load_libraries() -> Libraries:
 
 # -- cuBLAS --------------------------------------------------------------------------------------------
 
+def gemm_strided_batched(lib, handle, call: GemmCall, a: int, b: int, c: int) -> None:
+    """cublasGemmStridedBatchedEx(call) on device pointers a, b, c; alpha = 1, beta = 0 as host scalars."""
+    e = CUBLAS_ENUMS
+    half = call.compute_type == "CUBLAS_COMPUTE_16F"
+    alpha, beta = (ctypes.c_uint16(0x3C00), ctypes.c_uint16(0)) if half else (ctypes.c_float(1.0), ctypes.c_float(0.0))
+    op = lambda t: e["CUBLAS_OP_T"] if t else e["CUBLAS_OP_N"]  # noqa: E731  (0x3C00 above: FP16 1.0)
+    vp = ctypes.c_void_p
+    _check(lib.cublasGemmStridedBatchedEx(
+        handle, op(call.transa), op(call.transb), call.m, call.n, call.k, ctypes.byref(alpha),
+        vp(a), e[call.a_type], call.lda, call.stride_a, vp(b), e[call.b_type], call.ldb, call.stride_b,
+        ctypes.byref(beta), vp(c), e[call.c_type], call.ldc, call.stride_c, call.batch, e[call.compute_type],
+        ENUMS["CUBLAS_GEMM_DEFAULT"]), "cublasGemmStridedBatchedEx")
+
+
 class Cublas:
     """One cuBLAS handle bound to one stream and one workspace for its whole life."""
 
@@ -187,18 +201,8 @@ class Cublas:
                "cublasSetWorkspace")
 
     def gemm(self, call: GemmCall, a: int, b: int, c: int) -> None:
-        """cublasGemmStridedBatchedEx on the bound stream; alpha = 1, beta = 0 as host scalars."""
-        e = CUBLAS_ENUMS
-        scalar = ctypes.c_uint16 if call.compute_type == "CUBLAS_COMPUTE_16F" else ctypes.c_float
-        one = scalar(0x3C00) if scalar is ctypes.c_uint16 else scalar(1.0)  # 0x3C00: FP16 1.0
-        alpha, beta = one, scalar(0)
-        op = lambda t: e["CUBLAS_OP_T"] if t else e["CUBLAS_OP_N"]  # noqa: E731
-        vp = ctypes.c_void_p
-        _check(self.lib.cublasGemmStridedBatchedEx(
-            self.handle, op(call.transa), op(call.transb), call.m, call.n, call.k, ctypes.byref(alpha),
-            vp(a), e[call.a_type], call.lda, call.stride_a, vp(b), e[call.b_type], call.ldb, call.stride_b,
-            ctypes.byref(beta), vp(c), e[call.c_type], call.ldc, call.stride_c, call.batch, e[call.compute_type],
-            ENUMS["CUBLAS_GEMM_DEFAULT"]), "cublasGemmStridedBatchedEx")
+        """cublasGemmStridedBatchedEx on the bound stream."""
+        gemm_strided_batched(self.lib, self.handle, call, a, b, c)
 
     def close(self) -> None:
         if self.handle:
@@ -222,6 +226,47 @@ def lt_key(call: GemmCall) -> tuple:
             call.stride_b, call.stride_c, call.batch, call.a_type, call.b_type, call.c_type, call.compute_type)
 
 
+def set_attribute(setter, obj, attr: str, value) -> None:
+    """One cuBLASLt descriptor attribute; the library checks the value's size (INVALID_VALUE otherwise)."""
+    _check(setter(obj, ENUMS[attr], ctypes.byref(value), ctypes.sizeof(value)), attr)
+
+
+def describe(lib, call: GemmCall) -> tuple[ctypes.c_void_p, tuple[ctypes.c_void_p, ...]]:
+    """The matmul descriptor (FP32 scale type, transposes) and the A, B, C/D layouts (batch count and
+    strides) of a call: host-side objects, made without a device."""
+    e, setter = CUBLAS_ENUMS, lib.cublasLtMatmulDescSetAttribute
+    desc = ctypes.c_void_p()
+    _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), e[call.compute_type], e["CUDA_R_32F"]),
+           "cublasLtMatmulDescCreate")
+    set_attribute(setter, desc, "CUBLASLT_MATMUL_DESC_TRANSA", ctypes.c_int32(int(call.transa)))
+    set_attribute(setter, desc, "CUBLASLT_MATMUL_DESC_TRANSB", ctypes.c_int32(int(call.transb)))
+    layouts = []
+    for (dtype, rows, cols, ld), stride in zip(lt_layouts(call), (call.stride_a, call.stride_b, call.stride_c)):
+        layout, set_layout = ctypes.c_void_p(), lib.cublasLtMatrixLayoutSetAttribute
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), e[dtype], rows, cols, ld),
+               "cublasLtMatrixLayoutCreate")
+        set_attribute(set_layout, layout, "CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT", ctypes.c_int32(call.batch))
+        set_attribute(set_layout, layout, "CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET", ctypes.c_int64(stride))
+        layouts.append(layout)
+    return desc, tuple(layouts)
+
+
+def set_scales(lib, desc, a_scale: int, b_scale: int) -> None:
+    """The per-tensor dequantization scales (device pointers to one float each) of the next matmul."""
+    setter = lib.cublasLtMatmulDescSetAttribute
+    set_attribute(setter, desc, "CUBLASLT_MATMUL_DESC_A_SCALE_POINTER", ctypes.c_void_p(a_scale))
+    set_attribute(setter, desc, "CUBLASLT_MATMUL_DESC_B_SCALE_POINTER", ctypes.c_void_p(b_scale))
+
+
+def workspace_preference(lib, workspace_bytes: int) -> ctypes.c_void_p:
+    """A heuristic preference allowing `workspace_bytes` of workspace (the caller destroys it)."""
+    pref = ctypes.c_void_p()
+    _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+    set_attribute(lib.cublasLtMatmulPreferenceSetAttribute, pref, "CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES",
+                  ctypes.c_uint64(workspace_bytes))
+    return pref
+
+
 @dataclass
 class _LtPlan:
     desc: ctypes.c_void_p
@@ -237,46 +282,20 @@ class CublasLt:
         self.handle = ctypes.c_void_p()
         _check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.plans: dict[tuple, _LtPlan] = {}
-        self.heuristic_calls = 0
-
-    def _set(self, setter, obj, attr: str, value) -> None:
-        _check(setter(obj, ENUMS[attr], ctypes.byref(value), ctypes.sizeof(value)), attr)
-
-    def _layout(self, dtype: str, rows: int, cols: int, ld: int, batch: int, stride: int) -> ctypes.c_void_p:
-        layout, setter = ctypes.c_void_p(), self.lib.cublasLtMatrixLayoutSetAttribute
-        _check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), CUBLAS_ENUMS[dtype], rows, cols, ld),
-               "cublasLtMatrixLayoutCreate")
-        self._set(setter, layout, "CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT", ctypes.c_int32(batch))
-        self._set(setter, layout, "CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET", ctypes.c_int64(stride))
-        return layout
 
     def plan(self, call: GemmCall) -> _LtPlan:
         """The cached descriptor, layouts and algorithm of this call's shape (created on first use)."""
         key = lt_key(call)
-        if key in self.plans:
-            return self.plans[key]
-        e, setter = CUBLAS_ENUMS, self.lib.cublasLtMatmulDescSetAttribute
-        desc = ctypes.c_void_p()
-        _check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), e[call.compute_type], e["CUDA_R_32F"]),
-               "cublasLtMatmulDescCreate")
-        self._set(setter, desc, "CUBLASLT_MATMUL_DESC_TRANSA", ctypes.c_int32(int(call.transa)))
-        self._set(setter, desc, "CUBLASLT_MATMUL_DESC_TRANSB", ctypes.c_int32(int(call.transb)))
-        strides = (call.stride_a, call.stride_b, call.stride_c)
-        layouts = tuple(self._layout(*shape, call.batch, stride) for shape, stride in zip(lt_layouts(call), strides))
-        plan = _LtPlan(desc, layouts)
-        plan.algo = self._heuristic(desc, layouts)
-        self.plans[key] = plan
-        return plan
+        if key not in self.plans:
+            desc, layouts = describe(self.lib, call)
+            self.plans[key] = _LtPlan(desc, layouts, self._heuristic(desc, layouts))
+        return self.plans[key]
 
     def _heuristic(self, desc, layouts) -> MatmulAlgo | None:
         """The heuristic's first algorithm within the workspace, or None when it has none (NOT_SUPPORTED)."""
-        pref = ctypes.c_void_p()
-        _check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+        pref = workspace_preference(self.lib, self.workspace_bytes)
         try:
-            self._set(self.lib.cublasLtMatmulPreferenceSetAttribute, pref, "CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES",
-                      ctypes.c_uint64(self.workspace_bytes))
             result, count = HeuristicResult(), ctypes.c_int(0)
-            self.heuristic_calls += 1
             status = self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, layouts[0], layouts[1], layouts[2],
                                                              layouts[2], pref, 1, ctypes.byref(result),
                                                              ctypes.byref(count))
@@ -292,9 +311,7 @@ class CublasLt:
         plan = self.plan(call)
         if plan.algo is None:
             return False
-        setter = self.lib.cublasLtMatmulDescSetAttribute
-        self._set(setter, plan.desc, "CUBLASLT_MATMUL_DESC_A_SCALE_POINTER", ctypes.c_void_p(a_scale))
-        self._set(setter, plan.desc, "CUBLASLT_MATMUL_DESC_B_SCALE_POINTER", ctypes.c_void_p(b_scale))
+        set_scales(self.lib, plan.desc, a_scale, b_scale)
         alpha, beta, vp = ctypes.c_float(1.0), ctypes.c_float(0.0), ctypes.c_void_p
         la, lb, lc = plan.layouts
         status = self.lib.cublasLtMatmul(self.handle, plan.desc, ctypes.byref(alpha), vp(a), la, vp(b), lb,

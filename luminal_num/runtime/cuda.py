@@ -20,6 +20,7 @@ Without a GPU, constructing a CudaRuntime raises CudaUnavailableError (runtime/c
 """
 from __future__ import annotations
 
+import importlib
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,7 +81,10 @@ class CudaRuntime:
             self.workspace = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
         self.stream.synchronize()
         if libraries is None:
-            from cupy.cuda import cublas  # noqa: F401  CuPy loads its libcublas: load_libraries() finds that copy
+            try:  # CuPy loads its libcublas first, so that load_libraries() finds the very copy CuPy uses
+                importlib.import_module("cupy_backends.cuda.libs.cublas")  # what cupy.cuda.cublas loads
+            except ImportError:  # CuPy without cuBLAS: load_libraries() searches the wheels and the system
+                pass
             libraries = load_libraries()
         self.blas = Cublas(libraries.cublas, self.stream.ptr, self.workspace.data.ptr, WORKSPACE_BYTES)
         self.lt = CublasLt(libraries.cublaslt, self.workspace.data.ptr, WORKSPACE_BYTES)
