@@ -19,11 +19,14 @@ import pytest
 import luminal_num.runtime.cuda as cuda_module
 from fake_cuda import FakeCublasLib, FakeCublasLtLib, Recorder, fake_cupy
 from luminal_num.codegen import nvrtc
+from luminal_num.hlir import evaluate as evaluate_fp64
 from luminal_num.codegen.cuda_kernels import render_kernel
 from luminal_num.hlir.shape import ShapeTracker
 from luminal_num.runtime import cuda_device
+from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.runtime.cuda import WORKSPACE_BYTES, CudaRuntime
-from test_cuda_codegen import GEMMS, MODELS, feed_for, gemm_program, needs_nvrtc, programs
+from luminal_num.search.space import SearchSpace
+from test_cuda_codegen import GEMMS, MODELS, feed_for, gemm_cases, gemm_program, needs_nvrtc, programs
 
 pytestmark = needs_nvrtc
 NOT_SUPPORTED = 15
@@ -83,7 +86,7 @@ def test_the_workspace_is_set_once_after_the_stream(fake):
     assert len(rec.ops("gemm")) == 2
 
 
-@pytest.mark.parametrize("name", ["transformer1", "transformer4"])
+@pytest.mark.parametrize("name", ["transformer1", "attention_kv"])
 def test_uploads_downloads_and_launches_are_all_on_the_compute_stream(fake, name):
     """Defect 3: a non-blocking stream does not wait for the legacy null stream (ptr 0)."""
     rec, _ = fake
@@ -163,3 +166,82 @@ def test_fp8_shapes_cublaslt_rejects_never_reach_it(fake, m, n, k):
     assert rec.ops("gemm") == [] and rec.ops("ltHeuristic") == []
     fallback = render_kernel(kernel, program).launches[-1].entry
     assert [e["entry"] for e in rec.ops("launch")][-1] == fallback
+
+
+# -- the stand-in executing: the runtime's pointer plumbing against the CPU backend ---------------------------
+
+def execute(rec: Recorder, program) -> None:
+    """Give the stand-in every entry's source, so launches run in the CUDA interpreter."""
+    rec.sources.update({entry: src.source for src in (render_kernel(k, program) for k in program.launched())
+                        for entry in src.entries})
+
+
+PLAN_TAGS = {"fp32": None, "bf16": "gemm:bf16", "fp8": "gemm:f8e4m3_tensor", "tf32": "gemm:tf32"}
+
+
+def plan_program(graph, plan: str):
+    space = SearchSpace.build(graph)
+    tag = PLAN_TAGS[plan]
+    return space.program(frozenset(c for c in space.all_changes() if c[2] == tag) if tag else frozenset())
+
+
+@pytest.mark.parametrize("name, plan", [("transformer1", "fp32"), ("transformer4", "fp8"), ("attention_kv", "bf16"),
+                                        ("mlp", "tf32")])
+def test_a_run_on_the_executing_stand_in_is_the_cpu_backends_and_replays_bit_for_bit(fake, name, plan):
+    """Slots, offsets, scratch, scales, dyn dims and staged copies wired right: the outputs are the CPU
+    backend's (FP32 plan: within its FP32 envelope; others: no further from FP64 than 4x the CPU's
+    error), and a captured graph replayed twice gives the eager run's bits."""
+    rec, _ = fake
+    model = MODELS[name]
+    program = plan_program(model.graph, plan)
+    inputs = model.make_inputs(3)
+    execute(rec, program)
+    cpu = CpuRuntime(program, model.graph.weights).run(inputs).outputs
+    cuda = CudaRuntime(program, model.graph.weights)
+    got = cuda.run(inputs).outputs
+    assert any(e["api"] == ("cublasLt" if plan == "fp8" else "cublas") for e in rec.ops("gemm"))
+    ref = evaluate_fp64(model.graph, inputs)
+    for out in cpu:
+        if plan == "fp32":
+            envelope = 64 * 2.0 ** -24 * float(np.max(np.abs(cpu[out])))
+            np.testing.assert_allclose(got[out], cpu[out], rtol=0, atol=envelope, err_msg=out)
+        else:
+            assert np.max(np.abs(got[out] - ref[out])) <= 4 * max(np.max(np.abs(cpu[out] - ref[out])), 1e-6), out
+    state = cuda.capture(inputs)
+    for _ in range(2):
+        replayed = cuda.replay(state)
+        for out in got:
+            np.testing.assert_array_equal(replayed[out], got[out])
+
+
+def sliced_a_program(precision: str = "f32"):
+    """A reads rows 2.. of a larger matrix: the cuBLAS call carries a nonzero element offset."""
+    m, n, k = 16, 16, 32
+    a_view = ShapeTracker.contiguous((m + 2, k)).slice([(2, m + 2), (0, k)]).expand_dim(1, n)
+    b_view = ShapeTracker.contiguous((k, n)).permute((1, 0)).expand_dim(0, m)
+    return gemm_program((m, n, k), (m + 2, k), a_view, (k, n), b_view, 2, precision)
+
+
+GEMM_PROGRAMS = {**{f"{case}_f32": program for case, (program, _) in GEMMS.items()},
+                 **{f"{case}_fp8": program for case, (program, ok) in gemm_cases(16, 16, 32, "f8e4m3_tensor").items()
+                    if ok},
+                 "sliced_a_f32": sliced_a_program(), "sliced_a_tf32": sliced_a_program("tf32"),
+                 "sliced_a_fp8": sliced_a_program("f8e4m3_tensor")}
+
+
+@pytest.mark.parametrize("case", sorted(GEMM_PROGRAMS))
+def test_gemm_pointers_offsets_and_scales_on_the_executing_stand_in(fake, case):
+    """Every Gemm layout through cuBLAS / cuBLASLt (or the fallback where neither can): the CPU backend's
+    product within K ulps; the sliced operand's offset reaches the call."""
+    rec, _ = fake
+    program = GEMM_PROGRAMS[case]
+    kernel = program.kernels[-1]
+    call = render_kernel(kernel, program).gemm
+    if case.startswith("sliced_a") and call.api == "cublas":
+        assert (call.a_offset, call.b_offset) != (0, 0)
+    execute(rec, program)
+    feed = feed_for(program, np.random.default_rng(15))
+    ref = CpuRuntime(program).run(feed).outputs["y"]
+    got = CudaRuntime(program).run(feed).outputs["y"]
+    assert bool(rec.ops("gemm")) == (call is not None and call.bind({}).legal())
+    np.testing.assert_allclose(got, ref, rtol=0, atol=kernel.layout.k * 2.0 ** -22 * float(np.abs(ref).max()))

@@ -6,7 +6,9 @@ cached by source) holding one or more `extern "C"` entries, the launches that ru
 scratch buffers the launches share (Gemm and QUANTIZE scales). The semantics are the CPU backend's
 (runtime/cpu.py); cuda_body.py explains the rounding rules and view rendering. Kernel names are a
 hash of the source, so identical kernels (a layer repeated, a candidate drawn twice) are one
-compile and one module.
+compile and one module. `RENDERERS` is the one table from KernelKind to renderer (the Gemm and
+QUANTIZE renderers come from cuda_gemm.py; the types they share live in cuda_source.py), and
+`gemm_call(kernel, program)` is the cuBLAS(Lt) call a Gemm's source carries.
 
 Reductions: FP32/FP64 accumulators reduce in parallel (one block per output row, any order: equal
 to the CPU backend's pairwise sum up to rounding; MAX is order-free and exact); narrow (bf16/f16)
