@@ -25,7 +25,7 @@ import numpy as np
 
 from luminal_num.hlir import evaluate as evaluate_fp64
 from luminal_num.models.registry import load_job
-from luminal_num.models.testnets import transformer
+from luminal_num.models.testnets import all_test_models
 from luminal_num.runtime.cpu import CpuRuntime, bind_program
 from luminal_num.runtime.cuda import CudaRuntime
 from luminal_num.runtime.cuda_device import probe
@@ -34,6 +34,7 @@ from luminal_num.search.space import SearchSpace
 
 PLANS = {"fp32": None, "tf32": "gemm:tf32", "bf16": "gemm:bf16", "fp8": "gemm:f8e4m3_tensor"}
 TIMED_PLANS = ("fp32", "bf16", "fp8")
+MODELS = ("transformer4", "minilm")
 NO_DEVICE = 3
 TARGET = "h200"
 REPORT = Path("reports/bench/gpu_latency.csv")
@@ -45,16 +46,18 @@ def plan_genome(space: SearchSpace, plan: str) -> frozenset:
     return frozenset(c for c in space.all_changes() if c[2] == tag) if tag else frozenset()
 
 
-def workloads() -> list[tuple[str, object, dict, dict]]:
-    """(name, graph, weights, one input batch) of the test transformer and MiniLM."""
-    model = transformer(4)
-    job = load_job("minilm")
-    return [("transformer4", model.graph, model.graph.weights, model.make_inputs(1)),
-            ("minilm", job.graph, job.graph.weights, job.calibration[0])]
+def workload(name: str) -> tuple[object, dict, dict]:
+    """(graph, weights, one input batch) of the test transformer or MiniLM."""
+    if name == "minilm":
+        job = load_job("minilm")
+        return job.graph, job.graph.weights, job.calibration[0]
+    model = {m.name: m for m in all_test_models()}[name]  # the test nets: transformer4, mlp, ...
+    return model.graph, model.graph.weights, model.make_inputs(1)
 
 
-def programs():
-    for name, graph, weights, batch in workloads():
+def programs(names):
+    for name in names:
+        graph, weights, batch = workload(name)
         space = SearchSpace.build(graph)
         for plan in PLANS:
             genome = plan_genome(space, plan)
@@ -63,10 +66,12 @@ def programs():
             yield name, plan, graph, weights, batch, space.program(genome)
 
 
-def stage_e2e(cuda_runtime) -> bool:
-    ok = True
-    for name, plan, graph, weights, batch, program in programs():
-        ref = evaluate_fp64(graph, batch)
+def stage_e2e(cuda_runtime, names=MODELS) -> bool:
+    ok, refs = True, {}
+    for name, plan, graph, weights, batch, program in programs(names):
+        if name not in refs:  # one FP64 pass per model
+            refs[name] = evaluate_fp64(graph, batch)
+        ref = refs[name]
         cpu = CpuRuntime(program, weights).run(batch).outputs
         gpu = cuda_runtime(program, weights).run(batch).outputs
         for out, expected in ref.items():
@@ -80,9 +85,9 @@ def stage_e2e(cuda_runtime) -> bool:
     return ok
 
 
-def stage_graph(cuda_runtime) -> bool:
+def stage_graph(cuda_runtime, names=MODELS) -> bool:
     ok = True
-    for name, plan, _, weights, batch, program in programs():
+    for name, plan, _, weights, batch, program in programs(names):
         cuda = cuda_runtime(program, weights)
         eager = cuda.run(batch).outputs
         state = cuda.capture(batch)
@@ -95,25 +100,25 @@ def stage_graph(cuda_runtime) -> bool:
     return ok
 
 
-def stage_timing(cuda_runtime, device: str) -> bool:
-    job = load_job("minilm")
-    space = SearchSpace.build(job.graph)
-    batch = job.calibration[0]
+def stage_timing(cuda_runtime, device: str, name: str = "minilm", report: Path = REPORT, n: int = 20,
+                 warmup: int = 3) -> bool:
+    graph, weights, batch = workload(name)
+    space = SearchSpace.build(graph)
     rows = []
     for plan in TIMED_PLANS:
         program = space.program(plan_genome(space, plan))
-        measured = cuda_runtime(program, job.graph.weights).profile(batch, n=20, warmup=3)
-        modelled = modelled_latency(program, TARGET, bind_program(program, {**job.graph.weights, **batch})).total_s
-        rows.append({"model": "minilm", "plan": plan, "device": device, "target": TARGET,
+        measured = cuda_runtime(program, weights).profile(batch, n=n, warmup=warmup)
+        modelled = modelled_latency(program, TARGET, bind_program(program, {**weights, **batch})).total_s
+        rows.append({"model": name, "plan": plan, "device": device, "target": TARGET,
                      "measured_s": f"{measured:.6e}", "modelled_s": f"{modelled:.6e}",
                      "modelled_over_measured": f"{modelled / measured:.3f}",
                      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
-        print(f"ok   timing minilm {plan}: measured {measured * 1e3:.3f} ms, modelled {modelled * 1e3:.3f} ms "
+        print(f"ok   timing {name} {plan}: measured {measured * 1e3:.3f} ms, modelled {modelled * 1e3:.3f} ms "
               f"({modelled / measured:.2f}x)")
     base = float(rows[0]["measured_s"])
     for row in rows:
         print(f"     speed-up over fp32 ({row['plan']}): {base / float(row['measured_s']):.2f}x")
-    targets = [REPORT] + ([Path(os.environ["OUT"]) / REPORT.name] if os.environ.get("OUT") else [])
+    targets = [report] + ([Path(os.environ["OUT"]) / report.name] if os.environ.get("OUT") else [])
     for path in targets:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import sys
 import types
 from dataclasses import dataclass, field
 
@@ -451,3 +452,14 @@ class FakeCublasLtLib:
 
     def cublasLtMatmulPreferenceDestroy(self, pref):
         return 0
+
+
+def install(monkeypatch, rec: Recorder, cuda_module, cuda_device) -> dict:
+    """Put the stand-in in place for one test: CuPy in sys.modules, the libraries the runtime loads
+    (returned: swap "cublaslt" for another FakeCublasLtLib), a fresh device probe."""
+    for name, module in fake_cupy(rec).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    libs = {"cublas": FakeCublasLib(rec), "cublaslt": FakeCublasLtLib(rec)}
+    monkeypatch.setattr(cuda_module, "load_libraries", lambda: types.SimpleNamespace(**libs), raising=False)
+    cuda_device.probe.cache_clear()
+    return libs

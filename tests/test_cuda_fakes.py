@@ -9,15 +9,13 @@ setStream, which raises while capturing); nothing computes, so values are checke
 """
 from __future__ import annotations
 
-import sys
 import tempfile
-import types
 
 import numpy as np
 import pytest
 
 import luminal_num.runtime.cuda as cuda_module
-from fake_cuda import FakeCublasLib, FakeCublasLtLib, Recorder, fake_cupy
+from fake_cuda import FakeCublasLtLib, Recorder, install
 from luminal_num.codegen import nvrtc
 from luminal_num.hlir import evaluate as evaluate_fp64
 from luminal_num.codegen.cuda_kernels import render_kernel
@@ -36,12 +34,8 @@ NOT_SUPPORTED = 15
 def fake(monkeypatch, tmp_path):
     """A fake device: returns (recorder, set_lt) where set_lt(FakeCublasLtLib) swaps the cuBLASLt stand-in."""
     rec = Recorder()
-    for name, module in fake_cupy(rec).items():
-        monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setenv(nvrtc.CACHE_ENV, str(tmp_path))
-    libs = {"cublas": FakeCublasLib(rec), "cublaslt": FakeCublasLtLib(rec)}
-    monkeypatch.setattr(cuda_module, "load_libraries", lambda: types.SimpleNamespace(**libs), raising=False)
-    cuda_device.probe.cache_clear()
+    libs = install(monkeypatch, rec, cuda_module, cuda_device)
     yield rec, lambda lt: libs.update(cublaslt=lt)
     cuda_device.probe.cache_clear()
 

@@ -1,8 +1,9 @@
 """scripts/gpu_check.sh on a machine without a GPU: setup passes, the device stage says "no CUDA
 device" and the script stops there with exit code 3, its logs under $OUT; the device stages' plans
-are the ones the README promises (scripts/gpu_check.py)."""
+are the ones the README promises, and they pass on the executing CUDA stand-in (scripts/gpu_check.py)."""
 from __future__ import annotations
 
+import csv
 import importlib.util
 import os
 import subprocess
@@ -11,9 +12,16 @@ from pathlib import Path
 
 import pytest
 
+import luminal_num.runtime.cuda as cuda_module
+from fake_cuda import Recorder, install
+from luminal_num.codegen import nvrtc
+from luminal_num.codegen.cuda_kernels import render_kernel
 from luminal_num.models.testnets import transformer
+from luminal_num.runtime import cuda_device
+from luminal_num.runtime.cuda import CudaRuntime
 from luminal_num.runtime.cuda_device import cuda_available
 from luminal_num.search.space import SearchSpace
+from test_cuda_codegen import needs_nvrtc
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -56,3 +64,41 @@ def test_the_checked_plans_are_fp32_tf32_bf16_and_cublaslt_fp8():
         assert genomes[plan] and {c[2] for c in genomes[plan]} == {check.PLANS[plan]}
         assert {(g, c) for g, c, _ in genomes[plan]} <= gemms
     assert set(check.TIMED_PLANS) == {"fp32", "bf16", "fp8"}
+
+
+@pytest.fixture
+def executing_device(monkeypatch, tmp_path):
+    """The executing CUDA stand-in (tests/fake_cuda.py), its sources filled as each runtime is built."""
+    rec = Recorder()
+    monkeypatch.setenv(nvrtc.CACHE_ENV, str(tmp_path / "kernels"))
+    install(monkeypatch, rec, cuda_module, cuda_device)
+
+    def runtime(program, weights=None, **kwargs):
+        rec.sources.update({entry: src.source for src in (render_kernel(k, program) for k in program.launched())
+                            for entry in src.entries})
+        return CudaRuntime(program, weights, **kwargs)
+    yield rec, runtime
+    cuda_device.probe.cache_clear()
+
+
+@needs_nvrtc
+def test_the_device_stages_pass_on_the_executing_stand_in(executing_device, tmp_path, monkeypatch, capsys):
+    """e2e, graph and timing on the test MLP (the script's stages, small enough for the interpreter), run
+    through the stand-in: the script's own checks pass, and the timing stage writes one row per plan with
+    modelled/measured = modelled / measured."""
+    rec, runtime = executing_device
+    check = load_check_module()
+    assert check.stage_e2e(runtime, names=("mlp",))
+    assert check.stage_graph(runtime, names=("mlp",))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    report = tmp_path / "bench" / "gpu_latency.csv"
+    assert check.stage_timing(runtime, "Fake H200", name="mlp", report=report, n=1, warmup=0)
+    printed = capsys.readouterr().out
+    assert "FAIL" not in printed and printed.count("ok   e2e mlp") == len(check.PLANS)
+    rows = list(csv.DictReader(report.open()))
+    assert [r["plan"] for r in rows] == list(check.TIMED_PLANS)
+    assert (tmp_path / "out" / "gpu_latency.csv").read_text() == report.read_text()
+    for row in rows:
+        assert float(row["measured_s"]) == pytest.approx(0.5e-3)  # the stand-in's event time
+        assert float(row["modelled_over_measured"]) == pytest.approx(float(row["modelled_s"]) / 0.5e-3, rel=1e-3)
+    assert rec.ops("graph_launch")
