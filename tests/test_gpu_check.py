@@ -47,6 +47,18 @@ def test_without_a_device_the_script_stops_cleanly_with_exit_code_3(tmp_path):
     assert not (logs / "pytest.log").exists()  # nothing after the device stage ran
 
 
+def test_a_python_without_the_requirements_and_no_wheels_is_a_setup_failure(tmp_path):
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\nexit 1\n")
+    broken.chmod(0o755)
+    (tmp_path / "wheels").mkdir()
+    env = {**os.environ, "OUT": str(tmp_path), "LUMINAL_GPU_PYTHON": str(broken),
+           "LUMINAL_WHEELHOUSE": str(tmp_path / "wheels")}
+    done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "exit 2 (setup failed)" in done.stdout, done.stdout + done.stderr
+    assert (tmp_path / "gpu_check" / "summary.txt").read_text().startswith("setup   FAIL")
+
+
 @pytest.mark.skipif(cuda_available(), reason="a CUDA device is present")
 def test_the_device_stages_alone_also_say_no_device():
     check = load_check_module()
