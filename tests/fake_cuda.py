@@ -9,7 +9,7 @@ a stream captures (cupy_backends/cuda/libs/cublas.pyx), and there is no `cublas.
 upload without an explicit stream goes to the current stream (the legacy null stream, ptr 0, outside
 any `with stream:`).
 
-With `Recorder(sources=...)` (entry name -> CUDA source) the stand-in also executes: device memory is
+With `Recorder(execute=True)` the stand-in also executes: device memory is
 host bytes at fake addresses, a kernel launch runs its entry in tests/cuda_interpreter.py, cuBLAS and
 cuBLASLt calls are computed from their column-major definitions (float64 sums of the operands as the
 compute type rounds them, one rounding to the output type), and a captured graph replays the
@@ -46,14 +46,11 @@ class Recorder:
     log: list = field(default_factory=list)
     streams: list = field(default_factory=list)   # the `with stream:` stack
     capturing: dict = field(default_factory=dict)  # stream ptr -> operations recorded into its graph
-    sources: dict = field(default_factory=dict)    # entry -> CUDA source: execute launches when present
+    execute: bool = False                          # run launches and library calls, not only record them
+    sources: dict = field(default_factory=dict)    # entry -> CUDA source (filled by install()'s render_kernel)
     allocations: dict = field(default_factory=dict)  # base address -> root FakeArray
     next_address: int = 1 << 20
     _entries: dict = field(default_factory=dict)
-
-    @property
-    def execute(self) -> bool:
-        return bool(self.sources)
 
     def current(self) -> int:
         return self.streams[-1].ptr if self.streams else 0
@@ -456,9 +453,17 @@ class FakeCublasLtLib:
 
 def install(monkeypatch, rec: Recorder, cuda_module, cuda_device) -> dict:
     """Put the stand-in in place for one test: CuPy in sys.modules, the libraries the runtime loads
-    (returned: swap "cublaslt" for another FakeCublasLtLib), a fresh device probe."""
+    (returned: swap "cublaslt" for another FakeCublasLtLib), every source the runtime renders noted
+    (so launches can be executed), a fresh device probe."""
     for name, module in fake_cupy(rec).items():
         monkeypatch.setitem(sys.modules, name, module)
+    render = cuda_module.render_kernel
+
+    def noting_render(kernel, program):
+        src = render(kernel, program)
+        rec.sources.update({entry: src.source for entry in src.entries})
+        return src
+    monkeypatch.setattr(cuda_module, "render_kernel", noting_render)
     libs = {"cublas": FakeCublasLib(rec), "cublaslt": FakeCublasLtLib(rec)}
     monkeypatch.setattr(cuda_module, "load_libraries", lambda: types.SimpleNamespace(**libs), raising=False)
     cuda_device.probe.cache_clear()

@@ -15,16 +15,18 @@ import numpy as np
 import pytest
 
 import luminal_num.runtime.cuda as cuda_module
+import test_cuda_runtime as gpu_suite
 from fake_cuda import FakeCublasLtLib, Recorder, install
 from luminal_num.codegen import nvrtc
 from luminal_num.hlir import evaluate as evaluate_fp64
 from luminal_num.codegen.cuda_kernels import render_kernel
+from luminal_num.dtypes.variants import GEMM_VARIANTS
 from luminal_num.hlir.shape import ShapeTracker
 from luminal_num.runtime import cuda_device
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.runtime.cuda import WORKSPACE_BYTES, CudaRuntime
 from luminal_num.search.space import SearchSpace
-from test_cuda_codegen import GEMMS, MODELS, feed_for, gemm_cases, gemm_program, needs_nvrtc, programs
+from test_cuda_codegen import GEMMS, HAND_BUILT, MODELS, feed_for, gemm_cases, gemm_program, needs_nvrtc, programs
 
 pytestmark = needs_nvrtc
 NOT_SUPPORTED = 15
@@ -164,10 +166,9 @@ def test_fp8_shapes_cublaslt_rejects_never_reach_it(fake, m, n, k):
 
 # -- the stand-in executing: the runtime's pointer plumbing against the CPU backend ---------------------------
 
-def execute(rec: Recorder, program) -> None:
-    """Give the stand-in every entry's source, so launches run in the CUDA interpreter."""
-    rec.sources.update({entry: src.source for src in (render_kernel(k, program) for k in program.launched())
-                        for entry in src.entries})
+def execute(rec: Recorder) -> None:
+    """From now on launches run in the CUDA interpreter and library calls compute."""
+    rec.execute = True
 
 
 PLAN_TAGS = {"fp32": None, "bf16": "gemm:bf16", "fp8": "gemm:f8e4m3_tensor", "tf32": "gemm:tf32"}
@@ -189,7 +190,7 @@ def test_a_run_on_the_executing_stand_in_is_the_cpu_backends_and_replays_bit_for
     model = MODELS[name]
     program = plan_program(model.graph, plan)
     inputs = model.make_inputs(3)
-    execute(rec, program)
+    execute(rec)
     cpu = CpuRuntime(program, model.graph.weights).run(inputs).outputs
     cuda = CudaRuntime(program, model.graph.weights)
     got = cuda.run(inputs).outputs
@@ -233,9 +234,40 @@ def test_gemm_pointers_offsets_and_scales_on_the_executing_stand_in(fake, case):
     call = render_kernel(kernel, program).gemm
     if case.startswith("sliced_a") and call.api == "cublas":
         assert (call.a_offset, call.b_offset) != (0, 0)
-    execute(rec, program)
+    execute(rec)
     feed = feed_for(program, np.random.default_rng(15))
     ref = CpuRuntime(program).run(feed).outputs["y"]
     got = CudaRuntime(program).run(feed).outputs["y"]
     assert bool(rec.ops("gemm")) == (call is not None and call.bind({}).legal())
     np.testing.assert_allclose(got, ref, rtol=0, atol=kernel.layout.k * 2.0 ** -22 * float(np.abs(ref).max()))
+
+
+# -- the GPU suite's own tests, run on the executing stand-in ---------------------------------------------------
+
+def _gpu_suite_cases():
+    """(id, test function of test_cuda_runtime.py, its arguments, model-scale?)."""
+    t = gpu_suite
+    cases = [(f"kernel_kind-{c}", t.test_each_kernel_kind_matches_the_cpu_backend, {"case": c}, False)
+             for c in sorted(HAND_BUILT)]
+    cases += [(f"gemm_layout-{c}", t.test_gemm_layouts_through_cublas_and_the_fallback, {"case": c}, False)
+              for c in sorted(GEMMS)]
+    cases += [(f"gemm_variant-{n}", t.test_every_gemm_variant, {"name": n}, False) for n in sorted(GEMM_VARIANTS)]
+    cases += [(f"cublaslt_fp8-{c}", t.test_cublaslt_fp8_on_legal_shapes_runs_cublaslt_and_matches_the_cpu_backend,
+               {"case": c}, False) for c, (_, ok) in sorted(gemm_cases(16, 16, 32).items()) if ok]
+    cases += [(f"graph_gemm-{p}", t.test_graph_replay_of_cublas_and_cublaslt_gemms_is_the_eager_run, {"precision": p},
+               False) for p in ("f32", "tf32", "bf16", "f8e4m3_tensor")]
+    cases += [("scatter_in_place", t.test_scatter_in_place_writes_only_its_rows_of_the_aliased_buffer, {}, False),
+              ("fp64_symbolic", t.test_fp64_reference_agrees_on_a_symbolic_model, {}, False),
+              ("graph_transformer4", t.test_cuda_graph_replays_what_run_computes, {}, True)]
+    cases += [(f"whole_model-{m}-{g}", t.test_whole_models_match_the_cpu_backend, {"name": m, "gemm": g}, True)
+              for m in sorted(MODELS) for g in ("auto", "kernel")]
+    return [pytest.param(fn, kwargs, id=name, marks=[pytest.mark.slow] if slow else []) for name, fn, kwargs, slow in cases]
+
+
+@pytest.mark.parametrize("test, kwargs", _gpu_suite_cases())
+def test_the_gpu_suite_passes_on_the_executing_stand_in(fake, test, kwargs):
+    """The GPU tests' own assertions (never run before a GPU) against the stand-in: a failure here is a
+    bug in the runtime's plumbing or in the GPU test itself, found without a device."""
+    rec, _ = fake
+    execute(rec)
+    test(**kwargs)

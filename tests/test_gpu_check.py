@@ -15,7 +15,6 @@ import pytest
 import luminal_num.runtime.cuda as cuda_module
 from fake_cuda import Recorder, install
 from luminal_num.codegen import nvrtc
-from luminal_num.codegen.cuda_kernels import render_kernel
 from luminal_num.models.testnets import transformer
 from luminal_num.runtime import cuda_device
 from luminal_num.runtime.cuda import CudaRuntime
@@ -80,16 +79,11 @@ def test_the_checked_plans_are_fp32_tf32_bf16_and_cublaslt_fp8():
 
 @pytest.fixture
 def executing_device(monkeypatch, tmp_path):
-    """The executing CUDA stand-in (tests/fake_cuda.py), its sources filled as each runtime is built."""
-    rec = Recorder()
+    """The executing CUDA stand-in (tests/fake_cuda.py)."""
+    rec = Recorder(execute=True)
     monkeypatch.setenv(nvrtc.CACHE_ENV, str(tmp_path / "kernels"))
     install(monkeypatch, rec, cuda_module, cuda_device)
-
-    def runtime(program, weights=None, **kwargs):
-        rec.sources.update({entry: src.source for src in (render_kernel(k, program) for k in program.launched())
-                            for entry in src.entries})
-        return CudaRuntime(program, weights, **kwargs)
-    yield rec, runtime
+    yield rec, CudaRuntime
     cuda_device.probe.cache_clear()
 
 
