@@ -19,22 +19,23 @@ from hypothesis import strategies as st
 
 from cuda_interpreter import Buffer, compile_entry, entry_body, eval_expr, launch, round_format
 from luminal_num.codegen import nvrtc
-from luminal_num.codegen.cuda_body import SymbolTable, is_exact, view_index, view_symbols
-from luminal_num.codegen.cuda_gemm import COMPUTE_TYPES, gemm_call
-from luminal_num.codegen.cuda_kernels import render_kernel
+from luminal_num.codegen.cuda_body import OP_TEMPLATES, SymbolTable, is_exact, op_template, view_index, view_symbols
+from luminal_num.codegen.cuda_gemm import COMPUTE_TYPES
+from luminal_num.codegen.cuda_kernels import RENDERERS, Arg, gemm_call, render_kernel
 from luminal_num.codegen.llir import (FApply, FConstV, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program)
 from luminal_num.search.lower import lower_program
 from luminal_num.dtypes.formats import BF16, F8E4M3, F16, F32, F64, INT32, Kind
 from luminal_num.dtypes.rounding import Overflow, round_to
 from luminal_num.dtypes.variants import GEMM_VARIANTS, limited_accumulator
 from luminal_num.hlir.gemm import gemm_layouts
-from luminal_num.hlir.ops import Op
+from luminal_num.hlir.ops import BINARY_OPS, CUSTOM_KINDS, UNARY_OPS, Op
 from luminal_num.hlir.partition import partition
 from luminal_num.hlir.shape import ShapeTracker
 from luminal_num.hlir.symbolic import evaluate, prod, sym
 from luminal_num.models.testnets import all_test_models, transformer
 from luminal_num.quant import compute_scales, quantize
 from luminal_num.runtime.cpu import CpuRuntime, bind_program
+from luminal_num.runtime.cublas import lt_layouts
 from luminal_num.search.choice import random_candidate
 from luminal_num.search.saturate import saturate_group
 
@@ -296,27 +297,34 @@ def gemm_program(full, a_shape, a_view, b_shape, b_view, k_axis, precision="f32"
                       inputs=(KernelInput(0, a_view), KernelInput(1, b_view)), layout=layout, precision=precision)
 
 
+def gemm_cases(m: int, n: int, k: int, precision: str = "f32") -> dict:
+    """name: (program, whether cuBLAS can express it) for the layouts the lowering produces."""
+    a, b = ShapeTracker.contiguous((m, k)), ShapeTracker.contiguous((k, n))
+    p = precision
+    return {
+        "row_major": (gemm_program((m, n, k), (m, k), a.expand_dim(1, n), (k, n), b.permute((1, 0)).expand_dim(0, m), 2,
+                                   p), True),
+        "a_stored_transposed": (gemm_program((m, n, k), (k, m), ShapeTracker.contiguous((k, m)).permute((1, 0)).expand_dim(1, n),
+                                             (k, n), b.permute((1, 0)).expand_dim(0, m), 2, p), True),
+        "output_column_major": (gemm_program((n, m, k), (m, k), a.expand_dim(0, n), (k, n), b.permute((1, 0)).expand_dim(1, m),
+                                             2, p), True),
+        "batched_shared_weight": (gemm_program(
+            (3, m, n, k), (3, m, k), ShapeTracker.contiguous((3, m, k)).expand_dim(2, n), (k, n),
+            b.permute((1, 0)).expand_dim(0, m).expand_dim(0, 3), 3, p), True),
+        "two_batch_axes_collapse": (gemm_program(
+            (2, 3, m, n, k), (2, 3, m, k), ShapeTracker.contiguous((2, 3, m, k)).expand_dim(3, n), (2, 3, k, n),
+            ShapeTracker.contiguous((2, 3, k, n)).permute((0, 1, 3, 2)).expand_dim(2, m), 4, p), True),
+        "batch_axes_do_not_collapse": (gemm_program(
+            (2, 3, m, n, k), (3, 2, m, k), ShapeTracker.contiguous((3, 2, m, k)).permute((1, 0, 2, 3)).expand_dim(3, n),
+            (2, 3, k, n), ShapeTracker.contiguous((2, 3, k, n)).permute((0, 1, 3, 2)).expand_dim(2, m), 4, p), False),
+        "flattened_m_axes": (gemm_program(
+            (2, 3, n, k), (2, 3, k), ShapeTracker.contiguous((2, 3, k)).expand_dim(2, n), (k, n),
+            b.permute((1, 0)).expand_dim(0, 3).expand_dim(0, 2), 3, p, variant_index=1), True),
+    }
+
+
 M, N, K = 5, 6, 7
-A, B = ShapeTracker.contiguous((M, K)), ShapeTracker.contiguous((K, N))
-GEMMS = {  # name: (program, whether cuBLAS can express it)
-    "row_major": (gemm_program((M, N, K), (M, K), A.expand_dim(1, N), (K, N), B.permute((1, 0)).expand_dim(0, M), 2), True),
-    "a_stored_transposed": (gemm_program((M, N, K), (K, M), ShapeTracker.contiguous((K, M)).permute((1, 0)).expand_dim(1, N),
-                                         (K, N), B.permute((1, 0)).expand_dim(0, M), 2), True),
-    "output_column_major": (gemm_program((N, M, K), (M, K), A.expand_dim(0, N), (K, N), B.permute((1, 0)).expand_dim(1, M), 2),
-                            True),
-    "batched_shared_weight": (gemm_program(
-        (3, M, N, K), (3, M, K), ShapeTracker.contiguous((3, M, K)).expand_dim(2, N), (K, N),
-        B.permute((1, 0)).expand_dim(0, M).expand_dim(0, 3), 3), True),
-    "two_batch_axes_collapse": (gemm_program(
-        (2, 3, M, N, K), (2, 3, M, K), ShapeTracker.contiguous((2, 3, M, K)).expand_dim(3, N), (2, 3, K, N),
-        ShapeTracker.contiguous((2, 3, K, N)).permute((0, 1, 3, 2)).expand_dim(2, M), 4), True),
-    "batch_axes_do_not_collapse": (gemm_program(
-        (2, 3, M, N, K), (3, 2, M, K), ShapeTracker.contiguous((3, 2, M, K)).permute((1, 0, 2, 3)).expand_dim(3, N),
-        (2, 3, K, N), ShapeTracker.contiguous((2, 3, K, N)).permute((0, 1, 3, 2)).expand_dim(2, M), 4), False),
-    "flattened_m_axes": (gemm_program(
-        (2, 3, N, K), (2, 3, K), ShapeTracker.contiguous((2, 3, K)).expand_dim(2, N), (K, N),
-        B.permute((1, 0)).expand_dim(0, 3).expand_dim(0, 2), 3, variant_index=1), True),
-}
+GEMMS = gemm_cases(M, N, K)
 
 
 def simulate_cublas(call, buffers: dict[int, np.ndarray], c_size: int) -> np.ndarray:
@@ -462,3 +470,80 @@ def test_fallback_gemm_kernel_follows_the_cpu_emulator(name):
     got, ref = interpret(program, program.kernels[-1], stored, {}), stored[program.kernels[-1].id]
     exact = variant.grouped or variant.acc_format is INT32
     np.testing.assert_allclose(got, ref, rtol=0, atol=0.0 if exact else k * 2.0 ** -23 * np.abs(ref).max())
+
+
+# -- cuBLASLt: every FP8 variant on legal shapes, by the layout math ------------------------------------------
+
+def _api(name: str) -> str | None:
+    program, _ = gemm_cases(16, 16, 32, name)["row_major"]
+    call = render_kernel(program.kernels[-1], program).gemm
+    return None if call is None else call.api
+
+
+LT_VARIANTS = [name for name in GEMM_VARIANTS if _api(name) == "cublasLt"]
+LT_CASES = [c for c, (_, expressible) in gemm_cases(16, 16, 32).items() if expressible]
+
+
+def simulate_cublaslt(call, memory: dict, c_size: int) -> np.ndarray:
+    """cublasLtMatmul by its definition for the TN layout: A is (K x M) and B is (K x N) column-major
+    (lt_layouts), D[r, c] = scale_a * scale_b * sum_k A[k, r] B[k, c], batch i at i * stride."""
+    (_, a_rows, a_cols, lda), (_, b_rows, b_cols, ldb), (_, c_rows, c_cols, ldc) = lt_layouts(call)
+    assert (a_rows, a_cols, b_rows, b_cols, c_rows, c_cols) == (call.k, call.m, call.k, call.n, call.m, call.n)
+    a, b = memory[call.a], memory[call.b]
+    scale = float(np.float32(memory[call.a_scale][0]) * np.float32(memory[call.b_scale][0]))
+    rows, cols, inner = np.arange(call.m)[:, None], np.arange(call.n)[None, :], np.arange(call.k)
+    c = np.full(c_size, np.nan)
+    for i in range(call.batch):
+        at_a = i * call.stride_a + inner[None, :] + rows * lda
+        at_b = i * call.stride_b + inner[:, None] + cols * ldb
+        c[i * call.stride_c + rows + cols * ldc] = scale * (a[at_a] @ b[at_b])
+    return c
+
+
+@pytest.mark.parametrize("case", LT_CASES)
+@pytest.mark.parametrize("name", LT_VARIANTS)
+def test_cublaslt_calls_on_legal_fp8_shapes_follow_the_layout_math(name, case):
+    """K = 32 and M = N = 16 (every ld and batch stride 16-byte aligned): legal, TN, and the simulated
+    cublasLtMatmul over the prologue's FP8 operands and scales equals the CPU emulator's product."""
+    program, _ = gemm_cases(16, 16, 32, name)[case]
+    kernel = program.kernels[-1]
+    src = render_kernel(kernel, program)
+    call = src.gemm.bind({})
+    assert call.api == "cublasLt" and call.transa and not call.transb
+    assert call.legal() and call.lt_violations() == ()
+    feed = feed_for(program, np.random.default_rng(12))
+    stored = {kid: v.reshape(-1) for kid, v in stored_values(program, feed).items()}
+    scratch = [Buffer(np.zeros(s.numel({})), False) for s in src.scratch]
+    run_launches(src, call.prologue, program, stored, {}, None, scratch)
+    memory = {Arg("scratch", i): s.values for i, s in enumerate(scratch)}
+    got = simulate_cublaslt(call, memory, kernel.numel({}))
+    ref = stored[kernel.id]
+    np.testing.assert_allclose(got, ref, rtol=0, atol=32 * 2.0 ** -22 * np.abs(ref).max())
+
+
+def test_fp8_legality_is_cublaslts_rule():
+    """Hand-derived: K and M multiples of 16; lds and (batched) strides multiples of 16 bytes."""
+    program, _ = gemm_cases(16, 16, 32, "f8e4m3_tensor")["batched_shared_weight"]
+    call = render_kernel(program.kernels[-1], program).gemm.bind({})
+    assert call.legal() and (call.m, call.n, call.k, call.batch) == (16, 16, 32, 3)
+    for change, broken in (({"k": 24}, "K=24"), ({"m": 8, "ldc": 8}, "M=8"), ({"lda": 40}, "lda=40"),
+                           ({"ldc": 18}, "ldc=18"), ({"stride_b": 520}, "stride_b=520"),
+                           ({"stride_c": 258}, "stride_c=258")):
+        bad = dataclasses.replace(call, **change)
+        assert not bad.legal() and any(v.startswith(broken) for v in bad.lt_violations()), change
+    single = dataclasses.replace(call, batch=1, stride_c=258)  # one matrix: its batch stride is never read
+    assert single.legal()
+
+
+# -- the renderer tables cover every kind and op ---------------------------------------------------------------
+
+def test_every_launching_kernel_kind_has_exactly_one_renderer():
+    assert set(RENDERERS) == {kind for kind in KernelKind if kind.launches}
+
+
+def test_every_elementwise_op_and_custom_kind_has_a_cuda_template():
+    assert set(OP_TEMPLATES) == set(UNARY_OPS + BINARY_OPS)
+    for op, template in OP_TEMPLATES.items():
+        assert template.count("{0}") >= 1 and ("{1}" in template) == (op in BINARY_OPS), op
+    for name, custom in CUSTOM_KINDS.items():
+        assert op_template(FApply(Op.CUSTOM, (FLoad(0),), kind=name)) == custom.cuda_fn + "({0})"

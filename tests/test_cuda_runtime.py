@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from luminal_num.codegen.cuda_gemm import gemm_call
+from luminal_num.codegen.cuda_kernels import gemm_call
 from luminal_num.codegen.llir import KernelKind
 from luminal_num.dtypes.formats import INT32
 from luminal_num.dtypes.variants import GEMM_VARIANTS
@@ -22,7 +22,7 @@ from luminal_num.runtime.buffers import plan_buffers
 from luminal_num.runtime.cpu import CpuRuntime, bind_program
 from luminal_num.runtime.cuda import CudaRuntime
 from luminal_num.runtime.cuda_device import CudaUnavailableError, cuda_available
-from test_cuda_codegen import GEMMS, HAND_BUILT, MODELS, feed_for, programs, stored_values, tolerance
+from test_cuda_codegen import GEMMS, HAND_BUILT, MODELS, feed_for, gemm_cases, programs, stored_values, tolerance
 
 needs_gpu = pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
 K_ULPS = 2.0 ** -22  # per unit of K and of max |output|: FP32 sums in another order
@@ -174,3 +174,35 @@ def test_minilm_end_to_end_on_the_gpu(genome_kind):
     assert np.all(cos >= 0.99999), cos.min()
     ref = evaluate_fp64(job.graph, batch)["embedding"]
     assert np.max(np.abs(gpu - ref)) <= 4 * max(np.max(np.abs(cpu - ref)), 1e-6)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", sorted(c for c, (_, ok) in gemm_cases(16, 16, 32).items() if ok))
+def test_cublaslt_fp8_on_legal_shapes_runs_cublaslt_and_matches_the_cpu_backend(case):
+    """K = 32, M = N = 16: cuBLASLt accepts the call (the heuristic finds an algorithm and no fallback
+    runs); the result equals the CPU emulator's up to FP32 summation order."""
+    program, _ = gemm_cases(16, 16, 32, "f8e4m3_tensor")[case]
+    kernel = program.kernels[-1]
+    call = gemm_call(kernel, program).bind({})
+    assert call.api == "cublasLt" and call.legal()
+    feed = feed_for(program, np.random.default_rng(13))
+    ref = CpuRuntime(program).run(feed).outputs["y"]
+    cuda = CudaRuntime(program)
+    got = cuda.run(feed).outputs["y"]
+    assert [plan.algo is not None for plan in cuda.lt.plans.values()] == [True]
+    np.testing.assert_allclose(got, ref, rtol=0, atol=32 * K_ULPS * float(np.abs(ref).max()))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("precision", ["f32", "tf32", "bf16", "f8e4m3_tensor"])
+def test_graph_replay_of_cublas_and_cublaslt_gemms_is_the_eager_run(precision):
+    """Capture goes through the same handle, stream and workspace as the eager run: the same bits."""
+    program, _ = gemm_cases(16, 16, 32, precision)["batched_shared_weight"]
+    feed = feed_for(program, np.random.default_rng(14))
+    cuda = CudaRuntime(program)
+    eager = cuda.run(feed).outputs["y"]
+    state = cuda.capture(feed)
+    for _ in range(2):
+        np.testing.assert_array_equal(cuda.replay(state)["y"], eager)

@@ -349,9 +349,9 @@ def test_fallback_gemm_reads_the_quantized_buffer(name):
 def test_cublaslt_takes_the_quantized_buffer_as_its_a():
     """Per-tensor FP8: cuBLASLt reads the QUANTIZE buffer and scales; the prologue quantizes B only.
     cublasLtMatmul simulated by its definition: D = sa * sb * op(A) op(B), column-major."""
-    p = quantized_gemm("f8e4m3_tensor", 5, 6, 32)
+    p = quantized_gemm("f8e4m3_tensor", 5, 16, 32)  # N = 16: cuBLASLt FP8 needs N and K multiples of 16
     rng = np.random.default_rng(9)
-    feed = {"a": rng.standard_normal((32, 5)), "b": rng.standard_normal((32, 6))}
+    feed = {"a": rng.standard_normal((32, 5)), "b": rng.standard_normal((32, 16))}
     stored = {0: feed["a"].astype(np.float32), 1: feed["b"].astype(np.float32)}
     q_values, scales = run_quantize_in_c(p, stored)
     src = render_kernel(p.kernels[3], p)
@@ -370,7 +370,7 @@ def test_cublaslt_takes_the_quantized_buffer_as_its_a():
     rows, cols, inner = np.arange(call.m)[:, None], np.arange(call.n)[None, :], np.arange(call.k)
     a_at = inner[None, :] + rows * call.lda if call.transa else rows + inner[None, :] * call.lda
     b_at = cols + inner[:, None] * call.ldb if call.transb else inner[:, None] + cols * call.ldb
-    c = np.full(30, np.nan)
+    c = np.full(80, np.nan)
     c[rows + cols * call.ldc] = float(np.float32(sa) * np.float32(sb)) * (a[a_at] @ b[b_at])
     ref = CpuRuntime(p).run(feed).outputs["y"].reshape(-1)
     np.testing.assert_allclose(c, ref, rtol=0, atol=32 * 2.0 ** -22 * np.abs(ref).max())

@@ -1,6 +1,6 @@
 """Gemm on CUDA: the cuBLAS / cuBLASLt call an LLIR Gemm maps to, and a tiled kernel for every variant.
 
-`gemm_call(kernel, program)` says how cuBLAS computes the kernel (column-major, so a row-major C is
+`render_gemm` attaches the GemmCall saying how cuBLAS computes the kernel (column-major, so a row-major C is
 computed as C^T = B^T A^T), or None when it cannot: scales other than per-tensor FP8, integer or
 FP16-accumulator variants on FP32 buffers, a matrix with no unit stride, batch axes that do not
 collapse into one batch stride. `render_gemm` writes the fallback for every variant: per-block scale
@@ -15,19 +15,18 @@ reading its buffer (`prequantized[0]`) loads q as it is with the QUANTIZE kernel
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Mapping
+from dataclasses import dataclass
 
 from ..dtypes.formats import BF16, F8E4M3, F8E5M2, F16, F32, INT8, INT32, TF32, Format, Kind
 from ..dtypes.variants import GEMM_VARIANTS, WHOLE, GemmPrecision, Granularity
 from ..hlir.shape import contiguous_strides
-from ..hlir.symbolic import Dim, evaluate, prod
+from ..hlir.symbolic import Dim, prod
 from . import ctypes_map
 from .cuda_body import (IndexExpr, SymbolTable, c_add, c_div, c_index, c_mul, dims_symbols, dot, load_float,
                         round_expr, row_major_strides, store, unravel, view_index, view_symbols)
-from .cuda_kernels import (ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, SCALES_SCRATCH, Arg, KernelSource, Launch,
-                           Scratch, entry_name, indent, name_launches, per, source_header)
-from .llir import Kernel, KernelKind, Program, quantized_a_view
+from .cuda_source import (COMPUTE_TYPES, CUBLAS_ENUMS, ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, SCALES_SCRATCH, Arg,
+                          GemmCall, KernelSource, Launch, Scratch, entry_name, indent, name_launches, per, source_header)
+from .llir import Kernel, quantized_a_view
 
 TILE = 16      # output rows and columns per block (16 x 16 threads)
 K_TILE = 32    # K per shared-memory stage: a multiple of every mma_k
@@ -35,14 +34,7 @@ SCALE_THREADS = 256
 
 CUDA_DATA_TYPES = {F32: "CUDA_R_32F", F16: "CUDA_R_16F", BF16: "CUDA_R_16BF", F8E4M3: "CUDA_R_8F_E4M3",
                    F8E5M2: "CUDA_R_8F_E5M2", INT8: "CUDA_R_8I", INT32: "CUDA_R_32I"}
-# cudaDataType_t / cublasComputeType_t / cublasOperation_t values (library_types.h, cublas_api.h).
-CUBLAS_ENUMS = {"CUDA_R_32F": 0, "CUDA_R_16F": 2, "CUDA_R_8I": 3, "CUDA_R_32I": 10, "CUDA_R_16BF": 14,
-                "CUDA_R_8F_E4M3": 28, "CUDA_R_8F_E5M2": 29,
-                "CUBLAS_COMPUTE_16F": 64, "CUBLAS_COMPUTE_32F": 68, "CUBLAS_COMPUTE_32I": 72,
-                "CUBLAS_COMPUTE_32F_FAST_16F": 74, "CUBLAS_COMPUTE_32F_FAST_16BF": 75,
-                "CUBLAS_COMPUTE_32F_FAST_TF32": 77, "CUBLAS_OP_N": 0, "CUBLAS_OP_T": 1}
-COMPUTE_TYPES = frozenset(k for k in CUBLAS_ENUMS if k.startswith("CUBLAS_COMPUTE"))
-FP8_LT_K_MULTIPLE = 16  # cuBLASLt FP8: K (the leading dimension of both operands) a multiple of 16
+__all__ = ["COMPUTE_TYPES", "CUBLAS_ENUMS", "CUDA_DATA_TYPES", "GemmCall", "render_gemm", "render_quantize"]
 
 
 def variant_of(kernel: Kernel) -> GemmPrecision:
@@ -107,67 +99,6 @@ def _column_major(rows: _Role, cols: _Role) -> tuple[bool, Dim, Dim] | None:
 
 # -- the cuBLAS call ------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class GemmCall:
-    """cublasGemmStridedBatchedEx (api "cublas") or cublasLtMatmul (api "cublasLt") arguments.
-
-    a/b/c are cuBLAS's operands (A and B may be the LLIR's B and A); offsets are in elements.
-    For cuBLASLt, `prologue` (launches of the kernel's KernelSource) first fills the scales and the
-    FP8 operands (scratch buffers, or for a pre-quantized A its QUANTIZE kernel's buffer and scales);
-    a_scale/b_scale point at the dequantization scales.
-    """
-
-    api: str
-    transa: bool
-    transb: bool
-    m: Dim
-    n: Dim
-    k: Dim
-    a: Arg
-    b: Arg
-    c: Arg
-    a_offset: Dim
-    b_offset: Dim
-    lda: Dim
-    ldb: Dim
-    ldc: Dim
-    stride_a: Dim
-    stride_b: Dim
-    stride_c: Dim
-    batch: Dim
-    a_type: str
-    b_type: str
-    c_type: str
-    compute_type: str
-    min_ld: tuple[Dim, Dim, Dim] = (1, 1, 1)
-    prologue: tuple[Launch, ...] = ()
-    a_scale: Arg | None = None
-    b_scale: Arg | None = None
-
-    def bind(self, bindings: Mapping[str, int]) -> "GemmCall":
-        """Every dimension evaluated to an int."""
-        fields = ("m", "n", "k", "a_offset", "b_offset", "lda", "ldb", "ldc", "stride_a", "stride_b", "stride_c",
-                  "batch")
-        values = {f: evaluate(getattr(self, f), bindings) for f in fields}
-        return replace(self, **values, min_ld=tuple(max(1, evaluate(d, bindings)) for d in self.min_ld))
-
-    def bind_args(self, kernel: Kernel) -> "GemmCall":
-        """Buffer ids of this kernel in the pointer arguments (the cached call has roles only)."""
-        prologue = tuple(replace(launch, args=tuple(a.bind(kernel) for a in launch.args)) for launch in self.prologue)
-        scales = {f: getattr(self, f).bind(kernel) for f in ("a_scale", "b_scale") if getattr(self, f) is not None}
-        return replace(self, a=self.a.bind(kernel), b=self.b.bind(kernel), c=self.c.bind(kernel), prologue=prologue,
-                       **scales)
-
-    def legal(self) -> bool:
-        """A bound call cuBLAS accepts: leading dimensions cover their matrices, FP8 K multiple of 16."""
-        dims = (self.m, self.n, self.k, self.lda, self.ldb, self.ldc)
-        if not all(isinstance(d, int) for d in dims):
-            raise ValueError("bind() the call before asking whether it is legal")
-        lds_ok = all(ld >= need for ld, need in zip((self.lda, self.ldb, self.ldc), self.min_ld))
-        fp8_ok = self.api != "cublasLt" or self.k % FP8_LT_K_MULTIPLE == 0
-        return lds_ok and fp8_ok and max(dims) < 2 ** 31
-
-
 def _types(variant: GemmPrecision, a_fmt: Format, b_fmt: Format, out: Format) -> tuple[str, str] | None:
     """(operand data type, compute type) for an unscaled variant over these buffers, or None."""
     fmt = variant.a_format
@@ -193,14 +124,6 @@ def _lt_capable(variant: GemmPrecision, out: Format) -> bool:
             and not (variant.a_format is F8E5M2 and variant.b_format is F8E5M2)
             and all(s is not None and s.granularity is Granularity.TENSOR for s in scales)
             and not variant.grouped and out in (F32, BF16, F16))
-
-
-def gemm_call(kernel: Kernel, program: Program) -> GemmCall | None:
-    """The cuBLAS(Lt) call computing this Gemm kernel, or None (run the fallback kernel's launches)."""
-    from .cuda_kernels import render_kernel
-    if kernel.kind is not KernelKind.GEMM:
-        raise ValueError(f"kernel {kernel.id} is {kernel.kind.value}, not a Gemm")
-    return render_kernel(kernel, program).gemm
 
 
 def _cublas_call(kernel: Kernel, variant: GemmPrecision, formats: tuple[Format, ...], geo: _Geometry) -> GemmCall | None:
@@ -505,10 +428,12 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
                         w.table, scratch, call)
 
 
-def render_quantize(kernel: Kernel, formats: tuple[Format, ...]) -> KernelSource:
+def render_quantize(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...] = (False,)) -> KernelSource:
     """A QUANTIZE kernel: the Gemm's scale kernel for A into scratch SCALES_SCRATCH (the scales kept
     beside the buffer, which the Gemm reads), then its quantize kernel (the main entry, named after
     the source) writing (batch, M, K)."""
+    if any(prequantized):
+        raise ValueError(f"kernel {kernel.id}: a QUANTIZE kernel cannot read another QUANTIZE kernel's buffer")
     w = _Writer(kernel, formats)
     source = _source(_scale_kernel(w, 0) + _quant_kernel(w, 0, entry=ENTRY), {*formats, kernel.dtype})
     scales = Arg("scratch", SCALES_SCRATCH)

@@ -6,7 +6,9 @@ cached by source) holding one or more `extern "C"` entries, the launches that ru
 scratch buffers the launches share (Gemm and QUANTIZE scales). The semantics are the CPU backend's
 (runtime/cpu.py); cuda_body.py explains the rounding rules and view rendering. Kernel names are a
 hash of the source, so identical kernels (a layer repeated, a candidate drawn twice) are one
-compile and one module.
+compile and one module. `RENDERERS` is the one table from KernelKind to renderer (the Gemm and
+QUANTIZE renderers come from cuda_gemm.py; the types they share live in cuda_source.py), and
+`gemm_call(kernel, program)` is the cuBLAS(Lt) call a Gemm's source carries.
 
 Reductions: FP32/FP64 accumulators reduce in parallel (one block per output row, any order: equal
 to the CPU backend's pairwise sum up to rounding; MAX is order-free and exact); narrow (bf16/f16)
@@ -16,139 +18,31 @@ GPU: gather reads an out-of-range row as 0 and scatter skips it (the CPU backend
 """
 from __future__ import annotations
 
-import hashlib
-import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Mapping
+from typing import Callable
 
 from ..dtypes.formats import F32, F64, Format
 from ..dtypes.rounding import round_to
-from ..hlir.symbolic import Dim, evaluate, is_const, prod
+from ..hlir.symbolic import Dim, is_const, prod
 from . import ctypes_map
-from .cuda_body import (ROUND_HELPER, BodyWriter, IndexExpr, SymbolTable, body_symbols, c_and, c_index, convert,
-                        dims_symbols, dot, float_literal, load_float, load_index, round_expr,
-                        row_major_strides, store, store_double, unravel, view_index, view_symbols)
+from .cuda_body import (BodyWriter, IndexExpr, SymbolTable, body_symbols, c_and, c_index, convert, dims_symbols, dot,
+                        float_literal, load_index, round_expr, row_major_strides, store, store_double, unravel,
+                        view_index, view_symbols, load_float)
+from .cuda_gemm import render_gemm, render_quantize
+from .cuda_source import (ELEMENTWISE_THREADS, ENTRY, MAX_GRID, REDUCE_HELPERS, SCALES_SCRATCH, Arg, GemmCall,
+                          KernelSource, Launch, Scratch, ceil_count, entry_name, finish_source, indent, name_launches,
+                          per, source_header)
 from .llir import Kernel, KernelInput, KernelKind, Program
 
-MAX_GRID = 65535          # every kernel loops grid-stride, so the cap is a tuning choice only
-ELEMENTWISE_THREADS = 256
+__all__ = ["Arg", "ELEMENTWISE_THREADS", "ENTRY", "KernelSource", "Launch", "MAX_GRID", "RENDERERS", "SCALES_SCRATCH",
+           "Scratch", "ceil_count", "entry_name", "gemm_call", "input_formats", "name_launches", "render_kernel"]
+
 ROW_THREADS_MAX = 256
 SHORT_ROW = 64            # reductions this short (and known at compile time) use a thread per row
-ENTRY = "LN_ENTRY"        # stands for the kernel name until the source is hashed
 
 
-SCALES_SCRATCH = 0  # a QUANTIZE kernel keeps its scales in this scratch buffer of its source
-
-
-@dataclass(frozen=True)
-class Arg:
-    """A pointer argument: the kernel's output ("out"), input slot `index` ("in"), scratch buffer
-    `index` of the source ("scratch"), or the scales beside input slot `index`, which a QUANTIZE
-    kernel produced ("scales": its scratch SCALES_SCRATCH). `buffer` is the LLIR buffer id once bound
-    to a kernel (for "in" and "scales", the producing kernel's)."""
-
-    role: str
-    index: int = 0
-    buffer: int | None = None
-
-    def bind(self, kernel: Kernel) -> "Arg":
-        if self.role == "out":
-            return replace(self, buffer=kernel.id)
-        if self.role in ("in", "scales"):
-            return replace(self, buffer=kernel.inputs[self.index].buffer)
-        return self
-
-
-Extent = tuple[tuple[Dim, int], ...]  # prod(ceil(dim / per)) over the factors
-
-
-def ceil_count(extent: Extent, bindings: Mapping[str, int]) -> int:
-    return math.prod(-(-evaluate(d, bindings) // per) for d, per in extent)
-
-
-def per(d: Dim, n: int) -> Extent:
-    """ceil(d / n) blocks (or scratch elements)."""
-    return ((d, n),)
-
-
-@dataclass(frozen=True)
-class Scratch:
-    """A temporary buffer (Gemm scales, quantized operands): numel = prod(ceil(dim / block))."""
-
-    label: str
-    dtype: Format
-    extents: Extent
-
-    def numel(self, bindings: Mapping[str, int]) -> int:
-        return ceil_count(self.extents, bindings)
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch: grid axis i has ceil_count(grid[i]) blocks, capped at MAX_GRID."""
-
-    entry: str
-    grid: tuple[Extent, ...]
-    block: tuple[int, ...]
-    args: tuple[Arg, ...]
-
-    def config(self, bindings: Mapping[str, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-        """(grid, block) as 3-tuples; a zero grid extent means there is nothing to do."""
-        grid = [min(ceil_count(axis, bindings), MAX_GRID) for axis in self.grid]
-        return tuple((grid + [1, 1, 1])[:3]), tuple((list(self.block) + [1, 1, 1])[:3])
-
-
-@dataclass(frozen=True)
-class KernelSource:
-    """One compilation unit and how to run it: `launches` in order (for a Gemm, the fallback; `gemm`
-    says whether cuBLAS replaces them). Buffers in `launches[i].args` are bound to LLIR ids."""
-
-    kernel_id: int
-    name: str
-    source: str
-    launches: tuple[Launch, ...]
-    symbols: SymbolTable          # the trailing `dyn_dims` argument, present when symbols is non-empty
-    scratch: tuple[Scratch, ...] = ()
-    gemm: object = None           # GEMM only: the cuda_gemm.GemmCall that replaces `launches`, or None
-
-    @property
-    def entries(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(launch.entry for launch in self.launches))
-
-    def dyn_values(self, bindings: Mapping[str, int]) -> tuple[int, ...]:
-        return tuple(int(bindings[s]) for s in self.symbols.symbols)
-
-
-# -- C building blocks ---------------------------------------------------------------------------------
-
-REDUCE_HELPERS = r"""
-struct LnSum {
-    template <class T> static __device__ __forceinline__ T apply(T a, T b) { return a + b; }
-};
-struct LnMax {  // NaN-propagating, as numpy's max
-    template <class T> static __device__ __forceinline__ T apply(T a, T b) {
-        return (a != a) ? a : ((b != b || b > a) ? b : a);
-    }
-};
-// Reduce over the block; every thread gets the result. blockDim.x: a multiple of 32, at most 1024.
-template <class Op, class T>
-static __device__ T ln_block_reduce(T v, T identity) {
-    __shared__ T partial[32];
-    for (int o = 16; o > 0; o >>= 1) v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = (threadIdx.x & 31) < (blockDim.x >> 5) ? partial[threadIdx.x & 31] : identity;
-    for (int o = 16; o > 0; o >>= 1) v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, o));
-    __syncthreads();  // `partial` is reused by the next call
-    return v;
-}
-"""
 NEG_INF = "(-__int_as_float(0x7f800000))"
-
-
-def indent(lines, depth: int) -> str:
-    return "".join(" " * (4 * depth) + line + "\n" for line in lines)
 
 
 def declare(prefix: str, exprs: list[IndexExpr]) -> tuple[list[str], list[IndexExpr]]:
@@ -204,12 +98,6 @@ class _Context:
 
     def body(self, coords: list[IndexExpr], prefix: str = "v") -> tuple[list[str], str]:
         return BodyWriter(lambda slot: self.read_float(slot, coords), self.table, prefix).render(self.k.body)
-
-
-def source_header(formats, body: str) -> str:
-    """Includes for the formats a kernel touches, and the rounding helper when the body calls it."""
-    return '#include "common.cuh"\n' + ctypes_map.include_directives(
-        f for f in formats if f in ctypes_map.CUDA_FORMATS) + (ROUND_HELPER if "ln_round_format(" in body else "")
 
 
 def _args(kernel: Kernel, slots: tuple[int, ...]) -> tuple[Arg, ...]:
@@ -420,10 +308,28 @@ def _scatter_nocopy(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
                         _args(k, (1, 2))),)
 
 
-_RENDERERS = {
-    KernelKind.ELEMENTWISE: _elementwise, KernelKind.SUM: _reduction, KernelKind.MAX: _reduction,
-    KernelKind.SOFTMAX: _softmax, KernelKind.CONST: _const, KernelKind.IOTA: _iota,
-    KernelKind.GATHER: _gather, KernelKind.SCATTER: _scatter, KernelKind.SCATTER_NOCOPY: _scatter_nocopy,
+Renderer = Callable[[Kernel, tuple[Format, ...], tuple[bool, ...]], KernelSource]
+
+
+def _simple(render: Callable[[_Context], tuple[str, tuple[Launch, ...]]]) -> Renderer:
+    """A renderer of one entry over the kernel's own inputs (no pre-quantized operands to read)."""
+    def renderer(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...]) -> KernelSource:
+        if any(prequantized):
+            raise ValueError(f"{kernel.kind.value} kernels cannot read a QUANTIZE kernel's buffer")
+        cx = _Context(kernel, formats)
+        body, launches = render(cx)
+        return finish_source(kernel.kind.value, source_header((*formats, kernel.dtype), body) + body, launches,
+                             cx.table)
+    return renderer
+
+
+# Every launching KernelKind has exactly one renderer (tests/test_cuda_codegen.py checks the coverage).
+RENDERERS: dict[KernelKind, Renderer] = {
+    KernelKind.ELEMENTWISE: _simple(_elementwise), KernelKind.SUM: _simple(_reduction),
+    KernelKind.MAX: _simple(_reduction), KernelKind.SOFTMAX: _simple(_softmax), KernelKind.CONST: _simple(_const),
+    KernelKind.IOTA: _simple(_iota), KernelKind.GATHER: _simple(_gather), KernelKind.SCATTER: _simple(_scatter),
+    KernelKind.SCATTER_NOCOPY: _simple(_scatter_nocopy),
+    KernelKind.GEMM: render_gemm, KernelKind.QUANTIZE: render_quantize,
 }
 
 
@@ -441,31 +347,7 @@ def _structure(kernel: Kernel) -> Kernel:
 
 @lru_cache(maxsize=4096)
 def _render_structure(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...]) -> KernelSource:
-    if kernel.kind is KernelKind.GEMM:
-        from .cuda_gemm import render_gemm
-        return render_gemm(kernel, formats, prequantized)
-    if kernel.kind is KernelKind.QUANTIZE:
-        from .cuda_gemm import render_quantize
-        return render_quantize(kernel, formats)
-    if kernel.kind not in _RENDERERS:
-        raise ValueError(f"{kernel.kind} kernels do not launch")
-    cx = _Context(kernel, formats)
-    body, launches = _RENDERERS[kernel.kind](cx)
-    return finish_source(kernel.kind.value, source_header((*formats, kernel.dtype), body) + body, launches, cx.table)
-
-
-def entry_name(kind: str, source: str) -> str:
-    """Entries are named after a hash of the source, so equal code has equal names."""
-    return f"ln_{kind}_{hashlib.sha256(source.encode()).hexdigest()[:16]}"
-
-
-def name_launches(launches: tuple[Launch, ...], name: str) -> tuple[Launch, ...]:
-    return tuple(replace(launch, entry=launch.entry.replace(ENTRY, name)) for launch in launches)
-
-
-def finish_source(kind: str, source: str, launches: tuple[Launch, ...], table: SymbolTable) -> KernelSource:
-    name = entry_name(kind, source)
-    return KernelSource(0, name, source.replace(ENTRY, name), name_launches(launches, name), table)
+    return RENDERERS[kernel.kind](kernel, formats, prequantized)
 
 
 def _rebind(src: KernelSource, kernel: Kernel) -> KernelSource:
@@ -482,3 +364,10 @@ def render_kernel(kernel: Kernel, program: Program) -> KernelSource:
     structural = _structure(kernel)
     src = _render_structure(structural, input_formats(kernel, program), program.quantized_inputs(kernel))
     return _rebind(src, kernel)
+
+
+def gemm_call(kernel: Kernel, program: Program) -> GemmCall | None:
+    """The cuBLAS(Lt) call computing this Gemm kernel, or None (run the fallback kernel's launches)."""
+    if kernel.kind is not KernelKind.GEMM:
+        raise ValueError(f"kernel {kernel.id} is {kernel.kind.value}, not a Gemm")
+    return render_kernel(kernel, program).gemm

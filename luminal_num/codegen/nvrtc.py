@@ -143,27 +143,30 @@ def _include_dirs(library: Path) -> tuple[Path, ...]:
     return ()
 
 
+_PROGRAM, _PROGRAM_OUT = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+_STRINGS, _INT_OUT, _SIZE_OUT = ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_size_t)
+# name -> (restype, argtypes) of the NVRTC calls used here; checked against nvrtc.h by tests/test_cuda_headers.py.
+SIGNATURES: Mapping[str, tuple[object, tuple]] = MappingProxyType({
+    "nvrtcVersion": (ctypes.c_int, (_INT_OUT, _INT_OUT)),
+    "nvrtcCreateProgram": (ctypes.c_int, (_PROGRAM_OUT, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, _STRINGS,
+                                          _STRINGS)),
+    "nvrtcDestroyProgram": (ctypes.c_int, (_PROGRAM_OUT,)),
+    "nvrtcCompileProgram": (ctypes.c_int, (_PROGRAM, ctypes.c_int, _STRINGS)),
+    "nvrtcGetProgramLogSize": (ctypes.c_int, (_PROGRAM, _SIZE_OUT)),
+    "nvrtcGetProgramLog": (ctypes.c_int, (_PROGRAM, ctypes.c_char_p)),
+    "nvrtcGetPTXSize": (ctypes.c_int, (_PROGRAM, _SIZE_OUT)),
+    "nvrtcGetPTX": (ctypes.c_int, (_PROGRAM, ctypes.c_char_p)),
+    "nvrtcGetCUBINSize": (ctypes.c_int, (_PROGRAM, _SIZE_OUT)),
+    "nvrtcGetCUBIN": (ctypes.c_int, (_PROGRAM, ctypes.c_char_p)),
+    "nvrtcGetErrorString": (ctypes.c_char_p, (ctypes.c_int,)),
+})
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     """Argument types for the NVRTC calls used here (ctypes would otherwise guess int)."""
-    c_int_p, c_size_p = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_size_t)
-    prog, prog_p, strings = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_char_p)
-    signatures = {
-        "nvrtcVersion": [c_int_p, c_int_p],
-        "nvrtcCreateProgram": [prog_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, strings, strings],
-        "nvrtcDestroyProgram": [prog_p],
-        "nvrtcCompileProgram": [prog, ctypes.c_int, strings],
-        "nvrtcGetProgramLogSize": [prog, c_size_p],
-        "nvrtcGetProgramLog": [prog, ctypes.c_char_p],
-        "nvrtcGetPTXSize": [prog, c_size_p],
-        "nvrtcGetPTX": [prog, ctypes.c_char_p],
-        "nvrtcGetCUBINSize": [prog, c_size_p],
-        "nvrtcGetCUBIN": [prog, ctypes.c_char_p],
-    }
-    for function, argtypes in signatures.items():
-        getattr(lib, function).argtypes = argtypes
-        getattr(lib, function).restype = ctypes.c_int
-    lib.nvrtcGetErrorString.argtypes = [ctypes.c_int]
-    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    for function, (restype, argtypes) in SIGNATURES.items():
+        getattr(lib, function).argtypes = list(argtypes)
+        getattr(lib, function).restype = restype
 
 
 @functools.cache
