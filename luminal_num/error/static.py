@@ -234,9 +234,13 @@ class StaticAnalyzer:
             n = v.iv.lo.shape[k.axis]
             iv = transfer("SumReduce", v.iv, axis=k.axis)
             acc = k.acc or F32
+            g = gamma(n, acc.unit_roundoff)
             with np.errstate(all="ignore"):
-                err = np.sum(v.err, axis=k.axis) + gamma(n, acc.unit_roundoff) * np.sum(_mag(v.wide), axis=k.axis) \
-                    + n * acc.min_subnormal / 2
+                abs_sum = np.sum(_mag(v.wide), axis=k.axis)
+                err = np.sum(v.err, axis=k.axis) + g * abs_sum + n * acc.min_subnormal / 2
+                # every running total, in any order, is at most sum|terms| (1 + gamma_n): past the
+                # accumulator's max a partial sum may overflow even when the final sum is small
+                err = np.where(abs_sum * (1 + g) + n * acc.min_subnormal <= acc.max_finite, err, np.inf)
             return _store(_Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK), k.dtype, k)
         if kind is KernelKind.MAX:
             v = self.body(k.body, k)
