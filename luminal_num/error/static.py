@@ -25,6 +25,7 @@ from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result, read_operan
 from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import evaluate as eval_dim
 from .interval import Interval, derivative_bound, hull, transfer
+from .normalize import NormBound
 from .rounding_bounds import gamma
 
 SLACK = 1.0 + 2.0 ** -40  # covers FP64's own error in the reference and in these bound computations
@@ -136,6 +137,7 @@ class StaticAnalyzer:
     def __init__(self, program: Program, bindings: Mapping[str, int]):
         self.p, self.bindings = program, dict(bindings)
         self.vals: dict[int, _Val] = {}
+        self.norm = NormBound(self)
 
     def read(self, k: Kernel, i: int) -> _Val:
         inp = k.inputs[i]
@@ -157,7 +159,13 @@ class StaticAnalyzer:
         if e.op is Op.MUL and len(e.args) == 2 and e.args[0] == e.args[1]:
             return _round_f32(self._square(self.body(e.args[0], k)), k)
         args = [self.body(a, k) for a in e.args]
-        return _round_f32(self._apply(e, args), k)
+        generic = self._apply(e, args)
+        norm = self.norm.bound(e, k) if e.op is Op.MUL else None
+        if norm is not None:  # x * rsqrt(c * sum(x^2) + eps): the correlated bound (error/normalize.py)
+            iv, err = norm  # both are sound: keep the tighter of each
+            generic = _Val(Interval(np.maximum(iv.lo, generic.iv.lo), np.minimum(iv.hi, generic.iv.hi), generic.iv.nan),
+                           np.minimum(err, generic.err))
+        return _round_f32(generic, k)
 
     @staticmethod
     def _square(a: _Val) -> _Val:
