@@ -208,6 +208,6 @@ class NormBound:
             executed = np.minimum(big_k + (E + F) / sigma_min, (mag + E) / sigma_min)  # |a_i| / sigma_b
             err = ((E + ratio * D) / sigma_min + executed * rho) * (1 + 2.0 ** -50)
         generic = an.body(r_e, k)
-        product = transfer("Mul", Interval(lo, hi), generic.iv)
+        product = transfer(Op.MUL, Interval(lo, hi), generic.iv)
         iv = Interval(np.maximum(product.lo, -big_k), np.minimum(product.hi, big_k), product.nan)
         return iv, np.nan_to_num(err, nan=np.inf)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
 from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
 from ..dtypes.formats import F32, Format, Kind
+from ..dtypes.formats import get as get_format
 from ..dtypes.variants import GEMM_VARIANTS
 from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result, read_operand
 from ..hlir.ops import CUSTOM_KINDS, Op
@@ -44,8 +45,7 @@ class Overflow:
 
 
 def Format_max(name: str) -> float:
-    from ..dtypes.formats import get
-    return get(name).max_finite
+    return get_format(name).max_finite
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def _slope(op: Op, kind: str | None, wide: Interval) -> np.ndarray:
         if kind == "tanh":
             return (1.0 - np.tanh(nearest) ** 2) * SLACK
         raise KeyError(f"no derivative bound for custom {kind!r}")
-    return np.asarray(derivative_bound(op.decl.name, wide))
+    return np.asarray(derivative_bound(op, wide))
 
 
 def _custom_interval(kind: str, iv: Interval) -> Interval:
@@ -184,24 +184,24 @@ class StaticAnalyzer:
         with np.errstate(all="ignore"):
             if op is Op.ADD:
                 a, b = args
-                return _Val(transfer("Add", a.iv, b.iv), (a.err + b.err) * SLACK)
+                return _Val(transfer(Op.ADD, a.iv, b.iv), (a.err + b.err) * SLACK)
             if op is Op.MUL:
                 a, b = args
                 err = _mag(a.iv) * b.err + _mag(b.iv) * a.err + a.err * b.err
-                return _Val(transfer("Mul", a.iv, b.iv), np.nan_to_num(err, nan=np.inf) * SLACK)
+                return _Val(transfer(Op.MUL, a.iv, b.iv), np.nan_to_num(err, nan=np.inf) * SLACK)
             if op is Op.LESS_THAN:
                 a, b = args
-                out = transfer("LessThan", a.iv, b.iv)
+                out = transfer(Op.LESS_THAN, a.iv, b.iv)
                 aw, bw = a.wide, b.wide
                 undecided = ~((aw.hi < bw.lo) | (aw.lo >= bw.hi))  # the executed comparison may flip
                 flips = undecided & ((a.err > 0) | (b.err > 0))
                 return _Val(out, np.where(flips, 1.0, 0.0))
             if op is Op.MOD:
                 a, b = args
-                out = transfer("Mod", a.iv, b.iv)
+                out = transfer(Op.MOD, a.iv, b.iv)
                 return _Val(out, np.where((a.err > 0) | (b.err > 0), np.inf, 0.0))
             (a,) = args
-            iv = _custom_interval(e.kind, a.iv) if op is Op.CUSTOM else transfer(op.decl.name, a.iv)
+            iv = _custom_interval(e.kind, a.iv) if op is Op.CUSTOM else transfer(op, a.iv)
             slope = _slope(op, e.kind, a.wide)
             err = np.where(a.err > 0, slope * a.err, 0.0)
             return _Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK)
@@ -217,77 +217,85 @@ class StaticAnalyzer:
                             {n: v.iv for n, v in outs.items()}, None)
 
     def kernel(self, k: Kernel, inputs: Mapping[str, Interval]) -> _Val:
-        kind = k.kind
-        if kind is KernelKind.EXTERNAL:
-            iv = inputs[k.external]
-            shape = tuple(eval_dim(d, self.bindings) for d in k.shape)
-            iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
-            if k.dtype.kind is not Kind.FLOAT:
-                return _Val(iv, np.zeros(shape))
-            return _store(_Val(iv, np.zeros(shape)), k.dtype, k)
-        if kind is KernelKind.CONST:
-            c = k.value if isinstance(k.value, float) else float(eval_dim(k.value, self.bindings))
-            return _store(_Val(Interval.point(np.asarray(c)), np.asarray(0.0)), k.dtype, k)
-        if kind is KernelKind.IOTA:
-            n = eval_dim(k.value, self.bindings)
-            return _store(_Val(Interval.point(np.arange(n, dtype=np.float64)), np.zeros(n)), k.dtype, k)
-        if kind is KernelKind.ELEMENTWISE:
-            v = self.body(k.body, k)
-            shape = tuple(eval_dim(d, self.bindings) for d in k.shape)
-            v = _Val(Interval(np.broadcast_to(v.iv.lo, shape), np.broadcast_to(v.iv.hi, shape),
-                              np.broadcast_to(v.iv.nan, shape)), np.broadcast_to(v.err, shape))
-            return _store(v, k.dtype, k)
-        if kind is KernelKind.SUM:
-            v = self.body(k.body, k)
-            n = v.iv.lo.shape[k.axis]
-            iv = transfer("SumReduce", v.iv, axis=k.axis)
-            acc = k.acc or F32
-            g = gamma(n, acc.unit_roundoff)
-            with np.errstate(all="ignore"):
-                abs_sum = np.sum(_mag(v.wide), axis=k.axis)
-                err = np.sum(v.err, axis=k.axis) + g * abs_sum + n * acc.min_subnormal / 2
-                # every running total, in any order, is at most sum|terms| (1 + gamma_n): past the
-                # accumulator's max a partial sum may overflow even when the final sum is small
-                err = np.where(abs_sum * (1 + g) + n * acc.min_subnormal <= acc.max_finite, err, np.inf)
-            return _store(_Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK), k.dtype, k)
-        if kind is KernelKind.MAX:
-            v = self.body(k.body, k)
-            return _store(_Val(transfer("MaxReduce", v.iv, axis=k.axis), np.max(v.err, axis=k.axis)), k.dtype, k)
-        if kind is KernelKind.SOFTMAX:
-            return _store(self.softmax(k), k.dtype, k)
-        if kind is KernelKind.GEMM:
-            return _store(self.gemm(k), k.dtype, k)
-        if kind is KernelKind.QUANTIZE:
-            lo, hi, err = self._gemm_operand(k, 0)
-            return _Val(Interval(lo, hi), err)
-        if kind is KernelKind.GATHER:
-            table = self.read(k, 0)
-            rows = Interval(table.iv.lo.min(axis=0), table.iv.hi.max(axis=0))
-            shape = tuple(eval_dim(d, self.bindings) for d in k.shape)
-            return _Val(Interval(np.broadcast_to(rows.lo, shape), np.broadcast_to(rows.hi, shape)),
-                        np.broadcast_to(table.err.max(axis=0), shape))
-        if kind in (KernelKind.SCATTER, KernelKind.SCATTER_NOCOPY):
-            dest, src = self.read(k, 0), self.read(k, 1)
-            srow = Interval(src.iv.lo.min(axis=0), src.iv.hi.max(axis=0))
-            iv = hull(dest.iv, Interval(np.broadcast_to(srow.lo, dest.iv.lo.shape), np.broadcast_to(srow.hi, dest.iv.lo.shape)))
-            return _Val(iv, np.maximum(dest.err, src.err.max(axis=0)))
-        raise AssertionError(f"unhandled kernel kind {kind}")  # every KernelKind is handled above
+        return KERNEL_TRANSFERS[k.kind](self, k, inputs)
 
-    def softmax(self, k: Kernel) -> _Val:
+    def _shape(self, k: Kernel) -> tuple[int, ...]:
+        return tuple(eval_dim(d, self.bindings) for d in k.shape)
+
+    def external(self, k: Kernel, inputs: Mapping[str, Interval]) -> _Val:
+        iv = inputs[k.external]
+        shape = self._shape(k)
+        iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
+        if k.dtype.kind is not Kind.FLOAT:
+            return _Val(iv, np.zeros(shape))
+        return _store(_Val(iv, np.zeros(shape)), k.dtype, k)
+
+    def const(self, k: Kernel, inputs) -> _Val:
+        c = k.value if isinstance(k.value, float) else float(eval_dim(k.value, self.bindings))
+        return _store(_Val(Interval.point(np.asarray(c)), np.asarray(0.0)), k.dtype, k)
+
+    def iota(self, k: Kernel, inputs) -> _Val:
+        n = eval_dim(k.value, self.bindings)
+        return _store(_Val(Interval.point(np.arange(n, dtype=np.float64)), np.zeros(n)), k.dtype, k)
+
+    def elementwise(self, k: Kernel, inputs) -> _Val:
         v = self.body(k.body, k)
-        iv = transfer("Softmax", v.iv, axis=k.axis)
+        shape = self._shape(k)
+        v = _Val(Interval(np.broadcast_to(v.iv.lo, shape), np.broadcast_to(v.iv.hi, shape),
+                          np.broadcast_to(v.iv.nan, shape)), np.broadcast_to(v.err, shape))
+        return _store(v, k.dtype, k)
+
+    def sum(self, k: Kernel, inputs) -> _Val:
+        v = self.body(k.body, k)
+        n = v.iv.lo.shape[k.axis]
+        iv = transfer(Op.SUM_REDUCE, v.iv, axis=k.axis)
+        acc = k.acc or F32
+        g = gamma(n, acc.unit_roundoff)
+        with np.errstate(all="ignore"):
+            abs_sum = np.sum(_mag(v.wide), axis=k.axis)
+            err = np.sum(v.err, axis=k.axis) + g * abs_sum + n * acc.min_subnormal / 2
+            # every running total, in any order, is at most sum|terms| (1 + gamma_n): past the
+            # accumulator's max a partial sum may overflow even when the final sum is small
+            err = np.where(abs_sum * (1 + g) + n * acc.min_subnormal <= acc.max_finite, err, np.inf)
+        return _store(_Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK), k.dtype, k)
+
+    def max(self, k: Kernel, inputs) -> _Val:
+        v = self.body(k.body, k)
+        return _store(_Val(transfer(Op.MAX_REDUCE, v.iv, axis=k.axis), np.max(v.err, axis=k.axis)), k.dtype, k)
+
+    def quantize(self, k: Kernel, inputs) -> _Val:
+        lo, hi, err = self._gemm_operand(k, 0)
+        return _Val(Interval(lo, hi), err)
+
+    def gather(self, k: Kernel, inputs) -> _Val:
+        table = self.read(k, 0)
+        rows = Interval(table.iv.lo.min(axis=0), table.iv.hi.max(axis=0))
+        shape = self._shape(k)
+        return _Val(Interval(np.broadcast_to(rows.lo, shape), np.broadcast_to(rows.hi, shape)),
+                    np.broadcast_to(table.err.max(axis=0), shape))
+
+    def scatter(self, k: Kernel, inputs) -> _Val:
+        dest, src = self.read(k, 0), self.read(k, 1)
+        srow = Interval(src.iv.lo.min(axis=0), src.iv.hi.max(axis=0))
+        iv = hull(dest.iv, Interval(np.broadcast_to(srow.lo, dest.iv.lo.shape), np.broadcast_to(srow.hi, dest.iv.lo.shape)))
+        return _Val(iv, np.maximum(dest.err, src.err.max(axis=0)))
+
+    def softmax(self, k: Kernel, inputs=None) -> _Val:
+        return _store(self._softmax(k), k.dtype, k)
+
+    def _softmax(self, k: Kernel) -> _Val:
+        v = self.body(k.body, k)
+        iv = transfer(Op.SOFTMAX, v.iv, axis=k.axis)
         e = np.max(v.err, axis=k.axis, keepdims=True)
         fmt = None if k.precision in (None, "f32") else k.precision
         if fmt is not None:  # inputs rounded to the compute format before the softmax
-            from ..dtypes.formats import get
-            f = get(fmt)
+            f = get_format(fmt)
             e = e + f.unit_roundoff * np.max(_mag(v.wide), axis=k.axis, keepdims=True) + f.min_subnormal / 2
         with np.errstate(over="ignore", invalid="ignore"):
             prop = iv.hi * np.expm1(2 * e)  # p_i changes by at most a factor e^{+-2e}
         err = np.nan_to_num(prop, nan=np.inf)
         if fmt is not None:
-            from ..dtypes.formats import get
-            err = err + get(fmt).unit_roundoff * (iv.hi + err) + get(fmt).min_subnormal / 2
+            err = err + get_format(fmt).unit_roundoff * (iv.hi + err) + get_format(fmt).min_subnormal / 2
         return _Val(iv, err * SLACK)
 
     def _gemm_operand(self, k: Kernel, i: int):
@@ -301,7 +309,10 @@ class StaticAnalyzer:
         arrays = (src.iv.lo, src.iv.hi, np.broadcast_to(src.err, shape))
         return tuple(pick(read_operand(inp.view, np.ascontiguousarray(x), self.bindings), k.layout) for x in arrays)
 
-    def gemm(self, k: Kernel) -> _Val:
+    def gemm(self, k: Kernel, inputs=None) -> _Val:
+        return _store(self._gemm(k), k.dtype, k)
+
+    def _gemm(self, k: Kernel) -> _Val:
         lay = k.layout
         variant = GEMM_VARIANTS[k.precision or "f32"]
         (alo, ahi, aerr), (blo, bhi, berr) = self._gemm_operand(k, 0), self._gemm_operand(k, 1)
@@ -326,6 +337,23 @@ class StaticAnalyzer:
         lo = gemm_result(np.where(np.isnan(lo), -np.inf, lo), lay, full)
         hi = gemm_result(np.where(np.isnan(hi), np.inf, hi), lay, full)
         return _Val(Interval(lo, hi), gemm_result(err, lay, full))
+
+
+# How each kernel kind transforms (interval, error): one entry per KernelKind (a test checks coverage).
+KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str, Interval]], _Val]] = {
+    KernelKind.EXTERNAL: StaticAnalyzer.external,
+    KernelKind.CONST: StaticAnalyzer.const,
+    KernelKind.IOTA: StaticAnalyzer.iota,
+    KernelKind.ELEMENTWISE: StaticAnalyzer.elementwise,
+    KernelKind.SUM: StaticAnalyzer.sum,
+    KernelKind.MAX: StaticAnalyzer.max,
+    KernelKind.SOFTMAX: StaticAnalyzer.softmax,
+    KernelKind.GEMM: StaticAnalyzer.gemm,
+    KernelKind.QUANTIZE: StaticAnalyzer.quantize,
+    KernelKind.GATHER: StaticAnalyzer.gather,
+    KernelKind.SCATTER: StaticAnalyzer.scatter,
+    KernelKind.SCATTER_NOCOPY: StaticAnalyzer.scatter,
+}
 
 
 def _mid_rad(iv: Interval) -> tuple[np.ndarray, np.ndarray]:
