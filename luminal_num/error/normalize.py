@@ -85,39 +85,53 @@ class NormBound:
                 return src.value
         return None
 
-    def _chain(self, e: FExpr, k: Kernel, formats: list):
-        """(chain, kernel holding the load of s, the load) for e = [RoundTo]Recip(Sqrt(c*s + eps))."""
-        e = _strip(e, formats)
-        if isinstance(e, FLoad):
+    def _through(self, e: FExpr, k: Kernel, formats: list, hops: list) -> tuple[FExpr, Kernel]:
+        """Strip roundings and follow loads into elementwise kernels (each store is a rounding, each load
+        a hop whose view _rows_match checks); stop at an op, a constant, or a load of another kind."""
+        while True:
+            e = _strip(e, formats)
+            if not isinstance(e, FLoad):
+                return e, k
             src = self.by_id[k.inputs[e.slot].buffer]
             if src.kind is not KernelKind.ELEMENTWISE:
-                return None
+                return e, k
+            hops.append((k, e))
             formats.append(src.dtype)
-            inner = self._chain(src.body, src, formats)
-            return None if inner is None else (*inner, (k, e))
-        if not (isinstance(e, FApply) and e.op is Op.RECIP):
+            e, k = src.body, src
+
+    def _chain(self, e: FExpr, k: Kernel, formats: list):
+        """(chain, hops from the kernel reading s out to k, innermost first) for
+        e = Recip(Sqrt(c * s + eps)), with roundings and kernel boundaries anywhere in between."""
+        hops: list = []
+        rec, k1 = self._through(e, k, formats, hops)
+        if not (isinstance(rec, FApply) and rec.op is Op.RECIP):
             return None
-        sq = _strip(e.args[0], formats)
+        sq, k2 = self._through(rec.args[0], k1, formats, hops)
         if not (isinstance(sq, FApply) and sq.op is Op.SQRT):
             return None
-        add = _strip(sq.args[0], formats)
+        add, k3 = self._through(sq.args[0], k2, formats, hops)
         if not (isinstance(add, FApply) and add.op is Op.ADD):
             return None
         formats += [F32] * 4  # the Recip, Sqrt, Add and Mul themselves (FP32 arithmetic)
-        for mul, eps_e in ((add.args[0], add.args[1]), (add.args[1], add.args[0])):
-            eps = self._const(eps_e, k, formats)
-            mul = _strip(mul, formats)
-            if eps is None or not eps > 0 or not (isinstance(mul, FApply) and mul.op is Op.MUL):
+        for mul_e, eps_e in ((add.args[0], add.args[1]), (add.args[1], add.args[0])):
+            eps = self._const(eps_e, k3, formats)
+            if eps is None or not eps > 0:
+                continue
+            mul_hops: list = []
+            mul, k4 = self._through(mul_e, k3, formats, mul_hops)
+            if not (isinstance(mul, FApply) and mul.op is Op.MUL):
                 continue
             for s_e, c_e in ((mul.args[0], mul.args[1]), (mul.args[1], mul.args[0])):
-                c = self._const(c_e, k, formats)
-                s_e = _strip(s_e, formats)
-                if c is None or not c > 0 or not isinstance(s_e, FLoad):
+                c = self._const(c_e, k4, formats)
+                s_hops: list = []
+                s_load, k5 = self._through(s_e, k4, formats, s_hops)
+                if c is None or not c > 0 or not isinstance(s_load, FLoad):
                     continue
-                ks = self.by_id[k.inputs[s_e.slot].buffer]
+                ks = self.by_id[k5.inputs[s_load.slot].buffer]
                 if ks.kind is KernelKind.SUM:
                     formats.append(ks.dtype)
-                    return _Chain(ks, c, eps, tuple(formats)), k, s_e
+                    path = [*hops, *mul_hops, *s_hops, (k5, s_load)]  # outermost first
+                    return _Chain(ks, c, eps, tuple(formats)), path[::-1]
         return None
 
     def _rows_match(self, ks: Kernel, hops, pre: tuple[int, ...]) -> bool:
@@ -128,6 +142,10 @@ class NormBound:
         value = probe
         for kernel, load in hops:  # innermost first: the kernel reading s, then each kernel reading that
             value = kernel.inputs[load.slot].view.realize(value, self.an.bindings)
+            try:  # an elementwise kernel broadcasts each load to its own shape
+                value = np.broadcast_to(value, self.an._shape(kernel) if kernel is not hops[-1][0] else pre)
+            except ValueError:
+                return False
         if len(s_shape) == len(pre) - 1:
             expected = np.expand_dims(probe, ks.axis)
         elif len(s_shape) == len(pre) and s_shape[ks.axis] == 1:
@@ -148,8 +166,7 @@ class NormBound:
             found = self._chain(r_e, k, [])
             if found is None:
                 continue
-            chain, k_s_reader, s_load = found[0], found[1], found[2]
-            hops = [(k_s_reader, s_load), *found[3:]]  # innermost (the kernel reading s) first
+            chain, hops = found
             if hops[-1][0] is not k or not 0 < chain.c <= 1:
                 continue
             out = self._bound(p_e, r_e, k, chain, hops)
@@ -184,17 +201,14 @@ class NormBound:
             counts[f.unit_roundoff] = counts.get(f.unit_roundoff, 0) + 1
         u_sum = max(acc.unit_roundoff, F32.unit_roundoff)
         counts[u_sum] = counts.get(u_sum, 0) + n + 1
+        # underflow is absolute: each square and each add of the sum may lose half a subnormal (of FP32
+        # and of the accumulator), scaled by c; every other rounding at most half the largest subnormal
         sub = max(f.min_subnormal for f in (*formats, acc, F32))
+        eta = c * n * (acc.min_subnormal + F32.min_subnormal) + len(formats) * sub / 2
         with np.errstate(all="ignore"):
             growth = 1.0
             for unit, count in counts.items():
                 growth *= 1.0 + float(gamma(count, unit))
-            rho_s = (growth - 1.0) * (1 + 2.0 ** -40) + 2 * (n + sum(counts.values())) * sub * max(1.0, c) / eps
-            if not rho_s < 0.25:
-                return None
-            rho = rho_s / (1 - rho_s)
-            if any((1 + rho) / math.sqrt(eps) > f.max_finite for f in formats):
-                return None  # the executed rsqrt itself may overflow a format on its way
             big_k = 1.0 / math.sqrt(c) * (1 + 2.0 ** -50)
             E = np.broadcast_to(a.err, shape)
             F = np.broadcast_to(b.err, shape)
@@ -203,6 +217,12 @@ class NormBound:
             sq_lo = np.where((lo <= 0) & (hi >= 0), 0.0, np.minimum(lo * lo, hi * hi))
             sigma = np.sqrt(c * np.sum(sq_lo, axis=axis, keepdims=True) + eps) * (1 - 2.0 ** -50)
             sigma_min = np.maximum(math.sqrt(eps) * (1 - 2.0 ** -50), sigma - D)
+            rho_s = (growth - 1.0) * (1 + 2.0 ** -40) + eta / (sigma_min * sigma_min) * (1 + 2.0 ** -40)
+            # (1 + phi)^(-1/2) - 1 <= phi / (1 - phi) for |phi| < 1; past 0.9 the bound is not worth having
+            rho = np.where(rho_s < 0.9, rho_s / (1 - rho_s), np.inf)
+            worst = float(np.max(np.where(np.isfinite(rho), rho, 0.0)))
+            if any((1 + worst) / math.sqrt(eps) > f.max_finite for f in formats):
+                return None  # the executed rsqrt itself may overflow a format on its way
             mag = np.maximum(np.abs(lo), np.abs(hi))
             ratio = np.minimum(big_k, mag / sigma * (1 + 2.0 ** -50))  # |x_i| / sigma
             executed = np.minimum(big_k + (E + F) / sigma_min, (mag + E) / sigma_min)  # |a_i| / sigma_b
