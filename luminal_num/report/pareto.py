@@ -110,7 +110,7 @@ def _render_png(table: pd.DataFrame, budget_error: float, threshold: float | Non
         group = plottable[plottable["passes"] == passes]
         if not group.empty:
             axes.scatter(group["latency_s"], group[ERROR_COLUMN], s=28, zorder=3,
-                         label=f"{'passes' if passes else 'fails'} budget ({len(group)})", **style)
+                         label=f"{'passes' if passes else 'fails'} the gate ({len(group)})", **style)
     front = plottable[plottable[FRONT_COLUMN]].sort_values("latency_s")
     if not front.empty:
         axes.step(front["latency_s"], front[ERROR_COLUMN], where="post", color="tab:orange", zorder=2)
