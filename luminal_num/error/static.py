@@ -138,6 +138,7 @@ class StaticAnalyzer:
         self.p, self.bindings = program, dict(bindings)
         self.vals: dict[int, _Val] = {}
         self.norm = NormBound(self)
+        self.softmax_rel: dict[int, tuple[np.ndarray, float]] = {}  # see _softmax
 
     def read(self, k: Kernel, i: int) -> _Val:
         inp = k.inputs[i]
@@ -281,9 +282,18 @@ class StaticAnalyzer:
         return _Val(iv, np.maximum(dest.err, src.err.max(axis=0)))
 
     def softmax(self, k: Kernel, inputs=None) -> _Val:
-        return _store(self._softmax(k), k.dtype, k)
+        out = _store(self._softmax(k), k.dtype, k)
+        rel, absolute = self.softmax_rel[k.id]
+        if k.dtype.kind is Kind.FLOAT and k.dtype.name != "f64":  # the store's rounding, relative to p
+            u, sub = k.dtype.unit_roundoff, k.dtype.min_subnormal
+            rel, absolute = rel + u * (1 + rel), absolute * (1 + u) + sub / 2
+        finite = bool(np.all(np.isfinite(out.err)))
+        self.softmax_rel[k.id] = (np.where(finite, rel * SLACK * SLACK, np.inf), absolute * SLACK * SLACK)
+        return out
 
     def _softmax(self, k: Kernel) -> _Val:
+        """Also records (rel per row, abs) with |p^ - p| <= rel p + abs: the relative form the Gemm of
+        attention uses (sum_k |p^_k - p_k| <= rel + n abs, since the exact p sums to 1)."""
         v = self.body(k.body, k)
         iv = transfer(Op.SOFTMAX, v.iv, axis=k.axis)
         e = np.max(v.err, axis=k.axis, keepdims=True)
@@ -292,11 +302,36 @@ class StaticAnalyzer:
             f = get_format(fmt)
             e = e + f.unit_roundoff * np.max(_mag(v.wide), axis=k.axis, keepdims=True) + f.min_subnormal / 2
         with np.errstate(over="ignore", invalid="ignore"):
-            prop = iv.hi * np.expm1(2 * e)  # p_i changes by at most a factor e^{+-2e}
+            rel = np.nan_to_num(np.expm1(2 * e), nan=np.inf)
+            prop = iv.hi * rel  # p_i changes by at most a factor e^{+-2e}
         err = np.nan_to_num(prop, nan=np.inf)
+        absolute = 0.0
         if fmt is not None:
-            err = err + get_format(fmt).unit_roundoff * (iv.hi + err) + get_format(fmt).min_subnormal / 2
+            u, sub = get_format(fmt).unit_roundoff, get_format(fmt).min_subnormal
+            err = err + u * (iv.hi + err) + sub / 2
+            rel, absolute = rel + u * (1 + rel), sub / 2
+        self.softmax_rel[k.id] = (rel * SLACK, absolute * SLACK)
         return _Val(iv, err * SLACK)
+
+    def _softmax_rows_of_a(self, k: Kernel):
+        """(rel, abs) per (batch, M, 1) row of A when the Gemm reads, along K, each full row of a SOFTMAX
+        output once (checked on index probes through A's view and operand layout: a masked or partial
+        read fails it); else None."""
+        src = next((s for s in self.p.kernels if s.id == k.inputs[0].buffer), None)
+        if src is None or src.kind is not KernelKind.SOFTMAX:
+            return None
+        shape = np.shape(self.vals[src.id].iv.lo)
+        row, pos = _softmax_rows(shape, src.axis)
+        view = k.inputs[0].view
+        rows = gemm_operand_a(read_operand(view, row, self.bindings), k.layout)
+        at = gemm_operand_a(read_operand(view, pos, self.bindings), k.layout)
+        n = shape[src.axis]
+        if not (at.shape[-1] == n and bool(np.all(rows == rows[..., :1])) and bool(np.all(rows > 0))
+                and np.array_equal(np.sort(at, axis=-1), np.broadcast_to(np.arange(1, n + 1), at.shape))):
+            return None
+        rel, absolute = self.softmax_rel[src.id]
+        rel_rows = np.broadcast_to(rel, _keep(shape, src.axis)).reshape(-1)
+        return rel_rows[rows[..., :1].astype(np.int64) - 1], absolute
 
     def _gemm_operand(self, k: Kernel, i: int):
         """(lo, hi, err) of a Gemm (or QUANTIZE) operand as (batch, M, K) / (batch, K, N) arrays: the
@@ -331,6 +366,21 @@ class StaticAnalyzer:
             prop = (mm(mag_a, berr) + mm(aerr, mag_b) + mm(aerr, berr)) * scale
             wa, wb = mag_a + aerr, mag_b + berr
             abs_dot = mm(wa, wb) * scale
+            rows = self._softmax_rows_of_a(k)
+            if rows is not None:
+                # A's rows are softmax rows along K (p >= 0, sum p = 1 exactly): C is a convex combination
+                # of B's rows; with |p^ - p| <= rel p + abs: sum_k |p^_k - p_k| w_k <= (rel + n abs) max w
+                n_k = alo.shape[-1]
+                rel, absolute = rows
+                lo = np.maximum(lo, np.min(blo, axis=-2, keepdims=True))
+                hi = np.minimum(hi, np.max(bhi, axis=-2, keepdims=True))
+                a_total = rel + n_k * absolute  # >= sum_k err_A over the row
+                prop = (np.minimum(mm(mag_a, berr), np.max(berr, axis=-2, keepdims=True))
+                        + np.minimum(mm(aerr, mag_b), a_total * np.max(mag_b, axis=-2, keepdims=True))
+                        + np.minimum(mm(aerr, berr), a_total * np.max(berr, axis=-2, keepdims=True))) * scale
+                total = (1 + np.minimum(np.sum(aerr, axis=-1, keepdims=True), a_total)) \
+                    * np.max(wb, axis=-2, keepdims=True)
+                abs_dot = np.minimum(abs_dot, total * scale)
             rounding = variant.a_priori_bound(alo.shape[-1], abs_dot, float(np.max(wa)) if wa.size else 0.0,
                                               float(np.max(wb)) if wb.size else 0.0)
             err = np.nan_to_num(prop + rounding, nan=np.inf) * SLACK
@@ -354,6 +404,20 @@ KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str
     KernelKind.SCATTER: StaticAnalyzer.scatter,
     KernelKind.SCATTER_NOCOPY: StaticAnalyzer.scatter,
 }
+
+
+def _keep(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    return tuple(1 if i == axis else d for i, d in enumerate(shape))
+
+
+def _softmax_rows(shape: tuple[int, ...], axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row id, position in the row) of every element of a softmax output, numbered from 1."""
+    index = np.indices(shape)
+    pos = index[axis].astype(np.float64) + 1
+    rest = [index[i] for i in range(len(shape)) if i != axis]
+    sizes = [shape[i] for i in range(len(shape)) if i != axis]
+    row = (np.ravel_multi_index(rest, sizes) if rest else np.zeros(shape, dtype=np.int64)).astype(np.float64) + 1
+    return row, pos
 
 
 def _mid_rad(iv: Interval) -> tuple[np.ndarray, np.ndarray]:
