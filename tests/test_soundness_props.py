@@ -126,3 +126,44 @@ def test_scaled_gemm_totals_crossing_fp32_max_are_soundly_bounded(tag, k, seed, 
     g = Graph()
     g.output(g.input("x", (2, k)) @ g.weight("w", w), "y")
     _assert_sound(g, tag, x)
+
+
+def _sigmoid_graph(kind: str, bound: float) -> Graph:
+    rng = np.random.default_rng(5)
+    g = Graph()
+    x = g.input("x", (4, 16), value_range=(-bound, bound))
+    if kind == "silu":
+        y = x.silu()
+    elif kind == "sigmoid_sum":  # 1 + exp(-x) summed: floors through a SUM and a reciprocal
+        y = (x.sigmoid() + 1.0).sum(-1).recip()
+    else:
+        up = x @ g.weight("w_up", rng.standard_normal((16, 16)) / 4)
+        y = ((x @ g.weight("w_gate", rng.standard_normal((16, 16)) / 4)).silu() * up) @ g.weight(
+            "w_down", rng.standard_normal((16, 16)) / 4)
+    g.output(y, "y")
+    return g
+
+
+@settings(deadline=None, max_examples=40, derandomize=True)
+@given(kind=st.sampled_from(["silu", "sigmoid_sum", "swiglu"]), bound=st.sampled_from([1.0, 8.0, 30.0]),
+       seed=st.integers(0, 2 ** 32 - 1), edges=st.booleans())
+def test_executed_value_floors_keep_sigmoid_bounds_sound(kind, bound, seed, edges):
+    """exp2(t) >= 0 after any rounding, so 1 + exp2(t) >= 1 and the reciprocal's slope stays <= 1: the
+    floor that made SwiGLU bounds finite must never cut below a measured error (random candidates,
+    inputs at the range's edges where exp2 is largest)."""
+    from luminal_num.codegen.lower import lower_program
+    from luminal_num.search.choice import random_candidate
+    g = _sigmoid_graph(kind, bound)
+    space = SearchSpace.build(g)
+    rng = np.random.default_rng(seed)
+    choices = {c.index: random_candidate(space.groups[gr.key].space, rng) for gr in space.part.groups for c in gr.chunks}
+    program = lower_program(g, space.part, space.groups, choices)
+    x = rng.choice([-bound, bound], (4, 16)) if edges else rng.uniform(-bound, bound, (4, 16))
+    out = np.asarray(CpuRuntime(program, g.weights).run({"x": x}).outputs["y"], dtype=np.float64)
+    err = np.abs(out - evaluate(g, {"x": x})["y"])
+    for ranges in ({"x": Interval(np.full((4, 16), -bound), np.full((4, 16), bound))}, {"x": Interval.point(x)}):
+        rep = static_bound(program, ranges, {}, g.weights)
+        if rep.overflow is None:
+            bound_y = rep.error_bounds["y"]
+            with np.errstate(invalid="ignore"):
+                assert np.all((err <= bound_y) | np.isinf(bound_y)), float(np.nanmax(err - bound_y))

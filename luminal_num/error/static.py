@@ -77,13 +77,19 @@ class StaticReport:
 class _Val:
     iv: Interval
     err: np.ndarray
+    floor: float | None = None  # a lower bound >= 0 of the EXECUTED value (exp2, squares, 1 + exp2 ...)
 
     @property
     def wide(self) -> Interval:
-        """Where the executed value can be: the exact interval widened by the error bound."""
+        """Where the executed value can be: the exact interval widened by the error bound, cut at the
+        executed value's floor (rounding is monotone: exp2(t) >= 0 stays >= 0, so 1 + exp2(t) >= 1 and
+        a sigmoid's reciprocal keeps a slope <= 1 however large exp2's error is)."""
         with np.errstate(invalid="ignore"):
-            return Interval(np.where(np.isfinite(self.err), self.iv.lo - self.err, -np.inf),
-                            np.where(np.isfinite(self.err), self.iv.hi + self.err, np.inf), self.iv.nan)
+            lo = np.where(np.isfinite(self.err), self.iv.lo - self.err, -np.inf)
+            hi = np.where(np.isfinite(self.err), self.iv.hi + self.err, np.inf)
+            if self.floor is not None:  # the hull of executed (>= floor) and exact (>= iv.lo) values
+                lo = np.maximum(lo, np.minimum(self.floor, self.iv.lo))
+            return Interval(lo, hi, self.iv.nan)
 
 
 def _mag(iv: Interval) -> np.ndarray:
@@ -108,7 +114,27 @@ def _store(v: _Val, fmt: Format, k: Kernel, origin: str = "") -> _Val:
     maybe = _mag(wide) > fmt.max_finite
     rounding = fmt.unit_roundoff * _mag(wide) + fmt.min_subnormal / 2
     err = np.where(maybe, np.inf, (v.err + rounding) * SLACK)
-    return _Val(v.iv, err)
+    return _Val(v.iv, err, _rounded_floor(v.floor, fmt))
+
+
+def _rounded_floor(floor: float | None, fmt: Format) -> float | None:
+    """RN is monotone: a value >= f rounds to >= RN(f) >= f (1 - u) - half a subnormal, and >= 0."""
+    if floor is None:
+        return None
+    return max(0.0, floor * (1 - fmt.unit_roundoff) * (1 - 2.0 ** -52) - fmt.min_subnormal / 2)
+
+
+def _floor_of(op: Op, args: list[_Val]) -> float | None:
+    """The executed result's floor before its rounding (None: nothing known); floors are >= 0."""
+    floors = [a.floor for a in args]
+    if op in (Op.EXP2, Op.SQRT):
+        return 0.0
+    if op is Op.RECIP:
+        return 0.0 if floors[0] is not None and floors[0] > 0 else None
+    if op in (Op.ADD, Op.MUL) and None not in floors:
+        total = floors[0] + floors[1] if op is Op.ADD else floors[0] * floors[1]
+        return max(0.0, float(np.nextafter(total, -np.inf)))
+    return None
 
 
 def _round_f32(v: _Val, k: Kernel) -> _Val:
@@ -147,14 +173,17 @@ class StaticAnalyzer:
         hi = inp.view.realize(np.asarray(src.iv.hi), self.bindings)
         nan = inp.view.realize(np.broadcast_to(src.iv.nan, src.iv.lo.shape).astype(np.float64), self.bindings)
         err = inp.view.realize(np.asarray(src.err), self.bindings)
-        return _Val(Interval(lo, hi, nan > 0), err)
+        masked = any(v.mask is not None for v in inp.view.views)  # padding reads an exact 0
+        floor = None if src.floor is None else (0.0 if masked else src.floor)
+        return _Val(Interval(lo, hi, nan > 0), err, floor)
 
     def body(self, e: FExpr, k: Kernel) -> _Val:
         if isinstance(e, FLoad):
             return self.read(k, e.slot)
         if isinstance(e, FConstV):
             c = e.value if isinstance(e.value, float) else float(eval_dim(e.value, self.bindings))
-            return _Val(Interval.point(c), np.asarray(abs(float(np.float32(c)) - c)))
+            c32 = float(np.float32(c))
+            return _Val(Interval.point(c), np.asarray(abs(c32 - c)), c32 if c32 >= 0 else None)
         if isinstance(e, FRoundTo):
             return _store(self.body(e.x, k), e.fmt, k, e.origin)
         if e.op is Op.MUL and len(e.args) == 2 and e.args[0] == e.args[1]:
@@ -165,7 +194,7 @@ class StaticAnalyzer:
         if norm is not None:  # x * rsqrt(c * sum(x^2) + eps): the correlated bound (error/normalize.py)
             iv, err = norm  # both are sound: keep the tighter of each
             generic = _Val(Interval(np.maximum(iv.lo, generic.iv.lo), np.minimum(iv.hi, generic.iv.hi), generic.iv.nan),
-                           np.minimum(err, generic.err))
+                           np.minimum(err, generic.err), generic.floor)
         return _round_f32(generic, k)
 
     @staticmethod
@@ -178,18 +207,18 @@ class StaticAnalyzer:
             low = np.where((lo <= 0) & (hi >= 0), 0.0, np.nextafter(np.minimum(sq_lo, sq_hi), -np.inf))
             high = np.nextafter(np.maximum(sq_lo, sq_hi), np.inf)
             err = 2 * _mag(a.iv) * a.err + a.err * a.err
-        return _Val(Interval(np.maximum(low, 0.0), high, a.iv.nan), np.nan_to_num(err, nan=np.inf) * SLACK)
+        return _Val(Interval(np.maximum(low, 0.0), high, a.iv.nan), np.nan_to_num(err, nan=np.inf) * SLACK, 0.0)
 
     def _apply(self, e: FApply, args: list[_Val]) -> _Val:
         op = e.op
         with np.errstate(all="ignore"):
             if op is Op.ADD:
                 a, b = args
-                return _Val(transfer(Op.ADD, a.iv, b.iv), (a.err + b.err) * SLACK)
+                return _Val(transfer(Op.ADD, a.iv, b.iv), (a.err + b.err) * SLACK, _floor_of(op, args))
             if op is Op.MUL:
                 a, b = args
                 err = _mag(a.iv) * b.err + _mag(b.iv) * a.err + a.err * b.err
-                return _Val(transfer(Op.MUL, a.iv, b.iv), np.nan_to_num(err, nan=np.inf) * SLACK)
+                return _Val(transfer(Op.MUL, a.iv, b.iv), np.nan_to_num(err, nan=np.inf) * SLACK, _floor_of(op, args))
             if op is Op.LESS_THAN:
                 a, b = args
                 out = transfer(Op.LESS_THAN, a.iv, b.iv)
@@ -205,7 +234,7 @@ class StaticAnalyzer:
             iv = _custom_interval(e.kind, a.iv) if op is Op.CUSTOM else transfer(op, a.iv)
             slope = _slope(op, e.kind, a.wide)
             err = np.where(a.err > 0, slope * a.err, 0.0)
-            return _Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK)
+            return _Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK, _floor_of(op, args))
 
     def run(self, inputs: Mapping[str, Interval]) -> StaticReport:
         try:
@@ -229,21 +258,22 @@ class StaticAnalyzer:
         iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
         if k.dtype.kind is not Kind.FLOAT:
             return _Val(iv, np.zeros(shape))
-        return _store(_Val(iv, np.zeros(shape)), k.dtype, k)
+        low = float(np.min(iv.lo)) if iv.lo.size else 0.0
+        return _store(_Val(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
 
     def const(self, k: Kernel, inputs) -> _Val:
         c = k.value if isinstance(k.value, float) else float(eval_dim(k.value, self.bindings))
-        return _store(_Val(Interval.point(np.asarray(c)), np.asarray(0.0)), k.dtype, k)
+        return _store(_Val(Interval.point(np.asarray(c)), np.asarray(0.0), c if c >= 0 else None), k.dtype, k)
 
     def iota(self, k: Kernel, inputs) -> _Val:
         n = eval_dim(k.value, self.bindings)
-        return _store(_Val(Interval.point(np.arange(n, dtype=np.float64)), np.zeros(n)), k.dtype, k)
+        return _store(_Val(Interval.point(np.arange(n, dtype=np.float64)), np.zeros(n), 0.0), k.dtype, k)
 
     def elementwise(self, k: Kernel, inputs) -> _Val:
         v = self.body(k.body, k)
         shape = self._shape(k)
         v = _Val(Interval(np.broadcast_to(v.iv.lo, shape), np.broadcast_to(v.iv.hi, shape),
-                          np.broadcast_to(v.iv.nan, shape)), np.broadcast_to(v.err, shape))
+                          np.broadcast_to(v.iv.nan, shape)), np.broadcast_to(v.err, shape), v.floor)
         return _store(v, k.dtype, k)
 
     def sum(self, k: Kernel, inputs) -> _Val:
@@ -258,11 +288,13 @@ class StaticAnalyzer:
             # every running total, in any order, is at most sum|terms| (1 + gamma_n): past the
             # accumulator's max a partial sum may overflow even when the final sum is small
             err = np.where(abs_sum * (1 + g) + n * acc.min_subnormal <= acc.max_finite, err, np.inf)
-        return _store(_Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK), k.dtype, k)
+        floor = None if v.floor is None else 0.0  # a sum of executed values >= 0 rounds to >= 0
+        return _store(_Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK, floor), k.dtype, k)
 
     def max(self, k: Kernel, inputs) -> _Val:
         v = self.body(k.body, k)
-        return _store(_Val(transfer(Op.MAX_REDUCE, v.iv, axis=k.axis), np.max(v.err, axis=k.axis)), k.dtype, k)
+        return _store(_Val(transfer(Op.MAX_REDUCE, v.iv, axis=k.axis), np.max(v.err, axis=k.axis), v.floor),
+                      k.dtype, k)
 
     def quantize(self, k: Kernel, inputs) -> _Val:
         lo, hi, err = self._gemm_operand(k, 0)
@@ -273,13 +305,14 @@ class StaticAnalyzer:
         rows = Interval(table.iv.lo.min(axis=0), table.iv.hi.max(axis=0))
         shape = self._shape(k)
         return _Val(Interval(np.broadcast_to(rows.lo, shape), np.broadcast_to(rows.hi, shape)),
-                    np.broadcast_to(table.err.max(axis=0), shape))
+                    np.broadcast_to(table.err.max(axis=0), shape), table.floor)
 
     def scatter(self, k: Kernel, inputs) -> _Val:
         dest, src = self.read(k, 0), self.read(k, 1)
         srow = Interval(src.iv.lo.min(axis=0), src.iv.hi.max(axis=0))
         iv = hull(dest.iv, Interval(np.broadcast_to(srow.lo, dest.iv.lo.shape), np.broadcast_to(srow.hi, dest.iv.lo.shape)))
-        return _Val(iv, np.maximum(dest.err, src.err.max(axis=0)))
+        floor = None if dest.floor is None or src.floor is None else min(dest.floor, src.floor)
+        return _Val(iv, np.maximum(dest.err, src.err.max(axis=0)), floor)
 
     def softmax(self, k: Kernel, inputs=None) -> _Val:
         out = _store(self._softmax(k), k.dtype, k)
@@ -311,7 +344,7 @@ class StaticAnalyzer:
             err = err + u * (iv.hi + err) + sub / 2
             rel, absolute = rel + u * (1 + rel), sub / 2
         self.softmax_rel[k.id] = (rel * SLACK, absolute * SLACK)
-        return _Val(iv, err * SLACK)
+        return _Val(iv, err * SLACK, 0.0)
 
     def _softmax_rows_of_a(self, k: Kernel):
         """(rel, abs) per (batch, M, 1) row of A when the Gemm reads, along K, each full row of a SOFTMAX
