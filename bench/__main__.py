@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import compile_time, emulation, numerics, runtime, search_efficiency
+from . import compile_time, emulation, numerics, render_reports, runtime, search_efficiency
 from .summary import write_summary
 
 
@@ -56,6 +56,8 @@ def main(argv=None) -> str:
         else runtime.run()
     print("== emulation")
     headlines["emulation"] = emulation_figures(quick)
+    print("== reports rendered by headless Chromium")
+    headlines["report_render"] = render_reports.run()
     if not quick:
         print("== model-scale checks (pytest -m slow)")
         headlines["slow_tests"] = slow_tests()

@@ -32,7 +32,7 @@ from luminal_num.search.choice import random_candidate
 from luminal_num.search.space import SearchSpace
 
 from .search_efficiency import CompiledJob, compile_jobs
-from .summary import write_csv
+from .summary import OUT, write_csv
 
 INPUT, OUTPUT = "x", "y"
 
@@ -60,10 +60,36 @@ def _layer_norm(g: Graph, x: GraphTensor, rng: np.random.Generator) -> GraphTens
     return x.layer_norm(g.weight("gamma", gamma), g.weight("beta", beta))
 
 
+def _rms_norm(g: Graph, x: GraphTensor, rng: np.random.Generator) -> GraphTensor:
+    return x.rms_norm(g.weight("gamma", 1 + 0.1 * rng.standard_normal(x.shape[-1])))
+
+
+def _residual_layer_norm(g: Graph, x: GraphTensor, rng: np.random.Generator) -> GraphTensor:
+    d = x.shape[-1]
+    return _layer_norm(g, x + x @ g.weight("w", rng.standard_normal((d, d)) / np.sqrt(d)), rng)
+
+
+def _swiglu(g: Graph, x: GraphTensor, rng: np.random.Generator) -> GraphTensor:
+    d, h = x.shape[-1], 2 * x.shape[-1]
+    gate = x @ g.weight("w_gate", rng.standard_normal((d, h)) / np.sqrt(d))
+    up = x @ g.weight("w_up", rng.standard_normal((d, h)) / np.sqrt(d))
+    return (gate.silu() * up) @ g.weight("w_down", rng.standard_normal((h, d)) / np.sqrt(h))
+
+
+def _attention(g: Graph, x: GraphTensor, rng: np.random.Generator) -> GraphTensor:
+    d = x.shape[-1]
+    q, k, v = (x @ g.weight(f"w_{n}", rng.standard_normal((d, d)) / np.sqrt(d)) for n in "qkv")
+    return ((q @ k.transpose()) * (1.0 / np.sqrt(d))).softmax(-1) @ v
+
+
 FAMILIES = (
     Family("matmul_chain", (16, 32), (-1.0, 1.0), _matmul_chain),
     Family("softmax", (8, 64), (-4.0, 4.0), lambda g, x, rng: x.softmax(-1)),
     Family("layer_norm", (16, 64), (-2.0, 2.0), _layer_norm),
+    Family("rms_norm", (16, 64), (-2.0, 2.0), _rms_norm),
+    Family("residual_layer_norm", (16, 32), (-2.0, 2.0), _residual_layer_norm),
+    Family("swiglu", (16, 32), (-1.0, 1.0), _swiglu),
+    Family("attention", (8, 32), (-1.0, 1.0), _attention),
     Family("gelu_erf", (16, 64), (-4.0, 4.0), lambda g, x, rng: x.gelu("none")),
     Family("gelu_tanh", (16, 64), (-4.0, 4.0), lambda g, x, rng: x.gelu("tanh")),
     Family("exp", (16, 64), (-4.0, 4.0), lambda g, x, rng: x.exp()),
@@ -139,6 +165,27 @@ def summarize_bounds(rows: pd.DataFrame) -> pd.DataFrame:
     return table.astype({c: int for c in counts})
 
 
+TIGHTNESS = "numerics_tightness.csv"
+
+
+def tightness(label: str, candidates: int, draws: int) -> pd.DataFrame:
+    """The bound table alone (no compiles), labelled: run it on two versions of the package (PYTHONPATH)
+    and the before/after table is written when both labels exist (`numerics_tightness.csv`)."""
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
+    rows = pd.DataFrame([r for f in FAMILIES for r in candidate_rows(f, candidates, draws, seed=0)])
+    table = summarize_bounds(rows).assign(version=label)
+    write_csv(table, f"numerics_tightness_{label}.csv")
+    parts = [OUT / f"numerics_tightness_{v}.csv" for v in ("before", "after")]
+    if all(p.exists() for p in parts):
+        both = pd.concat([pd.read_csv(p) for p in parts])
+        keys = ["family", "ranges"]
+        wide = both.pivot_table(index=keys, columns="version", sort=False,
+                                values=["infinite_bounds", "median_tightness", "max_tightness", "violations"])
+        wide.columns = [f"{metric}_{version}" for metric, version in wide.columns]
+        write_csv(wide.reset_index(), TIGHTNESS)
+    return table
+
+
 def plan_rows(c: CompiledJob) -> list[dict]:
     """The chosen plan and every baseline: error vs FP64 (allclose ratio of the user's budget; `passes_gate`
     is the search's verdict, taken with its headroom), modelled latency, speedup over FP32."""
@@ -187,7 +234,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="10 candidates per family, quick compiles")
     ap.add_argument("--candidates", type=int, default=40, help="random candidates per family")
     ap.add_argument("--draws", type=int, default=3, help="input draws per candidate")
+    ap.add_argument("--tightness", metavar="LABEL", choices=("before", "after"),
+                    help="only the bound table, labelled (run on the old and the new package for before/after)")
     args = ap.parse_args(argv)
+    if args.tightness:
+        table = tightness(args.tightness, args.candidates, args.draws)
+        print(table.to_string(index=False))
+        return {}
     figures = run(quick=args.quick, candidates=args.candidates, draws=args.draws)
     for k, v in figures.items():
         print(f"{k}: {v!r}")

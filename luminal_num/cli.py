@@ -1,23 +1,39 @@
 """`luminal-num`: compile, pareto, audit, inspect, demo.
 
-Every command validates its input first and writes its files only when the work succeeded (atomic
-writes), so a failure never leaves half a report behind. Exit codes: 0 ok, 1 contract broken /
-budget unreachable, 2 bad input.
+Every command validates its input and its output folder first, holds a lock on that folder, writes
+its files into a temporary folder beside it and moves them in only when all were written, so a
+failure leaves --out exactly as it was. Exit codes: 0 ok, 1 contract broken / budget unreachable,
+2 bad input, 3 another command is writing into --out, 130 interrupted (Ctrl-C: a compile keeps the
+best plan found so far, marked partial), 141 stdout closed early (e.g. piped into head).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
 import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 
-EXIT_OK, EXIT_CONTRACT, EXIT_INPUT = 0, 1, 2
+from . import __version__
+from .dtypes.formats import Kind
+from .hlir.ops import Op
+from .hlir.symbolic import is_const
+from .report.files import OutputDirError, OutputLocked, check_output_dir, output_lock
+from .report.numbers import fmt_latency, fmt_num
+
+EXIT_OK, EXIT_CONTRACT, EXIT_INPUT, EXIT_BUSY, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 3, 130, 141
 
 
 class InputError(Exception):
     pass
+
+
+class Interrupted(Exception):
+    """Ctrl-C, after whatever could be kept was written; the message says what."""
 
 
 def _budget(text: str):
@@ -48,23 +64,101 @@ def _inputs(path: str | None, job) -> list[dict]:
             batch = {k: data[k] for k in data.files}
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input error
         raise InputError(f"cannot read inputs file {p}: {exc}") from None
-    for name, arr in batch.items():
-        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
-            raise InputError(f"input {name!r} in {p} contains NaN or Inf")
+    _check_batch(job.graph, batch, p)
     return [batch]
 
 
+_INDEXED = {Op.GATHER: (0, 1), Op.SCATTER: (0, 2)}  # op -> (slot of the table / destination, slot of the ids)
+
+
+def _index_ranges(graph) -> dict[str, tuple[float, float]]:
+    """Ranges implied by the graph: an input used as the ids of a Gather/Scatter must index a row of
+    its table (0 <= id < rows), whether or not the model declared a value_range for it."""
+    by_node = {info.node: name for name, info in graph.inputs.items()}
+    out: dict[str, tuple[float, float]] = {}
+    for node in graph.nodes:
+        slots = _INDEXED.get(node.op)
+        if slots is None:
+            continue
+        table, ids = (node.srcs[i] for i in slots)
+        rows = table.view.shape[0]
+        name = by_node.get(ids.node)
+        if name is not None and is_const(rows):
+            out[name] = (0.0, min(float(int(rows) - 1), out.get(name, (0.0, math.inf))[1]))
+    return out
+
+
+def _check_batch(graph, batch: dict, source) -> None:
+    """Arrays by the model's declared inputs: no unknown names, integer inputs (token ids) given as
+    integers, every value inside its declared range and every id inside its table; NaN/Inf refused."""
+    declared = {n: info for n, info in graph.inputs.items() if not info.is_weight}
+    implied = _index_ranges(graph)
+    unknown = sorted(set(batch) - set(declared))
+    if unknown:
+        raise InputError(f"{source} holds arrays the model does not take: {unknown} (inputs: {', '.join(declared)})")
+    for name, arr in batch.items():
+        info = declared[name]
+        if arr.dtype.kind not in "iufb":
+            raise InputError(f"input {name!r} in {source} is not numeric (dtype {arr.dtype})")
+        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+            raise InputError(f"input {name!r} in {source} contains NaN or Inf")
+        if info.dtype.kind is Kind.INT and arr.dtype.kind not in "iu":
+            raise InputError(f"input {name!r} in {source} holds integer ids ({info.dtype.name}); got {arr.dtype} values")
+        limits = [r for r in (info.value_range, implied.get(name)) if r is not None]
+        if limits and arr.size:
+            lo, hi = max(r[0] for r in limits), min(r[1] for r in limits)
+            if float(arr.min()) < lo or float(arr.max()) > hi:
+                raise InputError(f"input {name!r} in {source} has values in [{fmt_num(arr.min(), 6)}, "
+                                 f"{fmt_num(arr.max(), 6)}], outside its declared range [{fmt_num(lo, 6)}, "
+                                 f"{fmt_num(hi, 6)}]")
+
+
 def _print_table(df, columns, n=12):
-    print(df[columns].head(n).to_string(index=False))
+    """Numbers for people: 3 significant digits, latencies with their unit."""
+    table = df[columns].head(n).copy()
+    for column in columns:
+        if column == "latency_s":
+            table[column] = table[column].map(fmt_latency)
+        elif table[column].dtype.kind == "f":
+            table[column] = table[column].map(fmt_num)
+    print(table.rename(columns={"latency_s": "latency"}).to_string(index=False))
+
+
+@contextlib.contextmanager
+def _writing(out: Path):
+    """A write that fails after the up-front checks (disk full, a file changed meanwhile) was rolled
+    back by atomic_files: say so in one line."""
+    try:
+        yield
+    except OSError as exc:
+        raise InputError(f"could not write into {out} ({exc.strerror or exc}); it holds what it held before") from None
+
+
+def _check_out(out: Path, names) -> None:
+    try:
+        check_output_dir(out, names)
+    except OutputDirError as exc:
+        raise InputError(str(exc)) from None
+
 
 
 def cmd_compile(args) -> int:
     from .compiler import BudgetUnreachable, compile
     from .report.compile_report import candidate_rows, write_compile_report
     from .search.search import SearchOptions
+    from .report.compile_report import COMPILE_FILES
     job = _job(args.model)
-    budget = _budget(args.budget or job.default_budget)
+    budget = _budget(args.budget if args.budget is not None else job.default_budget)
     out = Path(args.out or f"reports/{job.name}")
+    _check_out(out, COMPILE_FILES)
+    with output_lock(out):
+        return _compile_locked(args, job, budget, out)
+
+
+def _compile_locked(args, job, budget, out: Path) -> int:
+    from .compiler import BudgetUnreachable, compile
+    from .report.compile_report import candidate_rows, write_compile_report
+    from .search.search import SearchOptions
     print(f"[luminal-num] {job.description}")
     print(f"[luminal-num] budget {budget} on target {args.target}; {len(job.graph)} HLIR nodes")
     opts = SearchOptions(seed=args.seed, max_candidates=args.candidates, time_limit_s=args.time_limit,
@@ -72,24 +166,35 @@ def cmd_compile(args) -> int:
     try:
         result = compile(job.graph, budget, args.target, job.calibration, opts)
     except BudgetUnreachable as exc:
+        if exc.result.stats.get("interrupted"):
+            raise Interrupted("interrupted before any plan passed the budget: nothing written") from None
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONTRACT
     except KeyError as exc:  # unknown target
         raise InputError(str(exc.args[0])) from None
     except ValueError as exc:  # budget outputs the model lacks, bad options, bad inputs
         raise InputError(str(exc)) from None
-    files = write_compile_report(result, out, f"{job.name}: error vs latency ({args.target})")
+    stats = result.search.stats
+    interrupted = (f"search interrupted after {stats['candidates']} candidates: best plan so far"
+                   if stats.get("interrupted") else "")
+    with _writing(out):
+        files = write_compile_report(result, out, f"{job.name}: error vs latency ({args.target})", interrupted)
+    if interrupted:
+        raise Interrupted(f"{interrupted} written to {files['plan']} (marked partial)")
     rows = candidate_rows(result)
     front = _front(rows[rows.passes & rows.latency_s.notna()])
     print(f"[luminal-num] {result.search.stats['candidates']} candidates; gate: "
           + ", ".join(f"{k}={v}" for k, v in result.search.stats.items() if k in ("cache", "static", "measured", "pruned")))
-    print("\nPareto front within budget (fastest first):")
-    _print_table(front, ["candidate", "error", "latency_s", "verdict_source", "variants"])
+    headroom = float(stats.get("headroom", 1.0))
+    print(f"\nPareto front of passing plans (allclose ratio <= {fmt_num(headroom)} = headroom x budget; "
+          "fastest first):")
+    _print_table(front, ["candidate", "allclose_ratio", "latency_s", "verdict_source", "variants"])
     print("\nBaselines:")
-    _print_table(rows[rows.stage == "baseline"], ["label", "error", "latency_s", "passes"])
+    _print_table(rows[rows.stage == "baseline"], ["label", "allclose_ratio", "latency_s", "passes"])
     plan = result.plan.data
-    print(f"\nChosen plan: error {plan['verdict']['error']} ({plan['verdict']['source']}), "
-          f"latency {plan['latency']['total_s']} s ({plan['latency']['source']})")
+    print(f"\nChosen plan: allclose ratio {fmt_num(plan['verdict']['error'])} ({plan['verdict']['source']}; "
+          f"budget 1, judged against {fmt_num(headroom)}), latency {fmt_latency(plan['latency']['total_s'])} "
+          f"({plan['latency']['source']})")
     _summary(plan)
     print("\nwrote " + ", ".join(str(p) for p in files.values()))
     return EXIT_OK
@@ -98,16 +203,16 @@ def cmd_compile(args) -> int:
 def _front(rows):
     """Rows not dominated in (latency, error), fastest first."""
     from .search.search import LATENCY_TIE
-    rows = rows.sort_values(["latency_s", "error", "candidate"])
+    rows = rows.sort_values(["latency_s", "allclose_ratio", "candidate"])
     keep, best, last_latency = [], float("inf"), None
     for i, r in rows.iterrows():
-        if r.error < best:
+        if r.allclose_ratio < best:
             if keep and r.latency_s <= last_latency * (1 + LATENCY_TIE):
                 keep[-1] = i  # a tie in latency: the more accurate one stands for it
             else:
                 keep.append(i)
                 last_latency = r.latency_s
-            best = r.error
+            best = r.allclose_ratio
     return rows.loc[keep]
 
 
@@ -127,7 +232,7 @@ def _summary(plan: dict) -> None:
 
 
 def cmd_audit(args) -> int:
-    from .report.audit import audit, write_audit_report
+    from .report.audit import AUDIT_FILES
     from .search.plan import Plan, PlanError
     try:
         plan = Plan.load(args.plan)
@@ -135,14 +240,25 @@ def cmd_audit(args) -> int:
         raise InputError(str(exc)) from None
     job = _job(args.model)
     batches = _inputs(args.inputs, job)
+    out = Path(args.out or Path(args.plan).parent)
+    _check_out(out, AUDIT_FILES)
+    with output_lock(out):
+        return _audit_locked(plan, job, batches, out)
+
+
+def _audit_locked(plan, job, batches, out: Path) -> int:
+    from .report.audit import audit, write_audit_report
+    from .search.plan import PlanError
+    if plan.data.get("interrupted"):
+        print(f"[luminal-num] note: this plan is a partial result ({plan.data['interrupted']})")
     try:
         result = audit(plan, job.graph, batches)
     except PlanError as exc:
         raise InputError(str(exc)) from None
     except (KeyError, ValueError) as exc:
         raise InputError(f"inputs do not fit the model: {exc}") from None
-    out = Path(args.out or Path(args.plan).parent)
-    files = write_audit_report(result, out)
+    with _writing(out):
+        files = write_audit_report(result, out)
     print(result.outputs.to_string(index=False))
     print(f"\naudit: {'PASSED' if result.passed else 'CONTRACT BROKEN'}: {result.reason}")
     print(f"{result.outside_range} exported values left the calibration range; wrote "
@@ -160,7 +276,9 @@ def cmd_inspect(args) -> int:
     d = plan.data
     print(f"plan v{d['version']} (compiler {d['compiler_version']}), target {d['target']}, seed {d['seed']}")
     print(f"budget {plan.budget}; verdict {d['verdict']['source']}: {d['verdict']['reason']}")
-    print(f"latency {d['latency']['total_s']} s ({d['latency']['source']})\n")
+    if d.get("interrupted"):
+        print(f"PARTIAL RESULT: {d['interrupted']}")
+    print(f"latency {fmt_latency(d['latency']['total_s'])} ({d['latency']['source']})\n")
     print(pd.DataFrame(d["kernels"]).to_string(index=False))
     return EXIT_OK
 
@@ -174,10 +292,11 @@ def cmd_pareto(args) -> int:
         df = pd.read_csv(p)
     except Exception as exc:  # noqa: BLE001
         raise InputError(f"cannot read {p}: {exc}") from None
-    if "on_front" not in df.columns:
-        raise InputError(f"{p} is not a luminal_num Pareto table")
-    front = df[df.on_front].sort_values("latency_s")
-    print(front[["candidate", "error", "latency_s", "latency_source", "verdict_source", "label"]].to_string(index=False))
+    columns = ["candidate", "allclose_ratio", "latency_s", "latency_source", "verdict_source", "label"]
+    if "on_front" not in df.columns or "passes" not in df.columns or not set(columns) <= set(df.columns):
+        raise InputError(f"{p} is not a luminal_num Pareto table (of this version)")
+    front = df[df.on_front & df.passes].sort_values("latency_s", kind="stable")  # the front of passing plans
+    _print_table(front.fillna({"label": ""}), columns, n=len(front))
     return EXIT_OK
 
 
@@ -194,7 +313,8 @@ def cmd_demo(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="luminal-num", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_DefaultsParser)
 
     def compile_args(p, default_model, default_candidates):
         p.add_argument("--model", default=default_model, help="minilm | llama-tiny | transformer")
@@ -202,9 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--target", default="h200", help="h200 | h100 | a100 | cpu (cpu is measured)")
         p.add_argument("--candidates", type=_positive, default=default_candidates, help="candidates to evaluate")
         p.add_argument("--time-limit", type=float, default=None, help="seconds (makes the result timing-dependent)")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=int, default=0, help="search seed (same seed and inputs: same plan)")
         p.add_argument("--out", help="report folder (default reports/<model>)")
-        p.add_argument("--quiet", action="store_true", help="no progress bar")
+        p.add_argument("--quiet", action="store_true", default=False, help="no progress bar")
 
     compile_args(sub.add_parser("compile", help="search the fastest plan within a budget; write plan + reports"),
                  "minilm", 120)
@@ -222,6 +342,23 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default where it has one (not 'None' or a flag's False)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _DefaultsParser(argparse.ArgumentParser):
+    """Subcommands list every option's default in --help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+
 COMMANDS = {"compile": cmd_compile, "audit": cmd_audit, "inspect": cmd_inspect, "pareto": cmd_pareto, "demo": cmd_demo}
 
 
@@ -233,6 +370,25 @@ def main(argv=None) -> int:
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT
+    except OutputLocked as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BUSY
+    except Interrupted as exc:
+        print(f"interrupted: {exc}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        print("interrupted: stopped before a result; nothing written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_PIPE
+
+
+def _quiet_stdout() -> None:
+    """The reader went away (`| head`): point stdout at /dev/null so the exit flush cannot raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ Exit codes: 0 ok, 1 contract broken or budget unreachable, 2 bad input. A bad in
 line on stderr (`error: ...`) and write nothing.
 """
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -67,10 +69,12 @@ def test_pareto_prints_the_front(report, workdir):
     run = cli("pareto", str(report), cwd=workdir)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
-    assert lines[0].split()[:3] == ["candidate", "error", "latency_s"]
+    assert lines[0].split()[:3] == ["candidate", "allclose_ratio", "latency"]
     table = pd.read_csv(report / "pareto.csv")
+    assert not (table["on_front"] & ~table["passes"]).any()  # the front is over passing plans only
     front = table[table["on_front"]].sort_values("latency_s", kind="stable")
     assert [int(line.split()[0]) for line in lines[1:]] == front["candidate"].tolist()
+    assert all(line.split()[3] in ("us", "ms", "s", "ns") for line in lines[1:])  # latency with its unit
 
 
 def test_audit_passes_on_heldout_inputs(report, workdir):
@@ -178,3 +182,234 @@ def test_plans_are_portable_between_processes(report, tmp_path):
     run = cli(*COMPILE, "--out", "OTHER", cwd=tmp_path, hash_seed="1")
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "OTHER" / "plan.json").read_bytes() == (report / "plan.json").read_bytes()
+
+
+# ---- fault contracts (issue 17): exit code, one line, and --out exactly as it was -------------------
+
+def snapshot(root: Path) -> dict[str, tuple[int, bytes | None]]:
+    """Every entry under root (relative path -> mode and bytes): what 'holds exactly what it held' means."""
+    return {str(p.relative_to(root)): (p.stat().st_mode, p.read_bytes() if p.is_file() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+def one_line(err: str, prefix: str = "error: ") -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), err
+    return lines[0]
+
+
+def _old_out(tmp_path: Path) -> Path:
+    out = tmp_path / "OUT"
+    out.mkdir()
+    (out / "plan.json").write_text("old plan")
+    (out / "pareto.csv").write_text("old csv")
+    return out
+
+
+OUTPUT_FAULTS = {
+    "under-a-file": (lambda t: (t / "AFILE").write_text("x"), "AFILE/sub", "AFILE is a file, not a folder"),
+    "out-is-a-file": (lambda t: (t / "AFILE").write_text("x"), "AFILE", "it is a file, not a folder"),
+    "plan-json-is-a-folder": (lambda t: (_old_out(t) / "pareto.png").mkdir(), "OUT",
+                              "cannot replace OUT/pareto.png: it is a folder"),
+}
+
+
+@pytest.mark.parametrize("prepare, out, message", list(OUTPUT_FAULTS.values()), ids=list(OUTPUT_FAULTS))
+def test_bad_output_folder_is_refused_before_any_work(tmp_path, monkeypatch, capsys, prepare, out, message):
+    monkeypatch.chdir(tmp_path)
+    prepare(tmp_path)
+    before = snapshot(tmp_path)
+    searched = []
+    monkeypatch.setattr("luminal_num.compiler.compile", lambda *a, **k: searched.append(1))
+    assert main([*COMPILE, "--out", out]) == 2
+    assert message in one_line(capsys.readouterr().err)
+    assert not searched and snapshot(tmp_path) == before
+
+
+def test_read_only_output_folder_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """Root may write anywhere, so the read-only answer is given by os.access (as for a normal user)."""
+    monkeypatch.chdir(tmp_path)
+    out = _old_out(tmp_path)
+    before = snapshot(tmp_path)
+    real_access = os.access
+    monkeypatch.setattr("luminal_num.report.files.os.access",
+                        lambda p, mode: False if Path(p).resolve() == out.resolve() else real_access(p, mode))
+    assert main([*COMPILE, "--out", "OUT"]) == 2
+    assert "output folder OUT is not writable" in one_line(capsys.readouterr().err)
+    assert snapshot(tmp_path) == before
+
+
+def test_failed_replace_of_plan_json_leaves_out_as_it_was(tmp_path, monkeypatch, capsys):
+    """The issue's mixed folder: plan.json cannot be replaced after pareto.* were moved in."""
+    monkeypatch.chdir(tmp_path)
+    out = _old_out(tmp_path)
+    before = snapshot(tmp_path)
+    real_replace = os.replace
+
+    def failing(src, dst):
+        if Path(dst).name == "plan.json" and Path(dst).parent.name == "OUT" and b"old" not in Path(src).read_bytes():
+            raise PermissionError(13, "Permission denied")
+        return real_replace(src, dst)
+    monkeypatch.setattr("luminal_num.report.files.os.replace", failing)
+    assert main([*COMPILE, "--out", "OUT"]) == 2
+    assert "could not write into OUT (Permission denied); it holds what it held before" in one_line(capsys.readouterr().err)
+    assert snapshot(tmp_path) == before
+    assert (out / "plan.json").read_text() == "old plan"
+
+
+BAD_BUDGETS = {"cosine>=2": "cosine lies in [-1, 1]", "top1>=1.5": "top1_agreement lies in [0, 1]",
+               "kl<=-1": "kl_logits lies in [0, inf]"}
+
+
+@pytest.mark.parametrize("limit", list(BAD_BUDGETS), ids=list(BAD_BUDGETS))
+def test_metric_limits_outside_the_metric_range_are_refused(tmp_path, monkeypatch, capsys, limit):
+    monkeypatch.chdir(tmp_path)
+    assert main([*COMPILE, "--budget", f"atol=1,rtol=1,{limit}", "--out", "NEW"]) == 2
+    assert BAD_BUDGETS[limit] in one_line(capsys.readouterr().err)
+    assert not any(tmp_path.iterdir())
+
+
+def test_empty_budget_is_refused_not_defaulted(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main([*COMPILE, "--budget", "", "--out", "NEW"]) == 2
+    assert "the budget is empty" in one_line(capsys.readouterr().err)
+    assert not any(tmp_path.iterdir())
+
+
+def _llama_batch(**changes) -> dict:
+    from luminal_num.models.registry import load_job
+    batch = {k: np.asarray(v) for k, v in load_job("llama-tiny").heldout[0].items()}
+    batch.update(changes)
+    return batch
+
+
+AUDIT_INPUT_FAULTS = {
+    "id-out-of-range": (lambda: _llama_batch(ids=np.full(16, 256, np.int32)),
+                        "input 'ids' in bad.npz has values in [256, 256], outside its declared range [0, 255]"),
+    "negative-id": (lambda: _llama_batch(ids=np.full(16, -1, np.int32)), "outside its declared range [0, 255]"),
+    "float-ids": (lambda: _llama_batch(ids=np.zeros(16)), "holds integer ids (int32); got float64 values"),
+    "unknown-array": (lambda: _llama_batch(extra=np.zeros(3)), "holds arrays the model does not take: ['extra']"),
+    "rope-outside-declared-range": (lambda: _llama_batch(rope_cos=np.full((16, 16), 2.0)),
+                                    "input 'rope_cos' in bad.npz has values in [2, 2], outside its declared range [-1, 1]"),
+}
+
+
+@pytest.mark.parametrize("make, message", list(AUDIT_INPUT_FAULTS.values()), ids=list(AUDIT_INPUT_FAULTS))
+def test_audit_inputs_are_checked_against_the_model(report, tmp_path, monkeypatch, capsys, make, message):
+    monkeypatch.chdir(tmp_path)
+    np.savez(tmp_path / "bad.npz", **make())
+    before = snapshot(tmp_path), snapshot(report)
+    assert main(["audit", "--plan", str(report / "plan.json"), "--model", "llama-tiny", "--inputs", "bad.npz",
+                 "--out", "AUD"]) == 2
+    assert message in one_line(capsys.readouterr().err)
+    assert (snapshot(tmp_path), snapshot(report)) == before
+
+
+def test_ctrl_c_during_the_search_writes_the_best_plan_marked_partial(tmp_path, monkeypatch, capsys):
+    from luminal_num.search.search import Searcher
+    monkeypatch.chdir(tmp_path)
+
+    def interrupted(self, *args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Searcher, "greedy", interrupted)  # after the baselines and the sensitivity phase
+    assert main([*COMPILE, "--out", "OUT"]) == 130
+    line = one_line(capsys.readouterr().err, "interrupted: ")
+    assert "best plan so far written to OUT/plan.json (marked partial)" in line
+    plan = Plan.load(tmp_path / "OUT" / "plan.json")
+    assert plan.data["interrupted"].startswith("search interrupted after") and plan.data["search"]["interrupted"]
+    assert plan.data["verdict"]["passed"]
+    assert "[PARTIAL: search interrupted" in (tmp_path / "OUT" / "pareto.html").read_text()
+
+
+def test_ctrl_c_before_any_plan_passes_writes_nothing(tmp_path, monkeypatch, capsys):
+    from luminal_num.search.space import SearchSpace
+    monkeypatch.chdir(tmp_path)
+    out = _old_out(tmp_path)
+    before = snapshot(tmp_path)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(SearchSpace, "build", interrupted)
+    assert main([*COMPILE, "--out", "OUT"]) == 130
+    assert "nothing written" in one_line(capsys.readouterr().err, "interrupted: ")
+    assert snapshot(tmp_path) == before and (out / "plan.json").read_text() == "old plan"
+
+
+def test_sigint_to_a_running_compile_exits_130_with_one_line(tmp_path):
+    """A real Ctrl-C (SIGINT) at an arbitrary moment: one line, exit 130, no traceback; --out holds
+    either nothing or a plan marked partial."""
+    env = {**os.environ, "PYTHONHASHSEED": HASH_SEED, "MPLBACKEND": "Agg"}
+    proc = subprocess.Popen([sys.executable, "-m", "luminal_num.cli", "compile", "--model", "transformer",
+                             "--candidates", "200", "--quiet", "--out", "OUT"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(300):  # the first output line comes once the job is loaded and the search starts
+        if proc.stdout.readline().startswith("[luminal-num] budget"):
+            break
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    one_line(err, "interrupted: ")
+    if (tmp_path / "OUT").exists():
+        assert Plan.load(tmp_path / "OUT" / "plan.json").data["interrupted"]
+
+
+def test_second_compile_into_the_same_out_is_refused(tmp_path):
+    env = {**os.environ, "PYTHONHASHSEED": HASH_SEED, "MPLBACKEND": "Agg"}
+    first = subprocess.Popen([sys.executable, "-m", "luminal_num.cli", *COMPILE, "--out", "OUT"], cwd=tmp_path,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".luminal-num-*.lock")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert first.poll() is None, "the first compile ended before the second could start"
+    second = cli(*COMPILE, "--out", "OUT", cwd=tmp_path)
+    assert second.returncode == 3
+    assert "another luminal-num command is writing into OUT" in one_line(second.stderr)
+    _, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err
+    assert not list(tmp_path.glob(".luminal-num-*.lock"))  # released
+    assert Plan.load(tmp_path / "OUT" / "plan.json").data["verdict"]["passed"]
+
+
+def test_closed_stdout_exits_quietly(report, tmp_path):
+    """`luminal-num inspect ... | head`: the reader goes away; no BrokenPipeError traceback."""
+    env = {**os.environ, "PYTHONHASHSEED": HASH_SEED}
+    proc = subprocess.Popen([sys.executable, "-m", "luminal_num.cli", "inspect", "--plan", str(report / "plan.json")],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the child has printed anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == ""
+
+
+def test_version(capsys):
+    from luminal_num import __version__
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"luminal-num {__version__}"
+
+
+def test_help_shows_defaults(tmp_path):
+    run = cli("compile", "--help", cwd=tmp_path)
+    text = " ".join(run.stdout.split())
+    assert "(default: h200)" in text and "(default: 120)" in text and "(default: minilm)" in text
+    assert "(default: None)" not in text
+
+
+def test_compile_report_html_is_for_people(report):
+    """The real compile's pages: no reprs, nan or 17-digit numbers; threshold and chosen plan shown."""
+    from test_report import assert_page_is_for_people
+    page = (report / "pareto.html").read_text()
+    assert_page_is_for_people(page)
+    plan = Plan.load(report / "plan.json").data
+    assert f"threshold {plan['headroom']:g} (headroom {plan['headroom']:g} x budget)" in page
+    assert "chosen plan: candidate " in page and "<th>latency</th>" in page
+    assert "allclose ratio" in page
+
+
+def test_audit_html_is_for_people(report, tmp_path):
+    from test_report import assert_page_is_for_people
+    run = cli("audit", "--plan", str(report / "plan.json"), "--model", "transformer", "--out", "AUD", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    page = (tmp_path / "AUD" / "audit.html").read_text()
+    assert_page_is_for_people(page)
+    assert "Audit: PASSED" in page and "<td>y</td>" in page

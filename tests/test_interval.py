@@ -9,11 +9,13 @@ from hypothesis import given, settings, strategies as st
 
 from luminal_num.dtypes.formats import BF16, F16, F8E4M3, TF32
 from luminal_num.error.highprec import mp_softmax
-from luminal_num.error.interval import (TRANSFERS, Interval, IntervalArray, add, cast, derivative_bound, exp2,
+from luminal_num.hlir.ops import Op
+from luminal_num.error.interval import (NO_TRANSFER, TRANSFERS, Interval, IntervalArray, add, cast, derivative_bound, exp2,
                                         hull, intersection, less_than, log2, max_reduce, mod, mul, recip, sin,
                                         softmax, sqrt, sum_reduce, transfer)
 
 I = Interval
+OP = {op.decl.name: op for op in Op}  # the tables are keyed by Op; the tests name ops by their declared names
 INF = math.inf
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -131,31 +133,45 @@ def test_reductions_and_softmax_by_hand():
 
 
 def test_derivative_bounds_by_hand():
-    assert derivative_bound("Exp2", I(0, 1)) == pytest.approx(2 * math.log(2), rel=1e-14)
-    assert derivative_bound("Log2", I(1, 2)) == pytest.approx(1 / math.log(2), rel=1e-14)
-    assert derivative_bound("Sqrt", I(4, 9)) == pytest.approx(0.25, rel=1e-14)
-    assert derivative_bound("Recip", I(2, 4)) == pytest.approx(0.25, rel=1e-14)
-    assert derivative_bound("Recip", I(-4, -2)) == pytest.approx(0.25, rel=1e-14)
-    assert derivative_bound("Sin", I(3, 3.2)) == 1.0  # pi inside: |cos| = 1
-    assert derivative_bound("Sin", I(1, 1.2)) == pytest.approx(math.cos(1.0), rel=1e-14)
+    assert derivative_bound(OP["Exp2"], I(0, 1)) == pytest.approx(2 * math.log(2), rel=1e-14)
+    assert derivative_bound(OP["Log2"], I(1, 2)) == pytest.approx(1 / math.log(2), rel=1e-14)
+    assert derivative_bound(OP["Sqrt"], I(4, 9)) == pytest.approx(0.25, rel=1e-14)
+    assert derivative_bound(OP["Recip"], I(2, 4)) == pytest.approx(0.25, rel=1e-14)
+    assert derivative_bound(OP["Recip"], I(-4, -2)) == pytest.approx(0.25, rel=1e-14)
+    assert derivative_bound(OP["Sin"], I(3, 3.2)) == 1.0  # pi inside: |cos| = 1
+    assert derivative_bound(OP["Sin"], I(1, 1.2)) == pytest.approx(math.cos(1.0), rel=1e-14)
     for op, x in [("Recip", I(-1, 1)), ("Log2", I(0, 1)), ("Sqrt", I(0, 1)), ("Log2", I(-1, 1)),
                   ("Exp2", I(0, INF))]:
-        assert derivative_bound(op, x) == INF
-    slopes = derivative_bound("Recip", I([1.0, 2.0], [2.0, 4.0]))
+        assert derivative_bound(OP[op], x) == INF
+    slopes = derivative_bound(OP["Recip"], I([1.0, 2.0], [2.0, 4.0]))
     assert slopes.shape == (2,) and slopes[1] == pytest.approx(0.25, rel=1e-14)
-    with pytest.raises(KeyError, match="no derivative bound for op 'Add'"):
-        derivative_bound("Add", I(0, 1))
+    with pytest.raises(KeyError, match="no derivative bound for Add"):
+        derivative_bound(OP["Add"], I(0, 1))
+
+
+def test_interval_table_covers_every_op_once():
+    """Every hlir Op has an interval transfer or a stated reason why its interval comes from elsewhere."""
+    assert set(TRANSFERS) | set(NO_TRANSFER) == set(Op) and not set(TRANSFERS) & set(NO_TRANSFER)
+    assert all(t.op is op and t.arity == op.decl.arity for op, t in TRANSFERS.items())
+    with pytest.raises(TypeError, match="keyed by hlir.ops.Op"):
+        transfer("Add", I(1, 2), I(3, 4))  # strings are refused, not looked up
+
+
+def test_static_kernel_table_covers_every_kernel_kind():
+    from luminal_num.codegen.llir import KernelKind
+    from luminal_num.error.static import KERNEL_TRANSFERS
+    assert set(KERNEL_TRANSFERS) == set(KernelKind)
 
 
 def test_table_and_helpers():
     assert {"Add", "Mul", "Recip", "Sqrt", "Exp2", "Log2", "Sin", "Mod", "LessThan", "SumReduce",
-            "MaxReduce", "Softmax", "Cast"} == set(TRANSFERS)
-    assert transfer("Add", I(1, 2), I(3, 4)).bounds() == (4, 6)
-    assert transfer("SumReduce", I(1.0, 1.0), axis=0, n=4).bounds() == (4, 4)
-    with pytest.raises(KeyError, match="no interval transfer for op 'Gather'"):
-        transfer("Gather", I(0, 1))
+            "MaxReduce", "Softmax", "Cast"} == {op.decl.name for op in TRANSFERS}
+    assert transfer(OP["Add"], I(1, 2), I(3, 4)).bounds() == (4, 6)
+    assert transfer(OP["SumReduce"], I(1.0, 1.0), axis=0, n=4).bounds() == (4, 4)
+    with pytest.raises(KeyError, match="no interval transfer for Gather"):
+        transfer(OP["Gather"], I(0, 1))
     with pytest.raises(TypeError, match="takes 2"):
-        transfer("Mul", I(0, 1))
+        transfer(OP["Mul"], I(0, 1))
     with pytest.raises(ValueError, match="empty interval"):
         Interval(2, 1)
     with pytest.raises(ValueError, match="empty intersection"):
@@ -197,7 +213,7 @@ EXACT_BINARY = {"Add": lambda x, y: Fraction(x) + Fraction(y), "Mul": lambda x, 
 @given(st.data())
 def test_binary_soundness(op, data):
     a, b = data.draw(interval()), data.draw(interval())
-    result = transfer(op, a, b)
+    result = transfer(OP[op], a, b)
     for x in data.draw(points(a)):
         for y in data.draw(points(b)):
             assert encloses(result, EXACT_BINARY[op](x, y)), (op, a, b, x, y, result)
@@ -223,7 +239,7 @@ MP_UNARY = {"Sqrt": (mpmath.sqrt, 0.0), "Exp2": (lambda x: mpmath.mpf(2) ** x, -
 def test_transcendental_soundness(op, data):
     f, domain_lo = MP_UNARY[op]
     a = data.draw(interval())
-    result = transfer(op, a)
+    result = transfer(OP[op], a)
     assert bool(result.nan) == (a.bounds()[0] < domain_lo)
     with mpmath.workprec(200):
         for x in data.draw(points(a)):
@@ -237,7 +253,7 @@ def test_transcendental_soundness(op, data):
 def test_derivative_bound_dominates_slopes(op, data):
     f = MP_UNARY[op][0] if op != "Recip" else (lambda x: 1 / x)
     a = data.draw(interval(low=-50.0, high=50.0))
-    bound = derivative_bound(op, a)
+    bound = derivative_bound(OP[op], a)
     pts = data.draw(points(a, count=6))
     for x1, x2 in zip(pts, pts[1:]):
         if x1 == x2 or bound == INF:
@@ -363,8 +379,8 @@ def test_propagate_unary_bounds_a_perturbed_rounded_evaluation(op, data):
     err = data.draw(st.floats(0, 0.25))
     d = data.draw(st.floats(-1, 1)) * err
     widened = Interval(x - err, x + err)
-    out_abs = transfer(op, Interval(x, x)).magnitude
-    bound = propagate_unary(err, derivative_bound(op, widened), out_abs, 2.0 ** -24)
+    out_abs = transfer(OP[op], Interval(x, x)).magnitude
+    bound = propagate_unary(err, derivative_bound(OP[op], widened), out_abs, 2.0 ** -24)
     with mpmath.workprec(200):
         exact = f(mpmath.mpf(x))
         computed = _round_to_bits(f(mpmath.mpf(x) + mpmath.mpf(d)), 24)

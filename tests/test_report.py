@@ -5,6 +5,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import matplotlib.image
 import numpy as np
@@ -52,11 +53,18 @@ def test_pareto_front_hand_cases():
     assert pareto_front([(2.0, 1.0), (1.0, 2.0), (2.0, 2.0), (1.0, 3.0)]) == [True, True, False, False]
 
 
+def passing_front(rows):
+    """The front of passing rows only (brute force): a failing plan is never on it and dominates nothing."""
+    points = [(e, lat) if ok else (math.nan, math.nan)
+              for e, lat, ok in zip(rows["allclose_ratio"], rows["latency_s"], rows["passes"])]
+    return brute_force_front(points)
+
+
 def sample_rows(n=12, seed=0):
     rng = np.random.default_rng(seed)
     rows = pd.DataFrame({
         "candidate": [f"cand{i:03d}" for i in range(n)],
-        "error": rng.lognormal(-9, 3, n),
+        "allclose_ratio": rng.lognormal(-9, 3, n),
         "latency_s": rng.lognormal(-8, 1, n),
         "latency_source": ["modelled"] * n,
         "verdict_source": rng.choice(["cache", "static", "measured"], n),
@@ -85,7 +93,7 @@ def test_report_files(tmp_path):
     assert body.count("<tr") == len(rows)
     for candidate in rows["candidate"]:
         assert f"<td>{candidate}</td>" in body
-    expected_front = pareto_front(list(zip(rows["error"], rows["latency_s"])))
+    expected_front = passing_front(rows)
     assert len(re.findall(r'<tr class="front[ "]', body)) == sum(expected_front)
     assert "toy &lt;model&gt;" in page and "<script" in page and "http" not in page  # self-contained
 
@@ -100,11 +108,11 @@ def test_csv_round_trips_floats_exactly(tmp_path):
     rows = sample_rows()
     hard = [0.1 + 0.2, 1 / 3, 5e-324, 2.2250738585072014e-308, 1e200, 123456789.12345678,
             float.fromhex("0x1.fffffffffffffp-1"), 0.0, 3e-17, 6.02214076e23, 1e-300, 0.5]
-    rows["error"] = hard
+    rows["allclose_ratio"] = hard
     files = write_pareto_report(tmp_path, rows, budget_error=1e-3, title="t", error_label="err")
     with files.csv.open(newline="") as stream:
         records = list(csv.DictReader(stream))
-    assert [float(r["error"]).hex() for r in records] == [x.hex() for x in hard]
+    assert [float(r["allclose_ratio"]).hex() for r in records] == [x.hex() for x in hard]
     latencies = [float(r["latency_s"]) if r["latency_s"] else math.nan for r in records]
     np.testing.assert_array_equal(np.array(latencies), rows["latency_s"].to_numpy())
 
@@ -133,7 +141,7 @@ def test_failure_mid_write_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="renderer crashed"):
         write_pareto_report(report_dir, sample_rows(), 1e-3, "t", "err")
     assert not report_dir.exists()
-    assert listing(tmp_path) == sorted(before + ["reports"])  # only the (empty) parent remains
+    assert listing(tmp_path) == before  # the folders made for it are gone too
 
 
 def test_failure_keeps_the_previous_report_and_sibling_files(tmp_path, monkeypatch):
@@ -141,7 +149,7 @@ def test_failure_keeps_the_previous_report_and_sibling_files(tmp_path, monkeypat
     (tmp_path / "plan.json").write_text("{}")
     old = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     bad = sample_rows(seed=2)
-    bad["error"] = [*bad["error"][:3], "not a number", *bad["error"][4:]]
+    bad["allclose_ratio"] = [*bad["allclose_ratio"][:3], "not a number", *bad["allclose_ratio"][4:]]
     with pytest.raises(ValueError):
         write_pareto_report(tmp_path, bad, 1e-3, "t", "err")
 
@@ -159,7 +167,7 @@ def test_failure_keeps_the_previous_report_and_sibling_files(tmp_path, monkeypat
     (lambda r: r.assign(passes="yes"), "booleans"),
     (lambda r: r.assign(candidate="same"), "duplicate"),
     (lambda r: r.assign(label="chosen"), "more than one"),
-    (lambda r: r.assign(error=-1.0), "negative"),
+    (lambda r: r.assign(allclose_ratio=-1.0), "negative"),
 ])
 def test_malformed_rows_are_rejected(tmp_path, mutate, message):
     with pytest.raises(ValueError, match=message):
@@ -215,3 +223,89 @@ def test_write_op_table(tmp_path):
     assert not (tmp_path / "bad.csv").exists()
     frame = pd.DataFrame({"op": ["x"], "dtype": ["f8e4m3"]})
     assert write_op_table(tmp_path / "f.csv", frame).read_text() == "op,dtype\nx,f8e4m3\n"
+
+
+def _page_text(page: str) -> str:
+    """The page without its embedded PNG (base64 holds long digit runs by chance)."""
+    return re.sub(r"base64,[A-Za-z0-9+/=]+", "base64,", page)
+
+
+def assert_page_is_for_people(page: str) -> None:
+    """No reprs (np.float64(...)), no 'nan', no 10+ digit runs (a 17-digit float printed whole)."""
+    text = _page_text(page)
+    assert "np.float64(" not in text and "np.float32(" not in text
+    assert not re.search(r"\bnan\b", text, flags=re.IGNORECASE)
+    assert not re.search(r"\d{10,}", text), re.search(r".{40}\d{10,}.{10}", text)
+
+
+def test_html_numbers_are_for_people_and_show_threshold_and_chosen(tmp_path):
+    rows = sample_rows()
+    rows["allclose_ratio"] = [np.float64(x) for x in rows["allclose_ratio"]]  # what the search hands in
+    rows["max_abs"] = [np.float64(0.034234567890123456)] * len(rows)
+    chosen = rows.index[rows["label"] == "chosen"][0]
+    rows.loc[chosen, ["allclose_ratio", "latency_s", "passes"]] = [0.0342345678901234, 1.23456789e-4, True]
+    files = write_pareto_report(tmp_path, rows, 1.0, "t", "allclose ratio", threshold=0.5)
+    page = files.html.read_text()
+    assert_page_is_for_people(page)
+    assert "threshold 0.5 (headroom 0.5 x budget)" in page and "allclose ratio &le; 1" in page
+    assert "chosen plan: candidate cand004 (allclose ratio 0.0342, latency 123 us)" in page
+    assert "<th>latency</th>" in page and "<th>allclose ratio</th>" in page
+    # the CSV stays the exact record
+    table = pd.read_csv(files.csv)
+    assert table.loc[chosen, "allclose_ratio"] == 0.0342345678901234
+
+
+def test_front_is_over_passing_plans_only(tmp_path):
+    rows = sample_rows().assign(latency_s=1e-3)
+    rows.loc[0, ["allclose_ratio", "latency_s", "passes"]] = [1e-9, 1e-6, False]  # fastest, most accurate, fails
+    files = write_pareto_report(tmp_path, rows, 1.0, "t", "err")
+    table = pd.read_csv(files.csv)
+    assert not table.loc[0, "on_front"]
+    assert table["on_front"].sum() >= 1 and table.loc[table["on_front"], "passes"].all()
+    assert list(table["on_front"]) == passing_front(rows)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 2.0, -1.0])
+def test_threshold_outside_the_budget_is_refused(tmp_path, threshold):
+    with pytest.raises(ValueError, match="threshold"):
+        write_pareto_report(tmp_path / "r", sample_rows(), 1.0, "t", "err", threshold=threshold)
+    assert not (tmp_path / "r").exists()
+
+
+def test_atomic_files_rolls_back_when_a_move_fails(tmp_path, monkeypatch):
+    """plan.json cannot be replaced: the pareto files moved in before it are taken out again and the
+    old ones put back (the issue's mixed folder)."""
+    from luminal_num.report import files as files_module
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("pareto.csv", "plan.json", "other.txt"):
+        (out / name).write_text(f"old {name}")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if Path(dst) == out / "plan.json" and Path(src).read_text() == "new plan.json":
+            raise PermissionError("cannot replace plan.json")
+        return real_replace(src, dst)
+    monkeypatch.setattr(files_module.os, "replace", failing_replace)
+    with pytest.raises(PermissionError):
+        with files_module.atomic_files(out) as staging:
+            for name in ("pareto.csv", "pareto.html", "plan.json"):
+                (staging / name).write_text(f"new {name}")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert listing(tmp_path) == ["out", "out/other.txt", "out/pareto.csv", "out/plan.json"]
+
+
+@pytest.mark.parametrize("value, shown", [(0.034234567890123456, "0.0342"), (np.float64(1.23456e-5), "1.23e-05"),
+                                          (1234.5, "1.23e+03"), (0.0, "0"), (math.inf, "inf"),
+                                          (math.nan, "-"), (None, "-")])
+def test_fmt_num(value, shown):
+    from luminal_num.report.numbers import fmt_num
+    assert fmt_num(value) == shown
+
+
+@pytest.mark.parametrize("seconds, shown", [(7.603759e-05, "76 us"), (1.23456e-3, "1.23 ms"), (2.5, "2.5 s"),
+                                            (4e-9, "4 ns"), (0.0, "0 ns"), (math.nan, "-")])
+def test_fmt_latency(seconds, shown):
+    from luminal_num.report.numbers import fmt_latency
+    assert fmt_latency(seconds) == shown

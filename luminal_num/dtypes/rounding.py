@@ -107,6 +107,14 @@ def _apply_overflow(x: np.ndarray, rounded: np.ndarray, fmt: Format, overflow: O
     return out
 
 
+def _policy(overflow) -> Overflow:
+    """The overflow policy, refused unless it is an Overflow (its string value would be misread)."""
+    if not isinstance(overflow, Overflow):
+        raise TypeError(f"overflow must be an Overflow member ({', '.join(f'Overflow.{m.name}' for m in Overflow)}), "
+                        f"got {overflow!r}")
+    return overflow
+
+
 def round_to(x, fmt: Format | str, overflow: Overflow = Overflow.SATURATE) -> np.ndarray:
     """`x` rounded to nearest (ties to even) in `fmt`, as float32 values exactly representable in fmt.
 
@@ -115,7 +123,7 @@ def round_to(x, fmt: Format | str, overflow: Overflow = Overflow.SATURATE) -> np
     half to even, then the overflow policy on the two's complement range. E8M0 is a scale format:
     use `luminal_num.quant.scales`, which computes power-of-two scales exactly.
     """
-    fmt = get(fmt)
+    fmt, overflow = get(fmt), _policy(overflow)
     if fmt.kind is Kind.SCALE:
         raise ValueError(f"{fmt} holds scales, not values: compute them with luminal_num.quant.scales")
     given = _as_container(np.asarray(x))
@@ -143,7 +151,7 @@ def to_storage(x, fmt: Format | str, overflow: Overflow = Overflow.SATURATE) -> 
     Rounding is done here (bit-exactly), so the final cast is exact. E8M0 accepts only exact powers
     of two in [2^-127, 2^127]; a NaN that the storage type cannot hold (integers, e2m1) is an error.
     """
-    fmt = get(fmt)
+    fmt, overflow = get(fmt), _policy(overflow)
     if fmt.kind is Kind.SCALE:
         values = np.asarray(x, dtype=np.float64)
         mantissa, _ = np.frexp(values)

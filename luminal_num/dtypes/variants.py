@@ -200,9 +200,27 @@ class GemmPrecision:
             abs_acc += _times(q_dot, F32.min_subnormal / 2.0)
         in_accumulator = q_dot if scaled and not self.scales_per_product else abs_hat
         no_overflow = np.asarray(in_accumulator * (1 + rel_acc) <= self.accumulator.max_finite)
+        no_overflow = no_overflow & self._fp32_fits(abs_hat * (1 + rel_acc) + abs_acc * (1 + rel_acc),
+                                                    (big_a, rel_a, abs_a, scale_a), (big_b, rel_b, abs_b, scale_b))
         bound = operand_err + rel_acc * abs_hat + abs_acc * (1 + rel_acc)
         bound = np.where(no_overflow, bound, math.inf)
         return float(bound) if bound.ndim == 0 else bound
+
+    def _fp32_fits(self, result_abs, a_terms, b_terms) -> np.ndarray:
+        """No FP32 intermediate outside the (narrow) accumulator can overflow: the output itself (the
+        FP32 cross-chunk total of promoted or per-chunk-scaled sums, which the quantized chunk check
+        does not see), the scale product fl32(sa * sb), and an operand dequantized as q * 2^e in FP32
+        (power-of-two scales applied per product: |q s| <= (1 + rel) amax + abs, e.g. 3.3e38 -> 2^128)."""
+        fits = np.asarray(result_abs <= F32.max_finite)
+        scaled = self.a_scale is not None or self.b_scale is not None
+        exact_prescale = self.scales_per_product and not self.grouped
+        if scaled and not exact_prescale:
+            fits = fits & (_times(a_terms[3], b_terms[3]) <= F32.max_finite)
+        if exact_prescale:
+            for (big, rel, absolute, _), spec in ((a_terms, self.a_scale), (b_terms, self.b_scale)):
+                if spec is not None:
+                    fits = fits & (_times(big, 1 + rel) + absolute <= F32.max_finite)
+        return fits
 
     def roundings(self, k: int) -> list[_Rounding]:
         """Every rounding between the exact products and one output, in order (numerics defines them)."""

@@ -26,6 +26,11 @@ def _exact(x: float) -> str:
     return repr(float(x))
 
 
+def _shown(x: float) -> str:
+    """A measured value for a person reading a reason: 4 significant digits (limits stay exact)."""
+    return repr(float(f"{float(x):.4g}"))
+
+
 @dataclass(frozen=True)
 class MetricLimit:
     """One metric bound, e.g. cosine >= 0.9999; the direction comes from the metric's declaration."""
@@ -38,6 +43,9 @@ class MetricLimit:
         object.__setattr__(self, "limit", float(self.limit))
         if math.isnan(self.limit):
             raise ValueError(f"limit of {self.name} is NaN")
+        low, high = METRICS[self.name].values
+        if not low <= self.limit <= high:  # cosine>=2 or kl<=-1 can never pass: refuse it before any work
+            raise ValueError(f"{self.name} lies in [{low:g}, {high:g}]; a limit of {self.limit!r} is outside it")
 
     @property
     def operator(self) -> str:
@@ -148,6 +156,8 @@ class Budget:
     @classmethod
     def parse(cls, text: str) -> "Budget":
         """Parse 'atol=1e-3,rtol=0,cosine>=0.9999,outputs=logits|hidden' (atol and rtol are required)."""
+        if not text.strip():
+            raise BudgetSyntaxError("the budget is empty (write e.g. atol=1e-3,rtol=1e-2)", text)
         fields: dict[str, object] = {}
         metrics: list[MetricLimit] = []
         for position, raw in enumerate(text.split(","), start=1):
@@ -198,7 +208,12 @@ class Budget:
                                     f"{key}{metric.direction.operator}LIMIT, not {token!r}", token)
         if any(m.name == metric.name for m in seen):
             raise BudgetSyntaxError(f"{metric.name} limited twice (again in {token!r})", token)
-        return MetricLimit(metric.name, _parse_float(value, token))
+        try:
+            return MetricLimit(metric.name, _parse_float(value, token))
+        except BudgetSyntaxError:
+            raise
+        except ValueError as error:
+            raise BudgetSyntaxError(f"{error} (in {token!r})", token) from None
 
     def __str__(self) -> str:
         parts = [f"atol={_exact(self.atol)}", f"rtol={_exact(self.rtol)}"]
@@ -244,18 +259,18 @@ class Budget:
             reason = f"output {failed[0].name!r}: {failed[0].failures[0]}"
         else:
             worst_name = max(verdicts, key=lambda v: v.allclose_ratio).name if verdicts else "-"
-            reason = f"within budget {self}: worst allclose ratio {worst!r} ({worst_name})"
+            reason = f"within budget {self}: worst allclose ratio {_shown(worst)} ({worst_name})"
         return BudgetVerdict(not failed, verdicts, worst, reason)
 
     def _judge(self, name: str, y, ref) -> OutputVerdict:
         ratio = allclose_violation(y, ref, self.atol, self.rtol)
         failures = []
         if not ratio <= 1.0:
-            failures.append(f"allclose ratio {ratio!r} > 1 (atol={_exact(self.atol)}, rtol={_exact(self.rtol)})")
+            failures.append(f"allclose ratio {_shown(ratio)} > 1 (atol={_exact(self.atol)}, rtol={_exact(self.rtol)})")
         values = []
         for limit in self.metrics:
             value = float(METRICS[limit.name](y, ref))
             values.append((limit.name, value))
             if not limit.passes(value):
-                failures.append(f"{limit.name}={value!r} violates {limit}")
+                failures.append(f"{limit.name}={_shown(value)} violates {limit}")
         return OutputVerdict(name, ratio, tuple(values), tuple(failures))

@@ -23,6 +23,7 @@ import numpy as np
 from luminal_num.dtypes.formats import Format, Kind
 from luminal_num.error.highprec import add_directed, mul_directed, recip_directed, sqrt_directed
 from luminal_num.error.rounding_bounds import gamma
+from luminal_num.hlir.ops import Op
 
 INF = math.inf
 U64 = 2.0 ** -53
@@ -443,48 +444,71 @@ def _sin_slope(a: Interval) -> np.ndarray:
 @dataclass(frozen=True)
 class Transfer:
     """One HLIR primop's interval semantics: `apply(*intervals, **params)`, and for unary elementwise
-    ops the max |f'| over an interval (first-order error propagation)."""
+    ops the max |f'| over an interval (first-order error propagation). Arity comes from the op's own
+    declaration."""
 
-    name: str
-    arity: int
+    op: Op
     apply: Callable[..., Interval]
     slope: Callable[[Interval], np.ndarray] | None = None
 
+    @property
+    def arity(self) -> int:
+        return self.op.decl.arity
 
-TRANSFERS: dict[str, Transfer] = {t.name: t for t in (
-    Transfer("Add", 2, add),
-    Transfer("Mul", 2, mul),
-    Transfer("Recip", 1, recip, _recip_slope),
-    Transfer("Sqrt", 1, sqrt, _sqrt_slope),
-    Transfer("Exp2", 1, exp2, _exp2_slope),
-    Transfer("Log2", 1, log2, _log2_slope),
-    Transfer("Sin", 1, sin, _sin_slope),
-    Transfer("Mod", 2, mod),
-    Transfer("LessThan", 2, less_than),
-    Transfer("SumReduce", 1, sum_reduce),
-    Transfer("MaxReduce", 1, max_reduce),
-    Transfer("Softmax", 1, softmax),
-    Transfer("Cast", 1, cast),
+
+TRANSFERS: dict[Op, Transfer] = {t.op: t for t in (
+    Transfer(Op.ADD, add),
+    Transfer(Op.MUL, mul),
+    Transfer(Op.RECIP, recip, _recip_slope),
+    Transfer(Op.SQRT, sqrt, _sqrt_slope),
+    Transfer(Op.EXP2, exp2, _exp2_slope),
+    Transfer(Op.LOG2, log2, _log2_slope),
+    Transfer(Op.SIN, sin, _sin_slope),
+    Transfer(Op.MOD, mod),
+    Transfer(Op.LESS_THAN, less_than),
+    Transfer(Op.SUM_REDUCE, sum_reduce),
+    Transfer(Op.MAX_REDUCE, max_reduce),
+    Transfer(Op.SOFTMAX, softmax),
+    Transfer(Op.CAST, cast),
 )}
 
+# The ops with no interval transfer here, and where their values come from instead (a coverage test
+# checks that TRANSFERS and this table together name every Op exactly once).
+NO_TRANSFER: dict[Op, str] = {
+    Op.INPUT: "seeded from the declared or calibration range",
+    Op.CONSTANT: "a point interval of its value",
+    Op.IOTA: "a point interval of 0..n-1",
+    Op.GATHER: "rows of the table: error.static's GATHER kernel",
+    Op.SCATTER: "hull of destination and source rows: error.static's SCATTER kernels",
+    Op.CUSTOM: "per kind (erf, tanh: increasing): error.static",
+    Op.OUTPUT: "the value it names",
+}
 
-def transfer(op: str, *inputs: Interval, **params) -> Interval:
-    """Apply op's transfer function (params: axis/n for reductions and Softmax, fmt for Cast)."""
+
+def _entry(op: Op) -> Transfer:
+    if not isinstance(op, Op):
+        raise TypeError(f"interval transfers are keyed by hlir.ops.Op, got {op!r}")
     try:
-        entry = TRANSFERS[op]
+        return TRANSFERS[op]
     except KeyError:
-        raise KeyError(f"no interval transfer for op {op!r}; known: {', '.join(TRANSFERS)}") from None
+        raise KeyError(f"no interval transfer for {op.decl.name} ({NO_TRANSFER[op]}); "
+                       f"known: {', '.join(o.decl.name for o in TRANSFERS)}") from None
+
+
+def transfer(op: Op, *inputs: Interval, **params) -> Interval:
+    """Apply op's transfer function (params: axis/n for reductions and Softmax, fmt for Cast)."""
+    entry = _entry(op)
     if len(inputs) != entry.arity:
-        raise TypeError(f"{op} takes {entry.arity} interval(s), got {len(inputs)}")
+        raise TypeError(f"{op.decl.name} takes {entry.arity} interval(s), got {len(inputs)}")
     return entry.apply(*inputs, **params)
 
 
-def derivative_bound(op: str, x: Interval) -> float | np.ndarray:
+def derivative_bound(op: Op, x: Interval) -> float | np.ndarray:
     """max |f'(t)| for t in x (per element), rounded up; inf where f' is unbounded or x leaves f's domain."""
-    entry = TRANSFERS.get(op)
-    if entry is None or entry.slope is None:
-        known = [name for name, t in TRANSFERS.items() if t.slope is not None]
-        raise KeyError(f"no derivative bound for op {op!r}; known: {', '.join(known)}")
+    entry = _entry(op)
+    if entry.slope is None:
+        known = [o.decl.name for o, t in TRANSFERS.items() if t.slope is not None]
+        raise KeyError(f"no derivative bound for {op.decl.name}; known: {', '.join(known)}")
     with np.errstate(over="ignore", invalid="ignore"):
         slope = np.asarray(entry.slope(x), dtype=np.float64)
     return float(slope) if slope.ndim == 0 else slope

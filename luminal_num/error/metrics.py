@@ -13,6 +13,7 @@ Non-finite policy (one rule for every metric):
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,6 +45,7 @@ class Metric:
     direction: Direction
     description: str
     aliases: tuple[str, ...] = ()
+    values: tuple[float, float] = (0.0, math.inf)  # the closed range the metric's value lies in
 
     def passes(self, value: float, limit: float) -> bool:
         """value within limit in this metric's direction (NaN never passes)."""
@@ -244,10 +246,11 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("max_abs", max_abs, Direction.LOWER, "max |y - ref|", ("abs",)),
     Metric("max_rel", max_rel, Direction.LOWER, "max |y - ref| / max(|ref|, 2^-1022)", ("rel",)),
     Metric("rel_l2", rel_l2, Direction.LOWER, "||y - ref||_2 / ||ref||_2", ("l2",)),
-    Metric("cosine", cosine, Direction.HIGHER, "min over rows of the cosine similarity (last axis)", ("cos",)),
+    Metric("cosine", cosine, Direction.HIGHER, "min over rows of the cosine similarity (last axis)", ("cos",),
+           (-1.0, 1.0)),
     Metric("kl_logits", kl_logits, Direction.LOWER, "mean over rows of KL(softmax(ref) || softmax(y))", ("kl",)),
     Metric("top1_agreement", top1_agreement, Direction.HIGHER, "fraction of rows with the same argmax",
-           ("top1",)),
+           ("top1",), (0.0, 1.0)),
     *(_ulp_metric(f) for f in ulp_formats()),
 )}
 

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
 from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
 from ..dtypes.formats import F32, Format, Kind
+from ..dtypes.formats import get as get_format
 from ..dtypes.variants import GEMM_VARIANTS
 from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result, read_operand
 from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import evaluate as eval_dim
 from .interval import Interval, derivative_bound, hull, transfer
+from .normalize import NormBound
 from .rounding_bounds import gamma
 
 SLACK = 1.0 + 2.0 ** -40  # covers FP64's own error in the reference and in these bound computations
@@ -43,8 +45,7 @@ class Overflow:
 
 
 def Format_max(name: str) -> float:
-    from ..dtypes.formats import get
-    return get(name).max_finite
+    return get_format(name).max_finite
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,19 @@ class StaticReport:
 class _Val:
     iv: Interval
     err: np.ndarray
+    floor: float | None = None  # a lower bound >= 0 of the EXECUTED value (exp2, squares, 1 + exp2 ...)
 
     @property
     def wide(self) -> Interval:
-        """Where the executed value can be: the exact interval widened by the error bound."""
+        """Where the executed value can be: the exact interval widened by the error bound, cut at the
+        executed value's floor (rounding is monotone: exp2(t) >= 0 stays >= 0, so 1 + exp2(t) >= 1 and
+        a sigmoid's reciprocal keeps a slope <= 1 however large exp2's error is)."""
         with np.errstate(invalid="ignore"):
-            return Interval(np.where(np.isfinite(self.err), self.iv.lo - self.err, -np.inf),
-                            np.where(np.isfinite(self.err), self.iv.hi + self.err, np.inf), self.iv.nan)
+            lo = np.where(np.isfinite(self.err), self.iv.lo - self.err, -np.inf)
+            hi = np.where(np.isfinite(self.err), self.iv.hi + self.err, np.inf)
+            if self.floor is not None:  # the hull of executed (>= floor) and exact (>= iv.lo) values
+                lo = np.maximum(lo, np.minimum(self.floor, self.iv.lo))
+            return Interval(lo, hi, self.iv.nan)
 
 
 def _mag(iv: Interval) -> np.ndarray:
@@ -107,7 +114,27 @@ def _store(v: _Val, fmt: Format, k: Kernel, origin: str = "") -> _Val:
     maybe = _mag(wide) > fmt.max_finite
     rounding = fmt.unit_roundoff * _mag(wide) + fmt.min_subnormal / 2
     err = np.where(maybe, np.inf, (v.err + rounding) * SLACK)
-    return _Val(v.iv, err)
+    return _Val(v.iv, err, _rounded_floor(v.floor, fmt))
+
+
+def _rounded_floor(floor: float | None, fmt: Format) -> float | None:
+    """RN is monotone: a value >= f rounds to >= RN(f) >= f (1 - u) - half a subnormal, and >= 0."""
+    if floor is None:
+        return None
+    return max(0.0, floor * (1 - fmt.unit_roundoff) * (1 - 2.0 ** -52) - fmt.min_subnormal / 2)
+
+
+def _floor_of(op: Op, args: list[_Val]) -> float | None:
+    """The executed result's floor before its rounding (None: nothing known); floors are >= 0."""
+    floors = [a.floor for a in args]
+    if op in (Op.EXP2, Op.SQRT):
+        return 0.0
+    if op is Op.RECIP:
+        return 0.0 if floors[0] is not None and floors[0] > 0 else None
+    if op in (Op.ADD, Op.MUL) and None not in floors:
+        total = floors[0] + floors[1] if op is Op.ADD else floors[0] * floors[1]
+        return max(0.0, float(np.nextafter(total, -np.inf)))
+    return None
 
 
 def _round_f32(v: _Val, k: Kernel) -> _Val:
@@ -123,7 +150,7 @@ def _slope(op: Op, kind: str | None, wide: Interval) -> np.ndarray:
         if kind == "tanh":
             return (1.0 - np.tanh(nearest) ** 2) * SLACK
         raise KeyError(f"no derivative bound for custom {kind!r}")
-    return np.asarray(derivative_bound(op.decl.name, wide))
+    return np.asarray(derivative_bound(op, wide))
 
 
 def _custom_interval(kind: str, iv: Interval) -> Interval:
@@ -136,6 +163,8 @@ class StaticAnalyzer:
     def __init__(self, program: Program, bindings: Mapping[str, int]):
         self.p, self.bindings = program, dict(bindings)
         self.vals: dict[int, _Val] = {}
+        self.norm = NormBound(self)
+        self.softmax_rel: dict[int, tuple[np.ndarray, float]] = {}  # see _softmax
 
     def read(self, k: Kernel, i: int) -> _Val:
         inp = k.inputs[i]
@@ -144,20 +173,29 @@ class StaticAnalyzer:
         hi = inp.view.realize(np.asarray(src.iv.hi), self.bindings)
         nan = inp.view.realize(np.broadcast_to(src.iv.nan, src.iv.lo.shape).astype(np.float64), self.bindings)
         err = inp.view.realize(np.asarray(src.err), self.bindings)
-        return _Val(Interval(lo, hi, nan > 0), err)
+        masked = any(v.mask is not None for v in inp.view.views)  # padding reads an exact 0
+        floor = None if src.floor is None else (0.0 if masked else src.floor)
+        return _Val(Interval(lo, hi, nan > 0), err, floor)
 
     def body(self, e: FExpr, k: Kernel) -> _Val:
         if isinstance(e, FLoad):
             return self.read(k, e.slot)
         if isinstance(e, FConstV):
             c = e.value if isinstance(e.value, float) else float(eval_dim(e.value, self.bindings))
-            return _Val(Interval.point(c), np.asarray(abs(float(np.float32(c)) - c)))
+            c32 = float(np.float32(c))
+            return _Val(Interval.point(c), np.asarray(abs(c32 - c)), c32 if c32 >= 0 else None)
         if isinstance(e, FRoundTo):
             return _store(self.body(e.x, k), e.fmt, k, e.origin)
         if e.op is Op.MUL and len(e.args) == 2 and e.args[0] == e.args[1]:
             return _round_f32(self._square(self.body(e.args[0], k)), k)
         args = [self.body(a, k) for a in e.args]
-        return _round_f32(self._apply(e, args), k)
+        generic = self._apply(e, args)
+        norm = self.norm.bound(e, k) if e.op is Op.MUL else None
+        if norm is not None:  # x * rsqrt(c * sum(x^2) + eps): the correlated bound (error/normalize.py)
+            iv, err = norm  # both are sound: keep the tighter of each
+            generic = _Val(Interval(np.maximum(iv.lo, generic.iv.lo), np.minimum(iv.hi, generic.iv.hi), generic.iv.nan),
+                           np.minimum(err, generic.err), generic.floor)
+        return _round_f32(generic, k)
 
     @staticmethod
     def _square(a: _Val) -> _Val:
@@ -169,34 +207,34 @@ class StaticAnalyzer:
             low = np.where((lo <= 0) & (hi >= 0), 0.0, np.nextafter(np.minimum(sq_lo, sq_hi), -np.inf))
             high = np.nextafter(np.maximum(sq_lo, sq_hi), np.inf)
             err = 2 * _mag(a.iv) * a.err + a.err * a.err
-        return _Val(Interval(np.maximum(low, 0.0), high, a.iv.nan), np.nan_to_num(err, nan=np.inf) * SLACK)
+        return _Val(Interval(np.maximum(low, 0.0), high, a.iv.nan), np.nan_to_num(err, nan=np.inf) * SLACK, 0.0)
 
     def _apply(self, e: FApply, args: list[_Val]) -> _Val:
         op = e.op
         with np.errstate(all="ignore"):
             if op is Op.ADD:
                 a, b = args
-                return _Val(transfer("Add", a.iv, b.iv), (a.err + b.err) * SLACK)
+                return _Val(transfer(Op.ADD, a.iv, b.iv), (a.err + b.err) * SLACK, _floor_of(op, args))
             if op is Op.MUL:
                 a, b = args
                 err = _mag(a.iv) * b.err + _mag(b.iv) * a.err + a.err * b.err
-                return _Val(transfer("Mul", a.iv, b.iv), np.nan_to_num(err, nan=np.inf) * SLACK)
+                return _Val(transfer(Op.MUL, a.iv, b.iv), np.nan_to_num(err, nan=np.inf) * SLACK, _floor_of(op, args))
             if op is Op.LESS_THAN:
                 a, b = args
-                out = transfer("LessThan", a.iv, b.iv)
+                out = transfer(Op.LESS_THAN, a.iv, b.iv)
                 aw, bw = a.wide, b.wide
                 undecided = ~((aw.hi < bw.lo) | (aw.lo >= bw.hi))  # the executed comparison may flip
                 flips = undecided & ((a.err > 0) | (b.err > 0))
                 return _Val(out, np.where(flips, 1.0, 0.0))
             if op is Op.MOD:
                 a, b = args
-                out = transfer("Mod", a.iv, b.iv)
+                out = transfer(Op.MOD, a.iv, b.iv)
                 return _Val(out, np.where((a.err > 0) | (b.err > 0), np.inf, 0.0))
             (a,) = args
-            iv = _custom_interval(e.kind, a.iv) if op is Op.CUSTOM else transfer(op.decl.name, a.iv)
+            iv = _custom_interval(e.kind, a.iv) if op is Op.CUSTOM else transfer(op, a.iv)
             slope = _slope(op, e.kind, a.wide)
             err = np.where(a.err > 0, slope * a.err, 0.0)
-            return _Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK)
+            return _Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK, _floor_of(op, args))
 
     def run(self, inputs: Mapping[str, Interval]) -> StaticReport:
         try:
@@ -209,74 +247,124 @@ class StaticAnalyzer:
                             {n: v.iv for n, v in outs.items()}, None)
 
     def kernel(self, k: Kernel, inputs: Mapping[str, Interval]) -> _Val:
-        kind = k.kind
-        if kind is KernelKind.EXTERNAL:
-            iv = inputs[k.external]
-            shape = tuple(eval_dim(d, self.bindings) for d in k.shape)
-            iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
-            if k.dtype.kind is not Kind.FLOAT:
-                return _Val(iv, np.zeros(shape))
-            return _store(_Val(iv, np.zeros(shape)), k.dtype, k)
-        if kind is KernelKind.CONST:
-            c = k.value if isinstance(k.value, float) else float(eval_dim(k.value, self.bindings))
-            return _store(_Val(Interval.point(np.asarray(c)), np.asarray(0.0)), k.dtype, k)
-        if kind is KernelKind.IOTA:
-            n = eval_dim(k.value, self.bindings)
-            return _store(_Val(Interval.point(np.arange(n, dtype=np.float64)), np.zeros(n)), k.dtype, k)
-        if kind is KernelKind.ELEMENTWISE:
-            v = self.body(k.body, k)
-            shape = tuple(eval_dim(d, self.bindings) for d in k.shape)
-            v = _Val(Interval(np.broadcast_to(v.iv.lo, shape), np.broadcast_to(v.iv.hi, shape),
-                              np.broadcast_to(v.iv.nan, shape)), np.broadcast_to(v.err, shape))
-            return _store(v, k.dtype, k)
-        if kind is KernelKind.SUM:
-            v = self.body(k.body, k)
-            n = v.iv.lo.shape[k.axis]
-            iv = transfer("SumReduce", v.iv, axis=k.axis)
-            acc = k.acc or F32
-            with np.errstate(all="ignore"):
-                err = np.sum(v.err, axis=k.axis) + gamma(n, acc.unit_roundoff) * np.sum(_mag(v.wide), axis=k.axis) \
-                    + n * acc.min_subnormal / 2
-            return _store(_Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK), k.dtype, k)
-        if kind is KernelKind.MAX:
-            v = self.body(k.body, k)
-            return _store(_Val(transfer("MaxReduce", v.iv, axis=k.axis), np.max(v.err, axis=k.axis)), k.dtype, k)
-        if kind is KernelKind.SOFTMAX:
-            return _store(self.softmax(k), k.dtype, k)
-        if kind is KernelKind.GEMM:
-            return _store(self.gemm(k), k.dtype, k)
-        if kind is KernelKind.QUANTIZE:
-            lo, hi, err = self._gemm_operand(k, 0)
-            return _Val(Interval(lo, hi), err)
-        if kind is KernelKind.GATHER:
-            table = self.read(k, 0)
-            rows = Interval(table.iv.lo.min(axis=0), table.iv.hi.max(axis=0))
-            shape = tuple(eval_dim(d, self.bindings) for d in k.shape)
-            return _Val(Interval(np.broadcast_to(rows.lo, shape), np.broadcast_to(rows.hi, shape)),
-                        np.broadcast_to(table.err.max(axis=0), shape))
-        if kind in (KernelKind.SCATTER, KernelKind.SCATTER_NOCOPY):
-            dest, src = self.read(k, 0), self.read(k, 1)
-            srow = Interval(src.iv.lo.min(axis=0), src.iv.hi.max(axis=0))
-            iv = hull(dest.iv, Interval(np.broadcast_to(srow.lo, dest.iv.lo.shape), np.broadcast_to(srow.hi, dest.iv.lo.shape)))
-            return _Val(iv, np.maximum(dest.err, src.err.max(axis=0)))
-        raise AssertionError(f"unhandled kernel kind {kind}")  # every KernelKind is handled above
+        return KERNEL_TRANSFERS[k.kind](self, k, inputs)
 
-    def softmax(self, k: Kernel) -> _Val:
+    def _shape(self, k: Kernel) -> tuple[int, ...]:
+        return tuple(eval_dim(d, self.bindings) for d in k.shape)
+
+    def external(self, k: Kernel, inputs: Mapping[str, Interval]) -> _Val:
+        iv = inputs[k.external]
+        shape = self._shape(k)
+        iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
+        if k.dtype.kind is not Kind.FLOAT:
+            return _Val(iv, np.zeros(shape))
+        low = float(np.min(iv.lo)) if iv.lo.size else 0.0
+        return _store(_Val(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
+
+    def const(self, k: Kernel, inputs) -> _Val:
+        c = k.value if isinstance(k.value, float) else float(eval_dim(k.value, self.bindings))
+        return _store(_Val(Interval.point(np.asarray(c)), np.asarray(0.0), c if c >= 0 else None), k.dtype, k)
+
+    def iota(self, k: Kernel, inputs) -> _Val:
+        n = eval_dim(k.value, self.bindings)
+        return _store(_Val(Interval.point(np.arange(n, dtype=np.float64)), np.zeros(n), 0.0), k.dtype, k)
+
+    def elementwise(self, k: Kernel, inputs) -> _Val:
         v = self.body(k.body, k)
-        iv = transfer("Softmax", v.iv, axis=k.axis)
+        shape = self._shape(k)
+        v = _Val(Interval(np.broadcast_to(v.iv.lo, shape), np.broadcast_to(v.iv.hi, shape),
+                          np.broadcast_to(v.iv.nan, shape)), np.broadcast_to(v.err, shape), v.floor)
+        return _store(v, k.dtype, k)
+
+    def sum(self, k: Kernel, inputs) -> _Val:
+        v = self.body(k.body, k)
+        n = v.iv.lo.shape[k.axis]
+        iv = transfer(Op.SUM_REDUCE, v.iv, axis=k.axis)
+        acc = k.acc or F32
+        g = gamma(n, acc.unit_roundoff)
+        with np.errstate(all="ignore"):
+            abs_sum = np.sum(_mag(v.wide), axis=k.axis)
+            err = np.sum(v.err, axis=k.axis) + g * abs_sum + n * acc.min_subnormal / 2
+            # every running total, in any order, is at most sum|terms| (1 + gamma_n): past the
+            # accumulator's max a partial sum may overflow even when the final sum is small
+            err = np.where(abs_sum * (1 + g) + n * acc.min_subnormal <= acc.max_finite, err, np.inf)
+        floor = None if v.floor is None else 0.0  # a sum of executed values >= 0 rounds to >= 0
+        return _store(_Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK, floor), k.dtype, k)
+
+    def max(self, k: Kernel, inputs) -> _Val:
+        v = self.body(k.body, k)
+        return _store(_Val(transfer(Op.MAX_REDUCE, v.iv, axis=k.axis), np.max(v.err, axis=k.axis), v.floor),
+                      k.dtype, k)
+
+    def quantize(self, k: Kernel, inputs) -> _Val:
+        lo, hi, err = self._gemm_operand(k, 0)
+        return _Val(Interval(lo, hi), err)
+
+    def gather(self, k: Kernel, inputs) -> _Val:
+        table = self.read(k, 0)
+        rows = Interval(table.iv.lo.min(axis=0), table.iv.hi.max(axis=0))
+        shape = self._shape(k)
+        return _Val(Interval(np.broadcast_to(rows.lo, shape), np.broadcast_to(rows.hi, shape)),
+                    np.broadcast_to(table.err.max(axis=0), shape), table.floor)
+
+    def scatter(self, k: Kernel, inputs) -> _Val:
+        dest, src = self.read(k, 0), self.read(k, 1)
+        srow = Interval(src.iv.lo.min(axis=0), src.iv.hi.max(axis=0))
+        iv = hull(dest.iv, Interval(np.broadcast_to(srow.lo, dest.iv.lo.shape), np.broadcast_to(srow.hi, dest.iv.lo.shape)))
+        floor = None if dest.floor is None or src.floor is None else min(dest.floor, src.floor)
+        return _Val(iv, np.maximum(dest.err, src.err.max(axis=0)), floor)
+
+    def softmax(self, k: Kernel, inputs=None) -> _Val:
+        out = _store(self._softmax(k), k.dtype, k)
+        rel, absolute = self.softmax_rel[k.id]
+        if k.dtype.kind is Kind.FLOAT and k.dtype.name != "f64":  # the store's rounding, relative to p
+            u, sub = k.dtype.unit_roundoff, k.dtype.min_subnormal
+            rel, absolute = rel + u * (1 + rel), absolute * (1 + u) + sub / 2
+        finite = bool(np.all(np.isfinite(out.err)))
+        self.softmax_rel[k.id] = (np.where(finite, rel * SLACK * SLACK, np.inf), absolute * SLACK * SLACK)
+        return out
+
+    def _softmax(self, k: Kernel) -> _Val:
+        """Also records (rel per row, abs) with |p^ - p| <= rel p + abs: the relative form the Gemm of
+        attention uses (sum_k |p^_k - p_k| <= rel + n abs, since the exact p sums to 1)."""
+        v = self.body(k.body, k)
+        iv = transfer(Op.SOFTMAX, v.iv, axis=k.axis)
         e = np.max(v.err, axis=k.axis, keepdims=True)
         fmt = None if k.precision in (None, "f32") else k.precision
         if fmt is not None:  # inputs rounded to the compute format before the softmax
-            from ..dtypes.formats import get
-            f = get(fmt)
+            f = get_format(fmt)
             e = e + f.unit_roundoff * np.max(_mag(v.wide), axis=k.axis, keepdims=True) + f.min_subnormal / 2
         with np.errstate(over="ignore", invalid="ignore"):
-            prop = iv.hi * np.expm1(2 * e)  # p_i changes by at most a factor e^{+-2e}
+            rel = np.nan_to_num(np.expm1(2 * e), nan=np.inf)
+            prop = iv.hi * rel  # p_i changes by at most a factor e^{+-2e}
         err = np.nan_to_num(prop, nan=np.inf)
+        absolute = 0.0
         if fmt is not None:
-            from ..dtypes.formats import get
-            err = err + get(fmt).unit_roundoff * (iv.hi + err) + get(fmt).min_subnormal / 2
-        return _Val(iv, err * SLACK)
+            u, sub = get_format(fmt).unit_roundoff, get_format(fmt).min_subnormal
+            err = err + u * (iv.hi + err) + sub / 2
+            rel, absolute = rel + u * (1 + rel), sub / 2
+        self.softmax_rel[k.id] = (rel * SLACK, absolute * SLACK)
+        return _Val(iv, err * SLACK, 0.0)
+
+    def _softmax_rows_of_a(self, k: Kernel):
+        """(rel, abs) per (batch, M, 1) row of A when the Gemm reads, along K, each full row of a SOFTMAX
+        output once (checked on index probes through A's view and operand layout: a masked or partial
+        read fails it); else None."""
+        src = next((s for s in self.p.kernels if s.id == k.inputs[0].buffer), None)
+        if src is None or src.kind is not KernelKind.SOFTMAX:
+            return None
+        shape = np.shape(self.vals[src.id].iv.lo)
+        row, pos = _softmax_rows(shape, src.axis)
+        view = k.inputs[0].view
+        rows = gemm_operand_a(read_operand(view, row, self.bindings), k.layout)
+        at = gemm_operand_a(read_operand(view, pos, self.bindings), k.layout)
+        n = shape[src.axis]
+        if not (at.shape[-1] == n and bool(np.all(rows == rows[..., :1])) and bool(np.all(rows > 0))
+                and np.array_equal(np.sort(at, axis=-1), np.broadcast_to(np.arange(1, n + 1), at.shape))):
+            return None
+        rel, absolute = self.softmax_rel[src.id]
+        rel_rows = np.broadcast_to(rel, _keep(shape, src.axis)).reshape(-1)
+        return rel_rows[rows[..., :1].astype(np.int64) - 1], absolute
 
     def _gemm_operand(self, k: Kernel, i: int):
         """(lo, hi, err) of a Gemm (or QUANTIZE) operand as (batch, M, K) / (batch, K, N) arrays: the
@@ -289,7 +377,10 @@ class StaticAnalyzer:
         arrays = (src.iv.lo, src.iv.hi, np.broadcast_to(src.err, shape))
         return tuple(pick(read_operand(inp.view, np.ascontiguousarray(x), self.bindings), k.layout) for x in arrays)
 
-    def gemm(self, k: Kernel) -> _Val:
+    def gemm(self, k: Kernel, inputs=None) -> _Val:
+        return _store(self._gemm(k), k.dtype, k)
+
+    def _gemm(self, k: Kernel) -> _Val:
         lay = k.layout
         variant = GEMM_VARIANTS[k.precision or "f32"]
         (alo, ahi, aerr), (blo, bhi, berr) = self._gemm_operand(k, 0), self._gemm_operand(k, 1)
@@ -308,12 +399,58 @@ class StaticAnalyzer:
             prop = (mm(mag_a, berr) + mm(aerr, mag_b) + mm(aerr, berr)) * scale
             wa, wb = mag_a + aerr, mag_b + berr
             abs_dot = mm(wa, wb) * scale
+            rows = self._softmax_rows_of_a(k)
+            if rows is not None:
+                # A's rows are softmax rows along K (p >= 0, sum p = 1 exactly): C is a convex combination
+                # of B's rows; with |p^ - p| <= rel p + abs: sum_k |p^_k - p_k| w_k <= (rel + n abs) max w
+                n_k = alo.shape[-1]
+                rel, absolute = rows
+                lo = np.maximum(lo, np.min(blo, axis=-2, keepdims=True))
+                hi = np.minimum(hi, np.max(bhi, axis=-2, keepdims=True))
+                a_total = rel + n_k * absolute  # >= sum_k err_A over the row
+                prop = (np.minimum(mm(mag_a, berr), np.max(berr, axis=-2, keepdims=True))
+                        + np.minimum(mm(aerr, mag_b), a_total * np.max(mag_b, axis=-2, keepdims=True))
+                        + np.minimum(mm(aerr, berr), a_total * np.max(berr, axis=-2, keepdims=True))) * scale
+                total = (1 + np.minimum(np.sum(aerr, axis=-1, keepdims=True), a_total)) \
+                    * np.max(wb, axis=-2, keepdims=True)
+                abs_dot = np.minimum(abs_dot, total * scale)
             rounding = variant.a_priori_bound(alo.shape[-1], abs_dot, float(np.max(wa)) if wa.size else 0.0,
                                               float(np.max(wb)) if wb.size else 0.0)
             err = np.nan_to_num(prop + rounding, nan=np.inf) * SLACK
         lo = gemm_result(np.where(np.isnan(lo), -np.inf, lo), lay, full)
         hi = gemm_result(np.where(np.isnan(hi), np.inf, hi), lay, full)
         return _Val(Interval(lo, hi), gemm_result(err, lay, full))
+
+
+# How each kernel kind transforms (interval, error): one entry per KernelKind (a test checks coverage).
+KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str, Interval]], _Val]] = {
+    KernelKind.EXTERNAL: StaticAnalyzer.external,
+    KernelKind.CONST: StaticAnalyzer.const,
+    KernelKind.IOTA: StaticAnalyzer.iota,
+    KernelKind.ELEMENTWISE: StaticAnalyzer.elementwise,
+    KernelKind.SUM: StaticAnalyzer.sum,
+    KernelKind.MAX: StaticAnalyzer.max,
+    KernelKind.SOFTMAX: StaticAnalyzer.softmax,
+    KernelKind.GEMM: StaticAnalyzer.gemm,
+    KernelKind.QUANTIZE: StaticAnalyzer.quantize,
+    KernelKind.GATHER: StaticAnalyzer.gather,
+    KernelKind.SCATTER: StaticAnalyzer.scatter,
+    KernelKind.SCATTER_NOCOPY: StaticAnalyzer.scatter,
+}
+
+
+def _keep(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    return tuple(1 if i == axis else d for i, d in enumerate(shape))
+
+
+def _softmax_rows(shape: tuple[int, ...], axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row id, position in the row) of every element of a softmax output, numbered from 1."""
+    index = np.indices(shape)
+    pos = index[axis].astype(np.float64) + 1
+    rest = [index[i] for i in range(len(shape)) if i != axis]
+    sizes = [shape[i] for i in range(len(shape)) if i != axis]
+    row = (np.ravel_multi_index(rest, sizes) if rest else np.zeros(shape, dtype=np.int64)).astype(np.float64) + 1
+    return row, pos
 
 
 def _mid_rad(iv: Interval) -> tuple[np.ndarray, np.ndarray]:

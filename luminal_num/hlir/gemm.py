@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .shape import ShapeTracker
-from .symbolic import Dim, is_const, prod
+from .symbolic import Dim, encode, is_const, prod
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,6 @@ class GemmLayout:
         return prod(self.full_shape[i] for i in self.batch_axes)
 
     def encode(self) -> tuple:
-        from .symbolic import encode
         return (tuple(encode(d) for d in self.full_shape), self.k_axis, self.batch_axes, self.m_axes,
                 self.n_axes, self.variant)
 
@@ -109,30 +110,29 @@ def _mergeable_out(shape, k_axis, axes) -> bool:
 
 def gemm_operand_a(a_full, layout: GemmLayout):
     """A over the full Mul shape (strided, stride 0 along N axes) -> contiguous (batch, M, K)."""
-    return _operand(a_full, layout, layout.n_axes, (*layout.batch_axes, *layout.m_axes, layout.k_axis))
+    return _operand(a_full, layout, layout.n_axes, (*layout.batch_axes, *layout.m_axes, layout.k_axis), True)
 
 
 def gemm_operand_b(b_full, layout: GemmLayout):
     """B over the full Mul shape (strided, stride 0 along M axes) -> contiguous (batch, K, N)."""
-    return _operand(b_full, layout, layout.m_axes, (*layout.batch_axes, layout.k_axis, *layout.n_axes))
+    return _operand(b_full, layout, layout.m_axes, (*layout.batch_axes, layout.k_axis, *layout.n_axes), False)
 
 
-def _operand(full_arr, layout: GemmLayout, drop, order):
-    import numpy as np
+def _operand(full_arr, layout: GemmLayout, drop, order, is_a: bool):
+    """Which operand is said by the caller: with no N axis (a mat-vec) B's order also ends in K."""
     full = full_arr.shape
     x = full_arr[tuple(0 if ax in drop else slice(None) for ax in range(len(full)))]
     keep = [ax for ax in range(len(full)) if ax not in drop]
     x = np.transpose(x, [keep.index(ax) for ax in order])
     size = lambda axes: int(np.prod([full[ax] for ax in axes], dtype=np.int64))  # noqa: E731
     first = size(layout.batch_axes)
-    if order[-1] == layout.k_axis:  # A: (batch, M, K)
+    if is_a:  # A: (batch, M, K)
         return np.ascontiguousarray(x).reshape(first, size(layout.m_axes), full[layout.k_axis])
     return np.ascontiguousarray(x).reshape(first, full[layout.k_axis], size(layout.n_axes))
 
 
 def gemm_result(c, layout: GemmLayout, full_shape) -> "np.ndarray":
     """(batch, M, N) -> the output tensor in the SumReduce's axis order."""
-    import numpy as np
     order = (*layout.batch_axes, *layout.m_axes, *layout.n_axes)
     c = np.asarray(c).reshape([full_shape[ax] for ax in order])
     out_axes = [ax for ax in range(len(full_shape)) if ax != layout.k_axis]

@@ -7,6 +7,7 @@ any output leaves the budget.
 """
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -19,7 +20,8 @@ from ..hlir.evaluate import evaluate_nodes
 from ..hlir.graph import Graph
 from ..runtime.cpu import CpuRuntime
 from ..search.plan import Plan
-from .files import atomic_write_text
+from .files import atomic_files
+from .numbers import fmt_num
 
 
 @dataclass(frozen=True)
@@ -72,23 +74,44 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
                                "rel_l2": float(rel_l2(value, ref)), "outside_calibration": bool(outside)})
     plan_err = plan.data["verdict"]["error"]
     if passed:
-        reason = f"within budget {budget}: worst allclose ratio {worst!r} (plan recorded {plan_err!r})"
+        recorded = fmt_num(plan_err) if not isinstance(plan_err, str) else plan_err
+        reason = f"within budget {budget}: worst allclose ratio {fmt_num(worst)} (plan recorded {recorded})"
     return AuditResult(passed, reason, pd.DataFrame(out_rows), pd.DataFrame(drift_rows),
                        float(plan_err) if not isinstance(plan_err, str) else float("nan"), worst)
 
 
+AUDIT_FILES = ("audit.csv", "audit_drift.csv", "audit.html")
+
+
+def _html_table(frame: pd.DataFrame) -> str:
+    """A table for people: numbers in 3 significant digits (the CSV files keep them exactly)."""
+    formatted = frame.apply(lambda column: column.map(_shown))
+    return formatted.to_html(index=False, escape=True)
+
+
+def _shown(value) -> str:
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        return fmt_num(value)
+    return str(value)
+
+
 def write_audit_report(result: AuditResult, out_dir: str | Path) -> dict[str, Path]:
-    """audit.csv (outputs), audit_drift.csv (per layer), audit.html (both tables and the verdict)."""
+    """audit.csv (outputs), audit_drift.csv (per layer), audit.html (both tables and the verdict), all or
+    nothing: staged beside `out_dir` and moved in together."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     status = "PASSED" if result.passed else "CONTRACT BROKEN"
-    html = (f"<!doctype html><html><head><meta charset='utf-8'><title>audit</title></head><body>"
-            f"<h1>Audit: {status}</h1><p>{result.reason}</p>"
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>audit</title></head><body>"
+            f"<h1>Audit: {status}</h1><p>{html.escape(result.reason)}</p>"
             f"<p>{result.outside_range} exported values left the calibration range.</p>"
-            f"<h2>Outputs</h2>{result.outputs.to_html(index=False, float_format=repr)}"
-            f"<h2>Drift per chunk</h2>{result.drift.to_html(index=False, float_format=repr)}</body></html>")
-    files = {"csv": out_dir / "audit.csv", "drift": out_dir / "audit_drift.csv", "html": out_dir / "audit.html"}
-    atomic_write_text(files["csv"], result.outputs.to_csv(index=False))
-    atomic_write_text(files["drift"], result.drift.to_csv(index=False))
-    atomic_write_text(files["html"], html)
-    return files
+            f"<h2>Outputs</h2>{_html_table(result.outputs)}"
+            f"<h2>Drift per chunk</h2>{_html_table(result.drift)}</body></html>")
+    csv_name, drift_name, html_name = AUDIT_FILES
+    with atomic_files(out_dir) as staging:
+        (staging / csv_name).write_text(result.outputs.to_csv(index=False), encoding="utf-8")
+        (staging / drift_name).write_text(result.drift.to_csv(index=False), encoding="utf-8")
+        (staging / html_name).write_text(page, encoding="utf-8")
+    return {"csv": out_dir / csv_name, "drift": out_dir / drift_name, "html": out_dir / html_name}

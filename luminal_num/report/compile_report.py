@@ -6,7 +6,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .pareto import ReportFiles, write_op_table, write_pareto_report
+from ..search.plan import scales_path
+from .files import atomic_files
+from .pareto import CSV_NAME, ERROR_COLUMN, HTML_NAME, PNG_NAME, write_op_table, write_pareto_report
+
+PLAN_NAME, OPS_NAME = "plan.json", "plan_ops.csv"
+COMPILE_FILES = (CSV_NAME, PNG_NAME, HTML_NAME, OPS_NAME, PLAN_NAME, scales_path(PLAN_NAME).name)
+INTERRUPTED_KEY = "interrupted"  # plan.json field marking a partial result (the search was stopped)
 
 
 def candidate_rows(result) -> pd.DataFrame:
@@ -20,7 +26,7 @@ def candidate_rows(result) -> pd.DataFrame:
             label = "chosen"
         tags = sorted(t for _, _, t in e.genome)
         rows.append({"candidate": e.id,
-                     "error": float(e.verdict.error) * scale if np.isfinite(e.verdict.error) else np.inf,
+                     ERROR_COLUMN: float(e.verdict.error) * scale if np.isfinite(e.verdict.error) else np.inf,
                      "latency_s": e.latency_s, "latency_source": e.latency.source if e.latency else "not profiled",
                      "verdict_source": e.verdict.source, "passes": bool(e.verdict.passed), "label": label,
                      "stage": e.stage, "changes": len(tags), "max_abs": e.verdict.max_abs,
@@ -28,12 +34,22 @@ def candidate_rows(result) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def write_compile_report(result, out_dir: str | Path, title: str) -> dict[str, Path]:
+def write_compile_report(result, out_dir: str | Path, title: str, interrupted: str = "") -> dict[str, Path]:
+    """Every file of a compile, staged beside `out_dir` and moved in only when all were written.
+
+    `interrupted`: why the search stopped early; the plan is then marked as a partial result (in
+    plan.json and in the page's title), never mistaken for the search's answer.
+    """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     rows = candidate_rows(result)
-    files: ReportFiles = write_pareto_report(out_dir, rows, budget_error=1.0, title=title,
-                                             error_label="error vs FP64 (allclose ratio; <= 1 is within budget)")
-    ops = write_op_table(out_dir / "plan_ops.csv", pd.DataFrame(result.plan.data["kernels"]))
-    plan = result.plan.save(out_dir / "plan.json")
-    return {"csv": files.csv, "png": files.png, "html": files.html, "ops": ops, "plan": plan}
+    headroom = float(result.search.stats.get("headroom", 1.0))
+    if interrupted:
+        result.plan.data[INTERRUPTED_KEY] = interrupted
+        title = f"{title} [PARTIAL: {interrupted}]"
+    with atomic_files(out_dir) as staging:
+        write_pareto_report(staging, rows, budget_error=1.0, title=title, threshold=headroom,
+                            error_label="allclose ratio vs FP64 (<= 1 is within the budget)")
+        write_op_table(staging / OPS_NAME, pd.DataFrame(result.plan.data["kernels"]))
+        result.plan.save(staging / PLAN_NAME)
+    files = {"csv": CSV_NAME, "png": PNG_NAME, "html": HTML_NAME, "ops": OPS_NAME, "plan": PLAN_NAME}
+    return {key: out_dir / name for key, name in files.items()}

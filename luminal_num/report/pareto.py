@@ -22,9 +22,11 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from luminal_num.report.files import atomic_files, atomic_write_text
+from luminal_num.report.numbers import fmt_latency, fmt_num
 
-REQUIRED_COLUMNS = ("candidate", "error", "latency_s", "latency_source", "verdict_source", "passes", "label")
-NUMERIC_COLUMNS = ("error", "latency_s")
+ERROR_COLUMN = "allclose_ratio"  # the error a plan is judged by: max |y - ref| / (atol + rtol |ref|)
+REQUIRED_COLUMNS = ("candidate", ERROR_COLUMN, "latency_s", "latency_source", "verdict_source", "passes", "label")
+NUMERIC_COLUMNS = (ERROR_COLUMN, "latency_s")
 CHOSEN_LABEL = "chosen"
 FRONT_COLUMN = "on_front"
 CSV_NAME, PNG_NAME, HTML_NAME = "pareto.csv", "pareto.png", "pareto.html"
@@ -84,7 +86,10 @@ def _checked_table(rows: pd.DataFrame, baselines: Mapping[str, object] | None) -
         table.loc[match, "label"] = label
     if (table["label"] == CHOSEN_LABEL).sum() > 1:
         raise ValueError(f"more than one row is labelled {CHOSEN_LABEL!r}")
-    table[FRONT_COLUMN] = pareto_front(list(zip(table["error"], table["latency_s"])))
+    # the front is over passing plans only: a faster plan that breaks the budget dominates nothing
+    points = [(e, lat) if ok else (math.nan, math.nan)
+              for e, lat, ok in zip(table[ERROR_COLUMN], table["latency_s"], table["passes"])]
+    table[FRONT_COLUMN] = pareto_front(points)
     return table
 
 
@@ -93,31 +98,36 @@ def _csv_text(table: pd.DataFrame) -> str:
     return table.to_csv(index=False, lineterminator="\n", float_format=None)
 
 
-def _render_png(table: pd.DataFrame, budget_error: float, title: str, error_label: str) -> bytes:
-    """Error vs latency on log axes: front as a step line, budget line, baselines and chosen plan marked."""
+def _render_png(table: pd.DataFrame, budget_error: float, threshold: float | None, title: str,
+                error_label: str) -> bytes:
+    """Error vs latency on log axes: front as a step line, the budget and the threshold plans were judged
+    against (headroom x budget) as lines, baselines and the chosen plan marked."""
     figure = Figure(figsize=(8.0, 5.5), dpi=120)
     axes = figure.subplots()
-    plottable = table[np.isfinite(table["error"]) & np.isfinite(table["latency_s"])
-                      & (table["error"] > 0) & (table["latency_s"] > 0)]
+    plottable = table[np.isfinite(table[ERROR_COLUMN]) & np.isfinite(table["latency_s"])
+                      & (table[ERROR_COLUMN] > 0) & (table["latency_s"] > 0)]
     for passes, style in ((True, dict(color="tab:blue")), (False, dict(facecolors="none", edgecolors="tab:gray"))):
         group = plottable[plottable["passes"] == passes]
         if not group.empty:
-            axes.scatter(group["latency_s"], group["error"], s=28, zorder=3,
-                         label=f"{'passes' if passes else 'fails'} budget ({len(group)})", **style)
+            axes.scatter(group["latency_s"], group[ERROR_COLUMN], s=28, zorder=3,
+                         label=f"{'passes' if passes else 'fails'} the gate ({len(group)})", **style)
     front = plottable[plottable[FRONT_COLUMN]].sort_values("latency_s")
     if not front.empty:
-        axes.step(front["latency_s"], front["error"], where="post", color="tab:orange", zorder=2)
-        axes.scatter(front["latency_s"], front["error"], s=90, facecolors="none", edgecolors="tab:orange",
+        axes.step(front["latency_s"], front[ERROR_COLUMN], where="post", color="tab:orange", zorder=2)
+        axes.scatter(front["latency_s"], front[ERROR_COLUMN], s=90, facecolors="none", edgecolors="tab:orange",
                      linewidths=1.5, zorder=4, label=f"Pareto front ({len(front)})")
     if math.isfinite(budget_error):
-        axes.axhline(budget_error, color="tab:red", linestyle="--", label=f"budget {budget_error!r}")
+        axes.axhline(budget_error, color="tab:red", linestyle="--", label=f"budget {fmt_num(budget_error)}")
+    if threshold is not None and math.isfinite(threshold) and threshold != budget_error:
+        axes.axhline(threshold, color="tab:green", linestyle=":",
+                     label=f"threshold judged against {fmt_num(threshold)} (headroom x budget)")
     labelled = plottable[plottable["label"] != ""]
-    for label, latency, error in zip(labelled["label"], labelled["latency_s"], labelled["error"]):
+    for label, latency, error in zip(labelled["label"], labelled["latency_s"], labelled[ERROR_COLUMN]):
         axes.annotate(label, (latency, error), xytext=(8, 8), textcoords="offset points",
                       fontsize=8, arrowprops=dict(arrowstyle="-", color="0.4"))
     chosen = plottable[plottable["label"] == CHOSEN_LABEL]
     if not chosen.empty:
-        axes.scatter(chosen["latency_s"], chosen["error"], marker="*", s=280, color="gold",
+        axes.scatter(chosen["latency_s"], chosen[ERROR_COLUMN], marker="*", s=280, color="gold",
                      edgecolors="black", zorder=5, label="chosen plan")
     axes.set_xscale("log")
     axes.set_yscale("log")
@@ -147,7 +157,7 @@ tr.chosen { background: #fff59d; font-weight: bold; }
 <h1>$title</h1>
 <p>$summary</p>
 <img alt="error vs latency" src="data:image/png;base64,$png">
-<p>Rows on the Pareto front are shaded; click a column header to sort.</p>
+<p>Rows on the Pareto front of passing plans are shaded; click a column header to sort.</p>
 <table class="sortable"><thead><tr>$header</tr></thead>
 <tbody>
 $body
@@ -173,50 +183,68 @@ document.querySelectorAll("table.sortable th").forEach(function (th, column) {
 """)
 
 
-def _cell(value: object) -> str:
-    """One table cell; floats carry their repr as the sort key, NaN sorts last as an empty key."""
-    if isinstance(value, (float, np.floating)):
+def _cell(value: object, column: str = "") -> str:
+    """One table cell for people (3 significant digits, latency with its unit); the sort key is the
+    number in 7 significant digits, and NaN (never profiled) sorts last as an empty key."""
+    if isinstance(value, (float, np.floating)) and not isinstance(value, bool):
         number = float(value)
-        shown = "" if math.isnan(number) else repr(number)
-        return f'<td data-sort="{shown}">{shown or "&ndash;"}</td>'
+        key = "" if math.isnan(number) else f"{number:.6e}"
+        shown = fmt_latency(number) if column == "latency_s" else fmt_num(number)
+        return f'<td data-sort="{key}">{html.escape(shown)}</td>'
     return f"<td>{html.escape(str(value))}</td>"
 
 
-def _render_html(table: pd.DataFrame, png: bytes, budget_error: float, title: str, error_label: str) -> str:
-    header = "".join(f"<th>{html.escape(error_label if column == 'error' else column)}</th>" for column in table.columns)
+HEADERS = {"latency_s": "latency", FRONT_COLUMN: "on front (of passing plans)"}
+
+
+def _render_html(table: pd.DataFrame, png: bytes, budget_error: float, threshold: float | None, title: str,
+                 error_label: str) -> str:
+    header = "".join(f"<th>{html.escape(error_label if column == ERROR_COLUMN else HEADERS.get(column, column))}</th>"
+                     for column in table.columns)
     is_chosen = table["label"] == CHOSEN_LABEL
     body_rows = []
     for values, front, chosen in zip(table.itertuples(index=False, name=None), table[FRONT_COLUMN], is_chosen):
         classes = " ".join(name for name, flag in (("front", front), ("chosen", chosen)) if flag)
-        body_rows.append(f'<tr class="{classes}">{"".join(_cell(value) for value in values)}</tr>')
+        cells = "".join(_cell(value, column) for value, column in zip(values, table.columns))
+        body_rows.append(f'<tr class="{classes}">{cells}</tr>')
     chosen_rows = table[is_chosen]
     chosen_text = ("no plan chosen" if chosen_rows.empty else
-                   f"chosen: {chosen_rows['candidate'].iloc[0]} (error {chosen_rows['error'].iloc[0]!r}, "
-                   f"latency {chosen_rows['latency_s'].iloc[0]!r} s)")
-    summary = (f"{len(table)} candidates, {int(table['passes'].sum())} within the budget "
-               f"({html.escape(error_label)} &le; {budget_error!r}), {int(table[FRONT_COLUMN].sum())} on the "
-               f"Pareto front; {html.escape(chosen_text)}.")
+                   f"chosen plan: candidate {chosen_rows['candidate'].iloc[0]} (allclose ratio "
+                   f"{fmt_num(chosen_rows[ERROR_COLUMN].iloc[0])}, latency {fmt_latency(chosen_rows['latency_s'].iloc[0])})")
+    judged = budget_error if threshold is None else threshold
+    limit = (f"the budget is an allclose ratio &le; {fmt_num(budget_error)}" if threshold is None else
+             f"the budget is an allclose ratio &le; {fmt_num(budget_error)}; plans were judged against the "
+             f"threshold {fmt_num(threshold)} (headroom {fmt_num(threshold / budget_error)} x budget) on the "
+             f"calibration inputs, keeping the rest for unseen inputs")
+    summary = (f"{len(table)} candidates, {int(table['passes'].sum())} pass the gate (judged against "
+               f"{fmt_num(judged)}), {int(table[FRONT_COLUMN].sum())} on the Pareto front of passing plans; "
+               f"{limit}. {html.escape(chosen_text)}.")
     return PAGE.substitute(title=html.escape(title), summary=summary, png=base64.b64encode(png).decode("ascii"),
                            header=header, body="\n".join(body_rows))
 
 
 def write_pareto_report(out_dir: str | os.PathLike, rows: pd.DataFrame, budget_error: float, title: str,
-                        error_label: str, baselines: Mapping[str, object] | None = None) -> ReportFiles:
+                        error_label: str, baselines: Mapping[str, object] | None = None,
+                        threshold: float | None = None) -> ReportFiles:
     """Write pareto.csv, pareto.png and pareto.html into `out_dir`, all or nothing.
 
     `rows` holds one row per evaluated candidate (REQUIRED_COLUMNS at least); baseline names come from
     its `label` column, or from `baselines` ({label: candidate id}), which overrides it. The row
-    labelled "chosen" is the plan the search returned. Other files in `out_dir` are left alone.
+    labelled "chosen" is the plan the search returned. `threshold`: the error plans were judged
+    against, when it is not the budget (headroom x budget). Other files in `out_dir` are left alone.
     """
     if not budget_error > 0:
         raise ValueError(f"budget_error must be > 0 (log axis), got {budget_error!r}")
+    if threshold is not None and not 0 < threshold <= budget_error:
+        raise ValueError(f"threshold must be in (0, budget_error], got {threshold!r}")
     table = _checked_table(rows, baselines)
     target = Path(out_dir)
     with atomic_files(target) as staging:
         (staging / CSV_NAME).write_text(_csv_text(table), encoding="utf-8")
-        png = _render_png(table, budget_error, title, error_label)
+        png = _render_png(table, budget_error, threshold, title, error_label)
         (staging / PNG_NAME).write_bytes(png)
-        (staging / HTML_NAME).write_text(_render_html(table, png, budget_error, title, error_label), encoding="utf-8")
+        (staging / HTML_NAME).write_text(_render_html(table, png, budget_error, threshold, title, error_label),
+                                         encoding="utf-8")
     return ReportFiles(csv=target / CSV_NAME, png=target / PNG_NAME, html=target / HTML_NAME)
 
 

@@ -123,17 +123,27 @@ class Searcher:
 
     # -- phases -------------------------------------------------------------------------------
     def run(self) -> SearchResult:
-        baselines = {name: self.evaluate(g, "baseline", name, force_latency=True)
-                     for name, g in _baseline_genomes(self.space).items()}
-        base = baselines["FP32 everywhere"]
-        singles = self.sensitivity(base)
-        self.greedy(base, singles)
-        self.mutate(singles)
+        interrupted = False
+        try:
+            baselines = {name: self.evaluate(g, "baseline", name, force_latency=True)
+                         for name, g in _baseline_genomes(self.space).items()}
+            base = baselines["FP32 everywhere"]
+            singles = self.sensitivity(base)
+            self.greedy(base, singles)
+            self.mutate(singles)
+        except KeyboardInterrupt:  # Ctrl-C: stop cleanly and return what was evaluated, marked interrupted
+            self.bar.close()
+            if not self.evaluated:
+                raise
+            interrupted = True
+            baselines = {e.label: e for e in self.evaluated if e.stage == "baseline"}
         self.bar.close()
         passing = [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
         chosen = choose(passing)
         stats = {"candidates": len(self.evaluated), "seconds": time.perf_counter() - self.t0,
                  **self.judge.stats.as_dict()}
+        if interrupted:
+            stats["interrupted"] = True
         return SearchResult(self.evaluated, baselines, chosen, stats)
 
     def sensitivity(self, base: Evaluated) -> list[Evaluated]:

@@ -1,0 +1,38 @@
+"""Numbers for people: significant digits instead of reprs, latencies with a unit.
+
+Why: reports are read by people; `np.float64(0.0342...)` or 0.00012345678901234567 s says less than
+0.0342 or 123 us. The CSV files keep full precision (they are the record); pages and terminals use these.
+"""
+from __future__ import annotations
+
+import math
+
+DIGITS = 3
+_LATENCY_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns"))
+
+
+def fmt_num(value, digits: int = DIGITS) -> str:
+    """`digits` significant digits ('0.0342', '1.2e-05', '1.5e+03'); 'inf', '-inf'; NaN or None -> '-'."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    x = float(value)
+    if math.isnan(x):
+        return "-"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.{digits}g}"
+
+
+def fmt_latency(seconds, digits: int = DIGITS) -> str:
+    """A latency with its unit: '12.3 us', '1.25 ms', '2.1 s'; NaN or None -> '-' (never profiled)."""
+    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
+        return "-"
+    s = float(seconds)
+    if not math.isfinite(s):
+        return fmt_num(s)
+    for scale, unit in _LATENCY_UNITS:
+        if abs(s) >= scale or unit == "ns":
+            return f"{s / scale:.{digits}g} {unit}"
+    raise AssertionError("unreachable: the last unit takes every value")
