@@ -18,7 +18,6 @@ INTERRUPTED_KEY = "interrupted"  # plan.json field marking a partial result (the
 def candidate_rows(result) -> pd.DataFrame:
     """One row per evaluated candidate (baselines labelled, the chosen plan marked)."""
     chosen_id = result.search.chosen.id if result.search.chosen is not None else -1
-    scale = result.search.stats.get("headroom", 1.0)  # judged on the tightened budget: rescale to the user's
     rows = []
     for e in result.search.evaluated:
         label = e.label if e.stage == "baseline" else ""
@@ -26,7 +25,7 @@ def candidate_rows(result) -> pd.DataFrame:
             label = "chosen"
         tags = sorted(t for _, _, t in e.genome)
         rows.append({"candidate": e.id,
-                     ERROR_COLUMN: float(e.verdict.error) * scale if np.isfinite(e.verdict.error) else np.inf,
+                     ERROR_COLUMN: float(e.verdict.budget_error),  # against the user's budget
                      "latency_s": e.latency_s, "latency_source": e.latency.source if e.latency else "not profiled",
                      "verdict_source": e.verdict.source, "passes": bool(e.verdict.passed), "label": label,
                      "stage": e.stage, "changes": len(tags), "max_abs": e.verdict.max_abs,
