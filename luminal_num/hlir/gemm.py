@@ -109,15 +109,15 @@ def _mergeable_out(shape, k_axis, axes) -> bool:
 
 def gemm_operand_a(a_full, layout: GemmLayout):
     """A over the full Mul shape (strided, stride 0 along N axes) -> contiguous (batch, M, K)."""
-    return _operand(a_full, layout, layout.n_axes, (*layout.batch_axes, *layout.m_axes, layout.k_axis))
+    return _operand(a_full, layout, layout.n_axes, (*layout.batch_axes, *layout.m_axes, layout.k_axis), True)
 
 
 def gemm_operand_b(b_full, layout: GemmLayout):
     """B over the full Mul shape (strided, stride 0 along M axes) -> contiguous (batch, K, N)."""
-    return _operand(b_full, layout, layout.m_axes, (*layout.batch_axes, layout.k_axis, *layout.n_axes))
+    return _operand(b_full, layout, layout.m_axes, (*layout.batch_axes, layout.k_axis, *layout.n_axes), False)
 
 
-def _operand(full_arr, layout: GemmLayout, drop, order):
+def _operand(full_arr, layout: GemmLayout, drop, order, is_a: bool):
     import numpy as np
     full = full_arr.shape
     x = full_arr[tuple(0 if ax in drop else slice(None) for ax in range(len(full)))]
@@ -125,7 +125,7 @@ def _operand(full_arr, layout: GemmLayout, drop, order):
     x = np.transpose(x, [keep.index(ax) for ax in order])
     size = lambda axes: int(np.prod([full[ax] for ax in axes], dtype=np.int64))  # noqa: E731
     first = size(layout.batch_axes)
-    if order[-1] == layout.k_axis:  # A: (batch, M, K)
+    if is_a:  # A: (batch, M, K); by side, not by axis order (with no N axis B's order also ends in K)
         return np.ascontiguousarray(x).reshape(first, size(layout.m_axes), full[layout.k_axis])
     return np.ascontiguousarray(x).reshape(first, full[layout.k_axis], size(layout.n_axes))
 
