@@ -7,6 +7,7 @@ budget unreachable, 2 bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import warnings
 from pathlib import Path
@@ -36,6 +37,30 @@ def _job(name: str):
         raise InputError(str(exc.args[0])) from None
 
 
+def _onnx_job(args):
+    """The ONNX job when --model names a .onnx file (else None); refusals become one-line input errors."""
+    from .onnx.job import is_onnx_path, onnx_job
+    from .onnx.loader import OnnxImportError
+    if not is_onnx_path(args.model):
+        if getattr(args, "shape", None):
+            raise InputError("--shape applies to ONNX models (--model model.onnx) only")
+        return None
+    try:
+        return onnx_job(args.model, args.shape, getattr(args, "inputs", None) or args.calibration)
+    except OnnxImportError as exc:
+        raise InputError(str(exc)) from None
+
+
+def _onnx_peers(oj, budget, target: str):
+    """ONNX Runtime FP32 / FP16 rows judged on the same FP64 reference (empty without onnxruntime)."""
+    from .onnx.peers import peer_rows, run_peers
+    peers = run_peers(oj.loaded.proto, oj.onnx_batches, oj.fp64_references(), budget)
+    for p in peers:
+        print(f"[luminal-num] peer {p.label}: error {p.error!r} ({'passes' if p.passes else 'fails'}), "
+              f"{p.latency_s!r} s per batch on this CPU")
+    return peer_rows(peers, target)
+
+
 def _inputs(path: str | None, job) -> list[dict]:
     """Held-out batches of the job, or one batch from an .npz file (arrays named like the inputs)."""
     if path is None:
@@ -62,7 +87,8 @@ def cmd_compile(args) -> int:
     from .compiler import BudgetUnreachable, compile
     from .report.compile_report import candidate_rows, write_compile_report
     from .search.search import SearchOptions
-    job = _job(args.model)
+    oj = _onnx_job(args)
+    job = oj.job if oj is not None else _job(args.model)
     budget = _budget(args.budget or job.default_budget)
     out = Path(args.out or f"reports/{job.name}")
     print(f"[luminal-num] {job.description}")
@@ -78,7 +104,11 @@ def cmd_compile(args) -> int:
         raise InputError(str(exc.args[0])) from None
     except ValueError as exc:  # budget outputs the model lacks, bad options, bad inputs
         raise InputError(str(exc)) from None
-    files = write_compile_report(result, out, f"{job.name}: error vs latency ({args.target})")
+    peers = None
+    if oj is not None:
+        result = dataclasses.replace(result, plan=result.plan.with_source(oj.source))
+        peers = _onnx_peers(oj, budget, args.target)
+    files = write_compile_report(result, out, f"{job.name}: error vs latency ({args.target})", peers)
     rows = candidate_rows(result)
     front = _front(rows[rows.passes & rows.latency_s.notna()])
     print(f"[luminal-num] {result.search.stats['candidates']} candidates; gate: "
@@ -133,9 +163,12 @@ def cmd_audit(args) -> int:
         plan = Plan.load(args.plan)
     except PlanError as exc:
         raise InputError(str(exc)) from None
-    job = _job(args.model)
-    batches = _inputs(args.inputs, job)
+    oj = _onnx_job(args)
+    job = oj.job if oj is not None else _job(args.model)
+    batches = list(job.calibration) if oj is not None else _inputs(args.inputs, job)
     try:
+        if oj is not None:
+            plan.check_source(oj.source)
         result = audit(plan, job.graph, batches)
     except PlanError as exc:
         raise InputError(str(exc)) from None
@@ -196,8 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
 
+    def onnx_args(p):
+        p.add_argument("--shape", help="ONNX input shapes binding dynamic dims, e.g. input_ids=16x128,attention_mask=16x128")
+        p.add_argument("--calibration", help="ONNX models: .npz of input batches keyed `name` or `name:0`, `name:1`, ...")
+
     def compile_args(p, default_model, default_candidates):
-        p.add_argument("--model", default=default_model, help="minilm | llama-tiny | transformer")
+        p.add_argument("--model", default=default_model, help="minilm | llama-tiny | transformer | model.onnx")
+        onnx_args(p)
         p.add_argument("--budget", help='e.g. "atol=1e-3,rtol=0,cosine>=0.9999" (default: the model\'s)')
         p.add_argument("--target", default="h200", help="h200 | h100 | a100 | cpu (cpu is measured)")
         p.add_argument("--candidates", type=_positive, default=default_candidates, help="candidates to evaluate")
@@ -212,8 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     compile_args(demo, "minilm", 60)
     au = sub.add_parser("audit", help="re-check a saved plan against FP64 on new inputs (exit 1 if broken)")
     au.add_argument("--plan", required=True)
-    au.add_argument("--model", default="minilm")
-    au.add_argument("--inputs", help=".npz with one input batch (default: the model's held-out set)")
+    au.add_argument("--model", default="minilm", help="a registry name or model.onnx (the plan's source file)")
+    au.add_argument("--inputs", help=".npz with one input batch (default: the model's held-out set); for ONNX "
+                    "models batches keyed like --calibration")
+    onnx_args(au)
     au.add_argument("--out", help="report folder (default: the plan's folder)")
     ins = sub.add_parser("inspect", help="print a plan's per-op table")
     ins.add_argument("--plan", required=True)

@@ -28,10 +28,13 @@ def candidate_rows(result) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def write_compile_report(result, out_dir: str | Path, title: str) -> dict[str, Path]:
+def write_compile_report(result, out_dir: str | Path, title: str, extra_rows: pd.DataFrame | None = None) -> dict[str, Path]:
+    """`extra_rows`: peer rows (e.g. ONNX Runtime) judged on the same FP64 reference, shown beside the plans."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = candidate_rows(result)
+    if extra_rows is not None and not extra_rows.empty:
+        rows = pd.concat([rows, extra_rows], ignore_index=True)
     files: ReportFiles = write_pareto_report(out_dir, rows, budget_error=1.0, title=title,
                                              error_label="error vs FP64 (allclose ratio; <= 1 is within budget)")
     ops = write_op_table(out_dir / "plan_ops.csv", pd.DataFrame(result.plan.data["kernels"]))
