@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import compile_time, emulation, numerics, runtime, search_efficiency
+from . import compile_time, emulation, numerics, onnx_minilm, runtime, search_efficiency
 from .summary import write_summary
 
 
@@ -57,6 +57,8 @@ def main(argv=None) -> str:
     print("== emulation")
     headlines["emulation"] = emulation_figures(quick)
     if not quick:
+        print("== ONNX import (MiniLM from an ONNX file)")
+        headlines["onnx_minilm"] = onnx_minilm.run()
         print("== model-scale checks (pytest -m slow)")
         headlines["slow_tests"] = slow_tests()
     summary = write_summary(headlines, wall_s=time.perf_counter() - start).read_text()

@@ -154,3 +154,22 @@ def onnx_inputs(ids: np.ndarray, attention_mask: np.ndarray) -> dict[str, np.nda
     """The exported model's inputs for a padded batch (one segment: token types all 0)."""
     return {"input_ids": ids.astype(np.int64), "attention_mask": attention_mask.astype(np.int64),
             "token_type_ids": np.zeros_like(ids, dtype=np.int64)}
+
+
+def sentence_batches(tokenizer, sentences: list[str], batch: int, seq: int) -> list[dict[str, np.ndarray]]:
+    """The exported model's input batches for sentences, as the registry's MiniLM job builds them:
+    batches of `batch` (a short last batch refilled from its start), right-padded to `seq`."""
+    out = []
+    for start in range(0, len(sentences), batch):
+        chunk = sentences[start:start + batch]
+        chunk = chunk + chunk[: batch - len(chunk)] if len(chunk) < batch else chunk
+        enc = tokenizer.encode_batch(chunk)
+        pad = ((0, 0), (0, seq - enc.ids.shape[1]))
+        out.append(onnx_inputs(np.pad(enc.ids, pad, constant_values=tokenizer.pad_id), np.pad(enc.attention_mask, pad)))
+    return out
+
+
+def save_batches(batches: list[dict[str, np.ndarray]], path: str | Path) -> Path:
+    """An .npz in the CLI's calibration convention (`name:i` for batch i)."""
+    np.savez(path, **{f"{k}:{i}": v for i, b in enumerate(batches) for k, v in b.items()})
+    return Path(path)

@@ -80,12 +80,12 @@ class _Importer:
 
     def materialize(self, name: str, value: np.ndarray) -> Tensor:
         """A known array entering the graph: one-element floats as constants, others as weights."""
+        kind = kind_of_array(value, name)
+        if kind == FLOAT and value.size == 1:  # constants live in their chunk (no cross-chunk edges)
+            return Tensor(self.graph.constant(float(value.reshape(()))).reshape(value.shape), kind)
         if name in self.materialized:
             return self.materialized[name]
-        kind = kind_of_array(value, name)
-        if kind == FLOAT and value.size == 1:
-            t = self.graph.constant(float(value.reshape(()))).reshape(value.shape)
-        elif kind == INT:
+        if kind == INT:
             if value.size and (value.min() < np.iinfo(np.int32).min or value.max() > np.iinfo(np.int32).max):
                 raise OnnxImportError(f"integer constant {name!r} does not fit int32")
             t = self.graph.weight(name, value.astype(np.int64), INT32)
@@ -178,8 +178,15 @@ def _input_kind(proto: onnx.ModelProto, inp: onnx.ValueInfoProto) -> str:
     return elem_kind(elem, f"input {inp.name!r}")
 
 
+# A chunk starts at every normalization: transformer layers (pre- or post-norm) then fall into
+# structurally identical chunks that share one search, as the hand-written models' graph_breaks do.
+CHUNK_STARTS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization")
+
+
 def _import_node(imp: _Importer, node: onnx.NodeProto, table: Mapping[str, OpSpec]) -> None:
     where = f"{node.op_type} node {node.name or node.output[0]!r}"
+    if node.op_type in CHUNK_STARTS and len(imp.graph) > len(imp.graph.inputs):
+        imp.graph.graph_break()
     if node.domain not in ("", "ai.onnx"):
         raise OnnxImportError(f"unsupported ONNX op {node.domain}.{node.op_type} ({where})")
     spec = table.get(node.op_type)

@@ -46,9 +46,21 @@ def elem_kind(elem_type: int, what: str) -> str:
     return ELEM_KINDS[elem_type]
 
 
+def _tensors(graph: onnx.GraphProto):
+    """Every TensorProto a graph holds: initializers and tensor attributes, subgraphs included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                yield from _tensors(g)
+
+
 def _external_files(proto: onnx.ModelProto) -> list[str]:
     out = []
-    for t in onnx.external_data_helper._get_all_tensors(proto):
+    for t in _tensors(proto.graph):
         if t.data_location == TensorProto.EXTERNAL:
             out.extend(e.value for e in t.external_data if e.key == "location")
     return sorted(set(out))

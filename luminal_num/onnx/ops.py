@@ -231,7 +231,7 @@ def _gather(c: NodeCtx) -> list[Value]:
             ranges[axis] = (int(idx), int(idx) + 1)
             shape = data.shape[:axis] + data.shape[axis + 1:]
             return _out(data.t.slice(*ranges).reshape(shape), data.kind)
-        indices = c.importer.materialize(f"{c.names[1]}:normalized", idx).t
+        indices = c.importer.materialize(f"{c.names[1]}:normalized:{n}", idx).t
     else:
         indices = c.tensor(1, (INT,)).t
     order = [axis] + [i for i in range(len(data.shape)) if i != axis]
