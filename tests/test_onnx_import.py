@@ -120,6 +120,19 @@ def test_gather_with_known_indices_on_a_runtime_tensor():
     np.testing.assert_array_equal(fp32_plan_outputs(m, m.feed({"x": x}))["a"], np.take(x, [[2, 0], [0, 1]], axis=1))
 
 
+def test_ort_simplified_layer_norm_matches_onnx_runtime():
+    """ORT's contrib RMS norm (no ONNX node case exists): FP64 reference and FP32 plan against ORT."""
+    rng = np.random.default_rng(6)
+    node = helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["y"], axis=-1, epsilon=1e-6)
+    model = _model([node], [_f("x", [3, 4, 16])], [_f("y", [3, 4, 16])],
+                   [numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "w")])
+    x = (rng.standard_normal((3, 4, 16)) * 3).astype(np.float32)
+    (want,) = _ort(model, {"x": x})
+    m = import_model(load_proto(model))
+    np.testing.assert_allclose(m.restore(evaluate(m.graph, m.feed({"x": x})))["y"], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fp32_plan_outputs(m, m.feed({"x": x}))["y"], want, rtol=1e-5, atol=1e-6)
+
+
 def test_matrix_vector_matmul_matches_numpy():
     """A 1-D right operand: Mul + SumReduce with no N axis (gemm_operand_b once mistook it for A)."""
     g = Graph()

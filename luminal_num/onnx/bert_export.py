@@ -103,6 +103,10 @@ def minilm_onnx(config: BertConfig, weights: Mapping[str, np.ndarray], exact_sca
     """The sentence-embedding model with dynamic ('batch', 'sequence') inputs."""
     cfg, w = config, _Writer()
     ids, mask, types = INPUTS
+    # the extended attention mask first, as BertModel.forward computes it before the embeddings
+    ext = w.op("Cast", [w.op("Unsqueeze", [w.op("Unsqueeze", [mask, w.const([1], np.int64)]),
+                                           w.const([2], np.int64)])], to=TensorProto.FLOAT)
+    mask_bias = w.op("Mul", [w.op("Sub", [w.const(1.0), ext]), w.const(MASKED_KEY_BIAS)])
     words = w.op("Gather", [w.init("embeddings.word_embeddings.weight", weights["embeddings.word_embeddings.weight"]),
                             ids], axis=0)
     pos_buffer = w.init("embeddings.position_ids", np.arange(cfg.max_position_embeddings, dtype=np.int64)[None])
@@ -114,9 +118,6 @@ def minilm_onnx(config: BertConfig, weights: Mapping[str, np.ndarray], exact_sca
                                  weights["embeddings.token_type_embeddings.weight"]), types], axis=0)
     x = _layer_norm(w, w.op("Add", [w.op("Add", [words, tok]), pos]), weights, "embeddings.LayerNorm",
                     cfg.layer_norm_eps)
-    ext = w.op("Cast", [w.op("Unsqueeze", [w.op("Unsqueeze", [mask, w.const([1], np.int64)]),
-                                           w.const([2], np.int64)])], to=TensorProto.FLOAT)
-    mask_bias = w.op("Mul", [w.op("Sub", [w.const(1.0), ext]), w.const(MASKED_KEY_BIAS)])
     for i in range(cfg.num_hidden_layers):
         p = f"encoder.layer.{i}"
         x = _attention(w, x, mask_bias, weights, f"{p}.attention", cfg, exact_scalars)

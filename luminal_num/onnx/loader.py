@@ -26,6 +26,28 @@ ELEM_KINDS: dict[int, str] = {
 }
 
 
+def _register_contrib_schemas() -> None:
+    """ONNX Runtime's SimplifiedLayerNormalization (RMS norm in ORT-optimized graphs) lives in the
+    default domain but has no ONNX schema: declare ORT's signature so the checker accepts it."""
+    if onnx.defs.has("SimplifiedLayerNormalization"):
+        return
+    S = onnx.defs.OpSchema
+    opt = S.FormalParameterOption.Optional
+    onnx.defs.register_schema(S(
+        "SimplifiedLayerNormalization", "", 1, "ONNX Runtime: x * rsqrt(mean(x^2) + epsilon) * scale",
+        inputs=[S.FormalParameter("X", "T"), S.FormalParameter("scale", "V")],
+        outputs=[S.FormalParameter("Y", "V"), S.FormalParameter("inv_std_var", "U", param_option=opt)],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(double)", "tensor(bfloat16)"], ""),
+                          ("U", ["tensor(float)", "tensor(double)"], ""),
+                          ("V", ["tensor(float)", "tensor(float16)", "tensor(double)", "tensor(bfloat16)"], "")],
+        attributes=[S.Attribute("axis", S.AttrType.INT, "", required=False),
+                    S.Attribute("epsilon", S.AttrType.FLOAT, "", required=False),
+                    S.Attribute("stash_type", S.AttrType.INT, "", required=False)]))
+
+
+_register_contrib_schemas()
+
+
 class OnnxImportError(ValueError):
     """A model the importer refuses: malformed, unsupported op/attribute/dtype, or unbound shape."""
 
