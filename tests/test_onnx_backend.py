@@ -61,6 +61,10 @@ def test_every_supported_op_passes_its_onnx_node_cases(cases):
     for op in sorted(o for o in OPS if OPS[o].fn is not None):
         print(f"  {op:30s} {ran[op]:4d} / {fp64_only[op]:3d} / {refused[op]:3d}")
     print(f"  total {sum(ran.values())} / {sum(fp64_only.values())} / {sum(refused.values())}")
+    print("refusals:")
+    for op in sorted(reasons):
+        for why in reasons[op]:
+            print(f"  {why}")
     assert not failures, "\n".join(failures)
     missing = [op for op in OPS if OPS[op].fn is not None and ran[op] == 0 and op not in NO_NODE_CASES
                and not (op in NAN_INPUT_ONLY and fp64_only[op] > 0)]

@@ -195,7 +195,7 @@ def _import_node(imp: _Importer, node: onnx.NodeProto, table: Mapping[str, OpSpe
     unknown = [] if spec.attrs is None else sorted({a.name for a in node.attribute} - spec.attrs)
     if unknown:
         raise OnnxImportError(f"{where}: unsupported attribute(s) {unknown}")
-    values = [imp.env[n] if n else None for n in node.input]
+    values = [imp.env.get(n) if n else None for n in node.input]
     missing = [n for n, v in zip(node.input, values) if n and v is None]
     if missing:
         raise OnnxImportError(f"{where}: inputs {missing} are not defined")
@@ -207,7 +207,12 @@ def _import_node(imp: _Importer, node: onnx.NodeProto, table: Mapping[str, OpSpe
     elif spec.fn is None:
         raise OnnxImportError(f"{where}: {node.op_type} is supported only on values known at import time")
     else:
-        results = spec.fn(NodeCtx(node, values, list(node.input), imp))
+        try:
+            results = spec.fn(NodeCtx(node, values, list(node.input), imp))
+        except OnnxImportError:
+            raise
+        except (ValueError, IndexError) as exc:  # the frontend's shape checks: the model does not fit
+            raise OnnxImportError(f"{where}: {' '.join(str(exc).split())}") from None
     live = [o for o in node.output]
     if len(results) < len([o for o in live if o]):
         raise OnnxImportError(f"{where}: produces only {len(results)} of its outputs")
