@@ -133,6 +133,18 @@ def test_ort_simplified_layer_norm_matches_onnx_runtime():
     np.testing.assert_allclose(fp32_plan_outputs(m, m.feed({"x": x}))["y"], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("e", [2.0, 3.0, -1.0, -2.0, 0.5, -0.5, 1.7, 0.0])
+def test_pow_with_one_constant_exponent_matches_numpy(e):
+    """Integer exponents as products, +-0.5 as (r)sqrt, others as exp2(e*log2 x): NaN for x < 0 as numpy."""
+    model = _model([helper.make_node("Pow", ["x", "e"], ["y"])], [_f("x", [3, 4])], [_f("y", [3, 4])],
+                   [numpy_helper.from_array(np.array(e, np.float32), "e")])
+    x = np.random.default_rng(7).uniform(-3, 3, (3, 4)).astype(np.float32)
+    m = import_model(load_proto(model))
+    with np.errstate(all="ignore"):
+        want = np.power(x.astype(np.float64), float(np.float32(e)))  # the file stores e in FP32
+    np.testing.assert_allclose(m.restore(evaluate(m.graph, m.feed({"x": x})))["y"], want, rtol=1e-12)
+
+
 def test_matrix_vector_matmul_matches_numpy():
     """A 1-D right operand: Mul + SumReduce with no N axis (gemm_operand_b once mistook it for A)."""
     g = Graph()
