@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import compile_time, emulation, numerics, render_reports, runtime, search_efficiency
+from . import compile_time, emulation, numerics, onnx_minilm, render_reports, runtime, search_efficiency
 from .summary import write_summary
 
 
@@ -59,6 +59,8 @@ def main(argv=None) -> str:
     print("== reports rendered by headless Chromium")
     headlines["report_render"] = render_reports.run()
     if not quick:
+        print("== ONNX import (MiniLM from an ONNX file)")
+        headlines["onnx_minilm"] = onnx_minilm.run()
         print("== model-scale checks (pytest -m slow)")
         headlines["slow_tests"] = slow_tests()
     summary = write_summary(headlines, wall_s=time.perf_counter() - start).read_text()

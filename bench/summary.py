@@ -80,6 +80,10 @@ SECTIONS = (
     Section("emulation", "Gemm emulation throughput",
             "Per-variant cost of the emulated Gemm on one square matmul (bench/emulation.py).",
             (("emulation.csv", "best of the interleaved rounds"),), _emulation_columns),
+    Section("onnx_minilm", "ONNX import: all-MiniLM-L6-v2 from an ONNX file",
+            "The imported graph must compute the project's own MiniLM (FP64) and its FP32 plan must match ONNX "
+            "Runtime FP32; the ORT peers are judged on the same budget; compile works from the file alone.",
+            (("onnx_minilm.csv", "per ONNX form: import time, FP64 vs the project graph, FP32 plan vs ORT"),)),
     Section("slow_tests", "Model-scale checks",
             "`pytest -m slow`: the MiniLM demo end to end (compile, report, audit on held-out sentences) and "
             "the wide-model search; kept out of the default suite for time.", ()),

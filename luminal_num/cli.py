@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -50,6 +51,30 @@ def _job(name: str):
         return load_job(name)
     except KeyError as exc:
         raise InputError(str(exc.args[0])) from None
+
+
+def _onnx_job(args):
+    """The ONNX job when --model names a .onnx file (else None); refusals become one-line input errors."""
+    from .onnx.job import is_onnx_path, onnx_job
+    from .onnx.loader import OnnxImportError
+    if not is_onnx_path(args.model):
+        if getattr(args, "shape", None):
+            raise InputError("--shape applies to ONNX models (--model model.onnx) only")
+        return None
+    try:
+        return onnx_job(args.model, args.shape, getattr(args, "inputs", None) or args.calibration)
+    except OnnxImportError as exc:
+        raise InputError(str(exc)) from None
+
+
+def _onnx_peers(oj, budget, target: str):
+    """ONNX Runtime FP32 / FP16 rows judged on the same FP64 reference (empty without onnxruntime)."""
+    from .onnx.peers import peer_rows, run_peers
+    peers = run_peers(oj.loaded.proto, oj.onnx_batches, oj.fp64_references(), budget)
+    for p in peers:
+        print(f"[luminal-num] peer {p.label}: error {p.error!r} ({'passes' if p.passes else 'fails'}), "
+              f"{p.latency_s!r} s per batch on this CPU")
+    return peer_rows(peers, target)
 
 
 def _inputs(path: str | None, job) -> list[dict]:
@@ -147,15 +172,16 @@ def cmd_compile(args) -> int:
     from .report.compile_report import candidate_rows, write_compile_report
     from .search.search import SearchOptions
     from .report.compile_report import COMPILE_FILES
-    job = _job(args.model)
+    oj = _onnx_job(args)
+    job = oj.job if oj is not None else _job(args.model)
     budget = _budget(args.budget if args.budget is not None else job.default_budget)
     out = Path(args.out or f"reports/{job.name}")
     _check_out(out, COMPILE_FILES)
     with output_lock(out):
-        return _compile_locked(args, job, budget, out)
+        return _compile_locked(args, job, budget, out, oj)
 
 
-def _compile_locked(args, job, budget, out: Path) -> int:
+def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     from .compiler import BudgetUnreachable, compile
     from .report.compile_report import candidate_rows, write_compile_report
     from .search.search import SearchOptions
@@ -177,8 +203,13 @@ def _compile_locked(args, job, budget, out: Path) -> int:
     stats = result.search.stats
     interrupted = (f"search interrupted after {stats['candidates']} candidates: best plan so far"
                    if stats.get("interrupted") else "")
+    peers = None
+    if oj is not None:
+        result = dataclasses.replace(result, plan=result.plan.with_source(oj.source))
+        peers = _onnx_peers(oj, budget, args.target)
     with _writing(out):
-        files = write_compile_report(result, out, f"{job.name}: error vs latency ({args.target})", interrupted)
+        files = write_compile_report(result, out, f"{job.name}: error vs latency ({args.target})", interrupted,
+                                     extra_rows=peers)
     if interrupted:
         raise Interrupted(f"{interrupted} written to {files['plan']} (marked partial)")
     rows = candidate_rows(result)
@@ -238,20 +269,23 @@ def cmd_audit(args) -> int:
         plan = Plan.load(args.plan)
     except PlanError as exc:
         raise InputError(str(exc)) from None
-    job = _job(args.model)
-    batches = _inputs(args.inputs, job)
+    oj = _onnx_job(args)
+    job = oj.job if oj is not None else _job(args.model)
+    batches = list(job.calibration) if oj is not None else _inputs(args.inputs, job)
     out = Path(args.out or Path(args.plan).parent)
     _check_out(out, AUDIT_FILES)
     with output_lock(out):
-        return _audit_locked(plan, job, batches, out)
+        return _audit_locked(plan, job, batches, out, oj)
 
 
-def _audit_locked(plan, job, batches, out: Path) -> int:
+def _audit_locked(plan, job, batches, out: Path, oj=None) -> int:
     from .report.audit import audit, write_audit_report
     from .search.plan import PlanError
     if plan.data.get("interrupted"):
         print(f"[luminal-num] note: this plan is a partial result ({plan.data['interrupted']})")
     try:
+        if oj is not None:
+            plan.check_source(oj.source)
         result = audit(plan, job.graph, batches)
     except PlanError as exc:
         raise InputError(str(exc)) from None
@@ -316,8 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_DefaultsParser)
 
+    def onnx_args(p):
+        p.add_argument("--shape", help="ONNX input shapes binding dynamic dims, e.g. input_ids=16x128,attention_mask=16x128")
+        p.add_argument("--calibration", help="ONNX models: .npz of input batches keyed `name` or `name:0`, `name:1`, ...")
+
     def compile_args(p, default_model, default_candidates):
-        p.add_argument("--model", default=default_model, help="minilm | llama-tiny | transformer")
+        p.add_argument("--model", default=default_model, help="minilm | llama-tiny | transformer | model.onnx")
+        onnx_args(p)
         p.add_argument("--budget", help='e.g. "atol=1e-3,rtol=0,cosine>=0.9999" (default: the model\'s)')
         p.add_argument("--target", default="h200", help="h200 | h100 | a100 | cpu (cpu is measured)")
         p.add_argument("--candidates", type=_positive, default=default_candidates, help="candidates to evaluate")
@@ -332,8 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     compile_args(demo, "minilm", 60)
     au = sub.add_parser("audit", help="re-check a saved plan against FP64 on new inputs (exit 1 if broken)")
     au.add_argument("--plan", required=True)
-    au.add_argument("--model", default="minilm")
-    au.add_argument("--inputs", help=".npz with one input batch (default: the model's held-out set)")
+    au.add_argument("--model", default="minilm", help="a registry name or model.onnx (the plan's source file)")
+    au.add_argument("--inputs", help=".npz with one input batch (default: the model's held-out set); for ONNX "
+                    "models batches keyed like --calibration")
+    onnx_args(au)
     au.add_argument("--out", help="report folder (default: the plan's folder)")
     ins = sub.add_parser("inspect", help="print a plan's per-op table")
     ins.add_argument("--plan", required=True)

@@ -33,14 +33,18 @@ def candidate_rows(result) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def write_compile_report(result, out_dir: str | Path, title: str, interrupted: str = "") -> dict[str, Path]:
+def write_compile_report(result, out_dir: str | Path, title: str, interrupted: str = "",
+                         extra_rows: pd.DataFrame | None = None) -> dict[str, Path]:
     """Every file of a compile, staged beside `out_dir` and moved in only when all were written.
 
     `interrupted`: why the search stopped early; the plan is then marked as a partial result (in
-    plan.json and in the page's title), never mistaken for the search's answer.
+    plan.json and in the page's title), never mistaken for the search's answer. `extra_rows`: peer rows
+    (e.g. ONNX Runtime) judged on the same FP64 reference, shown beside the plans.
     """
     out_dir = Path(out_dir)
     rows = candidate_rows(result)
+    if extra_rows is not None and not extra_rows.empty:
+        rows = pd.concat([rows, extra_rows], ignore_index=True)
     headroom = float(result.search.stats.get("headroom", 1.0))
     if interrupted:
         result.plan.data[INTERRUPTED_KEY] = interrupted

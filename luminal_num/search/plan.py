@@ -206,6 +206,17 @@ class Plan:
     def budget(self) -> Budget:
         return Budget.from_dict(self.data["budget"])
 
+    def with_source(self, source: dict) -> "Plan":
+        """This plan recording the model file it was compiled from (e.g. {"format", "file", "sha256"})."""
+        return Plan({**self.data, "source": dict(source)}, self.scales)
+
+    def check_source(self, source: dict) -> None:
+        """A plan that recorded its model file refuses a file with other bytes (sha256 differs)."""
+        recorded = self.data.get("source")
+        if recorded and recorded.get("sha256") != source.get("sha256"):
+            raise PlanError(f"model file mismatch: the plan was compiled from {recorded.get('file')!r} "
+                            f"sha256 {str(recorded.get('sha256'))[:12]}, this file has {str(source.get('sha256'))[:12]}")
+
     def check_graph(self, graph: Graph) -> None:
         if self.data["graph_key"] != graph_key(graph):
             raise PlanError("graph hash mismatch: this plan was compiled for a different graph "

@@ -1,0 +1,229 @@
+"""ONNX graph -> HLIR Graph through the GraphTensor frontend (views stay views, MatMul stays Mul+SumReduce).
+
+Every ONNX value is either a `Tensor` (a GraphTensor plus its kind: float data, bool mask held as
+0/1 floats, or integer indices) or a numpy array known at import time. A node whose inputs are all
+known is folded by ONNX's own reference implementation when folding is exact (shape arithmetic,
+integer/bool results, value-preserving movement); float arithmetic on known values stays in the graph
+so the FP64 reference computes it exactly. Input shapes are concrete (symbolic dims bound first).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+import onnx
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
+
+from ..dtypes.formats import F32, INT32
+from ..hlir.graph import Graph
+from .loader import BOOL, FLOAT, INT, LoadedModel, OnnxImportError, bind_input_shapes, elem_kind, graph_inputs, \
+    initializer_arrays
+from .ops import OPS, OpSpec
+from .values import Tensor, NodeCtx, Value, kind_of_array
+
+_NP_OF_KIND = {FLOAT: np.float32, BOOL: np.bool_, INT: np.int64}
+
+
+@dataclass(frozen=True)
+class IOSpec:
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+
+
+@dataclass(frozen=True)
+class OnnxModel:
+    """An imported model: the HLIR graph plus how to feed it and read it back in ONNX terms."""
+
+    graph: Graph
+    inputs: tuple[IOSpec, ...]
+    outputs: tuple[IOSpec, ...]
+    constant_outputs: Mapping[str, np.ndarray]  # outputs fully known at import (folded)
+    sha256: str
+    opset: int
+
+    def feed(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """ONNX input arrays -> graph inputs (bool masks as 0/1 float32, indices as int64)."""
+        out = {}
+        for spec in self.inputs:
+            if spec.name not in arrays:
+                raise OnnxImportError(f"missing input {spec.name!r}")
+            a = np.asarray(arrays[spec.name])
+            if tuple(a.shape) != spec.shape:
+                raise OnnxImportError(f"input {spec.name!r}: shape {a.shape}, the model was imported for {spec.shape}")
+            out[spec.name] = a.astype(np.int64) if spec.kind == INT else a.astype(np.float32)
+        return out
+
+    def restore(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Graph outputs -> ONNX outputs (masks back to bool), with the folded outputs added."""
+        out = {}
+        for spec in self.outputs:
+            if spec.name in self.constant_outputs:
+                out[spec.name] = self.constant_outputs[spec.name]
+            else:
+                v = np.asarray(values[spec.name])
+                out[spec.name] = v > 0.5 if spec.kind == BOOL else v
+        return out
+
+
+@dataclass
+class _Importer:
+    graph: Graph
+    opset: int
+    proto: onnx.ModelProto
+    elem_types: dict[str, int]
+    inferred: dict[str, tuple]  # ONNX shape inference's output shapes (None for unknown dims)
+    env: dict[str, Value] = field(default_factory=dict)
+    materialized: dict[str, Tensor] = field(default_factory=dict)
+
+    def materialize(self, name: str, value: np.ndarray) -> Tensor:
+        """A known array entering the graph: one-element floats as constants, others as weights."""
+        kind = kind_of_array(value, name)
+        if kind == FLOAT and value.size == 1:  # constants live in their chunk (no cross-chunk edges)
+            return Tensor(self.graph.constant(float(value.reshape(()))).reshape(value.shape), kind)
+        if name in self.materialized:
+            return self.materialized[name]
+        if kind == INT:
+            if value.size and (value.min() < np.iinfo(np.int32).min or value.max() > np.iinfo(np.int32).max):
+                raise OnnxImportError(f"integer constant {name!r} does not fit int32")
+            t = self.graph.weight(name, value.astype(np.int64), INT32)
+        else:
+            t = self.graph.weight(name, value.astype(np.float32), F32)
+        self.materialized[name] = Tensor(t, kind)
+        return self.materialized[name]
+
+    def fold(self, node: onnx.NodeProto, values: list[np.ndarray | None]) -> list[np.ndarray]:
+        """Run one node on known values with ONNX's reference implementation (exact numpy)."""
+        feeds = {n: v for n, v in zip(node.input, values) if n}
+        ins = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+               for n, v in feeds.items()]
+        outs = [helper.make_empty_tensor_value_info(o) for o in node.output if o]
+        g = helper.make_graph([node], "fold", ins, outs)
+        m = helper.make_model(g, opset_imports=list(self.proto.opset_import), ir_version=self.proto.ir_version)
+        try:
+            res = ReferenceEvaluator(m).run(None, feeds)
+        except Exception as exc:  # noqa: BLE001 - a failing fold is the model's error
+            raise OnnxImportError(f"{node.op_type} node {node.name!r}: folding known inputs failed: "
+                                  f"{' '.join(str(exc).split())[:200]}") from None
+        return [np.asarray(r) for r in res]
+
+
+def _opset(proto: onnx.ModelProto) -> int:
+    for o in proto.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return int(o.version)
+    raise OnnxImportError("model imports no default-domain opset")
+
+
+def import_model(loaded: LoadedModel, shapes: Mapping[str, tuple[int, ...]] | None = None,
+                 known_inputs: Mapping[str, np.ndarray] | None = None) -> OnnxModel:
+    """Build the HLIR graph of a loaded model for concrete input shapes.
+
+    `known_inputs` freezes graph inputs to values known at import (ONNX node tests pass axes and
+    shapes as inputs); every other input becomes a graph input of its bound shape.
+    """
+    proto = loaded.proto
+    known = dict(known_inputs or {})
+    bound = bind_input_shapes(proto, dict(shapes or {}), frozenset(known))
+    elem_types = {v.name: v.type.tensor_type.elem_type for v in
+                  list(proto.graph.input) + list(proto.graph.value_info) + list(proto.graph.output)
+                  if v.type.HasField("tensor_type")}
+    shapes_known = {vi.name: tuple(d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim)
+                    for vi in list(proto.graph.value_info) + list(proto.graph.output)
+                    if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}
+    imp = _Importer(Graph(), _opset(proto), proto, elem_types, shapes_known)
+    imp.env.update(initializer_arrays(proto))
+    inputs = []
+    for inp in graph_inputs(proto):
+        if inp.name in known:
+            imp.env[inp.name] = np.asarray(known[inp.name])
+            continue
+        kind = _input_kind(proto, inp)
+        dtype = INT32 if kind == INT else F32
+        t = imp.graph.input(inp.name, bound[inp.name], dtype, value_range=(0.0, 1.0) if kind == BOOL else None)
+        imp.env[inp.name] = Tensor(t, kind)
+        inputs.append(IOSpec(inp.name, bound[inp.name], kind))
+    for node in proto.graph.node:
+        _import_node(imp, node, OPS)
+    outputs, constants = [], {}
+    for out in proto.graph.output:
+        v = imp.env[out.name]
+        if isinstance(v, np.ndarray):
+            constants[out.name] = v
+            outputs.append(IOSpec(out.name, tuple(v.shape), kind_of_array(v, out.name)))
+        else:
+            if v.kind == INT:
+                raise OnnxImportError(f"output {out.name!r} holds integers computed at run time; only float "
+                                      "and bool outputs are supported")
+            imp.graph.output(v.t, out.name)
+            outputs.append(IOSpec(out.name, v.shape, v.kind))
+    return OnnxModel(imp.graph, tuple(inputs), tuple(outputs), constants, loaded.sha256, imp.opset)
+
+
+# Inputs of these types are accepted when every consumer is Cast(to=FLOAT): feeding them as FP32 is
+# then exactly that cast (fp16/bf16 -> fp32 is exact; double -> fp32 rounds to nearest, as Cast does).
+_CAST_ONLY_INPUTS = (onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+def _input_kind(proto: onnx.ModelProto, inp: onnx.ValueInfoProto) -> str:
+    elem = inp.type.tensor_type.elem_type
+    if elem in _CAST_ONLY_INPUTS:
+        users = [n for n in proto.graph.node if inp.name in n.input]
+        to = [{a.name: helper.get_attribute_value(a) for a in n.attribute}.get("to") if n.op_type == "Cast" else None
+              for n in users]
+        if users and all(t == onnx.TensorProto.FLOAT for t in to):
+            return FLOAT
+    return elem_kind(elem, f"input {inp.name!r}")
+
+
+# A chunk starts at every normalization: transformer layers (pre- or post-norm) then fall into
+# structurally identical chunks that share one search, as the hand-written models' graph_breaks do.
+CHUNK_STARTS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization")
+
+
+def _import_node(imp: _Importer, node: onnx.NodeProto, table: Mapping[str, OpSpec]) -> None:
+    where = f"{node.op_type} node {node.name or node.output[0]!r}"
+    if node.op_type in CHUNK_STARTS and len(imp.graph) > len(imp.graph.inputs):
+        imp.graph.graph_break()
+    if node.domain not in ("", "ai.onnx"):
+        raise OnnxImportError(f"unsupported ONNX op {node.domain}.{node.op_type} ({where})")
+    spec = table.get(node.op_type)
+    if spec is None:
+        raise OnnxImportError(f"unsupported ONNX op {node.op_type} ({where})")
+    unknown = [] if spec.attrs is None else sorted({a.name for a in node.attribute} - spec.attrs)
+    if unknown:
+        raise OnnxImportError(f"{where}: unsupported attribute(s) {unknown}")
+    values = [imp.env.get(n) if n else None for n in node.input]
+    missing = [n for n, v in zip(node.input, values) if n and v is None]
+    if missing:
+        raise OnnxImportError(f"{where}: inputs {missing} are not defined")
+    all_known = all(v is None or isinstance(v, np.ndarray) for v in values)
+    out_types = [imp.elem_types.get(o) for o in node.output if o]
+    exact = spec.exact or all(t is not None and t != onnx.TensorProto.FLOAT for t in out_types)
+    if all_known and (exact or spec.fn is None):
+        results = imp.fold(node, values)
+    elif spec.fn is None:
+        raise OnnxImportError(f"{where}: {node.op_type} is supported only on values known at import time")
+    else:
+        try:
+            results = spec.fn(NodeCtx(node, values, list(node.input), imp))
+        except OnnxImportError:
+            raise
+        except (ValueError, IndexError) as exc:  # the frontend's shape checks: the model does not fit
+            raise OnnxImportError(f"{where}: {' '.join(str(exc).split())}") from None
+    live = [o for o in node.output]
+    if len(results) < len([o for o in live if o]):
+        raise OnnxImportError(f"{where}: produces only {len(results)} of its outputs")
+    for name, val in zip(live, results):
+        if name:
+            _check_shape(imp, name, val, where)
+            imp.env[name] = val
+
+
+def _check_shape(imp: _Importer, name: str, val: Value, where: str) -> None:
+    """The importer's shape must equal ONNX shape inference's where that is known (catches mapping bugs)."""
+    got, want = tuple(val.shape), imp.inferred.get(name)
+    if want is not None and (len(want) != len(got) or any(w not in (None, 0) and w != g for w, g in zip(want, got))):
+        raise OnnxImportError(f"{where}: output {name!r} has shape {got}, ONNX infers {want}")

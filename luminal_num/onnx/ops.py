@@ -1,0 +1,444 @@
+"""The ONNX op table: one entry per ONNX op type, keyed by its name (the coverage test reads it).
+
+Each entry names the attributes it understands (any other attribute is refused, never ignored), the
+handler that builds the op from GraphTensor calls, and whether folding it on known inputs is exact
+(movement and selection ops are; float arithmetic is not, so it stays in the graph). An entry with no
+handler is only ever folded: it may appear in shape subgraphs, never on run-time tensors.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from ..dtypes.formats import F32
+from ..hlir.tensor import GraphTensor, concat
+from .loader import BOOL, FLOAT, INT
+from .values import NodeCtx, Tensor, Value
+
+ANY = (FLOAT, BOOL, INT)
+DATA = (FLOAT, BOOL)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    fn: Callable[[NodeCtx], list[Value]] | None  # None: folded only (all inputs known at import)
+    attrs: frozenset[str] | None = frozenset()  # None: any (folded by ONNX's reference, which reads them all)
+    exact: bool = False  # folding on known inputs is exact, so do it even for float outputs
+    static: tuple[int, ...] = ()  # inputs that must be known at import (shapes, axes, exponents)
+
+
+def _spec(fn, attrs: str = "", exact: bool = False, static: tuple[int, ...] = ()) -> OpSpec:
+    return OpSpec(fn, frozenset(attrs.split()), exact, static)
+
+
+def _ax(axis: int, ndim: int) -> int:
+    if not -ndim <= axis < max(ndim, 1):
+        raise ValueError(f"axis {axis} out of range for rank {ndim}")
+    return axis % max(ndim, 1)
+
+
+def _out(t: GraphTensor, kind: str = FLOAT) -> list[Value]:
+    return [Tensor(t, kind)]
+
+
+# -- elementwise ------------------------------------------------------------------------------
+def _binary(fn: Callable[[GraphTensor, GraphTensor], GraphTensor]):
+    return lambda c: _out(fn(c.tensor(0).t, c.tensor(1).t))
+
+
+def _unary(fn: Callable[[GraphTensor], GraphTensor]):
+    return lambda c: _out(fn(c.tensor(0).t))
+
+
+def _power(x: GraphTensor, n: int) -> GraphTensor:
+    """x**n for an integer n >= 1 by repeated squaring (each product rounds once, as a chain does)."""
+    result, base = None, x
+    while n:
+        if n & 1:
+            result = base if result is None else result * base
+        n >>= 1
+        if n:
+            base = base * base
+    return result
+
+
+def _pow(c: NodeCtx) -> list[Value]:
+    x = c.tensor(0)
+    y = np.unique(c.const(1, "the exponent").astype(np.float64))
+    if y.size != 1:
+        raise c.refuse("the exponent must be one value (a per-element exponent is not supported)")
+    e = float(y[0])
+    if e == 0.0:
+        return [np.ones(x.shape, np.float32)]  # x**0 == 1 for every x, NaN included
+    if e == int(e) and abs(e) <= 64:
+        p = _power(x.t, abs(int(e)))
+        return _out(p if e > 0 else p.recip())
+    if abs(e) == 0.5:
+        return _out(x.t.sqrt() if e > 0 else x.t.rsqrt())
+    return _out((x.t.log2() * e).exp2())  # non-integer exponent: NaN for x < 0, as pow itself
+
+
+def _where(c: NodeCtx) -> list[Value]:
+    x, y = c.values[1], c.values[2]
+    for i, v in ((1, x), (2, y)):
+        if isinstance(v, np.ndarray) and not np.all(np.isfinite(v.astype(np.float64))):
+            raise c.refuse(f"input {c.names[i]!r} holds inf/nan: Where is built as cond*x + (1-cond)*y, "
+                           "which is exact only for finite values")
+    cond = c.values[0]
+    if isinstance(cond, np.ndarray) and cond.size and np.all(cond == cond.flat[0]):
+        pick = c.tensor(1 if bool(cond.flat[0]) else 2)
+        shape = np.broadcast_shapes(cond.shape, tuple(c.tensor(1).shape), tuple(c.tensor(2).shape))
+        return _out(pick.t.broadcast_to(shape))
+    m = c.tensor(0, (BOOL,)).t
+    return _out(m * c.tensor(1).t + (1.0 - m) * c.tensor(2).t)
+
+
+def _clip(c: NodeCtx) -> list[Value]:
+    x = c.tensor(0).t
+    lo = c.attr("min") if c.opset < 11 else (float(c.const(1, "min")) if c.has(1) else None)
+    hi = c.attr("max") if c.opset < 11 else (float(c.const(2, "max")) if c.has(2) else None)
+    if lo is not None:
+        x = x.maximum(float(lo))
+    if hi is not None:
+        x = -((-x).maximum(-float(hi)))
+    return _out(x)
+
+
+def _cast(c: NodeCtx) -> list[Value]:
+    to = c.attr("to")
+    src = c.tensor(0, ANY)
+    if c.attr("saturate", 1) != 1 and to != onnx.TensorProto.FLOAT:
+        raise c.refuse("saturate=0 is not supported")
+    if to == onnx.TensorProto.FLOAT:
+        return _out(src.t.cast(F32) if src.kind == INT else src.t)
+    want = {onnx.TensorProto.BOOL: BOOL, onnx.TensorProto.INT64: INT, onnx.TensorProto.INT32: INT}.get(to)
+    if want is not None and want == src.kind:
+        return [src]
+    raise c.refuse(f"cast of a run-time {src.kind} tensor to {onnx.TensorProto.DataType.Name(to)} is not supported "
+                   "(the graph computes in FP32; low-precision storage is the compiler's choice)")
+
+
+# -- reductions, norms, softmax ---------------------------------------------------------------
+def _reduce_axes(c: NodeCtx, ndim: int) -> tuple[int, ...] | None:
+    """The axes to reduce, () for 'all', None for 'no-op' (empty axes with noop_with_empty_axes)."""
+    if c.has(1):
+        axes = [int(a) for a in c.const(1, "axes").reshape(-1)]
+    else:
+        axes = list(c.attr("axes", []))
+    if not axes:
+        return None if c.attr("noop_with_empty_axes", 0) else tuple(range(ndim))
+    return tuple(sorted({_ax(a, ndim) for a in axes}))
+
+
+def _reduce(kind: str):
+    def run(c: NodeCtx) -> list[Value]:
+        x = c.tensor(0, DATA if kind == "max" else (FLOAT,))
+        axes = _reduce_axes(c, len(x.shape))
+        if axes is None:
+            return [x]
+        keep = bool(c.attr("keepdims", 1))
+        t = x.t
+        if kind == "sum":
+            out = t.sum(axes, keep)
+        elif kind == "mean":
+            out = t.mean(axes, keep)
+        elif kind == "max":
+            out = t.max(axes, keep)
+        else:  # l2
+            out = t.square().sum(axes, keep).sqrt()
+        return _out(out, x.kind if kind == "max" else FLOAT)
+    return run
+
+
+def _softmax(c: NodeCtx) -> list[Value]:
+    x = c.tensor(0).t
+    if c.opset >= 13:
+        return _out(x.softmax(_ax(c.attr("axis", -1), x.ndim)))
+    axis = _ax(c.attr("axis", 1), x.ndim)  # opset < 13: softmax over the flattened trailing block
+    shape = tuple(x.shape)
+    flat = x.reshape(math.prod(shape[:axis]), math.prod(shape[axis:]))
+    return _out(flat.softmax(-1).reshape(shape))
+
+
+def _norm_axes(c: NodeCtx, ndim: int) -> tuple[int, ...]:
+    if c.attr("stash_type", 1) != 1:
+        raise c.refuse("stash_type other than 1 (FP32 statistics) is not supported")
+    return tuple(range(_ax(c.attr("axis", -1), ndim), ndim))
+
+
+def _layer_norm(c: NodeCtx) -> list[Value]:
+    """(x - mean) * rsqrt(var + eps) * scale + bias, and the Mean / InvStdDev outputs when asked for."""
+    x = c.tensor(0).t
+    axes = _norm_axes(c, x.ndim)
+    mean = x.mean(axes, keepdim=True)
+    xc = x - mean
+    inv_std = (xc.square().mean(axes, keepdim=True) + float(np.float32(c.attr("epsilon", 1e-5)))).rsqrt()
+    y = xc * inv_std * c.tensor(1).t
+    return [Tensor(y + c.tensor(2).t if c.has(2) else y, FLOAT), Tensor(mean, FLOAT), Tensor(inv_std, FLOAT)]
+
+
+def _rms_norm(c: NodeCtx) -> list[Value]:
+    x = c.tensor(0).t
+    axes = _norm_axes(c, x.ndim)
+    if len([o for o in c.node.output if o]) > 1:
+        raise c.refuse("the InvStdDev output is not supported")
+    y = x * (x.square().mean(axes, keepdim=True) + float(np.float32(c.attr("epsilon", 1e-5)))).rsqrt()
+    return _out(y * c.tensor(1).t)
+
+
+# -- linear algebra ---------------------------------------------------------------------------
+def _matmul(c: NodeCtx) -> list[Value]:
+    """numpy matmul; a 1-D operand makes it a matrix-vector product, Mul + SumReduce over k directly."""
+    a, b = c.tensor(0).t, c.tensor(1).t
+    if b.ndim == 1:
+        return _out((a * b).sum(-1))
+    if a.ndim == 1:
+        return _out((a.reshape(a.shape[0], 1) * b).sum(-2))
+    return _out(a @ b)
+
+
+def _gemm(c: NodeCtx) -> list[Value]:
+    a, b = c.tensor(0).t, c.tensor(1).t
+    a = a.transpose() if c.attr("transA", 0) else a
+    b = b.transpose() if c.attr("transB", 0) else b
+    y = a @ b
+    alpha, beta = float(np.float32(c.attr("alpha", 1.0))), float(np.float32(c.attr("beta", 1.0)))
+    if alpha != 1.0:
+        y = y * alpha
+    if c.has(2) and beta != 0.0:
+        bias = c.tensor(2).t
+        y = y + (bias if beta == 1.0 else bias * beta)
+    return _out(y)
+
+
+# -- movement and indexing --------------------------------------------------------------------
+def _gather(c: NodeCtx) -> list[Value]:
+    data = c.tensor(0, DATA)
+    axis = _ax(c.attr("axis", 0), len(data.shape))
+    n = data.shape[axis]
+    idx_v = c.values[1]
+    if isinstance(idx_v, np.ndarray):
+        idx = idx_v.astype(np.int64)
+        if np.any((idx < -n) | (idx >= n)):
+            raise c.refuse(f"index out of range [-{n}, {n})")
+        idx = np.where(idx < 0, idx + n, idx)
+        if idx.ndim == 0:  # one index: a slice view that drops the axis
+            ranges = [(0, d) for d in data.shape]
+            ranges[axis] = (int(idx), int(idx) + 1)
+            shape = data.shape[:axis] + data.shape[axis + 1:]
+            return _out(data.t.slice(*ranges).reshape(shape), data.kind)
+        indices = c.importer.materialize(f"{c.names[1]}:normalized:{n}", idx).t
+    else:
+        indices = c.tensor(1, (INT,)).t
+    order = [axis] + [i for i in range(len(data.shape)) if i != axis]
+    table = data.t.permute(order) if axis else data.t
+    out = table.gather(indices)  # (idx..., other dims in order)
+    k = indices.ndim
+    if axis:
+        perm = list(range(k, k + axis)) + list(range(k)) + list(range(k + axis, out.ndim))
+        out = out.permute(perm)
+    return _out(out, data.kind)
+
+
+def _reshape(c: NodeCtx) -> list[Value]:
+    x = c.tensor(0, ANY)
+    want = [int(d) for d in c.const(1, "shape")]
+    if not c.attr("allowzero", 0):
+        want = [x.shape[i] if d == 0 else d for i, d in enumerate(want)]
+    if -1 in want:
+        known = math.prod(d for d in want if d != -1)
+        want[want.index(-1)] = math.prod(x.shape) // known
+    return [Tensor(x.t.reshape(tuple(want)), x.kind)]
+
+
+def _flatten(c: NodeCtx) -> list[Value]:
+    x = c.tensor(0, ANY)
+    axis = c.attr("axis", 1)
+    axis = axis + len(x.shape) if axis < 0 else axis
+    return [Tensor(x.t.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:])), x.kind)]
+
+
+def _transpose(c: NodeCtx) -> list[Value]:
+    x = c.tensor(0, ANY)
+    perm = c.attr("perm", list(reversed(range(len(x.shape)))))
+    return [Tensor(x.t.permute(tuple(perm)), x.kind)]
+
+
+def _axes_arg(c: NodeCtx) -> list[int] | None:
+    if c.has(1):
+        return [int(a) for a in c.const(1, "axes").reshape(-1)]
+    a = c.attr("axes")
+    return None if a is None else list(a)
+
+
+def _unsqueeze(c: NodeCtx) -> list[Value]:
+    x = c.tensor(0, ANY)
+    ndim = len(x.shape) + len(_axes_arg(c) or [])
+    shape = list(x.shape)
+    for a in sorted(_ax(a, ndim) for a in _axes_arg(c) or []):
+        shape.insert(a, 1)
+    return [Tensor(x.t.reshape(tuple(shape)), x.kind)]
+
+
+def _squeeze(c: NodeCtx) -> list[Value]:
+    x = c.tensor(0, ANY)
+    axes = _axes_arg(c)
+    drop = {_ax(a, len(x.shape)) for a in axes} if axes else {i for i, d in enumerate(x.shape) if d == 1}
+    if any(x.shape[a] != 1 for a in drop):
+        raise c.refuse(f"cannot squeeze axes {sorted(drop)} of shape {x.shape}")
+    return [Tensor(x.t.reshape(tuple(d for i, d in enumerate(x.shape) if i not in drop)), x.kind)]
+
+
+def _concat(c: NodeCtx) -> list[Value]:
+    parts = [c.tensor(i, DATA) for i in range(len(c.values))]
+    kinds = {p.kind for p in parts}
+    if len(kinds) != 1:
+        raise c.refuse("inputs mix float data and bool masks")
+    return _out(concat([p.t for p in parts], _ax(c.attr("axis"), len(parts[0].shape))), parts[0].kind)
+
+
+def _step_slice(t: GraphTensor, axis: int, start: int, stop: int, step: int) -> GraphTensor:
+    """Every `step`-th element of [start, stop) on `axis`, as views: slice, pad to n*step, fold, pick column 0."""
+    n = -(-(stop - start) // step)
+    shape = list(t.shape)
+    ranges = [(0, d) for d in shape]
+    ranges[axis] = (start, min(start + n * step, shape[axis]))
+    t = t.slice(*ranges)
+    pads = [(0, 0)] * len(shape)
+    pads[axis] = (0, n * step - (ranges[axis][1] - start))
+    t = t.pad(*pads) if pads[axis][1] else t
+    folded = shape[:axis] + [n, step] + shape[axis + 1:]
+    t = t.reshape(tuple(folded))
+    pick = [(0, d) for d in folded]
+    pick[axis + 1] = (0, 1)
+    return t.slice(*pick).reshape(tuple(shape[:axis] + [n] + shape[axis + 1:]))
+
+
+def _slice(c: NodeCtx) -> list[Value]:
+    x = c.tensor(0, ANY)
+    ndim = len(x.shape)
+    if c.opset < 10:
+        starts, ends = list(c.attr("starts")), list(c.attr("ends"))
+        axes, steps = list(c.attr("axes", range(len(starts)))), [1] * len(starts)
+    else:
+        starts = [int(v) for v in c.const(1, "starts")]
+        ends = [int(v) for v in c.const(2, "ends")]
+        axes = [int(v) for v in c.const(3, "axes")] if c.has(3) else list(range(len(starts)))
+        steps = [int(v) for v in c.const(4, "steps")] if c.has(4) else [1] * len(starts)
+    t = x.t
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        a = _ax(a, ndim)
+        d = x.shape[a]
+        if st <= 0:
+            raise c.refuse("Slice with a negative or zero step is not supported")
+        s = min(max(s + d if s < 0 else s, 0), d)
+        e = min(max(e + d if e < 0 else e, 0), d)
+        if e <= s:
+            raise c.refuse("an empty slice (zero-sized tensor) is not supported")
+        if st == 1:
+            ranges = [(0, dd) for dd in t.shape]
+            ranges[a] = (s, e)
+            t = t.slice(*ranges)
+        else:
+            t = _step_slice(t, a, s, e, st)
+    return [Tensor(t, x.kind)]
+
+
+def _expand(c: NodeCtx) -> list[Value]:
+    x = c.tensor(0, ANY)
+    shape = np.broadcast_shapes(x.shape, tuple(int(d) for d in c.const(1, "shape")))
+    return [Tensor(x.t.broadcast_to(shape), x.kind)]
+
+
+def _split(c: NodeCtx) -> list[Value]:
+    x = c.tensor(0, ANY)
+    axis = _ax(c.attr("axis", 0), len(x.shape))
+    d, n_out = x.shape[axis], len(c.node.output)
+    if c.has(1):
+        sizes = [int(v) for v in c.const(1, "split")]
+    elif c.attr("split") is not None:
+        sizes = list(c.attr("split"))
+    else:
+        n = c.attr("num_outputs", n_out)
+        chunk = -(-d // n)
+        sizes = [min(chunk, d - i * chunk) for i in range(n)]
+    if sum(sizes) != d or len(sizes) != n_out:
+        raise c.refuse(f"split sizes {sizes} do not cover dim {d} with {n_out} outputs")
+    out, start = [], 0
+    for size in sizes:
+        ranges = [(0, dd) for dd in x.shape]
+        ranges[axis] = (start, start + size)
+        out.append(Tensor(x.t.slice(*ranges), x.kind))
+        start += size
+    return out
+
+
+def _shape(c: NodeCtx) -> list[Value]:
+    shape = np.array(c.values[0].shape, dtype=np.int64)
+    end = c.attr("end")
+    return [shape[c.attr("start", 0): end if end is not None else len(shape)]]
+
+
+def _size(c: NodeCtx) -> list[Value]:
+    return [np.array(math.prod(c.values[0].shape), dtype=np.int64)]
+
+
+def _fold_only() -> OpSpec:
+    return OpSpec(None, None, True)
+
+
+REDUCE_ATTRS = "axes keepdims noop_with_empty_axes"
+NORM_ATTRS = "axis epsilon stash_type"
+
+OPS: dict[str, OpSpec] = {
+    "Add": _spec(_binary(lambda a, b: a + b)),
+    "Sub": _spec(_binary(lambda a, b: a - b)),
+    "Mul": _spec(_binary(lambda a, b: a * b)),
+    "Div": _spec(_binary(lambda a, b: a / b)),
+    "Pow": _spec(_pow, static=(1,)),
+    "Sqrt": _spec(_unary(GraphTensor.sqrt)),
+    "Reciprocal": _spec(_unary(GraphTensor.recip)),
+    "Exp": _spec(_unary(GraphTensor.exp)),
+    "Log": _spec(_unary(GraphTensor.log)),
+    "Tanh": _spec(_unary(GraphTensor.tanh)),
+    "Erf": _spec(_unary(GraphTensor.erf)),
+    "Relu": _spec(_unary(GraphTensor.relu), exact=True),
+    "Sigmoid": _spec(_unary(GraphTensor.sigmoid)),
+    "Neg": _spec(_unary(lambda t: -t), exact=True),
+    "Clip": _spec(_clip, "min max", exact=True, static=(1, 2)),
+    "Where": _spec(_where, exact=True),
+    "Cast": _spec(_cast, "to saturate", exact=True),
+    "Softmax": _spec(_softmax, "axis"),
+    "LayerNormalization": _spec(_layer_norm, NORM_ATTRS),
+    "RMSNormalization": _spec(_rms_norm, NORM_ATTRS),
+    "SimplifiedLayerNormalization": _spec(_rms_norm, NORM_ATTRS),
+    "ReduceMean": _spec(_reduce("mean"), REDUCE_ATTRS, static=(1,)),
+    "ReduceSum": _spec(_reduce("sum"), REDUCE_ATTRS, static=(1,)),
+    "ReduceMax": _spec(_reduce("max"), REDUCE_ATTRS, exact=True, static=(1,)),
+    "ReduceL2": _spec(_reduce("l2"), REDUCE_ATTRS, static=(1,)),
+    "MatMul": _spec(_matmul),
+    "Gemm": _spec(_gemm, "alpha beta transA transB"),
+    "Gather": _spec(_gather, "axis", exact=True),
+    "Reshape": _spec(_reshape, "allowzero", exact=True, static=(1,)),
+    "Transpose": _spec(_transpose, "perm", exact=True),
+    "Flatten": _spec(_flatten, "axis", exact=True),
+    "Unsqueeze": _spec(_unsqueeze, "axes", exact=True, static=(1,)),
+    "Squeeze": _spec(_squeeze, "axes", exact=True, static=(1,)),
+    "Concat": _spec(_concat, "axis", exact=True),
+    "Slice": _spec(_slice, "starts ends axes", exact=True, static=(1, 2, 3, 4)),
+    "Expand": _spec(_expand, exact=True, static=(1,)),
+    "Split": _spec(_split, "axis split num_outputs", exact=True, static=(1,)),
+    "Identity": _spec(lambda c: [c.values[0]], exact=True),
+    "Shape": _spec(_shape, "start end", exact=True),
+    "Size": _spec(_size, exact=True),
+    "Constant": OpSpec(None, frozenset("value value_float value_floats value_int value_ints".split()), True),
+    "ConstantOfShape": OpSpec(None, frozenset({"value"}), True, (0,)),
+    # shape-subgraph arithmetic: folded on known values, refused on run-time tensors
+    **{op: _fold_only() for op in ("Range", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not",
+                                   "And", "Or", "Min", "Max", "Floor", "Ceil", "Abs", "CastLike", "Mod",
+                                   "ReduceProd", "Tile", "NonZero")},
+}
