@@ -149,8 +149,11 @@ class Teacher:
 
 
 def teacher(model: LlmModel, prompt: Prompt, tokens: int, limit: int) -> Teacher:
-    """The prompt (cut to `limit` - tokens ids) and `tokens` FP64 greedy tokens after it."""
-    ids = model.encode(prompt)[: max(1, limit - tokens)]
+    """The prompt's ids and `tokens` FP64 greedy tokens after it; a prompt that leaves no room is refused."""
+    ids = model.encode(prompt)
+    if len(ids) + tokens > limit:
+        raise ValueError(f"prompt {prompt.text[:40]!r} has {len(ids)} tokens: with {tokens} more it does not fit "
+                         f"the workload's context of {limit} rows")
     cont, _ = model.fp64.greedy(ids, tokens)
     return Teacher(tuple(ids), tuple(cont))
 
