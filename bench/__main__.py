@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import compile_time, emulation, numerics, runtime, search_efficiency
+from . import compile_time, emulation, numerics, runtime, search_efficiency, smollm2
 from .summary import write_summary
 
 
@@ -56,6 +56,8 @@ def main(argv=None) -> str:
         else runtime.run()
     print("== emulation")
     headlines["emulation"] = emulation_figures(quick)
+    print("== SmolLM2 decode: judge cost per candidate, FP64 reference, token-level error")
+    headlines["smollm2"] = smollm2.run(layers=2, genomes=("FP32", "BF16 autocast")) if quick else smollm2.run()
     if not quick:
         print("== model-scale checks (pytest -m slow)")
         headlines["slow_tests"] = slow_tests()
