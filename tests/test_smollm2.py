@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 
 from gguf_reference import gguf_logits
+from luminal_num.error.metrics import top1_agreement
 from luminal_num.hlir import evaluate
 from luminal_num.models.gguf import smollm2_path
 from luminal_num.models.llama import build_decode, build_prefill
 from luminal_num.models.llm import Prompt, Workload, WorkloadError, load_llm, load_prompts
 from luminal_num.models.registry import llm_job
+from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.space import SearchSpace
 
 LAYERS = 2
@@ -134,3 +136,41 @@ def test_full_model_matches_reference_and_says_paris():
         assert rel(out, gguf_logits(str(smollm2_path()), ids)) <= 1e-10
         if text == PROMPTS[0]:
             assert full.tokenizer.decode([int(out[-1].argmax())]) == " Paris"
+
+
+U_FP32 = 2.0 ** -24
+
+
+def _fp32_vs_fp64(job) -> tuple[float, float, int]:
+    """(max |logit error| / max |logit|, top-1 agreement, longest dot product) of the FP32 plan."""
+    program = SearchSpace.build(job.graph).program(frozenset())  # the empty genome: FP32 everywhere
+    rt = CpuRuntime(program, job.graph.weights)
+    ys, refs = [], []
+    for batch in job.heldout:
+        ys.append(np.asarray(rt.run(batch).outputs["logits"], dtype=np.float64))
+        refs.append(evaluate(job.graph, batch)["logits"])
+    y, ref = np.concatenate(ys), np.concatenate(refs)
+    c = job.llm.model.config
+    return (float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))), top1_agreement(y, ref),
+            max(c.hidden_size, c.intermediate_size, job.llm.workload.context))
+
+
+def gamma(n: int) -> float:
+    return n * U_FP32 / (1 - n * U_FP32)
+
+
+def test_fp32_plan_logits_within_gamma_of_the_longest_dot(model):
+    prompts = load_prompts("heldout")[:2]
+    job = llm_job("smollm2", "decode:2@64", calibration=prompts, heldout=prompts, layers=LAYERS)
+    err, top1, longest = _fp32_vs_fp64(job)
+    assert longest == 1536 and 0 < err <= gamma(longest)
+    assert top1 == 1.0
+
+
+@pytest.mark.slow
+def test_full_model_fp32_plan_on_heldout_prompts():
+    job = llm_job("smollm2", "decode:4@64")
+    err, top1, longest = _fp32_vs_fp64(job)
+    print(f"SmolLM2 FP32 plan on {len(job.heldout) * 4} held-out rows: top-1 agreement {top1}, "
+          f"max logit error / max logit {err:.3g} (gamma_{longest} = {gamma(longest):.3g})")
+    assert 0 < err <= gamma(longest) and top1 >= 11 / 12
