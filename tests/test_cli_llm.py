@@ -9,6 +9,8 @@ from luminal_num.cli import EXIT_INPUT, EXIT_OK, main
 from luminal_num.hlir import evaluate
 from luminal_num.models.gguf import load_gguf
 from luminal_num.models.llama import build_prefill
+from luminal_num.models.llm import Prompt, load_llm
+from luminal_num.models.weights import save_safetensors
 from test_llama import reference_logits
 from tiny_gguf import tiny_config, write_tiny_gguf
 
@@ -95,3 +97,18 @@ def test_smollm2_demo_end_to_end(tmp_path, capsys):
     rc = main(["demo", "--model", "smollm2", "--layers", "2", "--candidates", "1", "--out", str(tmp_path), "--quiet"])
     assert rc == EXIT_OK
     assert "auditing the plan on the held-out inputs" in capsys.readouterr().out
+
+
+def test_hugging_face_folder_by_path(tiny, tmp_path, capsys):
+    """The same tiny model as an HF folder (config.json, safetensors, tokenizer.json, chat template)."""
+    _, path, weights, prompts = tiny
+    model = load_gguf(path)
+    save_safetensors(tmp_path / "model.safetensors", weights)
+    (tmp_path / "config.json").write_text(json.dumps(model.config.to_dict()))
+    model.tokenizer.save(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": model.chat_template.source}))
+    hf = load_llm(str(tmp_path))
+    assert hf.config == model.config and hf.encode(Prompt("say hi", True)) == load_llm(str(path)).encode(Prompt("say hi", True))
+    rc = main(["compile", "--model", str(tmp_path), "--workload", WORKLOAD, "--calibration", str(prompts),
+               "--candidates", "1", "--out", str(tmp_path / "report"), "--quiet"])
+    assert rc == EXIT_OK

@@ -1,16 +1,21 @@
 """The models the CLI and the benchmarks know by name, with calibration and held-out inputs.
 
 Each job fixes the graph's static sizes and ships its data: MiniLM on real sentences (the text files
-in models/data), the Llama config on seeded random tokens, the test transformer on seeded noise.
+in models/data), the Llama config on seeded random tokens, the test transformer on seeded noise, and
+SmolLM2-135M (or any Llama-family GGUF / HF folder) under a server workload on real prompts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from ..hlir.graph import Graph
+
+if TYPE_CHECKING:  # the model modules load lazily: a job pulls in only its own model's dependencies
+    from .llama import LlamaModel
+    from .llm import LlmModel, Workload
 
 
 @dataclass(frozen=True)
@@ -21,14 +26,14 @@ class ModelJob:
     heldout: tuple[dict, ...]       # input batches audit re-checks the plan on
     default_budget: str
     description: str
-    llm: object | None = None       # models.llm.LlmJob for LLM jobs: model, workload, graph sizes
+    llm: "LlmJob | None" = None     # LLM jobs: the model, its workload and the built graph's sizes
 
 
 @dataclass(frozen=True)
 class LlmJob:
-    model: object      # models.llm.LlmModel
-    workload: object   # models.llm.Workload
-    built: object      # models.llama.LlamaModel
+    model: "LlmModel"
+    workload: "Workload"
+    built: "LlamaModel"
 
 
 def _batches(items, size):

@@ -85,6 +85,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def save(self, path: str | Path) -> None:
+        """Write it as a Hugging Face tokenizer.json (the same pre-tokenizer, vocabulary, merges, specials)."""
+        self._tok.save(str(path))
+
     def token(self, token_id: int) -> str:
         """The vocabulary string of one id (byte-level alphabet: 'Ġ' is a space)."""
         return self._tok.id_to_token(int(token_id))
