@@ -10,7 +10,7 @@ from luminal_num.error.metrics import top1_agreement
 from luminal_num.hlir import evaluate
 from luminal_num.models.gguf import smollm2_path
 from luminal_num.models.llama import build_decode, build_prefill
-from luminal_num.models.llm import Prompt, Workload, WorkloadError, load_llm, load_prompts
+from luminal_num.models.llm import Prompt, Workload, WorkloadError, decode_batches, load_llm, load_prompts
 from luminal_num.models.registry import llm_job
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.space import SearchSpace
@@ -110,6 +110,17 @@ def test_decode_job_is_teacher_forced_on_the_fp64_continuation(model):
         assert inp["ids"][b] == ids[-1] and inp["positions"][b] == b * 48 + len(ids) - 1
         cont, _ = model.fp64.greedy(ids, 1)
         assert int(np.argmax(ref[b])) == cont[0]  # the graph's FP64 next token is FP64's greedy token
+
+
+def test_multi_step_decode_feeds_the_fp64_greedy_tokens(model):
+    prompt = Prompt("The capital of France is", False)
+    graph = build_decode(model.config, model.weights, 16)
+    steps = decode_batches(model, graph, [prompt], steps=3)
+    ids = model.encode(prompt)
+    cont, _ = model.fp64.greedy(ids, 3)
+    assert [int(b["ids"][0]) for b in steps] == [ids[-1], cont[0], cont[1]]
+    assert [int(b["positions"][0]) for b in steps] == [len(ids) - 1, len(ids), len(ids) + 1]
+    assert int(np.argmax(evaluate(graph.graph, steps[2])["logits"][0])) == cont[2]
 
 
 def test_prompt_longer_than_the_context_is_refused():

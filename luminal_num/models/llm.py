@@ -2,8 +2,9 @@
 
 Why the inputs look like this: token-level error only means something at positions both models see
 with the same context, so every batch is teacher-forced on the FP64 model's own greedy continuation
-(made once by the fast FP64 runner): a decode batch is B prompts, each at its next position, with its
-FP64 KV-cache rows and the FP64 greedy token as input; a prefill batch is the first SEQ tokens of
+(made by the fast FP64 runner): a decode batch is B prompts, each feeding its last prompt token at its
+own position with the FP64 KV-cache rows of the tokens before it, so its logits predict FP64's first
+greedy token (later steps feed FP64's greedy tokens); a prefill batch is the first SEQ tokens of
 prompt + FP64 continuation, so no row is padding.
 """
 from __future__ import annotations
@@ -140,52 +141,55 @@ def load_llm(spec: str, layers: int | None = None) -> LlmModel:
 
 
 # -- teacher-forced inputs -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class Teacher:
-    """One prompt's FP64 greedy continuation and the FP64 cache state after each of its tokens."""
+def _groups(prompts: Sequence[Prompt], batch: int) -> list[list[Prompt]]:
+    """Consecutive groups of `batch` prompts; a short last group is filled with its own first prompts."""
+    out = []
+    for start in range(0, len(prompts), batch):
+        group = list(prompts[start:start + batch])
+        out.append(group + group[: batch - len(group)])
+    return out
 
-    prompt_ids: tuple[int, ...]
-    continuation: tuple[int, ...]
 
-
-def teacher(model: LlmModel, prompt: Prompt, tokens: int, limit: int) -> Teacher:
-    """The prompt's ids and `tokens` FP64 greedy tokens after it; a prompt that leaves no room is refused."""
+def fitting_ids(model: LlmModel, prompt: Prompt, extra: int, limit: int) -> list[int]:
+    """The prompt's ids when they and `extra` more tokens fit `limit` cache rows; refused otherwise."""
     ids = model.encode(prompt)
-    if len(ids) + tokens > limit:
-        raise ValueError(f"prompt {prompt.text[:40]!r} has {len(ids)} tokens: with {tokens} more it does not fit "
+    if len(ids) + extra > limit:
+        raise ValueError(f"prompt {prompt.text[:40]!r} has {len(ids)} tokens: with {extra} more it does not fit "
                          f"the workload's context of {limit} rows")
-    cont, _ = model.fp64.greedy(ids, tokens)
-    return Teacher(tuple(ids), tuple(cont))
+    return ids
+
+
+def _stacked_caches(states: Sequence[Fp64State], graph: LlamaModel) -> dict[str, np.ndarray]:
+    """The sequences' FP64 cache rows in the graph's layout, as the previous step's cache outputs."""
+    ctx = graph.max_cache
+    out = {}
+    for layer in range(graph.config.num_hidden_layers):
+        for kind in ("k", "v"):
+            cache = np.zeros((graph.batch * ctx, graph.config.kv_dim))
+            for i, state in enumerate(states):
+                rows = getattr(state, kind)[layer]
+                cache[i * ctx: i * ctx + len(rows)] = rows
+            out[f"{kind}_cache_out.{layer}"] = cache
+    return out
 
 
 def decode_batches(model: LlmModel, graph: LlamaModel, prompts: Sequence[Prompt], steps: int = 1) -> list[dict]:
     """Decode inputs: per group of `batch` prompts and per step t < steps, each sequence at position
-    len(prompt) + t - 1 feeding FP64's greedy token, its cache holding FP64's rows before it."""
-    b, ctx, kv = graph.batch, graph.max_cache, graph.config.kv_dim
-    layers = graph.config.num_hidden_layers
+    len(prompt) - 1 + t, feeding the prompt's last token (t = 0) or FP64's greedy token, with FP64's
+    cache rows before it. Step t's logits thus predict FP64's (t+1)-th generated token."""
     out = []
-    for start in range(0, len(prompts), b):
-        group = list(prompts[start:start + b])
-        group += group[: b - len(group)] if len(group) < b else []  # fill a short batch
-        teachers = [teacher(model, p, steps, ctx) for p in group]
-        states: list[Fp64State] = []
-        for t in teachers:
-            _, state = model.fp64.forward(t.prompt_ids[:-1]) if len(t.prompt_ids) > 1 else (None, model.fp64.empty())
-            states.append(state)
+    for group in _groups(prompts, graph.batch):
+        ids = [fitting_ids(model, p, steps - 1, graph.max_cache) for p in group]
+        states = [model.fp64.forward(row[:-1])[1] if len(row) > 1 else model.fp64.empty() for row in ids]
+        tokens = [row[-1] for row in ids]
         for step in range(steps):
-            tokens = [([*t.prompt_ids, *t.continuation])[len(t.prompt_ids) - 1 + step] for t in teachers]
-            positions = [s.length for s in states]
-            prev = {}
-            for layer in range(layers):
-                for kind in ("k", "v"):
-                    cache = np.zeros((b * ctx, kv))
-                    for i, s in enumerate(states):
-                        rows = getattr(s, kind)[layer]
-                        cache[i * ctx: i * ctx + len(rows)] = rows
-                    prev[f"{kind}_cache_out.{layer}"] = cache
-            out.append(graph.make_batch_inputs(np.array(tokens)[:, None], np.array(positions)[:, None], prev,
-                                               positions))
-            states = [model.fp64.forward([tok], s)[1] for tok, s in zip(tokens, states)]
+            positions = [state.length for state in states]
+            out.append(graph.make_batch_inputs(np.array(tokens)[:, None], np.array(positions)[:, None],
+                                               _stacked_caches(states, graph), positions))
+            if step + 1 < steps:
+                advanced = [model.fp64.forward([tok], state) for tok, state in zip(tokens, states)]
+                tokens = [int(np.argmax(logits[-1])) for logits, _ in advanced]
+                states = [state for _, state in advanced]
     return out
 
 
@@ -193,15 +197,12 @@ def prefill_batches(model: LlmModel, graph: LlamaModel, prompts: Sequence[Prompt
     """Prefill inputs: the first SEQ tokens of prompt + FP64 greedy continuation, `batch` prompts a step."""
     b, s = graph.batch, graph.seq
     out = []
-    for start in range(0, len(prompts), b):
-        group = list(prompts[start:start + b])
-        group += group[: b - len(group)] if len(group) < b else []
+    for group in _groups(prompts, b):
         rows = []
         for p in group:
             ids = model.encode(p)[:s]
             rows.append(ids + (model.fp64.greedy(ids, s - len(ids))[0] if len(ids) < s else []))
-        ids = np.array(rows)
-        out.append(graph.make_batch_inputs(ids, np.tile(np.arange(s), (b, 1))))
+        out.append(graph.make_batch_inputs(np.array(rows), np.tile(np.arange(s), (b, 1))))
     return out
 
 
