@@ -55,7 +55,8 @@ LLM_CANDIDATES = 6  # an LLM candidate is judged on every calibration batch thro
 
 
 def _is_llm(name: str) -> bool:
-    return name == "smollm2" or name.endswith(".gguf") or Path(name).is_dir()
+    from .models.registry import JOBS
+    return name == "smollm2" or (name not in JOBS and (name.endswith(".gguf") or Path(name).is_dir()))
 
 
 _LLM_JOBS: dict = {}
@@ -267,7 +268,7 @@ def cmd_pareto(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    args.out = args.out or f"reports/{args.model}"
+    args.out = args.out or f"reports/{Path(args.model).stem if _is_llm(args.model) else args.model}"
     rc = cmd_compile(args)
     if rc != EXIT_OK:
         return rc
