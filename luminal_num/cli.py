@@ -7,6 +7,7 @@ budget unreachable, 2 bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import warnings
 from pathlib import Path
@@ -45,7 +46,6 @@ def _job(name: str, args=None):
     if calibration is not None:
         if Path(calibration).suffix != ".npz":
             raise InputError(f"--calibration {calibration}: a prompt file applies to LLMs; give {name!r} an .npz")
-        import dataclasses
         job = dataclasses.replace(job, calibration=tuple(_inputs(calibration, job)))
     return job
 
@@ -87,7 +87,6 @@ def _llm_job(args):
     except (GGUFError, TokenizerError, FileNotFoundError, KeyError, ValueError) as exc:
         raise InputError(f"model {args.model!r}: {exc}") from None
     if calibration is not None and prompts is None:
-        import dataclasses
         job = dataclasses.replace(job, calibration=tuple(_inputs(calibration, job)))
     _LLM_JOBS[key] = job
     return job
@@ -215,8 +214,7 @@ def cmd_audit(args) -> int:
     if args.inputs and args.calibration:
         raise InputError("give --inputs or --calibration, not both")
     if args.calibration and _is_llm(args.model):
-        import argparse as _argparse
-        job = _llm_job(_argparse.Namespace(**{**vars(args), "calibration": args.calibration}))
+        job = _llm_job(args)
         batches = list(job.calibration)  # audit on the given prompts
     else:
         job = _job(args.model, args if _is_llm(args.model) else None)
