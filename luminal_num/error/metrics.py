@@ -151,17 +151,41 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
 
 
-def kl_logits(y, ref) -> float:
-    """mean over rows of KL(softmax(ref) || softmax(y)) = sum p (log p - log q), stable log-softmax."""
+def kl_rows(y, ref) -> np.ndarray:
+    """KL(softmax(ref) || softmax(y)) = sum p (log p - log q) per row, stable log-softmax; inf on a blown row."""
     y2, r2, blown = _logit_rows(y, ref)
-    if blown.any():
-        return np.inf
     if not r2.size:
-        return 0.0
+        return np.zeros(0)
     log_p, log_q = _log_softmax(r2), _log_softmax(y2)
     with np.errstate(invalid="ignore"):
         terms = np.where(log_p == -np.inf, 0.0, np.exp(log_p) * (log_p - log_q))
-    return float(np.maximum(terms.sum(axis=-1), 0.0).mean())  # KL >= 0; rounding can dip below
+    return np.where(blown, np.inf, np.maximum(terms.sum(axis=-1), 0.0))  # KL >= 0; rounding can dip below
+
+
+def kl_logits(y, ref) -> float:
+    """mean over rows of KL(softmax(ref) || softmax(y))."""
+    rows = kl_rows(y, ref)
+    return float(rows.mean()) if rows.size else 0.0
+
+
+def kl_max(y, ref) -> float:
+    """max over rows of KL(softmax(ref) || softmax(y)): the worst next-token distribution."""
+    return _max(kl_rows(y, ref))
+
+
+def greedy_agreement_length(y, ref) -> int:
+    """Leading rows (positions, in order) whose argmax agrees before the first that does not; a blown row
+    disagrees. On logits teacher-forced along the reference's own greedy continuation this is how many
+    generated tokens the plan reproduces."""
+    y2, r2, blown = _logit_rows(y, ref)
+    agree = (np.argmax(y2, -1) == np.argmax(r2, -1)) & ~blown
+    return int(agree.size if agree.all() else np.argmin(agree))
+
+
+def greedy_agreement(y, ref) -> float:
+    """greedy_agreement_length as a fraction of the rows (1 = every position agrees)."""
+    rows = _rows(np.asarray(y)).shape[0] if np.asarray(y).size else 0
+    return 1.0 if rows == 0 else greedy_agreement_length(y, ref) / rows
 
 
 def top1_agreement(y, ref) -> float:
@@ -251,6 +275,10 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("kl_logits", kl_logits, Direction.LOWER, "mean over rows of KL(softmax(ref) || softmax(y))", ("kl",)),
     Metric("top1_agreement", top1_agreement, Direction.HIGHER, "fraction of rows with the same argmax",
            ("top1",), (0.0, 1.0)),
+    Metric("kl_max", kl_max, Direction.LOWER, "max over rows of KL(softmax(ref) || softmax(y))", ()),
+    Metric("greedy_agreement", greedy_agreement, Direction.HIGHER,
+           "leading rows with the same argmax before the first that differs, as a fraction of the rows",
+           ("greedy",), (0.0, 1.0)),
     *(_ulp_metric(f) for f in ulp_formats()),
 )}
 

@@ -57,6 +57,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: q/k/v projections carry biases (o_proj and the MLP do not)
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -86,6 +87,11 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, hf: Mapping[str, Any]) -> "LlamaConfig":
         """From a Hugging Face config.json dict; settings this graph does not implement are refused."""
+        hf = dict(hf)
+        model_type = hf.get("model_type", "llama")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"config.json model_type={model_type!r} is not supported (supported: {', '.join(MODEL_TYPES)})")
+        hf["qkv_bias"] = MODEL_TYPES[model_type]
         for key, supported in _SUPPORTED_SETTINGS.items():
             if key in hf and not supported(hf[key], hf):
                 raise ValueError(f"config.json {key}={hf[key]!r} is not supported by this Llama graph")
@@ -100,16 +106,24 @@ class LlamaConfig:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        """A Hugging Face config.json dict for this architecture."""
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                **dataclasses.asdict(self)}
+        """A Hugging Face config.json dict for this architecture (Qwen2 when q/k/v carry biases)."""
+        fields = dataclasses.asdict(self)
+        qwen2 = fields.pop("qkv_bias")
+        return {"architectures": [ARCHITECTURES[qwen2]], "model_type": "qwen2" if qwen2 else "llama",
+                "hidden_act": "silu", **fields}
 
 
 _FIELD_TYPES = {"int": int, "float": float, "bool": bool}  # LlamaConfig's annotations, as strings
 
+# Hugging Face model types this graph computes exactly -> whether q/k/v carry biases.
+MODEL_TYPES = {"llama": False, "qwen2": True}
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
 # config.json settings that change the function computed; each must have the value this graph implements.
 _SUPPORTED_SETTINGS = {
+    "architectures": lambda v, hf: v is None or (len(v) == 1 and v[0] in ARCHITECTURES),
     "hidden_act": lambda v, hf: v == "silu",
+    "use_sliding_window": lambda v, hf: not v,
     "rope_scaling": lambda v, hf: v is None,
     "attention_bias": lambda v, hf: not v,
     "mlp_bias": lambda v, hf: not v,
@@ -132,7 +146,9 @@ def _layer_weight_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return {"input_layernorm.weight": (d,), "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
             "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
             "post_attention_layernorm.weight": (d,), "mlp.gate_proj.weight": (ff, d),
-            "mlp.up_proj.weight": (ff, d), "mlp.down_proj.weight": (d, ff)}
+            "mlp.up_proj.weight": (ff, d), "mlp.down_proj.weight": (d, ff),
+            **({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+               if c.qkv_bias else {})}
 
 
 def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -165,7 +181,13 @@ def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def check_weights(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> None:
-    for name, shape in weight_shapes(config).items():
+    """Every tensor present with its shape; any tensor the graph would not read is refused, never dropped."""
+    shapes = weight_shapes(config)
+    unread = sorted(set(weights) - set(shapes))
+    if unread:
+        raise ValueError(f"tensor {unread[0]!r} is not read by the Llama graph ({len(unread)} unread): "
+                         f"refusing to drop it")
+    for name, shape in shapes.items():
         if name not in weights:
             raise KeyError(f"weight {name!r} is missing")
         if tuple(weights[name].shape) != shape:
@@ -175,7 +197,8 @@ def check_weights(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> Non
 def load_weights(directory: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """config.json + every *.safetensors shard of a checkpoint folder, in their stored dtypes.
 
-    Tensors the graph does not read (e.g. old `rotary_emb.inv_freq` buffers) are dropped.
+    Old `rotary_emb.inv_freq` buffers (values the graph recomputes) are skipped; any other tensor the
+    graph does not read (a bias, an extra norm) is refused.
     """
     directory = Path(directory)
     with open(directory / "config.json", encoding="utf-8") as f:
@@ -188,9 +211,13 @@ def load_weights(directory: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarr
         for name, array in load_safetensors(shard).items():
             if name in merged:
                 raise ValueError(f"tensor {name!r} appears in more than one shard of {directory}")
-            merged[name] = array
+            if not name.endswith(_RECOMPUTED_BUFFER):
+                merged[name] = array
     check_weights(config, merged)
     return config, {name: merged[name] for name in weight_shapes(config)}
+
+
+_RECOMPUTED_BUFFER = "rotary_emb.inv_freq"
 
 
 # -- position inputs -----------------------------------------------------------------------------
@@ -218,56 +245,86 @@ def attention_bias(positions: np.ndarray, max_cache: int, cached_rows: int) -> n
 # -- graph ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LlamaModel:
-    """A built graph plus the static sizes its inputs must have."""
+    """A built graph plus the static sizes its inputs must have.
+
+    A batch of `batch` sequences of `seq` tokens each; token rows are flattened sequence-major
+    (row b*seq + i), and the KV caches stack one `max_cache`-row block per sequence (row b*max_cache + j).
+    """
 
     config: LlamaConfig
     graph: Graph
     seq: int
     max_cache: int
+    batch: int = 1
 
     def make_inputs(self, ids, positions, previous: Mapping[str, np.ndarray] | None = None,
                     cached_rows: int | None = None) -> dict[str, np.ndarray]:
-        """Activation inputs for one step.
+        """Activation inputs for one step of a single sequence (batch 1).
 
         `previous`: the outputs of the step before (its updated caches are read back), or None for
         empty caches. `cached_rows`: rows already in the cache; defaults to 0 for empty caches and to
         min(positions) otherwise (contiguous generation).
         """
+        if self.batch != 1:
+            raise ValueError(f"make_inputs is for batch 1; this graph has batch {self.batch}: use make_batch_inputs")
+        return self.make_batch_inputs(np.asarray(ids)[None], np.asarray(positions)[None], previous,
+                                      None if cached_rows is None else [cached_rows])
+
+    def make_batch_inputs(self, ids, positions, previous: Mapping[str, np.ndarray] | None = None,
+                          cached_rows=None) -> dict[str, np.ndarray]:
+        """Inputs for one step of `batch` sequences: ids and positions (batch, seq), each row at its own positions.
+
+        A shorter prompt is right-padded (any token at the next positions): its padded rows write cache
+        rows past its length, which later steps never see (they count only `cached_rows[b]` rows as
+        written). `cached_rows[b]`: rows of sequence b already in the cache (default: 0 for empty
+        caches, else min(positions[b])).
+        """
         c = self.config
         ids = np.asarray(ids, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
         for what, arr, limit in (("ids", ids, c.vocab_size), ("positions", positions, self.max_cache)):
-            if arr.shape != (self.seq,):
-                raise ValueError(f"{what} must have shape ({self.seq},), got {arr.shape}")
+            if arr.shape != (self.batch, self.seq):
+                raise ValueError(f"{what} must have shape ({self.batch}, {self.seq}), got {arr.shape}")
             if arr.min() < 0 or arr.max() >= limit:
                 raise IndexError(f"{what} must lie in [0, {limit})")
-        if len(np.unique(positions)) != self.seq:
-            raise ValueError(f"positions must be distinct cache rows, got {positions.tolist()}")
+        if any(len(np.unique(row)) != self.seq for row in positions):
+            raise ValueError(f"each sequence's positions must be distinct cache rows, got {positions.tolist()}")
         if cached_rows is None:
-            cached_rows = 0 if previous is None else int(positions.min())
-        cos, sin = rope_tables(c, positions)
-        inputs = {"ids": ids, "positions": positions, "rope_cos": cos, "rope_sin": sin,
-                  "attn_bias": attention_bias(positions, self.max_cache, cached_rows)}
+            cached_rows = [0 if previous is None else int(row.min()) for row in positions]
+        if len(cached_rows) != self.batch:
+            raise ValueError(f"cached_rows needs one count per sequence ({self.batch}), got {len(cached_rows)}")
+        cos, sin = rope_tables(c, positions.reshape(-1))
+        bias = np.concatenate([attention_bias(row, self.max_cache, int(n)) for row, n in zip(positions, cached_rows)])
+        rows = (np.arange(self.batch)[:, None] * self.max_cache + positions).reshape(-1)
+        inputs = {"ids": ids.reshape(-1), "positions": rows, "rope_cos": cos, "rope_sin": sin, "attn_bias": bias}
+        shape = (self.batch * self.max_cache, c.kv_dim)
         for layer in range(c.num_hidden_layers):
             for kind in CACHE_KINDS:
-                inputs[cache_input_name(kind, layer)] = (np.zeros((self.max_cache, c.kv_dim)) if previous is None
+                inputs[cache_input_name(kind, layer)] = (np.zeros(shape) if previous is None
                                                          else np.asarray(previous[cache_output_name(kind, layer)]))
         return inputs
+
+    def sequence_logits(self, outputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The logits output as (batch, seq, vocab)."""
+        return np.asarray(outputs["logits"]).reshape(self.batch, self.seq, -1)
 
 
 @dataclass(frozen=True)
 class _StepInputs:
     """The per-step inputs every layer reads (created once, in the embedding chunk)."""
 
-    positions: GraphTensor
+    positions: GraphTensor   # flat cache rows the new K/V rows are written to
     rope_cos: GraphTensor
     rope_sin: GraphTensor
     attn_bias: GraphTensor
+    batch: int
+    seq: int
 
 
-def _linear(x: GraphTensor, weight: GraphTensor) -> GraphTensor:
-    """torch Linear without bias: weight stored (out, in), read through a transposed view."""
-    return x @ weight.transpose()
+def _linear(x: GraphTensor, weight: GraphTensor, bias: GraphTensor | None = None) -> GraphTensor:
+    """torch Linear: weight stored (out, in), read through a transposed view; optional bias (out,)."""
+    y = x @ weight.transpose()
+    return y if bias is None else y + bias
 
 
 def _rotate_half(x: GraphTensor) -> GraphTensor:
@@ -279,29 +336,37 @@ def _rotate_half(x: GraphTensor) -> GraphTensor:
 
 
 def _apply_rope(x: GraphTensor, step: _StepInputs) -> GraphTensor:
-    """x: (seq, heads, head_dim); the (seq, head_dim) tables broadcast over heads."""
+    """x: (tokens, heads, head_dim); the (tokens, head_dim) tables broadcast over heads."""
     cos, sin = step.rope_cos.unsqueeze(1), step.rope_sin.unsqueeze(1)
     return x * cos + _rotate_half(x) * sin
 
 
+def _projection(c: LlamaConfig, h: GraphTensor, weight, name: str) -> GraphTensor:
+    bias = weight(f"self_attn.{name}.bias") if c.qkv_bias and name != "o_proj" else None
+    return _linear(h, weight(f"self_attn.{name}.weight"), bias)
+
+
 def _attention(g: Graph, c: LlamaConfig, layer: int, h: GraphTensor, weight, step: _StepInputs,
                max_cache: int) -> GraphTensor:
-    seq, kv_heads, group, dh = h.shape[0], c.num_key_value_heads, c.queries_per_kv_head, c.head_dim
-    q = _apply_rope(_linear(h, weight("self_attn.q_proj.weight")).reshape(seq, c.num_attention_heads, dh), step)
-    k = _apply_rope(_linear(h, weight("self_attn.k_proj.weight")).reshape(seq, kv_heads, dh), step)
-    v = _linear(h, weight("self_attn.v_proj.weight"))
+    tokens, kv_heads, group, dh = h.shape[0], c.num_key_value_heads, c.queries_per_kv_head, c.head_dim
+    b, s = step.batch, step.seq
+    q = _apply_rope(_projection(c, h, weight, "q_proj").reshape(tokens, c.num_attention_heads, dh), step)
+    k = _apply_rope(_projection(c, h, weight, "k_proj").reshape(tokens, kv_heads, dh), step)
+    v = _projection(c, h, weight, "v_proj")
     cached = {}
-    for kind, new_rows in zip(CACHE_KINDS, (k.reshape(seq, c.kv_dim), v)):
-        cache = g.input(cache_input_name(kind, layer), (max_cache, c.kv_dim))
+    for kind, new_rows in zip(CACHE_KINDS, (k.reshape(tokens, c.kv_dim), v)):
+        cache = g.input(cache_input_name(kind, layer), (b * max_cache, c.kv_dim))
         cached[kind] = cache.scatter(new_rows, step.positions)
         g.output(cached[kind], cache_output_name(kind, layer))
-    # Query head kv*group + j uses KV head kv: queries as (kv, group, seq, dh), keys/values as
-    # (kv, 1, max_cache, dh) so the batched matmul broadcasts each KV head over its group.
-    q = q.reshape(seq, kv_heads, group, dh).permute(1, 2, 0, 3)
-    k_all, v_all = (cached[kind].reshape(max_cache, kv_heads, dh).permute(1, 0, 2).unsqueeze(1) for kind in CACHE_KINDS)
-    scores = (q @ k_all.transpose(-1, -2)) * (1.0 / math.sqrt(dh)) + step.attn_bias
-    out = scores.softmax(-1) @ v_all  # (kv, group, seq, dh)
-    return _linear(out.permute(2, 0, 1, 3).reshape(seq, c.num_attention_heads * dh),
+    # Query head kv*group + j uses KV head kv: queries as (batch, kv, group, seq, dh), keys/values as
+    # (batch, kv, 1, max_cache, dh) so the batched matmul broadcasts each KV head over its group.
+    q = q.reshape(b, s, kv_heads, group, dh).permute(0, 2, 3, 1, 4)
+    k_all, v_all = (cached[kind].reshape(b, max_cache, kv_heads, dh).permute(0, 2, 1, 3).unsqueeze(2)
+                    for kind in CACHE_KINDS)
+    bias = step.attn_bias.reshape(b, s, max_cache).unsqueeze(1).unsqueeze(1)
+    scores = (q @ k_all.transpose(-1, -2)) * (1.0 / math.sqrt(dh)) + bias
+    out = scores.softmax(-1) @ v_all  # (batch, kv, group, seq, dh)
+    return _linear(out.permute(0, 3, 1, 2, 4).reshape(tokens, c.num_attention_heads * dh),
                    weight("self_attn.o_proj.weight"))
 
 
@@ -318,23 +383,29 @@ def _decoder_layer(g: Graph, c: LlamaConfig, weights: Mapping[str, np.ndarray], 
     return x + _linear(gate * _linear(h, weight("mlp.up_proj.weight")), weight("mlp.down_proj.weight"))
 
 
-def build_prefill(config: LlamaConfig, weights: Mapping[str, np.ndarray], seq: int, max_cache: int) -> LlamaModel:
-    """Process `seq` tokens at given cache rows; outputs logits (seq, vocab) and every updated cache.
+def build_prefill(config: LlamaConfig, weights: Mapping[str, np.ndarray], seq: int, max_cache: int,
+                  batch: int = 1) -> LlamaModel:
+    """Process `batch` sequences of `seq` tokens at given cache rows; outputs logits (batch*seq, vocab)
+    and every updated cache (batch*max_cache, kv_dim).
 
     Chunks: 0 = embedding and shared inputs, 1..L = the layers, L+1 = final norm and LM head.
     """
     check_weights(config, weights)
     if not 1 <= seq <= max_cache:
         raise ValueError(f"need 1 <= seq <= max_cache, got seq={seq}, max_cache={max_cache}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
     if max_cache > config.max_position_embeddings:
         raise ValueError(f"max_cache {max_cache} exceeds max_position_embeddings {config.max_position_embeddings}")
     g = Graph()
+    tokens = batch * seq
     embed = g.weight(EMBED, weights[EMBED])
-    ids = index_input(g, "ids", (seq,))
-    step = _StepInputs(positions=index_input(g, "positions", (seq,)),
-                       rope_cos=g.input("rope_cos", (seq, config.head_dim), value_range=(-1.0, 1.0)),
-                       rope_sin=g.input("rope_sin", (seq, config.head_dim), value_range=(-1.0, 1.0)),
-                       attn_bias=g.input("attn_bias", (seq, max_cache), value_range=(MASKED_BIAS, 0.0)))
+    ids = index_input(g, "ids", (tokens,))
+    step = _StepInputs(positions=index_input(g, "positions", (tokens,)),
+                       rope_cos=g.input("rope_cos", (tokens, config.head_dim), value_range=(-1.0, 1.0)),
+                       rope_sin=g.input("rope_sin", (tokens, config.head_dim), value_range=(-1.0, 1.0)),
+                       attn_bias=g.input("attn_bias", (tokens, max_cache), value_range=(MASKED_BIAS, 0.0)),
+                       batch=batch, seq=seq)
     x = embed.gather(ids)
     g.graph_break()
     for layer in range(config.num_hidden_layers):
@@ -343,9 +414,10 @@ def build_prefill(config: LlamaConfig, weights: Mapping[str, np.ndarray], seq: i
     x = x.rms_norm(g.weight(FINAL_NORM, weights[FINAL_NORM]), config.rms_norm_eps)
     head = embed if config.tie_word_embeddings else g.weight(LM_HEAD, weights[LM_HEAD])
     g.output(_linear(x, head), "logits")
-    return LlamaModel(config, g, seq, max_cache)
+    return LlamaModel(config, g, seq, max_cache, batch)
 
 
-def build_decode(config: LlamaConfig, weights: Mapping[str, np.ndarray], max_cache: int) -> LlamaModel:
-    """One new token against the KV cache: the prefill graph with seq = 1."""
-    return build_prefill(config, weights, 1, max_cache)
+def build_decode(config: LlamaConfig, weights: Mapping[str, np.ndarray], max_cache: int,
+                 batch: int = 1) -> LlamaModel:
+    """One new token per sequence against the KV cache: the prefill graph with seq = 1."""
+    return build_prefill(config, weights, 1, max_cache, batch)

@@ -1,16 +1,21 @@
 """The models the CLI and the benchmarks know by name, with calibration and held-out inputs.
 
 Each job fixes the graph's static sizes and ships its data: MiniLM on real sentences (the text files
-in models/data), the Llama config on seeded random tokens, the test transformer on seeded noise.
+in models/data), the Llama config on seeded random tokens, the test transformer on seeded noise, and
+SmolLM2-135M (or any Llama-family GGUF / HF folder) under a server workload on real prompts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from ..hlir.graph import Graph
+
+if TYPE_CHECKING:  # the model modules load lazily: a job pulls in only its own model's dependencies
+    from .llama import LlamaModel
+    from .llm import LlmModel, Workload
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,14 @@ class ModelJob:
     heldout: tuple[dict, ...]       # input batches audit re-checks the plan on
     default_budget: str
     description: str
+    llm: "LlmJob | None" = None     # LLM jobs: the model, its workload and the built graph's sizes
+
+
+@dataclass(frozen=True)
+class LlmJob:
+    model: "LlmModel"
+    workload: "Workload"
+    built: "LlamaModel"
 
 
 def _batches(items, size):
@@ -66,8 +79,29 @@ def transformer_job(layers: int = 2) -> ModelJob:
                     "atol=1e-2,rtol=1e-2", f"test transformer, {layers} layers, seeded weights")
 
 
+SMOLLM2_WORKLOAD = "decode:8@64"
+
+
+def llm_job(model: str = "smollm2", workload: str = SMOLLM2_WORKLOAD, calibration: Sequence | None = None,
+            heldout: Sequence | None = None, layers: int | None = None) -> ModelJob:
+    """A Llama-family LLM (bundled name, .gguf file or HF folder) under a server workload, judged on
+    real prompts teacher-forced on the FP64 continuation (default: the shipped 24 + 12 prompts)."""
+    from .llm import LLM_DEFAULT_BUDGET, Workload, build_workload, load_llm, load_prompts, workload_batches
+    m = load_llm(model, layers)
+    w = Workload.parse(workload)
+    built = build_workload(m, w)
+    cal = workload_batches(m, built, w, load_prompts("calibration") if calibration is None else calibration)
+    held = workload_batches(m, built, w, load_prompts("heldout") if heldout is None else heldout)
+    c = m.config
+    return ModelJob(m.name if layers is None else f"{m.name}-{layers}l", built.graph, tuple(cal), tuple(held),
+                    LLM_DEFAULT_BUDGET,
+                    f"{m.name} ({c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads}/"
+                    f"{c.num_key_value_heads} heads, vocab {c.vocab_size}), workload {w}, real prompts",
+                    LlmJob(m, w, built))
+
+
 JOBS: dict[str, Callable[[], ModelJob]] = {"minilm": minilm_job, "llama-tiny": llama_tiny_job,
-                                           "transformer": transformer_job}
+                                           "transformer": transformer_job, "smollm2": llm_job}
 
 
 def load_job(name: str) -> ModelJob:

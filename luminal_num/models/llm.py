@@ -1,0 +1,218 @@
+"""LLM jobs: a Llama-family model (GGUF file or HF folder), a server workload, real prompts as inputs.
+
+Why the inputs look like this: token-level error only means something at positions both models see
+with the same context, so every batch is teacher-forced on the FP64 model's own greedy continuation
+(made by the fast FP64 runner): a decode batch is B prompts, each feeding its last prompt token at its
+own position with the FP64 KV-cache rows of the tokens before it, so its logits predict FP64's first
+greedy token (later steps feed FP64's greedy tokens); a prefill batch is the first SEQ tokens of
+prompt + FP64 continuation, so no row is padding.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .gguf import load_gguf, smollm2_path
+from .llama import LlamaConfig, LlamaModel, build_prefill, load_weights
+from .reference import Fp64Llama, Fp64State
+from .tokenizer import ChatTemplate, Tokenizer
+
+CHAT_PREFIX = "chat: "
+PROMPT_SETS = ("calibration", "heldout")
+# Token-level contract: next-token top-1 agreement with FP64 and KL(FP64 || plan) mean and max, on logits.
+LLM_DEFAULT_BUDGET = "atol=inf,rtol=inf,outputs=logits,top1>=0.9,kl<=0.02,kl_max<=0.3"
+
+
+class WorkloadError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Workload:
+    """`prefill:SEQ` / `prefill:BATCHxSEQ` (a batch of prompts, SEQ tokens each) or `decode:BATCH@CONTEXT`."""
+
+    kind: str      # "prefill" | "decode"
+    batch: int
+    seq: int       # tokens per sequence in one step (1 for decode)
+    context: int   # KV-cache rows per sequence
+
+    @classmethod
+    def parse(cls, text: str) -> "Workload":
+        m = re.fullmatch(r"prefill:(?:(\d+)x)?(\d+)|decode:(\d+)@(\d+)", text.strip())
+        if m is None:
+            raise WorkloadError(f"bad workload {text!r}: write prefill:SEQ, prefill:BATCHxSEQ or decode:BATCH@CONTEXT")
+        if m.group(2):
+            w = cls("prefill", int(m.group(1) or 1), int(m.group(2)), int(m.group(2)))
+        else:
+            w = cls("decode", int(m.group(3)), 1, int(m.group(4)))
+        if min(w.batch, w.seq) < 1 or w.context < 2:
+            raise WorkloadError(f"bad workload {text!r}: sizes must be >= 1 and the context >= 2")
+        return w
+
+    def __str__(self) -> str:
+        if self.kind == "decode":
+            return f"decode:{self.batch}@{self.context}"
+        return f"prefill:{self.batch}x{self.seq}" if self.batch > 1 else f"prefill:{self.seq}"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    chat: bool  # rendered through the chat template as one user message
+
+
+def parse_prompts(text: str) -> list[Prompt]:
+    """One prompt per line; '#' lines and blanks skipped; 'chat: ' marks a chat-formatted prompt."""
+    out = []
+    for line in text.splitlines():
+        line = line.rstrip("\n")
+        if not line.strip() or line.startswith("#"):
+            continue
+        chat = line.startswith(CHAT_PREFIX)
+        out.append(Prompt(line[len(CHAT_PREFIX):] if chat else line, chat))
+    return out
+
+
+def load_prompts(which: str) -> list[Prompt]:
+    """The shipped SmolLM2 prompt sets: 24 calibration and 12 held-out real prompts."""
+    if which not in PROMPT_SETS:
+        raise ValueError(f"unknown prompt set {which!r}; expected one of {PROMPT_SETS}")
+    return parse_prompts((importlib.resources.files(__package__) / "data" / f"smollm2_{which}.txt").read_text("utf-8"))
+
+
+@dataclass(frozen=True)
+class LlmModel:
+    """What an LLM job needs from a checkpoint: config, float weights, tokenizer, optional chat template."""
+
+    name: str
+    config: LlamaConfig
+    weights: Mapping[str, np.ndarray]
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+
+    def render(self, prompt: Prompt) -> str:
+        if not prompt.chat:
+            return prompt.text
+        if self.chat_template is None:
+            raise ValueError(f"model {self.name} has no chat template for chat prompt {prompt.text!r}")
+        return self.chat_template.render([{"role": "user", "content": prompt.text}])
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(self.render(prompt))
+
+    @functools.cached_property
+    def fp64(self) -> Fp64Llama:
+        return Fp64Llama(self.config, self.weights)
+
+
+def _hf_model(directory: Path, layers: int | None) -> LlmModel:
+    config, weights = load_weights(directory)
+    if layers is not None:
+        config = config.with_layers(layers)
+        weights = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    tok_file = directory / "tokenizer.json"
+    if not tok_file.is_file():
+        raise FileNotFoundError(f"{directory} has no tokenizer.json")
+    template = None
+    tc = directory / "tokenizer_config.json"
+    if tc.is_file():
+        template = json.loads(tc.read_text("utf-8")).get("chat_template")
+    return LlmModel(directory.name, config, {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()},
+                    Tokenizer.from_file(tok_file), ChatTemplate(template) if isinstance(template, str) else None)
+
+
+@functools.lru_cache(maxsize=4)
+def load_llm(spec: str, layers: int | None = None) -> LlmModel:
+    """`smollm2` (the bundled GGUF), a `.gguf` file, or a Hugging Face folder (config.json + safetensors)."""
+    path = smollm2_path() if spec == "smollm2" else Path(spec)
+    if path.is_dir():
+        return _hf_model(path, layers)
+    if path.suffix != ".gguf":
+        raise FileNotFoundError(f"model {spec!r} is neither a known name, a .gguf file nor a folder")
+    g = load_gguf(path, layers)
+    return LlmModel("smollm2" if spec == "smollm2" else path.stem, g.config, g.weights, g.tokenizer, g.chat_template)
+
+
+# -- teacher-forced inputs -----------------------------------------------------------------------
+def _groups(prompts: Sequence[Prompt], batch: int) -> list[list[Prompt]]:
+    """Consecutive groups of `batch` prompts; a short last group is filled with its own first prompts."""
+    out = []
+    for start in range(0, len(prompts), batch):
+        group = list(prompts[start:start + batch])
+        out.append(group + group[: batch - len(group)])
+    return out
+
+
+def fitting_ids(model: LlmModel, prompt: Prompt, extra: int, limit: int) -> list[int]:
+    """The prompt's ids when they and `extra` more tokens fit `limit` cache rows; refused otherwise."""
+    ids = model.encode(prompt)
+    if len(ids) + extra > limit:
+        raise ValueError(f"prompt {prompt.text[:40]!r} has {len(ids)} tokens: with {extra} more it does not fit "
+                         f"the workload's context of {limit} rows")
+    return ids
+
+
+def _stacked_caches(states: Sequence[Fp64State], graph: LlamaModel) -> dict[str, np.ndarray]:
+    """The sequences' FP64 cache rows in the graph's layout, as the previous step's cache outputs."""
+    ctx = graph.max_cache
+    out = {}
+    for layer in range(graph.config.num_hidden_layers):
+        for kind in ("k", "v"):
+            cache = np.zeros((graph.batch * ctx, graph.config.kv_dim))
+            for i, state in enumerate(states):
+                rows = getattr(state, kind)[layer]
+                cache[i * ctx: i * ctx + len(rows)] = rows
+            out[f"{kind}_cache_out.{layer}"] = cache
+    return out
+
+
+def decode_batches(model: LlmModel, graph: LlamaModel, prompts: Sequence[Prompt], steps: int = 1) -> list[dict]:
+    """Decode inputs: per group of `batch` prompts and per step t < steps, each sequence at position
+    len(prompt) - 1 + t, feeding the prompt's last token (t = 0) or FP64's greedy token, with FP64's
+    cache rows before it. Step t's logits thus predict FP64's (t+1)-th generated token."""
+    out = []
+    for group in _groups(prompts, graph.batch):
+        ids = [fitting_ids(model, p, steps - 1, graph.max_cache) for p in group]
+        states = [model.fp64.forward(row[:-1])[1] if len(row) > 1 else model.fp64.empty() for row in ids]
+        tokens = [row[-1] for row in ids]
+        for step in range(steps):
+            positions = [state.length for state in states]
+            out.append(graph.make_batch_inputs(np.array(tokens)[:, None], np.array(positions)[:, None],
+                                               _stacked_caches(states, graph), positions))
+            if step + 1 < steps:
+                advanced = [model.fp64.forward([tok], state) for tok, state in zip(tokens, states)]
+                tokens = [int(np.argmax(logits[-1])) for logits, _ in advanced]
+                states = [state for _, state in advanced]
+    return out
+
+
+def prefill_batches(model: LlmModel, graph: LlamaModel, prompts: Sequence[Prompt]) -> list[dict]:
+    """Prefill inputs: the first SEQ tokens of prompt + FP64 greedy continuation, `batch` prompts a step."""
+    b, s = graph.batch, graph.seq
+    out = []
+    for group in _groups(prompts, b):
+        rows = []
+        for p in group:
+            ids = model.encode(p)[:s]
+            rows.append(ids + (model.fp64.greedy(ids, s - len(ids))[0] if len(ids) < s else []))
+        out.append(graph.make_batch_inputs(np.array(rows), np.tile(np.arange(s), (b, 1))))
+    return out
+
+
+def build_workload(model: LlmModel, workload: Workload) -> LlamaModel:
+    return build_prefill(model.config, model.weights, workload.seq, workload.context, workload.batch)
+
+
+def workload_batches(model: LlmModel, graph: LlamaModel, workload: Workload, prompts: Sequence[Prompt]) -> list[dict]:
+    if not prompts:
+        raise ValueError("an LLM job needs at least one prompt")
+    if workload.kind == "decode":
+        return decode_batches(model, graph, prompts)
+    return prefill_batches(model, graph, prompts)
