@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..dtypes.formats import BF16, F32, INT32, Format, get
+from ..dtypes.formats import BF16, F16, F32, INT32, Format, get
 from ..dtypes.rounding import Overflow, round_to
 from ..dtypes.variants import ElementwisePrecision, GemmPrecision, ScaleSpec
 from ..quant import QuantOverflow, convert, expand_scales, quantize_tensor, resolved_block
@@ -113,11 +113,65 @@ def _grouped_sum(qa: np.ndarray, qb: np.ndarray, acc: Format, group: int,
     return total
 
 
+def _round_acc_inplace(x: np.ndarray, acc: Format, tmp: np.ndarray) -> None:
+    """x (float64) <- RN_acc(x) in place, for values in acc's normal range (checked by the caller).
+
+    F16: numpy's float64 -> float16 cast rounds once, to nearest even (subnormals and overflow to
+    inf included), the same as round_to(x, F16, INF). FP32-range accumulators: the half-ulp bit trick
+    of dtypes.rounding.round_significand on the float64 bits, with a preallocated temporary.
+    """
+    if acc is F16:
+        with np.errstate(over="ignore"):  # overflow to inf is the IEEE result being emulated
+            np.copyto(x, x.astype(np.float16))
+        return
+    drop = 53 - acc.p
+    bits = x.view(np.uint64)
+    np.right_shift(bits, np.uint64(drop), out=tmp)
+    tmp &= np.uint64(1)
+    tmp += np.uint64((1 << (drop - 1)) - 1)
+    bits += tmp
+    bits &= np.uint64(~((1 << drop) - 1) & 0xFFFFFFFFFFFFFFFF)
+
+
+def _fast_accumulation(qa: np.ndarray, qb: np.ndarray, acc: Format, groups: int) -> bool:
+    """Whether every partial sum provably stays in acc's normal range (no subnormal, no overflow), so
+    _round_acc_inplace equals round_to: nonzero products are at least min|qa|*min|qb| and partial
+    sums integer multiples of that quantum; |partials| <= K*max|qa|*max|qb| grown by each rounding."""
+    if acc is F16:
+        return True  # the cast handles the whole range itself
+    if acc.min_normal != F32.min_normal:
+        return False
+    mags = [np.abs(x[x != 0]) for x in (qa, qb)]
+    if any(m.size == 0 for m in mags):
+        return True
+    tiny = float(mags[0].min()) * float(mags[1].min())
+    huge = qa.shape[-1] * float(mags[0].max()) * float(mags[1].max()) * (1 + 2.0 ** (1 - acc.p)) ** groups
+    return tiny >= acc.min_normal and huge <= acc.max_finite / 2
+
+
+def _grouped_sum_fast(qa: np.ndarray, qb: np.ndarray, acc: Format, group: int) -> np.ndarray:
+    """_grouped_sum without scales, whole outputs per step: one FP64 BLAS call, one add, one in-place
+    rounding per MMA group (few passes over memory instead of many small tiles)."""
+    qa64, qb64 = qa.astype(np.float64), qb.astype(np.float64)
+    shape = np.broadcast_shapes(qa.shape[:-2], qb.shape[:-2]) + (qa.shape[-2], qb.shape[-1])
+    total, group_sum, tmp = np.empty(shape), np.empty(shape), np.empty(shape, np.uint64)
+    for start in range(0, qa.shape[-1], group):
+        np.matmul(qa64[..., start:start + group], qb64[..., start:start + group, :],
+                  out=total if start == 0 else group_sum)
+        if start:
+            total += group_sum
+        _round_acc_inplace(total, acc, tmp)
+    return total.astype(np.float32)
+
+
 def _chunk_sum(qa: np.ndarray, qb: np.ndarray, variant: GemmPrecision) -> np.ndarray:
     if variant.acc_format is INT32:
         return _exact_integer_sum(qa, qb)
     if variant.grouped:
-        return _grouped_sum(qa, qb, variant.accumulator, variant.mma_k)
+        acc, group = variant.accumulator, variant.mma_k
+        if _fast_accumulation(qa, qb, acc, -(-qa.shape[-1] // group)):
+            return _grouped_sum_fast(qa, qb, acc, group)
+        return _grouped_sum(qa, qb, acc, group)
     return np.matmul(qa, qb)
 
 
@@ -130,9 +184,17 @@ def _prequantized(a_quantized, variant: GemmPrecision) -> _Operand:
     return _Operand(q, scales, variant.a_scale)
 
 
+def prepare_b(b, variant: GemmPrecision, b_scales: np.ndarray | None = None,
+              overflow: QuantOverflow = QuantOverflow.SATURATE) -> _Operand:
+    """Step 1 for B alone (rounded or quantized to its format): a weight's is computed once and
+    passed to emulate_gemm as b_prepared for every later run."""
+    return _operand(np.asarray(b), variant.b_format, variant.b_scale, b_scales, overflow)
+
+
 def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = None,
                  overflow: QuantOverflow = QuantOverflow.SATURATE,
-                 a_quantized: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                 a_quantized: tuple[np.ndarray, np.ndarray] | None = None,
+                 b_prepared: _Operand | None = None) -> np.ndarray:
     """a (..., M, K) @ b (..., K, N) computed exactly as `variant` defines it (module doc); float32.
 
     b_scales: static weight scales computed at compile time (else computed from b, like A's).
@@ -140,16 +202,19 @@ def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = Non
     a_quantized: (q, scales) of A already quantized (a QUANTIZE kernel: quantize_tensor with the
     variant's A format and scale); then `a` must be None. Step 1 for A is then done, and the result
     is bit-identical to passing the raw A, because quantizing is the same function either way.
+    b_prepared: prepare_b(b, variant, b_scales, overflow) computed earlier; then `b` must be None.
     """
+    if (b is None) == (b_prepared is None):
+        raise ValueError("pass either the raw B or b_prepared=prepare_b(...), not both or neither")
     if (a is None) == (a_quantized is None):
         raise ValueError("pass either the raw A or a_quantized=(q, scales), not both or neither")
     prequantized = None if a_quantized is None else _prequantized(a_quantized, variant)
     a = np.asarray(a) if prequantized is None else prequantized.values
-    b = np.asarray(b)
+    b = np.asarray(b) if b_prepared is None else b_prepared.values
     if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
         raise ValueError(f"cannot multiply shapes {a.shape} and {b.shape}")
     qa = prequantized if prequantized is not None else _operand(a, variant.a_format, variant.a_scale, None, overflow)
-    qb = _operand(b, variant.b_format, variant.b_scale, b_scales, overflow)
+    qb = b_prepared if b_prepared is not None else prepare_b(b, variant, b_scales, overflow)
     k = a.shape[-1]
     if k == 0:
         return np.zeros(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), np.float32)
@@ -198,11 +263,34 @@ def emulate_reduce_sum(x, axis: int, acc: Format | str) -> np.ndarray:
         with np.errstate(over="ignore"):
             sums = np.cumsum(values.astype(acc.storage), axis=axis, dtype=acc.storage)
         return np.take(sums, -1, axis=axis).astype(np.float32)
-    moved = np.moveaxis(values, axis, 0).astype(np.float64)
+    moved = np.ascontiguousarray(np.moveaxis(values, axis, 0), dtype=np.float64)  # each step reads one block
+    if _fast_reduction(values, axis, acc):
+        total, tmp = moved[0].copy(), np.empty(moved.shape[1:], np.uint64)
+        _round_acc_inplace(total, acc, tmp)
+        for row in moved[1:]:
+            total += row
+            _round_acc_inplace(total, acc, tmp)
+        return total.astype(np.float32)
     total = round_to(moved[0], acc, Overflow.INF)
     for row in moved[1:]:
         total = round_to(total + row, acc, Overflow.INF)
     return total
+
+
+def _fast_reduction(values: np.ndarray, axis: int, acc: Format) -> bool:
+    """Whether every partial sum of FP32 `values` provably stays in acc's normal range: inputs are
+    integer multiples of q = ulp32(min nonzero |x|), so are the (rounded) partial sums, which are
+    then 0 or >= q; |partials| <= sum|x| grown by (1 + 2u) per rounding."""
+    if acc is F16:
+        return True  # the float16 cast covers subnormals and overflow itself
+    if acc.p >= 24 or acc.min_normal < F32.min_normal:
+        return False
+    mags = np.abs(values[values != 0]).astype(np.float64)
+    if mags.size == 0:
+        return True
+    quantum = 2.0 ** (np.floor(np.log2(mags.min())) - 23)
+    n = values.shape[axis]
+    return quantum >= acc.min_normal and float(mags.sum()) * (1 + 2.0 ** (1 - acc.p)) ** n <= acc.max_finite / 2
 
 
 def emulate_elementwise(fn: Callable[..., np.ndarray], inputs: Sequence, precision: ElementwisePrecision,
