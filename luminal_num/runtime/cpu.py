@@ -82,6 +82,7 @@ class _Run:
     feed: Mapping[str, np.ndarray]
     bindings: Mapping[str, int]
     weight_names: frozenset[str]  # feed entries that are the runtime's (immutable) weights
+    out: np.ndarray | None = None  # the running kernel's output buffer (a kernel may write into it)
 
 
 class CpuRuntime:
@@ -114,15 +115,16 @@ class CpuRuntime:
         with np.errstate(all="ignore"):
             for k in self.program.kernels:
                 t0 = time.perf_counter()
-                value = KERNELS[k.kind](self, k, state)
                 if k.kind is KernelKind.EXTERNAL and k.external in state.weight_names:
-                    state.stored[k.id] = value  # the cached stored weight itself (never written to)
+                    state.stored[k.id] = _external(self, k, state)  # the cached stored weight (never written)
                 else:
                     shape = tuple(eval_dim(d, bindings) for d in k.shape)
                     nbytes = max(int(np.prod(shape, dtype=np.int64)) * k.dtype.storage.itemsize, 0)
-                    arr = slots[plan.slot_of[k.id]][:nbytes].view(k.dtype.storage).reshape(shape)
-                    np.copyto(arr, value, casting="unsafe")
-                    state.stored[k.id] = arr
+                    state.out = slots[plan.slot_of[k.id]][:nbytes].view(k.dtype.storage).reshape(shape)
+                    value = KERNELS[k.kind](self, k, state)
+                    if value is not state.out:
+                        np.copyto(state.out, value, casting="unsafe")
+                    state.stored[k.id] = state.out
                 if k.id in wanted:
                     for nid, kid in self.program.exports:
                         if kid == k.id:
@@ -204,9 +206,13 @@ def _loads(e: FExpr) -> set[int]:
     return set().union(*(_loads(a) for a in e.args)) if isinstance(e, FApply) else set()
 
 
+def _fits_body(k: Kernel, state: _Run) -> bool:
+    return all(_fits_f32(state.stored[k.inputs[i].buffer]) for i in _loads(k.body))
+
+
 def body_values(k: Kernel, state: _Run) -> np.ndarray:
     """The body over its iteration space: float32 when every load fits FP32, else float64 (same values)."""
-    if all(_fits_f32(state.stored[k.inputs[i].buffer]) for i in _loads(k.body)):
+    if _fits_body(k, state):
         return np.asarray(_body32(k.body, k, state), dtype=np.float32)
     return _body64(k.body, k, state)
 
@@ -244,6 +250,12 @@ def _iota(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _elementwise(rt, k: Kernel, state: _Run) -> np.ndarray:
+    """An FP32 body whose last op is a correctly rounded ufunc writes straight into its output buffer."""
+    e = k.body
+    if k.dtype is F32 and isinstance(e, FApply) and e.op is not Op.CUSTOM and CORRECTLY_ROUNDED_F32[e.op] \
+            and isinstance(e.op.decl.fn, np.ufunc) and _fits_body(k, state):
+        e.op.decl.fn(*(_body32(a, k, state) for a in e.args), out=state.out)
+        return state.out
     return store32(body_values(k, state), k.dtype)
 
 
