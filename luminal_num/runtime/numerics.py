@@ -87,6 +87,10 @@ def _exact_integer_sum(qa: np.ndarray, qb: np.ndarray) -> np.ndarray:
 
 
 _TILE_ELEMENTS = 1 << 15  # outputs per elementwise step: ~256 KB of float64 stays in cache
+# OpenBLAS runs a GEMM with M*N*K at most this on one thread; the group sums' many small calls stay
+# under it, because on a busy machine waking the other threads cost more than the calls themselves
+# (measured 2-5x slower for the 128-block FP8 variants on MiniLM's shapes).
+_BLAS_SINGLE_THREAD_MNK = 1 << 18
 
 
 def _round_acc_inplace(x: np.ndarray, acc: Format, tmp: np.ndarray) -> None:
@@ -139,7 +143,9 @@ def _grouped_sum(qa: np.ndarray, qb: np.ndarray, acc: Format, group: int,
     shape = np.broadcast_shapes(qa.shape[:-2], qb.shape[:-2]) + (qa.shape[-2], qb.shape[-1])
     in_place = scale_of is None and _fast_accumulation(qa, qb, acc, -(-qa.shape[-1] // group))
     total = np.empty(shape)
-    step = max(1, _TILE_ELEMENTS // max(1, int(np.prod(shape[:-2], dtype=np.int64)) * shape[-1]))
+    per_row = max(1, shape[-1])
+    step = max(1, min(_TILE_ELEMENTS // (max(1, int(np.prod(shape[:-2], dtype=np.int64))) * per_row),
+                      _BLAS_SINGLE_THREAD_MNK // (group * per_row)))
     for row in range(0, shape[-2], step):
         rows = slice(row, row + step)
         tile, a_rows = total[..., rows, :], qa64[..., rows, :]
@@ -224,8 +230,15 @@ def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = Non
 
 def _per_product_scaled(qa: _Operand, qb: _Operand, variant: GemmPrecision, k_block: int) -> np.ndarray:
     if variant.grouped:
-        return _grouped_sum(qa.values, qb.values, variant.accumulator, variant.mma_k,
-                            scale_of=lambda start, rows: _chunk_scale(qa, qb, start // k_block, rows))
+        per_block: dict[int, np.ndarray] = {}  # fl32(sa * sb) of each K-block, made once, sliced per row tile
+
+        def scale_of(start: int, rows: slice) -> np.ndarray:
+            block = start // k_block
+            if block not in per_block:
+                per_block[block] = _chunk_scale(qa, qb, block)
+            scale = per_block[block]
+            return scale[..., rows, :] if scale.shape[-2] > 1 else scale
+        return _grouped_sum(qa.values, qb.values, variant.accumulator, variant.mma_k, scale_of=scale_of)
     # power-of-two scales (checked by GemmPrecision): q * 2^e is exact in FP32, so is every product
     operands = [op.values if op.scales is None else op.values * expand_scales(op.scales, op.values.shape, op.spec)
                 for op in (qa, qb)]
