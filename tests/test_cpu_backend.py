@@ -12,7 +12,7 @@ from luminal_num.dtypes.variants import GEMM_VARIANTS
 from luminal_num.hlir.evaluate import EVALUATORS, evaluate
 from luminal_num.hlir.ops import CUSTOM_KINDS, ELEMENTWISE_OPS, Op
 from luminal_num.hlir.weightcache import WEIGHTS, WeightCache
-from luminal_num.models.testnets import mlp
+from luminal_num.models.testnets import matmul_chain, mlp
 from luminal_num.quant import QuantOverflow, compute_scales
 from luminal_num.runtime import cpu, numerics
 from luminal_num.runtime.numerics import emulate_gemm, prepare_b
@@ -177,3 +177,16 @@ def test_fast_narrow_reduction_equals_the_round_to_loop(acc):
     assert np.array_equal(got, want)
     tiny = np.full((4, 3), 2.0 ** -140, np.float32)  # subnormal partial sums: the exact slow path
     assert not numerics._fast_reduction(tiny, 0, BF16)
+
+
+def test_reference_matmuls_use_cached_weight_operands():
+    """The FP64 reference's Gemm operands made from weights are cached, and the result is still the
+    FP64 product (an independent numpy chain)."""
+    m = matmul_chain()
+    x = m.make_inputs(0)["x"]
+    want = x @ m.graph.weights["w0"] @ m.graph.weights["w1"]
+    first = evaluate(m.graph, {"x": x})["y"]
+    misses = WEIGHTS.misses
+    second = evaluate(m.graph, {"x": x})["y"]
+    assert WEIGHTS.misses == misses and np.array_equal(first, second)
+    np.testing.assert_allclose(second, want, rtol=1e-13, atol=1e-13)

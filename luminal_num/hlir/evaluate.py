@@ -14,7 +14,7 @@ import numpy as np
 
 from ..dtypes.formats import Kind
 from ..dtypes.rounding import store
-from .gemm import gemm_apply, gemm_layouts, read_operand, split_operand
+from .gemm import gemm_layouts, gemm_operand_a, gemm_operand_b, gemm_result, read_operand, split_operand
 from .graph import Graph, Node
 from .ops import BINARY_OPS, CUSTOM_KINDS, UNARY_OPS, Op
 from .symbolic import evaluate as eval_dim
@@ -144,6 +144,24 @@ def _matmul_layout(graph: Graph, node: Node, consumers: dict[int, list[int]]):
     return (mul, lays[0]) if lays else None
 
 
+def _gemm_operand(graph: Graph, src, values, bindings, lay, side: int, precision: str) -> np.ndarray:
+    """A (side 0) as (batch, M, K) or B (side 1) as (batch, K, N), contiguous in the evaluation dtype;
+    a weight's is made once per process (weightcache), not copied again on every evaluation."""
+    dt = np.float32 if precision == "f32" else np.float64
+    pick = gemm_operand_b if side else gemm_operand_a
+
+    def make() -> np.ndarray:
+        out = pick(read_operand(src.view, values[src.node], bindings), lay).astype(dt, copy=False)
+        out.flags.writeable = False
+        return out
+    node = graph.nodes[src.node]
+    name = node.attr("name") if node.op is Op.INPUT else None
+    if name not in graph.weights:
+        return make()
+    key = ("reference_gemm", side, precision, src.view.encode(), lay.encode(), tuple(sorted(bindings.items())))
+    return WEIGHTS.get(graph.weights[name], key, make)
+
+
 def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision: str) -> None:
     """Evaluate nodes in order; Mul+SumReduce matmuls go through BLAS instead of (m, n, k) products."""
     consumers = graph.consumers()
@@ -160,9 +178,10 @@ def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision
         if nid in by_reduce:
             mul_id, lay = by_reduce[nid]
             mul = graph.nodes[mul_id]
-            a, b = (read_operand(s.view, values[s.node], bindings) for s in mul.srcs)
-            dt = np.float32 if precision == "f32" else np.float64
-            out = gemm_apply(a, b, lay, lambda x, y: np.matmul(x.astype(dt), y.astype(dt)))
+            a_full = read_operand(mul.srcs[0].view, values[mul.srcs[0].node], bindings)
+            a, b = (_gemm_operand(graph, src, values, bindings, lay, side, precision)
+                    for side, src in enumerate(mul.srcs))
+            out = gemm_result(np.matmul(a, b), lay, a_full.shape)
             values[nid] = _round(np.asarray(out, dtype=np.float64), node.dtype, precision)
             continue
         srcs = [s.view.realize(values[s.node], bindings) for s in node.srcs]
