@@ -145,21 +145,28 @@ def _matmul_layout(graph: Graph, node: Node, consumers: dict[int, list[int]]):
 
 
 def _gemm_operand(graph: Graph, src, values, bindings, lay, side: int, precision: str) -> np.ndarray:
-    """A (side 0) as (batch, M, K) or B (side 1) as (batch, K, N), contiguous in the evaluation dtype;
-    a weight's is made once per process (weightcache), not copied again on every evaluation."""
+    """A (side 0) as (batch, M, K) or B (side 1) as (batch, K, N) in the evaluation dtype. A weight's
+    is a transposed/reshaped view of its cached value where numpy can express it (BLAS reads it with
+    a transpose flag), so no evaluation copies a weight and no second copy is cached."""
     dt = np.float32 if precision == "f32" else np.float64
-    pick = gemm_operand_b if side else gemm_operand_a
-
-    def make() -> np.ndarray:
-        out = pick(read_operand(src.view, values[src.node], bindings), lay).astype(dt, copy=False)
-        out.flags.writeable = False
-        return out
+    full = read_operand(src.view, values[src.node], bindings)
     node = graph.nodes[src.node]
-    name = node.attr("name") if node.op is Op.INPUT else None
-    if name not in graph.weights:
-        return make()
-    key = ("reference_gemm", side, precision, src.view.encode(), lay.encode(), tuple(sorted(bindings.items())))
-    return WEIGHTS.get(graph.weights[name], key, make)
+    if node.op is Op.INPUT and node.attr("name") in graph.weights and full.dtype == dt:
+        return _operand_view(full, lay, side)
+    return (gemm_operand_b if side else gemm_operand_a)(full, lay).astype(dt, copy=False)
+
+
+def _operand_view(full: np.ndarray, lay, side: int) -> np.ndarray:
+    """gemm_operand_a/b without the contiguous copy: the same values, as a view where possible."""
+    drop, order = ((lay.n_axes, (*lay.batch_axes, *lay.m_axes, lay.k_axis)) if side == 0
+                   else (lay.m_axes, (*lay.batch_axes, lay.k_axis, *lay.n_axes)))
+    x = full[tuple(0 if ax in drop else slice(None) for ax in range(full.ndim))]
+    keep = [ax for ax in range(full.ndim) if ax not in drop]
+    x = np.transpose(x, [keep.index(ax) for ax in order])
+    size = lambda axes: int(np.prod([full.shape[ax] for ax in axes], dtype=np.int64))  # noqa: E731
+    k = full.shape[lay.k_axis]
+    shape = (size(lay.batch_axes), size(lay.m_axes), k) if side == 0 else (size(lay.batch_axes), k, size(lay.n_axes))
+    return x.reshape(shape)  # a view when the axes merge, else numpy copies
 
 
 def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision: str) -> None:

@@ -4,7 +4,8 @@ The judge builds a new runtime per candidate, so a per-runtime cache would conve
 again for every candidate; this one lives with the weight arrays themselves. Weights are immutable
 by contract (a plan's weights never change under it), so an entry is keyed by the array's identity
 and dropped when the array is garbage collected (a weak reference guards against a reused id).
-Entries are evicted least-recently-used beyond a byte budget.
+Entries are evicted least-recently-used beyond a byte budget. An entry that is a view of its source
+(an FP32 weight stored as is) keeps the source alive until it is evicted; its bytes count.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Callable, Hashable, TypeVar
 import numpy as np
 
 T = TypeVar("T")
-DEFAULT_BUDGET_BYTES = 2 << 30  # a 135M-parameter model's float64 weights plus its FP32 Gemm operands
+DEFAULT_BUDGET_BYTES = 4 << 30  # a 135M-parameter model's float64 weights plus its FP32 stored weights and Gemm operands
 
 
 def nbytes(value) -> int:
@@ -35,6 +36,8 @@ class WeightCache:
 
     def get(self, source: np.ndarray, key: Hashable, make: Callable[[], T]) -> T:
         """make() once per (source array, key) while `source` lives; the value must not be mutated."""
+        if not isinstance(source, np.ndarray):
+            return make()  # only arrays can be weakly referenced (and are immutable by contract)
         k = (id(source), key)
         hit = self._items.get(k)
         if hit is not None and hit[0]() is source:
