@@ -8,14 +8,17 @@ declared dtype first.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
 from ..dtypes.formats import Kind
+from ..dtypes.rounding import store
+from .gemm import gemm_layouts, gemm_operand_a, gemm_operand_b, gemm_result, read_operand, split_operand
 from .graph import Graph, Node
-from .ops import CUSTOM_KINDS, Group, Op
+from .ops import BINARY_OPS, CUSTOM_KINDS, UNARY_OPS, Op
 from .symbolic import evaluate as eval_dim
+from .weightcache import WEIGHTS
 
 PRECISIONS = ("f64", "f32")
 
@@ -30,51 +33,79 @@ def softmax(x: np.ndarray, axis: int) -> np.ndarray:
 def _round(x: np.ndarray, node_dtype, precision: str) -> np.ndarray:
     if precision == "f64":
         return x
-    from ..dtypes.rounding import store  # imported lazily to keep import cheap
     return store(x, node_dtype)
+
+
+def _input(node: Node, srcs, graph: Graph, inputs, bindings, precision: str) -> np.ndarray:
+    """A graph input rounded to its dtype; a weight's value is converted once per process (weightcache)."""
+    name = node.attr("name")
+    if name in graph.weights:
+        val = graph.weights[name]
+        return WEIGHTS.get(val, ("reference", precision, node.dtype.name), lambda: _input_value(val, node, precision))
+    return _input_value(inputs[name], node, precision)
+
+
+def _input_value(val, node: Node, precision: str) -> np.ndarray:
+    val = np.asarray(val)
+    out = val.astype(np.int64) if node.dtype.kind is Kind.INT else _round(val.astype(np.float64), node.dtype, precision)
+    out = np.asarray(out)
+    out.flags.writeable = False  # shared between evaluations: nobody may write into it
+    return out
+
+
+def _constant(node: Node, srcs, graph, inputs, bindings, precision) -> np.ndarray:
+    v = node.attr("value")
+    return np.asarray(float(v) if isinstance(v, float) else float(eval_dim(v, bindings)), dtype=np.float64)
+
+
+def _iota(node: Node, srcs, graph, inputs, bindings, precision) -> np.ndarray:
+    return np.arange(eval_dim(node.attr("length"), bindings), dtype=np.float64)
+
+
+def _elementwise(node: Node, srcs, graph, inputs, bindings, precision) -> np.ndarray:
+    fn = CUSTOM_KINDS[node.attr("kind")].fn if node.op is Op.CUSTOM else node.op.decl.fn
+    with np.errstate(all="ignore"):
+        return _round(fn(*srcs), node.dtype, precision)
+
+
+def _sum_reduce(node: Node, srcs, graph, inputs, bindings, precision) -> np.ndarray:
+    acc = np.float32 if precision == "f32" else np.float64
+    return _round(np.sum(srcs[0].astype(acc), axis=node.attr("axis")).astype(np.float64), node.dtype, precision)
+
+
+def _softmax(node: Node, srcs, graph, inputs, bindings, precision) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return _round(softmax(srcs[0], node.attr("axis")), node.dtype, precision)
+
+
+def _gather(node: Node, srcs, graph, inputs, bindings, precision) -> np.ndarray:
+    table, idx = srcs
+    return table[_indices(idx, table.shape[0], "gather")]
+
+
+def _scatter(node: Node, srcs, graph, inputs, bindings, precision) -> np.ndarray:
+    dest, src, idx = srcs
+    out = np.array(dest, dtype=np.float64)
+    out[_indices(idx, dest.shape[0], "scatter")] = src
+    return out
+
+
+# The reference semantics of every Op, one entry each (a test checks the coverage).
+EVALUATORS: dict[Op, Callable[..., np.ndarray]] = {
+    Op.INPUT: _input, Op.CONSTANT: _constant, Op.IOTA: _iota,
+    Op.OUTPUT: lambda node, srcs, *_: srcs[0],
+    Op.CAST: lambda node, srcs, graph, inputs, bindings, precision: _round(srcs[0], node.dtype, precision),
+    **{op: _elementwise for op in (*UNARY_OPS, *BINARY_OPS, Op.CUSTOM)},
+    Op.SUM_REDUCE: _sum_reduce,
+    Op.MAX_REDUCE: lambda node, srcs, *_: np.max(srcs[0], axis=node.attr("axis")),
+    Op.SOFTMAX: _softmax, Op.GATHER: _gather, Op.SCATTER: _scatter,
+}
 
 
 def eval_node(node: Node, srcs: list[np.ndarray], graph: Graph, inputs: Mapping[str, np.ndarray],
               bindings: Mapping[str, int], precision: str) -> np.ndarray:
     """One node's value from its (already viewed) source values."""
-    op, g = node.op, node.op.group
-    if op is Op.INPUT:
-        name = node.attr("name")
-        val = graph.weights[name] if name in graph.weights else inputs[name]
-        val = np.asarray(val)
-        return val.astype(np.int64) if node.dtype.kind is Kind.INT else _round(val.astype(np.float64), node.dtype, precision)
-    if op is Op.CONSTANT:
-        v = node.attr("value")
-        return np.asarray(float(v) if isinstance(v, float) else float(eval_dim(v, bindings)), dtype=np.float64)
-    if op is Op.IOTA:
-        return np.arange(eval_dim(node.attr("length"), bindings), dtype=np.float64)
-    if op is Op.OUTPUT:
-        return srcs[0]
-    if op is Op.CAST:
-        return _round(srcs[0], node.dtype, precision)
-    if g in (Group.UNARY, Group.BINARY):
-        with np.errstate(all="ignore"):
-            return _round(op.decl.fn(*srcs), node.dtype, precision)
-    if op is Op.CUSTOM:
-        with np.errstate(all="ignore"):
-            return _round(CUSTOM_KINDS[node.attr("kind")].fn(srcs[0]), node.dtype, precision)
-    if op is Op.SUM_REDUCE:
-        acc = np.float32 if precision == "f32" else np.float64
-        return _round(np.sum(srcs[0].astype(acc), axis=node.attr("axis")).astype(np.float64), node.dtype, precision)
-    if op is Op.MAX_REDUCE:
-        return np.max(srcs[0], axis=node.attr("axis"))
-    if op is Op.SOFTMAX:
-        with np.errstate(all="ignore"):
-            return _round(softmax(srcs[0], node.attr("axis")), node.dtype, precision)
-    if op is Op.GATHER:
-        table, idx = srcs
-        return table[_indices(idx, table.shape[0], "gather")]
-    if op is Op.SCATTER:
-        dest, src, idx = srcs
-        out = dest.copy()
-        out[_indices(idx, dest.shape[0], "scatter")] = src
-        return out
-    raise AssertionError(f"no reference semantics for {op!r}")  # every Op is handled above
+    return EVALUATORS[node.op](node, srcs, graph, inputs, bindings, precision)
 
 
 def _indices(idx: np.ndarray, n: int, what: str) -> np.ndarray:
@@ -109,9 +140,33 @@ def _matmul_layout(graph: Graph, node: Node, consumers: dict[int, list[int]]):
     mul = graph.nodes[node.srcs[0].node]
     if mul.op is not Op.MUL or consumers[mul.id] != [node.id] or not node.srcs[0].view.is_contiguous:
         return None
-    from .gemm import gemm_layouts, split_operand
     lays = gemm_layouts(split_operand(mul.srcs[0].view)[1], split_operand(mul.srcs[1].view)[1], node.attr("axis"))
     return (mul, lays[0]) if lays else None
+
+
+def _gemm_operand(graph: Graph, src, values, bindings, lay, side: int, precision: str) -> np.ndarray:
+    """A (side 0) as (batch, M, K) or B (side 1) as (batch, K, N) in the evaluation dtype. A weight's
+    is a transposed/reshaped view of its cached value where numpy can express it (BLAS reads it with
+    a transpose flag), so no evaluation copies a weight and no second copy is cached."""
+    dt = np.float32 if precision == "f32" else np.float64
+    full = read_operand(src.view, values[src.node], bindings)
+    node = graph.nodes[src.node]
+    if node.op is Op.INPUT and node.attr("name") in graph.weights and full.dtype == dt:
+        return _operand_view(full, lay, side)
+    return (gemm_operand_b if side else gemm_operand_a)(full, lay).astype(dt, copy=False)
+
+
+def _operand_view(full: np.ndarray, lay, side: int) -> np.ndarray:
+    """gemm_operand_a/b without the contiguous copy: the same values, as a view where possible."""
+    drop, order = ((lay.n_axes, (*lay.batch_axes, *lay.m_axes, lay.k_axis)) if side == 0
+                   else (lay.m_axes, (*lay.batch_axes, lay.k_axis, *lay.n_axes)))
+    x = full[tuple(0 if ax in drop else slice(None) for ax in range(full.ndim))]
+    keep = [ax for ax in range(full.ndim) if ax not in drop]
+    x = np.transpose(x, [keep.index(ax) for ax in order])
+    size = lambda axes: int(np.prod([full.shape[ax] for ax in axes], dtype=np.int64))  # noqa: E731
+    k = full.shape[lay.k_axis]
+    shape = (size(lay.batch_axes), size(lay.m_axes), k) if side == 0 else (size(lay.batch_axes), k, size(lay.n_axes))
+    return x.reshape(shape)  # a view when the axes merge, else numpy copies
 
 
 def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision: str) -> None:
@@ -130,10 +185,10 @@ def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision
         if nid in by_reduce:
             mul_id, lay = by_reduce[nid]
             mul = graph.nodes[mul_id]
-            from .gemm import gemm_apply, read_operand
-            a, b = (read_operand(s.view, values[s.node], bindings) for s in mul.srcs)
-            dt = np.float32 if precision == "f32" else np.float64
-            out = gemm_apply(a, b, lay, lambda x, y: np.matmul(x.astype(dt), y.astype(dt)))
+            a_full = read_operand(mul.srcs[0].view, values[mul.srcs[0].node], bindings)
+            a, b = (_gemm_operand(graph, src, values, bindings, lay, side, precision)
+                    for side, src in enumerate(mul.srcs))
+            out = gemm_result(np.matmul(a, b), lay, a_full.shape)
             values[nid] = _round(np.asarray(out, dtype=np.float64), node.dtype, precision)
             continue
         srcs = [s.view.realize(values[s.node], bindings) for s in node.srcs]

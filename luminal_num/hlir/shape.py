@@ -233,6 +233,8 @@ class ShapeTracker:
         """Read the logical tensor out of a contiguous buffer (masked elements are 0)."""
         flat = np.ascontiguousarray(buffer).reshape(-1)
         fast = self._strided(flat, bindings or {})
+        if fast is None:
+            fast = self._stacked(flat, bindings or {})
         if fast is not None:
             return fast
         pos, valid = self.index_map(bindings)
@@ -260,6 +262,32 @@ class ShapeTracker:
             raise IndexError(f"view {self} reads outside a buffer of {flat.size} elements")
         return np.lib.stride_tricks.as_strided(flat[offset:], shape=shape,
                                                strides=[s * flat.itemsize for s in strides], writeable=False)
+
+    def _stacked(self, flat: np.ndarray, bindings: Mapping[str, int]) -> np.ndarray | None:
+        """Views read bottom-up with stride tricks, each copied contiguous for the view above it; a mask
+        is a zero-filled result with the valid box read strided. The same values as index_map's
+        gather (masked elements read +0); None when a view's valid box would leave its buffer, which
+        index_map then handles (it clips those reads)."""
+        values = flat
+        for level, v in enumerate(self.views):
+            shape = [evaluate(d, bindings) for d in v.shape]
+            strides = [evaluate(st, bindings) for st in v.strides]
+            offset = evaluate(v.offset, bindings)
+            box = [(0, d) for d in shape] if v.mask is None else \
+                [(max(0, evaluate(lo, bindings)), min(d, evaluate(hi, bindings))) for (lo, hi), d in zip(v.mask, shape)]
+            out = np.zeros(shape, dtype=flat.dtype)
+            if all(hi > lo for lo, hi in box):
+                start = offset + sum(lo * st for (lo, _), st in zip(box, strides))
+                extent = [hi - lo for lo, hi in box]
+                low = start + sum((d - 1) * st for d, st in zip(extent, strides) if st < 0)
+                high = start + sum((d - 1) * st for d, st in zip(extent, strides) if st > 0)
+                if low < 0 or high >= values.size:
+                    return None
+                src = np.lib.stride_tricks.as_strided(values[start:], shape=extent, writeable=False,
+                                                      strides=[st * values.itemsize for st in strides])
+                out[tuple(slice(lo, hi) for lo, hi in box)] = src
+            values = out if level == len(self.views) - 1 else out.reshape(-1)
+        return values
 
     def __str__(self) -> str:
         return " <- ".join(

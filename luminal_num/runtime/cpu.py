@@ -1,28 +1,49 @@
 """The CPU backend: executes LLIR with numpy, each buffer stored in its plan dtype.
 
-It is the reference executor of the numerics gate: elementwise ops are computed exactly (float64)
-and rounded once to FP32 (a correctly rounded FP32 unit); stores round to the buffer's format;
-Gemm and reduction variants are emulated bit-exactly by runtime/numerics.py. A QUANTIZE kernel
-stores q in its format and keeps the scales beside it (per run, keyed by its kernel id); a Gemm
-reading its buffer multiplies q with those scales, as the GPU does.
+It is the reference executor of the numerics gate, so it must compute exactly what the plan says:
+every fused elementwise op is one correctly rounded FP32 operation; stores round to the buffer's
+format; Gemm and reduction variants are emulated bit-exactly by runtime/numerics.py. A QUANTIZE
+kernel stores q in its format and keeps the scales beside it (per run, keyed by its kernel id); a
+Gemm reading its buffer multiplies q with those scales, as the GPU does.
+
+Speed without changing a bit (issue 18): add, mul, recip, sqrt, fmod and compare are computed in
+numpy float32, which IEEE makes correctly rounded (the same value as float64 then one rounding);
+exp2/log2/sin/erf/tanh are not correctly rounded in float32, so they stay float64 + one rounding.
+A body whose loads are wider than FP32 (int64 indices, f64) takes the float64 path. Weights are
+stored once per process (hlir.weightcache), and so are the Gemm B operands read from them.
+Each kernel kind is one function in KERNELS.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
 from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
 from ..dtypes.formats import F32, Format, Kind, get as get_format
-from ..dtypes.rounding import store
+from ..dtypes.rounding import Overflow, round_to, store
+from ..dtypes.variants import GEMM_VARIANTS
 from ..hlir.evaluate import softmax
-from ..hlir.gemm import gemm_apply, gemm_operand_a
+from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result
 from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
+from ..hlir.weightcache import WEIGHTS
 from ..quant import quantize_tensor
 from .buffers import BufferPlan, plan_buffers
+from .numerics import emulate_gemm, emulate_reduce_sum, prepare_b
+
+# Ops whose float32 numpy result equals the float64 result rounded once to FP32 (IEEE: correctly
+# rounded, and double rounding through float64 is innocuous for p' >= 2p + 2); the rest are computed
+# in float64 and rounded once. Keyed by every elementwise Op (a test checks the coverage).
+CORRECTLY_ROUNDED_F32: dict[Op, bool] = {
+    Op.EXP2: False, Op.LOG2: False, Op.SIN: False,  # libm-style approximations, not correctly rounded
+    Op.RECIP: True, Op.SQRT: True, Op.ADD: True, Op.MUL: True,
+    Op.MOD: True,        # fmod is exact
+    Op.LESS_THAN: True,  # exact 0 / 1
+    Op.CUSTOM: False,    # erf, tanh
+}
 
 
 @dataclass(frozen=True)
@@ -37,25 +58,43 @@ class RunResult:
         return sum(s for _, s in self.kernel_seconds)
 
 
-def _round(x: np.ndarray, fmt: Format) -> np.ndarray:
-    """Values of x rounded to fmt (as float64); integers pass through."""
-    return store(x, fmt)
-
-
 def bind_program(program: Program, inputs: Mapping[str, np.ndarray]) -> dict[str, int]:
     """Symbolic dims from the shapes of the program's inputs (the same rule as Graph.bind_symbols)."""
     declared = {name: program.kernels[kid].shape for name, kid in program.inputs}
     return bind_shapes(declared, {n: np.shape(a) for n, a in inputs.items()})
 
 
+def store32(x, fmt: Format) -> np.ndarray:
+    """store(x, fmt) kept in float32 where fmt fits it (same values; float64 stays float64)."""
+    x = np.asarray(x)
+    if fmt.kind is not Kind.FLOAT or fmt.name == "f64" or x.dtype != np.float32:
+        return store(x, fmt)
+    if fmt is F32:
+        return x
+    return round_to(x, fmt, Overflow.SATURATE if fmt.bits <= 8 else Overflow.INF)  # store's policy, from float32
+
+
+@dataclass
+class _Run:
+    """The state of one run: stored buffers, QUANTIZE scales, the feed and the shape bindings."""
+    stored: dict[int, np.ndarray]
+    scales: dict[int, np.ndarray]
+    feed: Mapping[str, np.ndarray]
+    bindings: Mapping[str, int]
+    weight_names: frozenset[str]  # feed entries that are the runtime's (immutable) weights
+    out: np.ndarray | None = None  # the running kernel's output buffer (a kernel may write into it)
+
+
 class CpuRuntime:
     def __init__(self, program: Program, weights: Mapping[str, np.ndarray] | None = None,
                  static_scales: Mapping[int, np.ndarray] | None = None):
         """`static_scales`: Gemm kernel id -> B's compile-time scales (a plan's scales file); without
-        them static scales are computed from the weights, which gives the same values."""
+        them static scales are computed from the weights, which gives the same values.
+        `weights` are treated as immutable: values derived from them are cached per process."""
         self.program = program
         self.weights = dict(weights or {})
         self.static_scales = dict(static_scales or {})
+        self._plans: dict[tuple, BufferPlan] = {}
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
@@ -64,116 +103,231 @@ class CpuRuntime:
         if missing:
             raise KeyError(f"missing inputs: {missing}")
         bindings = {**bind_program(self.program, feed), **(bindings or {})}
-        plan = plan_buffers(self.program, bindings)
+        key = tuple(sorted(bindings.items()))
+        if key not in self._plans:
+            self._plans[key] = plan_buffers(self.program, bindings)
+        plan = self._plans[key]
         slots = [np.empty(n, dtype=np.uint8) for n in plan.slot_bytes]
-        stored: dict[int, np.ndarray] = {}
-        scales: dict[int, np.ndarray] = {}  # QUANTIZE kernel id -> the scales beside its buffer
+        state = _Run({}, {}, feed, bindings, frozenset(n for n in self.weights if n not in inputs))
         timings = []
-        wanted = {kid: nid for nid, kid in self.program.exports} if keep_exports else {}
+        wanted = {kid for _, kid in self.program.exports} if keep_exports else set()
         exports: dict[int, np.ndarray] = {}
-        for k in self.program.kernels:
-            t0 = time.perf_counter()
-            value = self._execute(k, stored, scales, feed, bindings)
-            shape = tuple(eval_dim(d, bindings) for d in k.shape)
-            buf = slots[plan.slot_of[k.id]][: max(int(np.prod(shape, dtype=np.int64)) * k.dtype.storage.itemsize, 0)]
-            arr = buf.view(k.dtype.storage).reshape(shape)
-            np.copyto(arr, np.asarray(value).astype(k.dtype.storage) if k.dtype.kind is Kind.FLOAT
-                      else np.asarray(value).astype(k.dtype.storage), casting="unsafe")
-            stored[k.id] = arr
-            for nid, kid in self.program.exports if k.id in wanted else ():
-                if kid == k.id:
-                    exports[nid] = arr.astype(np.float64)  # copied now: the slot may be reused later
-            if k.kind.launches:
-                timings.append((k.id, time.perf_counter() - t0))
-        outputs = {name: stored[kid].astype(np.float64) for name, kid in self.program.outputs}
+        with np.errstate(all="ignore"):
+            for k in self.program.kernels:
+                t0 = time.perf_counter()
+                if k.kind is KernelKind.EXTERNAL and k.external in state.weight_names:
+                    state.stored[k.id] = _external(self, k, state)  # the cached stored weight (never written)
+                else:
+                    shape = tuple(eval_dim(d, bindings) for d in k.shape)
+                    nbytes = max(int(np.prod(shape, dtype=np.int64)) * k.dtype.storage.itemsize, 0)
+                    state.out = slots[plan.slot_of[k.id]][:nbytes].view(k.dtype.storage).reshape(shape)
+                    value = KERNELS[k.kind](self, k, state)
+                    if value is not state.out:
+                        np.copyto(state.out, value, casting="unsafe")
+                    state.stored[k.id] = state.out
+                if k.id in wanted:
+                    for nid, kid in self.program.exports:
+                        if kid == k.id:
+                            exports[nid] = state.stored[k.id].astype(np.float64)  # the slot may be reused
+                if k.kind.launches:
+                    timings.append((k.id, time.perf_counter() - t0))
+        outputs = {name: state.stored[kid].astype(np.float64) for name, kid in self.program.outputs}
         return RunResult(outputs, tuple(timings), plan, exports if keep_exports else None)
 
-    # -- kernels --------------------------------------------------------------------------------
-    def _read(self, k: Kernel, i: int, stored, bindings) -> np.ndarray:
-        inp = k.inputs[i]
-        return realize(inp.view, stored[inp.buffer], bindings).astype(np.float64)
-
-    def _execute(self, k: Kernel, stored, scales, feed, bindings) -> np.ndarray:
-        kind = k.kind
-        if kind is KernelKind.EXTERNAL:
-            val = np.asarray(feed[k.external])
-            if k.dtype.kind is Kind.FLOAT and not np.all(np.isfinite(val)):
-                raise ValueError(f"input {k.external!r} contains NaN or Inf")
-            return _round(val.astype(np.float64), k.dtype) if k.dtype.kind is Kind.FLOAT else val
-        if kind is KernelKind.CONST:
-            v = k.value if isinstance(k.value, float) else float(eval_dim(k.value, bindings))
-            return _round(np.asarray(v), k.dtype)
-        if kind is KernelKind.IOTA:
-            return _round(np.arange(eval_dim(k.value, bindings), dtype=np.float64), k.dtype)
-        if kind is KernelKind.ELEMENTWISE:
-            return _round(self._body(k.body, k, stored, bindings), k.dtype)
-        if kind is KernelKind.SUM:
-            vals = self._body(k.body, k, stored, bindings)
-            return _round(reduce_sum(vals, k.axis, k.acc), k.dtype)
-        if kind is KernelKind.MAX:
-            return _round(np.max(self._body(k.body, k, stored, bindings), axis=k.axis), k.dtype)
-        if kind is KernelKind.SOFTMAX:
-            x = self._body(k.body, k, stored, bindings)
-            compute = None if k.precision in (None, "f32") else get_format(k.precision)
-            with np.errstate(all="ignore"):
-                if compute is None:
-                    return _round(softmax(x, k.axis), k.dtype)
-                # a low-precision softmax: inputs and result rounded to the compute format
-                return _round(_round(softmax(_round(x, compute), k.axis), compute), k.dtype)
-        if kind is KernelKind.QUANTIZE:
-            quantized = run_quantize(k, stored, bindings)
-            scales[k.id] = quantized.scales
-            return quantized.values
-        if kind is KernelKind.GEMM:
-            a_scales = scales[k.inputs[0].buffer] if self.program.quantized_inputs(k)[0] else None
-            return _round(run_gemm(k, stored, bindings, self.static_scales.get(k.id), a_scales), k.dtype)
-        if kind is KernelKind.GATHER:
-            table = self._read(k, 0, stored, bindings)
-            idx = k.inputs[1].view.realize(stored[k.inputs[1].buffer], bindings).astype(np.int64)
-            if idx.size and (idx.min() < 0 or idx.max() >= table.shape[0]):
-                raise IndexError(f"gather: index out of range [0, {table.shape[0]})")
-            return table[idx]
-        if kind in (KernelKind.SCATTER, KernelKind.SCATTER_NOCOPY):
-            dest = self._read(k, 0, stored, bindings)
-            src = self._read(k, 1, stored, bindings)
-            idx = k.inputs[2].view.realize(stored[k.inputs[2].buffer], bindings).astype(np.int64)
-            if idx.size and (idx.min() < 0 or idx.max() >= dest.shape[0]):
-                raise IndexError(f"scatter: index out of range [0, {dest.shape[0]})")
-            dest[idx] = src
-            return dest
-        raise AssertionError(f"unhandled kernel kind {kind}")  # every KernelKind is handled above
-
-    def _body(self, e: FExpr, k: Kernel, stored, bindings) -> np.ndarray:
-        """Evaluate a fused body: exact op in float64, rounded once to FP32 per op."""
-        if isinstance(e, FLoad):
-            return self._read(k, e.slot, stored, bindings)
-        if isinstance(e, FConstV):
-            v = e.value if isinstance(e.value, float) else float(eval_dim(e.value, bindings))
-            return _round(np.asarray(v), F32)
-        if isinstance(e, FRoundTo):
-            return _round(self._body(e.x, k, stored, bindings), e.fmt)
-        args = [self._body(a, k, stored, bindings) for a in e.args]
-        with np.errstate(all="ignore"):
-            fn = CUSTOM_KINDS[e.kind].fn if e.op is Op.CUSTOM else e.op.decl.fn
-            return _round(fn(*args), F32)
+    def static_b_scales(self, kid: int) -> np.ndarray | None:
+        return self.static_scales.get(kid)
 
 
-def reduce_sum(vals: np.ndarray, axis: int, acc: Format | None) -> np.ndarray:
-    """Sum with the accumulator's rounding: FP32 -> numpy float32 (pairwise), others emulated."""
-    if acc is None or acc is F32:
-        return np.sum(vals.astype(np.float32), axis=axis).astype(np.float64)
-    if acc.name == "f64":
-        return np.sum(vals, axis=axis)
-    from .numerics import emulate_reduce_sum
-    return np.asarray(emulate_reduce_sum(vals, axis, acc), dtype=np.float64)
-
-
+# -- reading inputs ---------------------------------------------------------------------------------
 def realize(view, buffer: np.ndarray, bindings) -> np.ndarray:
     """view.realize(buffer); one-byte ml_dtypes floats (fp8) are read through their bytes, because
     numpy's strided views cannot describe those dtypes (their array interface says '<f1')."""
     if buffer.dtype.itemsize == 1 and buffer.dtype.kind not in "biu":
         return view.realize(buffer.view(np.uint8), bindings).view(buffer.dtype)
     return view.realize(buffer, bindings)
+
+
+def _raw(k: Kernel, i: int, state: _Run) -> np.ndarray:
+    """Input i over the kernel's iteration space, in its storage dtype (a strided view where possible)."""
+    inp = k.inputs[i]
+    return realize(inp.view, state.stored[inp.buffer], state.bindings)
+
+
+def _read64(k: Kernel, i: int, state: _Run) -> np.ndarray:
+    return _raw(k, i, state).astype(np.float64)
+
+
+def _fits_f32(buffer: np.ndarray) -> bool:
+    """Whether every value of the buffer is exactly a float32 (narrow floats widen exactly)."""
+    return buffer.dtype.itemsize <= 4 and buffer.dtype.kind not in "biu" or buffer.dtype.itemsize <= 2
+
+
+# -- fused bodies -----------------------------------------------------------------------------------
+def _apply(e: FApply, args):
+    return CUSTOM_KINDS[e.kind].fn(*args) if e.op is Op.CUSTOM else e.op.decl.fn(*args)
+
+
+def _const(e: FConstV, bindings) -> float:
+    return e.value if isinstance(e.value, float) else float(eval_dim(e.value, bindings))
+
+
+def _body64(e: FExpr, k: Kernel, state: _Run) -> np.ndarray:
+    """A fused body exactly: each op in float64, rounded once to FP32 (kept as float64)."""
+    if isinstance(e, FLoad):
+        return _read64(k, e.slot, state)
+    if isinstance(e, FConstV):
+        return store(np.asarray(_const(e, state.bindings)), F32)
+    if isinstance(e, FRoundTo):
+        return store(_body64(e.x, k, state), e.fmt)
+    return store(_apply(e, [_body64(a, k, state) for a in e.args]), F32)
+
+
+def _body32(e: FExpr, k: Kernel, state: _Run):
+    """The same values as _body64, in float32: correctly rounded ops natively, the others via float64."""
+    if isinstance(e, FLoad):
+        x = _raw(k, e.slot, state)
+        return x if x.dtype == np.float32 else x.astype(np.float32)
+    if isinstance(e, FConstV):
+        return np.float32(_const(e, state.bindings))
+    if isinstance(e, FRoundTo):
+        return store32(np.asarray(_body32(e.x, k, state), dtype=np.float32), e.fmt)
+    args = [_body32(a, k, state) for a in e.args]
+    if not CORRECTLY_ROUNDED_F32[e.op]:
+        args = [np.asarray(a, dtype=np.float64) for a in args]
+    out = np.asarray(_apply(e, args))
+    return out if out.dtype == np.float32 else out.astype(np.float32)
+
+
+def _loads(e: FExpr) -> set[int]:
+    if isinstance(e, FLoad):
+        return {e.slot}
+    if isinstance(e, FRoundTo):
+        return _loads(e.x)
+    return set().union(*(_loads(a) for a in e.args)) if isinstance(e, FApply) else set()
+
+
+def _fits_body(k: Kernel, state: _Run) -> bool:
+    return all(_fits_f32(state.stored[k.inputs[i].buffer]) for i in _loads(k.body))
+
+
+def body_values(k: Kernel, state: _Run) -> np.ndarray:
+    """The body over its iteration space: float32 when every load fits FP32, else float64 (same values)."""
+    if _fits_body(k, state):
+        return np.asarray(_body32(k.body, k, state), dtype=np.float32)
+    return _body64(k.body, k, state)
+
+
+# -- one function per kernel kind -------------------------------------------------------------------
+def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
+    val = state.feed[k.external]
+    if k.external in state.weight_names:
+        return WEIGHTS.get(val, ("stored", k.dtype.name), lambda: _store_input(k, val))
+    return _store_input(k, val)
+
+
+def _store_input(k: Kernel, val) -> np.ndarray:
+    val = np.asarray(val)
+    if k.dtype.kind is not Kind.FLOAT:
+        return val.astype(k.dtype.storage)
+    if not np.all(np.isfinite(val)):
+        raise ValueError(f"input {k.external!r} contains NaN or Inf")
+    if val.dtype.itemsize > 8 or val.dtype.kind in "biu":  # longdouble / ints: via float64, as before
+        val = val.astype(np.float64)
+    out = store32(val.astype(np.float32, copy=False) if k.dtype is F32 else val, k.dtype)
+    out = np.ascontiguousarray(out).astype(k.dtype.storage, copy=False)
+    out = out.view() if out is val else out  # never change the caller's own array's flags
+    out.flags.writeable = False
+    return out
+
+
+def _const_kernel(rt, k: Kernel, state: _Run) -> np.ndarray:
+    v = k.value if isinstance(k.value, float) else float(eval_dim(k.value, state.bindings))
+    return store(np.asarray(v), k.dtype)
+
+
+def _iota(rt, k: Kernel, state: _Run) -> np.ndarray:
+    return store(np.arange(eval_dim(k.value, state.bindings), dtype=np.float64), k.dtype)
+
+
+def _elementwise(rt, k: Kernel, state: _Run) -> np.ndarray:
+    """An FP32 body whose last op is a correctly rounded ufunc writes straight into its output buffer."""
+    e = k.body
+    if k.dtype is F32 and isinstance(e, FApply) and e.op is not Op.CUSTOM and CORRECTLY_ROUNDED_F32[e.op] \
+            and isinstance(e.op.decl.fn, np.ufunc) and _fits_body(k, state):
+        e.op.decl.fn(*(_body32(a, k, state) for a in e.args), out=state.out)
+        return state.out
+    return store32(body_values(k, state), k.dtype)
+
+
+def _sum(rt, k: Kernel, state: _Run) -> np.ndarray:
+    return store32(reduce_sum(body_values(k, state), k.axis, k.acc), k.dtype)
+
+
+def _max(rt, k: Kernel, state: _Run) -> np.ndarray:
+    return store32(np.max(body_values(k, state), axis=k.axis), k.dtype)
+
+
+def _softmax(rt, k: Kernel, state: _Run) -> np.ndarray:
+    x = body_values(k, state).astype(np.float64)  # a fused op: float64 throughout, one rounding
+    if k.precision in (None, "f32"):
+        return store(softmax(x, k.axis), k.dtype)
+    compute = get_format(k.precision)  # a low-precision softmax: inputs and result rounded to it
+    return store(store(softmax(store(x, compute), k.axis), compute), k.dtype)
+
+
+def _quantize(rt, k: Kernel, state: _Run) -> np.ndarray:
+    quantized = run_quantize(k, state.stored, state.bindings)
+    state.scales[k.id] = quantized.scales
+    return quantized.values
+
+
+def _gemm(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
+    a_scales = state.scales[k.inputs[0].buffer] if rt.program.quantized_inputs(k)[0] else None
+    b_source = rt.program.kernel(k.inputs[1].buffer)
+    weight = b_source.external if b_source.kind is KernelKind.EXTERNAL else None
+    b_key = None
+    if weight in state.weight_names:
+        scales = rt.static_b_scales(k.id)
+        b_key = ("gemm_b", k.inputs[1].view.encode(), k.layout.encode(), k.precision, b_source.dtype.name,
+                 tuple(sorted(state.bindings.items())), None if scales is None else scales.tobytes())
+        b_key = (state.feed[weight], b_key)
+    return store32(run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key), k.dtype)
+
+
+def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:
+    table = _raw(k, 0, state)
+    idx = k.inputs[1].view.realize(state.stored[k.inputs[1].buffer], state.bindings).astype(np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= table.shape[0]):
+        raise IndexError(f"gather: index out of range [0, {table.shape[0]})")
+    rows = table[idx]
+    return rows if rows.dtype == k.dtype.storage else rows.astype(np.float64)
+
+
+def _scatter(rt, k: Kernel, state: _Run) -> np.ndarray:
+    dest = _read64(k, 0, state)
+    src = _read64(k, 1, state)
+    idx = k.inputs[2].view.realize(state.stored[k.inputs[2].buffer], state.bindings).astype(np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= dest.shape[0]):
+        raise IndexError(f"scatter: index out of range [0, {dest.shape[0]})")
+    dest[idx] = src
+    return dest
+
+
+KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
+    KernelKind.EXTERNAL: _external, KernelKind.CONST: _const_kernel, KernelKind.IOTA: _iota,
+    KernelKind.ELEMENTWISE: _elementwise, KernelKind.SUM: _sum, KernelKind.MAX: _max,
+    KernelKind.SOFTMAX: _softmax, KernelKind.QUANTIZE: _quantize, KernelKind.GEMM: _gemm,
+    KernelKind.GATHER: _gather, KernelKind.SCATTER: _scatter, KernelKind.SCATTER_NOCOPY: _scatter,
+}
+
+
+def reduce_sum(vals: np.ndarray, axis: int, acc: Format | None) -> np.ndarray:
+    """Sum with the accumulator's rounding: FP32 -> numpy float32 (pairwise), others emulated."""
+    if acc is None or acc is F32:
+        return np.sum(vals.astype(np.float32), axis=axis)  # a fresh copy: pairwise blocks follow its layout
+    if acc.name == "f64":
+        return np.sum(np.asarray(vals, dtype=np.float64), axis=axis)
+    return np.asarray(emulate_reduce_sum(vals, axis, acc), dtype=np.float32)
 
 
 def _operand(k: Kernel, i: int, stored, bindings) -> np.ndarray:
@@ -188,19 +342,31 @@ def run_quantize(k: Kernel, stored, bindings):
     return quantize_tensor(a, k.dtype, k.scale_spec)
 
 
-def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None,
-             a_scales: np.ndarray | None = None) -> np.ndarray:
-    """a_scales: given when input 0 is a QUANTIZE kernel's q (its side output); else A is raw."""
-    a, b = _operand(k, 0, stored, bindings), _operand(k, 1, stored, bindings)
-    if k.precision in (None, "f32"):
-        def mm(x, y):
-            return np.matmul(x.astype(np.float32), y.astype(np.float32))
-    else:
-        from ..dtypes.variants import GEMM_VARIANTS
-        from .numerics import emulate_gemm
+def _f32(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32, copy=False)
 
-        def mm(x, y):
-            raw, quantized = (None, (x, a_scales)) if a_scales is not None else (x.astype(np.float32), None)
-            return emulate_gemm(raw, y.astype(np.float32), GEMM_VARIANTS[k.precision], b_scales=b_scales,
-                                a_quantized=quantized)
-    return np.asarray(gemm_apply(a, b, k.layout, mm), dtype=np.float64)
+
+def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None,
+             a_scales: np.ndarray | None = None, b_cache_key: tuple | None = None) -> np.ndarray:
+    """C as float32 (batch, M, N) in the output's axis order; one BLAS call per batch matrix.
+
+    a_scales: given when input 0 is a QUANTIZE kernel's q (its side output); else A is raw.
+    b_cache_key: (weight array, key) when B reads a weight: its (batch, K, N) operand, and its
+    quantized form for a variant, are then computed once per process (hlir.weightcache).
+    """
+    a_full = _operand(k, 0, stored, bindings)
+    lay = k.layout
+    a = gemm_operand_a(a_full, lay)
+    variant = None if k.precision in (None, "f32") else GEMM_VARIANTS[k.precision]
+
+    def b_operand():
+        b = _f32(gemm_operand_b(_operand(k, 1, stored, bindings), lay))
+        return b if variant is None else prepare_b(b, variant, b_scales)
+    b = b_operand() if b_cache_key is None else WEIGHTS.get(b_cache_key[0], b_cache_key[1], b_operand)
+    if variant is None:
+        c = np.matmul(_f32(a), b)
+    elif a_scales is not None:
+        c = emulate_gemm(None, None, variant, a_quantized=(a, a_scales), b_prepared=b)
+    else:
+        c = emulate_gemm(_f32(a), None, variant, b_prepared=b)
+    return gemm_result(c, lay, a_full.shape)

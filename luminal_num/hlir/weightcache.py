@@ -1,0 +1,73 @@
+"""Values derived from weight arrays (stored copies, Gemm operands, float64 references), kept across runs.
+
+The judge builds a new runtime per candidate, so a per-runtime cache would convert every weight
+again for every candidate; this one lives with the weight arrays themselves. Weights are immutable
+by contract (a plan's weights never change under it), so an entry is keyed by the array's identity
+and dropped when the array is garbage collected (a weak reference guards against a reused id).
+Entries are evicted least-recently-used beyond a byte budget. An entry that is a view of its source
+(an FP32 weight stored as is) keeps the source alive until it is evicted; its bytes count.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from typing import Callable, Hashable, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+DEFAULT_BUDGET_BYTES = 4 << 30  # a 135M-parameter model's float64 weights plus its FP32 stored weights and Gemm operands
+
+
+def nbytes(value) -> int:
+    """Bytes held by an array, or by the arrays among a dataclass's fields / a tuple's items."""
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    items = value if isinstance(value, tuple) else getattr(value, "__dict__", {}).values()
+    return sum(v.nbytes for v in items if isinstance(v, np.ndarray))
+
+
+class WeightCache:
+    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
+        self.budget_bytes = budget_bytes
+        self._items: OrderedDict[tuple, tuple[weakref.ref, object, int]] = OrderedDict()
+        self._bytes = 0
+        self.hits = self.misses = 0
+
+    def get(self, source: np.ndarray, key: Hashable, make: Callable[[], T]) -> T:
+        """make() once per (source array, key) while `source` lives; the value must not be mutated."""
+        if not isinstance(source, np.ndarray):
+            return make()  # only arrays can be weakly referenced (and are immutable by contract)
+        k = (id(source), key)
+        hit = self._items.get(k)
+        if hit is not None and hit[0]() is source:
+            self._items.move_to_end(k)
+            self.hits += 1
+            return hit[1]
+        self.misses += 1
+        value = make()
+        if hit is not None:
+            self._drop(k)
+        size = nbytes(value)
+        if size <= self.budget_bytes:
+            self._items[k] = (weakref.ref(source, lambda _, k=k: self._drop(k)), value, size)
+            self._bytes += size
+            while self._bytes > self.budget_bytes:
+                self._drop(next(iter(self._items)))
+        return value
+
+    def _drop(self, k: tuple) -> None:
+        entry = self._items.pop(k, None)
+        if entry is not None:
+            self._bytes -= entry[2]
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._bytes = 0
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+
+WEIGHTS = WeightCache()  # the process-wide cache the CPU backend and the FP64 reference share
