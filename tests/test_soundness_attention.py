@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from luminal_num.codegen.lower import lower_program
+from luminal_num.search.lower import lower_program
 from luminal_num.error.interval import Interval
 from luminal_num.error.static import static_bound
 from luminal_num.hlir import Graph, evaluate

@@ -151,7 +151,7 @@ def test_executed_value_floors_keep_sigmoid_bounds_sound(kind, bound, seed, edge
     """exp2(t) >= 0 after any rounding, so 1 + exp2(t) >= 1 and the reciprocal's slope stays <= 1: the
     floor that made SwiGLU bounds finite must never cut below a measured error (random candidates,
     inputs at the range's edges where exp2 is largest)."""
-    from luminal_num.codegen.lower import lower_program
+    from luminal_num.search.lower import lower_program
     from luminal_num.search.choice import random_candidate
     g = _sigmoid_graph(kind, bound)
     space = SearchSpace.build(g)
