@@ -483,12 +483,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
     gen.add_argument("--tokens", type=_positive, default=16, help="tokens to generate")
     gen.add_argument("--model", default=None, help="default: the model recorded in the plan")
+    gen.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="auto: CUDA when a device is usable, else the CPU emulation backend")
     llm_args(gen)
     return ap
 
 
 def cmd_generate(args) -> int:
     from .report.generate import generate, print_generation
+    from .runtime.cuda_device import CudaUnavailableError
     from .search.plan import Plan, PlanError
     try:
         plan = Plan.load(args.plan)
@@ -498,7 +501,10 @@ def cmd_generate(args) -> int:
     if not _is_llm(args.model):
         raise InputError(f"generate runs LLM plans; {args.model!r} is not an LLM (smollm2, .gguf, HF folder)")
     try:
-        print_generation(generate(plan, args.model, args.workload, args.layers, args.prompt, args.chat, args.tokens))
+        print_generation(generate(plan, args.model, args.workload, args.layers, args.prompt, args.chat, args.tokens,
+                                  args.backend))
+    except CudaUnavailableError as exc:
+        raise InputError(f"--backend cuda: {str(exc).splitlines()[0]}") from None
     except (PlanError, ValueError, FileNotFoundError) as exc:
         raise InputError(str(exc)) from None
     return EXIT_OK

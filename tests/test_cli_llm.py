@@ -13,6 +13,7 @@ from luminal_num.models.llm import Prompt, load_llm
 from luminal_num.models.weights import save_safetensors
 from test_llama import reference_logits
 from tiny_gguf import tiny_config, write_tiny_gguf
+from test_cuda_fakes import fake  # noqa: F401 - the CUDA stand-in fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 WORKLOAD = "decode:2@128"
@@ -112,3 +113,35 @@ def test_hugging_face_folder_by_path(tiny, tmp_path, capsys):
     rc = main(["compile", "--model", str(tmp_path), "--workload", WORKLOAD, "--calibration", str(prompts),
                "--candidates", "1", "--out", str(tmp_path / "report"), "--quiet"])
     assert rc == EXIT_OK
+
+
+def test_generate_backend_cuda_without_a_device_is_one_line_exit_2(tiny, capsys):
+    root, path, _, prompts = tiny
+    out = root / "report_backend"
+    assert main(["compile", "--model", str(path), "--workload", WORKLOAD, "--calibration", str(prompts),
+                 "--candidates", "1", "--out", str(out), "--quiet"]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["generate", "--plan", str(out / "plan.json"), "--prompt", "the cat", "--tokens", "2",
+                 "--backend", "cuda"]) == EXIT_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--backend cuda" in err[0]
+    assert main(["generate", "--plan", str(out / "plan.json"), "--prompt", "the cat", "--tokens", "2"]) == EXIT_OK
+    assert capsys.readouterr().out.splitlines()[-1] == "the plan ran on the cpu backend"  # auto, no device here
+
+
+def test_generate_on_the_cuda_stand_in_gives_the_cpu_backends_tokens(tiny, fake):
+    """The CUDA path of generate (kernels run by the CUDA interpreter, cuBLAS computed from its definition)
+    produces the same greedy tokens as the CPU emulation backend on the same plan."""
+    from luminal_num.report.generate import generate
+    from luminal_num.search.plan import Plan
+    from test_cuda_fakes import execute
+    root, path, _, prompts = tiny
+    out = root / "report_standin"
+    assert main(["compile", "--model", str(path), "--workload", WORKLOAD, "--calibration", str(prompts),
+                 "--candidates", "1", "--out", str(out), "--quiet"]) == EXIT_OK
+    plan = Plan.load(out / "plan.json")
+    cpu = generate(plan, str(path), WORKLOAD, None, "the cat", False, 2, backend="cpu")
+    execute(fake[0])
+    cuda = generate(plan, str(path), WORKLOAD, None, "the cat", False, 2, backend="cuda")
+    assert (cpu.backend, cuda.backend) == ("cpu", "cuda")
+    assert cuda.plan == cpu.plan and cuda.fp64 == cpu.fp64

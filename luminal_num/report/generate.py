@@ -1,4 +1,5 @@
-"""Greedy generation with a saved LLM plan on the CPU backend, beside the FP64 model's own continuation.
+"""Greedy generation with a saved LLM plan (CUDA backend where a device is present, else the CPU
+emulation backend), beside the FP64 model's own continuation.
 
 Why it runs the plan's own graph: a plan is compiled for one workload, so generation steps through that
 graph exactly as a server would: a decode plan feeds one token per step into its KV cache (the prompt
@@ -14,7 +15,13 @@ import numpy as np
 from ..models.llm import LlmModel, Prompt, Workload, build_workload, load_llm
 from ..models.llama import LlamaModel
 from ..runtime.cpu import CpuRuntime
+from ..runtime.cuda import CudaRuntime
+from ..runtime.cuda_device import cuda_available
 from ..search.plan import Plan
+
+
+BACKENDS = ("auto", "cpu", "cuda")  # auto: CUDA when a device is usable, else the CPU backend
+Runtime = CpuRuntime | CudaRuntime
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,7 @@ class Generation:
     prompt_ids: tuple[int, ...]
     fp64: tuple[int, ...]
     plan: tuple[int, ...]
+    backend: str = "cpu"  # the backend the plan ran on
 
     @property
     def agreement(self) -> int:
@@ -35,7 +43,7 @@ class Generation:
         return n
 
 
-def _decode_steps(rt: CpuRuntime, built: LlamaModel, ids: list[int], tokens: int) -> list[int]:
+def _decode_steps(rt: Runtime, built: LlamaModel, ids: list[int], tokens: int) -> list[int]:
     b, out, prev = built.batch, [], None
     sequence = list(ids)
     for pos in range(len(ids) + tokens - 1):
@@ -49,7 +57,7 @@ def _decode_steps(rt: CpuRuntime, built: LlamaModel, ids: list[int], tokens: int
     return out
 
 
-def _prefill_steps(rt: CpuRuntime, built: LlamaModel, ids: list[int], tokens: int, pad: int) -> list[int]:
+def _prefill_steps(rt: Runtime, built: LlamaModel, ids: list[int], tokens: int, pad: int) -> list[int]:
     b, s, out, sequence = built.batch, built.seq, [], list(ids)
     for _ in range(tokens):
         row = sequence + [pad] * (s - len(sequence))
@@ -59,8 +67,17 @@ def _prefill_steps(rt: CpuRuntime, built: LlamaModel, ids: list[int], tokens: in
     return out
 
 
+def _runtime(program, built: LlamaModel, plan: Plan, backend: str) -> tuple[Runtime, str]:
+    """The backend that runs the plan; an explicit "cuda" without a device raises CudaUnavailableError."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "cpu" or (backend == "auto" and not cuda_available()):
+        return CpuRuntime(program, built.graph.weights, plan.scales), "cpu"
+    return CudaRuntime(program, built.graph.weights), "cuda"
+
+
 def generate(plan: Plan, model: str, workload: str | None, layers: int | None, prompt: str, chat: bool,
-             tokens: int) -> Generation:
+             tokens: int, backend: str = "auto") -> Generation:
     """Up to `tokens` greedy tokens from the plan and from FP64 (fewer when the workload's window is full)."""
     if workload is None:
         raise ValueError("the plan records no workload: pass --workload")
@@ -68,7 +85,7 @@ def generate(plan: Plan, model: str, workload: str | None, layers: int | None, p
     w = Workload.parse(workload)
     built = build_workload(m, w)
     program, _ = plan.program(built.graph)
-    rt = CpuRuntime(program, built.graph.weights, plan.scales)
+    rt, ran_on = _runtime(program, built, plan, backend)
     ids = m.encode(Prompt(prompt, chat))
     room = w.context - len(ids) + (1 if w.kind == "decode" else 0)
     if room < 1:
@@ -77,7 +94,7 @@ def generate(plan: Plan, model: str, workload: str | None, layers: int | None, p
     fp64, _ = m.fp64.greedy(ids, tokens)
     pad = m.tokenizer.eos_id if m.tokenizer.eos_id is not None else 0
     mine = _decode_steps(rt, built, ids, tokens) if w.kind == "decode" else _prefill_steps(rt, built, ids, tokens, pad)
-    return Generation(m, tuple(ids), tuple(fp64), tuple(mine))
+    return Generation(m, tuple(ids), tuple(fp64), tuple(mine), ran_on)
 
 
 def _show(tok, ids, mark: int | None) -> str:
@@ -97,3 +114,4 @@ def print_generation(g: Generation) -> None:
         print(f"the plan reproduces all {len(g.plan)} FP64 tokens")
     else:
         print(f"the plan agrees with FP64 for {g.agreement} tokens; [[...]] marks the first token that differs")
+    print(f"the plan ran on the {g.backend} backend")
