@@ -21,6 +21,7 @@ import numpy as np
 from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.variants import GEMM_VARIANTS
+from ..quant.stored import storage_error
 from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result, read_operand
 from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import evaluate as eval_dim
@@ -213,6 +214,8 @@ class StaticAnalyzer:
         if kind is KernelKind.EXTERNAL:
             iv = inputs[k.external]
             shape = tuple(eval_dim(d, self.bindings) for d in k.shape)
+            if k.storage is not None:
+                return stored_weight_value(iv, k.storage, shape)
             iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
             if k.dtype.kind is not Kind.FLOAT:
                 return _Val(iv, np.zeros(shape))
@@ -314,6 +317,14 @@ class StaticAnalyzer:
         lo = gemm_result(np.where(np.isnan(lo), -np.inf, lo), lay, full)
         hi = gemm_result(np.where(np.isnan(hi), np.inf, hi), lay, full)
         return _Val(Interval(lo, hi), gemm_result(err, lay, full))
+
+
+def stored_weight_value(iv: Interval, storage: str, shape) -> _Val:
+    """A weight held in a storage format: the exact (graph) weight, computed with its known storage error."""
+    lo, hi = np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape)
+    if not np.array_equal(lo, hi):
+        raise ValueError(f"a weight stored as {storage} must be a compile-time point, not a range")
+    return _Val(Interval(lo, hi), storage_error(lo, storage))
 
 
 def _mid_rad(iv: Interval) -> tuple[np.ndarray, np.ndarray]:

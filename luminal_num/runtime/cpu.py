@@ -22,6 +22,7 @@ from ..hlir.gemm import gemm_apply, gemm_operand_a
 from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
 from ..quant import quantize_tensor
+from ..quant.stored import stored_key, widened
 from .buffers import BufferPlan, plan_buffers
 
 
@@ -50,12 +51,13 @@ def bind_program(program: Program, inputs: Mapping[str, np.ndarray]) -> dict[str
 
 class CpuRuntime:
     def __init__(self, program: Program, weights: Mapping[str, np.ndarray] | None = None,
-                 static_scales: Mapping[int, np.ndarray] | None = None):
+                 static_scales: Mapping[int, np.ndarray] | None = None, stored_weights: Mapping | None = None):
         """`static_scales`: Gemm kernel id -> B's compile-time scales (a plan's scales file); without
         them static scales are computed from the weights, which gives the same values."""
         self.program = program
         self.weights = dict(weights or {})
         self.static_scales = dict(static_scales or {})
+        self.stored_weights = dict(stored_weights or {})  # stored_key -> StoredTensor (a plan's weights file)
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
@@ -97,6 +99,8 @@ class CpuRuntime:
         kind = k.kind
         if kind is KernelKind.EXTERNAL:
             val = np.asarray(feed[k.external])
+            if k.storage is not None:  # a weight held in its storage format: readers see it widened
+                return widened(val, k.storage, self.stored_weights.get(stored_key(k.external, k.storage)))
             if k.dtype.kind is Kind.FLOAT and not np.all(np.isfinite(val)):
                 raise ValueError(f"input {k.external!r} contains NaN or Inf")
             return _round(val.astype(np.float64), k.dtype) if k.dtype.kind is Kind.FLOAT else val

@@ -13,6 +13,7 @@ from egglog import String, eq, i64, rule, ruleset, union, var, vars_
 from ...dtypes.formats import BF16, F32
 from ...dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ...hlir.ops import BINARY_OPS, UNARY_OPS, Op
+from ...quant.stored import SEARCHED_STORAGE
 from .. import egraph as E
 
 precision = ruleset(name="precision")
@@ -88,3 +89,11 @@ def _gemm_variants():
         else:
             yield rule(eq(t).to(f32_gemm), *guard).then(
                 union(t).with_(E.KGemm(a=x, va=vx, b=y, vb=vy, layout=lay, prec=name, dt="f32")))
+
+
+@precision.register
+def _weight_storage():
+    # a 2-D weight held in a storage format and widened on load: the same value up to its storage
+    # error, which the compiler knows exactly (quant.stored.storage_error); KStored matches no rule
+    for fmt in SEARCHED_STORAGE:
+        yield rule(eq(t).to(E.KExt(vx, "f32")), E.MatrixWeight(t)).then(union(t).with_(E.CTOR["KStored"](vx, fmt)))
