@@ -26,6 +26,7 @@ from ..hlir.graph import Graph
 from ..hlir.partition import Partition, partition
 from ..files import atomic_write_bytes, atomic_write_text
 from ..quant.scales import compute_scales
+from ..quant.storage import STORAGE_FORMATS
 from .space import Genome, SearchSpace
 
 PLAN_FORMAT = "luminal_num.plan"
@@ -55,10 +56,22 @@ def op_table(program: Program, bindings) -> list[dict]:
     for k in program.launched():
         row = {"kernel": k.id, "kind": k.kind.value, "op": k.label, "dtype": k.dtype.name,
                "inputs": ",".join(dtypes[i.buffer].name for i in k.inputs),
+               "weights": _weights_read(program, k, bindings),
                "shape": "x".join(str(d) for d in k.shape), "accumulator": "", "precision": k.precision or "",
                "quant": "", "scales": "", **_OP_ROW[k.kind](k)}
         rows.append(row)
     return rows
+
+
+def _weights_read(program: Program, k, bindings) -> str:
+    """The stored weights a kernel reads: "name:format:bytes" each (what the cost model charges for them)."""
+    out = []
+    for inp in k.inputs:
+        src = program.kernel(inp.buffer)
+        if src.storage is not None:
+            shape = tuple(int(d) for d in src.shape)
+            out.append(f"{src.external}:{src.storage}:{STORAGE_FORMATS[src.storage].stored_bytes(shape)}")
+    return ";".join(out)
 
 
 def _gemm_row(k) -> dict:
