@@ -171,3 +171,54 @@ def test_recipes_and_op_table_name_the_stored_weights():
     assert gemm["weights"] == f"w:int4_g128:{STORAGE_FORMATS['int4_g128'].stored_bytes((N, K))}"
     again = program_from_data(program_to_data(program))
     assert [k.storage for k in again.kernels] == [k.storage for k in program.kernels]
+
+
+# -- plans with converted weights -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stored_plan():
+    from luminal_num.compiler import compile as compile_plan
+    from luminal_num.error.budget import Budget
+    from luminal_num.search.search import SearchOptions
+    g, w, inputs = linear_graph(3)
+    calib = [{"x": np.random.default_rng(s).standard_normal((M, K))} for s in range(2)]
+    res = compile_plan(g, Budget.parse("atol=0.5,rtol=0.5"), "h200", calib, SearchOptions(seed=0, max_candidates=40,
+                                                                                       progress=False))
+    return g, res
+
+
+def test_compiled_plan_saves_and_audits_its_converted_weights(stored_plan, tmp_path):
+    from luminal_num.report.audit import audit
+    from luminal_num.search.plan import Plan
+    g, res = stored_plan
+    assert res.plan.stored, "a loose budget on a weight-bound Gemm should pick a stored weight"
+    path = res.plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(path)
+    assert set(loaded.stored) == set(res.plan.stored)
+    for key, t in loaded.stored.items():
+        for part, arr in t.arrays.items():
+            np.testing.assert_array_equal(arr, res.plan.stored[key].arrays[part])
+    result = audit(loaded, g, [{"x": np.random.default_rng(9).standard_normal((M, K))}])
+    assert result.passed, result.reason
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "missing", "other_graph"])
+def test_a_weights_file_that_does_not_match_its_plan_is_refused(stored_plan, tmp_path, damage):
+    import json
+    from luminal_num.search.plan import Plan, PlanError, weights_path
+    g, res = stored_plan
+    path = res.plan.save(tmp_path / "plan.json")
+    wp = weights_path(path)
+    raw = wp.read_bytes()
+    if damage == "truncate":
+        wp.write_bytes(raw[:-7])
+    elif damage == "flip":
+        wp.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    elif damage == "missing":
+        wp.unlink()
+    else:
+        data = json.loads(path.read_text())
+        data["graph_key"] = "0" * len(data["graph_key"])
+        path.write_text(json.dumps(data))
+    with pytest.raises(PlanError) as exc:
+        Plan.load(path)
+    assert "\n" not in str(exc.value)
