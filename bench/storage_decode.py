@@ -54,19 +54,15 @@ def hand_weight_bytes(config: LlamaConfig, bits: int, scales) -> float:
     return total
 
 
-def main(argv=None) -> pd.DataFrame:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--layers", type=int, default=SMOLLM2.num_hidden_layers)
-    ap.add_argument("--max-cache", type=int, default=256)
-    args = ap.parse_args(argv)
-    config = SMOLLM2.with_layers(args.layers)
+def measure(config: LlamaConfig, max_cache: int) -> pd.DataFrame:
+    """One row per recipe (RECIPES order): kernels, modelled bytes, the hand count, H200 latency."""
     start = time.perf_counter()
-    model = build_decode(config, random_weights(config), args.max_cache)
+    model = build_decode(config, random_weights(config), max_cache)
     space = SearchSpace.build(model.graph)
     inputs = model.make_inputs([1], [3])
     bindings = model.graph.bind_symbols(inputs)
     print(f"built {config.num_hidden_layers} layers in {time.perf_counter() - start:.1f} s")
-    kv = 2 * config.num_hidden_layers * args.max_cache * config.kv_dim * 4  # the attention reads both caches
+    kv = 2 * config.num_hidden_layers * max_cache * config.kv_dim * 4  # the attention reads both caches
     rows, activations = [], None
     for label, (tags, bits, scales) in RECIPES.items():
         program = space.program(pick(space, tags.__contains__))
@@ -81,8 +77,16 @@ def main(argv=None) -> pd.DataFrame:
                          ratio=moved / hand, weight_bytes=weights, kv_bytes=kv, activation_bytes=activations,
                          h200_latency_ms=1e3 * lat.total_s))
         print(f"{label:9s} {len(works):5d} kernels  {moved / 1e6:8.2f} MB (hand {hand / 1e6:8.2f}, "
-              f"x{moved / hand:.4f})  {1e3 * lat.total_s:.4f} ms")
-    df = pd.DataFrame(rows)
+              f"x{moved / hand:.4f})  {1e3 * lat.total_s:.6f} ms")
+    return pd.DataFrame(rows)
+
+
+def main(argv=None) -> pd.DataFrame:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--layers", type=int, default=SMOLLM2.num_hidden_layers)
+    ap.add_argument("--max-cache", type=int, default=256)
+    args = ap.parse_args(argv)
+    df = measure(SMOLLM2.with_layers(args.layers), args.max_cache)
     OUT.mkdir(parents=True, exist_ok=True)
     df.to_csv(OUT / "storage_decode.csv", index=False)
     return df

@@ -222,3 +222,14 @@ def test_a_weights_file_that_does_not_match_its_plan_is_refused(stored_plan, tmp
     with pytest.raises(PlanError) as exc:
         Plan.load(path)
     assert "\n" not in str(exc.value)
+
+
+def test_smollm2_shaped_decode_bytes_match_the_hand_count_and_latency_falls():
+    """Two layers of the SmolLM2-shaped step (the bench runs all 30): modelled bytes within 2% of the
+    hand count per recipe, modelled H200 latency strictly decreasing FP32 > BF16 > FP8 W8A8 > W8A16 > W4A16."""
+    from bench.storage_decode import SMOLLM2, measure
+    df = measure(SMOLLM2.with_layers(2), 64)
+    assert list(df.genome) == ["FP32", "BF16", "FP8 W8A8", "W8A16", "W4A16"]
+    assert np.all(np.abs(df.ratio - 1) <= 0.02)
+    assert np.all(np.diff(df.h200_latency_ms) < 0), df.h200_latency_ms.tolist()
+    assert df.kernels.nunique() == 1  # the FP8 activations are quantized in the Gemm prologue: no extra launch

@@ -171,6 +171,10 @@ class Kernel:
             total += n * element_bytes.get(inp.buffer, dtypes[inp.buffer].itemsize)
         if self.kind is KernelKind.QUANTIZE:
             total = 2 * total + self.scales_bytes(bindings)
+        if self.kind is KernelKind.GEMM and GEMM_VARIANTS[self.precision or "f32"].a_prologue:
+            a = self.inputs[0]  # the prologue's amax pass reads A once more
+            total += float(evaluate(prod(a.view.shape), bindings)) / max(1.0, float(evaluate(
+                self.layout.n, bindings))) * element_bytes.get(a.buffer, dtypes[a.buffer].itemsize)
         return int(round(total))
 
     def flops(self, bindings: Mapping[str, int]) -> int:

@@ -13,7 +13,7 @@ from .space import Genome, SearchSpace
 STORAGE_RECIPES: dict[str, frozenset[str]] = {
     "W8A16 INT8 per-channel": frozenset({"store:int8_channel", "gemm:bf16"}),
     "W4A16 INT4 group 128": frozenset({"store:int4_g128", "gemm:bf16"}),
-    "FP8 W8A8 dynamic per-token": frozenset({"store:f8e4m3_channel", "gemm:f8e4m3_channel"}),
+    "FP8 W8A8 dynamic per-token": frozenset({"store:f8e4m3_channel", "gemm:f8e4m3_channel_prologue"}),
 }
 BF16_WEIGHTS = frozenset({"store:bf16", "gemm:bf16"})  # BF16 weights and BF16 Gemms (no KV-cache format yet)
 

@@ -80,13 +80,13 @@ def _gemm_variants():
         # the same product with operands rounded/quantized and accumulated as `v` says: equal up to
         # v.a_priori_bound; static weight scales need B to be a compile-time weight (IsWeight).
         f32_gemm = E.KGemm(a=x, va=vx, b=y, vb=vy, layout=lay, prec="f32", dt="f32")
-        if v.a_scale is not None and not v.a_scale.static:
+        if v.a_scale is not None and not v.a_scale.static and not v.a_prologue:
             # activations scaled at run time: A goes through its own QUANTIZE kernel ((batch, M, K) in
             # the variant's format, scales beside it), which the Gemm reads by QuantView's view
             a = E.KQuantize(a=x, va=vx, layout=lay, prec=name, dt=v.a_format.name)
             yield rule(eq(t).to(f32_gemm), *guard, E.QuantView(lay, vq)).then(
                 union(t).with_(E.KGemm(a=a, va=vq, b=y, vb=vy, layout=lay, prec=name, dt="f32")))
-        else:
+        else:  # (a prologue variant quantizes A itself, reading it raw)
             yield rule(eq(t).to(f32_gemm), *guard).then(
                 union(t).with_(E.KGemm(a=x, va=vx, b=y, vb=vy, layout=lay, prec=name, dt="f32")))
 
