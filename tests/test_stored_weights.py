@@ -233,3 +233,29 @@ def test_smollm2_shaped_decode_bytes_match_the_hand_count_and_latency_falls():
     assert np.all(np.abs(df.ratio - 1) <= 0.02)
     assert np.all(np.diff(df.h200_latency_ms) < 0), df.h200_latency_ms.tolist()
     assert df.kernels.nunique() == 1  # the FP8 activations are quantized in the Gemm prologue: no extra launch
+
+
+@pytest.mark.parametrize("name", ["matmul_chain", "mlp", "transformer4"])
+def test_random_genomes_with_storage_choices_have_sound_bounds(name):
+    """Genome fuzzing where every knob (weight storage, Gemm variant, storage of activations) takes a
+    random tag: measured error vs FP64 never exceeds the static bound."""
+    from luminal_num.models import testnets
+    model = {m.name: m for m in testnets.all_test_models()}[name]
+    space = SearchSpace.build(model.graph)
+    rng = np.random.default_rng(5)
+    inputs = model.make_inputs(2)
+    ref = evaluate(model.graph, inputs)
+    ranges = {k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in inputs.items()}
+    stored = 0
+    for _ in range(12):
+        genome = frozenset((gk, k.cls, k.tags[int(rng.integers(len(k.tags)))])
+                           for gk, ks in space.knobs.items() for k in ks if rng.random() < 0.7)
+        program = space.program(genome)
+        stored += sum(k.storage is not None for k in program.kernels)
+        rep = static_bound(program, ranges, model.graph.bind_symbols(inputs), model.graph.weights)
+        if rep.overflow is not None:
+            continue
+        out = CpuRuntime(program, model.graph.weights).run(inputs).outputs
+        for o in ref:
+            assert np.all(np.abs(out[o] - ref[o]) <= rep.error_bounds[o]), o
+    assert stored > 0
