@@ -12,6 +12,7 @@ converts weights once (`convert`); the widened values are cached per (format, so
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Mapping
 
@@ -24,7 +25,7 @@ from .storage import Quantized, StorageFormat, StoredTensor, storage_format
 SEARCHED_STORAGE: tuple[str, ...] = ("bf16", "f16", "f8e4m3_channel", "int8_channel", "int4_g128", "int4_g32_asym",
                                      "mxfp4", "nvfp4")
 _CACHE_SIZE = 64
-_CACHE: "OrderedDict[tuple[str, int], tuple[np.ndarray, Quantized, np.ndarray]]" = OrderedDict()
+_CACHE: "OrderedDict[tuple, tuple[np.ndarray, Quantized, np.ndarray]]" = OrderedDict()
 
 
 def stored_key(name: str, fmt: str | StorageFormat) -> str:
@@ -43,14 +44,20 @@ def convert(w, fmt: str | StorageFormat) -> Quantized:
 
 
 def _converted(w: np.ndarray, fmt: StorageFormat) -> tuple[Quantized, np.ndarray]:
+    """Cached by the source array's identity, then by its content (static bounds pass fresh copies)."""
     key = (fmt.name, id(w))
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is w:
         _CACHE.move_to_end(key)
         return hit[1], hit[2]
+    content = (fmt.name, w.shape, hashlib.blake2b(np.ascontiguousarray(w).tobytes(), digest_size=16).digest())
+    hit = _CACHE.get(content)
+    if hit is not None and np.array_equal(hit[0], w):
+        _CACHE.move_to_end(content)
+        return hit[1], hit[2]
     q = convert(w, fmt)
     widened = q.dequantize().astype(np.float32)
-    _CACHE[key] = (w, q, widened)
+    _CACHE[key] = _CACHE[content] = (w, q, widened)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return q, widened
@@ -70,9 +77,11 @@ def widened(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor | None
 
 
 def storage_error(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor | None = None) -> np.ndarray:
-    """|widened - w| per element (float64, exact: both are FP32 values): the static bound's input error."""
-    w64 = np.asarray(w, dtype=np.float64)
-    return np.abs(widened(w, fmt, stored).astype(np.float64) - w64)
+    """|widened - w| per element in float64 (exact for FP32 weights; a float64 weight also carries its
+    FP32 rounding): the static bound's input error."""
+    w64 = np.asarray(w, dtype=np.float64)  # the graph's value; the stored one starts from its FP32 rounding
+    diff = np.abs(widened(w64.astype(np.float32), fmt, stored).astype(np.float64) - w64)
+    return diff * (1.0 + 2.0 ** -52)  # the float64 subtraction may round (a float64 weight): never undercut
 
 
 def convert_all(weights: Mapping[str, np.ndarray], wanted: Mapping[str, tuple[str, str]]) -> dict[str, StoredTensor]:
