@@ -15,7 +15,7 @@ from luminal_num.hlir import evaluate
 from luminal_num.hlir.graph import Graph
 from luminal_num.models.llama import LLAMA_TINY, build_decode, random_weights
 from luminal_num.models.testnets import transformer
-from luminal_num.quant.stored import SEARCHED_STORAGE
+from luminal_num.quant.stored import SEARCHED_STORAGE, storage_error
 from luminal_num.quant.storage import STORAGE_FORMATS
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.runtime.latency import kernel_works
@@ -259,3 +259,23 @@ def test_random_genomes_with_storage_choices_have_sound_bounds(name):
         for o in ref:
             assert np.all(np.abs(out[o] - ref[o]) <= rep.error_bounds[o]), o
     assert stored > 0
+
+
+def test_a_bf16_checkpoint_kept_in_bf16_costs_no_error():
+    """Weights that already are BF16 values (a BF16 checkpoint): BF16 storage keeps them exactly, so
+    the weight's storage error is exactly zero, the stored plan's bound is no larger than the FP32 plan's
+    (which charges the weight a conservative FP32 store) and the outputs are bit-identical."""
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(ml_dtypes.bfloat16).astype(np.float32)
+    g = Graph()
+    x = g.input("x", (M, K))
+    g.output(x @ g.weight("w", w).transpose(), "y")
+    inputs = {"x": rng.standard_normal((M, K))}
+    ranges, b = {"x": Interval.point(inputs["x"])}, g.bind_symbols(inputs)
+    plain, kept = storage_program(g, "none", "f32"), storage_program(g, "bf16", "f32")
+    assert any(k.storage == "bf16" for k in kept.kernels)
+    assert not np.any(storage_error(w, "bf16"))
+    assert np.all(static_bound(kept, ranges, b, g.weights).error_bounds["y"]
+                  <= static_bound(plain, ranges, b, g.weights).error_bounds["y"])
+    np.testing.assert_array_equal(CpuRuntime(kept, g.weights).run(inputs).outputs["y"],
+                                  CpuRuntime(plain, g.weights).run(inputs).outputs["y"])
