@@ -279,3 +279,20 @@ def test_a_bf16_checkpoint_kept_in_bf16_costs_no_error():
                   <= static_bound(plain, ranges, b, g.weights).error_bounds["y"])
     np.testing.assert_array_equal(CpuRuntime(kept, g.weights).run(inputs).outputs["y"],
                                   CpuRuntime(plain, g.weights).run(inputs).outputs["y"])
+
+
+def test_prologue_fp8_gemm_is_the_quantize_kernel_gemm_without_its_launch():
+    """f8e4m3_channel_prologue quantizes A per token inside the Gemm: no QUANTIZE kernel, the same
+    outputs bit for bit as f8e4m3_channel with its QUANTIZE launch, and its static bound holds."""
+    g, w, inputs = linear_graph(6)
+    inputs["x"][1] *= 40.0  # a loud token: per-token scales matter
+    fused, split = storage_program(g, "none", "f8e4m3_channel_prologue"), storage_program(g, "none", "f8e4m3_channel")
+    assert not any(k.kind is KernelKind.QUANTIZE for k in fused.kernels)
+    assert any(k.kind is KernelKind.QUANTIZE for k in split.kernels)
+    y = CpuRuntime(fused, g.weights).run(inputs).outputs["y"]
+    np.testing.assert_array_equal(y, CpuRuntime(split, g.weights).run(inputs).outputs["y"])
+    b = g.bind_symbols(inputs)
+    bound = static_bound(fused, {"x": Interval.point(inputs["x"])}, b, g.weights).error_bounds["y"]
+    exact = inputs["x"].astype(np.float32).astype(np.float64) @ w.astype(np.float64).T
+    assert np.all(np.isfinite(bound)) and np.all(np.abs(y - exact) <= bound)
+    assert len(kernel_works(fused, b)) == len(kernel_works(split, b)) - 1
