@@ -268,7 +268,13 @@ def variant_classes(tags, target: str) -> list[list[str]]:
     for tag in tags:
         if tag != "f32":
             groups.setdefault(key(tag)[0], []).append(tag)
-    return [sorted(groups[s], key=lambda tg: (key(tg)[1], tg)) for s in sorted(groups)]
+    # equal math and accuracy: the variant that quantizes A in its own prologue (one launch fewer) first
+    return [sorted(groups[s], key=lambda tg: (key(tg)[1], not _in_prologue(tg), tg)) for s in sorted(groups)]
+
+
+def _in_prologue(tag: str) -> bool:
+    kind, name = tag.split(":", 1)
+    return kind == "gemm" and GEMM_VARIANTS[name].a_prologue
 
 
 def search(space: SearchSpace, judge: Judge, options: SearchOptions, latency_inputs=None,
