@@ -95,6 +95,9 @@ TENSOR_DECLS: tuple[ENodeDecl, ...] = (
               operands=(("dest", "vd"), ("src", "vs"), ("idx", "vi")), dtype="dt"),
     # An alias: the F32 value of a buffer held in a lower-precision format (consumers widen on load).
     ENodeDecl("KVariant", _T, params("inner:T tag:S"), dtype_const="f32", knob=("tag", "")),
+    # A weight (chunk source `slot`) held in storage format `fmt`; readers widen each element on load
+    # (luminal_num.quant.stored). No launch: the compiler converts it once, the plan's weights file holds it.
+    ENodeDecl("KStored", _T, params("slot:i64 fmt:S"), dtype_const="f32", knob=("fmt", "store:")),
     # A Gemm's A operand in the variant's format, contiguous (batch, M, K), dynamic scales beside it.
     ENodeDecl("KQuantize", _T, params("a:T va:i64 layout:i64 prec:S dt:S"), K.QUANTIZE,
               operands=(("a", "va"),), dtype="dt"),

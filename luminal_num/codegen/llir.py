@@ -27,6 +27,7 @@ from ..hlir.ops import Op
 from ..hlir.shape import ShapeTracker, View, contiguous_strides
 from ..hlir.symbolic import Dim, evaluate, prod
 from ..quant.scales import scale_shape
+from ..quant.storage import STORAGE_FORMATS
 
 
 class KernelKind(enum.Enum):
@@ -109,6 +110,7 @@ class Kernel:
     value: object = None               # CONST value / IOTA length
     label: str = ""                    # where it came from (graph node), for op tables
     eclass: str = ""                   # provenance: the e-class (in its chunk's group space) it implements
+    storage: str | None = None         # EXTERNAL weights: held in this StorageFormat, widened on load
 
     def numel(self, bindings: Mapping[str, int]) -> int:
         return int(evaluate(prod(self.shape), bindings)) if self.shape else 1
@@ -132,23 +134,48 @@ class Kernel:
         return int(np.prod(self.scales_shape(bindings), dtype=np.int64) * F32.itemsize)
 
     # -- cost ----------------------------------------------------------------------------------
+    def stored_bytes_per_element(self, bindings: Mapping[str, int]) -> float:
+        """Bytes one element of this buffer occupies in memory: its dtype, or its storage format's
+        stored bytes (packed 4-bit is half a byte, scales and zero points at their stored size) spread
+        over its elements."""
+        if self.storage is None:
+            return float(self.dtype.itemsize)
+        shape = tuple(int(evaluate(d, bindings)) for d in self.shape)
+        return STORAGE_FORMATS[self.storage].stored_bytes(shape) / max(1, int(np.prod(shape, dtype=np.int64)))
+
     def bytes_stored(self, bindings: Mapping[str, int]) -> int:
         if not self.kind.launches:
             return 0
+        if self.kind is KernelKind.SCATTER_NOCOPY:  # in place: only the scattered rows are written
+            return int(evaluate(prod(self.inputs[1].view.shape), bindings) * self.dtype.itemsize)
         return int(self.numel(bindings) * self.dtype.itemsize) + self.scales_bytes(bindings)
 
-    def bytes_loaded(self, bindings: Mapping[str, int], dtypes: Mapping[int, Format]) -> int:
-        """Each input read once per distinct element it touches (broadcasts are cached); a QUANTIZE
+    def bytes_loaded(self, bindings: Mapping[str, int], dtypes: Mapping[int, Format],
+                     element_bytes: Mapping[int, float] | None = None) -> int:
+        """Each input read once per distinct element it touches (broadcasts are cached), at its stored
+        size (`element_bytes`: buffer id -> bytes per element, else its dtype's); a Gather reads the rows
+        its indices name, not the table; an in-place Scatter does not read its destination; a QUANTIZE
         kernel reads its operand twice (an amax pass, then the convert pass) and its scales once."""
-        total = 0
-        for inp in self.inputs:
+        element_bytes = element_bytes or {}
+        total = 0.0
+        for i, inp in enumerate(self.inputs):
+            if i == 0 and self.kind is KernelKind.SCATTER_NOCOPY:
+                continue
             v = inp.view.views[0]
             distinct = prod(d for d, s in zip(v.shape, v.strides) if s != 0) if len(inp.view.views) == 1 \
                 else prod(inp.view.shape)
-            total += int(evaluate(distinct, bindings) * dtypes[inp.buffer].itemsize)
+            n = float(evaluate(distinct, bindings))
+            if i == 0 and self.kind is KernelKind.GATHER and inp.view.shape:
+                rows = float(evaluate(inp.view.shape[0], bindings))
+                n = min(n, n / max(rows, 1.0) * float(evaluate(prod(self.inputs[1].view.shape), bindings)))
+            total += n * element_bytes.get(inp.buffer, dtypes[inp.buffer].itemsize)
         if self.kind is KernelKind.QUANTIZE:
             total = 2 * total + self.scales_bytes(bindings)
-        return total
+        if self.kind is KernelKind.GEMM and GEMM_VARIANTS[self.precision or "f32"].a_prologue:
+            a = self.inputs[0]  # the prologue's amax pass reads A once more
+            total += float(evaluate(prod(a.view.shape), bindings)) / max(1.0, float(evaluate(
+                self.layout.n, bindings))) * element_bytes.get(a.buffer, dtypes[a.buffer].itemsize)
+        return int(round(total))
 
     def flops(self, bindings: Mapping[str, int]) -> int:
         return _FLOPS[self.kind](self, bindings)
@@ -202,6 +229,10 @@ class Program:
     def dtypes(self) -> dict[int, Format]:
         return {k.id: k.dtype for k in self.kernels}
 
+    def element_bytes(self, bindings: Mapping[str, int]) -> dict[int, float]:
+        """Buffer id -> bytes per element in memory, for the buffers held in a storage format."""
+        return {k.id: k.stored_bytes_per_element(bindings) for k in self.kernels if k.storage is not None}
+
     def launched(self) -> list[Kernel]:
         return [k for k in self.kernels if k.kind.launches]
 
@@ -238,6 +269,8 @@ def verify(p: Program) -> Program:
             readers[inp.buffer] = readers.get(inp.buffer, 0) + 1
             if p.kernels[inp.buffer].kind is KernelKind.QUANTIZE and (k.kind is not KernelKind.GEMM or inp is not k.inputs[0]):
                 raise ProgramError(f"kernel {k.id} ({k.kind.value}) reads QUANTIZE buffer {inp.buffer}: only a Gemm's A may")
+        if k.storage is not None and k.kind is not KernelKind.EXTERNAL:
+            raise ProgramError(f"kernel {k.id} ({k.kind.value}) has storage {k.storage!r}: only weights do")
         if (k.aliases is not None) != (k.kind is KernelKind.SCATTER_NOCOPY) or k.aliases not in (None, 0):
             raise ProgramError(f"kernel {k.id} ({k.kind.value}) aliases input {k.aliases!r}: only in-place scatters "
                                "alias, their destination (input 0)")
@@ -323,6 +356,9 @@ def _check_quantize(k: Kernel) -> str:
 
 
 def _check_source(k: Kernel) -> str:
+    if k.storage is not None and (k.kind is not KernelKind.EXTERNAL or k.storage not in STORAGE_FORMATS
+                                  or len(k.shape) != 2):
+        return f"storage {k.storage!r}: only a 2-D EXTERNAL weight is held in a (known) storage format"
     if k.inputs:
         return "a source kernel reads nothing"
     if k.kind is KernelKind.EXTERNAL and not k.external:

@@ -114,7 +114,8 @@ def _kernel(k: Kernel) -> dict:
             "shape": _dims(k.shape), "dtype": k.dtype.name, "body": _body(k.body), "body_shape": _dims(k.body_shape),
             "axis": k.axis, "acc": k.acc.name if k.acc else None, "precision": k.precision,
             "layout": _layout(k.layout), "aliases": k.aliases, "chunk": k.chunk, "external": k.external,
-            "value": None if k.value is None else _scalar(k.value), "label": k.label, "eclass": k.eclass}
+            "value": None if k.value is None else _scalar(k.value), "label": k.label, "eclass": k.eclass,
+            **({"storage": k.storage} if k.storage is not None else {})}
 
 
 def _unkernel(x: dict) -> Kernel:
@@ -124,7 +125,7 @@ def _unkernel(x: dict) -> Kernel:
                   body_shape=_undims(x["body_shape"]), axis=x["axis"], acc=get_format(x["acc"]) if x["acc"] else None,
                   precision=x["precision"], layout=_unlayout(x["layout"]), aliases=x["aliases"], chunk=int(x["chunk"]),
                   external=x["external"], value=None if x["value"] is None else _unscalar(x["value"]),
-                  label=x["label"], eclass=x.get("eclass", ""))
+                  label=x["label"], eclass=x.get("eclass", ""), storage=x.get("storage"))
 
 
 def program_to_data(p: Program) -> dict:

@@ -8,6 +8,7 @@ get their own scales (per matrix), except TENSOR, which spans the whole tensor.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -103,8 +104,14 @@ class GemmPrecision:
     b_scale: ScaleSpec | None = None
     promote_every: int | None = None
     acc_mantissa_bits: int | None = None
+    # per-token dynamic A scales computed in the Gemm's own prologue (an amax pass over each row of A,
+    # then convert on load) instead of a QUANTIZE launch: the same arithmetic, one kernel fewer
+    a_prologue: bool = False
 
     def __post_init__(self):
+        if self.a_prologue and (self.a_scale is None or self.a_scale.static
+                                or self.a_scale.granularity is not Granularity.CHANNEL):
+            raise ValueError(f"{self.name}: a prologue quantizes per-token dynamic A scales only")
         for fmt in (self.a_format, self.b_format):
             if fmt not in OPERAND_FORMATS:
                 raise ValueError(f"{self.name}: operand format {fmt} not in {OPERAND_FORMATS}")
@@ -325,7 +332,8 @@ def _catalogue() -> dict[str, GemmPrecision]:
     fp8.append(_fp8(F8E4M3, Granularity.MX))
     fp8.append(_fp8(F8E4M3, Granularity.BLOCK, promote=False, suffix="_nopromote"))
     int8 = GemmPrecision("int8_channel", INT8, INT8, INT32, *_operand_scales(Granularity.CHANNEL))
-    return {v.name: v for v in (*plain, *fp8, int8)}
+    fused = dataclasses.replace(fp8[1], name=f"{fp8[1].name}_prologue", a_prologue=True)  # f8e4m3_channel
+    return {v.name: v for v in (*plain, *fp8, int8, fused)}
 
 
 GEMM_VARIANTS: dict[str, GemmPrecision] = _catalogue()

@@ -22,6 +22,7 @@ from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, Kern
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.formats import get as get_format
 from ..dtypes.variants import GEMM_VARIANTS
+from ..quant.stored import storage_error
 from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result, read_operand
 from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import evaluate as eval_dim
@@ -255,6 +256,8 @@ class StaticAnalyzer:
     def external(self, k: Kernel, inputs: Mapping[str, Interval]) -> _Val:
         iv = inputs[k.external]
         shape = self._shape(k)
+        if k.storage is not None:  # a weight held in a storage format: its exact storage error
+            return stored_weight_value(iv, k.storage, shape)
         iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
         if k.dtype.kind is not Kind.FLOAT:
             return _Val(iv, np.zeros(shape))
@@ -451,6 +454,14 @@ def _softmax_rows(shape: tuple[int, ...], axis: int) -> tuple[np.ndarray, np.nda
     sizes = [shape[i] for i in range(len(shape)) if i != axis]
     row = (np.ravel_multi_index(rest, sizes) if rest else np.zeros(shape, dtype=np.int64)).astype(np.float64) + 1
     return row, pos
+
+
+def stored_weight_value(iv: Interval, storage: str, shape) -> _Val:
+    """A weight held in a storage format: the exact (graph) weight, computed with its known storage error."""
+    lo, hi = np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape)
+    if not np.array_equal(lo, hi):
+        raise ValueError(f"a weight stored as {storage} must be a compile-time point, not a range")
+    return _Val(Interval(lo, hi), storage_error(lo, storage))
 
 
 def _mid_rad(iv: Interval) -> tuple[np.ndarray, np.ndarray]:

@@ -48,7 +48,7 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
                 raise ValueError(f"audit batch {i}: input {name!r} contains NaN or Inf")
     program, part = plan.program(graph, space)
     budget = plan.budget
-    rt = CpuRuntime(program, graph.weights, plan.scales)  # static scales from the plan's file
+    rt = CpuRuntime(program, graph.weights, plan.scales, plan.stored_weights)  # the plan's scales and weights files
     ranges = plan.data.get("calibration_ranges", {})
     out_names = {nid: name for name, nid in graph.outputs.items()}
     chunk_of = {nid: c.index for c in part.chunks for nid in c.exported}

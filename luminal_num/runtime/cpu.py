@@ -31,6 +31,7 @@ from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
 from ..hlir.weightcache import WEIGHTS
 from ..quant import quantize_tensor
+from ..quant.stored import stored_key, widened
 from .buffers import BufferPlan, plan_buffers
 from .numerics import emulate_gemm, emulate_reduce_sum, prepare_b
 
@@ -87,7 +88,7 @@ class _Run:
 
 class CpuRuntime:
     def __init__(self, program: Program, weights: Mapping[str, np.ndarray] | None = None,
-                 static_scales: Mapping[int, np.ndarray] | None = None):
+                 static_scales: Mapping[int, np.ndarray] | None = None, stored_weights: Mapping | None = None):
         """`static_scales`: Gemm kernel id -> B's compile-time scales (a plan's scales file); without
         them static scales are computed from the weights, which gives the same values.
         `weights` are treated as immutable: values derived from them are cached per process."""
@@ -95,6 +96,7 @@ class CpuRuntime:
         self.weights = dict(weights or {})
         self.static_scales = dict(static_scales or {})
         self._plans: dict[tuple, BufferPlan] = {}
+        self.stored_weights = dict(stored_weights or {})  # stored_key -> StoredTensor (a plan's weights file)
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
@@ -220,6 +222,9 @@ def body_values(k: Kernel, state: _Run) -> np.ndarray:
 # -- one function per kernel kind -------------------------------------------------------------------
 def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
     val = state.feed[k.external]
+    if k.storage is not None:  # a weight held in its storage format: readers see it widened
+        held = rt.stored_weights.get(stored_key(k.external, k.storage))
+        return np.asarray(widened(val, k.storage, held), dtype=k.dtype.storage)
     if k.external in state.weight_names:
         return WEIGHTS.get(val, ("stored", k.dtype.name), lambda: _store_input(k, val))
     return _store_input(k, val)
@@ -289,6 +294,7 @@ def _gemm(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
     if weight in state.weight_names:
         scales = rt.static_b_scales(k.id)
         b_key = ("gemm_b", k.inputs[1].view.encode(), k.layout.encode(), k.precision, b_source.dtype.name,
+                 b_source.storage,  # the same weight held in two formats prepares two operands
                  tuple(sorted(state.bindings.items())), None if scales is None else scales.tobytes())
         b_key = (state.feed[weight], b_key)
     return store32(run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key), k.dtype)

@@ -34,6 +34,7 @@ from ..codegen.cuda_source import GemmCall
 from ..codegen.llir import Kernel, KernelKind, Program
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.rounding import to_storage
+from ..quant.stored import widened
 from ..hlir.symbolic import evaluate
 from .buffers import BufferPlan, plan_buffers
 from .cpu import RunResult, bind_program
@@ -120,6 +121,8 @@ class CudaRuntime:
     def _host_value(self, k: Kernel, value) -> np.ndarray:
         """An input as the CPU backend stores it (rounded to the plan dtype, saturating; FP32 plain)."""
         arr = np.asarray(value)
+        if k.storage is not None:  # the values the plan's stored weight holds, widened (no packed kernel yet)
+            return widened(arr, k.storage)
         if k.dtype.kind is Kind.FLOAT:
             if not np.all(np.isfinite(arr)):
                 raise ValueError(f"input {k.external!r} contains NaN or Inf")

@@ -22,13 +22,14 @@ def kernel_works(program: Program, bindings: Mapping[str, int]) -> list[KernelWo
     also reads the scales kept beside it."""
     dtypes = program.dtypes()
     scales = {k.id: k.scales_bytes(bindings) for k in program.kernels if k.kind is KernelKind.QUANTIZE}
+    element_bytes = program.element_bytes(bindings)  # weights held in a storage format: their stored bytes
     works = []
     for k in program.launched():
         math, tc = "fp32", False
         if k.kind is KernelKind.GEMM:
             math, tc = gemm_math(GEMM_VARIANTS[k.precision or "f32"])
         side = sum(scales.get(inp.buffer, 0) for inp in k.inputs)
-        works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes) + side,
+        works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes, element_bytes) + side,
                                 bytes_written=k.bytes_stored(bindings), flops=k.flops(bindings), math=math,
                                 tensor_core=tc))
     return works

@@ -79,6 +79,7 @@ SplitView = relation("SplitView", i64, i64, i64)                # (view, inner v
 Unmasked = relation("Unmasked", i64)                            # view reads every element it indexes
 SoleReader = relation("SoleReader", T)                          # the value has exactly one consumer
 IsWeight = relation("IsWeight", T)                              # compile-time-known value (static scales)
+MatrixWeight = relation("MatrixWeight", T)                      # a 2-D weight: may be held in a storage format
 QuantView = relation("QuantView", i64, i64)                     # (layout, view a Gemm reads its QUANTIZE buffer by)
 
 

@@ -96,6 +96,8 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
         facts.append(set_(E.identity_view(term)).to(view_id(ShapeTracker.contiguous(node.shape))))
         if is_w:
             facts.append(E.IsWeight(term))
+            if len(node.shape) == 2:
+                facts.append(E.MatrixWeight(term))
         facts.append(set_(E.dtype(term)).to(node.dtype.name))
 
     gemm_candidates = 0

@@ -25,6 +25,7 @@ from .saturate import GroupSpace
 @dataclass
 class _Builder:
     kernels: list[Kernel] = field(default_factory=list)
+    stored: dict[tuple[int, str], int] = field(default_factory=dict)  # (weight buffer, format) -> its stored buffer
 
     def add(self, **kw) -> int:
         k = Kernel(id=len(self.kernels), **kw)
@@ -115,6 +116,17 @@ def _ext(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     return lo.slots[n.arg("slot")]
 
 
+def _stored(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """The weight's buffer held in storage format `fmt` (one per weight and format, shared by chunks)."""
+    src = lo.b.kernels[lo.slots[n.arg("slot")]]
+    key = (src.id, n.arg("fmt"))
+    if key not in lo.b.stored:
+        lo.b.stored[key] = lo.b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=src.shape, dtype=src.dtype,
+                                    external=src.external, storage=n.arg("fmt"),
+                                    label=f"{src.label} stored as {n.arg('fmt')}")
+    return lo.b.stored[key]
+
+
 def _variant(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     return lo.tensor(n.cls("inner"))  # an alias: consumers read the low-precision buffer and widen on load
 
@@ -179,7 +191,7 @@ def _scatter(lo: _ChunkLowering, n: ENode, origin: str) -> int:
 
 
 _TENSOR: dict[str, Callable[[_ChunkLowering, ENode, str], int]] = {
-    "KExt": _ext, "KVariant": _variant, "KConst": _const, "KIota": _iota, "Ew": _elementwise,
+    "KExt": _ext, "KStored": _stored, "KVariant": _variant, "KConst": _const, "KIota": _iota, "Ew": _elementwise,
     "KSum": _reduction, "KMax": _reduction, "KSoftmax": _reduction, "KGemm": _gemm, "KQuantize": _quantize,
     "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter,
 }

@@ -26,6 +26,9 @@ from ..hlir.graph import Graph
 from ..hlir.partition import Partition, partition
 from ..files import atomic_write_bytes, atomic_write_text
 from ..quant.scales import compute_scales
+from ..quant.storage import STORAGE_FORMATS
+from ..quant.stored import convert_all, stored_key
+from ..quant.weights_file import WeightsFileError, content_hash, load_weights, save_weights
 from .space import Genome, SearchSpace
 
 PLAN_FORMAT = "luminal_num.plan"
@@ -55,10 +58,22 @@ def op_table(program: Program, bindings) -> list[dict]:
     for k in program.launched():
         row = {"kernel": k.id, "kind": k.kind.value, "op": k.label, "dtype": k.dtype.name,
                "inputs": ",".join(dtypes[i.buffer].name for i in k.inputs),
+               "weights": _weights_read(program, k, bindings),
                "shape": "x".join(str(d) for d in k.shape), "accumulator": "", "precision": k.precision or "",
                "quant": "", "scales": "", **_OP_ROW[k.kind](k)}
         rows.append(row)
     return rows
+
+
+def _weights_read(program: Program, k, bindings) -> str:
+    """The stored weights a kernel reads: "name:format:bytes" each (what the cost model charges for them)."""
+    out = []
+    for inp in k.inputs:
+        src = program.kernel(inp.buffer)
+        if src.storage is not None:
+            shape = tuple(int(d) for d in src.shape)
+            out.append(f"{src.external}:{src.storage}:{STORAGE_FORMATS[src.storage].stored_bytes(shape)}")
+    return ";".join(out)
 
 
 def _gemm_row(k) -> dict:
@@ -109,6 +124,17 @@ def static_weight_scales(program: Program, weights, bindings) -> dict[int, np.nd
     return out
 
 
+def stored_layout(program: Program) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """stored_key -> (weight name, storage format, shape) of every weight the program holds in a format."""
+    return {stored_key(k.external, k.storage): (k.external, k.storage, tuple(int(d) for d in k.shape))
+            for k in program.kernels if k.storage is not None}
+
+
+def weights_path(plan_path: str | Path) -> Path:
+    p = Path(plan_path)
+    return p.with_name(p.stem + "_weights.safetensors")
+
+
 def scales_path(plan_path: str | Path) -> Path:
     p = Path(plan_path)
     return p.with_name(p.stem + "_scales.npz")
@@ -118,6 +144,7 @@ def scales_path(plan_path: str | Path) -> Path:
 class Plan:
     data: dict
     scales: dict | None = None  # Gemm kernel id -> static weight scales (saved beside the plan)
+    stored: dict | None = None  # stored_key -> StoredTensor: weights converted to their storage formats
 
     @staticmethod
     def create(space: SearchSpace, genome: Genome, program: Program, budget: Budget, target: str, seed: int,
@@ -150,7 +177,16 @@ class Plan:
         }
         scales = static_weight_scales(program, weights or {}, bindings)
         data["static_scales"] = {str(kid): {"kernel": kid, "shape": list(arr.shape)} for kid, arr in sorted(scales.items())}
-        return Plan(data, scales)
+        layout = stored_layout(program)
+        missing = sorted({name for name, _, _ in layout.values()} - set(weights or {}))
+        if missing:
+            raise PlanError(f"the plan stores weights it was not given: {', '.join(missing)}")
+        stored = convert_all(weights or {}, {key: (name, fmt) for key, (name, fmt, _) in layout.items()})
+        if stored:  # the converted weights, tied to this plan by graph hash and content hash
+            data["stored_weights"] = {key: {"weight": name, "format": fmt, "shape": list(shape)}
+                                      for key, (name, fmt, shape) in sorted(layout.items())}
+            data["weights_sha256"] = content_hash(stored)
+        return Plan(data, scales, stored or None)
 
     # -- serialisation ------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -164,6 +200,9 @@ class Plan:
             np.savez(buf, **{f"k{kid}": arr for kid, arr in sorted(self.scales.items())})
             atomic_write_bytes(scales_path(path), buf.getvalue())
             data["scales_file"] = scales_path(path).name
+        if self.stored:
+            save_weights(weights_path(path), self.stored, self.data["graph_key"])
+            data["weights_file"] = weights_path(path).name
         return atomic_write_text(path, json.dumps(data, sort_keys=True, indent=1) + "\n")
 
     @staticmethod
@@ -199,9 +238,14 @@ class Plan:
                 raise PlanError(f"cannot read the plan's static scales {sp}: {exc}") from None
             if sorted(scales) != sorted(v["kernel"] for v in data.get("static_scales", {}).values()):
                 raise PlanError(f"{sp} does not hold the scales the plan lists")
-        return Plan(data, scales)
+        return Plan(data, scales, _load_stored(path, data))
 
     # -- use ----------------------------------------------------------------------------------
+    @property
+    def stored_weights(self) -> dict:
+        """stored_key -> StoredTensor for the runtimes (empty when no weight is held in a format)."""
+        return dict(self.stored or {})
+
     @property
     def budget(self) -> Budget:
         return Budget.from_dict(self.data["budget"])
@@ -257,3 +301,24 @@ class Plan:
         if program_to_data(space.program(genome)) != self.data["llir"]:
             raise PlanError("the stored LLIR is not what this compiler lowers from the recorded choices")
         return program, space.part
+
+
+def _load_stored(path: Path, data: dict) -> dict | None:
+    """The plan's weights file, verified against the plan (graph hash, formats, shapes, content hash)."""
+    listed = data.get("stored_weights") or {}
+    if not listed:
+        return None
+    if not data.get("weights_file"):
+        raise PlanError(f"plan file {path} stores {len(listed)} converted weights but names no weights file")
+    expected = {key: (rec["format"], tuple(rec["shape"])) for key, rec in listed.items()}
+    in_llir = {stored_key(k["external"], k["storage"]) for k in data["llir"].get("kernels", []) if k.get("storage")}
+    if in_llir != set(expected):
+        raise PlanError(f"plan file {path}: its stored-weights table does not match the stored weights its LLIR reads")
+    try:
+        loaded = load_weights(path.with_name(data["weights_file"]), data["graph_key"], expected)
+    except WeightsFileError as exc:
+        raise PlanError(str(exc)) from None
+    if loaded.content_hash != data.get("weights_sha256"):
+        raise PlanError(f"{data['weights_file']}: content hash {loaded.content_hash[:16]}... is not the plan's "
+                        f"{str(data.get('weights_sha256'))[:16]}...")
+    return dict(loaded.tensors)

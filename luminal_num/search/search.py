@@ -15,6 +15,8 @@ from tqdm import tqdm
 
 from ..codegen.llir import Program
 from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
+from ..quant.storage import STORAGE_FORMATS
+from .recipes import recipe_genomes
 from ..error.judge import Judge, Verdict
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
@@ -74,7 +76,8 @@ def _baseline_genomes(space: SearchSpace) -> dict[str, Genome]:
     return {"FP32 everywhere": frozenset(),
             "TF32 flag": pick(lambda t: t == "gemm:tf32"),
             "BF16 autocast": pick(lambda t: t in ("gemm:bf16", "ew:bf16")),
-            "FP8 everywhere": pick(lambda t: t == "gemm:f8e4m3_tensor")}
+            "FP8 everywhere": pick(lambda t: t == "gemm:f8e4m3_tensor"),
+            **recipe_genomes(space)}  # weight-storage recipes (W8A16, W4A16, FP8 W8A8)
 
 
 class Searcher:
@@ -267,12 +270,21 @@ def variant_classes(tags, target: str) -> list[list[str]]:
         if kind == "sum":
             p = REDUCE_VARIANTS[name]
             return p.storage.bits, p.storage.unit_roundoff + p.acc.unit_roundoff
+        if kind == "store":  # a weight's storage format: its bits per weight, its element error
+            f = STORAGE_FORMATS[name]
+            return f.bits_per_weight((128, 128)), sum(f.element_error(1.0))
         return 0.0, 0.0
     groups: dict[float, list[str]] = {}
     for tag in tags:
         if tag != "f32":
             groups.setdefault(key(tag)[0], []).append(tag)
-    return [sorted(groups[s], key=lambda tg: (key(tg)[1], tg)) for s in sorted(groups)]
+    # equal math and accuracy: the variant that quantizes A in its own prologue (one launch fewer) first
+    return [sorted(groups[s], key=lambda tg: (key(tg)[1], not _in_prologue(tg), tg)) for s in sorted(groups)]
+
+
+def _in_prologue(tag: str) -> bool:
+    kind, name = tag.split(":", 1)
+    return kind == "gemm" and GEMM_VARIANTS[name].a_prologue
 
 
 def search(space: SearchSpace, judge: Judge, options: SearchOptions, latency_inputs=None,

@@ -13,6 +13,7 @@ from egglog import String, eq, i64, rule, ruleset, union, var, vars_
 from ...dtypes.formats import BF16, F32
 from ...dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ...hlir.ops import BINARY_OPS, UNARY_OPS, Op
+from ...quant.stored import SEARCHED_STORAGE
 from .. import egraph as E
 
 precision = ruleset(name="precision")
@@ -79,12 +80,20 @@ def _gemm_variants():
         # the same product with operands rounded/quantized and accumulated as `v` says: equal up to
         # v.a_priori_bound; static weight scales need B to be a compile-time weight (IsWeight).
         f32_gemm = E.KGemm(a=x, va=vx, b=y, vb=vy, layout=lay, prec="f32", dt="f32")
-        if v.a_scale is not None and not v.a_scale.static:
+        if v.a_scale is not None and not v.a_scale.static and not v.a_prologue:
             # activations scaled at run time: A goes through its own QUANTIZE kernel ((batch, M, K) in
             # the variant's format, scales beside it), which the Gemm reads by QuantView's view
             a = E.KQuantize(a=x, va=vx, layout=lay, prec=name, dt=v.a_format.name)
             yield rule(eq(t).to(f32_gemm), *guard, E.QuantView(lay, vq)).then(
                 union(t).with_(E.KGemm(a=a, va=vq, b=y, vb=vy, layout=lay, prec=name, dt="f32")))
-        else:
+        else:  # (a prologue variant quantizes A itself, reading it raw)
             yield rule(eq(t).to(f32_gemm), *guard).then(
                 union(t).with_(E.KGemm(a=x, va=vx, b=y, vb=vy, layout=lay, prec=name, dt="f32")))
+
+
+@precision.register
+def _weight_storage():
+    # a 2-D weight held in a storage format and widened on load: the same value up to its storage
+    # error, which the compiler knows exactly (quant.stored.storage_error); KStored matches no rule
+    for fmt in SEARCHED_STORAGE:
+        yield rule(eq(t).to(E.KExt(vx, "f32")), E.MatrixWeight(t)).then(union(t).with_(E.CTOR["KStored"](vx, fmt)))
