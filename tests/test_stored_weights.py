@@ -296,3 +296,18 @@ def test_prologue_fp8_gemm_is_the_quantize_kernel_gemm_without_its_launch():
     exact = inputs["x"].astype(np.float32).astype(np.float64) @ w.astype(np.float64).T
     assert np.all(np.isfinite(bound)) and np.all(np.abs(y - exact) <= bound)
     assert len(kernel_works(fused, b)) == len(kernel_works(split, b)) - 1
+
+
+@pytest.mark.parametrize("command", ["inspect", "audit"])
+def test_the_cli_refuses_a_damaged_weights_file_with_one_line(stored_plan, tmp_path, capsys, command):
+    """A truncated weights file beside a plan: one stderr line, exit 2, whatever the command."""
+    from luminal_num.cli import EXIT_INPUT, main
+    from luminal_num.search.plan import weights_path
+    _, res = stored_plan
+    path = res.plan.save(tmp_path / "plan.json")
+    wp = weights_path(path)
+    wp.write_bytes(wp.read_bytes()[:-7])
+    capsys.readouterr()
+    assert main([command, "--plan", str(path)]) == EXIT_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "weights" in err[0], err
