@@ -13,6 +13,7 @@ def candidate_rows(result) -> pd.DataFrame:
     """One row per evaluated candidate (baselines labelled, the chosen plan marked)."""
     chosen_id = result.search.chosen.id if result.search.chosen is not None else -1
     scale = result.search.stats.get("headroom", 1.0)  # judged on the tightened budget: rescale to the user's
+    sources = result.search.stats.get("baseline_sources", {})  # what each labelled baseline follows
     rows = []
     for e in result.search.evaluated:
         label = e.label if e.stage == "baseline" else ""
@@ -24,7 +25,8 @@ def candidate_rows(result) -> pd.DataFrame:
                      "latency_s": e.latency_s, "latency_source": e.latency.source if e.latency else "not profiled",
                      "verdict_source": e.verdict.source, "passes": bool(e.verdict.passed), "label": label,
                      "stage": e.stage, "changes": len(tags), "max_abs": e.verdict.max_abs,
-                     "variants": " ".join(sorted(set(tags))) or "fp32", "reason": e.verdict.reason})
+                     "variants": " ".join(sorted(set(tags))) or "fp32", "reason": e.verdict.reason,
+                     "source": sources.get(e.label, "") if e.stage == "baseline" else ""})
     return pd.DataFrame(rows)
 
 

@@ -19,6 +19,7 @@ from ..error.judge import Judge, Verdict
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
 from ..runtime.targets import gemm_math, get_target
+from .recipes import AUTOCASTS, TF32_SOURCE, autocast_recipe, tf32_recipe
 from .space import Change, Genome, SearchSpace
 
 
@@ -61,8 +62,9 @@ class SearchResult:
 
 
 def _baseline_genomes(space: SearchSpace) -> dict[str, Genome]:
-    """What users pick today: FP32 everywhere, the global TF32 flag, BF16 by an autocast-style op list
-    (matmuls and pointwise ops in BF16, reductions/norms and softmax in FP32), FP8 everywhere."""
+    """What users pick today, each following the tool it names op by op (sources in BASELINE_SOURCES):
+    FP32 everywhere, PyTorch's TF32 matmul flag, PyTorch autocast BF16/FP16 (CUDA lists) and BF16 (CPU
+    lists), and FP8 E4M3 with per-tensor scales on every Gemm."""
     def pick(pred) -> Genome:
         out = {}
         for gk, ks in space.knobs.items():
@@ -72,9 +74,14 @@ def _baseline_genomes(space: SearchSpace) -> dict[str, Genome]:
                     out[(gk, k.cls)] = tag
         return frozenset((g, c, t) for (g, c), t in out.items())
     return {"FP32 everywhere": frozenset(),
-            "TF32 flag": pick(lambda t: t == "gemm:tf32"),
-            "BF16 autocast": pick(lambda t: t in ("gemm:bf16", "ew:bf16")),
+            "TF32 flag": tf32_recipe(space).genome,
+            **{a.name: autocast_recipe(space, a).genome for a in AUTOCASTS},
             "FP8 everywhere": pick(lambda t: t == "gemm:f8e4m3_tensor")}
+
+
+BASELINE_SOURCES = {"FP32 everywhere": "no reduced precision anywhere (PyTorch's default FP32 execution)",
+                    "TF32 flag": TF32_SOURCE, **{a.name: a.source for a in AUTOCASTS},
+                    "FP8 everywhere": "every Gemm in FP8 E4M3 with per-tensor dynamic scales (no peer tool: a bound)"}
 
 
 class Searcher:
@@ -133,7 +140,7 @@ class Searcher:
         passing = [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
         chosen = choose(passing)
         stats = {"candidates": len(self.evaluated), "seconds": time.perf_counter() - self.t0,
-                 **self.judge.stats.as_dict()}
+                 **self.judge.stats.as_dict(), "baseline_sources": dict(BASELINE_SOURCES)}
         return SearchResult(self.evaluated, baselines, chosen, stats)
 
     def sensitivity(self, base: Evaluated) -> list[Evaluated]:
