@@ -98,3 +98,23 @@ def test_every_baseline_names_its_source(tspace):
     assert names == set(BASELINE_SOURCES)
     assert {"BF16 autocast", "FP16 autocast", "BF16 autocast (CPU)", "TF32 flag"} <= names
     assert all("PyTorch" in BASELINE_SOURCES[n] for n in names if "autocast" in n or "TF32" in n)
+
+
+
+def test_minilm_recipes_op_by_op():
+    """all-MiniLM-L6-v2: per encoder layer 6 Linears (bf16 Gemm + bf16 bias-add output) and the 2
+    attention bmm's in BF16, GELU's output and the scores' scalar scaling in their bf16 input's type;
+    sentence-transformers pools with torch.sum and F.normalize (FP32 list, fp32 inputs): the graph's
+    pooling matmul is no mm, so neither autocast nor the TF32 flag touches it."""
+    from collections import Counter
+
+    from luminal_num.models.bert import load_minilm
+    from luminal_num.search.recipes import user_ops
+    space = SearchSpace.build(load_minilm(2, 8).graph)
+    ops = user_ops(space.graph)
+    for lists in (CUDA_BF16, CPU_BF16):
+        got = Counter((ops[n][0], t) for n, t in assignment(space, autocast_recipe(space, lists).genome).items())
+        assert got == {("linear", "gemm:bf16"): 6, ("linear", "ew:bf16_computef32"): 6, ("matmul", "gemm:bf16"): 2,
+                       ("gelu", "ew:bf16_computef32"): 1, ("mul", "ew:bf16_computef32"): 1}
+    tf32 = Counter(ops[n][0] for n in assignment(space, tf32_recipe(space).genome))
+    assert tf32 == {"linear": 6, "matmul": 2}

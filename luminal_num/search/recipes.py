@@ -162,7 +162,8 @@ def autocast_recipe(space: SearchSpace, lists: Autocast) -> Recipe:
 
 
 def tf32_recipe(space: SearchSpace) -> Recipe:
-    matmuls = set(space.graph.matmuls)
+    ops = user_ops(space.graph)  # a matmul the model writes for another op (a pooling sum) is not one
+    matmuls = {n for n in space.graph.matmuls if ops[n][0] in CUDA_LOW}
     genome = {(gk, k.cls, "gemm:tf32") for gk, ks in space.knobs.items() for k in ks
               if space.groups[gk].space.class_node.get(k.cls) in matmuls and "gemm:tf32" in k.tags}
     return Recipe(frozenset(genome), TF32_SOURCE, ())
