@@ -269,3 +269,36 @@ def test_the_private_egglog_serializer_keeps_its_signature_and_format():
     node = next(n for n in data["nodes"].values() if n["op"] == "KExt")
     assert {"op", "children", "eclass"} <= set(node) and len(node["children"]) == 2
     assert data["class_data"][node["eclass"]]["type"] == "luminal_num.search.egraph.T"
+
+
+# -- 5. a search that uses its budget ---------------------------------------------------------------------
+
+def test_uniform_gemm_recipes_are_tried_first_and_sit_on_the_front(job, space):
+    """Every Gemm variant class is tried on all Gemms at once before any single change; a passing
+    uniform recipe is either on the front or beaten on both axes by something that is."""
+    budget = Budget.parse(BUDGETS[-1])
+    searcher = Searcher(space, Judge(job.graph, budget, list(job.calibration)), OPTIONS, job.calibration[0])
+    result = searcher.run()
+    stages = [e.stage for e in result.evaluated]
+    first_other = min(i for i, s in enumerate(stages) if s not in ("baseline", "uniform"))
+    assert "uniform" in stages and max(i for i, s in enumerate(stages) if s == "uniform") < first_other
+    gemm_knobs = {(gk, k.cls) for gk, ks in space.knobs.items() for k in ks if "gemm:bf16" in k.tags}
+    uniform = {e.label: e for e in result.evaluated if e.stage == "uniform"}
+    assert {(g, c) for g, c, _ in uniform["f16 on every Gemm"].genome} == gemm_knobs
+    front = searcher.front()
+    for e in uniform.values():
+        if e.verdict.passed:
+            assert e in front or any(q.latency_s <= e.latency_s and q.verdict.error <= e.verdict.error
+                                     for q in front), e.label
+
+
+@settings(max_examples=3, deadline=None)
+@given(st.floats(-4.0, -2.0), st.lists(st.floats(0.1, 1.5), min_size=2, max_size=2))
+def test_chosen_latency_never_rises_as_the_budget_loosens(job, space, log_tol, steps):
+    """Nested budgets (each looser than the last): the chosen plan's latency never increases."""
+    tols = [10.0 ** log_tol]
+    for s in steps:
+        tols.append(tols[-1] * 10.0 ** s)
+    latencies = [compile_plan(job.graph, Budget(t, t), TARGET, job.calibration, OPTIONS, space=space)
+                 .search.chosen.latency_s for t in tols]
+    assert latencies == sorted(latencies, reverse=True), dict(zip(tols, latencies))

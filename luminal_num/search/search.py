@@ -42,7 +42,7 @@ class Evaluated:
     verdict: Verdict
     latency: Latency | None   # None when the gate rejected it (latency is never spent on those)
     label: str = ""
-    stage: str = ""           # baseline | sensitivity | greedy | mutation
+    stage: str = ""           # baseline | uniform | sensitivity | greedy | mutation
     program: Program | None = field(default=None, repr=False, compare=False)  # what was judged (lowered once)
 
     @property
@@ -133,6 +133,7 @@ class Searcher:
         baselines = {name: self.evaluate(g, "baseline", name, force_latency=True)
                      for name, g in _baseline_genomes(self.space).items()}
         base = baselines["FP32 everywhere"]
+        self.uniform()
         singles = self.sensitivity(base)
         self.greedy(base, singles)
         self.mutate(singles)
@@ -142,6 +143,19 @@ class Searcher:
         stats = {"candidates": len(self.evaluated), "seconds": time.perf_counter() - self.t0,
                  **self.judge.stats.as_dict(), "baseline_sources": dict(BASELINE_SOURCES)}
         return SearchResult(self.evaluated, baselines, chosen, stats)
+
+    def uniform(self, per_class: int = 2) -> None:
+        """Each Gemm variant class on every Gemm that has it (its `per_class` most accurate variants),
+        before any single change: the uniform recipes ("BF16 on every Gemm") are always candidates, so
+        they are on the front whenever they pass, whatever the later phases find."""
+        tags = sorted({t for ks in self.space.knobs.values() for k in ks for t in k.tags if t.startswith("gemm:")})
+        for cls_tags in variant_classes(tags, self.target):
+            for tag in cls_tags[:per_class]:
+                genome = frozenset((gk, k.cls, tag) for gk, ks in self.space.knobs.items() for k in ks
+                                   if tag in k.tags)
+                if not self.budget_left():
+                    return
+                self.evaluate(genome, "uniform", f"{tag.split(':', 1)[1]} on every Gemm")
 
     def sensitivity(self, base: Evaluated) -> list[Evaluated]:
         """Each change alone against the FP32 baseline; a failure prunes every candidate containing it.
@@ -185,7 +199,10 @@ class Searcher:
             return gain / max(e.verdict.error - base_err, 1e-12)
         useful = [e for e in singles if e.verdict.passed and e.latency is not None and e.latency_s < base.latency_s]
         useful.sort(key=lambda e: (-score(e), e.id))
-        current, current_lat = frozenset(), base.latency_s
+        # start from the fastest passing uniform recipe (or FP32): singles then refine it knob by knob
+        starts = [e for e in self.evaluated if e.stage == "uniform" and e.verdict.passed and e.latency is not None]
+        start = min(starts, key=lambda e: (e.latency_s, e.id), default=base)
+        current, current_lat = start.genome, start.latency_s
         for e in useful:
             (change,) = tuple(e.genome)
             if not self.budget_left() or self._count("greedy") >= max(int(self.opt.max_candidates * 0.25), 1):
