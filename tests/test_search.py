@@ -302,3 +302,35 @@ def test_chosen_latency_never_rises_as_the_budget_loosens(job, space, log_tol, s
     latencies = [compile_plan(job.graph, Budget(t, t), TARGET, job.calibration, OPTIONS, space=space)
                  .search.chosen.latency_s for t in tols]
     assert latencies == sorted(latencies, reverse=True), dict(zip(tols, latencies))
+
+
+# -- 6. predicted verdicts --------------------------------------------------------------------------------
+
+def test_front_and_chosen_plan_stand_on_measurements_and_predictions_track_them(job, space):
+    """Multi-change candidates are decided from the first-order sum of their changes' measured output
+    errors; every front member and the chosen plan is then measured end to end, and the prediction of
+    each measured candidate lies within a factor 2 of the measurement (or widened the margin)."""
+    budget = Budget.parse(BUDGETS[-1])
+    judge = Judge(job.graph, budget, list(job.calibration))
+    searcher = Searcher(space, judge, SearchOptions(seed=0, max_candidates=60, progress=False), job.calibration[0])
+    result = searcher.run()
+    assert result.stats["predicted"] > 0
+    assert all(e.verdict.source != "predicted" for e in searcher.front())
+    assert result.chosen.verdict.source != "predicted"
+    pairs = [(p, m) for p, m in judge.predictor.observed if np.isfinite(p) and np.isfinite(m) and m > 1e-3]
+    assert pairs, "no prediction was checked against a measurement"
+    inside = sum(0.5 <= m / p <= 2.0 for p, m in pairs)
+    assert inside >= 0.9 * len(pairs) or judge.stats.mismatches > 0, pairs
+
+
+def test_prediction_of_two_changes_matches_their_measurement(job, space):
+    """Differential: y(a+b) - ref measured end to end vs (y(a) - ref) + (y(b) - ref), each measured."""
+    budget = Budget.parse(BUDGETS[-1])
+    judge = Judge(job.graph, budget, list(job.calibration))
+    gemms = [(gk, k.cls) for gk, ks in space.knobs.items() for k in ks if "gemm:bf16" in k.tags][:2]
+    a, b = ((g, c, "gemm:bf16") for g, c in gemms)
+    for ch in (a, b):
+        judge.judge(space.program([ch]), frozenset([ch]))
+    p = judge.predictor.predict([a, b])
+    measured, _ = judge._measure(space.program([a, b]))
+    assert 0.5 <= measured.ratio / p.ratio <= 2.0, (p.ratio, measured.ratio)

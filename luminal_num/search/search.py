@@ -117,7 +117,7 @@ class Searcher:
         program = self.space.program(genome)
         # baselines are reference points: always measured end to end, never screened by the estimate
         screen = None if stage == "baseline" else self.space.candidates(genome)
-        verdict = self.judge.judge(program, genome, screen)
+        verdict = self.judge.judge(program, genome, screen, predict=stage != "baseline")
         lat = self.latency(program) if (verdict.passed or force_latency) else None
         if verdict.passed and lat is None:  # the target cannot run this variant (FP8 on an A100)
             verdict = dataclasses.replace(verdict, passed=False, reason=f"not supported on target {self.target}")
@@ -138,10 +138,11 @@ class Searcher:
         self.greedy(base, singles)
         self.mutate(singles)
         self.bar.close()
-        passing = [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
-        chosen = choose(passing)
+        chosen = self.confirm_finalists()
         stats = {"candidates": len(self.evaluated), "seconds": time.perf_counter() - self.t0,
                  **self.judge.stats.as_dict(), "baseline_sources": dict(BASELINE_SOURCES)}
+        if self.judge.predictor is not None:
+            stats["prediction_margin"] = self.judge.predictor.margin
         return SearchResult(self.evaluated, baselines, chosen, stats)
 
     def uniform(self, per_class: int = 2) -> None:
@@ -156,6 +157,23 @@ class Searcher:
                 if not self.budget_left():
                     return
                 self.evaluate(genome, "uniform", f"{tag.split(':', 1)[1]} on every Gemm")
+
+    def confirm_finalists(self) -> Evaluated | None:
+        """Measure end to end every predicted member of the front and the chosen plan, until the front
+        and the choice stand on measurements alone; returns the chosen plan."""
+        while True:
+            chosen = choose(self.passing())
+            todo = {e.id: e for e in self.front() + ([chosen] if chosen else []) if e.verdict.source == "predicted"}
+            if not todo:
+                return chosen
+            for e in todo.values():
+                v = self.judge.confirm(e.program)
+                new = dataclasses.replace(e, verdict=v, latency=e.latency if v.passed else None)
+                self.evaluated[e.id] = new
+                self.seen[e.genome] = new
+
+    def passing(self) -> list[Evaluated]:
+        return [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
 
     def sensitivity(self, base: Evaluated) -> list[Evaluated]:
         """Each change alone against the FP32 baseline; a failure prunes every candidate containing it.
