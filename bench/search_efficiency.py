@@ -57,7 +57,7 @@ class CompiledJob:
     def budget_ratio(self, e: Evaluated) -> float:
         """A candidate's error as an allclose ratio of the user's budget (<= 1 fits it): the search
         judges against the budget tightened by its headroom, and a ratio scales with the tolerance."""
-        return float(e.verdict.error) * self.options.headroom
+        return float(e.verdict.error) * self.result.search.stats["headroom"]
 
 
 def compile_jobs(quick: bool = False) -> dict[str, CompiledJob]:
@@ -102,7 +102,7 @@ def efficiency_row(c: CompiledJob) -> dict:
                 search_s_per_candidate=search.stats["seconds"] / len(evaluated),
                 chosen_index=chosen.id, chosen_stage=chosen.stage, chosen_source=chosen.verdict.source,
                 front_size=len(front), front_complete_index=max(e.id for e in front),
-                headroom=c.options.headroom, chosen_error=c.budget_ratio(chosen), chosen_latency_s=chosen.latency_s)
+                headroom=c.result.search.stats["headroom"], chosen_error=c.budget_ratio(chosen), chosen_latency_s=chosen.latency_s)
 
 
 def run(compiled: dict[str, CompiledJob] | None = None, quick: bool = False) -> dict:

@@ -206,6 +206,12 @@ class Judge:
         self.stats.static += 1
         return Verdict(True, "static", worst, np.nan, bound, f"certified: static bound ratio {worst!r} <= 1", user)
 
+    def batch_ratios(self, program: Program) -> list[float]:
+        """The share of the user's budget the program uses on each calibration batch (all metrics)."""
+        rt = CpuRuntime(program, self.graph.weights)
+        return [budget_ratio(self.budget, self.budget.check(rt.run(inp).outputs, ref))
+                for inp, ref in zip(self.calibration, self.refs)]
+
     def _measure(self, program: Program, keep_outputs: bool = False) -> tuple[Verdict, list | None]:
         """End to end on every batch (stopping at the first failing one unless `keep_outputs`); the
         outputs of all batches come back when kept and complete."""

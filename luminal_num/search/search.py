@@ -31,8 +31,9 @@ class SearchOptions:
     mutation_changes: int = 2
     target: str = "h200"
     progress: bool = True
-    headroom: float = 0.5          # share of the budget a plan may use on the calibration set (the rest
-                                   # is kept for unseen inputs: audit judges against the full budget)
+    headroom: float | None = None  # share of the budget a plan may use on the calibration set (the rest
+                                   # is kept for unseen inputs: audit judges against the full budget);
+                                   # None: from data (error/headroom.py), a number overrides it
 
 
 @dataclass(frozen=True)
