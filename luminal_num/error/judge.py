@@ -100,12 +100,16 @@ class Judge:
         self.static_note = ""
         self.predictor = DeltaPredictor(self.gate, self.budget, self.refs) if self.use_prediction else None
         self.pending: dict[str, Prediction] = {}  # program key -> the prediction a measurement checks
+        self.key_change: dict[str, Change] = {}   # program key -> the single change whose errors it holds
 
     def judge(self, program: Program, changes: frozenset[Change] = frozenset(), candidates=None,
               predict: bool = True) -> Verdict:
         key = program_key(program)
         if key in self.cache:
             self.stats.cache += 1
+            src = self.key_change.get(key)
+            if len(changes) == 1 and src is not None:  # the same program as a measured single change
+                self.predictor.deltas.setdefault(next(iter(changes)), self.predictor.deltas[src])
             return self.cache[key]
         bad = sorted(c for c in changes if c in self.bad_changes)
         if bad:
@@ -132,6 +136,7 @@ class Judge:
             v, outs = self._measure(program, keep_outputs=single)
             if outs is not None:
                 self.predictor.record(next(iter(changes)), outs)
+                self.key_change[key] = next(iter(changes))
             self._observe(key, v)
         self.cache[key] = v
         return v
