@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .layer_map import write_layer_map
 from .pareto import ReportFiles, write_op_table, write_pareto_report
 
 
@@ -38,4 +39,5 @@ def write_compile_report(result, out_dir: str | Path, title: str) -> dict[str, P
                                              error_label="error vs FP64 (allclose ratio; <= 1 is within budget)")
     ops = write_op_table(out_dir / "plan_ops.csv", pd.DataFrame(result.plan.data["kernels"]))
     plan = result.plan.save(out_dir / "plan.json")
-    return {"csv": files.csv, "png": files.png, "html": files.html, "ops": ops, "plan": plan}
+    layers = write_layer_map(result.program, [[c.index for c in g.chunks] for g in result.space.part.groups], out_dir)
+    return {"csv": files.csv, "png": files.png, "html": files.html, "ops": ops, "plan": plan, **layers}
