@@ -334,3 +334,18 @@ def test_prediction_of_two_changes_matches_their_measurement(job, space):
     p = judge.predictor.predict([a, b])
     measured, _ = judge._measure(space.program([a, b]))
     assert 0.5 <= measured.ratio / p.ratio <= 2.0, (p.ratio, measured.ratio)
+
+
+def test_prediction_band_follows_observed_accuracy():
+    """The band starts at 2x, widens on a mismatch, and after SETTLE checks is WIDEN x the worst ratio."""
+    from luminal_num.error.predict import MIN_MARGIN, SETTLE, WIDEN, DeltaPredictor
+    p = DeltaPredictor(Budget(1e-3, 0.0), Budget(1e-3, 0.0), [])
+    p.observe(1.0, 3.0)
+    assert p.mismatches == 1 and p.margin == pytest.approx(3.0 * WIDEN)
+    for _ in range(SETTLE):
+        p.observe(1.0, 1.05)
+    assert p.margin == pytest.approx(3.0 * WIDEN)  # the worst observed ratio still counts
+    q = DeltaPredictor(Budget(1e-3, 0.0), Budget(1e-3, 0.0), [])
+    for _ in range(SETTLE):
+        q.observe(1.0, 1.02)
+    assert q.margin == pytest.approx(max(MIN_MARGIN, WIDEN * 1.02)) and q.mismatches == 0

@@ -21,6 +21,8 @@ Change = tuple[str, str, str]
 Outputs = Mapping[str, np.ndarray]
 
 WIDEN = 1.25  # a mismatch sets the margin to the observed ratio times this
+MIN_MARGIN = 1.3  # the band never gets narrower than this
+SETTLE = 5        # observations before the band is set from the observed accuracy
 
 
 def budget_ratio(budget: Budget, verdict: BudgetVerdict) -> float:
@@ -90,10 +92,15 @@ class DeltaPredictor:
         return None
 
     def observe(self, predicted: float, measured: float) -> None:
-        """Check the composition against a measurement; widen the band when it was outside."""
+        """Check the composition against a measurement: a ratio outside the band is a mismatch and widens
+        it; after SETTLE checks the band is WIDEN x the worst observed ratio (at least MIN_MARGIN). Only
+        candidates that are returned or on the front must be right, and those are all measured."""
         self.observed.append((predicted, measured))
         if predicted > 0 and measured > 0 and np.isfinite(predicted) and np.isfinite(measured):
             q = max(measured / predicted, predicted / measured)
             if q > self.margin:
                 self.mismatches += 1
                 self.margin = q * WIDEN
+        qs = [max(m / p, p / m) for p, m in self.observed if p > 0 and m > 0 and np.isfinite(p) and np.isfinite(m)]
+        if len(qs) >= SETTLE:
+            self.margin = max(MIN_MARGIN, WIDEN * max(qs))
