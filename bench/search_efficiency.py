@@ -42,7 +42,7 @@ class JobSpec:
 
 
 SPECS = (JobSpec("transformer", transformer_job, SearchOptions().max_candidates, 40),
-         JobSpec("minilm", minilm_job, 100, None))
+         JobSpec("minilm", lambda: minilm_job(16), 100, None))
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class CompiledJob:
     def budget_ratio(self, e: Evaluated) -> float:
         """A candidate's error as an allclose ratio of the user's budget (<= 1 fits it): the search
         judges against the budget tightened by its headroom, and a ratio scales with the tolerance."""
-        return float(e.verdict.error) * self.options.headroom
+        return float(e.verdict.error) * self.result.search.stats["headroom"]
 
 
 def compile_jobs(quick: bool = False) -> dict[str, CompiledJob]:
@@ -92,7 +92,11 @@ def efficiency_row(c: CompiledJob) -> dict:
     gate = {f"decided_by_{k}": search.stats[k] for k in VERDICT_STAGES}
     front = final_front(evaluated)
     chosen = search.chosen
+    searched = [e for e in evaluated if e.stage != "baseline"]
+    no_e2e = sum(e.verdict.source in ("cache", "static", "groups", "predicted") for e in searched)
     return dict(job=c.name, budget=str(c.budget), candidates=len(evaluated),
+                decided_without_e2e=no_e2e / max(len(searched), 1), confirmed=search.stats["confirmed"],
+                mismatches=search.stats["mismatches"], prediction_margin=search.stats.get("prediction_margin"),
                 baselines=sum(e.stage == "baseline" for e in evaluated), **gate,
                 pruned=search.stats["pruned"],  # monotone pruning: counted among the cache's verdicts
                 passed=sum(bool(e.verdict.passed) for e in evaluated),
@@ -102,7 +106,7 @@ def efficiency_row(c: CompiledJob) -> dict:
                 search_s_per_candidate=search.stats["seconds"] / len(evaluated),
                 chosen_index=chosen.id, chosen_stage=chosen.stage, chosen_source=chosen.verdict.source,
                 front_size=len(front), front_complete_index=max(e.id for e in front),
-                headroom=c.options.headroom, chosen_error=c.budget_ratio(chosen), chosen_latency_s=chosen.latency_s)
+                headroom=c.result.search.stats["headroom"], chosen_error=c.budget_ratio(chosen), chosen_latency_s=chosen.latency_s)
 
 
 def run(compiled: dict[str, CompiledJob] | None = None, quick: bool = False) -> dict:
@@ -115,6 +119,7 @@ def run(compiled: dict[str, CompiledJob] | None = None, quick: bool = False) -> 
                          if c.startswith("decided_by_"))
         figures[f"{r.job}: candidates"] = int(r.candidates)
         figures[f"{r.job}: decided by"] = gate
+        figures[f"{r.job}: decided without an end-to-end run"] = float(r.decided_without_e2e)
         figures[f"{r.job}: pruned (a change that alone breaks the budget)"] = int(r.pruned)
         figures[f"{r.job}: profiled (latency taken)"] = int(r.profiled)
         figures[f"{r.job}: search wall seconds"] = float(r.search_s)

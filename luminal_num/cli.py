@@ -240,6 +240,13 @@ def _check_out(out: Path, names) -> None:
 
 
 
+def _headroom_arg(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"headroom must be in (0, 1], got {text}")
+    return value
+
+
 def cmd_compile(args) -> int:
     from .compiler import BudgetUnreachable, compile
     from .report.compile_report import candidate_rows, write_compile_report
@@ -263,7 +270,8 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     print(f"[luminal-num] {job.description}")
     print(f"[luminal-num] budget {budget} on target {args.target}; {len(job.graph)} HLIR nodes")
     opts = SearchOptions(seed=args.seed, max_candidates=args.candidates, time_limit_s=args.time_limit,
-                         target=args.target, progress=not args.quiet)
+                         target=args.target, progress=not args.quiet,
+                         headroom=getattr(args, "headroom", None))
     try:
         result = compile(job.graph, budget, args.target, job.calibration, opts)
     except BudgetUnreachable as exc:
@@ -455,6 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0, help="search seed (same seed and inputs: same plan)")
         p.add_argument("--out", help="report folder (default reports/<model>)")
         p.add_argument("--quiet", action="store_true", default=False, help="no progress bar")
+        p.add_argument("--headroom", type=_headroom_arg, default=None,
+                       help="share of the budget a plan may use on calibration (default: measured on split batches)")
 
     def llm_args(p):
         p.add_argument("--workload", help=f"LLMs: prefill:SEQ | prefill:BATCHxSEQ | decode:BATCH@CONTEXT (default {LLM_WORKLOAD})")

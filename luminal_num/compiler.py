@@ -5,6 +5,7 @@ cache -> static bound -> measured vs FP64; then latency) -> the fastest plan wit
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -13,12 +14,13 @@ import numpy as np
 from .codegen.llir import Program
 from .error.budget import Budget
 from .error.groups import GroupEstimator
+from .error.headroom import HeadroomEstimate, estimate_headroom
 from .error.judge import Judge
 from .error.reference import Fp64Reference, references
 from .hlir.graph import Graph
 from .hlir.partition import Partition
 from .search.plan import Plan
-from .search.search import SearchOptions, SearchResult, search
+from .search.search import SearchOptions, SearchResult, _baseline_genomes, search
 from .search.space import SearchSpace
 from .runtime.targets import get_target
 
@@ -79,12 +81,14 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     refs = references(graph, calibration)  # the one FP64 pass per calibration batch
     estimator = (GroupEstimator(graph, space.part, calibration[0], space.lower_chunk, refs[0])
                  if len(space.part.chunks) > 1 else None)
+    head = choose_headroom(graph, budget, calibration, refs, space, options.headroom)
     # candidates are judged against the budget scaled by the headroom; every verdict also carries its
     # ratio against the user's budget, which is what plans and errors report
     judge = Judge(graph, budget, list(calibration), use_static=use_static, estimator=estimator,
-                  headroom=options.headroom, references=refs)
+                  headroom=head.headroom, references=refs)
     result = search(space, judge, options, latency_inputs=calibration[0], target=target)
-    result.stats["headroom"] = options.headroom
+    result.stats.update(head.as_dict())
+    options = dataclasses.replace(options, headroom=head.headroom)
     if result.chosen is None:
         tried = [e for e in result.evaluated if np.isfinite(e.verdict.error) and e.verdict.source != "groups"]
         best = min(tried, key=lambda e: e.verdict.error) if tried else result.evaluated[0]
@@ -95,6 +99,22 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
                        chosen.latency, judge.bindings[0], _stable_stats(result.stats),
                        calibration_ranges(graph, space.part, refs), graph.weights, headroom=options.headroom)
     return CompileResult(plan, chosen.program, space, result)
+
+
+PROBES = ("FP32 everywhere", "TF32 flag", "BF16 autocast", "FP16 autocast")  # the headroom's probe programs
+
+
+def choose_headroom(graph: Graph, budget: Budget, calibration, refs, space: SearchSpace,
+                    override: float | None) -> HeadroomEstimate:
+    """The override when given, else the margin measured on split calibration batches (error/headroom.py)
+    with the peer baselines as probes."""
+    if override is not None:
+        return HeadroomEstimate(override, "override")
+    if len(calibration) < 2:
+        return estimate_headroom([])
+    probe = Judge(graph, budget, list(calibration), use_static=False, references=refs, use_prediction=False)
+    genomes = _baseline_genomes(space)
+    return estimate_headroom([probe.batch_ratios(space.program(genomes[n])) for n in PROBES if n in genomes])
 
 
 def _stable_stats(stats: dict) -> dict:

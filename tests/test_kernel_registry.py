@@ -196,7 +196,7 @@ def test_compile_evaluates_the_fp64_reference_once_per_batch(monkeypatch):
         if getattr(mod, "__name__", "").startswith("luminal_num") and getattr(mod, "evaluate_nodes", None) is original:
             monkeypatch.setattr(mod, "evaluate_nodes", counted)
     res = compile(model.graph, Budget.parse("atol=1e-3,rtol=1e-3"), "h200", batches,
-                  SearchOptions(seed=0, max_candidates=6, progress=False), space=space)
+                  SearchOptions(seed=0, max_candidates=6, progress=False, headroom=0.5), space=space)
     assert len(calls) == len(batches)
     assert res.program is res.search.chosen.program  # the judged program is the plan's: no second lowering
     v = res.search.chosen.verdict

@@ -147,7 +147,7 @@ def test_budget_below_fp32_error_is_unreachable_with_best_error_reported(job, sp
     evaluated = info.value.result.evaluated
     # verdicts are judged on the budget scaled by the headroom; the message reports the user's scale,
     # from measured candidates (not the per-group screening estimates)
-    h = OPTIONS.headroom
+    h = info.value.result.stats["headroom"]
     best = min(e.verdict.error for e in evaluated if np.isfinite(e.verdict.error) and e.verdict.source != "groups") * h
     match = re.search(r"best error reachable is an allclose ratio of (\S+) \(", str(info.value))
     assert match, str(info.value)
@@ -269,3 +269,83 @@ def test_the_private_egglog_serializer_keeps_its_signature_and_format():
     node = next(n for n in data["nodes"].values() if n["op"] == "KExt")
     assert {"op", "children", "eclass"} <= set(node) and len(node["children"]) == 2
     assert data["class_data"][node["eclass"]]["type"] == "luminal_num.search.egraph.T"
+
+
+# -- 5. a search that uses its budget ---------------------------------------------------------------------
+
+def test_uniform_gemm_recipes_are_tried_first_and_sit_on_the_front(job, space):
+    """Every Gemm variant class is tried on all Gemms at once before any single change; a passing
+    uniform recipe is either on the front or beaten on both axes by something that is."""
+    budget = Budget.parse(BUDGETS[-1])
+    searcher = Searcher(space, Judge(job.graph, budget, list(job.calibration)), OPTIONS, job.calibration[0])
+    result = searcher.run()
+    stages = [e.stage for e in result.evaluated]
+    first_other = min(i for i, s in enumerate(stages) if s not in ("baseline", "uniform"))
+    assert "uniform" in stages and max(i for i, s in enumerate(stages) if s == "uniform") < first_other
+    gemm_knobs = {(gk, k.cls) for gk, ks in space.knobs.items() for k in ks if "gemm:bf16" in k.tags}
+    uniform = {e.label: e for e in result.evaluated if e.stage == "uniform"}
+    assert {(g, c) for g, c, _ in uniform["f16 on every Gemm"].genome} == gemm_knobs
+    front = searcher.front()
+    for e in uniform.values():
+        if e.verdict.passed:
+            assert e in front or any(q.latency_s <= e.latency_s and q.verdict.error <= e.verdict.error
+                                     for q in front), e.label
+
+
+@settings(max_examples=3, deadline=None)
+@given(st.floats(-4.0, -2.0), st.lists(st.floats(0.1, 1.5), min_size=2, max_size=2))
+def test_chosen_latency_never_rises_as_the_budget_loosens(job, space, log_tol, steps):
+    """Nested budgets (each looser than the last): the chosen plan's latency never increases."""
+    tols = [10.0 ** log_tol]
+    for s in steps:
+        tols.append(tols[-1] * 10.0 ** s)
+    latencies = [compile_plan(job.graph, Budget(t, t), TARGET, job.calibration, OPTIONS, space=space)
+                 .search.chosen.latency_s for t in tols]
+    assert latencies == sorted(latencies, reverse=True), dict(zip(tols, latencies))
+
+
+# -- 6. predicted verdicts --------------------------------------------------------------------------------
+
+def test_front_and_chosen_plan_stand_on_measurements_and_predictions_track_them(job, space):
+    """Multi-change candidates are decided from the first-order sum of their changes' measured output
+    errors; every front member and the chosen plan is then measured end to end, and the prediction of
+    each measured candidate lies within a factor 2 of the measurement (or widened the margin)."""
+    budget = Budget.parse(BUDGETS[-1])
+    judge = Judge(job.graph, budget, list(job.calibration))
+    searcher = Searcher(space, judge, SearchOptions(seed=0, max_candidates=60, progress=False), job.calibration[0])
+    result = searcher.run()
+    assert result.stats["predicted"] > 0
+    assert all(e.verdict.source != "predicted" for e in searcher.front())
+    assert result.chosen.verdict.source != "predicted"
+    pairs = [(p, m) for p, m in judge.predictor.observed if np.isfinite(p) and np.isfinite(m) and m > 1e-3]
+    assert pairs, "no prediction was checked against a measurement"
+    inside = sum(0.5 <= m / p <= 2.0 for p, m in pairs)
+    assert inside >= 0.9 * len(pairs) or judge.stats.mismatches > 0, pairs
+
+
+def test_prediction_of_two_changes_matches_their_measurement(job, space):
+    """Differential: y(a+b) - ref measured end to end vs (y(a) - ref) + (y(b) - ref), each measured."""
+    budget = Budget.parse(BUDGETS[-1])
+    judge = Judge(job.graph, budget, list(job.calibration))
+    gemms = [(gk, k.cls) for gk, ks in space.knobs.items() for k in ks if "gemm:bf16" in k.tags][:2]
+    a, b = ((g, c, "gemm:bf16") for g, c in gemms)
+    for ch in (a, b):
+        judge.judge(space.program([ch]), frozenset([ch]))
+    p = judge.predictor.predict([a, b])
+    measured, _ = judge._measure(space.program([a, b]))
+    assert 0.5 <= measured.ratio / p.ratio <= 2.0, (p.ratio, measured.ratio)
+
+
+def test_prediction_band_follows_observed_accuracy():
+    """The band starts at 2x, widens on a mismatch, and after SETTLE checks is WIDEN x the worst ratio."""
+    from luminal_num.error.predict import MIN_MARGIN, SETTLE, WIDEN, DeltaPredictor
+    p = DeltaPredictor(Budget(1e-3, 0.0), Budget(1e-3, 0.0), [])
+    p.observe(1.0, 3.0)
+    assert p.mismatches == 1 and p.margin == pytest.approx(3.0 * WIDEN)
+    for _ in range(SETTLE):
+        p.observe(1.0, 1.05)
+    assert p.margin == pytest.approx(3.0 * WIDEN)  # the worst observed ratio still counts
+    q = DeltaPredictor(Budget(1e-3, 0.0), Budget(1e-3, 0.0), [])
+    for _ in range(SETTLE):
+        q.observe(1.0, 1.02)
+    assert q.margin == pytest.approx(max(MIN_MARGIN, WIDEN * 1.02)) and q.mismatches == 0

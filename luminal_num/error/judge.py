@@ -19,6 +19,7 @@ from .budget import Budget
 from .groups import GroupEstimator
 from .interval import Interval
 from .metrics import max_abs
+from .predict import DeltaPredictor, Prediction, budget_ratio
 from .reference import Fp64Reference, references
 from .static import static_bound
 
@@ -34,6 +35,7 @@ class Verdict:
     bound: float | None  # largest static error bound (None when not computed)
     reason: str
     budget_error: float = float("nan")  # the same ratio against the user's budget (what plans report)
+    ratio: float = float("nan")  # share of the gate used over allclose and every metric (predict.budget_ratio)
 
 
 @dataclass
@@ -43,10 +45,14 @@ class GateStats:
     groups: int = 0      # rejected by the composed per-group estimate (no end-to-end run)
     measured: int = 0    # end-to-end measurements
     pruned: int = 0
+    predicted: int = 0   # decided by the first-order composition of measured single changes
+    confirmed: int = 0   # predicted verdicts re-measured end to end (front and chosen plan)
+    mismatches: int = 0  # measurements outside the prediction's band (each widened the margin)
 
     def as_dict(self) -> dict[str, int]:
-        return dict(cache=self.cache, static=self.static, groups=self.groups, measured=self.measured,
-                    pruned=self.pruned)
+        return dict(cache=self.cache, static=self.static, groups=self.groups, predicted=self.predicted,
+                    measured=self.measured, pruned=self.pruned, confirmed=self.confirmed,
+                    mismatches=self.mismatches)
 
 
 SCREEN_FACTOR = 4.0  # the group estimate runs ~1-2x above the true error: 4x over budget is a sure failure
@@ -75,6 +81,7 @@ class Judge:
     stats: GateStats = field(default_factory=GateStats)
     cache: dict[str, Verdict] = field(default_factory=dict)
     bad_changes: dict[Change, str] = field(default_factory=dict)
+    use_prediction: bool = True  # decide multi-change candidates from their measured single changes
 
     def __post_init__(self):
         if not self.calibration:
@@ -92,11 +99,18 @@ class Judge:
                        for inp in self.calibration]
         self.bindings = [r.bindings for r in self.references]
         self.static_note = ""
+        self.predictor = DeltaPredictor(self.gate, self.budget, self.refs) if self.use_prediction else None
+        self.pending: dict[str, Prediction] = {}  # program key -> the prediction a measurement checks
+        self.key_change: dict[str, Change] = {}   # program key -> the single change whose errors it holds
 
-    def judge(self, program: Program, changes: frozenset[Change] = frozenset(), candidates=None) -> Verdict:
+    def judge(self, program: Program, changes: frozenset[Change] = frozenset(), candidates=None,
+              predict: bool = True) -> Verdict:
         key = program_key(program)
         if key in self.cache:
             self.stats.cache += 1
+            src = self.key_change.get(key)
+            if len(changes) == 1 and src is not None:  # the same program as a measured single change
+                self.predictor.deltas.setdefault(next(iter(changes)), self.predictor.deltas[src])
             return self.cache[key]
         bad = sorted(c for c in changes if c in self.bad_changes)
         if bad:
@@ -114,10 +128,46 @@ class Judge:
             self.use_static = certified
             self.static_note = ("static bounds certify the FP32 baseline: static stage on" if certified else
                                 "static bounds do not certify the FP32 baseline: measurement decides")
+        if v is None and predict and self.predictor is not None and len(changes) >= 2:
+            v = self._predict(key, changes)
         if v is None and self.estimator is not None and candidates is not None:
             v = self._screen(candidates)
         if v is None:
-            v = self._measure(program)
+            single = self.predictor is not None and len(changes) == 1
+            v, outs = self._measure(program, keep_outputs=single)
+            if outs is not None:
+                self.predictor.record(next(iter(changes)), outs)
+                self.key_change[key] = next(iter(changes))
+            self._observe(key, v)
+        self.cache[key] = v
+        return v
+
+    def _observe(self, key: str, measured: Verdict) -> None:
+        if key in self.pending:
+            before = self.predictor.mismatches
+            self.predictor.observe(self.pending[key].ratio, measured.ratio)
+            self.stats.mismatches += self.predictor.mismatches - before
+
+    def _predict(self, key: str, changes) -> Verdict | None:
+        p = self.predictor.predict(changes)
+        if p is None:
+            return None
+        decided = self.predictor.decides(p)
+        if decided is None:
+            self.pending[key] = p  # too close to call: measured, and the measurement checks the composition
+            return None
+        self.pending[key] = p
+        self.stats.predicted += 1
+        return Verdict(decided, "predicted", p.allclose, np.nan, None,
+                       f"predicted from the changes' measured errors (margin {self.predictor.margin:.3g}): {p.reason}",
+                       p.user, p.ratio)
+
+    def confirm(self, program: Program) -> Verdict:
+        """Measure a predicted candidate end to end (finalists); the result replaces the prediction."""
+        key = program_key(program)
+        v, _ = self._measure(program)
+        self.stats.confirmed += 1
+        self._observe(key, v)
         self.cache[key] = v
         return v
 
@@ -162,16 +212,28 @@ class Judge:
         self.stats.static += 1
         return Verdict(True, "static", worst, np.nan, bound, f"certified: static bound ratio {worst!r} <= 1", user)
 
-    def _measure(self, program: Program) -> Verdict:
+    def batch_ratios(self, program: Program) -> list[float]:
+        """The share of the user's budget the program uses on each calibration batch (all metrics)."""
+        rt = CpuRuntime(program, self.graph.weights)
+        return [budget_ratio(self.budget, self.budget.check(rt.run(inp).outputs, ref))
+                for inp, ref in zip(self.calibration, self.refs)]
+
+    def _measure(self, program: Program, keep_outputs: bool = False) -> tuple[Verdict, list | None]:
+        """End to end on every batch (stopping at the first failing one unless `keep_outputs`); the
+        outputs of all batches come back when kept and complete."""
         self.stats.measured += 1
         rt = CpuRuntime(program, self.graph.weights)
-        worst, user, worst_abs, reason, passed = 0.0, 0.0, 0.0, "", True
+        worst, user, worst_abs, reason, passed, ratio = 0.0, 0.0, 0.0, "", True, 0.0
+        outs: list | None = [] if keep_outputs else None
         for inp, ref in zip(self.calibration, self.refs):
             try:
                 out = rt.run(inp).outputs
             except (ValueError, FloatingPointError) as exc:  # e.g. a REJECT overflow policy
-                return Verdict(False, "measured", np.inf, np.inf, None, f"run failed: {exc}", np.inf)
+                return Verdict(False, "measured", np.inf, np.inf, None, f"run failed: {exc}", np.inf, np.inf), None
+            if outs is not None:
+                outs.append(out)
             verdict = self.gate.check(out, ref)
+            ratio = max(ratio, budget_ratio(self.gate, verdict))
             user = max(user, self.budget.check(out, ref).worst_allclose)
             names = self.gate.outputs or tuple(ref)
             worst_abs = max([worst_abs] + [float(max_abs(out[n], ref[n])) for n in names])
@@ -179,8 +241,9 @@ class Judge:
                 worst, reason = verdict.worst_allclose, verdict.reason
             if not verdict.passed:
                 passed, reason = False, verdict.reason
-                break
-        return Verdict(passed, "measured", worst, worst_abs, None, reason, user)
+                if outs is None:
+                    break
+        return Verdict(passed, "measured", worst, worst_abs, None, reason, user, ratio), outs
 
 
 def _screen_ratio(err: float, tol: float) -> float:

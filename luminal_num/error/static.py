@@ -39,8 +39,11 @@ class Overflow:
     label: str
     fmt: str
     magnitude: float
+    detail: str = ""  # why, when the limit is not the format's max finite (a weight its storage cannot hold)
 
     def message(self) -> str:
+        if self.detail:
+            return f"overflow: kernel {self.kernel} ({self.label}) cannot be held in {self.fmt}: {self.detail}"
         return (f"overflow: kernel {self.kernel} ({self.label}) stores values of magnitude >= {self.magnitude:.6g} "
                 f"in {self.fmt} (max finite {Format_max(self.fmt):.6g})")
 
@@ -257,7 +260,11 @@ class StaticAnalyzer:
         iv = inputs[k.external]
         shape = self._shape(k)
         if k.storage is not None:  # a weight held in a storage format: its exact storage error
-            return stored_weight_value(iv, k.storage, shape)
+            try:
+                return stored_weight_value(iv, k.storage, shape)
+            except ValueError as exc:  # its scales do not fit their format: the run would refuse it too
+                magnitude = float(np.max(np.abs(iv.lo))) if iv.lo.size else 0.0
+                raise _Overflowed(Overflow(k.id, k.label or k.external, k.storage, magnitude, str(exc))) from None
         iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
         if k.dtype.kind is not Kind.FLOAT:
             return _Val(iv, np.zeros(shape))

@@ -6,6 +6,7 @@ logical dtype and the chunk it belongs to (`graph_break()` starts a new chunk).
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -27,6 +28,10 @@ class Graph:
     chunk: int = 0
     matmuls: list[int] = field(default_factory=list)  # SumReduce ids built by matmul() (test ground truth)
     _consts: dict[tuple, int] = field(default_factory=dict, repr=False)
+    # node id -> (framework-level op name, instance number): which user-level op (layer_norm, gelu, matmul,
+    # ...) a primop belongs to, outermost op wins; peer recipes (PyTorch autocast) read it, nothing else does
+    op_scopes: dict[int, tuple[str, int]] = field(default_factory=dict, repr=False)
+    _scope_stack: list[tuple[str, int]] = field(default_factory=list, repr=False)
 
     # -- building -----------------------------------------------------------------------------
     def add(self, op: Op, srcs: Iterable[Source], shape: tuple[Dim, ...], dtype: Format,
@@ -44,7 +49,18 @@ class Graph:
                 raise ValueError(f"source node {s.node} does not exist")
         node = Node(len(self.nodes), op, srcs, tuple(shape), dtype, attrs, self.chunk)
         self.nodes.append(node)
+        if self._scope_stack and op is not Op.CONSTANT:  # constants are shared, they belong to no op
+            self.op_scopes[node.id] = self._scope_stack[0]
         return node.id
+
+    @contextmanager
+    def op_scope(self, name: str):
+        """Nodes added inside belong to one instance of the user-level op `name` (not structural)."""
+        self._scope_stack.append((name, len(self.nodes)))
+        try:
+            yield
+        finally:
+            self._scope_stack.pop()
 
     def input(self, name: str, shape, dtype: Format = F32, value_range=None):
         return GraphTensor._input(self, name, shape, dtype, value_range, weight=None)

@@ -5,6 +5,7 @@ of the primops, so later stages only ever see the ~20 HLIR ops.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -16,6 +17,17 @@ from .node import InputInfo, Source
 from .ops import CUSTOM_KINDS, Op
 from .shape import ShapeTracker
 from .symbolic import Dim, as_dim, is_const, prod
+
+def _user_op(name: str):
+    """Record the primops a method adds as one instance of the framework op `name` (Graph.op_scopes)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(self, *args, **kwargs):
+            with self.graph.op_scope(name):
+                return fn(self, *args, **kwargs)
+        return inner
+    return wrap
+
 
 if TYPE_CHECKING:  # annotations only: graph.py imports this module to return GraphTensors
     from .graph import Graph
@@ -134,10 +146,15 @@ class GraphTensor:
     def __radd__(self, o): return self._binary(Op.ADD, o, reverse=True)
     def __mul__(self, o): return self._binary(Op.MUL, o)
     def __rmul__(self, o): return self._binary(Op.MUL, o, reverse=True)
+    @_user_op("neg")
     def __neg__(self): return self * -1.0
+    @_user_op("sub")
     def __sub__(self, o): return self + (-self._lift(o))
+    @_user_op("rsub")
     def __rsub__(self, o): return self._lift(o) + (-self)
+    @_user_op("div")
     def __truediv__(self, o): return self * self._lift(o).recip()
+    @_user_op("__rtruediv__")
     def __rtruediv__(self, o): return self._lift(o) * self.recip()
     def __mod__(self, o): return self._binary(Op.MOD, o)
     def __lt__(self, o): return self._binary(Op.LESS_THAN, o)
@@ -148,14 +165,22 @@ class GraphTensor:
     def sin(self): return self._unary(Op.SIN)
     def recip(self): return self._unary(Op.RECIP)
     def sqrt(self): return self._unary(Op.SQRT)
+    @_user_op("exp")
     def exp(self): return (self * LOG2_E).exp2()
+    @_user_op("log")
     def log(self): return self.log2() * LN_2
+    @_user_op("cos")
     def cos(self): return (self + math.pi / 2).sin()
+    @_user_op("rsqrt")
     def rsqrt(self): return self.sqrt().recip()
+    @_user_op("square")
     def square(self): return self * self
+    @_user_op("sigmoid")
     def sigmoid(self): return ((-self).exp() + 1.0).recip()
     def tanh(self): return self.custom("tanh")  # one op: exact reference, tight static slope, CUDA tanhf
+    @_user_op("relu")
     def relu(self): return self * (self > 0.0)
+    @_user_op("maximum")
     def maximum(self, o):
         o = self._lift(o)
         gt = self > o
@@ -187,6 +212,7 @@ class GraphTensor:
     def sum(self, axis=-1, keepdim: bool = False): return self._reduce(Op.SUM_REDUCE, axis, keepdim)
     def max(self, axis=-1, keepdim: bool = False): return self._reduce(Op.MAX_REDUCE, axis, keepdim)
 
+    @_user_op("mean")
     def mean(self, axis=-1, keepdim: bool = False):
         axes = (axis,) if isinstance(axis, int) else tuple(range(self.ndim)) if axis is None else axis
         n = prod(self.shape[a] for a in axes)
@@ -197,6 +223,7 @@ class GraphTensor:
         return self._node(Op.SOFTMAX, [self], self.shape, axis=axis % self.ndim)
 
     # -- linear algebra -----------------------------------------------------------------------
+    @_user_op("matmul")
     def matmul(self, other: "GraphTensor") -> "GraphTensor":
         """(..., m, k) @ (..., k, n) as Mul over broadcast views + SumReduce over k."""
         a, b = self, other
@@ -217,6 +244,7 @@ class GraphTensor:
     __matmul__ = matmul
 
     # -- norms and activations ----------------------------------------------------------------
+    @_user_op("layer_norm")
     def layer_norm(self, weight=None, bias=None, eps: float = 1e-5, axis: int = -1) -> "GraphTensor":
         xc = self - self.mean(axis, keepdim=True)
         y = xc * (xc.square().mean(axis, keepdim=True) + eps).rsqrt()
@@ -224,10 +252,12 @@ class GraphTensor:
             y = y * weight
         return y + bias if bias is not None else y
 
+    @_user_op("rms_norm")
     def rms_norm(self, weight=None, eps: float = 1e-6, axis: int = -1) -> "GraphTensor":
         y = self * (self.square().mean(axis, keepdim=True) + eps).rsqrt()
         return y * weight if weight is not None else y
 
+    @_user_op("gelu")
     def gelu(self, approximate: str = "tanh") -> "GraphTensor":
         if approximate == "tanh":
             inner = (self + self * self.square() * 0.044715) * math.sqrt(2.0 / math.pi)
@@ -236,6 +266,7 @@ class GraphTensor:
             return self * 0.5 * ((self * (1.0 / math.sqrt(2.0))).erf() + 1.0)
         raise ValueError(f"gelu approximate must be 'tanh' or 'none', got {approximate!r}")
 
+    @_user_op("silu")
     def silu(self) -> "GraphTensor":
         return self * self.sigmoid()
 

@@ -155,9 +155,13 @@ class _Builder:
     def mean_pool_normalize(self, x: GraphTensor, pool_weights: GraphTensor) -> GraphTensor:
         """Masked mean over tokens as a batched (1, seq) @ (seq, hidden) matmul, then x / ||x||_2."""
         hidden = self.config.hidden_size
-        pooled = (pool_weights.reshape(self.batch, 1, self.seq) @ x.reshape(self.batch, self.seq, hidden))
+        # sentence-transformers computes these as torch.sum(x * mask, 1) / count and F.normalize: the
+        # op scopes say so, for peer recipes that follow PyTorch's op lists (search/recipes.py)
+        with x.graph.op_scope("sum"):
+            pooled = (pool_weights.reshape(self.batch, 1, self.seq) @ x.reshape(self.batch, self.seq, hidden))
         pooled = pooled.reshape(self.batch, hidden)
-        return pooled * pooled.square().sum(-1, keepdim=True).rsqrt()
+        with x.graph.op_scope("normalize"):
+            return pooled * pooled.square().sum(-1, keepdim=True).rsqrt()
 
 
 def build_bert(config: BertConfig, weights: Mapping[str, np.ndarray], batch: int, seq: int) -> BertModel:

@@ -6,18 +6,22 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..search.plan import scales_path
+from ..search.plan import scales_path, weights_path
 from .files import atomic_files
+from .layer_map import write_layer_map
 from .pareto import CSV_NAME, ERROR_COLUMN, HTML_NAME, PNG_NAME, write_op_table, write_pareto_report
 
 PLAN_NAME, OPS_NAME = "plan.json", "plan_ops.csv"
-COMPILE_FILES = (CSV_NAME, PNG_NAME, HTML_NAME, OPS_NAME, PLAN_NAME, scales_path(PLAN_NAME).name)
+LAYER_CSV, LAYER_PNG = "layer_map.csv", "layer_map.png"
+COMPILE_FILES = (CSV_NAME, PNG_NAME, HTML_NAME, OPS_NAME, PLAN_NAME, LAYER_CSV, LAYER_PNG,
+                 scales_path(PLAN_NAME).name, weights_path(PLAN_NAME).name)
 INTERRUPTED_KEY = "interrupted"  # plan.json field marking a partial result (the search was stopped)
 
 
 def candidate_rows(result) -> pd.DataFrame:
     """One row per evaluated candidate (baselines labelled, the chosen plan marked)."""
     chosen_id = result.search.chosen.id if result.search.chosen is not None else -1
+    sources = result.search.stats.get("baseline_sources", {})  # what each labelled baseline follows
     rows = []
     for e in result.search.evaluated:
         label = e.label if e.stage == "baseline" else ""
@@ -29,7 +33,8 @@ def candidate_rows(result) -> pd.DataFrame:
                      "latency_s": e.latency_s, "latency_source": e.latency.source if e.latency else "not profiled",
                      "verdict_source": e.verdict.source, "passes": bool(e.verdict.passed), "label": label,
                      "stage": e.stage, "changes": len(tags), "max_abs": e.verdict.max_abs,
-                     "variants": " ".join(sorted(set(tags))) or "fp32", "reason": e.verdict.reason})
+                     "variants": " ".join(sorted(set(tags))) or "fp32", "reason": e.verdict.reason,
+                     "source": sources.get(e.label, "") if e.stage == "baseline" else ""})
     return pd.DataFrame(rows)
 
 
@@ -54,5 +59,8 @@ def write_compile_report(result, out_dir: str | Path, title: str, interrupted: s
                             error_label="allclose ratio vs FP64 (<= 1 is within the budget)")
         write_op_table(staging / OPS_NAME, pd.DataFrame(result.plan.data["kernels"]))
         result.plan.save(staging / PLAN_NAME)
-    files = {"csv": CSV_NAME, "png": PNG_NAME, "html": HTML_NAME, "ops": OPS_NAME, "plan": PLAN_NAME}
+        layers = write_layer_map(result.program, [[c.index for c in g.chunks] for g in result.space.part.groups],
+                                 staging)
+    files = {"csv": CSV_NAME, "png": PNG_NAME, "html": HTML_NAME, "ops": OPS_NAME, "plan": PLAN_NAME,
+             **{key: path.name for key, path in layers.items()}}
     return {key: out_dir / name for key, name in files.items()}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Union
 
 import numpy as np
@@ -55,6 +55,7 @@ class ChoiceSpace:
     roots: tuple[tuple[int, str], ...]   # (local node index of an exported value, e-class)
     class_view: dict[str, int]           # e-class -> id of the identity view of its value (its shape)
     class_origin: dict[str, str]         # e-class -> the HLIR op it implements (for messages, op tables)
+    class_node: dict[str, int] = field(default_factory=dict)  # e-class -> HLIR node id (representative chunk)
 
     @property
     def n_classes(self) -> int:
@@ -127,7 +128,11 @@ def read_choice_space(serialized_json: str, root_relation: str) -> ChoiceSpace:
     # deterministic order of alternatives (the serializer's order is not part of the contract)
     ordered = {cid: tuple(sorted(ns, key=lambda n: (n.op, repr(n.children)))) for cid, ns in sorted(classes.items())}
     origin = {cid: "/".join(sorted(ops)) for cid, ops in origins.items()}
-    return ChoiceSpace(ordered, tuple(sorted(roots)), class_view, origin)
+    # egglog names each bound HLIR term's class after its lets (`$n<node id>, ...`, see encode.encode_chunk);
+    # a class holding several nodes' values is named after the first (the value's own computation)
+    node_of = {cid: min(int(x.strip()[2:]) for x in str(d["let"]).split(","))
+               for cid, d in class_data.items() if str(d.get("let", "")).startswith("$n")}
+    return ChoiceSpace(ordered, tuple(sorted(roots)), class_view, origin, node_of)
 
 
 class _Picker:

@@ -1,14 +1,176 @@
-"""Precision recipes users pick today, as genomes over a search space (labelled baselines).
+"""Peer recipes, op by op: what PyTorch's autocast (CUDA and CPU) and the TF32 matmul flag run, as
+genomes of our search space, so a baseline is the tool it names and not a guess at it.
 
-A recipe is a set of tags; its genome takes, for every knob, the first of the knob's tags in the set
-(weights get their storage format, Gemms their variant), so a recipe applies wherever it can.
+PyTorch autocast (torch.amp docs, "Autocast Op Reference"): an op on the lower-precision list casts its
+floating inputs to the low type and returns it; an op on the FP32 list casts them to FP32; any other op
+runs in the widest floating type of its tensor inputs (0-d tensors and Python scalars do not promote).
+Inside one op PyTorch computes in FP32 ("opmath") and rounds only its outputs. The user-level op of
+each HLIR node comes from `Graph.op_scopes` (recorded by the GraphTensor methods); a bare primop is the
+PyTorch op of the same name. A Linear (`x @ W + b`) is one addmm: the bias add belongs to the matmul.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
+from ..hlir.graph import Graph
+from ..hlir.ops import Op
 from .space import Genome, SearchSpace
 
+# -- the lists, as published (torch.amp docs: "CUDA Ops that can autocast to float16" / "... to float32",
+#    "CPU Ops that can autocast to bfloat16" / "... to float32"; loss functions omitted: no graph has them)
+CUDA_LOW = frozenset({
+    "__matmul__", "addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm", "chain_matmul", "multi_dot", "conv1d",
+    "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "GRUCell", "linear",
+    "LSTMCell", "matmul", "mm", "mv", "prelu", "RNNCell"})
+CUDA_F32 = frozenset({
+    "__pow__", "__rdiv__", "__rpow__", "__rtruediv__", "acos", "asin", "cosh", "cdist", "cosine_similarity",
+    "cumprod", "cumsum", "dist", "erfinv", "exp", "expm1", "group_norm", "layer_norm", "log", "log_softmax",
+    "log10", "log1p", "log2", "norm", "normalize", "pdist", "pow", "prod", "reciprocal", "rsqrt", "sinh",
+    "softmax", "softmin", "softplus", "sum", "renorm", "tan"})
+CPU_LOW = frozenset({
+    "conv1d", "conv2d", "conv3d", "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm", "addbmm", "linear",
+    "_convolution", "matmul", "conv_tbc", "mkldnn_rnn_layer", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "prelu", "scaled_dot_product_attention", "_native_multi_head_attention"})
+CPU_F32 = frozenset({
+    "avg_pool3d", "binary_cross_entropy", "grid_sampler", "polar", "prod", "quantile", "nanquantile", "stft",
+    "cdist", "trace", "view_as_complex", "cholesky", "cholesky_inverse", "cholesky_solve", "inverse",
+    "lu_solve", "orgqr", "ormqr", "pinverse", "max_pool3d", "max_unpool2d", "max_unpool3d",
+    "adaptive_avg_pool3d", "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d",
+    "replication_pad3d", "fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "geqrf", "qr", "svd",
+    "triangular_solve", "fractional_max_pool2d", "fractional_max_pool3d", "adaptive_max_pool3d"})
+
+# A bare primop is the PyTorch op of the same meaning.
+PRIMOP_NAME = {Op.ADD: "add", Op.MUL: "mul", Op.RECIP: "reciprocal", Op.SQRT: "sqrt", Op.EXP2: "exp2",
+               Op.LOG2: "log2", Op.SIN: "sin", Op.SUM_REDUCE: "sum", Op.MAX_REDUCE: "amax",
+               Op.SOFTMAX: "softmax", Op.MOD: "remainder", Op.LESS_THAN: "lt", Op.CAST: "to",
+               Op.GATHER: "embedding", Op.SCATTER: "index_copy", Op.IOTA: "arange"}
+
+LOW, FP32 = "low", "f32"
+
+
+@dataclass(frozen=True)
+class Autocast:
+    """One autocast configuration: its lists, its low type's tags in our space, and its source."""
+
+    name: str
+    low_list: frozenset[str]
+    f32_list: frozenset[str]
+    gemm_tag: str
+    store_tags: dict[str, str]  # knob kind -> tag storing a value in the low type (computed in FP32)
+    source: str
+
+
+_SRC = "PyTorch torch.amp docs, Autocast Op Reference: "
+CUDA_BF16 = Autocast("BF16 autocast", CUDA_LOW, CUDA_F32, "gemm:bf16",
+                     {"ew": "ew:bf16_computef32", "sum": "sum:bf16_accf32", "softmax": "softmax:bf16"},
+                     _SRC + "torch.autocast('cuda', dtype=torch.bfloat16), CUDA op lists")
+CUDA_F16 = Autocast("FP16 autocast", CUDA_LOW, CUDA_F32, "gemm:f16",
+                    {"ew": "ew:f16_computef32", "sum": "sum:f16_accf32"},
+                    _SRC + "torch.autocast('cuda', dtype=torch.float16), CUDA op lists")
+CPU_BF16 = Autocast("BF16 autocast (CPU)", CPU_LOW, CPU_F32, "gemm:bf16",
+                    {"ew": "ew:bf16_computef32", "sum": "sum:bf16_accf32", "softmax": "softmax:bf16"},
+                    _SRC + "torch.autocast('cpu', dtype=torch.bfloat16), CPU op lists")
+AUTOCASTS = (CUDA_BF16, CUDA_F16, CPU_BF16)
+TF32_SOURCE = ("PyTorch torch.set_float32_matmul_precision('high'): FP32 matmuls (mm, bmm, linear) in TF32, "
+               "everything else FP32")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    genome: Genome
+    source: str
+    gaps: tuple[str, ...]  # values the recipe wants in a format the search space cannot express there
+
+
+def user_ops(graph: Graph) -> dict[int, tuple[str, int]]:
+    """Node id -> (PyTorch op name, instance id); a Linear's bias add joins its matmul as `linear`."""
+    out = {n.id: graph.op_scopes.get(n.id) or (PRIMOP_NAME.get(n.op, n.op.name.lower()), n.id) for n in graph.nodes}
+    for n in graph.nodes:
+        if n.op is Op.ADD and n.id not in graph.op_scopes and len(n.srcs) == 2:
+            a, b = (graph.nodes[s.node] for s in n.srcs)
+            for mm, bias in ((a, b), (b, a)):
+                if out[mm.id][0] == "matmul" and bias.op is Op.INPUT and graph.inputs[bias.attr("name")].is_weight:
+                    inst = ("linear", out[mm.id][1])
+                    for k, v in list(out.items()):
+                        if v == out[mm.id]:
+                            out[k] = inst
+                    out[n.id] = inst
+                    break
+    return out
+
+
+def autocast_dtypes(graph: Graph, lists: Autocast) -> tuple[dict[int, str], set[int]]:
+    """(value dtype of every floating node: LOW or FP32, the nodes that are outputs of their op)."""
+    ops = user_ops(graph)
+    consumers = graph.consumers()
+    members: dict[tuple, list[int]] = {}
+    for nid in range(len(graph.nodes)):
+        members.setdefault(ops[nid], []).append(nid)
+    dtype: dict[int, str] = {}
+    exits: set[int] = set()
+    for inst, nids in sorted(members.items(), key=lambda kv: kv[1][0]):
+        inside = set(nids)
+        name = inst[0]
+        ins = {dtype.get(s.node) for n in nids for s in graph.nodes[n].srcs if s.node not in inside
+               and graph.nodes[s.node].shape != ()}  # 0-d tensors do not take part in promotion
+        if name in lists.low_list:
+            dt = LOW
+        elif name in lists.f32_list:
+            dt = FP32
+        else:
+            dt = FP32 if FP32 in ins or LOW not in ins else LOW
+        for n in nids:
+            node = graph.nodes[n]
+            if not node.dtype.is_float or node.op is Op.OUTPUT:
+                continue
+            if node.op in (Op.INPUT, Op.CONSTANT, Op.IOTA):
+                dtype[n] = FP32  # the model's parameters and inputs are FP32
+                continue
+            out = any(c not in inside or graph.nodes[c].op is Op.OUTPUT for c in consumers.get(n, []))
+            dtype[n] = dt if out else FP32  # inside one op PyTorch computes in FP32
+            if out:
+                exits.add(n)
+    return dtype, exits
+
+
+def autocast_recipe(space: SearchSpace, lists: Autocast) -> Recipe:
+    graph = space.graph
+    dtype, exits = autocast_dtypes(graph, lists)
+    ops = user_ops(graph)
+    matmuls = set(graph.matmuls)
+    genome, gaps = set(), []
+    for gk, ks in space.knobs.items():
+        node_of = space.groups[gk].space.class_node
+        for k in ks:
+            nid = node_of.get(k.cls)
+            if nid is None:
+                continue
+            want = None
+            if nid in matmuls and ops[nid][0] in lists.low_list:
+                want = lists.gemm_tag
+            elif nid in exits and dtype.get(nid) == LOW:
+                kinds = {t.split(":")[0] for t in k.tags[1:]}
+                want = next((lists.store_tags[kd] for kd in ("ew", "sum", "softmax") if kd in kinds
+                             and kd in lists.store_tags), None)
+            if want is None:
+                continue
+            if want in k.tags:
+                genome.add((gk, k.cls, want))
+            else:
+                gaps.append(f"{k.origin} (node {nid}): {want} not in the space")
+    return Recipe(frozenset(genome), lists.source, tuple(gaps))
+
+
+def tf32_recipe(space: SearchSpace) -> Recipe:
+    ops = user_ops(space.graph)  # a matmul the model writes for another op (a pooling sum) is not one
+    matmuls = {n for n in space.graph.matmuls if ops[n][0] in CUDA_LOW}
+    genome = {(gk, k.cls, "gemm:tf32") for gk, ks in space.knobs.items() for k in ks
+              if space.groups[gk].space.class_node.get(k.cls) in matmuls and "gemm:tf32" in k.tags}
+    return Recipe(frozenset(genome), TF32_SOURCE, ())
+
+
+# -- weight-storage recipes (issue 13) ------------------------------------------------------------
 # label -> the tags it sets (a storage format for every 2-D weight and a Gemm variant for every Gemm)
 STORAGE_RECIPES: dict[str, frozenset[str]] = {
     "W8A16 INT8 per-channel": frozenset({"store:int8_channel", "gemm:bf16"}),
@@ -16,6 +178,14 @@ STORAGE_RECIPES: dict[str, frozenset[str]] = {
     "FP8 W8A8 dynamic per-token": frozenset({"store:f8e4m3_channel", "gemm:f8e4m3_channel_prologue"}),
 }
 BF16_WEIGHTS = frozenset({"store:bf16", "gemm:bf16"})  # BF16 weights and BF16 Gemms (no KV-cache format yet)
+STORAGE_SOURCES: dict[str, str] = {
+    "W8A16 INT8 per-channel": "weight-only INT8 (one scale per output channel), BF16 activations and Gemms: "
+                              "TensorRT-LLM / ModelOpt int8 weight-only",
+    "W4A16 INT4 group 128": "weight-only INT4, symmetric, one FP16 scale per 128 weights along K, BF16 activations: "
+                            "the GPTQ / AWQ W4A16 recipe",
+    "FP8 W8A8 dynamic per-token": "FP8 E4M3 weights per output channel, activations scaled per token at run time: "
+                                  "torchao float8 dynamic / ModelOpt FP8",
+}
 
 
 def pick(space: SearchSpace, pred: Callable[[str], bool]) -> Genome:

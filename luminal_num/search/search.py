@@ -16,11 +16,11 @@ from tqdm import tqdm
 from ..codegen.llir import Program
 from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ..quant.storage import STORAGE_FORMATS
-from .recipes import recipe_genomes
 from ..error.judge import Judge, Verdict
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
 from ..runtime.targets import gemm_math, get_target
+from .recipes import AUTOCASTS, STORAGE_SOURCES, TF32_SOURCE, autocast_recipe, recipe_genomes, tf32_recipe
 from .space import Change, Genome, SearchSpace
 
 
@@ -32,8 +32,9 @@ class SearchOptions:
     mutation_changes: int = 2
     target: str = "h200"
     progress: bool = True
-    headroom: float = 0.5          # share of the budget a plan may use on the calibration set (the rest
-                                   # is kept for unseen inputs: audit judges against the full budget)
+    headroom: float | None = None  # share of the budget a plan may use on the calibration set (the rest
+                                   # is kept for unseen inputs: audit judges against the full budget);
+                                   # None: from data (error/headroom.py), a number overrides it
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Evaluated:
     verdict: Verdict
     latency: Latency | None   # None when the gate rejected it (latency is never spent on those)
     label: str = ""
-    stage: str = ""           # baseline | sensitivity | greedy | mutation
+    stage: str = ""           # baseline | uniform | sensitivity | greedy | mutation
     program: Program | None = field(default=None, repr=False, compare=False)  # what was judged (lowered once)
 
     @property
@@ -63,8 +64,9 @@ class SearchResult:
 
 
 def _baseline_genomes(space: SearchSpace) -> dict[str, Genome]:
-    """What users pick today: FP32 everywhere, the global TF32 flag, BF16 by an autocast-style op list
-    (matmuls and pointwise ops in BF16, reductions/norms and softmax in FP32), FP8 everywhere."""
+    """What users pick today, each following the tool it names op by op (sources in BASELINE_SOURCES):
+    FP32 everywhere, PyTorch's TF32 matmul flag, PyTorch autocast BF16/FP16 (CUDA lists) and BF16 (CPU
+    lists), and FP8 E4M3 with per-tensor scales on every Gemm."""
     def pick(pred) -> Genome:
         out = {}
         for gk, ks in space.knobs.items():
@@ -74,10 +76,16 @@ def _baseline_genomes(space: SearchSpace) -> dict[str, Genome]:
                     out[(gk, k.cls)] = tag
         return frozenset((g, c, t) for (g, c), t in out.items())
     return {"FP32 everywhere": frozenset(),
-            "TF32 flag": pick(lambda t: t == "gemm:tf32"),
-            "BF16 autocast": pick(lambda t: t in ("gemm:bf16", "ew:bf16")),
+            "TF32 flag": tf32_recipe(space).genome,
+            **{a.name: autocast_recipe(space, a).genome for a in AUTOCASTS},
             "FP8 everywhere": pick(lambda t: t == "gemm:f8e4m3_tensor"),
             **recipe_genomes(space)}  # weight-storage recipes (W8A16, W4A16, FP8 W8A8)
+
+
+BASELINE_SOURCES = {"FP32 everywhere": "no reduced precision anywhere (PyTorch's default FP32 execution)",
+                    "TF32 flag": TF32_SOURCE, **{a.name: a.source for a in AUTOCASTS},
+                    "FP8 everywhere": "every Gemm in FP8 E4M3 with per-tensor dynamic scales (no peer tool: a bound)",
+                    **STORAGE_SOURCES}
 
 
 class Searcher:
@@ -113,7 +121,7 @@ class Searcher:
         program = self.space.program(genome)
         # baselines are reference points: always measured end to end, never screened by the estimate
         screen = None if stage == "baseline" else self.space.candidates(genome)
-        verdict = self.judge.judge(program, genome, screen)
+        verdict = self.judge.judge(program, genome, screen, predict=stage != "baseline")
         lat = self.latency(program) if (verdict.passed or force_latency) else None
         if verdict.passed and lat is None:  # the target cannot run this variant (FP8 on an A100)
             verdict = dataclasses.replace(verdict, passed=False, reason=f"not supported on target {self.target}")
@@ -131,6 +139,7 @@ class Searcher:
             baselines = {name: self.evaluate(g, "baseline", name, force_latency=True)
                          for name, g in _baseline_genomes(self.space).items()}
             base = baselines["FP32 everywhere"]
+            self.uniform()
             singles = self.sensitivity(base)
             self.greedy(base, singles)
             self.mutate(singles)
@@ -141,13 +150,46 @@ class Searcher:
             interrupted = True
             baselines = {e.label: e for e in self.evaluated if e.stage == "baseline"}
         self.bar.close()
-        passing = [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
-        chosen = choose(passing)
+        # an interrupted search confirms nothing more: its partial plan stands on measurements only
+        chosen = choose([e for e in self.passing() if e.verdict.source != "predicted"]) if interrupted \
+            else self.confirm_finalists()
         stats = {"candidates": len(self.evaluated), "seconds": time.perf_counter() - self.t0,
-                 **self.judge.stats.as_dict()}
+                 **self.judge.stats.as_dict(), "baseline_sources": dict(BASELINE_SOURCES)}
+        if self.judge.predictor is not None:
+            stats["prediction_margin"] = self.judge.predictor.margin
         if interrupted:
             stats["interrupted"] = True
         return SearchResult(self.evaluated, baselines, chosen, stats)
+
+    def uniform(self, per_class: int = 2) -> None:
+        """Each Gemm variant class on every Gemm that has it (its `per_class` most accurate variants),
+        before any single change: the uniform recipes ("BF16 on every Gemm") are always candidates, so
+        they are on the front whenever they pass, whatever the later phases find."""
+        tags = sorted({t for ks in self.space.knobs.values() for k in ks for t in k.tags if t.startswith("gemm:")})
+        for cls_tags in variant_classes(tags, self.target):
+            for tag in cls_tags[:per_class]:
+                genome = frozenset((gk, k.cls, tag) for gk, ks in self.space.knobs.items() for k in ks
+                                   if tag in k.tags)
+                if not self.budget_left():
+                    return
+                self.evaluate(genome, "uniform", f"{tag.split(':', 1)[1]} on every Gemm")
+
+    def confirm_finalists(self) -> Evaluated | None:
+        """Measure end to end every predicted member of the front and the chosen plan, until the front
+        and the choice stand on measurements alone; returns the chosen plan."""
+        while True:
+            chosen = choose(self.passing())
+            todo = {e.id: e for e in self.front() + ([chosen] if chosen else []) if e.verdict.source == "predicted"}
+            if not todo:
+                return chosen
+            for e in todo.values():
+                v = self.judge.confirm(e.program)
+                new = dataclasses.replace(e, verdict=v, latency=e.latency if v.passed else None)
+                self.evaluated[e.id] = new
+                self.seen[e.genome] = new
+
+    def passing(self) -> list[Evaluated]:
+        return [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
 
     def sensitivity(self, base: Evaluated) -> list[Evaluated]:
         """Each change alone against the FP32 baseline; a failure prunes every candidate containing it.
@@ -191,7 +233,10 @@ class Searcher:
             return gain / max(e.verdict.error - base_err, 1e-12)
         useful = [e for e in singles if e.verdict.passed and e.latency is not None and e.latency_s < base.latency_s]
         useful.sort(key=lambda e: (-score(e), e.id))
-        current, current_lat = frozenset(), base.latency_s
+        # start from the fastest passing uniform recipe (or FP32): singles then refine it knob by knob
+        starts = [e for e in self.evaluated if e.stage == "uniform" and e.verdict.passed and e.latency is not None]
+        start = min(starts, key=lambda e: (e.latency_s, e.id), default=base)
+        current, current_lat = start.genome, start.latency_s
         for e in useful:
             (change,) = tuple(e.genome)
             if not self.budget_left() or self._count("greedy") >= max(int(self.opt.max_candidates * 0.25), 1):

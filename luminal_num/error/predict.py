@@ -1,0 +1,106 @@
+"""Predicted verdicts from measured single changes: first-order additivity of output errors.
+
+Each precision change measured alone end to end leaves its output error vector d_c = y_c - y_FP64 per
+calibration batch. Rounding errors of different ops enter the outputs linearly to first order, so a
+genome's outputs are predicted as y_FP64 + sum_c d_c, and the budget is checked on that prediction,
+with every metric (allclose, cosine, KL, ...). A prediction decides only outside a safety band
+[1/margin, margin] around the budget; inside it the candidate is measured, and every measurement of a
+predicted candidate checks the composition: a ratio outside the band widens the margin (reported).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .budget import Budget, BudgetVerdict
+from .metrics import METRICS, Direction
+
+Change = tuple[str, str, str]
+Outputs = Mapping[str, np.ndarray]
+
+WIDEN = 1.25  # a mismatch sets the margin to the observed ratio times this
+MIN_MARGIN = 1.3  # the band never gets narrower than this
+SETTLE = 5        # observations before the band is set from the observed accuracy
+
+
+def budget_ratio(budget: Budget, verdict: BudgetVerdict) -> float:
+    """How much of the budget a result uses, over allclose and every metric (<= 1 passes; the ratio a
+    budget tightened by h would need to be <= h): metric distance from perfect / the limit's distance."""
+    worst = verdict.worst_allclose
+    limits = {m.name: m.limit for m in budget.metrics}
+    for out in verdict.outputs:
+        for name, value in out.metric_values:
+            limit = limits[name]
+            if METRICS[name].direction is Direction.LOWER:
+                r = value / limit if limit > 0 else (0.0 if value <= 0 else np.inf)
+            else:
+                r = (1.0 - value) / (1.0 - limit) if limit < 1 else (0.0 if value >= 1 else np.inf)
+            worst = max(worst, float(r) if np.isfinite(value) else np.inf)
+    return float(worst)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ratio: float      # budget_ratio of the predicted outputs against the gate (max over batches)
+    allclose: float   # worst allclose ratio of the prediction against the gate
+    user: float       # the same against the user's budget
+    reason: str
+
+
+@dataclass
+class DeltaPredictor:
+    gate: Budget
+    budget: Budget
+    refs: Sequence[Outputs]
+    margin: float = 2.0
+    deltas: dict[Change, tuple[dict[str, np.ndarray], ...]] = field(default_factory=dict)
+    observed: list[tuple[float, float]] = field(default_factory=list)  # (predicted, measured) ratios
+    mismatches: int = 0
+
+    def record(self, change: Change, outputs: Sequence[Outputs]) -> None:
+        """A single change's measured outputs on every calibration batch."""
+        if len(outputs) != len(self.refs):
+            raise ValueError(f"{len(outputs)} batches of outputs for {len(self.refs)} references")
+        self.deltas[change] = tuple({k: np.asarray(o[k], np.float64) - np.asarray(r[k], np.float64) for k in r}
+                                    for o, r in zip(outputs, self.refs))
+
+    def predict(self, changes: Iterable[Change]) -> Prediction | None:
+        """None unless every change has been measured alone."""
+        changes = sorted(changes)
+        if not changes or any(c not in self.deltas for c in changes):
+            return None
+        ratio = allclose = user = 0.0
+        reason = ""
+        for b, ref in enumerate(self.refs):
+            pred = {k: np.asarray(r, np.float64) + sum(self.deltas[c][b][k] for c in changes) for k, r in ref.items()}
+            v = self.gate.check(pred, ref)
+            r = budget_ratio(self.gate, v)
+            if r >= ratio:
+                ratio, reason = r, v.reason
+            allclose = max(allclose, v.worst_allclose)
+            user = max(user, self.budget.check(pred, ref).worst_allclose)
+        return Prediction(ratio, allclose, user, reason)
+
+    def decides(self, p: Prediction) -> bool | None:
+        """True: passes with margin; False: fails with margin; None: too close to call (measure it)."""
+        if p.ratio > self.margin:
+            return False
+        if p.ratio * self.margin < 1.0:
+            return True
+        return None
+
+    def observe(self, predicted: float, measured: float) -> None:
+        """Check the composition against a measurement: a ratio outside the band is a mismatch and widens
+        it; after SETTLE checks the band is WIDEN x the worst observed ratio (at least MIN_MARGIN). Only
+        candidates that are returned or on the front must be right, and those are all measured."""
+        self.observed.append((predicted, measured))
+        if predicted > 0 and measured > 0 and np.isfinite(predicted) and np.isfinite(measured):
+            q = max(measured / predicted, predicted / measured)
+            if q > self.margin:
+                self.mismatches += 1
+                self.margin = q * WIDEN
+        qs = [max(m / p, p / m) for p, m in self.observed if p > 0 and m > 0 and np.isfinite(p) and np.isfinite(m)]
+        if len(qs) >= SETTLE:
+            self.margin = max(MIN_MARGIN, WIDEN * max(qs))
