@@ -88,8 +88,8 @@ class GroupEstimator:
         if key not in self.local_cache:
             prog = self.lower_chunk(chunk, candidate)
             feed = {f"%{n}": v for n, v in self._ext_values(chunk).items()}
-            feed.update({name: w for name, w in self.graph.weights.items()})
-            out = CpuRuntime(prog).run(feed, self.bindings).outputs
+            # weights as the runtime's weights (not inputs), so their converted/prepared forms are cached
+            out = CpuRuntime(prog, self.graph.weights).run(feed, self.bindings).outputs
             errs = [float(rel_l2(out[f"%{nid}"], self.values[nid])) for nid in chunk.exported]
             self.local_cache[key] = max(errs) if errs else 0.0
         return self.local_cache[key]
