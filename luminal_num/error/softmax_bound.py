@@ -1,0 +1,156 @@
+"""The error bound of a SOFTMAX kernel, per element, from the row max it is computed with.
+
+The kernel computes p^_i = fl(e^_i / s^), e^_j = exp(fl(x^_j - m)), s^ = fl(sum_j e^_j), m = max_j x^_j
+(the CUDA kernel: FP32 subtract, expf, running sum, divide; the CPU backend: the same in FP64 with one
+rounding, plus, for a low-precision variant, its inputs and result rounded to that format; the bound
+below covers both). x is the exact score row, x^ the executed one with |x^_j - x_j| <= err_j.
+
+Derivation (every step is exact, not first order):
+1. Fold each rounding before the sum into the exponent: fl(x^_j - m) = (x^_j - m)(1 + d), |d| <= u, and
+   x^_j - m lies in [lo^_j - max_k hi^_k, 0] (lo^, hi^: where the executed scores can be), so the subtract
+   moves the exponent by at most c_j = u (max_k hi^_k - lo^_j); expf's <= 2 ulp error is a factor
+   1 + d' = exp(log1p(d')), |log1p(d')| <= lambda = -log1p(-4u). Softmax is shift invariant, so the
+   computed ratio e_i / sum_j e_j is softmax(x + t) exactly, with |t_j| <= D_j = err_j + c_j + lambda
+   (+ the input rounding u_f |x^_j| + sub_f / 2 of a low-precision variant).
+2. For any perturbation t: P_i = softmax(x + t)_i = p r / (p r + q) with p = p_i, q = 1 - p_i and
+   r = e^{t_i} / W_i, W_i = sum_{j != i} w_j e^{t_j}, w_j = p_j / q (weights summing to 1). Then
+   P_i - p_i = p q (r - 1) / (p r + q), and p r + q >= min(1, r), so
+        |P_i - p_i| <= p_i (1 - p_i) expm1(|log r|) <= p_i (1 - p_i) expm1(D_i + L_i),
+   L_i = max(log1p(A_i), -log1p(-B_i)) with W_i - 1 in [-B_i, A_i]: A_i >= sum_{j != i} w_j expm1(D_j),
+   B_i >= sum_{j != i} w_j (-expm1(-D_j)). The weights are bounded from the score intervals,
+   w_j <= exp(hi_j) / sum_{k != i} exp(lo_k) (computed in log space, so a masked key at -1e9 weighs 0
+   however large its own D_j is), and A_i, B_i are also capped by the unweighted max over j != i.
+   First order this is 2 p (1 - p) D for a uniform D: the sharp constant (softmax's Jacobian row
+   p_i (delta_ij - p_j) has absolute row sum 2 p_i (1 - p_i)); a row of length 1 has no error at all.
+   p (1 - p) is bounded over the output interval [p_lo, p_hi] (1/4 where it holds 1/2), and by p_hi.
+3. The sum and the divide: s^ = sum e^_j (1 + theta), |theta| <= gamma_{n-1} (positive terms, any
+   order); the max term is exp(0) = 1, so sum e^_j >= 1 - 4u and expf's absolute error near underflow
+   (<= 2 subnormal ulps per term) is relative to it. The result is P_i (1 + rho) + an absolute part.
+The executed and the exact values are both in [0, 1], which caps the bound at max(p_hi, 1 - p_lo).
+`row_total` bounds sum_i |p^_i - p_i| over a row (the attention Gemm's convex-combination bound):
+sum_i p_i g_i with the same log-space weights, or the sum of the per-element bounds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dtypes.formats import F32, Format
+from .interval import Interval
+from .rounding_bounds import gamma
+
+EXP_ULPS = 2  # CUDA's expf (and numpy's exp, far more accurate) is within 2 ulps, results subnormal too
+PAD = 2.0 ** -40  # relative slack of the FP64 log-space computations below (a few ulps of each term)
+
+
+@dataclass(frozen=True)
+class SoftmaxError:
+    err: np.ndarray          # per element, the softmax's shape
+    row_total: np.ndarray    # per row (axis kept, size 1): >= sum_i |p^_i - p_i| before the store
+    absolute: float          # the part of each element's error not relative to p (underflow)
+
+
+def _nan_to(x, nan: float) -> np.ndarray:
+    """NaN replaced by `nan`, infinities kept (np.nan_to_num would turn inf into the largest double)."""
+    return np.where(np.isnan(x), nan, x)
+
+
+def _last(x: np.ndarray, axis: int) -> np.ndarray:
+    return np.moveaxis(np.asarray(x, dtype=np.float64), axis, -1)
+
+
+def _exclusive(x: np.ndarray, ufunc: np.ufunc, identity: float) -> np.ndarray:
+    """ufunc over j != i along the last axis, for every i (prefix and suffix scans)."""
+    pad = np.full(x.shape[:-1] + (1,), identity)
+    prefix = np.concatenate([pad, ufunc.accumulate(x, axis=-1)[..., :-1]], axis=-1)
+    suffix = np.concatenate([ufunc.accumulate(x[..., ::-1], axis=-1)[..., -2::-1], pad], axis=-1)
+    return ufunc(prefix, suffix)
+
+
+def _log_sums(logs: np.ndarray, exclusive: bool, up: bool) -> np.ndarray:
+    """log sum_j exp(logs_j) along the last axis (over j != i for each i when exclusive), shifted by the
+    row max, rounded outward by PAD times the magnitudes that matter (terms within 800 of the max; the
+    rest are below e^-800 of it); -inf for an empty sum."""
+    shift = np.max(logs, axis=-1, keepdims=True)
+    shift = np.where(np.isfinite(shift), shift, 0.0)
+    near = np.where(logs >= shift - 800, np.abs(logs), 0.0)
+    pad = PAD * (logs.shape[-1] + 4 + np.abs(shift) + np.max(near, axis=-1, keepdims=True))
+    terms = np.exp(logs - shift)
+    with np.errstate(divide="ignore"):
+        total = np.log(_exclusive(terms, np.add, 0.0) if exclusive else np.sum(terms, axis=-1, keepdims=True))
+    return total + shift + (pad if up else -pad)
+
+
+def _log_expm1(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", over="ignore"):
+        return np.where(d > 40, d + np.log1p(-np.exp(-np.minimum(d, 700))), np.log(np.expm1(np.minimum(d, 40))))
+
+
+def _log_neg_expm1_neg(d: np.ndarray) -> np.ndarray:
+    """log(1 - e^{-d}) for d >= 0."""
+    with np.errstate(divide="ignore"):
+        return np.log(-np.expm1(-d))
+
+
+def _p_one_minus_p(plo: np.ndarray, phi: np.ndarray) -> np.ndarray:
+    """max of p (1 - p) over [plo, phi] within [0, 1], rounded up."""
+    plo, phi = np.clip(plo, 0.0, 1.0), np.clip(phi, 0.0, 1.0)
+    side = np.where(phi < 0.5, phi * (1 - phi), plo * (1 - plo))
+    return np.where((plo <= 0.5) & (phi >= 0.5), 0.25, side) * (1 + PAD)
+
+
+def softmax_error(exact: Interval, executed: Interval, err: np.ndarray, out: Interval, axis: int,
+                  rounded_to: Format | None) -> SoftmaxError:
+    """Bound of |p^ - p| (see the module docstring). exact/executed: the score intervals (exact value, and
+    where the executed value can be); out: the exact softmax's interval; rounded_to: a low-precision
+    variant's format (inputs and result rounded to it), None for FP32."""
+    lo, hi, wlo, whi = (_last(a, axis) for a in (exact.lo, exact.hi, executed.lo, executed.hi))
+    e = _last(np.broadcast_to(err, exact.lo.shape), axis)
+    plo, phi = _last(out.lo, axis), _last(out.hi, axis)
+    n = lo.shape[-1]
+    u, sub = F32.unit_roundoff, F32.min_subnormal
+    with np.errstate(all="ignore"):
+        if rounded_to is not None:  # x^ rounded to the variant's format first: more exponent error, wider x^
+            step = rounded_to.unit_roundoff * np.maximum(np.abs(wlo), np.abs(whi)) + rounded_to.min_subnormal / 2
+            e, wlo, whi = e + step, wlo - step, whi + step
+        top = np.max(whi, axis=-1, keepdims=True)
+        d = e + u * (top - wlo) - np.log1p(-2 * EXP_ULPS * u)
+        d = _nan_to(d * (1 + PAD), nan=np.inf)
+        # weights of the others: w_j <= exp(hi_j) / sum_{k != i} exp(lo_k), in log space
+        log_den = _log_sums(lo, exclusive=True, up=False)
+        a_i = np.exp(_log_sums(hi + _log_expm1(d), exclusive=True, up=True) - log_den)
+        b_i = np.exp(_log_sums(hi + _log_neg_expm1_neg(d), exclusive=True, up=True) - log_den)
+        d_others = _exclusive(d, np.maximum, 0.0)
+        a_i = _nan_to(np.minimum(a_i, np.expm1(d_others)), nan=np.inf)
+        b_i = _nan_to(np.minimum(np.minimum(b_i, -np.expm1(-d_others)), 1.0), nan=1.0)
+        spread = np.maximum(np.log1p(a_i), -np.log1p(-b_i)) * (1 + PAD)
+        g = _nan_to(np.expm1((d + spread) * (1 + PAD)), nan=np.inf)
+        log_all = _log_sums(lo, exclusive=False, up=False)
+        log_p_hi = hi - log_all + PAD * (1 + np.abs(hi - log_all))  # p_i <= exp(hi_i) / sum_k exp(lo_k)
+        log_pq = np.minimum(log_p_hi, np.log(_p_one_minus_p(plo, phi)))
+        log_g = _log_expm1((d + spread) * (1 + PAD))
+        prop = np.where((g == 0) | (log_pq == -np.inf), 0.0, np.exp(log_pq + log_g + PAD * (1 + np.abs(log_pq + log_g))))
+        if n == 1:
+            prop = np.zeros_like(prop)  # softmax of one element is exactly 1
+        cap = np.maximum(phi, 1 - plo)
+        prop = _nan_to(np.minimum(prop, cap), nan=1.0)
+        # the sum (gamma_{n-1}, its terms' absolute underflow relative to a sum >= 1 - 4u) and the divide
+        a_exp = EXP_ULPS * sub
+        rho = (1 + u) * (1 + 2 * n * a_exp) / (1 - float(gamma(max(n - 1, 1), u))) - 1
+        absolute = 2 * a_exp * (1 + rho) + sub / 2
+        big_p = np.minimum(1.0, np.minimum(phi, 1.0) + prop)
+        elem = prop + big_p * rho + absolute
+        # the row's total: sum_i p_i g_i <= sum_i exp(hi_i) g_i / sum_k exp(lo_k), or the elements' sum
+        weighted = np.exp(_log_sums(np.where(g == 0, -np.inf, hi + log_g), exclusive=False, up=True) - log_all)
+        total = np.minimum(np.sum(prop, axis=-1, keepdims=True), _nan_to(weighted, nan=np.inf))
+        total = total + (1 + total) * rho
+        if rounded_to is not None:  # the result rounded to the variant's format
+            ur, sr = rounded_to.unit_roundoff, rounded_to.min_subnormal
+            elem = elem + ur * (big_p + elem) + sr / 2
+            total, absolute = total + ur * (1 + total), absolute * (1 + ur) + sr / 2
+        # executed and exact values are in [0, 1] only while every executed score is finite
+        finite = np.all(np.isfinite(d), axis=-1, keepdims=True)
+        elem = np.where(finite, _nan_to(np.minimum(elem, cap), nan=np.inf), np.inf)
+        total = np.where(finite, _nan_to(total, nan=np.inf), np.inf)
+    return SoftmaxError(np.moveaxis(elem, -1, axis), np.moveaxis(total, -1, axis), float(absolute))
