@@ -69,17 +69,30 @@ def _exclusive(x: np.ndarray, ufunc: np.ufunc, identity: float) -> np.ndarray:
 
 
 def _log_sums(logs: np.ndarray, exclusive: bool, up: bool) -> np.ndarray:
-    """log sum_j exp(logs_j) along the last axis (over j != i for each i when exclusive), shifted by the
-    row max, rounded outward by PAD times the magnitudes that matter (terms within 800 of the max; the
-    rest are below e^-800 of it); -inf for an empty sum."""
-    shift = np.max(logs, axis=-1, keepdims=True)
-    shift = np.where(np.isfinite(shift), shift, 0.0)
+    """log sum_j exp(logs_j) along the last axis (over j != i for each i when exclusive), rounded outward
+    by PAD times the magnitudes that matter (terms within 800 of the shift; the rest are below e^-800 of
+    it); -inf for an empty sum. Shifted by the row max, and, for the sum that leaves the max out, by the
+    second largest (else a row whose other terms are all masked would round to an empty sum)."""
+    first = np.max(logs, axis=-1, keepdims=True)
+    first = np.where(np.isfinite(first), first, 0.0)
+    with np.errstate(divide="ignore"):
+        if not exclusive:
+            return _padded(np.log(np.sum(np.exp(logs - first), axis=-1, keepdims=True)), first, logs, up)
+        total = _padded(np.log(_exclusive(np.exp(logs - first), np.add, 0.0)), first, logs, up)
+        top = np.argmax(logs, axis=-1)[..., None]
+        rest = logs.copy()
+        np.put_along_axis(rest, top, -np.inf, axis=-1)
+        second = np.max(rest, axis=-1, keepdims=True)
+        second = np.where(np.isfinite(second), second, 0.0)
+        without_top = _padded(np.log(np.sum(np.exp(rest - second), axis=-1, keepdims=True)), second, rest, up)
+    np.put_along_axis(total, top, without_top, axis=-1)
+    return total
+
+
+def _padded(log_sum: np.ndarray, shift: np.ndarray, logs: np.ndarray, up: bool) -> np.ndarray:
     near = np.where(logs >= shift - 800, np.abs(logs), 0.0)
     pad = PAD * (logs.shape[-1] + 4 + np.abs(shift) + np.max(near, axis=-1, keepdims=True))
-    terms = np.exp(logs - shift)
-    with np.errstate(divide="ignore"):
-        total = np.log(_exclusive(terms, np.add, 0.0) if exclusive else np.sum(terms, axis=-1, keepdims=True))
-    return total + shift + (pad if up else -pad)
+    return log_sum + shift + (pad if up else -pad)
 
 
 def _log_expm1(d: np.ndarray) -> np.ndarray:
@@ -91,6 +104,28 @@ def _log_neg_expm1_neg(d: np.ndarray) -> np.ndarray:
     """log(1 - e^{-d}) for d >= 0."""
     with np.errstate(divide="ignore"):
         return np.log(-np.expm1(-d))
+
+
+def _exp_product(log_a: np.ndarray, log_b: np.ndarray) -> np.ndarray:
+    """exp(log_a + log_b) rounded up; 0 where a factor is 0 (a 0 weight times an infinite factor)."""
+    total = log_a + log_b
+    return np.where((log_a == -np.inf) | (log_b == -np.inf), 0.0, np.exp(total + PAD * (1 + np.abs(total))))
+
+
+def _simplex_max(plo: np.ndarray, phi: np.ndarray, log_p: np.ndarray, log_g: np.ndarray) -> np.ndarray:
+    """An upper bound of sum_j p_j g_j over p with plo <= p <= phi and sum p = 1 (the exact softmax is one
+    such p): every p_j at plo_j, the rest of the mass to the largest g_j first (a fractional knapsack);
+    each product in log space (log_p >= log p_j), so a masked key's e^-1e9 weight cancels any g_j."""
+    order = np.argsort(-log_g, axis=-1)
+    lo_s, hi_s, lp_s, lg_s = (np.take_along_axis(np.clip(a, 0.0, None) if i < 2 else a, order, axis=-1)
+                              for i, a in enumerate((plo, phi, log_p, log_g)))
+    room = np.maximum(hi_s - lo_s, 0.0)
+    left = np.maximum(1.0 - np.sum(lo_s, axis=-1, keepdims=True), 0.0) + PAD  # more mass only raises the max
+    before = np.cumsum(room, axis=-1) - room
+    p_up = lo_s + np.clip(left - before, 0.0, room)
+    with np.errstate(divide="ignore"):
+        log_up = np.minimum(np.log(np.minimum(p_up * (1 + PAD), 1.0)), lp_s)
+    return np.sum(_exp_product(log_up, lg_s), axis=-1, keepdims=True) * (1 + PAD)
 
 
 def _p_one_minus_p(plo: np.ndarray, phi: np.ndarray) -> np.ndarray:
@@ -124,13 +159,30 @@ def softmax_error(exact: Interval, executed: Interval, err: np.ndarray, out: Int
         d_others = _exclusive(d, np.maximum, 0.0)
         a_i = _nan_to(np.minimum(a_i, np.expm1(d_others)), nan=np.inf)
         b_i = _nan_to(np.minimum(np.minimum(b_i, -np.expm1(-d_others)), 1.0), nan=1.0)
-        spread = np.maximum(np.log1p(a_i), -np.log1p(-b_i)) * (1 + PAD)
+        with np.errstate(divide="ignore"):
+            log_d = np.log(d)
+        # Jensen: -log W <= sum_j w_j D_j <= max_j D_j, sharper than -log1p(-B) when B rounds to 1
+        jensen = np.exp(_log_sums(hi + log_d, exclusive=True, up=True) - log_den)
+        down = np.minimum(np.minimum(-np.log1p(-b_i), _nan_to(jensen, nan=np.inf)), d_others)
+        spread = np.maximum(np.log1p(a_i), down) * (1 + PAD)
         g = _nan_to(np.expm1((d + spread) * (1 + PAD)), nan=np.inf)
         log_all = _log_sums(lo, exclusive=False, up=False)
         log_p_hi = hi - log_all + PAD * (1 + np.abs(hi - log_all))  # p_i <= exp(hi_i) / sum_k exp(lo_k)
-        log_pq = np.minimum(log_p_hi, np.log(_p_one_minus_p(plo, phi)))
+        # 1 - p_i = sum_{j != i} p_j <= sum_{j != i} exp(hi_j) / sum_k exp(lo_k): below 1e-16 too
+        log_q_hi = _log_sums(hi, exclusive=True, up=True) - log_all
+        log_q_hi = np.where(np.isfinite(log_q_hi), log_q_hi + PAD * (1 + np.abs(log_q_hi)), log_q_hi)
+        log_pq = np.minimum(np.minimum(log_p_hi, 0.0) + np.minimum(log_q_hi, 0.0), np.log(_p_one_minus_p(plo, phi)))
         log_g = _log_expm1((d + spread) * (1 + PAD))
-        prop = np.where((g == 0) | (log_pq == -np.inf), 0.0, np.exp(log_pq + log_g + PAD * (1 + np.abs(log_pq + log_g))))
+        prop = _exp_product(log_pq, log_g)
+        # the same over all keys (no exclusion, no 1 - p): the weights are the output box within the simplex
+        log_p = np.minimum(log_p_hi, np.log(np.clip(phi, 0.0, 1.0)))
+        a_all = _simplex_max(plo, phi, log_p, _log_expm1(d))
+        b_all = np.minimum(_simplex_max(plo, phi, log_p, _log_neg_expm1_neg(d)), 1.0)
+        down_all = np.minimum(np.minimum(-np.log1p(-b_all), _simplex_max(plo, phi, log_p, log_d)),
+                              np.max(d, axis=-1, keepdims=True))
+        spread_all = np.maximum(np.log1p(a_all), down_all) * (1 + PAD)
+        log_g_all = _log_expm1((d + spread_all) * (1 + PAD))
+        prop = np.minimum(prop, _exp_product(log_p, log_g_all))
         if n == 1:
             prop = np.zeros_like(prop)  # softmax of one element is exactly 1
         cap = np.maximum(phi, 1 - plo)
@@ -142,8 +194,7 @@ def softmax_error(exact: Interval, executed: Interval, err: np.ndarray, out: Int
         big_p = np.minimum(1.0, np.minimum(phi, 1.0) + prop)
         elem = prop + big_p * rho + absolute
         # the row's total: sum_i p_i g_i <= sum_i exp(hi_i) g_i / sum_k exp(lo_k), or the elements' sum
-        weighted = np.exp(_log_sums(np.where(g == 0, -np.inf, hi + log_g), exclusive=False, up=True) - log_all)
-        total = np.minimum(np.sum(prop, axis=-1, keepdims=True), _nan_to(weighted, nan=np.inf))
+        total = np.minimum(np.sum(prop, axis=-1, keepdims=True), _simplex_max(plo, phi, log_p, log_g_all))
         total = total + (1 + total) * rho
         if rounded_to is not None:  # the result rounded to the variant's format
             ur, sr = rounded_to.unit_roundoff, rounded_to.min_subnormal
