@@ -16,19 +16,23 @@ Derivation (every step is exact, not first order):
    r = e^{t_i} / W_i, W_i = sum_{j != i} w_j e^{t_j}, w_j = p_j / q (weights summing to 1). Then
    P_i - p_i = p q (r - 1) / (p r + q), and p r + q >= min(1, r), so
         |P_i - p_i| <= p_i (1 - p_i) expm1(|log r|) <= p_i (1 - p_i) expm1(D_i + L_i),
-   L_i = max(log1p(A_i), -log1p(-B_i)) with W_i - 1 in [-B_i, A_i]: A_i >= sum_{j != i} w_j expm1(D_j),
-   B_i >= sum_{j != i} w_j (-expm1(-D_j)). The weights are bounded from the score intervals,
-   w_j <= exp(hi_j) / sum_{k != i} exp(lo_k) (computed in log space, so a masked key at -1e9 weighs 0
-   however large its own D_j is), and A_i, B_i are also capped by the unweighted max over j != i.
-   First order this is 2 p (1 - p) D for a uniform D: the sharp constant (softmax's Jacobian row
-   p_i (delta_ij - p_j) has absolute row sum 2 p_i (1 - p_i)); a row of length 1 has no error at all.
-   p (1 - p) is bounded over the output interval [p_lo, p_hi] (1/4 where it holds 1/2), and by p_hi.
+   L_i >= |log W_i|: log W_i <= log1p(A_i), A_i >= sum_{j != i} w_j expm1(D_j), and (Jensen)
+   -log W_i <= sum_{j != i} w_j D_j; both also <= max_{j != i} D_j. The weights are bounded from the
+   score intervals, w_j <= exp(hi_j) / sum_{k != i} exp(lo_k) (log space, so a masked key at -1e9
+   weighs 0 however large its own D_j is). First order this is 2 p (1 - p) D for a uniform D: the
+   sharp constant (softmax's Jacobian row p_i (delta_ij - p_j) has absolute row sum 2 p_i (1 - p_i));
+   a row of length 1 has no propagated error at all. p (1 - p) is bounded over the output interval
+   [p_lo, p_hi] (1/4 where it holds 1/2), and by p_hi q_hi with q_hi = sum_{j != i} exp(hi_j) /
+   sum_k exp(lo_k) (a p within 1e-16 of 1 rounds to 1 in [p_lo, p_hi], not in log space).
+   Second form, taken where smaller: P_i / p_i = e^{t_i} / sum_j p_j e^{t_j}, so |P_i - p_i| <=
+   p_i expm1(D_i + L) with L from sum_j p_j expm1(D_j) and sum_j p_j D_j over all keys, each bounded
+   by its maximum over p in the output box within the simplex (a fractional knapsack).
 3. The sum and the divide: s^ = sum e^_j (1 + theta), |theta| <= gamma_{n-1} (positive terms, any
    order); the max term is exp(0) = 1, so sum e^_j >= 1 - 4u and expf's absolute error near underflow
    (<= 2 subnormal ulps per term) is relative to it. The result is P_i (1 + rho) + an absolute part.
 The executed and the exact values are both in [0, 1], which caps the bound at max(p_hi, 1 - p_lo).
 `row_total` bounds sum_i |p^_i - p_i| over a row (the attention Gemm's convex-combination bound):
-sum_i p_i g_i with the same log-space weights, or the sum of the per-element bounds.
+sum_i p_i expm1(D_i + L) maximised over the same box, or the sum of the per-element bounds.
 """
 from __future__ import annotations
 
@@ -193,7 +197,7 @@ def softmax_error(exact: Interval, executed: Interval, err: np.ndarray, out: Int
         absolute = 2 * a_exp * (1 + rho) + sub / 2
         big_p = np.minimum(1.0, np.minimum(phi, 1.0) + prop)
         elem = prop + big_p * rho + absolute
-        # the row's total: sum_i p_i g_i <= sum_i exp(hi_i) g_i / sum_k exp(lo_k), or the elements' sum
+        # the row's total: sum_i p_i expm1(D_i + L) over the box within the simplex, or the elements' sum
         total = np.minimum(np.sum(prop, axis=-1, keepdims=True), _simplex_max(plo, phi, log_p, log_g_all))
         total = total + (1 + total) * rho
         if rounded_to is not None:  # the result rounded to the variant's format
