@@ -143,3 +143,16 @@ def test_masked_keys_do_not_widen_the_live_ones():
         bounds.append(softmax_error(exact, exact, np.full(x.shape, 1e-5), softmax_interval(exact, axis=-1), -1,
                                     None).err[0, :3])
     assert np.all(bounds[0] <= bounds[1]) and np.all(bounds[1] <= bounds[0] * (1 + 1e-3) + 3 * U)
+
+
+def test_fp32_kernel_roundings_are_counted():
+    """Scores near 0 in rows of 1024: the FP32 algorithm's running sum of terms near 1 drifts by ~12 u relative here.
+    The bound without the kernel's own subtract/exp/sum/divide roundings (only the store's) was 34x
+    below that error (measured on main at 11:00); now it covers it."""
+    g = softmax_graph(1024, 1e-2, False)
+    program = SearchSpace.build(g).program(frozenset())
+    x = np.random.default_rng(0).uniform(0, 1e-2, (4, 1024)).astype(np.float32).astype(np.float64)
+    err = np.abs(fp32_kernel(x) - evaluate(g, {"x": x})["y"])
+    bound = static_bound(program, {"x": Interval.point(x)}, {}, g.weights).error_bounds["y"]
+    assert np.max(err) > 8 * U * np.max(evaluate(g, {"x": x})["y"])  # the drift is there to catch (12 u p)
+    assert np.all(err <= bound)
