@@ -168,21 +168,27 @@ def summarize_bounds(rows: pd.DataFrame) -> pd.DataFrame:
 TIGHTNESS = "numerics_tightness.csv"
 
 
-def tightness(label: str, candidates: int, draws: int) -> pd.DataFrame:
+def tightness(label: str, candidates: int, draws: int, families: tuple[str, ...] = ()) -> pd.DataFrame:
     """The bound table alone (no compiles), labelled: run it on two versions of the package (PYTHONPATH)
-    and the before/after table is written when both labels exist (`numerics_tightness.csv`)."""
+    and the before/after table is written when both labels exist (`numerics_tightness.csv`). A subset of
+    families writes its own files (`numerics_tightness_<families>_<label>.csv`), leaving the full table."""
     warnings.filterwarnings("ignore", category=RuntimeWarning)
-    rows = pd.DataFrame([r for f in FAMILIES for r in candidate_rows(f, candidates, draws, seed=0)])
+    unknown = sorted(set(families) - {f.name for f in FAMILIES})
+    if unknown:
+        raise SystemExit(f"unknown families {unknown}; known: {[f.name for f in FAMILIES]}")
+    chosen = [f for f in FAMILIES if not families or f.name in families]
+    rows = pd.DataFrame([r for f in chosen for r in candidate_rows(f, candidates, draws, seed=0)])
     table = summarize_bounds(rows).assign(version=label)
-    write_csv(table, f"numerics_tightness_{label}.csv")
-    parts = [OUT / f"numerics_tightness_{v}.csv" for v in ("before", "after")]
+    stem = "numerics_tightness" + "".join(f"_{f.name}" for f in chosen if families)
+    write_csv(table, f"{stem}_{label}.csv")
+    parts = [OUT / f"{stem}_{v}.csv" for v in ("before", "after")]
     if all(p.exists() for p in parts):
         both = pd.concat([pd.read_csv(p) for p in parts])
         keys = ["family", "ranges"]
         wide = both.pivot_table(index=keys, columns="version", sort=False,
                                 values=["infinite_bounds", "median_tightness", "max_tightness", "violations"])
         wide.columns = [f"{metric}_{version}" for metric, version in wide.columns]
-        write_csv(wide.reset_index(), TIGHTNESS)
+        write_csv(wide.reset_index(), f"{stem}.csv" if families else TIGHTNESS)
     return table
 
 
@@ -236,9 +242,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--draws", type=int, default=3, help="input draws per candidate")
     ap.add_argument("--tightness", metavar="LABEL", choices=("before", "after"),
                     help="only the bound table, labelled (run on the old and the new package for before/after)")
+    ap.add_argument("--families", default="", help="with --tightness: comma-separated families (default all)")
     args = ap.parse_args(argv)
     if args.tightness:
-        table = tightness(args.tightness, args.candidates, args.draws)
+        table = tightness(args.tightness, args.candidates, args.draws,
+                          tuple(f for f in args.families.split(",") if f))
         print(table.to_string(index=False))
         return {}
     figures = run(quick=args.quick, candidates=args.candidates, draws=args.draws)

@@ -29,6 +29,7 @@ from ..hlir.symbolic import evaluate as eval_dim
 from .interval import Interval, derivative_bound, hull, transfer
 from .normalize import NormBound
 from .rounding_bounds import gamma
+from .softmax_bound import softmax_error
 
 SLACK = 1.0 + 2.0 ** -40  # covers FP64's own error in the reference and in these bound computations
 
@@ -335,26 +336,14 @@ class StaticAnalyzer:
         return out
 
     def _softmax(self, k: Kernel) -> _Val:
-        """Also records (rel per row, abs) with |p^ - p| <= rel p + abs: the relative form the Gemm of
-        attention uses (sum_k |p^_k - p_k| <= rel + n abs, since the exact p sums to 1)."""
+        """Also records (total per row, abs) with sum_i |p^_i - p_i| <= total + n abs over each row: the
+        form the Gemm of attention uses. The bound itself: error/softmax_bound.py (from the row max)."""
         v = self.body(k.body, k)
         iv = transfer(Op.SOFTMAX, v.iv, axis=k.axis)
-        e = np.max(v.err, axis=k.axis, keepdims=True)
-        fmt = None if k.precision in (None, "f32") else k.precision
-        if fmt is not None:  # inputs rounded to the compute format before the softmax
-            f = get_format(fmt)
-            e = e + f.unit_roundoff * np.max(_mag(v.wide), axis=k.axis, keepdims=True) + f.min_subnormal / 2
-        with np.errstate(over="ignore", invalid="ignore"):
-            rel = np.nan_to_num(np.expm1(2 * e), nan=np.inf)
-            prop = iv.hi * rel  # p_i changes by at most a factor e^{+-2e}
-        err = np.nan_to_num(prop, nan=np.inf)
-        absolute = 0.0
-        if fmt is not None:
-            u, sub = get_format(fmt).unit_roundoff, get_format(fmt).min_subnormal
-            err = err + u * (iv.hi + err) + sub / 2
-            rel, absolute = rel + u * (1 + rel), sub / 2
-        self.softmax_rel[k.id] = (rel * SLACK, absolute * SLACK)
-        return _Val(iv, err * SLACK, 0.0)
+        fmt = None if k.precision in (None, "f32") else get_format(k.precision)
+        bound = softmax_error(v.iv, v.wide, v.err, iv, k.axis, fmt)
+        self.softmax_rel[k.id] = (bound.row_total * SLACK, bound.absolute * SLACK)
+        return _Val(iv, bound.err * SLACK, 0.0)
 
     def _softmax_rows_of_a(self, k: Kernel):
         """(rel, abs) per (batch, M, 1) row of A when the Gemm reads, along K, each full row of a SOFTMAX
