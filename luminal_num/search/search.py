@@ -20,7 +20,7 @@ from ..error.judge import Judge, Verdict
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
 from ..runtime.targets import gemm_math, get_target
-from .recipes import AUTOCASTS, STORAGE_SOURCES, TF32_SOURCE, autocast_recipe, recipe_genomes, tf32_recipe
+from .recipes import AUTOCASTS, STORAGE_SOURCES, TF32_SOURCE, autocast_recipe, pick, recipe_genomes, tf32_recipe
 from .space import Change, Genome, SearchSpace
 
 
@@ -67,18 +67,10 @@ def _baseline_genomes(space: SearchSpace) -> dict[str, Genome]:
     """What users pick today, each following the tool it names op by op (sources in BASELINE_SOURCES):
     FP32 everywhere, PyTorch's TF32 matmul flag, PyTorch autocast BF16/FP16 (CUDA lists) and BF16 (CPU
     lists), and FP8 E4M3 with per-tensor scales on every Gemm."""
-    def pick(pred) -> Genome:
-        out = {}
-        for gk, ks in space.knobs.items():
-            for k in ks:
-                tag = next((t for t in k.tags if pred(t)), None)
-                if tag is not None:
-                    out[(gk, k.cls)] = tag
-        return frozenset((g, c, t) for (g, c), t in out.items())
     return {"FP32 everywhere": frozenset(),
             "TF32 flag": tf32_recipe(space).genome,
             **{a.name: autocast_recipe(space, a).genome for a in AUTOCASTS},
-            "FP8 everywhere": pick(lambda t: t == "gemm:f8e4m3_tensor"),
+            "FP8 everywhere": pick(space, lambda t: t == "gemm:f8e4m3_tensor"),
             **recipe_genomes(space)}  # weight-storage recipes (W8A16, W4A16, FP8 W8A8)
 
 
