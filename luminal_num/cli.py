@@ -23,6 +23,7 @@ from . import __version__
 from .dtypes.formats import Kind
 from .hlir.ops import Op
 from .hlir.symbolic import is_const
+from .files import read_npz
 from .report.files import OutputDirError, OutputLocked, check_output_dir, output_lock
 from .report.numbers import fmt_latency, fmt_num
 
@@ -155,13 +156,10 @@ def _inputs(path: str | None, job) -> list[dict]:
     if path is None:
         return list(job.heldout)
     p = Path(path)
-    if not p.exists():
-        raise InputError(f"inputs file {p} does not exist")
     try:
-        with np.load(p) as data:
-            batch = {k: data[k] for k in data.files}
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input error
-        raise InputError(f"cannot read inputs file {p}: {exc}") from None
+        batch = read_npz(p, "inputs")
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
     _check_batch(job.graph, batch, p)
     return [batch]
 
@@ -248,9 +246,6 @@ def _headroom_arg(text: str) -> float:
 
 
 def cmd_compile(args) -> int:
-    from .compiler import BudgetUnreachable, compile
-    from .report.compile_report import candidate_rows, write_compile_report
-    from .search.search import SearchOptions
     from .report.compile_report import COMPILE_FILES
     oj = _onnx_job(args)
     job = oj.job if oj is not None else _job(args.model, args)
@@ -346,13 +341,18 @@ def _summary(plan: dict) -> None:
         print(f"  {kind:16s} {dt:8s} {prec:24s} {n}")
 
 
-def cmd_audit(args) -> int:
-    from .report.audit import AUDIT_FILES
+def _load_plan(path: str):
+    """The plan file (and the files beside it), or a one-line input error."""
     from .search.plan import Plan, PlanError
     try:
-        plan = Plan.load(args.plan)
+        return Plan.load(path)
     except PlanError as exc:
         raise InputError(str(exc)) from None
+
+
+def cmd_audit(args) -> int:
+    from .report.audit import AUDIT_FILES
+    plan = _load_plan(args.plan)
     _plan_job_args(args, plan)
     if args.inputs and args.calibration:
         raise InputError("give --inputs or --calibration, not both")
@@ -395,11 +395,7 @@ def _audit_locked(plan, job, batches, out: Path, oj=None) -> int:
 
 def cmd_inspect(args) -> int:
     import pandas as pd
-    from .search.plan import Plan, PlanError
-    try:
-        plan = Plan.load(args.plan)
-    except PlanError as exc:
-        raise InputError(str(exc)) from None
+    plan = _load_plan(args.plan)
     d = plan.data
     print(f"plan v{d['version']} (compiler {d['compiler_version']}), target {d['target']}, seed {d['seed']}")
     print(f"budget {plan.budget}; verdict {d['verdict']['source']}: {d['verdict']['reason']}")
@@ -502,11 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args) -> int:
     from .report.generate import generate, print_generation
     from .runtime.cuda_device import CudaUnavailableError
-    from .search.plan import Plan, PlanError
-    try:
-        plan = Plan.load(args.plan)
-    except PlanError as exc:
-        raise InputError(str(exc)) from None
+    from .search.plan import PlanError
+    plan = _load_plan(args.plan)
     _plan_job_args(args, plan)
     if not _is_llm(args.model):
         raise InputError(f"generate runs LLM plans; {args.model!r} is not an LLM (smollm2, .gguf, HF folder)")

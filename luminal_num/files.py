@@ -10,6 +10,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 TEMP_PREFIX = ".tmp-"
 # mkstemp/mkdtemp create private (0600/0700) entries; a report is meant to be read by others.
 FILE_MODE = 0o644
@@ -37,3 +39,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
     """Text version of atomic_write_bytes (newlines written as given, never translated)."""
     return atomic_write_bytes(path, text.encode(encoding))
+
+
+def read_npz(path: str | os.PathLike, what: str) -> dict:
+    """Every array of an .npz file by name; ValueError with one line (naming it as `what` file) when the
+    file is missing or unreadable, so each caller can turn it into its own input error."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{what} file {p} does not exist")
+    try:
+        with np.load(p) as data:
+            return {k: data[k] for k in data.files}
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input error
+        raise ValueError(f"cannot read {what} file {p}: {' '.join(str(exc).split())}") from None

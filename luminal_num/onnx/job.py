@@ -14,6 +14,7 @@ import numpy as np
 from ..hlir.evaluate import evaluate
 from ..models.registry import ModelJob
 from .importer import OnnxModel, import_model
+from ..files import read_npz
 from .loader import LoadedModel, OnnxImportError, load_file, parse_shapes
 
 ONNX_SUFFIX = ".onnx"
@@ -47,13 +48,10 @@ class OnnxJob:
 def read_batches(path: str | Path) -> list[dict[str, np.ndarray]]:
     """Batches from an .npz: keys `name` (one batch) or `name:i` (batch i); one-line errors otherwise."""
     p = Path(path)
-    if not p.is_file():
-        raise OnnxImportError(f"calibration file {p} does not exist")
     try:
-        with np.load(p) as data:
-            arrays = {k: data[k] for k in data.files}
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input error
-        raise OnnxImportError(f"cannot read calibration file {p}: {' '.join(str(exc).split())}") from None
+        arrays = read_npz(p, "calibration")
+    except ValueError as exc:
+        raise OnnxImportError(str(exc)) from None
     if not arrays:
         raise OnnxImportError(f"calibration file {p} holds no arrays")
     indexed = {k: _BATCH_KEY.match(k) for k in arrays}
