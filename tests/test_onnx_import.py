@@ -106,6 +106,40 @@ def test_int_inputs_cast_masks_and_runtime_gather_match_onnx_runtime():
     np.testing.assert_allclose(fp32_plan_outputs(m, feed)["y"], want, rtol=1e-6, atol=1e-6)
 
 
+def test_the_dynamo_exporters_mask_forms_match_onnx_runtime():
+    """transformers' padding mask as torch.onnx.export (dynamo) writes it: int64 mask -> Cast(BOOL) ->
+    GatherND with known index tuples -> And with a known bool -> Where(mask, 0, finfo.min) added to the
+    scores; plus Or/Not/Xor on the run-time mask. Mask values include negatives and int32's extremes
+    (nonzero = True); an int64 value outside int32 (the graph's index type) is refused at feed."""
+    b, s = 3, 5
+    grid = np.stack(np.meshgrid(np.arange(b), np.arange(s), indexing="ij"), -1)[:, None, None, :, :]
+    nodes = [helper.make_node("Cast", ["mask"], ["mb"], to=TensorProto.BOOL),
+             helper.make_node("GatherND", ["mb", "idx"], ["g"]),
+             helper.make_node("And", ["g", "causal"], ["keep"]),
+             helper.make_node("Where", ["keep", "zero", "lowest"], ["bias"]),
+             helper.make_node("Add", ["scores", "bias"], ["y"]),
+             helper.make_node("Not", ["mb"], ["nm"]), helper.make_node("Or", ["nm", "flag"], ["o"]),
+             helper.make_node("Xor", ["o", "mb"], ["z"])]
+    inits = [numpy_helper.from_array(grid.astype(np.int64), "idx"),
+             numpy_helper.from_array(np.array(True), "causal"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+             numpy_helper.from_array(np.array(np.finfo(np.float32).min, np.float32), "lowest")]
+    i64 = lambda n, shape, t=TensorProto.INT64: helper.make_tensor_value_info(n, t, shape)  # noqa: E731
+    model = _model(nodes, [i64("mask", [b, s]), _f("scores", [b, 2, s, s]), i64("flag", [b, s], TensorProto.BOOL)],
+                   [_f("y", [b, 2, s, s]), i64("z", [b, s], TensorProto.BOOL)], inits, opset=18)
+    rng = np.random.default_rng(7)
+    feeds = {"mask": np.array([[1, 1, 0, -3, 2 ** 31 - 1], [1, 0, 0, 0, 0], [-2 ** 31, 1, 1, 1, 0]], np.int64),
+             "scores": rng.standard_normal((b, 2, s, s)).astype(np.float32), "flag": rng.random((b, s)) < 0.5}
+    want_y, want_z = _ort(model, feeds)
+    m = import_model(load_proto(model))
+    feed = m.feed(feeds)
+    for got in (m.restore(evaluate(m.graph, feed)), fp32_plan_outputs(m, feed)):
+        np.testing.assert_array_equal(got["y"], want_y)
+        np.testing.assert_array_equal(got["z"], want_z)
+    with pytest.raises(OnnxImportError, match="outside int32"):
+        m.feed({**feeds, "mask": np.full((b, s), 2 ** 40, np.int64)})
+
+
 def test_gather_with_known_indices_on_a_runtime_tensor():
     """Known indices: one index is a slice view (the axis drops), several become an int weight."""
     nodes = [helper.make_node("Gather", ["x", "many"], ["a"], axis=1), helper.make_node("Gather", ["x", "one"], ["b"], axis=2)]

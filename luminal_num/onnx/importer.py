@@ -24,6 +24,7 @@ from .ops import OPS, OpSpec
 from .values import Tensor, NodeCtx, Value, kind_of_array
 
 _NP_OF_KIND = {FLOAT: np.float32, BOOL: np.bool_, INT: np.int64}
+_I32 = np.iinfo(np.int32)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class OnnxModel:
             a = np.asarray(arrays[spec.name])
             if tuple(a.shape) != spec.shape:
                 raise OnnxImportError(f"input {spec.name!r}: shape {a.shape}, the model was imported for {spec.shape}")
+            if spec.kind == INT and a.size and (a.min() < _I32.min or a.max() > _I32.max):
+                raise OnnxImportError(f"input {spec.name!r} holds integers outside int32 (the graph's index type)")
             out[spec.name] = a.astype(np.int64) if spec.kind == INT else a.astype(np.float32)
         return out
 

@@ -118,8 +118,20 @@ def _cast(c: NodeCtx) -> list[Value]:
     want = {onnx.TensorProto.BOOL: BOOL, onnx.TensorProto.INT64: INT, onnx.TensorProto.INT32: INT}.get(to)
     if want is not None and want == src.kind:
         return [src]
+    if want == BOOL and src.kind == INT:  # x != 0; int -> FP32 rounding never turns a nonzero into 0
+        xf = src.t.cast(F32)
+        return _out((xf > 0.0) + (xf < 0.0), BOOL)  # the two tests are disjoint: the sum is 0 or 1
     raise c.refuse(f"cast of a run-time {src.kind} tensor to {onnx.TensorProto.DataType.Name(to)} is not supported "
                    "(the graph computes in FP32; low-precision storage is the compiler's choice)")
+
+
+# -- logic on bool masks (held as 0/1 floats): each form below is exact on 0/1 ---------------------
+def _logic(fn: Callable[[GraphTensor, GraphTensor], GraphTensor]):
+    return lambda c: _out(fn(c.tensor(0, (BOOL,)).t, c.tensor(1, (BOOL,)).t), BOOL)
+
+
+def _not(c: NodeCtx) -> list[Value]:
+    return _out(1.0 - c.tensor(0, (BOOL,)).t, BOOL)
 
 
 # -- reductions, norms, softmax ---------------------------------------------------------------
@@ -242,6 +254,25 @@ def _gather(c: NodeCtx) -> list[Value]:
         perm = list(range(k, k + axis)) + list(range(k)) + list(range(k + axis, out.ndim))
         out = out.permute(perm)
     return _out(out, data.kind)
+
+
+def _gather_nd(c: NodeCtx) -> list[Value]:
+    """GatherND with indices known at import (the exporters' mask indexing): the first k axes of data
+    flattened into one, the index tuples raveled into it, then one Gather."""
+    data = c.tensor(0, DATA)
+    if c.attr("batch_dims", 0) != 0:
+        raise c.refuse("batch_dims other than 0 is not supported")
+    idx = c.const(1, "the indices").astype(np.int64)
+    k, shape = idx.shape[-1], data.shape
+    if not 1 <= k <= len(shape) or idx.ndim < 2:
+        raise c.refuse(f"index tuples of length {k} do not fit data of rank {len(shape)}")
+    lead = np.array(shape[:k], dtype=np.int64)
+    if np.any((idx < -lead) | (idx >= lead)):
+        raise c.refuse(f"index out of range for the leading dims {tuple(shape[:k])}")
+    flat = np.ravel_multi_index(tuple(np.moveaxis(np.where(idx < 0, idx + lead, idx), -1, 0)), tuple(shape[:k]))
+    table = data.t.reshape(math.prod(shape[:k]), *shape[k:])
+    indices = c.importer.materialize(f"{c.names[1]}:raveled:{shape[:k]}", flat.astype(np.int64)).t
+    return _out(table.gather(indices), data.kind)
 
 
 def _reshape(c: NodeCtx) -> list[Value]:
@@ -423,6 +454,11 @@ OPS: dict[str, OpSpec] = {
     "MatMul": _spec(_matmul),
     "Gemm": _spec(_gemm, "alpha beta transA transB"),
     "Gather": _spec(_gather, "axis", exact=True),
+    "GatherND": _spec(_gather_nd, "batch_dims", exact=True, static=(1,)),
+    "And": _spec(_logic(lambda a, b: a * b), exact=True),
+    "Or": _spec(_logic(lambda a, b: a + b - a * b), exact=True),
+    "Xor": _spec(_logic(lambda a, b: (a - b).square()), exact=True),
+    "Not": _spec(_not, exact=True),
     "Reshape": _spec(_reshape, "allowzero", exact=True, static=(1,)),
     "Transpose": _spec(_transpose, "perm", exact=True),
     "Flatten": _spec(_flatten, "axis", exact=True),
@@ -438,7 +474,7 @@ OPS: dict[str, OpSpec] = {
     "Constant": OpSpec(None, frozenset("value value_float value_floats value_int value_ints".split()), True),
     "ConstantOfShape": OpSpec(None, frozenset({"value"}), True, (0,)),
     # shape-subgraph arithmetic: folded on known values, refused on run-time tensors
-    **{op: _fold_only() for op in ("Range", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not",
-                                   "And", "Or", "Min", "Max", "Floor", "Ceil", "Abs", "CastLike", "Mod",
+    **{op: _fold_only() for op in ("Range", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Min",
+                                   "Max", "Floor", "Ceil", "Abs", "CastLike", "Mod",
                                    "ReduceProd", "Tile", "NonZero")},
 }
