@@ -140,6 +140,20 @@ def test_the_dynamo_exporters_mask_forms_match_onnx_runtime():
         m.feed({**feeds, "mask": np.full((b, s), 2 ** 40, np.int64)})
 
 
+@pytest.mark.parametrize("idx", [[[2, -1], [0, 3]], [[[1], [0]], [[2], [2]]], [1, 2, 4], [[0, 1, 2], [2, 3, 0]]])
+def test_gather_nd_with_known_indices_matches_numpy_indexing(idx):
+    """Index tuples of length k pick data[i0, ..., ik-1, ...] (negative indices count from the end)."""
+    idx = np.array(idx, np.int64)
+    out_shape = list(idx.shape[:-1]) + [3, 4, 5][idx.shape[-1]:]
+    model = _model([helper.make_node("GatherND", ["x", "i"], ["y"])], [_f("x", [3, 4, 5])], [_f("y", out_shape)],
+                   [numpy_helper.from_array(idx, "i")], opset=13)
+    x = np.random.default_rng(9).standard_normal((3, 4, 5)).astype(np.float32)
+    want = x[tuple(np.moveaxis(idx, -1, 0))]
+    m = import_model(load_proto(model))
+    np.testing.assert_array_equal(m.restore(evaluate(m.graph, m.feed({"x": x})))["y"], want)
+    np.testing.assert_array_equal(fp32_plan_outputs(m, m.feed({"x": x}))["y"], want)
+
+
 def test_gather_with_known_indices_on_a_runtime_tensor():
     """Known indices: one index is a slice view (the axis drops), several become an int weight."""
     nodes = [helper.make_node("Gather", ["x", "many"], ["a"], axis=1), helper.make_node("Gather", ["x", "one"], ["b"], axis=2)]

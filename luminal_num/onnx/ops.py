@@ -263,14 +263,17 @@ def _gather_nd(c: NodeCtx) -> list[Value]:
     if c.attr("batch_dims", 0) != 0:
         raise c.refuse("batch_dims other than 0 is not supported")
     idx = c.const(1, "the indices").astype(np.int64)
-    k, shape = idx.shape[-1], data.shape
-    if not 1 <= k <= len(shape) or idx.ndim < 2:
+    k, shape = idx.shape[-1] if idx.ndim else 0, data.shape
+    if not 1 <= k <= len(shape):
         raise c.refuse(f"index tuples of length {k} do not fit data of rank {len(shape)}")
     lead = np.array(shape[:k], dtype=np.int64)
     if np.any((idx < -lead) | (idx >= lead)):
         raise c.refuse(f"index out of range for the leading dims {tuple(shape[:k])}")
     flat = np.ravel_multi_index(tuple(np.moveaxis(np.where(idx < 0, idx + lead, idx), -1, 0)), tuple(shape[:k]))
     table = data.t.reshape(math.prod(shape[:k]), *shape[k:])
+    if idx.ndim == 1:  # one index tuple: a slice view
+        return _out(table.slice((int(flat), int(flat) + 1), *[(0, d) for d in shape[k:]]).reshape(shape[k:]),
+                    data.kind)
     indices = c.importer.materialize(f"{c.names[1]}:raveled:{shape[:k]}", flat.astype(np.int64)).t
     return _out(table.gather(indices), data.kind)
 
