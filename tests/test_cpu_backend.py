@@ -152,6 +152,23 @@ def test_grouped_accumulation_equals_the_plain_loop(name, spread):
     assert got.dtype == np.float32 and np.array_equal(got, _naive_grouped_sum(qa, qb, variant.accumulator, variant.mma_k))
 
 
+@pytest.mark.parametrize("name", ["f16acc16", "f8e4m3_block", "f8e4m3_block_nopromote", "f8e5m2_block"])
+def test_grouped_gemm_does_not_depend_on_the_output_tiling(name, monkeypatch):
+    """Promotion, per-product scales and the narrow accumulator per output tile: ragged 7 x 5 tiles
+    (batched, K not a multiple of the promotion interval) give the bits of one whole-matrix tile."""
+    variant = GEMM_VARIANTS[name]
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal((2, 45, 300)) * 2.0 ** rng.integers(-8, 4, (2, 45, 300))).astype(np.float32)
+    b = rng.standard_normal((1, 300, 38)).astype(np.float32)
+    monkeypatch.setattr(numerics, "_TILE_ELEMENTS", 1 << 30)
+    monkeypatch.setattr(numerics, "_BLAS_SINGLE_THREAD_MNK", 1 << 40)
+    whole = numerics.emulate_gemm(a, b, variant)
+    monkeypatch.setattr(numerics, "_TILE_ELEMENTS", 70)
+    assert numerics._tile_shape(2, 45, 38, variant.mma_k) == (7, 5)
+    tiled = numerics.emulate_gemm(a, b, variant)
+    assert tiled.dtype == np.float32 and np.array_equal(tiled.view(np.uint32), whole.view(np.uint32))
+
+
 def test_float16_cast_rounds_like_round_to():
     """The F16 accumulator's shortcut: numpy's float64 -> float16 cast is one RNE rounding."""
     rng = np.random.default_rng(5)

@@ -22,8 +22,10 @@ What a GemmPrecision computes, step by step (every rounding below is round-to-ne
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import math
 
 import numpy as np
 
@@ -38,6 +40,21 @@ class _Operand:
     values: np.ndarray  # float32 in the operand format (the quantized domain when scaled)
     scales: np.ndarray | None
     spec: ScaleSpec | None
+    _derived: dict = field(default_factory=dict, repr=False)  # small values computed from it once
+
+    def derived(self, key: str, make: Callable[[], object]):
+        """make() once per operand: a prepared weight lives for the process, so its magnitudes and
+        per-block scale vectors are computed once, not per run (values are never mutated)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
+
+    def magnitudes(self) -> tuple[float, float] | None:
+        """(min nonzero |v|, max |v|), or None when every value is zero."""
+        def make():
+            nonzero = np.abs(self.values[self.values != 0])
+            return None if nonzero.size == 0 else (float(nonzero.min()), float(nonzero.max()))
+        return self.derived("magnitudes", make)
 
 
 def _operand(x: np.ndarray, fmt: Format, spec: ScaleSpec | None, scales, overflow: QuantOverflow) -> _Operand:
@@ -53,6 +70,10 @@ def _scale_vector(op: _Operand, k_block_index: int, k_axis: int, extent: int) ->
     """The operand's scales for one K-block, expanded along its M (A) or N (B) axis: shape (..., extent)."""
     if op.scales is None:
         return None
+    return op.derived(f"scales{k_block_index},{k_axis},{extent}", lambda: _expanded_scales(op, k_block_index, k_axis, extent))
+
+
+def _expanded_scales(op: _Operand, k_block_index: int, k_axis: int, extent: int) -> np.ndarray:
     vector = np.take(op.scales, min(k_block_index, op.scales.shape[k_axis] - 1), axis=k_axis)
     if vector.shape[-1] > 1:
         block = resolved_block(op.spec, op.values.shape)[1 + k_axis]  # A: rows (k_axis -1), B: cols (-2)
@@ -60,12 +81,15 @@ def _scale_vector(op: _Operand, k_block_index: int, k_axis: int, extent: int) ->
     return vector
 
 
-def _chunk_scale(a: _Operand, b: _Operand, k_block_index: int, rows: slice = slice(None)) -> np.ndarray | None:
-    """fl32(sa * sb) for the outputs of one K-block (those in `rows`), broadcastable to (..., M, N)."""
+def _chunk_scale(a: _Operand, b: _Operand, k_block_index: int, rows: slice = slice(None),
+                 cols: slice = slice(None)) -> np.ndarray | None:
+    """fl32(sa * sb) for the outputs of one K-block (those in `rows` x `cols`), broadcastable to (..., M, N)."""
     sa = _scale_vector(a, k_block_index, -1, a.values.shape[-2])
     if sa is not None and sa.shape[-1] > 1:
         sa = sa[..., rows]
     sb = _scale_vector(b, k_block_index, -2, b.values.shape[-1])
+    if sb is not None and sb.shape[-1] > 1:
+        sb = sb[..., cols]
     if sa is None and sb is None:
         return None
     if sa is None:
@@ -97,12 +121,17 @@ def _round_acc_inplace(x: np.ndarray, acc: Format, tmp: np.ndarray) -> None:
     """x (float64) <- RN_acc(x) in place, for values in acc's normal range (checked by the caller).
 
     F16: numpy's float64 -> float16 cast rounds once, to nearest even (subnormals and overflow to
-    inf included), the same as round_to(x, F16, INF). FP32-range accumulators: the half-ulp bit trick
-    of dtypes.rounding.round_significand on the float64 bits, with a preallocated temporary.
+    inf included), the same as round_to(x, F16, INF); tmp is then a float16 scratch array.
+    FP32-range accumulators: the half-ulp bit trick of dtypes.rounding.round_significand on the
+    float64 bits, with a preallocated uint64 temporary.
     """
     if acc is F16:
         with np.errstate(over="ignore"):  # overflow to inf is the IEEE result being emulated
-            np.copyto(x, x.astype(np.float16))
+            if tmp.dtype == np.float16:
+                np.copyto(tmp, x, casting="unsafe")
+                np.copyto(x, tmp)
+            else:
+                np.copyto(x, x.astype(np.float16))
         return
     drop = 53 - acc.p
     bits = x.view(np.uint64)
@@ -113,62 +142,91 @@ def _round_acc_inplace(x: np.ndarray, acc: Format, tmp: np.ndarray) -> None:
     bits &= np.uint64(~((1 << drop) - 1) & 0xFFFFFFFFFFFFFFFF)
 
 
-def _fast_accumulation(qa: np.ndarray, qb: np.ndarray, acc: Format, groups: int) -> bool:
-    """Whether every partial sum provably stays in acc's normal range (no subnormal, no overflow), so
-    _round_acc_inplace equals round_to: nonzero products are at least min|qa|*min|qb| and partial
-    sums integer multiples of that quantum; |partials| <= K*max|qa|*max|qb| grown by each rounding."""
+def _fast_accumulation(qa: _Operand, qb: _Operand, acc: Format, k: int, groups: int) -> bool:
+    """Whether every partial sum of `groups` group sums over k products provably stays in acc's
+    normal range (no subnormal, no overflow), so _round_acc_inplace equals round_to. Every float32
+    value is a multiple of ulp32(its magnitude) >= ulp32(min nonzero |v|), so partial sums are
+    integer multiples of q = ulp32(min|qa|) * ulp32(min|qb|), hence 0 or >= q; and |partials| <=
+    k * max|qa| * max|qb| grown by (1 + 2u) per rounding."""
     if acc is F16:
         return True  # the cast handles the whole range itself
     if acc.min_normal != F32.min_normal:
         return False
-    mags = [np.abs(x[x != 0]) for x in (qa, qb)]
-    if any(m.size == 0 for m in mags):
+    mags = qa.magnitudes(), qb.magnitudes()
+    if mags[0] is None or mags[1] is None:
         return True
-    tiny = float(mags[0].min()) * float(mags[1].min())
-    huge = qa.shape[-1] * float(mags[0].max()) * float(mags[1].max()) * (1 + 2.0 ** (1 - acc.p)) ** groups
-    return tiny >= acc.min_normal and huge <= acc.max_finite / 2
+    quantum = math.prod(2.0 ** (math.floor(math.log2(lo)) - 23) for lo, _ in mags)
+    huge = k * mags[0][1] * mags[1][1] * (1 + 2.0 ** (1 - acc.p)) ** groups
+    return quantum >= acc.min_normal and huge <= acc.max_finite / 2
 
 
-def _grouped_sum(qa: np.ndarray, qb: np.ndarray, acc: Format, group: int,
-                 scale_of: Callable[[int, slice], np.ndarray] | None = None) -> np.ndarray:
-    """acc = RN_acc(acc + group sum), one rounding per MMA group of `group` products along K.
+def _tile_shape(lead: int, m: int, n: int, group: int) -> tuple[int, int]:
+    """(rows, cols) of an output tile: about _TILE_ELEMENTS outputs (times `lead` batch matrices) and
+    each group-sum BLAS call under _BLAS_SINGLE_THREAD_MNK. Square-ish tiles amortise the packing of
+    B's K-slice over many rows (a 10 x 1536 row tile packed 1536 columns for 10 rows)."""
+    elements = max(1, min(_TILE_ELEMENTS // max(1, lead), _BLAS_SINGLE_THREAD_MNK // group))
+    cols = max(1, min(n, math.isqrt(elements)))
+    rows = max(1, min(m, elements // cols))
+    return rows, max(1, min(n, elements // rows))
 
-    One row tile of about _TILE_ELEMENTS outputs at a time, all of K for that tile before the next,
-    so its group sums (one small FP64 BLAS call per group), adds and roundings stay in cache
-    (measured 3-5x faster than whole-output steps). Without scales, and with every partial sum
-    provably in acc's normal range, the rounding is done in place (_round_acc_inplace), else by
-    round_to. scale_of(k_start, rows): per-product scales of the group starting at k_start.
+
+def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: int, k_block: int,
+                  per_product: bool) -> np.ndarray:
+    """acc = RN_acc(acc + group sum), one rounding per MMA group of mma_k products along K (module
+    doc, step 2), with promotion every `chunk` and the scales of step 3 (per K-block of k_block;
+    per product when per_product) applied per output tile.
+
+    One output tile at a time, all of K for that tile before the next, so its group sums (one small
+    FP64 BLAS call per group), adds, roundings and promotions stay in cache. Per promotion chunk:
+    out = term or fl32(out + term), term = fl32(acc) [* fl32(sa * sb)]. Without per-product scales,
+    and with every partial sum provably in acc's normal range, the rounding is done in place
+    (_round_acc_inplace), else by round_to.
     """
-    qa64, qb64 = qa.astype(np.float64), qb.astype(np.float64)
-    shape = np.broadcast_shapes(qa.shape[:-2], qb.shape[:-2]) + (qa.shape[-2], qb.shape[-1])
-    in_place = scale_of is None and _fast_accumulation(qa, qb, acc, -(-qa.shape[-1] // group))
-    total = np.empty(shape)
-    per_row = max(1, shape[-1])
-    step = max(1, min(_TILE_ELEMENTS // (max(1, int(np.prod(shape[:-2], dtype=np.int64))) * per_row),
-                      _BLAS_SINGLE_THREAD_MNK // (group * per_row)))
-    for row in range(0, shape[-2], step):
-        rows = slice(row, row + step)
-        tile, a_rows = total[..., rows, :], qa64[..., rows, :]
-        group_sum, tmp = np.empty(tile.shape), np.empty(tile.shape, np.uint64)
-        for start in range(0, qa.shape[-1], group):
-            np.matmul(a_rows[..., start:start + group], qb64[..., start:start + group, :], out=group_sum)
-            if scale_of is not None:  # fl32(fl32(group) * s), widened again so acc + term stays exact
-                group_sum[...] = (group_sum.astype(np.float32) * scale_of(start, rows)).astype(np.float64)
-            if start:
-                group_sum += tile
-            if in_place:
-                _round_acc_inplace(group_sum, acc, tmp)
-                tile[...] = group_sum
-            else:
-                tile[...] = round_to(group_sum, acc, Overflow.INF)
-    return total.astype(np.float32)
+    k = qa.values.shape[-1]
+    in_place = not per_product and _fast_accumulation(qa, qb, acc, chunk, -(-chunk // group))
+    qa64, qb64 = qa.values.astype(np.float64), qb.values.astype(np.float64)
+    lead = np.broadcast_shapes(qa64.shape[:-2], qb64.shape[:-2])
+    m, n = qa64.shape[-2], qb64.shape[-1]
+    out = np.empty(lead + (m, n), np.float32)
+    tile_rows, tile_cols = _tile_shape(math.prod(lead), m, n, group)
+    for row in range(0, m, tile_rows):
+        rows = slice(row, row + tile_rows)
+        a_rows = qa64[..., rows, :]
+        for col in range(0, n, tile_cols):
+            cols = slice(col, col + tile_cols)
+            b_cols, target = qb64[..., :, cols], out[..., rows, cols]
+            tile = np.empty(target.shape)
+            group_sum = np.empty(tile.shape)
+            tmp = np.empty(tile.shape, np.float16 if acc is F16 else np.uint64)
+            for start in range(0, k, chunk):
+                for g in range(start, min(start + chunk, k), group):
+                    np.matmul(a_rows[..., g:g + group], b_cols[..., g:g + group, :], out=group_sum)
+                    if per_product:  # fl32(fl32(group) * s), widened again so acc + term stays exact
+                        scale = _chunk_scale(qa, qb, g // k_block, rows, cols)
+                        group_sum[...] = (group_sum.astype(np.float32) * scale).astype(np.float64)
+                    if g > start:
+                        group_sum += tile
+                    if in_place:
+                        _round_acc_inplace(group_sum, acc, tmp)
+                        tile, group_sum = group_sum, tile
+                    else:
+                        tile[...] = round_to(group_sum, acc, Overflow.INF)
+                partial = tile.astype(np.float32)
+                scale = None if per_product else _chunk_scale(qa, qb, start // k_block, rows, cols)
+                term = partial if scale is None else partial * scale
+                target[...] = term if start == 0 else target + term
+    return out
+
+
+def _grouped_sum(qa: np.ndarray, qb: np.ndarray, acc: Format, group: int) -> np.ndarray:
+    """The narrow accumulation alone over all of K (no scales): float32 (..., M, N)."""
+    k = qa.shape[-1]
+    return _grouped_gemm(_Operand(qa, None, None), _Operand(qb, None, None), acc, group, k, k, False)
 
 
 def _chunk_sum(qa: np.ndarray, qb: np.ndarray, variant: GemmPrecision) -> np.ndarray:
     if variant.acc_format is INT32:
         return _exact_integer_sum(qa, qb)
-    if variant.grouped:
-        return _grouped_sum(qa, qb, variant.accumulator, variant.mma_k)
     return np.matmul(qa, qb)
 
 
@@ -216,8 +274,11 @@ def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = Non
     if k == 0:
         return np.zeros(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), np.float32)
     k_block = variant.scale_k_block or k
+    if variant.grouped:
+        chunk = k if variant.scales_per_product else min(variant.promote_every or k_block, k)
+        return _grouped_gemm(qa, qb, variant.accumulator, variant.mma_k, chunk, k_block, variant.scales_per_product)
     if variant.scales_per_product:
-        return _per_product_scaled(qa, qb, variant, k_block)
+        return _per_product_scaled(qa, qb)
     chunk = min(variant.promote_every or k_block, k)
     out = None
     for start in range(0, k, chunk):
@@ -228,17 +289,7 @@ def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = Non
     return out
 
 
-def _per_product_scaled(qa: _Operand, qb: _Operand, variant: GemmPrecision, k_block: int) -> np.ndarray:
-    if variant.grouped:
-        per_block: dict[int, np.ndarray] = {}  # fl32(sa * sb) of each K-block, made once, sliced per row tile
-
-        def scale_of(start: int, rows: slice) -> np.ndarray:
-            block = start // k_block
-            if block not in per_block:
-                per_block[block] = _chunk_scale(qa, qb, block)
-            scale = per_block[block]
-            return scale[..., rows, :] if scale.shape[-2] > 1 else scale
-        return _grouped_sum(qa.values, qb.values, variant.accumulator, variant.mma_k, scale_of=scale_of)
+def _per_product_scaled(qa: _Operand, qb: _Operand) -> np.ndarray:
     # power-of-two scales (checked by GemmPrecision): q * 2^e is exact in FP32, so is every product
     operands = [op.values if op.scales is None else op.values * expand_scales(op.scales, op.values.shape, op.spec)
                 for op in (qa, qb)]
