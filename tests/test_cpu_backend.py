@@ -154,17 +154,21 @@ def test_grouped_accumulation_equals_the_plain_loop(name, spread):
 
 @pytest.mark.parametrize("name", ["f16acc16", "f8e4m3_block", "f8e4m3_block_nopromote", "f8e5m2_block"])
 def test_grouped_gemm_does_not_depend_on_the_output_tiling(name, monkeypatch):
-    """Promotion, per-product scales and the narrow accumulator per output tile: ragged 7 x 5 tiles
-    (batched, K not a multiple of the promotion interval) give the bits of one whole-matrix tile."""
+    """Promotion, per-product scales and the narrow accumulator per output tile: small tiles of several
+    column blocks with ragged edges (batched, K not a multiple of the promotion interval) give the
+    bits of one whole-matrix tile."""
     variant = GEMM_VARIANTS[name]
     rng = np.random.default_rng(3)
-    a = (rng.standard_normal((2, 45, 300)) * 2.0 ** rng.integers(-8, 4, (2, 45, 300))).astype(np.float32)
-    b = rng.standard_normal((1, 300, 38)).astype(np.float32)
+    a = (rng.standard_normal((2, 46, 300)) * 2.0 ** rng.integers(-8, 4, (2, 46, 300))).astype(np.float32)
+    b = rng.standard_normal((1, 300, 40)).astype(np.float32)
     monkeypatch.setattr(numerics, "_TILE_ELEMENTS", 1 << 30)
     monkeypatch.setattr(numerics, "_BLAS_SINGLE_THREAD_MNK", 1 << 40)
     whole = numerics.emulate_gemm(a, b, variant)
-    monkeypatch.setattr(numerics, "_TILE_ELEMENTS", 70)
-    assert numerics._tile_shape(2, 45, 38, variant.mma_k) == (7, 5)
+    assert numerics._tiling(2, 46, 40, variant.mma_k) == (46, 40, 1)
+    monkeypatch.setattr(numerics, "_TILE_ELEMENTS", 400)
+    monkeypatch.setattr(numerics, "_BLAS_SINGLE_THREAD_MNK", 32 * 36)
+    rows, item_cols, items = numerics._tiling(2, 46, 40, variant.mma_k)
+    assert items > 1 and 46 % rows and 40 % (items * item_cols)
     tiled = numerics.emulate_gemm(a, b, variant)
     assert tiled.dtype == np.float32 and np.array_equal(tiled.view(np.uint32), whole.view(np.uint32))
 
@@ -179,6 +183,22 @@ def test_float16_cast_rounds_like_round_to():
     with np.errstate(over="ignore"):
         cast = x.astype(np.float16).astype(np.float32)
     assert np.array_equal(cast, round_to(x, F16, Overflow.INF))
+
+
+def test_f16_magic_rounding_equals_round_to():
+    """_round_f16_magic (float64 arithmetic) against the bit-exact round_to on ties, near-ties, F16
+    subnormals and the subnormal/normal boundary, signed zeros and tiny negatives, up to 65504."""
+    rng = np.random.default_rng(9)
+    ties = (np.arange(1, 2048) + 0.5) * 2.0 ** rng.integers(-25, 5, 2047)
+    x = np.concatenate([ties, ties * (1 + 2.0 ** -40), ties * (1 - 2.0 ** -40), [0.0, -0.0, 2.0 ** -25, 2.0 ** -26,
+                        2.0 ** -14, 2.0 ** -14 * (1 - 2.0 ** -12), 65504.0, 65519.0, 1e-300, 5e-324],
+                        rng.standard_normal(8192) * 2.0 ** rng.integers(-40, 15, 8192)])
+    x = np.concatenate([x, -x])
+    x = x[np.abs(x) <= 65504]
+    out, tmp = np.empty_like(x), np.empty_like(x)
+    numerics._round_f16_magic(x, out, tmp)
+    want = round_to(x, F16, Overflow.INF).astype(np.float64)
+    assert np.array_equal(out.view(np.uint64), want.view(np.uint64))  # bits: the sign of zero too
 
 
 @pytest.mark.parametrize("acc", [BF16, F16])

@@ -49,6 +49,9 @@ class _Operand:
             self._derived[key] = make()
         return self._derived[key]
 
+    def amax(self) -> float:
+        return self.derived("amax", lambda: float(np.max(np.abs(self.values), initial=0.0)))
+
     def magnitudes(self) -> tuple[float, float] | None:
         """(min nonzero |v|, max |v|), or None when every value is zero."""
         def make():
@@ -142,6 +145,30 @@ def _round_acc_inplace(x: np.ndarray, acc: Format, tmp: np.ndarray) -> None:
     bits &= np.uint64(~((1 << drop) - 1) & 0xFFFFFFFFFFFFFFFF)
 
 
+_EXPONENT_BITS = np.uint64(0x7FF0000000000000)
+_F16_MAGIC = 1.5 * 2.0 ** 42  # 2^e times this has an ulp of 2^(e - 10): F16's quantum in binade e
+
+
+def _round_f16_magic(x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
+    """out <- RN_f16(x) for float64 x with |x| <= 65504 (no overflow: the caller proves it), with
+    float64 arithmetic instead of numpy's slow float64 -> float16 cast: C = max(2^e(x), 2^-14) *
+    1.5 * 2^42 has an ulp equal to F16's quantum at x (2^(e-10); the subnormal 2^-24 below 2^-14)
+    and x + C stays in C's binade, so fl64(x + C) - C is x rounded there, ties to even (C / ulp is
+    even), and the subtraction is exact; copysign restores the sign of a zero result."""
+    np.bitwise_and(x.view(np.uint64), _EXPONENT_BITS, out=tmp.view(np.uint64))
+    np.maximum(tmp, 2.0 ** -14, out=tmp)
+    tmp *= _F16_MAGIC
+    np.add(x, tmp, out=out)
+    out -= tmp
+    np.copysign(out, x, out=out)
+
+
+def _f16_in_range(qa: _Operand, qb: _Operand, k: int, groups: int) -> bool:
+    """Whether every partial sum of an F16 accumulation provably stays at most F16's max_finite:
+    |partials| <= k * max|qa| * max|qb| grown by (1 + 2^-10) per rounding."""
+    return k * qa.amax() * qb.amax() * (1 + 2.0 ** -10) ** groups <= F16.max_finite
+
+
 def _fast_accumulation(qa: _Operand, qb: _Operand, acc: Format, k: int, groups: int) -> bool:
     """Whether every partial sum of `groups` group sums over k products provably stays in acc's
     normal range (no subnormal, no overflow), so _round_acc_inplace equals round_to. Every float32
@@ -160,14 +187,47 @@ def _fast_accumulation(qa: _Operand, qb: _Operand, acc: Format, k: int, groups: 
     return quantum >= acc.min_normal and huge <= acc.max_finite / 2
 
 
-def _tile_shape(lead: int, m: int, n: int, group: int) -> tuple[int, int]:
-    """(rows, cols) of an output tile: about _TILE_ELEMENTS outputs (times `lead` batch matrices) and
-    each group-sum BLAS call under _BLAS_SINGLE_THREAD_MNK. Square-ish tiles amortise the packing of
-    B's K-slice over many rows (a 10 x 1536 row tile packed 1536 columns for 10 rows)."""
-    elements = max(1, min(_TILE_ELEMENTS // max(1, lead), _BLAS_SINGLE_THREAD_MNK // group))
-    cols = max(1, min(n, math.isqrt(elements)))
-    rows = max(1, min(m, elements // cols))
-    return rows, max(1, min(n, elements // rows))
+def _fast_scaled_accumulation(qa: _Operand, qb: _Operand, acc: Format, k: int, groups: int) -> bool:
+    """_fast_accumulation for per-product scales: terms t = fl32(fl32(group) * fl32(sa * sb)) are
+    float32 values with |t| >= q * s_min (1 - 2^-23) when nonzero (q as in _fast_accumulation,
+    s_min the least nonzero scale product), so they and all partial sums are multiples of
+    2^-126 when q * s_min >= 2^-102 (t is then normal); |partials| <= k max|qa| max|qb| s_max, grown."""
+    if acc.min_normal != F32.min_normal or qa.scales is None or qb.scales is None:
+        return False
+    mags = qa.magnitudes(), qb.magnitudes()
+    if mags[0] is None or mags[1] is None:
+        return True
+    scales = [np.abs(op.scales[op.scales != 0]) for op in (qa, qb)]
+    if any(x.size == 0 for x in scales):
+        return True
+    quantum = math.prod(2.0 ** (math.floor(math.log2(lo)) - 23) for lo, _ in mags)
+    s_min, s_max = float(scales[0].min()) * float(scales[1].min()), float(scales[0].max()) * float(scales[1].max())
+    huge = k * mags[0][1] * mags[1][1] * s_max * (1 + 2.0 ** -22) * (1 + 2.0 ** (1 - acc.p)) ** groups
+    return quantum * s_min >= 2.0 ** -102 and huge <= acc.max_finite / 2
+
+
+def _tiling(lead: int, m: int, n: int, group: int) -> tuple[int, int, int]:
+    """(rows, item_cols, items) of an output tile of rows x (items * item_cols) outputs (times `lead`
+    batch matrices), about _TILE_ELEMENTS of them. A group sum over the tile is ONE matmul call over
+    `items` column blocks (numpy loops the BLAS calls in C), each block's call under
+    _BLAS_SINGLE_THREAD_MNK and square-ish, so the packing of B's K-slice is spread over many rows.
+    item_cols divides n where a useful divisor exists; else tiles are one block with a ragged last."""
+    per_call = max(1, _BLAS_SINGLE_THREAD_MNK // group)
+    elements = max(1, _TILE_ELEMENTS // max(1, lead))
+    side = max(1, min(n, math.isqrt(min(per_call, elements))))
+    item_cols = max(d for d in range(1, side + 1) if n % d == 0)
+    divides = 4 * item_cols >= side
+    item_cols = item_cols if divides else side
+    rows = max(1, min(m, per_call // item_cols, elements // item_cols))
+    items = max(1, min(n // item_cols, elements // (rows * item_cols))) if divides else 1
+    return rows, item_cols, items
+
+
+def _blocks(x: np.ndarray, items: int) -> np.ndarray:
+    """(..., R, items * c) -> the view (..., items, R, c); a last axis of 1 broadcasts as (..., 1, R, 1)."""
+    if x.shape[-1] == 1 and items > 1:
+        return x[..., None, :, :]
+    return np.moveaxis(x.reshape(x.shape[:-1] + (items, x.shape[-1] // items)), -2, -3)
 
 
 def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: int, k_block: int,
@@ -176,44 +236,56 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
     doc, step 2), with promotion every `chunk` and the scales of step 3 (per K-block of k_block;
     per product when per_product) applied per output tile.
 
-    One output tile at a time, all of K for that tile before the next, so its group sums (one small
-    FP64 BLAS call per group), adds, roundings and promotions stay in cache. Per promotion chunk:
-    out = term or fl32(out + term), term = fl32(acc) [* fl32(sa * sb)]. Without per-product scales,
-    and with every partial sum provably in acc's normal range, the rounding is done in place
-    (_round_acc_inplace), else by round_to.
+    One output tile at a time (_tiling), all of K for that tile before the next, so its group sums
+    (one FP64 matmul call per group), adds, roundings and promotions stay in cache. Per promotion
+    chunk: out = term or fl32(out + term), term = fl32(acc) [* fl32(sa * sb)]. With every partial
+    sum provably in acc's normal range the rounding is done in place (_round_acc_inplace; for F16
+    with no overflow possible, _round_f16_magic), else by round_to. Tiles hold their outputs as
+    (..., items, rows, item_cols): elementwise steps do not care.
     """
     k = qa.values.shape[-1]
-    in_place = not per_product and _fast_accumulation(qa, qb, acc, chunk, -(-chunk // group))
+    groups = -(-chunk // group)
+    in_place = (_fast_scaled_accumulation if per_product else _fast_accumulation)(qa, qb, acc, chunk, groups)
+    magic16 = acc is F16 and not per_product and _f16_in_range(qa, qb, chunk, groups)
     qa64, qb64 = qa.values.astype(np.float64), qb.values.astype(np.float64)
     lead = np.broadcast_shapes(qa64.shape[:-2], qb64.shape[:-2])
     m, n = qa64.shape[-2], qb64.shape[-1]
     out = np.empty(lead + (m, n), np.float32)
-    tile_rows, tile_cols = _tile_shape(math.prod(lead), m, n, group)
+    tile_rows, item_cols, items = _tiling(math.prod(lead), m, n, group)
     for row in range(0, m, tile_rows):
         rows = slice(row, row + tile_rows)
-        a_rows = qa64[..., rows, :]
-        for col in range(0, n, tile_cols):
-            cols = slice(col, col + tile_cols)
-            b_cols, target = qb64[..., :, cols], out[..., rows, cols]
-            tile = np.empty(target.shape)
-            group_sum = np.empty(tile.shape)
-            tmp = np.empty(tile.shape, np.float16 if acc is F16 else np.uint64)
+        a_rows = qa64[..., None, rows, :]  # (..., 1, R, K): broadcast over the column blocks
+        for col in range(0, n, items * item_cols):
+            cols = slice(col, col + items * item_cols)
+            width = min(n, col + items * item_cols) - col
+            parts = max(1, width // item_cols) if width % item_cols == 0 else 1
+            b_cols, target = qb64[..., :, cols], _blocks(out[..., rows, cols], parts)
+            tile, group_sum = np.empty(target.shape), np.empty(target.shape)
+            tmp = np.empty(target.shape, np.float64 if magic16 else np.float16 if acc is F16 else np.uint64)
+            scales: dict[int, np.ndarray | None] = {}
+
+            def scale(block: int) -> np.ndarray | None:
+                if block not in scales:
+                    s = _chunk_scale(qa, qb, block, rows, cols)
+                    scales[block] = None if s is None else _blocks(s, parts)
+                return scales[block]
             for start in range(0, k, chunk):
                 for g in range(start, min(start + chunk, k), group):
-                    np.matmul(a_rows[..., g:g + group], b_cols[..., g:g + group, :], out=group_sum)
+                    np.matmul(a_rows[..., g:g + group], _blocks(b_cols[..., g:g + group, :], parts), out=group_sum)
                     if per_product:  # fl32(fl32(group) * s), widened again so acc + term stays exact
-                        scale = _chunk_scale(qa, qb, g // k_block, rows, cols)
-                        group_sum[...] = (group_sum.astype(np.float32) * scale).astype(np.float64)
+                        group_sum[...] = (group_sum.astype(np.float32) * scale(g // k_block)).astype(np.float64)
                     if g > start:
                         group_sum += tile
-                    if in_place:
+                    if magic16:
+                        _round_f16_magic(group_sum, tile, tmp)
+                    elif in_place:
                         _round_acc_inplace(group_sum, acc, tmp)
                         tile, group_sum = group_sum, tile
                     else:
                         tile[...] = round_to(group_sum, acc, Overflow.INF)
                 partial = tile.astype(np.float32)
-                scale = None if per_product else _chunk_scale(qa, qb, start // k_block, rows, cols)
-                term = partial if scale is None else partial * scale
+                chunk_scale = None if per_product else scale(start // k_block)
+                term = partial if chunk_scale is None else partial * chunk_scale
                 target[...] = term if start == 0 else target + term
     return out
 
