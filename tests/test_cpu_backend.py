@@ -2,6 +2,8 @@
 the float32 evaluation against the float64-then-round semantics it replaces, fuzzed near FP32 limits."""
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import pytest
 
@@ -47,6 +49,7 @@ class _State:
     def __init__(self, arrays):
         self.stored = dict(enumerate(arrays))
         self.bindings = {}
+        self.shared = OrderedDict()  # values shared between the kernels of a run (cpu._Run.shared)
 
 
 class _Kernel:

@@ -16,7 +16,8 @@ Each kernel kind is one function in KERNELS.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import numpy as np
@@ -92,6 +93,9 @@ class _Run:
     bindings: Mapping[str, int]
     weight_names: frozenset[str]  # feed entries that are the runtime's (immutable) weights
     out: np.ndarray | None = None  # the running kernel's output buffer (a kernel may write into it)
+    # fused-body values by what they compute (structure, loads as (buffer, view)), for the next
+    # kernels: fusion recomputes a layer norm's input in its mean, variance and output kernels
+    shared: OrderedDict = field(default_factory=OrderedDict)
 
 
 class CpuRuntime:
@@ -196,27 +200,48 @@ def _exact_in_f32(e: FApply) -> bool:
     return F32_EXACT_CUSTOM[e.kind] if e.op is Op.CUSTOM else CORRECTLY_ROUNDED_F32[e.op]
 
 
+_SHARED_VALUES = 16  # fused-body values a run keeps for later kernels (least recently used dropped)
+
+
 def _body32(e: FExpr, k: Kernel, state: _Run, memo: dict | None = None):
     """The same values as _body64, in float32: correctly rounded ops natively, the others via float64.
-    A subexpression that occurs twice (GELU's bias add) is computed once (memo; values never mutated)."""
+    A subexpression is computed once per run: twice in one body (GELU's bias add; memo) or again in
+    a later kernel over the same buffers (state.shared). Values are shared, so never mutated."""
     memo = {} if memo is None else memo
-    if e in memo:
-        return memo[e]
+    if e not in memo:
+        memo[e] = _eval32(e, k, state, memo)
+    return memo[e][0]
+
+
+def _eval32(e: FExpr, k: Kernel, state: _Run, memo: dict) -> tuple[object, tuple]:
+    """(value, key): the key names the value within the run (loads resolved to buffer and view)."""
     if isinstance(e, FLoad):
+        inp = k.inputs[e.slot]
         x = _raw(k, e.slot, state)
-        out = x if x.dtype == np.float32 else x.astype(np.float32)
-    elif isinstance(e, FConstV):
-        out = np.float32(_const(e, state.bindings))
-    elif isinstance(e, FRoundTo):
-        out = store32(np.asarray(_body32(e.x, k, state, memo), dtype=np.float32), e.fmt)
+        return (x if x.dtype == np.float32 else x.astype(np.float32)), ("load", inp.buffer, inp.view.encode())
+    if isinstance(e, FConstV):
+        value = _const(e, state.bindings)
+        return np.float32(value), ("const", value)
+    if isinstance(e, FRoundTo):
+        x = _body32(e.x, k, state, memo)
+        key = ("round", e.fmt.name, memo[e.x][1])
     else:
         args = [_body32(a, k, state, memo) for a in e.args]
+        key = (e.op, e.kind, tuple(memo[a][1] for a in e.args))
+    if key in state.shared:
+        state.shared.move_to_end(key)
+        return state.shared[key], key
+    if isinstance(e, FRoundTo):
+        out = store32(np.asarray(x, dtype=np.float32), e.fmt)
+    else:
         if not _exact_in_f32(e):
             args = [np.asarray(a, dtype=np.float64) for a in args]
         out = np.asarray(_apply(e, args))
         out = out if out.dtype == np.float32 else out.astype(np.float32)
-    memo[e] = out
-    return out
+    state.shared[key] = out
+    if len(state.shared) > _SHARED_VALUES:
+        state.shared.popitem(last=False)
+    return out, key
 
 
 def _loads(e: FExpr) -> set[int]:

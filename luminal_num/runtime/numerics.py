@@ -227,7 +227,8 @@ def _blocks(x: np.ndarray, items: int) -> np.ndarray:
     """(..., R, items * c) -> the view (..., items, R, c); a last axis of 1 broadcasts as (..., 1, R, 1)."""
     if x.shape[-1] == 1 and items > 1:
         return x[..., None, :, :]
-    return np.moveaxis(x.reshape(x.shape[:-1] + (items, x.shape[-1] // items)), -2, -3)
+    lead = tuple(range(x.ndim - 2))
+    return x.reshape(x.shape[:-1] + (items, x.shape[-1] // items)).transpose(lead + (x.ndim - 1, x.ndim - 2, x.ndim))
 
 
 def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: int, k_block: int,
@@ -259,8 +260,9 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
             cols = slice(col, col + items * item_cols)
             width = min(n, col + items * item_cols) - col
             parts = max(1, width // item_cols) if width % item_cols == 0 else 1
-            b_cols, target = qb64[..., :, cols], _blocks(out[..., rows, cols], parts)
+            b_blocks, target = _blocks(qb64[..., :, cols], parts), _blocks(out[..., rows, cols], parts)
             tile, group_sum = np.empty(target.shape), np.empty(target.shape)
+            narrow = np.empty(target.shape, np.float32) if per_product else None
             tmp = np.empty(target.shape, np.float64 if magic16 else np.float16 if acc is F16 else np.uint64)
             scales: dict[int, np.ndarray | None] = {}
 
@@ -271,9 +273,11 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
                 return scales[block]
             for start in range(0, k, chunk):
                 for g in range(start, min(start + chunk, k), group):
-                    np.matmul(a_rows[..., g:g + group], _blocks(b_cols[..., g:g + group, :], parts), out=group_sum)
+                    np.matmul(a_rows[..., g:g + group], b_blocks[..., g:g + group, :], out=group_sum)
                     if per_product:  # fl32(fl32(group) * s), widened again so acc + term stays exact
-                        group_sum[...] = (group_sum.astype(np.float32) * scale(g // k_block)).astype(np.float64)
+                        np.copyto(narrow, group_sum, casting="same_kind")
+                        np.multiply(narrow, scale(g // k_block), out=narrow)
+                        np.copyto(group_sum, narrow)
                     if g > start:
                         group_sum += tile
                     if magic16:
