@@ -109,6 +109,7 @@ class CpuRuntime:
         self.static_scales = dict(static_scales or {})
         self._plans: dict[tuple, BufferPlan] = {}
         self.stored_weights = dict(stored_weights or {})  # stored_key -> StoredTensor (a plan's weights file)
+        self._widened: dict[str, np.ndarray] = {}  # stored_key -> its widened values (read-only)
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
@@ -267,8 +268,20 @@ def body_values(k: Kernel, state: _Run) -> np.ndarray:
 def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
     val = state.feed[k.external]
     if k.storage is not None:  # a weight held in its storage format: readers see it widened
-        held = rt.stored_weights.get(stored_key(k.external, k.storage))
-        return np.asarray(widened(val, k.storage, held), dtype=k.dtype.storage)
+        key = stored_key(k.external, k.storage)
+        held = rt.stored_weights.get(key)
+
+        def widen() -> np.ndarray:
+            out = np.array(widened(val, k.storage, held), dtype=k.dtype.storage)  # our own read-only copy
+            out.flags.writeable = False
+            return out
+        if held is not None:  # a plan's weights file: unpacked once per runtime
+            if key not in rt._widened:
+                rt._widened[key] = widen()
+            return rt._widened[key]
+        if k.external in state.weight_names:  # once per process (quant.stored's own cache is small)
+            return WEIGHTS.get(val, ("widened", k.storage, k.dtype.name), widen)
+        return widen()
     if k.external in state.weight_names:
         return WEIGHTS.get(val, ("stored", k.dtype.name), lambda: _store_input(k, val))
     return _store_input(k, val)
