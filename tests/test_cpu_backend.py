@@ -188,6 +188,21 @@ def test_float16_cast_rounds_like_round_to():
     assert np.array_equal(cast, round_to(x, F16, Overflow.INF))
 
 
+@pytest.mark.parametrize("scale", [0.97, 1.03])  # partial sums just under / over F16's max_finite
+def test_f16_accumulation_near_overflow_equals_the_plain_loop(scale):
+    """The F16 range proof (row / column L1 norms) picks the float64 rounding only where no partial sum
+    can exceed 65504; either way the bits are the plain loop's (inf where it overflows)."""
+    rng = np.random.default_rng(4)
+    a = np.abs(rng.standard_normal((30, 256))).astype(np.float16).astype(np.float32)
+    b = np.abs(rng.standard_normal((256, 20))).astype(np.float16).astype(np.float32)
+    a *= np.float32(scale * 65504 / float((np.abs(a).sum(axis=1).max()) * np.abs(b).max()))
+    a = a.astype(np.float16).astype(np.float32)
+    ops = numerics._Operand(a, None, None), numerics._Operand(b, None, None)
+    assert numerics._f16_in_range(*ops, 256, 16) == (scale < 1)
+    got = numerics._grouped_sum(a, b, F16, 16)
+    assert np.array_equal(got.view(np.uint32), _naive_grouped_sum(a, b, F16, 16).astype(np.float32).view(np.uint32))
+
+
 def test_f16_magic_rounding_equals_round_to():
     """_round_f16_magic (float64 arithmetic) against the bit-exact round_to on ties, near-ties, F16
     subnormals and the subnormal/normal boundary, signed zeros and tiny negatives, up to 65504."""

@@ -52,6 +52,11 @@ class _Operand:
     def amax(self) -> float:
         return self.derived("amax", lambda: float(np.max(np.abs(self.values), initial=0.0)))
 
+    def l1max(self, axis: int) -> float:
+        """max of sum |v| along `axis` (K), in float64: a sum of at most 2^20 terms errs below 2^-32."""
+        return self.derived(f"l1max{axis}", lambda: float(np.max(np.sum(np.abs(self.values), axis=axis, dtype=np.float64),
+                                                               initial=0.0)) * (1 + 2.0 ** -32))
+
     def magnitudes(self) -> tuple[float, float] | None:
         """(min nonzero |v|, max |v|), or None when every value is zero."""
         def make():
@@ -165,8 +170,12 @@ def _round_f16_magic(x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
 
 def _f16_in_range(qa: _Operand, qb: _Operand, k: int, groups: int) -> bool:
     """Whether every partial sum of an F16 accumulation provably stays at most F16's max_finite:
-    |partials| <= k * max|qa| * max|qb| grown by (1 + 2^-10) per rounding."""
-    return k * qa.amax() * qb.amax() * (1 + 2.0 ** -10) ** groups <= F16.max_finite
+    |partials| <= sum_k |a_mk| |b_kn| <= min(k max|a| max|b|, max_m |a_m|_1 max|b|, max|a| max_n |b_n|_1),
+    grown by (1 + 2^-10) per rounding."""
+    if qa.values.shape[-1] > 1 << 20:
+        return False
+    dot = min(k * qa.amax() * qb.amax(), qa.l1max(-1) * qb.amax(), qa.amax() * qb.l1max(-2))
+    return dot * (1 + 2.0 ** -10) ** groups <= F16.max_finite
 
 
 def _fast_accumulation(qa: _Operand, qb: _Operand, acc: Format, k: int, groups: int) -> bool:
