@@ -9,8 +9,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import compile_time, emulation, numerics, onnx_minilm, render_reports, runtime, search_efficiency, smollm2
-from .summary import write_summary
+import pandas as pd
+
+from . import (compile_time, emulation, judge_loop, numerics, onnx_minilm, prediction, render_reports, runtime,
+               search_efficiency, smollm2, storage, storage_decode)
+from .summary import OUT, write_summary
 
 
 def emulation_figures(quick: bool) -> dict:
@@ -20,6 +23,37 @@ def emulation_figures(quick: bool) -> dict:
     return {"matrix size": int(df["size"].iloc[0]),
             "emulated FP32 Gemm / numpy FP32": float(df.loc[df.variant == "f32", "ratio_vs_numpy_f32"].item()),
             f"slowest variant ({slowest.variant}) / numpy FP32": float(slowest.ratio_vs_numpy_f32)}
+
+
+def judge_loop_figures(quick: bool) -> dict:
+    """The FP64 reference against its own matmuls' BLAS time, and seconds per measured candidate."""
+    df = judge_loop.run("after", rounds=1, with_minilm=not quick, tags=("f32", "gemm:bf16") if quick
+                        else judge_loop.CANDIDATE_TAGS)
+    ref = df[df.measure == "fp64_reference"].set_index("model")
+    cand = df[df.measure != "fp64_reference"]
+    return {**{f"{m} FP64 reference / FP64 BLAS of its matmuls": float(r.ratio_vs_fp64_blas) for m, r in ref.iterrows()},
+            **{f"{m} seconds per candidate (median over tags)": float(g.seconds.median())
+               for m, g in cand.groupby("model")}}
+
+
+def storage_figures(quick: bool) -> dict:
+    """Weight storage formats on SmolLM2's tensors: bits per weight and storage error."""
+    df = storage.main(["--no-embedding"] if quick else [])
+    return {f"{r.format} bits/weight, rel RMS error": f"{r.bits_per_weight:.3g}, {r.rel_rms_storage_error:.3g}"
+            for r in df.itertuples()}
+
+
+def storage_decode_figures(quick: bool) -> dict:
+    """SmolLM2 decode bytes moved per genome, against a hand count."""
+    df = storage_decode.main(["--layers", "2"] if quick else [])
+    return {f"{r.genome} bytes moved / hand count": float(r.ratio) for r in df.itertuples()}
+
+
+def prediction_figures(quick: bool) -> dict:
+    """How often a genome's predicted error is within 2x of the measured one."""
+    prediction.main(["--n", "5" if quick else "30"])
+    df = pd.read_csv(OUT / "prediction.csv")
+    return {f"{job}: predicted within 2x of measured": float(g.within_2x.mean()) for job, g in df.groupby("job")}
 
 
 def slow_tests() -> dict:
@@ -60,6 +94,14 @@ def main(argv=None) -> str:
     headlines["report_render"] = render_reports.run()
     print("== SmolLM2 decode: judge cost per candidate, FP64 reference, token-level error")
     headlines["smollm2"] = smollm2.run(layers=2, genomes=("FP32", "BF16 autocast")) if quick else smollm2.run()
+    print("== the judge's inner loop: FP64 reference vs BLAS, seconds per candidate")
+    headlines["judge_loop"] = judge_loop_figures(quick)
+    print("== weight storage formats")
+    headlines["storage"] = storage_figures(quick)
+    print("== SmolLM2 decode bytes per storage genome")
+    headlines["storage_decode"] = storage_decode_figures(quick)
+    print("== error prediction from chunk verdicts")
+    headlines["prediction"] = prediction_figures(quick)
     if not quick:
         print("== ONNX import (MiniLM from an ONNX file)")
         headlines["onnx_minilm"] = onnx_minilm.run()

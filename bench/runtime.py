@@ -11,6 +11,7 @@ seconds are medians over rounds, ratios medians of the per-round ratios.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import warnings
 from collections.abc import Mapping
@@ -31,6 +32,8 @@ from .summary import write_csv
 NUMPY = "numpy_f32"
 FP32_PLAN = "plan_f32"
 GEMM_PREFIX = "gemm:"
+STORE_PREFIX = "store:"  # weight-only variants: the weight held in its storage format, widened on read
+VARIANT_PREFIXES = (GEMM_PREFIX, STORE_PREFIX)
 QUICK_VARIANTS = ("gemm:tf32", "gemm:bf16", "gemm:f8e4m3_tensor")  # what the user baselines pick
 
 
@@ -110,8 +113,8 @@ def paired_ratio(times: Mapping[str, np.ndarray], name: str, baseline: str) -> f
 
 
 def gemm_genomes(space: SearchSpace, tags: tuple[str, ...] | None = None) -> dict[str, Genome]:
-    """Every Gemm variant the space offers, as a genome setting each Gemm knob that offers it."""
-    offered = sorted({t for ks in space.knobs.values() for k in ks for t in k.tags if t.startswith(GEMM_PREFIX)})
+    """Every Gemm variant (and weight storage) the space offers, as a genome setting each knob that offers it."""
+    offered = sorted({t for ks in space.knobs.values() for k in ks for t in k.tags if t.startswith(VARIANT_PREFIXES)})
     return {tag: frozenset((gk, k.cls, tag) for gk, ks in space.knobs.items() for k in ks if tag in k.tags)
             for tag in offered if tags is None or tag in tags}
 
@@ -119,6 +122,7 @@ def gemm_genomes(space: SearchSpace, tags: tuple[str, ...] | None = None) -> dic
 def run(rounds: int = 5, variant_rounds: int = 3, variants: tuple[str, ...] | None = None) -> dict:
     """Time numpy vs the FP32 plan (`rounds`), then every Gemm variant vs the FP32 plan (`variant_rounds`)."""
     warnings.filterwarnings("ignore", category=RuntimeWarning)
+    load_start = os.getloadavg()[0]
     job = minilm_job()
     batch = job.calibration[0]
     space = SearchSpace.build(job.graph)
@@ -143,15 +147,17 @@ def run(rounds: int = 5, variant_rounds: int = 3, variants: tuple[str, ...] | No
                       + [row(tag, sweep) for tag in genomes if tag != FP32_PLAN])
     df.insert(0, "gemm_knobs", sum(any(t.startswith(GEMM_PREFIX) for t in k.tags)
                                    for ks in space.knobs.values() for k in ks))
+    df["load_1min_start"], df["load_1min_end"] = load_start, os.getloadavg()[0]  # the shared machine's load
     write_csv(df, "runtime.csv")
-    variant_rows = df[df.contestant.str.startswith(GEMM_PREFIX)]
+    variant_rows = df[df.contestant.str.startswith(VARIANT_PREFIXES)]
     slowest = variant_rows.loc[variant_rows.ratio_vs_fp32_plan.idxmax()]
     return {"MiniLM FP32 plan on the CPU backend / plain numpy FP32": paired_ratio(base, FP32_PLAN, NUMPY),
             "MiniLM FP32 plan seconds per batch (median)": float(np.median(base[FP32_PLAN])),
             "plain numpy FP32 seconds per batch (median)": float(np.median(base[NUMPY])),
             "max |numpy FP32 - FP32 plan| on the embedding": float(np.max(np.abs(outputs[NUMPY] - outputs[FP32_PLAN]))),
             f"slowest emulated Gemm variant ({slowest.contestant}) / FP32 plan": float(slowest.ratio_vs_fp32_plan),
-            "Gemm variants timed": int(len(variant_rows))}
+            "Gemm variants and weight storages timed": int(len(variant_rows)),
+            "machine load (1-minute average) at start / end": f"{load_start:.2f} / {os.getloadavg()[0]:.2f}"}
 
 
 def main(argv=None) -> dict:

@@ -84,6 +84,22 @@ SECTIONS = (
             "The imported graph must compute the project's own MiniLM (FP64) and its FP32 plan must match ONNX "
             "Runtime FP32; the ORT peers are judged on the same budget; compile works from the file alone.",
             (("onnx_minilm.csv", "per ONNX form: import time, FP64 vs the project graph, FP32 plan vs ORT"),)),
+    Section("judge_loop", "The judge's inner loop",
+            "The FP64 reference of a SmolLM2-shaped decoder against the FP64 BLAS time of its own matmuls, and "
+            "seconds per measured candidate, per tree (before / after issue 18).",
+            (("judge_loop.csv", "best of the rounds, one row set per tree"),)),
+    Section("storage", "Weight storage formats",
+            "Bits per weight and storage error of every format on SmolLM2's tensors (a plan's storage choice).",
+            (("storage_formats.csv", "per format"),)),
+    Section("storage_decode", "SmolLM2 decode bytes per storage genome",
+            "Bytes the lowered program moves against a hand count, and the modelled H200 latency.",
+            (("storage_decode.csv", "per genome"),)),
+    Section("prediction", "Error prediction from chunk verdicts",
+            "How often a genome's error composed from its chunks' verdicts is within 2x of the measured one.",
+            (("prediction.csv", "one row per sampled genome"),)),
+    Section("erf_f32", "float32 custom functions",
+            "Where a float32 loop equals the float64 function rounded once on all 2^32 inputs, the CPU backend "
+            "calls it (`python -m bench.erf_f32`, run once).", (("erf_f32.csv", "exhaustive check"),)),
     Section("slow_tests", "Model-scale checks",
             "`pytest -m slow`: the MiniLM demo end to end (compile, report, audit on held-out sentences) and "
             "the wide-model search; kept out of the default suite for time.", ()),

@@ -2,6 +2,8 @@
 the float32 evaluation against the float64-then-round semantics it replaces, fuzzed near FP32 limits."""
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import pytest
 
@@ -47,6 +49,7 @@ class _State:
     def __init__(self, arrays):
         self.stored = dict(enumerate(arrays))
         self.bindings = {}
+        self.shared = OrderedDict()  # values shared between the kernels of a run (cpu._Run.shared)
 
 
 class _Kernel:
@@ -152,6 +155,27 @@ def test_grouped_accumulation_equals_the_plain_loop(name, spread):
     assert got.dtype == np.float32 and np.array_equal(got, _naive_grouped_sum(qa, qb, variant.accumulator, variant.mma_k))
 
 
+@pytest.mark.parametrize("name", ["f16acc16", "f8e4m3_block", "f8e4m3_block_nopromote", "f8e5m2_block"])
+def test_grouped_gemm_does_not_depend_on_the_output_tiling(name, monkeypatch):
+    """Promotion, per-product scales and the narrow accumulator per output tile: small tiles of several
+    column blocks with ragged edges (batched, K not a multiple of the promotion interval) give the
+    bits of one whole-matrix tile."""
+    variant = GEMM_VARIANTS[name]
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal((2, 46, 300)) * 2.0 ** rng.integers(-8, 4, (2, 46, 300))).astype(np.float32)
+    b = rng.standard_normal((1, 300, 40)).astype(np.float32)
+    monkeypatch.setattr(numerics, "_TILE_ELEMENTS", 1 << 30)
+    monkeypatch.setattr(numerics, "_BLAS_SINGLE_THREAD_MNK", 1 << 40)
+    whole = numerics.emulate_gemm(a, b, variant)
+    assert numerics._tiling(2, 46, 40, variant.mma_k) == (46, 40, 1)
+    monkeypatch.setattr(numerics, "_TILE_ELEMENTS", 400)
+    monkeypatch.setattr(numerics, "_BLAS_SINGLE_THREAD_MNK", 32 * 36)
+    rows, item_cols, items = numerics._tiling(2, 46, 40, variant.mma_k)
+    assert items > 1 and 46 % rows and 40 % (items * item_cols)
+    tiled = numerics.emulate_gemm(a, b, variant)
+    assert tiled.dtype == np.float32 and np.array_equal(tiled.view(np.uint32), whole.view(np.uint32))
+
+
 def test_float16_cast_rounds_like_round_to():
     """The F16 accumulator's shortcut: numpy's float64 -> float16 cast is one RNE rounding."""
     rng = np.random.default_rng(5)
@@ -162,6 +186,37 @@ def test_float16_cast_rounds_like_round_to():
     with np.errstate(over="ignore"):
         cast = x.astype(np.float16).astype(np.float32)
     assert np.array_equal(cast, round_to(x, F16, Overflow.INF))
+
+
+@pytest.mark.parametrize("scale", [0.97, 1.03])  # partial sums just under / over F16's max_finite
+def test_f16_accumulation_near_overflow_equals_the_plain_loop(scale):
+    """The F16 range proof (row / column L1 norms) picks the float64 rounding only where no partial sum
+    can exceed 65504; either way the bits are the plain loop's (inf where it overflows)."""
+    rng = np.random.default_rng(4)
+    a = np.abs(rng.standard_normal((30, 256))).astype(np.float16).astype(np.float32)
+    b = np.abs(rng.standard_normal((256, 20))).astype(np.float16).astype(np.float32)
+    a *= np.float32(scale * 65504 / float((np.abs(a).sum(axis=1).max()) * np.abs(b).max()))
+    a = a.astype(np.float16).astype(np.float32)
+    ops = numerics._Operand(a, None, None), numerics._Operand(b, None, None)
+    assert numerics._f16_in_range(*ops, 256, 16) == (scale < 1)
+    got = numerics._grouped_sum(a, b, F16, 16)
+    assert np.array_equal(got.view(np.uint32), _naive_grouped_sum(a, b, F16, 16).astype(np.float32).view(np.uint32))
+
+
+def test_f16_magic_rounding_equals_round_to():
+    """_round_f16_magic (float64 arithmetic) against the bit-exact round_to on ties, near-ties, F16
+    subnormals and the subnormal/normal boundary, signed zeros and tiny negatives, up to 65504."""
+    rng = np.random.default_rng(9)
+    ties = (np.arange(1, 2048) + 0.5) * 2.0 ** rng.integers(-25, 5, 2047)
+    x = np.concatenate([ties, ties * (1 + 2.0 ** -40), ties * (1 - 2.0 ** -40), [0.0, -0.0, 2.0 ** -25, 2.0 ** -26,
+                        2.0 ** -14, 2.0 ** -14 * (1 - 2.0 ** -12), 65504.0, 65519.0, 1e-300, 5e-324],
+                        rng.standard_normal(8192) * 2.0 ** rng.integers(-40, 15, 8192)])
+    x = np.concatenate([x, -x])
+    x = x[np.abs(x) <= 65504]
+    out, tmp = np.empty_like(x), np.empty_like(x)
+    numerics._round_f16_magic(x, out, tmp)
+    want = round_to(x, F16, Overflow.INF).astype(np.float64)
+    assert np.array_equal(out.view(np.uint64), want.view(np.uint64))  # bits: the sign of zero too
 
 
 @pytest.mark.parametrize("acc", [BF16, F16])

@@ -23,11 +23,14 @@ from .weightcache import WEIGHTS
 PRECISIONS = ("f64", "f32")
 
 
-def softmax(x: np.ndarray, axis: int) -> np.ndarray:
+def softmax(x: np.ndarray, axis: int, out: np.ndarray | None = None) -> np.ndarray:
+    """exp(x - max) / sum, each step in x's precision; `out` (may be x itself) saves the temporaries."""
     m = np.max(x, axis=axis, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(x - m)
-    return e / np.sum(e, axis=axis, keepdims=True)
+    e = np.subtract(x, m, out=out)
+    np.exp(e, out=e)
+    e /= np.sum(e, axis=axis, keepdims=True)
+    return e
 
 
 def _round(x: np.ndarray, node_dtype, precision: str) -> np.ndarray:

@@ -16,7 +16,8 @@ Each kernel kind is one function in KERNELS.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import numpy as np
@@ -43,8 +44,13 @@ CORRECTLY_ROUNDED_F32: dict[Op, bool] = {
     Op.RECIP: True, Op.SQRT: True, Op.ADD: True, Op.MUL: True,
     Op.MOD: True,        # fmod is exact
     Op.LESS_THAN: True,  # exact 0 / 1
-    Op.CUSTOM: False,    # erf, tanh
+    Op.CUSTOM: False,    # decided per kind by F32_EXACT_CUSTOM
 }
+# Custom kinds whose float32 loop gives exactly float32(fn(float64(x))) on all 2^32 float32 inputs.
+# erf: scipy's float32 loop is xsf::erf(float) = erf(static_cast<double>(x)) rounded on return, the
+# identity by construction; bench/erf_f32.py checked every input (reports/bench/erf_f32.csv). tanh:
+# numpy's float32 tanh is its own SIMD approximation and differs on many inputs, so float64 it stays.
+F32_EXACT_CUSTOM: dict[str, bool] = {"erf": True, "tanh": False}
 
 
 @dataclass(frozen=True)
@@ -66,8 +72,11 @@ def bind_program(program: Program, inputs: Mapping[str, np.ndarray]) -> dict[str
 
 
 def store32(x, fmt: Format) -> np.ndarray:
-    """store(x, fmt) kept in float32 where fmt fits it (same values; float64 stays float64)."""
+    """store(x, fmt) kept in float32 where fmt fits it (same values; float64 stays float64, except that
+    an FP32 store of it is numpy's one IEEE conversion to float32, as store itself does it)."""
     x = np.asarray(x)
+    if fmt is F32 and x.dtype == np.float64:
+        return x.astype(np.float32)
     if fmt.kind is not Kind.FLOAT or fmt.name == "f64" or x.dtype != np.float32:
         return store(x, fmt)
     if fmt is F32:
@@ -84,6 +93,9 @@ class _Run:
     bindings: Mapping[str, int]
     weight_names: frozenset[str]  # feed entries that are the runtime's (immutable) weights
     out: np.ndarray | None = None  # the running kernel's output buffer (a kernel may write into it)
+    # fused-body values by what they compute (structure, loads as (buffer, view)), for the next
+    # kernels: fusion recomputes a layer norm's input in its mean, variance and output kernels
+    shared: OrderedDict = field(default_factory=OrderedDict)
 
 
 class CpuRuntime:
@@ -97,6 +109,7 @@ class CpuRuntime:
         self.static_scales = dict(static_scales or {})
         self._plans: dict[tuple, BufferPlan] = {}
         self.stored_weights = dict(stored_weights or {})  # stored_key -> StoredTensor (a plan's weights file)
+        self._widened: dict[str, np.ndarray] = {}  # stored_key -> its widened values (read-only)
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
@@ -184,20 +197,52 @@ def _body64(e: FExpr, k: Kernel, state: _Run) -> np.ndarray:
     return store(_apply(e, [_body64(a, k, state) for a in e.args]), F32)
 
 
-def _body32(e: FExpr, k: Kernel, state: _Run):
-    """The same values as _body64, in float32: correctly rounded ops natively, the others via float64."""
+def _exact_in_f32(e: FApply) -> bool:
+    return F32_EXACT_CUSTOM[e.kind] if e.op is Op.CUSTOM else CORRECTLY_ROUNDED_F32[e.op]
+
+
+_SHARED_VALUES = 16  # fused-body values a run keeps for later kernels (least recently used dropped)
+
+
+def _body32(e: FExpr, k: Kernel, state: _Run, memo: dict | None = None):
+    """The same values as _body64, in float32: correctly rounded ops natively, the others via float64.
+    A subexpression is computed once per run: twice in one body (GELU's bias add; memo) or again in
+    a later kernel over the same buffers (state.shared). Values are shared, so never mutated."""
+    memo = {} if memo is None else memo
+    if e not in memo:
+        memo[e] = _eval32(e, k, state, memo)
+    return memo[e][0]
+
+
+def _eval32(e: FExpr, k: Kernel, state: _Run, memo: dict) -> tuple[object, tuple]:
+    """(value, key): the key names the value within the run (loads resolved to buffer and view)."""
     if isinstance(e, FLoad):
+        inp = k.inputs[e.slot]
         x = _raw(k, e.slot, state)
-        return x if x.dtype == np.float32 else x.astype(np.float32)
+        return (x if x.dtype == np.float32 else x.astype(np.float32)), ("load", inp.buffer, inp.view.encode())
     if isinstance(e, FConstV):
-        return np.float32(_const(e, state.bindings))
+        value = _const(e, state.bindings)
+        return np.float32(value), ("const", value)
     if isinstance(e, FRoundTo):
-        return store32(np.asarray(_body32(e.x, k, state), dtype=np.float32), e.fmt)
-    args = [_body32(a, k, state) for a in e.args]
-    if not CORRECTLY_ROUNDED_F32[e.op]:
-        args = [np.asarray(a, dtype=np.float64) for a in args]
-    out = np.asarray(_apply(e, args))
-    return out if out.dtype == np.float32 else out.astype(np.float32)
+        x = _body32(e.x, k, state, memo)
+        key = ("round", e.fmt.name, memo[e.x][1])
+    else:
+        args = [_body32(a, k, state, memo) for a in e.args]
+        key = (e.op, e.kind, tuple(memo[a][1] for a in e.args))
+    if key in state.shared:
+        state.shared.move_to_end(key)
+        return state.shared[key], key
+    if isinstance(e, FRoundTo):
+        out = store32(np.asarray(x, dtype=np.float32), e.fmt)
+    else:
+        if not _exact_in_f32(e):
+            args = [np.asarray(a, dtype=np.float64) for a in args]
+        out = np.asarray(_apply(e, args))
+        out = out if out.dtype == np.float32 else out.astype(np.float32)
+    state.shared[key] = out
+    if len(state.shared) > _SHARED_VALUES:
+        state.shared.popitem(last=False)
+    return out, key
 
 
 def _loads(e: FExpr) -> set[int]:
@@ -223,8 +268,20 @@ def body_values(k: Kernel, state: _Run) -> np.ndarray:
 def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
     val = state.feed[k.external]
     if k.storage is not None:  # a weight held in its storage format: readers see it widened
-        held = rt.stored_weights.get(stored_key(k.external, k.storage))
-        return np.asarray(widened(val, k.storage, held), dtype=k.dtype.storage)
+        key = stored_key(k.external, k.storage)
+        held = rt.stored_weights.get(key)
+
+        def widen() -> np.ndarray:
+            out = np.array(widened(val, k.storage, held), dtype=k.dtype.storage)  # our own read-only copy
+            out.flags.writeable = False
+            return out
+        if held is not None:  # a plan's weights file: unpacked once per runtime
+            if key not in rt._widened:
+                rt._widened[key] = widen()
+            return rt._widened[key]
+        if k.external in state.weight_names:  # once per process (quant.stored's own cache is small)
+            return WEIGHTS.get(val, ("widened", k.storage, k.dtype.name), widen)
+        return widen()
     if k.external in state.weight_names:
         return WEIGHTS.get(val, ("stored", k.dtype.name), lambda: _store_input(k, val))
     return _store_input(k, val)
@@ -259,7 +316,8 @@ def _elementwise(rt, k: Kernel, state: _Run) -> np.ndarray:
     e = k.body
     if k.dtype is F32 and isinstance(e, FApply) and e.op is not Op.CUSTOM and CORRECTLY_ROUNDED_F32[e.op] \
             and isinstance(e.op.decl.fn, np.ufunc) and _fits_body(k, state):
-        e.op.decl.fn(*(_body32(a, k, state) for a in e.args), out=state.out)
+        memo: dict = {}
+        e.op.decl.fn(*(_body32(a, k, state, memo) for a in e.args), out=state.out)
         return state.out
     return store32(body_values(k, state), k.dtype)
 
@@ -275,7 +333,7 @@ def _max(rt, k: Kernel, state: _Run) -> np.ndarray:
 def _softmax(rt, k: Kernel, state: _Run) -> np.ndarray:
     x = body_values(k, state).astype(np.float64)  # a fused op: float64 throughout, one rounding
     if k.precision in (None, "f32"):
-        return store(softmax(x, k.axis), k.dtype)
+        return store32(softmax(x, k.axis, out=x), k.dtype)  # x is a fresh copy: computed in place
     compute = get_format(k.precision)  # a low-precision softmax: inputs and result rounded to it
     return store(store(softmax(store(x, compute), k.axis), compute), k.dtype)
 

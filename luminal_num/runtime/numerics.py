@@ -22,8 +22,10 @@ What a GemmPrecision computes, step by step (every rounding below is round-to-ne
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import math
 
 import numpy as np
 
@@ -38,6 +40,29 @@ class _Operand:
     values: np.ndarray  # float32 in the operand format (the quantized domain when scaled)
     scales: np.ndarray | None
     spec: ScaleSpec | None
+    _derived: dict = field(default_factory=dict, repr=False)  # small values computed from it once
+
+    def derived(self, key: str, make: Callable[[], object]):
+        """make() once per operand: a prepared weight lives for the process, so its magnitudes and
+        per-block scale vectors are computed once, not per run (values are never mutated)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
+
+    def amax(self) -> float:
+        return self.derived("amax", lambda: float(np.max(np.abs(self.values), initial=0.0)))
+
+    def l1max(self, axis: int) -> float:
+        """max of sum |v| along `axis` (K), in float64: a sum of at most 2^20 terms errs below 2^-32."""
+        return self.derived(f"l1max{axis}", lambda: float(np.max(np.sum(np.abs(self.values), axis=axis, dtype=np.float64),
+                                                               initial=0.0)) * (1 + 2.0 ** -32))
+
+    def magnitudes(self) -> tuple[float, float] | None:
+        """(min nonzero |v|, max |v|), or None when every value is zero."""
+        def make():
+            nonzero = np.abs(self.values[self.values != 0])
+            return None if nonzero.size == 0 else (float(nonzero.min()), float(nonzero.max()))
+        return self.derived("magnitudes", make)
 
 
 def _operand(x: np.ndarray, fmt: Format, spec: ScaleSpec | None, scales, overflow: QuantOverflow) -> _Operand:
@@ -53,6 +78,10 @@ def _scale_vector(op: _Operand, k_block_index: int, k_axis: int, extent: int) ->
     """The operand's scales for one K-block, expanded along its M (A) or N (B) axis: shape (..., extent)."""
     if op.scales is None:
         return None
+    return op.derived(f"scales{k_block_index},{k_axis},{extent}", lambda: _expanded_scales(op, k_block_index, k_axis, extent))
+
+
+def _expanded_scales(op: _Operand, k_block_index: int, k_axis: int, extent: int) -> np.ndarray:
     vector = np.take(op.scales, min(k_block_index, op.scales.shape[k_axis] - 1), axis=k_axis)
     if vector.shape[-1] > 1:
         block = resolved_block(op.spec, op.values.shape)[1 + k_axis]  # A: rows (k_axis -1), B: cols (-2)
@@ -60,12 +89,15 @@ def _scale_vector(op: _Operand, k_block_index: int, k_axis: int, extent: int) ->
     return vector
 
 
-def _chunk_scale(a: _Operand, b: _Operand, k_block_index: int, rows: slice = slice(None)) -> np.ndarray | None:
-    """fl32(sa * sb) for the outputs of one K-block (those in `rows`), broadcastable to (..., M, N)."""
+def _chunk_scale(a: _Operand, b: _Operand, k_block_index: int, rows: slice = slice(None),
+                 cols: slice = slice(None)) -> np.ndarray | None:
+    """fl32(sa * sb) for the outputs of one K-block (those in `rows` x `cols`), broadcastable to (..., M, N)."""
     sa = _scale_vector(a, k_block_index, -1, a.values.shape[-2])
     if sa is not None and sa.shape[-1] > 1:
         sa = sa[..., rows]
     sb = _scale_vector(b, k_block_index, -2, b.values.shape[-1])
+    if sb is not None and sb.shape[-1] > 1:
+        sb = sb[..., cols]
     if sa is None and sb is None:
         return None
     if sa is None:
@@ -97,12 +129,17 @@ def _round_acc_inplace(x: np.ndarray, acc: Format, tmp: np.ndarray) -> None:
     """x (float64) <- RN_acc(x) in place, for values in acc's normal range (checked by the caller).
 
     F16: numpy's float64 -> float16 cast rounds once, to nearest even (subnormals and overflow to
-    inf included), the same as round_to(x, F16, INF). FP32-range accumulators: the half-ulp bit trick
-    of dtypes.rounding.round_significand on the float64 bits, with a preallocated temporary.
+    inf included), the same as round_to(x, F16, INF); tmp is then a float16 scratch array.
+    FP32-range accumulators: the half-ulp bit trick of dtypes.rounding.round_significand on the
+    float64 bits, with a preallocated uint64 temporary.
     """
     if acc is F16:
         with np.errstate(over="ignore"):  # overflow to inf is the IEEE result being emulated
-            np.copyto(x, x.astype(np.float16))
+            if tmp.dtype == np.float16:
+                np.copyto(tmp, x, casting="unsafe")
+                np.copyto(x, tmp)
+            else:
+                np.copyto(x, x.astype(np.float16))
         return
     drop = 53 - acc.p
     bits = x.view(np.uint64)
@@ -113,62 +150,168 @@ def _round_acc_inplace(x: np.ndarray, acc: Format, tmp: np.ndarray) -> None:
     bits &= np.uint64(~((1 << drop) - 1) & 0xFFFFFFFFFFFFFFFF)
 
 
-def _fast_accumulation(qa: np.ndarray, qb: np.ndarray, acc: Format, groups: int) -> bool:
-    """Whether every partial sum provably stays in acc's normal range (no subnormal, no overflow), so
-    _round_acc_inplace equals round_to: nonzero products are at least min|qa|*min|qb| and partial
-    sums integer multiples of that quantum; |partials| <= K*max|qa|*max|qb| grown by each rounding."""
+_EXPONENT_BITS = np.uint64(0x7FF0000000000000)
+_F16_MAGIC = 1.5 * 2.0 ** 42  # 2^e times this has an ulp of 2^(e - 10): F16's quantum in binade e
+
+
+def _round_f16_magic(x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
+    """out <- RN_f16(x) for float64 x with |x| <= 65504 (no overflow: the caller proves it), with
+    float64 arithmetic instead of numpy's slow float64 -> float16 cast: C = max(2^e(x), 2^-14) *
+    1.5 * 2^42 has an ulp equal to F16's quantum at x (2^(e-10); the subnormal 2^-24 below 2^-14)
+    and x + C stays in C's binade, so fl64(x + C) - C is x rounded there, ties to even (C / ulp is
+    even), and the subtraction is exact; copysign restores the sign of a zero result."""
+    np.bitwise_and(x.view(np.uint64), _EXPONENT_BITS, out=tmp.view(np.uint64))
+    np.maximum(tmp, 2.0 ** -14, out=tmp)
+    tmp *= _F16_MAGIC
+    np.add(x, tmp, out=out)
+    out -= tmp
+    np.copysign(out, x, out=out)
+
+
+def _f16_in_range(qa: _Operand, qb: _Operand, k: int, groups: int) -> bool:
+    """Whether every partial sum of an F16 accumulation provably stays at most F16's max_finite:
+    |partials| <= sum_k |a_mk| |b_kn| <= min(k max|a| max|b|, max_m |a_m|_1 max|b|, max|a| max_n |b_n|_1),
+    grown by (1 + 2^-10) per rounding."""
+    if qa.values.shape[-1] > 1 << 20:
+        return False
+    dot = min(k * qa.amax() * qb.amax(), qa.l1max(-1) * qb.amax(), qa.amax() * qb.l1max(-2))
+    return dot * (1 + 2.0 ** -10) ** groups <= F16.max_finite
+
+
+def _fast_accumulation(qa: _Operand, qb: _Operand, acc: Format, k: int, groups: int) -> bool:
+    """Whether every partial sum of `groups` group sums over k products provably stays in acc's
+    normal range (no subnormal, no overflow), so _round_acc_inplace equals round_to. Every float32
+    value is a multiple of ulp32(its magnitude) >= ulp32(min nonzero |v|), so partial sums are
+    integer multiples of q = ulp32(min|qa|) * ulp32(min|qb|), hence 0 or >= q; and |partials| <=
+    k * max|qa| * max|qb| grown by (1 + 2u) per rounding."""
     if acc is F16:
         return True  # the cast handles the whole range itself
     if acc.min_normal != F32.min_normal:
         return False
-    mags = [np.abs(x[x != 0]) for x in (qa, qb)]
-    if any(m.size == 0 for m in mags):
+    mags = qa.magnitudes(), qb.magnitudes()
+    if mags[0] is None or mags[1] is None:
         return True
-    tiny = float(mags[0].min()) * float(mags[1].min())
-    huge = qa.shape[-1] * float(mags[0].max()) * float(mags[1].max()) * (1 + 2.0 ** (1 - acc.p)) ** groups
-    return tiny >= acc.min_normal and huge <= acc.max_finite / 2
+    quantum = math.prod(2.0 ** (math.floor(math.log2(lo)) - 23) for lo, _ in mags)
+    huge = k * mags[0][1] * mags[1][1] * (1 + 2.0 ** (1 - acc.p)) ** groups
+    return quantum >= acc.min_normal and huge <= acc.max_finite / 2
 
 
-def _grouped_sum(qa: np.ndarray, qb: np.ndarray, acc: Format, group: int,
-                 scale_of: Callable[[int, slice], np.ndarray] | None = None) -> np.ndarray:
-    """acc = RN_acc(acc + group sum), one rounding per MMA group of `group` products along K.
+def _fast_scaled_accumulation(qa: _Operand, qb: _Operand, acc: Format, k: int, groups: int) -> bool:
+    """_fast_accumulation for per-product scales: terms t = fl32(fl32(group) * fl32(sa * sb)) are
+    float32 values with |t| >= q * s_min (1 - 2^-23) when nonzero (q as in _fast_accumulation,
+    s_min the least nonzero scale product), so they and all partial sums are multiples of
+    2^-126 when q * s_min >= 2^-102 (t is then normal); |partials| <= k max|qa| max|qb| s_max, grown."""
+    if acc.min_normal != F32.min_normal or qa.scales is None or qb.scales is None:
+        return False
+    mags = qa.magnitudes(), qb.magnitudes()
+    if mags[0] is None or mags[1] is None:
+        return True
+    scales = [np.abs(op.scales[op.scales != 0]) for op in (qa, qb)]
+    if any(x.size == 0 for x in scales):
+        return True
+    quantum = math.prod(2.0 ** (math.floor(math.log2(lo)) - 23) for lo, _ in mags)
+    s_min, s_max = float(scales[0].min()) * float(scales[1].min()), float(scales[0].max()) * float(scales[1].max())
+    huge = k * mags[0][1] * mags[1][1] * s_max * (1 + 2.0 ** -22) * (1 + 2.0 ** (1 - acc.p)) ** groups
+    return quantum * s_min >= 2.0 ** -102 and huge <= acc.max_finite / 2
 
-    One row tile of about _TILE_ELEMENTS outputs at a time, all of K for that tile before the next,
-    so its group sums (one small FP64 BLAS call per group), adds and roundings stay in cache
-    (measured 3-5x faster than whole-output steps). Without scales, and with every partial sum
-    provably in acc's normal range, the rounding is done in place (_round_acc_inplace), else by
-    round_to. scale_of(k_start, rows): per-product scales of the group starting at k_start.
+
+def _tiling(lead: int, m: int, n: int, group: int) -> tuple[int, int, int]:
+    """(rows, item_cols, items) of an output tile of rows x (items * item_cols) outputs (times `lead`
+    batch matrices), about _TILE_ELEMENTS of them. A group sum over the tile is ONE matmul call over
+    `items` column blocks (numpy loops the BLAS calls in C), each block's call under
+    _BLAS_SINGLE_THREAD_MNK and square-ish, so the packing of B's K-slice is spread over many rows.
+    item_cols divides n where a useful divisor exists; else tiles are one block with a ragged last."""
+    per_call = max(1, _BLAS_SINGLE_THREAD_MNK // group)
+    elements = max(1, _TILE_ELEMENTS // max(1, lead))
+    side = max(1, min(n, math.isqrt(min(per_call, elements))))
+    item_cols = max(d for d in range(1, side + 1) if n % d == 0)
+    divides = 4 * item_cols >= side
+    item_cols = item_cols if divides else side
+    rows = max(1, min(m, per_call // item_cols, elements // item_cols))
+    items = max(1, min(n // item_cols, elements // (rows * item_cols))) if divides else 1
+    return rows, item_cols, items
+
+
+def _blocks(x: np.ndarray, items: int) -> np.ndarray:
+    """(..., R, items * c) -> the view (..., items, R, c); a last axis of 1 broadcasts as (..., 1, R, 1)."""
+    if x.shape[-1] == 1 and items > 1:
+        return x[..., None, :, :]
+    lead = tuple(range(x.ndim - 2))
+    return x.reshape(x.shape[:-1] + (items, x.shape[-1] // items)).transpose(lead + (x.ndim - 1, x.ndim - 2, x.ndim))
+
+
+def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: int, k_block: int,
+                  per_product: bool) -> np.ndarray:
+    """acc = RN_acc(acc + group sum), one rounding per MMA group of mma_k products along K (module
+    doc, step 2), with promotion every `chunk` and the scales of step 3 (per K-block of k_block;
+    per product when per_product) applied per output tile.
+
+    One output tile at a time (_tiling), all of K for that tile before the next, so its group sums
+    (one FP64 matmul call per group), adds, roundings and promotions stay in cache. Per promotion
+    chunk: out = term or fl32(out + term), term = fl32(acc) [* fl32(sa * sb)]. With every partial
+    sum provably in acc's normal range the rounding is done in place (_round_acc_inplace; for F16
+    with no overflow possible, _round_f16_magic), else by round_to. Tiles hold their outputs as
+    (..., items, rows, item_cols): elementwise steps do not care.
     """
-    qa64, qb64 = qa.astype(np.float64), qb.astype(np.float64)
-    shape = np.broadcast_shapes(qa.shape[:-2], qb.shape[:-2]) + (qa.shape[-2], qb.shape[-1])
-    in_place = scale_of is None and _fast_accumulation(qa, qb, acc, -(-qa.shape[-1] // group))
-    total = np.empty(shape)
-    per_row = max(1, shape[-1])
-    step = max(1, min(_TILE_ELEMENTS // (max(1, int(np.prod(shape[:-2], dtype=np.int64))) * per_row),
-                      _BLAS_SINGLE_THREAD_MNK // (group * per_row)))
-    for row in range(0, shape[-2], step):
-        rows = slice(row, row + step)
-        tile, a_rows = total[..., rows, :], qa64[..., rows, :]
-        group_sum, tmp = np.empty(tile.shape), np.empty(tile.shape, np.uint64)
-        for start in range(0, qa.shape[-1], group):
-            np.matmul(a_rows[..., start:start + group], qb64[..., start:start + group, :], out=group_sum)
-            if scale_of is not None:  # fl32(fl32(group) * s), widened again so acc + term stays exact
-                group_sum[...] = (group_sum.astype(np.float32) * scale_of(start, rows)).astype(np.float64)
-            if start:
-                group_sum += tile
-            if in_place:
-                _round_acc_inplace(group_sum, acc, tmp)
-                tile[...] = group_sum
-            else:
-                tile[...] = round_to(group_sum, acc, Overflow.INF)
-    return total.astype(np.float32)
+    k = qa.values.shape[-1]
+    groups = -(-chunk // group)
+    in_place = (_fast_scaled_accumulation if per_product else _fast_accumulation)(qa, qb, acc, chunk, groups)
+    magic16 = acc is F16 and not per_product and _f16_in_range(qa, qb, chunk, groups)
+    qa64, qb64 = qa.values.astype(np.float64), qb.values.astype(np.float64)
+    lead = np.broadcast_shapes(qa64.shape[:-2], qb64.shape[:-2])
+    m, n = qa64.shape[-2], qb64.shape[-1]
+    out = np.empty(lead + (m, n), np.float32)
+    tile_rows, item_cols, items = _tiling(math.prod(lead), m, n, group)
+    for row in range(0, m, tile_rows):
+        rows = slice(row, row + tile_rows)
+        a_rows = qa64[..., None, rows, :]  # (..., 1, R, K): broadcast over the column blocks
+        for col in range(0, n, items * item_cols):
+            cols = slice(col, col + items * item_cols)
+            width = min(n, col + items * item_cols) - col
+            parts = max(1, width // item_cols) if width % item_cols == 0 else 1
+            b_blocks, target = _blocks(qb64[..., :, cols], parts), _blocks(out[..., rows, cols], parts)
+            tile, group_sum = np.empty(target.shape), np.empty(target.shape)
+            narrow = np.empty(target.shape, np.float32) if per_product else None
+            tmp = np.empty(target.shape, np.float64 if magic16 else np.float16 if acc is F16 else np.uint64)
+            scales: dict[int, np.ndarray | None] = {}
+
+            def scale(block: int) -> np.ndarray | None:
+                if block not in scales:
+                    s = _chunk_scale(qa, qb, block, rows, cols)
+                    scales[block] = None if s is None else _blocks(s, parts)
+                return scales[block]
+            for start in range(0, k, chunk):
+                for g in range(start, min(start + chunk, k), group):
+                    np.matmul(a_rows[..., g:g + group], b_blocks[..., g:g + group, :], out=group_sum)
+                    if per_product:  # fl32(fl32(group) * s), widened again so acc + term stays exact
+                        np.copyto(narrow, group_sum, casting="same_kind")
+                        np.multiply(narrow, scale(g // k_block), out=narrow)
+                        np.copyto(group_sum, narrow)
+                    if g > start:
+                        group_sum += tile
+                    if magic16:
+                        _round_f16_magic(group_sum, tile, tmp)
+                    elif in_place:
+                        _round_acc_inplace(group_sum, acc, tmp)
+                        tile, group_sum = group_sum, tile
+                    else:
+                        tile[...] = round_to(group_sum, acc, Overflow.INF)
+                partial = tile.astype(np.float32)
+                chunk_scale = None if per_product else scale(start // k_block)
+                term = partial if chunk_scale is None else partial * chunk_scale
+                target[...] = term if start == 0 else target + term
+    return out
+
+
+def _grouped_sum(qa: np.ndarray, qb: np.ndarray, acc: Format, group: int) -> np.ndarray:
+    """The narrow accumulation alone over all of K (no scales): float32 (..., M, N)."""
+    k = qa.shape[-1]
+    return _grouped_gemm(_Operand(qa, None, None), _Operand(qb, None, None), acc, group, k, k, False)
 
 
 def _chunk_sum(qa: np.ndarray, qb: np.ndarray, variant: GemmPrecision) -> np.ndarray:
     if variant.acc_format is INT32:
         return _exact_integer_sum(qa, qb)
-    if variant.grouped:
-        return _grouped_sum(qa, qb, variant.accumulator, variant.mma_k)
     return np.matmul(qa, qb)
 
 
@@ -216,8 +359,11 @@ def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = Non
     if k == 0:
         return np.zeros(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), np.float32)
     k_block = variant.scale_k_block or k
+    if variant.grouped:
+        chunk = k if variant.scales_per_product else min(variant.promote_every or k_block, k)
+        return _grouped_gemm(qa, qb, variant.accumulator, variant.mma_k, chunk, k_block, variant.scales_per_product)
     if variant.scales_per_product:
-        return _per_product_scaled(qa, qb, variant, k_block)
+        return _per_product_scaled(qa, qb)
     chunk = min(variant.promote_every or k_block, k)
     out = None
     for start in range(0, k, chunk):
@@ -228,17 +374,7 @@ def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = Non
     return out
 
 
-def _per_product_scaled(qa: _Operand, qb: _Operand, variant: GemmPrecision, k_block: int) -> np.ndarray:
-    if variant.grouped:
-        per_block: dict[int, np.ndarray] = {}  # fl32(sa * sb) of each K-block, made once, sliced per row tile
-
-        def scale_of(start: int, rows: slice) -> np.ndarray:
-            block = start // k_block
-            if block not in per_block:
-                per_block[block] = _chunk_scale(qa, qb, block)
-            scale = per_block[block]
-            return scale[..., rows, :] if scale.shape[-2] > 1 else scale
-        return _grouped_sum(qa.values, qb.values, variant.accumulator, variant.mma_k, scale_of=scale_of)
+def _per_product_scaled(qa: _Operand, qb: _Operand) -> np.ndarray:
     # power-of-two scales (checked by GemmPrecision): q * 2^e is exact in FP32, so is every product
     operands = [op.values if op.scales is None else op.values * expand_scales(op.scales, op.values.shape, op.spec)
                 for op in (qa, qb)]
