@@ -13,6 +13,7 @@ import numpy as np
 
 from .codegen.llir import Program
 from .error.budget import Budget
+from .error.chunks import ChunkEffects
 from .error.groups import GroupEstimator
 from .error.headroom import HeadroomEstimate, estimate_headroom
 from .error.judge import Judge
@@ -81,11 +82,13 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     refs = references(graph, calibration)  # the one FP64 pass per calibration batch
     estimator = (GroupEstimator(graph, space.part, calibration[0], space.lower_chunk, refs[0])
                  if len(space.part.chunks) > 1 else None)
+    chunks = (ChunkEffects(graph, space.part, refs, space.lower_chunk, space.candidates(frozenset()))
+              if len(space.part.chunks) > 1 else None)
     head = choose_headroom(graph, budget, calibration, refs, space, options.headroom)
     # candidates are judged against the budget scaled by the headroom; every verdict also carries its
     # ratio against the user's budget, which is what plans and errors report
     judge = Judge(graph, budget, list(calibration), use_static=use_static, estimator=estimator,
-                  headroom=head.headroom, references=refs)
+                  headroom=head.headroom, references=refs, chunks=chunks)
     result = search(space, judge, options, latency_inputs=calibration[0], target=target)
     result.stats.update(head.as_dict())
     options = dataclasses.replace(options, headroom=head.headroom)
