@@ -26,8 +26,9 @@ from luminal_num.search.search import Evaluated, SearchOptions
 from .summary import write_csv
 
 TARGET = "h200"
-# the gate's stages, in the order it tries them; `pruned` is a subset of the cache's verdicts
-VERDICT_STAGES = tuple(f.name for f in fields(GateStats) if f.name != "pruned")
+# the gate's stages, in the order it tries them; `pruned` and `stored` (read from the on-disk cache) are
+# subsets of the cache's verdicts
+VERDICT_STAGES = tuple(f.name for f in fields(GateStats) if f.name not in ("pruned", "stored"))
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def efficiency_row(c: CompiledJob) -> dict:
     front = final_front(evaluated)
     chosen = search.chosen
     searched = [e for e in evaluated if e.stage != "baseline"]
-    no_e2e = sum(e.verdict.source in ("cache", "static", "groups", "predicted") for e in searched)
+    no_e2e = sum(e.verdict.source in ("cache", "static", "chunks", "groups", "predicted") for e in searched)
     return dict(job=c.name, budget=str(c.budget), candidates=len(evaluated),
                 decided_without_e2e=no_e2e / max(len(searched), 1), confirmed=search.stats["confirmed"],
                 mismatches=search.stats["mismatches"], prediction_margin=search.stats.get("prediction_margin"),

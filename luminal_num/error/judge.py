@@ -23,6 +23,7 @@ from .metrics import max_abs
 from .predict import DeltaPredictor, Prediction, budget_ratio
 from .reference import Fp64Reference, references
 from .static import static_bound
+from .verdict_store import VerdictStore
 
 Change = tuple  # (group key or one chunk of a group, e-class, tag)
 
@@ -53,12 +54,13 @@ class GateStats:
     predicted: int = 0   # decided by the first-order composition of measured single changes
     confirmed: int = 0   # predicted verdicts re-measured end to end (front and chosen plan)
     mismatches: int = 0  # measurements outside the prediction's band (each widened the margin)
+    stored: int = 0      # verdicts read from the on-disk cache (counted among the cache's verdicts)
 
     def as_dict(self) -> dict[str, int]:
         return dict(cache=self.cache, static=self.static, chunks=self.chunks, groups=self.groups,
                     predicted=self.predicted,
                     measured=self.measured, pruned=self.pruned, confirmed=self.confirmed,
-                    mismatches=self.mismatches)
+                    mismatches=self.mismatches, stored=self.stored)
 
 
 SCREEN_FACTOR = 4.0  # the group estimate runs ~1-2x above the true error: 4x over budget is a sure failure
@@ -90,6 +92,7 @@ class Judge:
     use_prediction: bool = True  # decide multi-change candidates from their measured single changes
     chunks: ChunkEffects | None = None  # per-chunk verdicts (error/chunks.py), tried before any measurement
     bad_chunks: dict[tuple, str] = field(default_factory=dict)  # (structure, chunk, choice key) -> why
+    store: VerdictStore | None = None  # measured verdicts on disk (error/verdict_store.py), reused across compiles
 
     def __post_init__(self):
         if not self.calibration:
@@ -147,12 +150,29 @@ class Judge:
             v = self._screen(candidates)
         if v is None:
             single = self.predictor is not None and len(changes) == 1
-            v, outs = self._measure(program, keep_outputs=single)
-            if outs is not None:
-                self.predictor.record(next(iter(changes)), outs)
-                self.key_change[key] = next(iter(changes))
+            # a single change is measured again: the prediction needs its outputs, which are not stored
+            v = None if single else self._stored(key)
+            if v is None:
+                v, outs = self._measure(program, keep_outputs=single)
+                if outs is not None:
+                    self.predictor.record(next(iter(changes)), outs)
+                    self.key_change[key] = next(iter(changes))
+                self._persist(key, v)
             self._observe(key, v)
         self.cache[key] = v
+        return v
+
+    def _persist(self, key: str, v: Verdict) -> None:
+        if self.store is not None:
+            self.store.put(key, v)
+
+    def _stored(self, key: str) -> Verdict | None:
+        """A measurement an earlier compile of the same graph, inputs and budget made (or None). It
+        stands where the measurement would: predictions made before it are checked against it."""
+        v = self.store.get(key, Verdict) if self.store is not None else None
+        if v is not None:
+            self.stats.cache += 1
+            self.stats.stored += 1
         return v
 
     def _observe(self, key: str, measured: Verdict) -> None:
@@ -209,7 +229,10 @@ class Judge:
     def confirm(self, program: Program) -> Verdict:
         """Measure a predicted candidate end to end (finalists); the result replaces the prediction."""
         key = program_key(program)
-        v, _ = self._measure(program)
+        v = self._stored(key)
+        if v is None:
+            v, _ = self._measure(program)
+            self._persist(key, v)
         self.stats.confirmed += 1
         self._observe(key, v)
         self.cache[key] = v
