@@ -172,3 +172,21 @@ def test_plan_round_trips_a_per_chunk_genome(job3, space3, refs3, tmp_path):
     loaded = Plan.load(plan.save(tmp_path / "p.json"))
     assert loaded.genome(space3) == genome
     loaded.program(job3.graph, space3)
+
+
+def test_chunk_tasks_on_the_pool_give_the_same_effects_as_here(job3, space3, refs3):
+    from luminal_num.error.tasks import TaskPool
+    g = layers(space3)
+    genome = frozenset((g.key, cls, t) for cls, t in bf16_gemms(space3, g).items())
+    cands = space3.candidates(genome)
+    serial = effects(job3, space3, refs3, Propagation.SCALED)
+    with TaskPool(job3.graph.weights, 2) as pool:
+        par = ChunkEffects(job3.graph, space3.part, refs3, space3.lower_chunk, space3.candidates(frozenset()),
+                           Propagation.SCALED, pool=pool)
+        par.prefetch(cands)
+        assert par.runs == len(g.chunks) + len(space3.part.chunks)  # each layer's BF16 chunk, every FP32 basis
+        got = par.compose(cands, [r.outputs(job3.graph) for r in refs3])
+    want = serial.compose(cands, [r.outputs(job3.graph) for r in refs3])
+    for a, b in zip(got, want):
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])

@@ -24,9 +24,9 @@ from ..codegen.llir import Program
 from ..hlir.evaluate import evaluate_chunk
 from ..hlir.graph import Graph
 from ..hlir.partition import Chunk, Partition, chunk_key
-from ..runtime.cpu import CpuRuntime
 from .groups import ChunkChoice
 from .reference import Fp64Reference
+from .tasks import RunTask, TaskPool, run_task
 
 Outputs = dict[str, np.ndarray]
 
@@ -53,6 +53,7 @@ class ChunkEffects:
     lower_chunk: Callable[[Chunk, ChunkChoice], Program]
     base: Mapping[int, ChunkChoice]
     propagation: Propagation = Propagation.SCALED
+    pool: TaskPool | None = None                # runs the chunk programs a genome needs in parallel
     cache: dict = field(default_factory=dict)  # (structure, chunk, choice key, propagation) -> ChunkEffect
     runs: int = 0                               # chunk programs run (each on every batch)
     injections: int = 0                         # FP64 runs of the rest of the model
@@ -62,12 +63,17 @@ class ChunkEffects:
             raise ValueError("per-chunk verdicts need at least one FP64 reference batch")
         self.structure = {c.index: chunk_key(self.graph, c) for c in self.part.chunks}
         self.chunks = {c.index: c for c in self.part.chunks}
+        self._ran: dict[tuple[int, str], object] = {}  # (chunk, choice key) -> outputs run on the pool
 
-    def effect(self, chunk_index: int, choice: ChunkChoice) -> ChunkEffect:
+    def _key(self, chunk_index: int, choice: ChunkChoice) -> tuple:
         mode = self.propagation
         if mode is Propagation.SCALED and choice.key == self.base[chunk_index].key:
             mode = Propagation.EXACT  # the basis itself is injected exactly
-        key = (self.structure[chunk_index], chunk_index, choice.key, mode)
+        return (self.structure[chunk_index], chunk_index, choice.key, mode)
+
+    def effect(self, chunk_index: int, choice: ChunkChoice) -> ChunkEffect:
+        key = self._key(chunk_index, choice)
+        mode = key[3]
         if key not in self.cache:
             self.cache[key] = self._effect(self.chunks[chunk_index], choice, mode)
         return self.cache[key]
@@ -86,18 +92,35 @@ class ChunkEffects:
                 return ChunkEffect(local, tuple({k: s * v for k, v in out.items()} for out in basis.outputs))
         return ChunkEffect(local, tuple(self._inject(chunk, ref, dev) for ref, dev in zip(self.references, devs)))
 
+    def _task(self, chunk: Chunk, choice: ChunkChoice) -> RunTask:
+        """The chunk alone on its exact FP64 inputs, every batch: a pure task (error/tasks.py)."""
+        return RunTask(self.lower_chunk(chunk, choice),
+                       tuple({f"%{n}": np.asarray(ref.values[n]) for n in chunk.external} for ref in self.references),
+                       tuple(ref.bindings for ref in self.references))
+
+    def prefetch(self, candidates: Mapping[int, ChunkChoice]) -> None:
+        """Run, on the pool, every chunk program the candidates' effects still need (and their bases)."""
+        if self.pool is None:
+            return
+        todo = {}
+        for i, choice in candidates.items():
+            for ch in (choice, self.base[i]) if self.propagation is Propagation.SCALED else (choice,):
+                if self._key(i, ch) not in self.cache and (i, ch.key) not in self._ran:
+                    todo.setdefault((i, ch.key), (self.chunks[i], ch))
+        results = self.pool.map([self._task(c, ch) for c, ch in todo.values()])
+        self.runs += len(todo)
+        self._ran.update(zip(todo, results))
+
     def _local(self, chunk: Chunk, choice: ChunkChoice) -> list[dict[int, np.ndarray]]:
         """Per batch: the chunk's exports minus FP64, run alone on the exact FP64 inputs."""
-        prog = self.lower_chunk(chunk, choice)
-        rt = CpuRuntime(prog, self.graph.weights)
-        self.runs += 1
-        out = []
-        for ref in self.references:
-            feed = {f"%{n}": np.asarray(ref.values[n]) for n in chunk.external}
-            got = rt.run(feed, ref.bindings).outputs
-            out.append({n: np.asarray(got[f"%{n}"], np.float64) - np.asarray(ref.values[n], np.float64)
-                        for n in chunk.exported})
-        return out
+        got = self._ran.pop((chunk.index, choice.key), None)
+        if got is None:
+            self.runs += 1
+            got = run_task(self._task(chunk, choice), self.graph.weights)
+        if isinstance(got, Exception):
+            raise got
+        return [{n: np.asarray(o[f"%{n}"], np.float64) - np.asarray(ref.values[n], np.float64) for n in chunk.exported}
+                for o, ref in zip(got, self.references)]
 
     def _inject(self, chunk: Chunk, ref: Fp64Reference, dev: Mapping[int, np.ndarray]) -> Outputs:
         """The final outputs' deviation when `dev` is added at the chunk's exports and everything after

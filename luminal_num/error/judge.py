@@ -194,6 +194,7 @@ class Judge:
                 self.stats.pruned += 1
                 return Verdict(False, "cache", np.inf, np.nan, None,
                                f"chunk {i}'s choice alone breaks the budget ({self.bad_chunks[ids[i]]})", np.inf)
+        ce.prefetch(candidates)
         for i in changed:
             alone = band.check(ce.compose({**ce.base, i: candidates[i]}, self.refs))
             if band.decides(alone) is False:

@@ -32,6 +32,7 @@ class SearchOptions:
     mutation_changes: int = 2
     target: str = "h200"
     progress: bool = True
+    workers: int = 2               # local processes running chunk verdict tasks (error/tasks.py); 1: none
     headroom: float | None = None  # share of the budget a plan may use on the calibration set (the rest
                                    # is kept for unseen inputs: audit judges against the full budget);
                                    # None: from data (error/headroom.py), a number overrides it
