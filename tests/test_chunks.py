@@ -190,3 +190,15 @@ def test_chunk_tasks_on_the_pool_give_the_same_effects_as_here(job3, space3, ref
     for a, b in zip(got, want):
         for k in a:
             np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_the_per_layer_phase_tries_single_chunks_and_decides_them_by_chunks(job3, space3):
+    """Each per-layer candidate changes chunks of a multi-chunk group one at a time (ChunkSite entries);
+    their verdicts come from the composition, and none is accepted unless it passed."""
+    res = compile_plan(job3.graph, Budget.parse("atol=3e-2,rtol=3e-2"), "h200", job3.calibration,
+                       SearchOptions(seed=0, max_candidates=60, progress=False), space=space3)
+    layer = [e for e in res.search.evaluated if e.stage == "layer"]
+    assert layer, "the per-layer phase tried nothing"
+    assert all(any(isinstance(site, ChunkSite) for site, _, _ in e.genome) for e in layer)
+    assert sum(e.verdict.source in ("chunks", "cache") for e in layer) >= len(layer) // 2
+    assert any(e.verdict.passed for e in layer)

@@ -270,7 +270,7 @@ class Searcher:
                                           f"chunk {chunk.index} as {donor.label or f'candidate {donor.id}'}")
                     if trial.verdict.passed and trial.latency is not None and trial.latency_s < current.latency_s:
                         gain = current.latency_s - trial.latency_s
-                        cost = max(trial.verdict.error - current.verdict.error, 1e-12)
+                        cost = max(_share(trial) - _share(current), 1e-12)
                         steps.append((-gain / cost, trial.id, trial.genome - current.genome))
         best, best_lat = current.genome, current.latency_s
         for _, _, extra in sorted(steps, key=lambda s_: s_[:2]):
@@ -321,6 +321,11 @@ class Searcher:
                 out.append(e)
                 best_err = e.verdict.error
         return out
+
+
+def _share(e: Evaluated) -> float:
+    """The share of the gate a candidate uses over every metric (allclose alone when not recorded)."""
+    return e.verdict.ratio if np.isfinite(e.verdict.ratio) else e.verdict.error
 
 
 LATENCY_TIE = 1e-3  # relative: latencies this close are a tie, broken by lower error
