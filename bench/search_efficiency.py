@@ -82,7 +82,7 @@ def compile_jobs(quick: bool = False, only: tuple[str, ...] | None = None) -> di
         out[spec.name] = CompiledJob(spec.name, job, budget, options, result, time.perf_counter() - t0,
                                      (load0, os.getloadavg()[0]))
         print(f"[search_efficiency] {spec.name}: {len(result.search.evaluated)} candidates in "
-              f"{out[spec.name].compile_s!r} s")
+              f"{out[spec.name].compile_s!r} s: {efficiency_row(out[spec.name])}", flush=True)
     return out
 
 
