@@ -1,9 +1,12 @@
-"""Predicted vs measured end-to-end error of random mixed genomes (the judge's first-order composition).
+"""Predicted vs measured end-to-end error of random mixed per-layer genomes (the judge's per-chunk
+composition, error/chunks.py).
 
-For each job: every change of the pool is measured alone end to end (its output error vectors kept),
-then N random genomes of 2-6 changes are predicted (sum of the changes' errors) and measured end to
-end. Writes reports/bench/prediction.csv and prediction.png (scatter, the [0.5x, 2x] band drawn).
-Genomes are per group (all chunks of a group share a choice): per-layer genomes are not built yet.
+For each job: 30 random genomes give every chunk of each multi-chunk group (the layers) its own uniform
+Gemm format (FP32, TF32, BF16, FP16, FP8 E4M3 block, INT8 per channel: one per layer, drawn at random),
+and single-chunk groups a random one too. Each genome's outputs are predicted from its chunks judged
+alone on their exact FP64 inputs (SCALED propagation, as the compiler does, and EXACT injection into the
+FP64 rest of the model), checked against the budget (every metric), then measured end to end. Writes
+reports/bench/prediction.csv and prediction.png (scatter, the [0.5x, 2x] band drawn).
 """
 from __future__ import annotations
 
@@ -19,60 +22,77 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from luminal_num.error.budget import Budget  # noqa: E402
+from luminal_num.error.chunks import ChunkEffects, Propagation  # noqa: E402
 from luminal_num.error.judge import Judge  # noqa: E402
-from luminal_num.models.registry import llama_tiny_job, transformer_job  # noqa: E402
-from luminal_num.search.search import variant_classes  # noqa: E402
-from luminal_num.search.space import SearchSpace  # noqa: E402
+from luminal_num.error.reference import references  # noqa: E402
+from luminal_num.models.registry import llm_job, minilm_job, transformer_job  # noqa: E402
+from luminal_num.search.space import ChunkSite, SearchSpace  # noqa: E402
 
 from .summary import OUT, write_csv  # noqa: E402
 
-JOBS = {"transformer": lambda: transformer_job(2), "llama-tiny": llama_tiny_job}
+JOBS = {"minilm": lambda: minilm_job(16), "smollm2": llm_job, "transformer": lambda: transformer_job(3)}
+FORMATS = ("f32", "gemm:tf32", "gemm:bf16", "gemm:f16", "gemm:f8e4m3_block", "gemm:int8_channel")
 
 
-def pool_of(space: SearchSpace, target: str = "h200") -> list[tuple[str, str, str]]:
-    """Per knob, the most accurate variant of each speed class (what the search tries alone)."""
-    return [(gk, k.cls, tags[0]) for gk, ks in space.knobs.items() for k in ks
-            for tags in variant_classes(k.tags, target)]
+def random_per_layer_genome(space: SearchSpace, rng: np.random.Generator) -> tuple[frozenset, str]:
+    """Each chunk its own uniform Gemm format (a format a Gemm lacks leaves that Gemm FP32)."""
+    genome, names = [], []
+    for g in space.part.groups:
+        for c in g.chunks:
+            fmt = FORMATS[int(rng.integers(len(FORMATS)))]
+            names.append(fmt.removeprefix("gemm:"))
+            site = ChunkSite(g.key, c.index) if len(g.chunks) > 1 else g.key
+            genome += [(site, k.cls, fmt) for k in space.knobs[g.key] if fmt in k.tags]
+    return frozenset(genome), " ".join(names)
 
 
-def scatter_rows(name: str, n: int, seed: int = 0) -> list[dict]:
+def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...] = tuple(Propagation)) -> list[dict]:
     job = JOBS[name]()
     space = SearchSpace.build(job.graph)
-    judge = Judge(job.graph, Budget.parse(job.default_budget), list(job.calibration), use_static=False)
-    pool = pool_of(space)
-    for ch in pool:  # each change alone, end to end: the composition's inputs
-        judge.judge(space.program([ch]), frozenset([ch]), predict=False)
+    refs = references(job.graph, job.calibration)
+    base = space.candidates(frozenset())
+    effects = {m: ChunkEffects(job.graph, space.part, refs, space.lower_chunk, base, m)
+               for m in (Propagation.SCALED, *modes)}
+    judge = Judge(job.graph, Budget.parse(job.default_budget), list(job.calibration), use_static=False,
+                  references=refs, chunks=effects[Propagation.SCALED], use_prediction=False)
     rng = np.random.default_rng(seed)
     rows = []
-    while len(rows) < n:
-        k = int(rng.integers(2, 7))
-        picked = {}
-        for i in rng.permutation(len(pool))[: 4 * k]:
-            g, c, t = pool[int(i)]
-            picked.setdefault((g, c), t)
-            if len(picked) == k:
-                break
-        genome = [(g, c, t) for (g, c), t in picked.items()]
-        p = judge.predictor.predict(genome)
+    for i in range(n):
+        genome, formats = random_per_layer_genome(space, rng)
+        cands = space.candidates(genome)
+        row = dict(job=name, genome_index=i, formats=formats)
+        for m, ce in effects.items():
+            t0 = time.perf_counter()
+            row[f"predicted_{m.value}"] = judge.chunk_band.check(ce.compose(cands, judge.refs)).ratio
+            row[f"predict_{m.value}_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         measured, _ = judge._measure(space.program(genome))
-        rows.append(dict(job=name, changes=len(genome), predicted=p.ratio, measured=measured.ratio,
-                         within_2x=bool(0.5 <= measured.ratio / p.ratio <= 2.0) if p.ratio > 0 else False,
-                         measure_s=time.perf_counter() - t0, genome=" ".join(sorted(t for _, _, t in genome))))
+        row.update(measured=measured.ratio, measure_s=time.perf_counter() - t0)
+        for m in effects:
+            p = row[f"predicted_{m.value}"]
+            row[f"within_2x_{m.value}"] = bool(0.5 <= measured.ratio / p <= 2.0) if p > 0 else False
+        rows.append(row)
+        print(f"[prediction] {name} {i}: predicted {row['predicted_scaled']:.3g} (exact "
+              f"{row.get('predicted_exact', float('nan')):.3g}) measured {measured.ratio:.3g}", flush=True)
     return rows
 
 
 def plot(df: pd.DataFrame) -> None:
     fig, ax = plt.subplots(figsize=(6, 5))
     for job, part in df.groupby("job"):
-        ax.scatter(part["predicted"], part["measured"], label=f"{job} ({part.within_2x.mean():.0%} within 2x)", s=18)
-    lo = max(min(df.predicted.min(), df.measured.min()), 1e-6)
-    hi = max(df.predicted.max(), df.measured.max())
+        for m, marker in (("scaled", "o"), ("exact", "x")):
+            if f"predicted_{m}" not in part or part[f"predicted_{m}"].isna().all():
+                continue
+            ax.scatter(part[f"predicted_{m}"], part["measured"], marker=marker, s=18,
+                       label=f"{job}, {m} ({part[f'within_2x_{m}'].mean():.0%} within 2x)")
+    finite = df[np.isfinite(df.measured) & np.isfinite(df.predicted_scaled)]
+    lo = max(min(finite.predicted_scaled.min(), finite.measured.min()), 1e-6)
+    hi = max(finite.predicted_scaled.max(), finite.measured.max())
     xs = np.geomspace(lo, hi, 10)
     for f, style in ((1, "-"), (2, "--"), (0.5, "--")):
         ax.plot(xs, xs * f, "k" + style, lw=0.8)
     ax.set_xscale("log"), ax.set_yscale("log")
-    ax.set_xlabel("predicted share of the budget (sum of single-change errors)")
+    ax.set_xlabel("predicted share of the budget (chunks judged alone, composed)")
     ax.set_ylabel("measured share of the budget (end to end)")
     ax.legend()
     fig.tight_layout()
@@ -83,12 +103,18 @@ def plot(df: pd.DataFrame) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--n", type=int, default=30)
+    ap.add_argument("--jobs", default="minilm,smollm2", help=f"comma-separated, of {', '.join(JOBS)}")
+    ap.add_argument("--exact-for", default="minilm,transformer",
+                    help="jobs that also get EXACT propagation (an FP64 run of the rest per chunk choice)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore", category=RuntimeWarning)
-    df = pd.DataFrame([r for name in JOBS for r in scatter_rows(name, args.n)])
+    exact = set(args.exact_for.split(","))
+    df = pd.DataFrame([r for name in args.jobs.split(",")
+                       for r in scatter_rows(name, args.n, modes=(Propagation.EXACT,) if name in exact else ())])
     write_csv(df, "prediction.csv")
     plot(df)
-    print(df.groupby("job")[["within_2x"]].mean())
+    cols = [c for c in ("within_2x_scaled", "within_2x_exact", "predict_scaled_s", "measure_s") if c in df]
+    print(df.groupby("job")[cols].mean())
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ The compiles are shared with bench/numerics.py (the plan vs baselines table), so
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import warnings
 from dataclasses import dataclass, fields
@@ -19,15 +20,16 @@ import pandas as pd
 from luminal_num.compiler import CompileResult, compile
 from luminal_num.error.budget import Budget
 from luminal_num.error.judge import GateStats
-from luminal_num.models.registry import ModelJob, minilm_job, transformer_job
+from luminal_num.models.registry import ModelJob, llm_job, minilm_job, transformer_job
 from luminal_num.report.pareto import pareto_front
 from luminal_num.search.search import Evaluated, SearchOptions
 
 from .summary import write_csv
 
 TARGET = "h200"
-# the gate's stages, in the order it tries them; `pruned` is a subset of the cache's verdicts
-VERDICT_STAGES = tuple(f.name for f in fields(GateStats) if f.name != "pruned")
+# the gate's stages, in the order it tries them; `pruned` and `stored` (read from the on-disk cache) are
+# subsets of the cache's verdicts
+VERDICT_STAGES = tuple(f.name for f in fields(GateStats) if f.name not in ("pruned", "stored"))
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ class JobSpec:
 
 SPECS = (JobSpec("transformer", transformer_job, SearchOptions().max_candidates, 40),
          JobSpec("minilm", lambda: minilm_job(16), 100, None))
+# on request (--jobs smollm2): SmolLM2-135M decode:8@64 (30 layers) on the shipped prompts; bench/numerics.py
+# shares SPECS and does not compile it
+ON_REQUEST = (JobSpec("smollm2", llm_job, 200, None),)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class CompiledJob:
     options: SearchOptions
     result: CompileResult
     compile_s: float  # wall time of compile(), including the FP64 references and saturation
+    load: tuple[float, float]  # the machine's 1-minute load average before and after the compile
 
     def budget_ratio(self, e: Evaluated) -> float:
         """A candidate's error as an allclose ratio of the user's budget (<= 1 fits it): the search
@@ -60,22 +66,23 @@ class CompiledJob:
         return float(e.verdict.error) * self.result.search.stats["headroom"]
 
 
-def compile_jobs(quick: bool = False) -> dict[str, CompiledJob]:
-    """Compile every job of SPECS with its default budget on TARGET (seed 0, deterministic)."""
+def compile_jobs(quick: bool = False, only: tuple[str, ...] | None = None) -> dict[str, CompiledJob]:
+    """Compile every job of SPECS (or those named in `only`) with its default budget on TARGET (seed 0)."""
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # intervals overflowing to inf are verdicts
     out = {}
-    for spec in SPECS:
-        if quick and spec.quick_candidates is None:
+    for spec in SPECS if only is None else SPECS + ON_REQUEST:
+        if (quick and spec.quick_candidates is None) or (only is not None and spec.name not in only):
             continue
         job = spec.load()
         budget = Budget.parse(job.default_budget)
         options = SearchOptions(max_candidates=spec.quick_candidates if quick else spec.max_candidates,
                                 target=TARGET, progress=False)
-        t0 = time.perf_counter()
+        t0, load0 = time.perf_counter(), os.getloadavg()[0]
         result = compile(job.graph, budget, TARGET, job.calibration, options)
-        out[spec.name] = CompiledJob(spec.name, job, budget, options, result, time.perf_counter() - t0)
+        out[spec.name] = CompiledJob(spec.name, job, budget, options, result, time.perf_counter() - t0,
+                                     (load0, os.getloadavg()[0]))
         print(f"[search_efficiency] {spec.name}: {len(result.search.evaluated)} candidates in "
-              f"{out[spec.name].compile_s!r} s")
+              f"{out[spec.name].compile_s!r} s: {efficiency_row(out[spec.name])}", flush=True)
     return out
 
 
@@ -86,6 +93,12 @@ def final_front(evaluated: list[Evaluated]) -> list[Evaluated]:
     return [e for e, on in zip(passing, marks) if on]
 
 
+def layers_differ(c: CompiledJob) -> int:
+    """How many chunks of multi-chunk groups run other choices than their group's first chunk."""
+    cands = c.result.space.candidates(c.result.search.chosen.genome)
+    return sum(cands[ch.index] != cands[g.chunks[0].index] for g in c.result.space.part.groups for ch in g.chunks)
+
+
 def efficiency_row(c: CompiledJob) -> dict:
     search = c.result.search
     evaluated = search.evaluated
@@ -93,7 +106,7 @@ def efficiency_row(c: CompiledJob) -> dict:
     front = final_front(evaluated)
     chosen = search.chosen
     searched = [e for e in evaluated if e.stage != "baseline"]
-    no_e2e = sum(e.verdict.source in ("cache", "static", "groups", "predicted") for e in searched)
+    no_e2e = sum(e.verdict.source in ("cache", "static", "chunks", "groups", "predicted") for e in searched)
     return dict(job=c.name, budget=str(c.budget), candidates=len(evaluated),
                 decided_without_e2e=no_e2e / max(len(searched), 1), confirmed=search.stats["confirmed"],
                 mismatches=search.stats["mismatches"], prediction_margin=search.stats.get("prediction_margin"),
@@ -106,11 +119,14 @@ def efficiency_row(c: CompiledJob) -> dict:
                 search_s_per_candidate=search.stats["seconds"] / len(evaluated),
                 chosen_index=chosen.id, chosen_stage=chosen.stage, chosen_source=chosen.verdict.source,
                 front_size=len(front), front_complete_index=max(e.id for e in front),
-                headroom=c.result.search.stats["headroom"], chosen_error=c.budget_ratio(chosen), chosen_latency_s=chosen.latency_s)
+                headroom=c.result.search.stats["headroom"], chosen_error=c.budget_ratio(chosen), chosen_latency_s=chosen.latency_s,
+                chunk_margin=search.stats.get("chunk_margin"), chosen_chunks_differing=layers_differ(c),
+                load_before=c.load[0], load_after=c.load[1])
 
 
-def run(compiled: dict[str, CompiledJob] | None = None, quick: bool = False) -> dict:
-    compiled = compiled if compiled is not None else compile_jobs(quick)
+def run(compiled: dict[str, CompiledJob] | None = None, quick: bool = False,
+        only: tuple[str, ...] | None = None) -> dict:
+    compiled = compiled if compiled is not None else compile_jobs(quick, only)
     df = pd.DataFrame([efficiency_row(c) for c in compiled.values()])
     write_csv(df, "search_efficiency.csv")
     figures = {}
@@ -123,6 +139,8 @@ def run(compiled: dict[str, CompiledJob] | None = None, quick: bool = False) -> 
         figures[f"{r.job}: pruned (a change that alone breaks the budget)"] = int(r.pruned)
         figures[f"{r.job}: profiled (latency taken)"] = int(r.profiled)
         figures[f"{r.job}: search wall seconds"] = float(r.search_s)
+        figures[f"{r.job}: compile wall seconds (load {r.load_before:.1f} -> {r.load_after:.1f})"] = float(r.compile_s)
+        figures[f"{r.job}: chunks whose choices differ from their group's first"] = int(r.chosen_chunks_differing)
         figures[f"{r.job}: chosen plan found at evaluation"] = f"{r.chosen_index} of {r.candidates} ({r.chosen_stage})"
         figures[f"{r.job}: final front complete at evaluation"] = int(r.front_complete_index)
     return figures
@@ -131,7 +149,9 @@ def run(compiled: dict[str, CompiledJob] | None = None, quick: bool = False) -> 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="few candidates, transformer only (smoke run)")
-    figures = run(quick=ap.parse_args(argv).quick)
+    ap.add_argument("--jobs", default=None, help=f"comma-separated subset of {', '.join(s.name for s in SPECS + ON_REQUEST)}")
+    args = ap.parse_args(argv)
+    figures = run(quick=args.quick, only=tuple(args.jobs.split(",")) if args.jobs else None)
     for k, v in figures.items():
         print(f"{k}: {v!r}")
     return figures

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from .codegen.llir import Program
 from .error.budget import Budget
-from .error.groups import GroupEstimator
+from .error.chunks import ChunkEffects
 from .error.headroom import HeadroomEstimate, estimate_headroom
 from .error.judge import Judge
 from .error.reference import Fp64Reference, references
+from .error.tasks import TaskPool
+from .error.verdict_store import VerdictStore, context_key
 from .hlir.graph import Graph
 from .hlir.partition import Partition
 from .search.plan import Plan
@@ -63,9 +66,11 @@ def calibration_ranges(graph: Graph, part: Partition, refs: Sequence[Fp64Referen
 
 def compile(graph: Graph, budget: Budget, target: str = "h200",
             calibration: Sequence[Mapping[str, np.ndarray]] = (), options: SearchOptions | None = None,
-            space: SearchSpace | None = None, use_static: bool | str = "auto") -> CompileResult:
+            space: SearchSpace | None = None, use_static: bool | str = "auto",
+            cache_dir: str | Path | None = None) -> CompileResult:
     """The fastest plan found whose error vs FP64 on `calibration` is within `budget` on `target`
-    (`target` wins over `options.target`)."""
+    (`target` wins over `options.target`). `cache_dir`: measured verdicts persist there (keyed by graph,
+    weights, inputs and budget), so a second or interrupted compile of the same job reuses them."""
     options = options or SearchOptions(target=target)
     if not calibration:
         raise ValueError("compile needs calibration inputs (a list of input dicts)")
@@ -79,13 +84,24 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     _check_inputs(graph, calibration)
     space = space or SearchSpace.build(graph)
     refs = references(graph, calibration)  # the one FP64 pass per calibration batch
-    estimator = (GroupEstimator(graph, space.part, calibration[0], space.lower_chunk, refs[0])
-                 if len(space.part.chunks) > 1 else None)
+    if len(space.part.chunks) > 1:
+        with TaskPool(graph.weights, options.workers) as pool:
+            chunks = ChunkEffects(graph, space.part, refs, space.lower_chunk, space.candidates(frozenset()),
+                                  pool=pool)
+            return _search(graph, budget, target, calibration, options, space, use_static, cache_dir, refs, chunks)
+    return _search(graph, budget, target, calibration, options, space, use_static, cache_dir, refs, None)
+
+
+def _search(graph: Graph, budget: Budget, target: str, calibration, options: SearchOptions, space: SearchSpace,
+            use_static, cache_dir, refs, chunks: ChunkEffects | None) -> CompileResult:
+    # per-chunk verdicts (error/chunks.py) replace the per-group screen (error/groups.py): they decide
+    # from measured local errors before the screen's 4x-over-budget rule could
     head = choose_headroom(graph, budget, calibration, refs, space, options.headroom)
     # candidates are judged against the budget scaled by the headroom; every verdict also carries its
     # ratio against the user's budget, which is what plans and errors report
-    judge = Judge(graph, budget, list(calibration), use_static=use_static, estimator=estimator,
-                  headroom=head.headroom, references=refs)
+    gate = budget if head.headroom == 1.0 else budget.tightened(head.headroom)
+    store = VerdictStore.open(cache_dir, context_key(graph, calibration, gate, budget)) if cache_dir else None
+    judge = Judge(graph, budget, list(calibration), use_static=use_static, headroom=head.headroom, references=refs, chunks=chunks, store=store)
     result = search(space, judge, options, latency_inputs=calibration[0], target=target)
     result.stats.update(head.as_dict())
     options = dataclasses.replace(options, headroom=head.headroom)

@@ -16,20 +16,25 @@ from ..codegen.llir import Program
 from ..hlir.graph import Graph
 from ..runtime.cpu import CpuRuntime
 from .budget import Budget
+from .chunks import ChunkEffects
 from .groups import GroupEstimator
 from .interval import Interval
 from .metrics import max_abs
 from .predict import DeltaPredictor, Prediction, budget_ratio
 from .reference import Fp64Reference, references
 from .static import static_bound
+from .verdict_store import VerdictStore
 
-Change = tuple[str, str, str]  # (group key, e-class, tag)
+Change = tuple  # (group key or one chunk of a group, e-class, tag)
+
+# verdicts decided from a prediction, not an end-to-end run: the front and the chosen plan re-measure them
+PREDICTED_SOURCES = frozenset({"predicted", "chunks"})
 
 
 @dataclass(frozen=True)
 class Verdict:
     passed: bool
-    source: str          # "cache" | "static" | "groups" | "measured"
+    source: str          # "cache" | "static" | "chunks" | "groups" | "predicted" | "measured"
     error: float         # worst allclose ratio against the gate's (tightened) budget: <= 1 passes
     max_abs: float       # worst |y - ref| measured (nan when not measured)
     bound: float | None  # largest static error bound (None when not computed)
@@ -45,14 +50,17 @@ class GateStats:
     groups: int = 0      # rejected by the composed per-group estimate (no end-to-end run)
     measured: int = 0    # end-to-end measurements
     pruned: int = 0
+    chunks: int = 0      # decided by the composed per-chunk effects (each chunk judged alone on FP64 inputs)
     predicted: int = 0   # decided by the first-order composition of measured single changes
     confirmed: int = 0   # predicted verdicts re-measured end to end (front and chosen plan)
     mismatches: int = 0  # measurements outside the prediction's band (each widened the margin)
+    stored: int = 0      # verdicts read from the on-disk cache (counted among the cache's verdicts)
 
     def as_dict(self) -> dict[str, int]:
-        return dict(cache=self.cache, static=self.static, groups=self.groups, predicted=self.predicted,
+        return dict(cache=self.cache, static=self.static, chunks=self.chunks, groups=self.groups,
+                    predicted=self.predicted,
                     measured=self.measured, pruned=self.pruned, confirmed=self.confirmed,
-                    mismatches=self.mismatches)
+                    mismatches=self.mismatches, stored=self.stored)
 
 
 SCREEN_FACTOR = 4.0  # the group estimate runs ~1-2x above the true error: 4x over budget is a sure failure
@@ -82,6 +90,9 @@ class Judge:
     cache: dict[str, Verdict] = field(default_factory=dict)
     bad_changes: dict[Change, str] = field(default_factory=dict)
     use_prediction: bool = True  # decide multi-change candidates from their measured single changes
+    chunks: ChunkEffects | None = None  # per-chunk verdicts (error/chunks.py), tried before any measurement
+    bad_chunks: dict[tuple, str] = field(default_factory=dict)  # (structure, chunk, choice key) -> why
+    store: VerdictStore | None = None  # measured verdicts on disk (error/verdict_store.py), reused across compiles
 
     def __post_init__(self):
         if not self.calibration:
@@ -102,6 +113,9 @@ class Judge:
         self.predictor = DeltaPredictor(self.gate, self.budget, self.refs) if self.use_prediction else None
         self.pending: dict[str, Prediction] = {}  # program key -> the prediction a measurement checks
         self.key_change: dict[str, Change] = {}   # program key -> the single change whose errors it holds
+        # the per-chunk composition's own band (its margin, calibrated by the end-to-end runs it predicted)
+        self.chunk_band = DeltaPredictor(self.gate, self.budget, self.refs) if self.chunks is not None else None
+        self.chunk_pending: dict[str, Prediction] = {}
 
     def judge(self, program: Program, changes: frozenset[Change] = frozenset(), candidates=None,
               predict: bool = True) -> Verdict:
@@ -128,25 +142,76 @@ class Judge:
             self.use_static = certified
             self.static_note = ("static bounds certify the FP32 baseline: static stage on" if certified else
                                 "static bounds do not certify the FP32 baseline: measurement decides")
+        if v is None and predict and self.chunks is not None and candidates is not None:
+            v = self._chunk_verdict(key, candidates)
         if v is None and predict and self.predictor is not None and len(changes) >= 2:
             v = self._predict(key, changes)
         if v is None and self.estimator is not None and candidates is not None:
             v = self._screen(candidates)
         if v is None:
             single = self.predictor is not None and len(changes) == 1
-            v, outs = self._measure(program, keep_outputs=single)
-            if outs is not None:
-                self.predictor.record(next(iter(changes)), outs)
-                self.key_change[key] = next(iter(changes))
+            # a single change is measured again: the prediction needs its outputs, which are not stored
+            v = None if single else self._stored(key)
+            if v is None:
+                v, outs = self._measure(program, keep_outputs=single)
+                if outs is not None:
+                    self.predictor.record(next(iter(changes)), outs)
+                    self.key_change[key] = next(iter(changes))
+                self._persist(key, v)
             self._observe(key, v)
         self.cache[key] = v
         return v
 
+    def _persist(self, key: str, v: Verdict) -> None:
+        if self.store is not None:
+            self.store.put(key, v)
+
+    def _stored(self, key: str) -> Verdict | None:
+        """A measurement an earlier compile of the same graph, inputs and budget made (or None). It
+        stands where the measurement would: predictions made before it are checked against it."""
+        v = self.store.get(key, Verdict) if self.store is not None else None
+        if v is not None:
+            self.stats.cache += 1
+            self.stats.stored += 1
+        return v
+
     def _observe(self, key: str, measured: Verdict) -> None:
-        if key in self.pending:
-            before = self.predictor.mismatches
-            self.predictor.observe(self.pending[key].ratio, measured.ratio)
-            self.stats.mismatches += self.predictor.mismatches - before
+        for pending, band in ((self.pending, self.predictor), (self.chunk_pending, self.chunk_band)):
+            if key in pending:
+                before = band.mismatches
+                band.observe(pending[key].ratio, measured.ratio)
+                self.stats.mismatches += band.mismatches - before
+
+    def _chunk_verdict(self, key: str, candidates) -> Verdict | None:
+        """Decide from the chunks' effects composed (error/chunks.py) when outside the band; a chunk
+        choice whose effect alone (the other chunks FP32) breaks it prunes every genome containing it."""
+        ce, band = self.chunks, self.chunk_band
+        changed = [i for i in sorted(candidates) if candidates[i].key != ce.base[i].key]
+        ids = {i: (ce.structure[i], i, candidates[i].key) for i in changed}
+        for i in changed:
+            if ids[i] in self.bad_chunks:
+                self.stats.cache += 1
+                self.stats.pruned += 1
+                return Verdict(False, "cache", np.inf, np.nan, None,
+                               f"chunk {i}'s choice alone breaks the budget ({self.bad_chunks[ids[i]]})", np.inf)
+        ce.prefetch(candidates)
+        for i in changed:
+            alone = band.check(ce.compose({**ce.base, i: candidates[i]}, self.refs))
+            if band.decides(alone) is False:
+                self.bad_chunks[ids[i]] = f"predicted {alone.ratio:.3g}x the budget: {alone.reason}"
+                self.stats.chunks += 1
+                return Verdict(False, "chunks", alone.allclose, np.nan, None,
+                               f"chunk {i}'s choice alone is predicted {alone.ratio:.3g}x the budget "
+                               f"(margin {band.margin:.3g}): {alone.reason}", alone.user, alone.ratio)
+        p = band.check(ce.compose(candidates, self.refs))
+        self.chunk_pending[key] = p  # a later measurement of this program checks the composition
+        decided = band.decides(p)
+        if decided is None:
+            return None
+        self.stats.chunks += 1
+        return Verdict(decided, "chunks", p.allclose, np.nan, None,
+                       f"composed from {len(candidates)} chunks judged alone on FP64 inputs "
+                       f"(margin {band.margin:.3g}): {p.reason}", p.user, p.ratio)
 
     def _predict(self, key: str, changes) -> Verdict | None:
         p = self.predictor.predict(changes)
@@ -165,7 +230,10 @@ class Judge:
     def confirm(self, program: Program) -> Verdict:
         """Measure a predicted candidate end to end (finalists); the result replaces the prediction."""
         key = program_key(program)
-        v, _ = self._measure(program)
+        v = self._stored(key)
+        if v is None:
+            v, _ = self._measure(program)
+            self._persist(key, v)
         self.stats.confirmed += 1
         self._observe(key, v)
         self.cache[key] = v

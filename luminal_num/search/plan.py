@@ -29,7 +29,7 @@ from ..quant.scales import compute_scales
 from ..quant.storage import STORAGE_FORMATS
 from ..quant.stored import convert_all, stored_key
 from ..quant.weights_file import WeightsFileError, content_hash, load_weights, save_weights
-from .space import Genome, SearchSpace
+from .space import ChunkSite, Genome, SearchSpace
 
 PLAN_FORMAT = "luminal_num.plan"
 PLAN_VERSION = 2  # 2: the lowered LLIR is stored ("llir"); version-1 files are refused
@@ -156,12 +156,17 @@ class Plan:
         for gi, g in enumerate(space.part.groups):
             cand = cands[g.chunks[0].index]
             gs = space.groups[g.key].space
-            groups.append({"group": gi, "chunks": [c.index for c in g.chunks],
-                           "choices": [[cls, idx, gs.classes[cls][idx].op] for cls, idx in cand.choices]})
+            entry = {"group": gi, "chunks": [c.index for c in g.chunks],
+                     "choices": [[cls, idx, gs.classes[cls][idx].op] for cls, idx in cand.choices]}
+            own = {str(c.index): [[cls, idx, gs.classes[cls][idx].op] for cls, idx in cands[c.index].choices]
+                   for c in g.chunks[1:] if cands[c.index] != cand}
+            if own:  # precision per chunk: the chunks whose choices differ from the group's first chunk
+                entry["chunk_choices"] = own
+            groups.append(entry)
         data = {
             "format": PLAN_FORMAT, "version": PLAN_VERSION, "compiler_version": __version__,
             "graph_key": graph_key(space.graph), "budget": budget.to_dict(), "target": target, "seed": seed,
-            "genome": sorted([space.group_index(g), c, t] for g, c, t in genome),
+            "genome": sorted(_genome_entry(space, site, c, t) for site, c, t in genome),
             "groups": groups,
             "verdict": {"passed": bool(verdict.passed), "source": verdict.source, "error": _num(verdict.budget_error),
                         "max_abs": _num(verdict.max_abs), "bound": _num(verdict.bound), "reason": verdict.reason},
@@ -267,13 +272,18 @@ class Plan:
                             f"(plan {self.data['graph_key'][:12]}, graph {graph_key(graph)[:12]})")
 
     def genome(self, space: SearchSpace) -> Genome:
+        """[group, e-class, tag] applies to every chunk of the group; [group, e-class, tag, chunk] to one."""
         keys = [g.key for g in space.part.groups]
         out = []
         for entry in self.data["genome"]:
-            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
+            if not (isinstance(entry, list) and len(entry) in (3, 4) and isinstance(entry[0], int)
                     and 0 <= entry[0] < len(keys)):
                 raise PlanError(f"genome entry {entry!r} names no group of this graph ({len(keys)} groups)")
-            out.append((keys[entry[0]], entry[1], entry[2]))
+            group = space.part.groups[entry[0]]
+            if len(entry) == 4 and entry[3] not in [c.index for c in group.chunks]:
+                raise PlanError(f"genome entry {entry!r} names a chunk that is not in group {entry[0]}")
+            site = keys[entry[0]] if len(entry) == 3 else ChunkSite(keys[entry[0]], entry[3])
+            out.append((site, entry[1], entry[2]))
         return frozenset(out)
 
     def program(self, graph: Graph, space: SearchSpace | None = None) -> tuple[Program, Partition]:
@@ -292,15 +302,23 @@ class Plan:
             if not 0 <= grp.get("group", -1) < len(space.part.groups):
                 raise PlanError(f"the plan names group {grp.get('group')!r}, which this graph does not have")
             g = space.part.groups[grp["group"]]
-            got = cands[g.chunks[0].index]
-            want = [(c, i) for c, i, _ in grp["choices"]]
-            if list(got.choices) != want or any(space.groups[g.key].space.classes[c][i].op != op
-                                                 for c, i, op in grp["choices"]):
-                raise PlanError(f"group {grp['group']}: the recorded choices do not match this compiler's "
-                                "choice space (plan from another compiler version?)")
+            own = grp.get("chunk_choices", {})
+            for c in g.chunks:
+                recorded = own.get(str(c.index), grp["choices"])
+                want = [(cls, i) for cls, i, _ in recorded]
+                if list(cands[c.index].choices) != want or any(
+                        space.groups[g.key].space.classes[cls][i].op != op for cls, i, op in recorded):
+                    raise PlanError(f"group {grp['group']} chunk {c.index}: the recorded choices do not match "
+                                    "this compiler's choice space (plan from another compiler version?)")
         if program_to_data(space.program(genome)) != self.data["llir"]:
             raise PlanError("the stored LLIR is not what this compiler lowers from the recorded choices")
         return program, space.part
+
+
+def _genome_entry(space: SearchSpace, site, cls: str, tag: str) -> list:
+    if isinstance(site, ChunkSite):
+        return [space.group_index(site.group), cls, tag, site.chunk]
+    return [space.group_index(site), cls, tag]
 
 
 def _load_stored(path: Path, data: dict) -> dict | None:

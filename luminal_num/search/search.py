@@ -16,12 +16,12 @@ from tqdm import tqdm
 from ..codegen.llir import Program
 from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ..quant.storage import STORAGE_FORMATS
-from ..error.judge import Judge, Verdict
+from ..error.judge import PREDICTED_SOURCES, Judge, Verdict
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
 from ..runtime.targets import gemm_math, get_target
 from .recipes import AUTOCASTS, STORAGE_SOURCES, TF32_SOURCE, autocast_recipe, pick, recipe_genomes, tf32_recipe
-from .space import Change, Genome, SearchSpace
+from .space import Change, ChunkSite, Genome, SearchSpace
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class SearchOptions:
     mutation_changes: int = 2
     target: str = "h200"
     progress: bool = True
+    workers: int = 2               # local processes running chunk verdict tasks (error/tasks.py); 1: none
     headroom: float | None = None  # share of the budget a plan may use on the calibration set (the rest
                                    # is kept for unseen inputs: audit judges against the full budget);
                                    # None: from data (error/headroom.py), a number overrides it
@@ -44,7 +45,7 @@ class Evaluated:
     verdict: Verdict
     latency: Latency | None   # None when the gate rejected it (latency is never spent on those)
     label: str = ""
-    stage: str = ""           # baseline | uniform | sensitivity | greedy | mutation
+    stage: str = ""           # baseline | uniform | sensitivity | greedy | layer | mutation
     program: Program | None = field(default=None, repr=False, compare=False)  # what was judged (lowered once)
 
     @property
@@ -134,6 +135,7 @@ class Searcher:
             self.uniform()
             singles = self.sensitivity(base)
             self.greedy(base, singles)
+            self.per_layer()
             self.mutate(singles)
         except KeyboardInterrupt:  # Ctrl-C: stop cleanly and return what was evaluated, marked interrupted
             self.bar.close()
@@ -143,12 +145,14 @@ class Searcher:
             baselines = {e.label: e for e in self.evaluated if e.stage == "baseline"}
         self.bar.close()
         # an interrupted search confirms nothing more: its partial plan stands on measurements only
-        chosen = choose([e for e in self.passing() if e.verdict.source != "predicted"]) if interrupted \
+        chosen = choose([e for e in self.passing() if e.verdict.source not in PREDICTED_SOURCES]) if interrupted \
             else self.confirm_finalists()
         stats = {"candidates": len(self.evaluated), "seconds": time.perf_counter() - self.t0,
                  **self.judge.stats.as_dict(), "baseline_sources": dict(BASELINE_SOURCES)}
         if self.judge.predictor is not None:
             stats["prediction_margin"] = self.judge.predictor.margin
+        if self.judge.chunk_band is not None:
+            stats["chunk_margin"] = self.judge.chunk_band.margin
         if interrupted:
             stats["interrupted"] = True
         return SearchResult(self.evaluated, baselines, chosen, stats)
@@ -171,7 +175,7 @@ class Searcher:
         and the choice stand on measurements alone; returns the chosen plan."""
         while True:
             chosen = choose(self.passing())
-            todo = {e.id: e for e in self.front() + ([chosen] if chosen else []) if e.verdict.source == "predicted"}
+            todo = {e.id: e for e in self.front() + ([chosen] if chosen else []) if e.verdict.source in PREDICTED_SOURCES}
             if not todo:
                 return chosen
             for e in todo.values():
@@ -239,9 +243,55 @@ class Searcher:
             if trial.verdict.passed and trial.latency is not None and trial.latency_s < current_lat:
                 current, current_lat = trial.genome, trial.latency_s
 
+    def per_layer(self, share: float = 0.25) -> None:
+        """Precision per chunk: from the fastest passing genome, give one chunk of a multi-chunk group the
+        choices a faster genome makes for that group (a uniform recipe, passing or not), each chunk alone
+        first, then chunk by chunk in order of latency gain per unit of error while the whole stays in
+        budget. Layers differ in sensitivity: the budget goes where it buys the most latency."""
+        current = choose(self.passing())
+        if current is None or self.judge.chunks is None:  # per-chunk genomes need per-chunk verdicts
+            return
+        cap = self._count("layer") + max(int(self.opt.max_candidates * share), 1)
+        multi = [g for g in self.space.part.groups if len(g.chunks) > 1]
+        # uniform recipes in the order tried (fastest class first; a failing one has no latency: it is
+        # never timed) and passing greedy genomes, each only if not known to be slower than `current`
+        donors = [e for e in self.evaluated if e.stage in ("uniform", "greedy") and e.genome != current.genome
+                  and (e.latency is None or e.latency_s < current.latency_s)]
+        steps: list[tuple[float, int, Genome]] = []  # (-gain per error, id, per-chunk genome) that passed alone
+        for donor in donors:
+            for g in multi:
+                over = {(c, t) for site, c, t in donor.genome if site == g.key}
+                if not over or over <= {(c, t) for site, c, t in current.genome if site == g.key}:
+                    continue
+                for chunk in g.chunks:
+                    if not self.budget_left() or self._count("layer") >= cap:
+                        break
+                    trial = self.evaluate(self.space.per_chunk(current.genome, chunk.index, over), "layer",
+                                          f"chunk {chunk.index} as {donor.label or f'candidate {donor.id}'}")
+                    if trial.verdict.passed and trial.latency is not None and trial.latency_s < current.latency_s:
+                        gain = current.latency_s - trial.latency_s
+                        cost = max(_share(trial) - _share(current), 1e-12)
+                        steps.append((-gain / cost, trial.id, trial.genome - current.genome))
+        best, best_lat = current.genome, current.latency_s
+        for _, _, extra in sorted(steps, key=lambda s_: s_[:2]):
+            if not self.budget_left() or self._count("layer") >= cap:
+                return
+            sites = {(site, c) for site, c, _ in extra}
+            trial_genome = frozenset([ch for ch in best if (ch[0], ch[1]) not in sites] + list(extra))
+            if trial_genome in self.seen:
+                continue
+            trial = self.evaluate(trial_genome, "layer", "per-layer combination")
+            if trial.verdict.passed and trial.latency is not None and trial.latency_s < best_lat:
+                best, best_lat = trial.genome, trial.latency_s
+
     def mutate(self, singles: list[Evaluated]) -> None:
-        """Luminal-style generations: mutate members of the current front, dedupe, gate, keep the front."""
-        pool = sorted({c for e in singles if e.verdict.passed for c in e.genome})
+        """Luminal-style generations: mutate members of the current front, dedupe, gate, keep the front.
+        The pool holds every passing change both group-wide and for each chunk of its group alone."""
+        pool = sorted({c for e in singles if e.verdict.passed for c in e.genome}
+                      | ({(ChunkSite(g.key, ch.index), c, t) for e in singles if e.verdict.passed
+                          for site, c, t in e.genome for g in self.space.part.groups
+                          if g.key == site and len(g.chunks) > 1 for ch in g.chunks}
+                         if self.judge.chunks is not None else set()))
         if not pool:
             return
         stale = 0
@@ -271,6 +321,11 @@ class Searcher:
                 out.append(e)
                 best_err = e.verdict.error
         return out
+
+
+def _share(e: Evaluated) -> float:
+    """The share of the gate a candidate uses over every metric (allclose alone when not recorded)."""
+    return e.verdict.ratio if np.isfinite(e.verdict.ratio) else e.verdict.error
 
 
 LATENCY_TIE = 1e-3  # relative: latencies this close are a tie, broken by lower error

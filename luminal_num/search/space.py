@@ -14,7 +14,47 @@ from .lower import lower_chunk_program, lower_program
 from .rules.precision import precision
 from .saturate import GroupSpace, saturate_group
 
-Change = tuple[str, str, str]  # (group key, e-class, tag)
+
+
+@dataclass(frozen=True)
+class ChunkSite:
+    """One chunk of a group. A change whose first field is a ChunkSite applies to that chunk only and
+    overrides its group's change for the same e-class (its tag may be BASE: that chunk stays FP32).
+    Compares with group keys (str) so genomes that mix both sort deterministically."""
+
+    group: str
+    chunk: int
+
+    def _key(self) -> tuple[str, int]:
+        return (self.group, self.chunk)
+
+    def __lt__(self, other):
+        return self._key() < _site_key(other)
+
+    def __gt__(self, other):
+        return self._key() > _site_key(other)
+
+    def __le__(self, other):
+        return self._key() <= _site_key(other)
+
+    def __ge__(self, other):
+        return self._key() >= _site_key(other)
+
+
+def _site_key(x) -> tuple[str, int]:
+    """A group key sorts before the chunk sites of the same group."""
+    if isinstance(x, ChunkSite):
+        return x._key()
+    if isinstance(x, str):
+        return (x, -1)
+    raise TypeError(f"cannot compare a ChunkSite with {type(x).__name__}")
+
+
+def group_of(site: "str | ChunkSite") -> str:
+    return site.group if isinstance(site, ChunkSite) else site
+
+
+Change = tuple  # (group key | ChunkSite, e-class, tag)
 Genome = frozenset  # of Change
 
 
@@ -44,17 +84,27 @@ class SearchSpace:
         return sorted(out, key=lambda c: kinds.get(c[2].split(":")[0], 4))
 
     def candidates(self, genome: Iterable[Change]) -> dict[int, Candidate]:
+        """Chunk index -> its candidate: the group's changes, then the chunk's own overrides."""
         per_group: dict[str, dict[str, str]] = {gk: {} for gk in self.groups}
-        for gk, cls, tag in genome:
-            if cls in per_group[gk]:
+        per_chunk: dict[int, dict[str, str]] = {}
+        owner = {c.index: g.key for g in self.part.groups for c in g.chunks}
+        for site, cls, tag in genome:
+            if isinstance(site, ChunkSite):
+                if owner.get(site.chunk) != site.group:
+                    raise ValueError(f"genome names chunk {site.chunk}, which is not in group {site.group[:12]}")
+                table = per_chunk.setdefault(site.chunk, {})
+            else:
+                table = per_group[site]
+            if cls in table:
                 raise ValueError(f"genome sets class {cls} twice")
-            per_group[gk][cls] = tag
+            table[cls] = tag
         out = {}
         for g in self.part.groups:
-            key = (g.key, frozenset(per_group[g.key].items()))
-            if key not in self._extracted:
-                self._extracted[key] = extract(self.groups[g.key].space, per_group[g.key])
             for c in g.chunks:
+                choice = {**per_group[g.key], **per_chunk.get(c.index, {})}
+                key = (g.key, frozenset((k, t) for k, t in choice.items() if t != BASE))
+                if key not in self._extracted:
+                    self._extracted[key] = extract(self.groups[g.key].space, dict(key[1]))
                 out[c.index] = self._extracted[key]
         return out
 
@@ -63,8 +113,17 @@ class SearchSpace:
 
     def lower_chunk(self, chunk: Chunk, cand: Candidate) -> Program:
         """One chunk alone under `cand` (for the per-group error estimate)."""
-        key = next(g.key for g in self.part.groups if any(c.index == chunk.index for c in g.chunks))
-        return lower_chunk_program(self.graph, chunk, self.groups[key], cand)
+        return lower_chunk_program(self.graph, chunk, self.groups[self.group_key_of(chunk.index)], cand)
+
+    def group_key_of(self, chunk_index: int) -> str:
+        return next(g.key for g in self.part.groups if any(c.index == chunk_index for c in g.chunks))
+
+    def per_chunk(self, genome: Iterable[Change], chunk: int, changes: Iterable[tuple[str, str]]) -> Genome:
+        """`genome` with (e-class, tag) `changes` applied to one chunk only (BASE keeps it FP32)."""
+        site = ChunkSite(self.group_key_of(chunk), chunk)
+        over = dict(changes)
+        keep = [ch for ch in genome if not (ch[0] == site and ch[1] in over)]
+        return frozenset(keep + [(site, cls, tag) for cls, tag in over.items()])
 
     def knob_kind(self, change: Change) -> str:
         return change[2].split(":")[0]

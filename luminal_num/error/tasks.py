@@ -1,0 +1,85 @@
+"""Verdict tasks: pure functions of (program, inputs), run here or on a local process pool.
+
+A task is what any worker can compute from its arguments alone: a lowered Program, the inputs of each
+calibration batch and their symbol bindings; its result is the program's outputs per batch. Weights
+are the graph's, handed to the workers once when the pool starts (a fork shares them; nothing is
+copied per task), so a distributed engine could take the same tasks with the weights it has.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..codegen.llir import Program
+from ..codegen.serialize import program_from_data, program_to_data
+from ..runtime.cpu import CpuRuntime
+
+Batch = Mapping[str, np.ndarray]
+
+_WEIGHTS: Mapping[str, np.ndarray] = {}
+
+
+@dataclass(frozen=True)
+class RunTask:
+    program: Program
+    batches: tuple[Batch, ...]
+    bindings: tuple[Mapping[str, int], ...]
+
+
+def run_task(task: RunTask, weights: Mapping[str, np.ndarray] | None = None) -> list[dict[str, np.ndarray]]:
+    """The program's outputs on every batch (raises what the runtime raises, e.g. a REJECT overflow)."""
+    rt = CpuRuntime(task.program, _WEIGHTS if weights is None else weights)
+    return [dict(rt.run(b, bind).outputs) for b, bind in zip(task.batches, task.bindings)]
+
+
+def _worker_init(weights) -> None:
+    global _WEIGHTS
+    _WEIGHTS = weights
+
+
+def _run_data(args):
+    data, batches, bindings = args
+    try:
+        return run_task(RunTask(program_from_data(data), batches, bindings))
+    except (ValueError, FloatingPointError) as exc:
+        return exc
+
+
+class TaskPool:
+    """`workers` processes (forked, so the weights are shared, not pickled); `workers <= 1` runs the
+    tasks here, in order. Results come back in task order; a task's runtime error comes back as the
+    exception it raised, for the caller to turn into a verdict."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray], workers: int = 2):
+        self.weights, self.workers = weights, workers
+        self._pool = None
+        if workers > 1 and "fork" in mp.get_all_start_methods():
+            self._pool = mp.get_context("fork").Pool(workers, initializer=_worker_init, initargs=(weights,))
+
+    def map(self, tasks: Sequence[RunTask]) -> list:
+        if self._pool is None or len(tasks) < 2:
+            out = []
+            for t in tasks:
+                try:
+                    out.append(run_task(t, self.weights))
+                except (ValueError, FloatingPointError) as exc:
+                    out.append(exc)
+            return out
+        # a Program holds enum members with callables: it travels as its LLIR data (what plans store)
+        return self._pool.map(_run_data, [(program_to_data(t.program), t.batches, t.bindings) for t in tasks],
+                              chunksize=1)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool.join()
+            self._pool = None
+
+    def __enter__(self) -> "TaskPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,95 @@
+"""Measured verdicts persisted on disk, so a second or interrupted compile reuses them.
+
+A verdict is a pure function of (program, weights, calibration inputs, budget): the file is named by a
+hash of the graph's structure, its weights' bytes, the calibration bytes and both budgets, and maps
+program keys to verdicts. Only end-to-end measurements are stored (predictions depend on the search's
+state). The file is rewritten atomically after each new measurement; a file that cannot be read is
+ignored with a warning (the compile measures again), never a crash.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..files import atomic_write_text
+from ..hlir.graph import Graph
+from .budget import Budget
+
+STORE_FORMAT = "luminal_num.verdicts"
+STORE_VERSION = 1
+
+
+def context_key(graph: Graph, calibration: Sequence[Mapping[str, np.ndarray]], gate: Budget, budget: Budget) -> str:
+    """What a verdict depends on besides the program: structure, weight values, inputs, both budgets."""
+    h = hashlib.sha256(graph.structural_key().encode())
+    for name in sorted(graph.weights):
+        a = np.ascontiguousarray(graph.weights[name])
+        h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+        h.update(a.tobytes())
+    for batch in calibration:
+        for name in sorted(batch):
+            a = np.ascontiguousarray(batch[name])
+            h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+            h.update(a.tobytes())
+    h.update(json.dumps([gate.to_dict(), budget.to_dict()], sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
+def _num(x: float):
+    return float(x) if np.isfinite(x) else repr(float(x))
+
+
+@dataclass
+class VerdictStore:
+    """`path`: one JSON file per context (the directory is created on the first write)."""
+
+    directory: Path
+    context: str
+    entries: dict[str, dict] = field(default_factory=dict)
+    loaded: int = 0  # verdicts found on disk when opened
+
+    @property
+    def path(self) -> Path:
+        return Path(self.directory) / f"verdicts-{self.context}.json"
+
+    @staticmethod
+    def open(directory: str | Path, context: str) -> "VerdictStore":
+        store = VerdictStore(Path(directory), context)
+        if store.path.exists():
+            try:
+                data = json.loads(store.path.read_text())
+                if data.get("format") != STORE_FORMAT or data.get("version") != STORE_VERSION \
+                        or data.get("context") != context or not isinstance(data.get("verdicts"), dict):
+                    raise ValueError("not a verdict cache of this version and context")
+                store.entries = dict(data["verdicts"])
+                store.loaded = len(store.entries)
+            except (OSError, ValueError, UnicodeDecodeError, AttributeError) as exc:
+                warnings.warn(f"ignoring the unreadable verdict cache {store.path}: {exc}", RuntimeWarning,
+                              stacklevel=2)
+                store.entries = {}
+        return store
+
+    def get(self, program_key: str, verdict_type):
+        rec = self.entries.get(program_key)
+        if rec is None:
+            return None
+        try:
+            return verdict_type(**{k: (float(v) if k in _FLOATS and v is not None else v) for k, v in rec.items()})
+        except (TypeError, ValueError):
+            return None  # an entry of another shape: measure again
+
+    def put(self, program_key: str, verdict) -> None:
+        self.entries[program_key] = {k: (_num(v) if k in _FLOATS and v is not None else v)
+                                     for k, v in asdict(verdict).items()}
+        atomic_write_text(self.path, json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION,
+                                                 "context": self.context, "verdicts": self.entries},
+                                                sort_keys=True, indent=0) + "\n")
+
+
+_FLOATS = frozenset({"error", "max_abs", "bound", "budget_error", "ratio"})

@@ -1,0 +1,54 @@
+"""The on-disk verdict cache (issue 15, item 7): a second compile reuses the first one's measurements
+and picks the same plan; a corrupt or foreign cache file is ignored with a warning, never a crash."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from luminal_num.compiler import compile as compile_plan
+from luminal_num.error.budget import Budget
+from luminal_num.error.judge import Verdict
+from luminal_num.error.verdict_store import VerdictStore, context_key
+from luminal_num.search.search import SearchOptions
+
+OPTIONS = SearchOptions(seed=0, max_candidates=25, progress=False)
+
+
+def test_second_compile_reuses_measured_verdicts_and_chooses_the_same_plan(job, space, tmp_path):
+    budget = Budget.parse(job.default_budget)
+    first = compile_plan(job.graph, budget, "h200", job.calibration, OPTIONS, space=space, cache_dir=tmp_path)
+    files = list(tmp_path.glob("verdicts-*.json"))
+    assert len(files) == 1 and not list(tmp_path.glob(".tmp-*"))
+    second = compile_plan(job.graph, budget, "h200", job.calibration, OPTIONS, space=space, cache_dir=tmp_path)
+    s1, s2 = first.search.stats, second.search.stats
+    assert s2["stored"] > 0 and s2["measured"] < s1["measured"]
+    assert second.search.chosen.genome == first.search.chosen.genome
+    assert second.search.chosen.verdict == first.search.chosen.verdict
+    # another budget is another context: nothing is reused
+    other = compile_plan(job.graph, Budget.parse("atol=5e-3,rtol=5e-3"), "h200", job.calibration, OPTIONS,
+                         space=space, cache_dir=tmp_path)
+    assert other.search.stats["stored"] == 0
+
+
+@pytest.mark.parametrize("text", ["{not json", json.dumps({"format": "other"}), "\x00\x01"])
+def test_a_corrupt_cache_file_is_ignored_with_a_warning(job, tmp_path, text):
+    budget = Budget.parse(job.default_budget)
+    ctx = context_key(job.graph, job.calibration, budget, budget)
+    store = VerdictStore(tmp_path, ctx)
+    store.path.write_text(text)
+    with pytest.warns(RuntimeWarning, match="ignoring the unreadable verdict cache"):
+        opened = VerdictStore.open(tmp_path, ctx)
+    assert opened.entries == {}
+    v = Verdict(True, "measured", 0.5, 1e-3, None, "ok", 0.25, np.inf)
+    opened.put("k", v)
+    assert VerdictStore.open(tmp_path, ctx).get("k", Verdict) == v  # inf survives JSON
+
+
+def test_the_context_changes_with_weights_and_inputs(job):
+    budget = Budget.parse(job.default_budget)
+    base = context_key(job.graph, job.calibration, budget, budget)
+    moved = [{k: (v + 1 if np.asarray(v).dtype.kind == "f" else v) for k, v in b.items()} for b in job.calibration]
+    assert context_key(job.graph, moved, budget, budget) != base
+    assert context_key(job.graph, job.calibration, budget.tightened(0.5), budget) != base
