@@ -14,7 +14,7 @@ from ..hlir.gemm import GemmLayout
 from ..hlir.ops import Op
 from ..hlir.shape import ShapeTracker, View
 from ..hlir.symbolic import Dim, Poly
-from .llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program, verify
+from .llir import FAcc, FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program, verify
 
 LLIR_FORMAT = 1
 
@@ -91,6 +91,8 @@ def _body(e: FExpr | None) -> Any:
         return {"const": _scalar(e.value)}
     if isinstance(e, FRoundTo):
         return {"round": _body(e.x), "fmt": e.fmt.name, "origin": e.origin}
+    if isinstance(e, FAcc):
+        return {"acc": True}
     return {"apply": e.op.name, "kind": e.kind, "args": [_body(a) for a in e.args]}
 
 
@@ -103,6 +105,8 @@ def _unbody(x: Any) -> FExpr | None:
         return FConstV(_unscalar(x["const"]))
     if "round" in x:
         return FRoundTo(_unbody(x["round"]), get_format(x["fmt"]), x["origin"])
+    if "acc" in x:
+        return FAcc()
     if "apply" in x:
         return FApply(Op[x["apply"]], tuple(_unbody(a) for a in x["args"]), x["kind"])
     raise LlirDataError(f"not a kernel body: {x!r}")

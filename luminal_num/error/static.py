@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
+from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program, epilogue_as_elementwise
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.formats import get as get_format
 from ..dtypes.variants import GEMM_VARIANTS
@@ -31,6 +31,7 @@ from .normalize import NormBound
 from .rounding_bounds import gamma
 from .softmax_bound import softmax_error
 
+_ACC = -1  # the buffer id a Gemm epilogue's accumulator is analysed under (no kernel has it)
 SLACK = 1.0 + 2.0 ** -40  # covers FP64's own error in the reference and in these bound computations
 
 
@@ -379,6 +380,16 @@ class StaticAnalyzer:
     def gemm(self, k: Kernel, inputs=None) -> _Val:
         return _store(self._gemm(k), k.dtype, k)
 
+    def gemm_epilogue(self, k: Kernel, inputs=None) -> _Val:
+        """The Gemm's value as its FP32 accumulator holds it (the unfused Gemm's F32 store: the same value),
+        then the epilogue exactly as the unfused elementwise kernel's transfer, then the one store."""
+        self.vals[_ACC] = _round_f32(self._gemm(k), k)
+        self.norm.by_id[_ACC] = k  # the accumulator is this Gemm's: a norm pattern stops at it
+        try:
+            return self.elementwise(epilogue_as_elementwise(k, _ACC), inputs)
+        finally:
+            del self.vals[_ACC], self.norm.by_id[_ACC]
+
     def _gemm(self, k: Kernel) -> _Val:
         lay = k.layout
         variant = GEMM_VARIANTS[k.precision or "f32"]
@@ -435,6 +446,7 @@ KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str
     KernelKind.GATHER: StaticAnalyzer.gather,
     KernelKind.SCATTER: StaticAnalyzer.scatter,
     KernelKind.SCATTER_NOCOPY: StaticAnalyzer.scatter,
+    KernelKind.GEMM_EPILOGUE: StaticAnalyzer.gemm_epilogue,
 }
 
 

@@ -21,7 +21,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
+from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program, epilogue_as_elementwise
 from ..dtypes.formats import F32, Format, Kind, get as get_format
 from ..dtypes.rounding import Overflow, round_to, store
 from ..dtypes.variants import GEMM_VARIANTS
@@ -287,6 +287,25 @@ def _quantize(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _gemm(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
+    return store32(gemm_accumulator(rt, k, state), k.dtype)
+
+
+# The buffer id a Gemm epilogue's accumulator is held under while its body runs (no kernel has it).
+_ACC = -1
+
+
+def _gemm_epilogue(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
+    """The Gemm's FP32 accumulator, the epilogue body on it (each op one FP32 rounding, as the unfused
+    elementwise kernel computes it), one store in the kernel's dtype."""
+    state.stored[_ACC] = gemm_accumulator(rt, k, state)
+    try:
+        return store32(body_values(epilogue_as_elementwise(k, _ACC), state), k.dtype)
+    finally:
+        del state.stored[_ACC]
+
+
+def gemm_accumulator(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
+    """A Gemm kernel's C as float32, before its store (the variant's arithmetic, scales applied)."""
     a_scales = state.scales[k.inputs[0].buffer] if rt.program.quantized_inputs(k)[0] else None
     b_source = rt.program.kernel(k.inputs[1].buffer)
     weight = b_source.external if b_source.kind is KernelKind.EXTERNAL else None
@@ -297,7 +316,7 @@ def _gemm(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
                  b_source.storage,  # the same weight held in two formats prepares two operands
                  tuple(sorted(state.bindings.items())), None if scales is None else scales.tobytes())
         b_key = (state.feed[weight], b_key)
-    return store32(run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key), k.dtype)
+    return run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key)
 
 
 def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:
@@ -324,6 +343,7 @@ KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
     KernelKind.ELEMENTWISE: _elementwise, KernelKind.SUM: _sum, KernelKind.MAX: _max,
     KernelKind.SOFTMAX: _softmax, KernelKind.QUANTIZE: _quantize, KernelKind.GEMM: _gemm,
     KernelKind.GATHER: _gather, KernelKind.SCATTER: _scatter, KernelKind.SCATTER_NOCOPY: _scatter,
+    KernelKind.GEMM_EPILOGUE: _gemm_epilogue,
 }
 
 

@@ -45,6 +45,15 @@ def knobs(space: ChoiceSpace) -> tuple[Knob, ...]:
 _T_RANK = {decl(n).name: 0 for n in ("KGemm", "KScatterNoCopy", "KVariant")}
 
 
+def _t_rank(n: ENode, genome: Mapping[str, str]) -> int:
+    """A Gemm epilogue comes first when its variant is the one the genome chose for its Gemm (the same
+    value with one kernel less), and after everything else when it is not (never a second variant)."""
+    if n.op == "KGemmEpi":
+        prec = n.arg("prec")
+        return -1 if genome.get(n.cls("acc"), BASE) == (BASE if prec == BASE else "gemm:" + prec) else 9
+    return _T_RANK.get(n.op, 1)
+
+
 def extract(space: ChoiceSpace, genome: Mapping[str, str] | None = None) -> Candidate:
     """The candidate realising `genome` (class -> tag; missing = BASE) with preferred structure."""
     genome = dict(genome or {})
@@ -55,7 +64,7 @@ def extract(space: ChoiceSpace, genome: Mapping[str, str] | None = None) -> Cand
         idx = [i for i, n in enumerate(nodes) if node_tag(n) == want] or list(range(len(nodes)))
         if nodes[idx[0]].decl.sort is Sort.F:
             return _scalar_order(space, cid, idx, picker)
-        return sorted(idx, key=lambda i: (_T_RANK.get(nodes[i].op, 1), i))
+        return sorted(idx, key=lambda i: (_t_rank(nodes[i], genome), i))
 
     p = _Picker(space, None, None, order)
     for _, cid in space.roots:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from ..codegen.kinds import TENSOR_DECLS, Sort
-from ..codegen.llir import (FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program,
+from ..codegen.llir import (FAcc, FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program,
                             verify)
 from ..dtypes.formats import get as get_format
 from ..hlir.graph import Graph
@@ -86,11 +86,18 @@ class _ChunkLowering:
             raise ValueError(f"{n.op} body reads views of different shapes {set(shapes)}")
         return body, tuple(inputs), shapes[0]
 
-    def scalar(self, cid: str, inputs: list[KernelInput], shapes: list) -> FExpr:
-        """The body expression; `shapes` collects the iteration shape of every leaf (all must agree)."""
+    def scalar(self, cid: str, inputs: list[KernelInput], shapes: list, acc: str | None = None) -> FExpr:
+        """The body expression; `shapes` collects the iteration shape of every leaf (all must agree).
+        `acc`: a Gemm epilogue's Gemm class, whose identity-view loads read the accumulator (FAcc)."""
         n = self.node(cid)
         if n.decl.sort is not Sort.F:
             raise ValueError(f"e-node {n.op} is not a scalar expression")
+        if n.op == "Load" and n.cls("t") == acc:
+            view = self.view(n.arg("view"))
+            if view != ShapeTracker.contiguous(view.shape):  # the rule only matches identity-view reads
+                raise ValueError(f"an epilogue reads its Gemm through the non-identity view {view}")
+            shapes.append(view.shape)
+            return FAcc()
         if n.op == "Load":
             ki = KernelInput(self.tensor(n.cls("t")), self.view(n.arg("view")))
             if ki not in inputs:
@@ -101,13 +108,13 @@ class _ChunkLowering:
             shapes.append(self.view(n.arg("view")).shape)
             return FConstV(self.const(n.arg("cid")))
         if n.op == "FRound":
-            inner = self.scalar(n.cls("x"), inputs, shapes)
+            inner = self.scalar(n.cls("x"), inputs, shapes, acc)
             if n.arg("dt") == "f32":
                 return inner  # bodies compute in FP32: rounding to it is exact
             reads = [a.cls("t") for a in self.space.classes[cid] if a.op == "Load"]
             origin = self.space.class_origin.get(reads[0], "") if reads else ""
             return FRoundTo(inner, get_format(n.arg("dt")), origin)
-        args = tuple(self.scalar(n.cls(p.name), inputs, shapes) for p in n.decl.params if p.sort is Sort.F)
+        args = tuple(self.scalar(n.cls(p.name), inputs, shapes, acc) for p in n.decl.params if p.sort is Sort.F)
         return FApply(n.decl.op, args, kind=n.arg("kind") if n.op == "FCustom" else None)
 
 
@@ -167,6 +174,19 @@ def _gemm(lo: _ChunkLowering, n: ENode, origin: str) -> int:
                     precision=n.arg("prec"), **lo.common(n, origin))
 
 
+def _gemm_epilogue(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """KGemmEpi: the Gemm's A and B, then the epilogue's own loads; its reads of `acc` are the accumulator."""
+    layout = lo.t.layouts[n.arg("layout")]
+    inputs = list(lo.operands(n, origin))
+    shape = tuple(d for i, d in enumerate(layout.full_shape) if i != layout.k_axis)
+    shapes: list = []
+    body = lo.scalar(n.cls("epi"), inputs, shapes, acc=n.cls("acc"))
+    if any(tuple(s_) != shape for s_ in shapes):
+        raise ValueError(f"epilogue of {origin} reads views of shapes {set(shapes)}, not its output {shape}")
+    return lo.b.add(kind=KernelKind.GEMM_EPILOGUE, inputs=tuple(inputs), shape=shape, dtype=get_format(n.arg("dt")),
+                    layout=layout, precision=n.arg("prec"), body=body, body_shape=shape, **lo.common(n, origin))
+
+
 def _quantize(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     layout = lo.t.layouts[n.arg("layout")]
     prec = n.arg("prec")
@@ -193,7 +213,7 @@ def _scatter(lo: _ChunkLowering, n: ENode, origin: str) -> int:
 _TENSOR: dict[str, Callable[[_ChunkLowering, ENode, str], int]] = {
     "KExt": _ext, "KStored": _stored, "KVariant": _variant, "KConst": _const, "KIota": _iota, "Ew": _elementwise,
     "KSum": _reduction, "KMax": _reduction, "KSoftmax": _reduction, "KGemm": _gemm, "KQuantize": _quantize,
-    "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter,
+    "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter, "KGemmEpi": _gemm_epilogue,
 }
 assert set(_TENSOR) == {d.name for d in TENSOR_DECLS}, "every tensor constructor has exactly one lowering"
 

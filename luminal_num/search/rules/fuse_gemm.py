@@ -1,0 +1,100 @@
+"""`fuse_gemm`: a Gemm's elementwise consumer computed on the FP32 accumulator inside the Gemm (an epilogue).
+
+A Gemm stores its FP32 accumulator (every variant's dt is "f32"); an elementwise consumer loads that
+FP32 value and computes in FP32. Computing the consumer's body on the accumulator register instead, then
+storing once, is the same arithmetic minus one FP32 store/load of the same value (exact): the fused form
+equals the unfused one bit for bit, and only the launch and the intermediate buffer go away. It is legal
+only where the consumer is the Gemm's sole reader (`EpilogueOf`, from the graph's consumers, in every
+chunk of the group): otherwise the Gemm's buffer is still needed and fusing would run it twice.
+
+The fused node `KGemmEpi` joins the consumer's e-class (the unfused Ew stays there, extractable); its
+`acc` child is the Gemm's class, whose chosen variant decides which `KGemmEpi` extraction takes.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from egglog import String, eq, i64, relation, rule, ruleset, union, vars_
+
+from ...hlir.graph import Graph
+from ...hlir.ops import BINARY_OPS, UNARY_OPS, Op
+from ...hlir.partition import Chunk
+from .. import egraph as E
+
+fuse_gemm = ruleset(name="fuse_gemm")
+
+# (Gemm value, its only consumer): computed in Python from the graph (epilogue_facts).
+EpilogueOf = relation("EpilogueOf", E.T, E.T)
+# The scalar expression reads Gemm value g through g's identity view (the accumulator at this element).
+ReadsAcc = relation("ReadsAcc", E.F, E.T)
+
+t, g, a, b, inner = vars_("t g a b inner", E.T)
+va, vb, lay, v = vars_("va vb lay v", i64)
+prec, d, tag, kind = vars_("prec d tag kind", String)
+body, x, y, f = vars_("body x y f", E.F)
+
+
+@fuse_gemm.register
+def _reads_accumulator():
+    # a load of g through its identity view reads the value the accumulator holds at that element
+    yield rule(eq(f).to(E.Load(g, v)), eq(v).to(E.identity_view(g)), EpilogueOf(g, t)).then(ReadsAcc(f, g))
+    # an expression over such a read reads it too (propagation through every scalar constructor)
+    for op in UNARY_OPS:
+        yield rule(eq(f).to(E.FUNARY[op](x)), ReadsAcc(x, g)).then(ReadsAcc(f, g))
+    for op in BINARY_OPS:
+        yield rule(eq(f).to(E.FBINARY[op](x, y)), ReadsAcc(x, g)).then(ReadsAcc(f, g))
+        yield rule(eq(f).to(E.FBINARY[op](x, y)), ReadsAcc(y, g)).then(ReadsAcc(f, g))
+    yield rule(eq(f).to(E.FCustom(kind, x)), ReadsAcc(x, g)).then(ReadsAcc(f, g))
+    yield rule(eq(f).to(E.FRound(x, d)), ReadsAcc(x, g)).then(ReadsAcc(f, g))
+
+
+@fuse_gemm.register
+def _epilogue():
+    gemm = E.KGemm(a=a, va=va, b=b, vb=vb, layout=lay, prec=prec, dt="f32")
+    # Sound: t = body(g, ...) with g's sole reader t; every Gemm variant yields its FP32 accumulator and the
+    # unfused Gemm stores exactly that (dt f32), so body on the accumulator = body on the stored value.
+    yield rule(eq(t).to(E.Ew(body, d)), ReadsAcc(body, g), EpilogueOf(g, t), eq(g).to(gemm)).then(
+        union(t).with_(E.CTOR["KGemmEpi"](a, va, b, vb, lay, prec, g, body, d)))
+    # The same for a consumer held in a lower-precision format (KVariant of an Ew): the epilogue stores
+    # in that format, as the variant's own kernel would (its rounding is the store's, kept).
+    yield rule(eq(t).to(E.KVariant(inner, tag)), eq(inner).to(E.Ew(body, d)), ReadsAcc(body, g), EpilogueOf(g, t),
+               eq(g).to(gemm)).then(union(inner).with_(E.CTOR["KGemmEpi"](a, va, b, vb, lay, prec, g, body, d)))
+
+
+def epilogue_facts(graph: Graph, chunks: Sequence[Chunk], terms: Mapping[int, object],
+                   consumers: Mapping[int, list[int]]) -> list:
+    """EpilogueOf(sum, consumer) for every SumReduce of a Mul (a Gemm candidate) whose only reader, in every
+    chunk of the group, is one elementwise node of the same chunk at the same position, reading it once,
+    and that is neither a graph output nor exported (`terms`: the representative chunk's)."""
+    rep = chunks[0]
+    outputs = set(graph.outputs.values())
+    facts = []
+    for local, nid in enumerate(rep.nodes):
+        node = graph.nodes[nid]
+        if node.op is not Op.SUM_REDUCE or graph.nodes[node.srcs[0].node].op is not Op.MUL:
+            continue
+        reader = _sole_reader(graph, chunks, local, consumers, outputs)
+        if reader is not None:
+            facts.append(EpilogueOf(terms[nid], terms[rep.nodes[reader]]))
+    return facts
+
+
+_ELEMENTWISE = frozenset(UNARY_OPS) | frozenset(BINARY_OPS) | {Op.CUSTOM, Op.CAST}
+
+
+def _sole_reader(graph: Graph, chunks: Sequence[Chunk], local: int, consumers, outputs) -> int | None:
+    """The local position of the node reading chunk node `local`, the same in every chunk, else None."""
+    found = None
+    for c in chunks:
+        nid = c.nodes[local]
+        readers = consumers.get(nid, [])
+        if nid in outputs or nid in c.exported or len(readers) != 1 or readers[0] not in c.nodes:
+            return None
+        reader = graph.nodes[readers[0]]
+        if reader.op not in _ELEMENTWISE or sum(s.node == nid for s in reader.srcs) != 1:
+            return None
+        pos = c.nodes.index(readers[0])
+        if found is not None and pos != found:
+            return None
+        found = pos
+    return found
