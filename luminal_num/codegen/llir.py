@@ -122,6 +122,7 @@ class Kernel:
     label: str = ""                    # where it came from (graph node), for op tables
     eclass: str = ""                   # provenance: the e-class (in its chunk's group space) it implements
     storage: str | None = None         # EXTERNAL weights: held in this StorageFormat, widened on load
+    concat: tuple[str, ...] = ()       # EXTERNAL: these weights concatenated along rows (`external` names it)
 
     def numel(self, bindings: Mapping[str, int]) -> int:
         return int(evaluate(prod(self.shape), bindings)) if self.shape else 1
@@ -398,10 +399,19 @@ def _check_quantize(k: Kernel) -> str:
     return _views_shaped(k, k.layout.full_shape, 1)
 
 
+def external_value(k: Kernel, feed: Mapping[str, object]) -> np.ndarray:
+    """An EXTERNAL kernel's value from graph inputs by name: the input, or its weights concatenated."""
+    if k.concat:
+        return np.concatenate([np.asarray(feed[n]) for n in k.concat], axis=0)
+    return np.asarray(feed[k.external])
+
+
 def _check_source(k: Kernel) -> str:
     if k.storage is not None and (k.kind is not KernelKind.EXTERNAL or k.storage not in STORAGE_FORMATS
                                   or len(k.shape) != 2):
         return f"storage {k.storage!r}: only a 2-D EXTERNAL weight is held in a (known) storage format"
+    if k.concat and (k.kind is not KernelKind.EXTERNAL or k.storage is not None or len(k.shape) != 2):
+        return f"concatenates {k.concat}: only a 2-D EXTERNAL weight without a storage format is a concatenation"
     if k.inputs:
         return "a source kernel reads nothing"
     if k.kind is KernelKind.EXTERNAL and not k.external:

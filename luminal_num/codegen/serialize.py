@@ -119,7 +119,8 @@ def _kernel(k: Kernel) -> dict:
             "axis": k.axis, "acc": k.acc.name if k.acc else None, "precision": k.precision,
             "layout": _layout(k.layout), "aliases": k.aliases, "chunk": k.chunk, "external": k.external,
             "value": None if k.value is None else _scalar(k.value), "label": k.label, "eclass": k.eclass,
-            **({"storage": k.storage} if k.storage is not None else {})}
+            **({"storage": k.storage} if k.storage is not None else {}),
+            **({"concat": list(k.concat)} if k.concat else {})}
 
 
 def _unkernel(x: dict) -> Kernel:
@@ -129,7 +130,8 @@ def _unkernel(x: dict) -> Kernel:
                   body_shape=_undims(x["body_shape"]), axis=x["axis"], acc=get_format(x["acc"]) if x["acc"] else None,
                   precision=x["precision"], layout=_unlayout(x["layout"]), aliases=x["aliases"], chunk=int(x["chunk"]),
                   external=x["external"], value=None if x["value"] is None else _unscalar(x["value"]),
-                  label=x["label"], eclass=x.get("eclass", ""), storage=x.get("storage"))
+                  label=x["label"], eclass=x.get("eclass", ""), storage=x.get("storage"),
+                  concat=tuple(str(n) for n in x.get("concat", ())))
 
 
 def program_to_data(p: Program) -> dict:

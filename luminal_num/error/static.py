@@ -259,8 +259,8 @@ class StaticAnalyzer:
         return tuple(eval_dim(d, self.bindings) for d in k.shape)
 
     def external(self, k: Kernel, inputs: Mapping[str, Interval]) -> _Val:
-        iv = inputs[k.external]
         shape = self._shape(k)
+        iv = self._concat_interval(k, inputs) if k.concat else inputs[k.external]
         if k.storage is not None:  # a weight held in a storage format: its exact storage error
             try:
                 return stored_weight_value(iv, k.storage, shape)
@@ -272,6 +272,13 @@ class StaticAnalyzer:
             return _Val(iv, np.zeros(shape))
         low = float(np.min(iv.lo)) if iv.lo.size else 0.0
         return _store(_Val(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
+
+    def _concat_interval(self, k: Kernel, inputs: Mapping[str, Interval]) -> Interval:
+        """Concatenated weights: each part's interval over its own shape, rows stacked."""
+        parts = {p.external: p for p in self.p.kernels if p.kind is KernelKind.EXTERNAL and not p.concat}
+        ivs = [(inputs[n], self._shape(parts[n])) for n in k.concat]
+        return Interval(np.concatenate([np.broadcast_to(iv.lo, s) for iv, s in ivs]),
+                        np.concatenate([np.broadcast_to(iv.hi, s) for iv, s in ivs]))
 
     def const(self, k: Kernel, inputs) -> _Val:
         c = k.value if isinstance(k.value, float) else float(eval_dim(k.value, self.bindings))

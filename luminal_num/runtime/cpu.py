@@ -21,7 +21,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program, epilogue_as_elementwise
+from ..codegen.llir import (FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program, epilogue_as_elementwise,
+                            external_value)
 from ..dtypes.formats import F32, Format, Kind, get as get_format
 from ..dtypes.rounding import Overflow, round_to, store
 from ..dtypes.variants import GEMM_VARIANTS
@@ -97,6 +98,7 @@ class CpuRuntime:
         self.static_scales = dict(static_scales or {})
         self._plans: dict[tuple, BufferPlan] = {}
         self.stored_weights = dict(stored_weights or {})  # stored_key -> StoredTensor (a plan's weights file)
+        self._concats: dict[str, np.ndarray] = {}  # concatenated weights (immutable: built once per runtime)
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
@@ -104,13 +106,15 @@ class CpuRuntime:
         missing = [n for n, _ in self.program.inputs if n not in feed]
         if missing:
             raise KeyError(f"missing inputs: {missing}")
+        feed.update(self._concatenated(feed, inputs))
         bindings = {**bind_program(self.program, feed), **(bindings or {})}
         key = tuple(sorted(bindings.items()))
         if key not in self._plans:
             self._plans[key] = plan_buffers(self.program, bindings)
         plan = self._plans[key]
         slots = [np.empty(n, dtype=np.uint8) for n in plan.slot_bytes]
-        state = _Run({}, {}, feed, bindings, frozenset(n for n in self.weights if n not in inputs))
+        state = _Run({}, {}, feed, bindings, frozenset(n for n in self.weights if n not in inputs)
+                     | frozenset(self._concats))
         timings = []
         wanted = {kid for _, kid in self.program.exports} if keep_exports else set()
         exports: dict[int, np.ndarray] = {}
@@ -135,6 +139,22 @@ class CpuRuntime:
                     timings.append((k.id, time.perf_counter() - t0))
         outputs = {name: state.stored[kid].astype(np.float64) for name, kid in self.program.outputs}
         return RunResult(outputs, tuple(timings), plan, exports if keep_exports else None)
+
+    def _concatenated(self, feed, inputs) -> dict[str, np.ndarray]:
+        """The value of every concatenated-weights EXTERNAL (a horizontally fused Gemm's B): built once
+        per runtime when all its parts are this runtime's weights, else from this run's feed."""
+        out = {}
+        for k in self.program.kernels:
+            if not k.concat:
+                continue
+            if any(n in inputs or n not in self.weights for n in k.concat):
+                out[k.external] = external_value(k, feed)
+                self._concats.pop(k.external, None)
+            else:
+                if k.external not in self._concats:
+                    self._concats[k.external] = external_value(k, self.weights)
+                out[k.external] = self._concats[k.external]
+        return out
 
     def static_b_scales(self, kid: int) -> np.ndarray | None:
         return self.static_scales.get(kid)

@@ -19,6 +19,7 @@ from ..hlir.graph import Graph
 from ..hlir.partition import Partition
 from ..hlir.shape import ShapeTracker
 from .choice import Candidate, ENode
+from .horizontal import compose
 from .saturate import GroupSpace
 
 
@@ -26,6 +27,7 @@ from .saturate import GroupSpace
 class _Builder:
     kernels: list[Kernel] = field(default_factory=list)
     stored: dict[tuple[int, str], int] = field(default_factory=dict)  # (weight buffer, format) -> its stored buffer
+    concats: dict[tuple[int, ...], int] = field(default_factory=dict)  # weight buffers -> their concatenation
 
     def add(self, **kw) -> int:
         k = Kernel(id=len(self.kernels), **kw)
@@ -71,12 +73,20 @@ class _ChunkLowering:
 
     def operands(self, n: ENode, origin: str | None = None) -> tuple[KernelInput, ...]:
         """The kernel's inputs: its declared (tensor, view) parameter pairs, in order."""
-        return tuple(KernelInput(self._operand(n, t, origin), self.view(n.arg(v))) for t, v in n.decl.operands)
+        return tuple(self._operand(n, t, self.view(n.arg(v)), origin) for t, v in n.decl.operands)
 
-    def _operand(self, n: ENode, param: str, origin: str | None) -> int:
+    def _operand(self, n: ENode, param: str, view: ShapeTracker, origin: str | None) -> KernelInput:
         if n.decl.params[n.decl.index(param)].sort is Sort.B:  # a consumed buffer: the value it holds
-            return self.tensor(self.node(n.cls(param)).cls("t"))
-        return self.tensor(n.cls(param), origin)
+            return KernelInput(self.tensor(self.node(n.cls(param)).cls("t")), view)
+        return self.read(n.cls(param), view, origin)
+
+    def read(self, cid: str, view: ShapeTracker, origin: str | None = None) -> KernelInput:
+        """Reading e-class `cid` through `view`: a slice alias (KSlice) reads its source's buffer through
+        the slice's view with `view` on top; anything else reads its own kernel's buffer."""
+        n = self.node(cid)
+        if n.op == "KSlice":
+            return KernelInput(self.tensor(n.cls("src"), origin), compose(self.view(n.arg("view")), view))
+        return KernelInput(self.tensor(cid, origin), view)
 
     def body(self, n: ENode) -> tuple[FExpr, tuple[KernelInput, ...], tuple]:
         inputs: list[KernelInput] = []
@@ -99,7 +109,7 @@ class _ChunkLowering:
             shapes.append(view.shape)
             return FAcc()
         if n.op == "Load":
-            ki = KernelInput(self.tensor(n.cls("t")), self.view(n.arg("view")))
+            ki = self.read(n.cls("t"), self.view(n.arg("view")))
             if ki not in inputs:
                 inputs.append(ki)
             shapes.append(ki.view.shape)
@@ -132,6 +142,23 @@ def _stored(lo: _ChunkLowering, n: ENode, origin: str) -> int:
                                     external=src.external, storage=n.arg("fmt"),
                                     label=f"{src.label} stored as {n.arg('fmt')}")
     return lo.b.stored[key]
+
+
+def _concat(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """The weights of the concats entry, rows concatenated: one buffer per set of weights (shared by chunks)."""
+    srcs = [lo.b.kernels[lo.slots[s]] for s in lo.t.concats[n.arg("cat")]]
+    key = tuple(k.id for k in srcs)
+    if key not in lo.b.concats:
+        names = tuple(k.external for k in srcs)
+        lo.b.concats[key] = lo.b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=(sum(k.shape[0] for k in srcs),
+                                     srcs[0].shape[1]), dtype=srcs[0].dtype, external="concat(" + ",".join(names) + ")",
+                                     concat=names, label=f"{' + '.join(names)} concatenated")
+    return lo.b.concats[key]
+
+
+def _slice(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    raise ValueError(f"{origin}: a slice of a fused Gemm has no buffer of its own; only readers (through their "
+                     "views) may use it, never a root or an in-place destination")
 
 
 def _variant(lo: _ChunkLowering, n: ENode, origin: str) -> int:
@@ -214,6 +241,7 @@ _TENSOR: dict[str, Callable[[_ChunkLowering, ENode, str], int]] = {
     "KExt": _ext, "KStored": _stored, "KVariant": _variant, "KConst": _const, "KIota": _iota, "Ew": _elementwise,
     "KSum": _reduction, "KMax": _reduction, "KSoftmax": _reduction, "KGemm": _gemm, "KQuantize": _quantize,
     "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter, "KGemmEpi": _gemm_epilogue,
+    "KCatW": _concat, "KSlice": _slice,
 }
 assert set(_TENSOR) == {d.name for d in TENSOR_DECLS}, "every tensor constructor has exactly one lowering"
 

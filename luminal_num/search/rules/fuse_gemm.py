@@ -98,3 +98,39 @@ def _sole_reader(graph: Graph, chunks: Sequence[Chunk], local: int, consumers, o
             return None
         found = pos
     return found
+
+
+# -- horizontal fusion (facts: search/horizontal.py) ---------------------------------------------------
+# (fused id, A value, fused A view, fused B view, fused layout, its QUANTIZE view, concat id)
+HFused = relation("HFused", i64, E.T, i64, i64, i64, i64, i64)
+HPart = relation("HPart", E.T, i64, i64, i64)   # (part Gemm value, its layout, fused id, its slice view)
+HVariant = relation("HVariant", i64, String)    # a Gemm variant the fused Gemm may use (scales per part)
+
+fid, vaf, vbf, layf, vqf, cat, vs, vq = vars_("fid vaf vbf layf vqf cat vs vq", i64)
+w, q = vars_("w q", E.T)
+
+
+@fuse_gemm.register
+def _horizontal():
+    facts = (HPart(g, lay, fid, vs), HFused(fid, a, vaf, vbf, layf, vqf, cat), HVariant(fid, prec))
+    fused_b = E.CTOR["KCatW"](cat)
+    # Sound: columns [off, off + N_i) of A @ [W_1; ..; W_n]^T are A @ W_i^T, each element the same dot
+    # product with the same operand roundings (HVariant: no B scale spans two parts; A is the same value).
+    yield rule(*facts, eq(g).to(E.KGemm(a=a, va=va, b=w, vb=vb, layout=lay, prec=prec, dt="f32"))).then(
+        union(g).with_(E.CTOR["KSlice"](E.KGemm(a=a, va=vaf, b=fused_b, vb=vbf, layout=layf, prec=prec, dt="f32"), vs)))
+    # A quantized at run time: the fused Gemm's QUANTIZE reads the same A (its scales are A's alone).
+    yield rule(*facts, eq(g).to(E.KGemm(a=q, va=vq, b=w, vb=vb, layout=lay, prec=prec, dt="f32")),
+               eq(q).to(E.KQuantize(a=a, va=va, layout=lay, prec=prec, dt=d))).then(
+        union(g).with_(E.CTOR["KSlice"](E.KGemm(a=E.KQuantize(a=a, va=vaf, layout=layf, prec=prec, dt=d), va=vqf,
+                                                b=fused_b, vb=vbf, layout=layf, prec=prec, dt="f32"), vs)))
+
+
+def horizontal_facts(fused, terms_of_local, a_term_of_group) -> list:
+    """Facts for `fused` (search/horizontal.FusedGemm): `terms_of_local[local]` is a part's term,
+    `a_term_of_group[group]` the shared A's."""
+    out = []
+    for i, f in enumerate(fused):
+        out.append(HFused(i, a_term_of_group[f.group], f.va, f.vb, f.layout, f.quant_view, f.cat))
+        out += [HVariant(i, name) for name in f.variants]
+        out += [HPart(terms_of_local[local], lay_id, i, view) for local, lay_id, view in f.parts]
+    return out
