@@ -122,7 +122,8 @@ class Kernel:
     label: str = ""                    # where it came from (graph node), for op tables
     eclass: str = ""                   # provenance: the e-class (in its chunk's group space) it implements
     storage: str | None = None         # EXTERNAL weights: held in this StorageFormat, widened on load
-    concat: tuple[str, ...] = ()       # EXTERNAL: these weights concatenated along rows (`external` names it)
+    concat: tuple[str, ...] = ()       # EXTERNAL: these weights concatenated (`external` names the result) ...
+    concat_axis: int = 0               # ... along this axis
 
     def numel(self, bindings: Mapping[str, int]) -> int:
         return int(evaluate(prod(self.shape), bindings)) if self.shape else 1
@@ -402,7 +403,7 @@ def _check_quantize(k: Kernel) -> str:
 def external_value(k: Kernel, feed: Mapping[str, object]) -> np.ndarray:
     """An EXTERNAL kernel's value from graph inputs by name: the input, or its weights concatenated."""
     if k.concat:
-        return np.concatenate([np.asarray(feed[n]) for n in k.concat], axis=0)
+        return np.concatenate([np.asarray(feed[n]) for n in k.concat], axis=k.concat_axis)
     return np.asarray(feed[k.external])
 
 

@@ -274,11 +274,11 @@ class StaticAnalyzer:
         return _store(_Val(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
 
     def _concat_interval(self, k: Kernel, inputs: Mapping[str, Interval]) -> Interval:
-        """Concatenated weights: each part's interval over its own shape, rows stacked."""
+        """Concatenated weights: each part's interval over its own shape, concatenated along the axis."""
         parts = {p.external: p for p in self.p.kernels if p.kind is KernelKind.EXTERNAL and not p.concat}
         ivs = [(inputs[n], self._shape(parts[n])) for n in k.concat]
-        return Interval(np.concatenate([np.broadcast_to(iv.lo, s) for iv, s in ivs]),
-                        np.concatenate([np.broadcast_to(iv.hi, s) for iv, s in ivs]))
+        return Interval(np.concatenate([np.broadcast_to(iv.lo, s) for iv, s in ivs], axis=k.concat_axis),
+                        np.concatenate([np.broadcast_to(iv.hi, s) for iv, s in ivs], axis=k.concat_axis))
 
     def const(self, k: Kernel, inputs) -> _Val:
         c = k.value if isinstance(k.value, float) else float(eval_dim(k.value, self.bindings))

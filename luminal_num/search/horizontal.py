@@ -28,7 +28,7 @@ from .encode import ChunkTables
 class _Part:
     local: int            # the SumReduce's position in the chunk
     slot: int             # the weight's external slot
-    n: int                # its output channels (the weight's rows)
+    n: int                # its output channels (the weight's extent along the concatenation axis)
     va: ShapeTracker
     vb: ShapeTracker
 
@@ -40,6 +40,7 @@ class FusionGroup:
     parts: tuple[_Part, ...]
     n_axis: int
     k_axis: int
+    weight_axis: int      # the weights' axis that N runs along: 0 for torch Linear (out, in), 1 for x @ W
 
 
 def fusion_groups(graph: Graph, chunks: Sequence[Chunk], consumers: Mapping[int, list[int]]) -> list[FusionGroup]:
@@ -65,14 +66,31 @@ def fusion_groups(graph: Graph, chunks: Sequence[Chunk], consumers: Mapping[int,
         ax = node.attr("axis")
         va, vb = a.view.views[0], b.view.views[0]
         n_axes = [i for i in range(len(va.shape)) if i != ax and va.strides[i] == 0 and vb.strides[i] != 0]
-        if len(n_axes) != 1 or vb.offset != 0 or vb.strides[n_axes[0]] != w.shape[1] or va.shape[n_axes[0]] != w.shape[0]:
+        if len(n_axes) != 1 or vb.offset != 0:
             continue
         n = n_axes[0]
+        wa = _weight_axis(vb, n, ax, tuple(w.shape))
+        if wa is None or va.shape[n] != w.shape[wa]:
+            continue
         shape_key = tuple(d if i != n else None for i, d in enumerate(va.shape))
-        key = (a.node, shape_key, va.strides, va.offset, vb.strides, ax, w.shape[1])
-        by_key.setdefault(key, []).append(_Part(local, slot_of[b.node], int(w.shape[0]), a.view, b.view))
-        keys[key] = (n, ax)
+        b_key = tuple(s if i not in (n, ax) else None for i, s in enumerate(vb.strides))
+        key = (a.node, shape_key, va.strides, va.offset, b_key, ax, wa, w.shape[1 - wa])
+        by_key.setdefault(key, []).append(_Part(local, slot_of[b.node], int(w.shape[wa]), a.view, b.view))
+        keys[key] = (n, ax, wa)
     return [FusionGroup(k[0], tuple(ps), *keys[k]) for k, ps in by_key.items() if len(ps) >= 2]
+
+
+def _weight_axis(vb: View, n: int, k: int, shape: tuple[int, int]) -> int | None:
+    """The weight axis N runs along when B reads the contiguous 2-D weight with N and K on its two axes
+    (every other axis broadcast), else None."""
+    rows, cols = shape
+    if any(s != 0 for i, s in enumerate(vb.strides) if i not in (n, k)):
+        return None
+    if (vb.strides[n], vb.strides[k]) == (cols, 1):
+        return 0
+    if (vb.strides[n], vb.strides[k]) == (1, cols):
+        return 1
+    return None
 
 
 def _private(graph: Graph, nid: int, chunk: Chunk, consumers, outputs) -> bool:
@@ -82,9 +100,19 @@ def _private(graph: Graph, nid: int, chunk: Chunk, consumers, outputs) -> bool:
     return all(r in chunk.nodes and graph.nodes[r].op is not Op.OUTPUT for r in consumers.get(nid, []))
 
 
-def _widen(st: ShapeTracker, axis: int, size: int) -> ShapeTracker:
+def _widen(st: ShapeTracker, axis: int, size: int, strides=None) -> ShapeTracker:
     v = st.views[0]
-    return ShapeTracker((View.create(v.shape[:axis] + (size,) + v.shape[axis + 1:], v.strides, v.offset),))
+    return ShapeTracker((View.create(v.shape[:axis] + (size,) + v.shape[axis + 1:], strides or v.strides, v.offset),))
+
+
+def _fused_b_strides(g: "FusionGroup", total: int) -> tuple:
+    """B's strides over the concatenated weight (contiguous, `total` along the concatenation axis)."""
+    v = g.parts[0].vb.views[0]
+    k_extent = v.shape[g.k_axis]
+    cat_strides = contiguous_strides((total, k_extent) if g.weight_axis == 0 else (k_extent, total))
+    strides = list(v.strides)
+    strides[g.n_axis], strides[g.k_axis] = cat_strides[g.weight_axis], cat_strides[1 - g.weight_axis]
+    return tuple(strides)
 
 
 def concat_compatible(prec: str, ns: Sequence[int]) -> bool:
@@ -124,9 +152,10 @@ def plan_fusions(groups: Sequence[FusionGroup], tables: ChunkTables) -> tuple[li
     out = []
     for gi, g in enumerate(groups):
         total = sum(p.n for p in g.parts)
-        va, vb = _widen(g.parts[0].va, g.n_axis, total), _widen(g.parts[0].vb, g.n_axis, total)
+        va = _widen(g.parts[0].va, g.n_axis, total)
+        vb = _widen(g.parts[0].vb, g.n_axis, total, _fused_b_strides(g, total))
         part_layouts = [{lay.variant: lay for lay in gemm_layouts(p.va, p.vb, g.k_axis)} for p in g.parts]
-        cat = intern(cats, tuple(p.slot for p in g.parts))
+        cat = intern(cats, (g.weight_axis, tuple(p.slot for p in g.parts)))
         variants = tuple(name for name in GEMM_VARIANTS if concat_compatible(name, [p.n for p in g.parts]))
         for fused in gemm_layouts(va, vb, g.k_axis):
             if not all(fused.variant in pl for pl in part_layouts):
@@ -157,15 +186,20 @@ def compose(slice_view: ShapeTracker, read: ShapeTracker) -> ShapeTracker:
 class SliceChoice:
     """When extraction reads a part of a horizontally fused Gemm from the fused one (its KSlice): when the
     genome gives every part of that fused Gemm its variant and keeps every part's weight unstored (the
-    concatenation is of the FP32 weights), so the fused form computes exactly what the genome asks."""
+    concatenation is of the FP32 weights), so the fused form computes exactly what the genome asks; and
+    when it saves more launches (parts - 1) than the parts' own epilogues would (one each: a sliced part
+    cannot take one), so MiniLM's biased q/k/v keep their bias epilogues and llama's q/k/v fuse."""
 
     def __init__(self, space):
         self.parts: dict[str, list[str]] = {}   # fused Gemm class -> its parts' classes
         self.weight: dict[str, str] = {}        # part class -> its weight's class
         self.prec: dict[str, str] = {}          # fused Gemm class -> its variant
+        self.epilogues: dict[str, set[str]] = {}  # Gemm class -> variants an epilogue reading it has
         for cid, nodes in space.classes.items():
             for n in nodes:
-                if n.op == "KSlice":
+                if n.op == "KGemmEpi":
+                    self.epilogues.setdefault(n.cls("acc"), set()).add(n.arg("prec"))
+                elif n.op == "KSlice":
                     self.parts.setdefault(n.cls("src"), []).append(cid)
                 elif n.op == "KGemm":
                     self.weight.setdefault(cid, n.cls("b"))
@@ -175,7 +209,10 @@ class SliceChoice:
         src = n.cls("src")
         prec = self.prec[src]
         tag = base if prec == base else "gemm:" + prec
-        return all(genome.get(p, base) == tag and genome.get(self.weight[p], base) == base for p in self.parts[src])
+        parts = self.parts[src]
+        if not all(genome.get(p, base) == tag and genome.get(self.weight[p], base) == base for p in parts):
+            return False
+        return len(parts) - 1 > sum(prec in self.epilogues.get(p, ()) for p in parts)
 
     def sliced(self, space, cid: str, genome: Mapping[str, str], base: str) -> bool:
         return any(n.op == "KSlice" and self.takes(n, genome, base) for n in space.classes[cid])

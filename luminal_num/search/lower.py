@@ -27,7 +27,7 @@ from .saturate import GroupSpace
 class _Builder:
     kernels: list[Kernel] = field(default_factory=list)
     stored: dict[tuple[int, str], int] = field(default_factory=dict)  # (weight buffer, format) -> its stored buffer
-    concats: dict[tuple[int, ...], int] = field(default_factory=dict)  # weight buffers -> their concatenation
+    concats: dict[tuple[int, ...], int] = field(default_factory=dict)  # (axis, weight buffers) -> concatenation
 
     def add(self, **kw) -> int:
         k = Kernel(id=len(self.kernels), **kw)
@@ -145,14 +145,18 @@ def _stored(lo: _ChunkLowering, n: ENode, origin: str) -> int:
 
 
 def _concat(lo: _ChunkLowering, n: ENode, origin: str) -> int:
-    """The weights of the concats entry, rows concatenated: one buffer per set of weights (shared by chunks)."""
-    srcs = [lo.b.kernels[lo.slots[s]] for s in lo.t.concats[n.arg("cat")]]
-    key = tuple(k.id for k in srcs)
+    """The weights of the concats entry concatenated along its axis: one buffer per set of weights (shared
+    by chunks)."""
+    axis, slots = lo.t.concats[n.arg("cat")]
+    srcs = [lo.b.kernels[lo.slots[s]] for s in slots]
+    key = (axis, *(k.id for k in srcs))
     if key not in lo.b.concats:
         names = tuple(k.external for k in srcs)
-        lo.b.concats[key] = lo.b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=(sum(k.shape[0] for k in srcs),
-                                     srcs[0].shape[1]), dtype=srcs[0].dtype, external="concat(" + ",".join(names) + ")",
-                                     concat=names, label=f"{' + '.join(names)} concatenated")
+        shape = list(srcs[0].shape)
+        shape[axis] = sum(k.shape[axis] for k in srcs)
+        lo.b.concats[key] = lo.b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=tuple(shape), dtype=srcs[0].dtype,
+                                     external=f"concat{axis}(" + ",".join(names) + ")", concat=names, concat_axis=axis,
+                                     label=f"{' + '.join(names)} concatenated along axis {axis}")
     return lo.b.concats[key]
 
 

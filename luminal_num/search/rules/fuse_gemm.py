@@ -5,7 +5,8 @@ FP32 value and computes in FP32. Computing the consumer's body on the accumulato
 storing once, is the same arithmetic minus one FP32 store/load of the same value (exact): the fused form
 equals the unfused one bit for bit, and only the launch and the intermediate buffer go away. It is legal
 only where the consumer is the Gemm's sole reader (`EpilogueOf`, from the graph's consumers, in every
-chunk of the group): otherwise the Gemm's buffer is still needed and fusing would run it twice.
+chunk of the group): otherwise the Gemm's buffer is still needed and fusing would run it twice. A chain
+of such sole readers (bias add, then residual add) fuses whole: its last node's body reads the Gemm.
 
 The fused node `KGemmEpi` joins the consumer's e-class (the unfused Ew stays there, extractable); its
 `acc` child is the Gemm's class, whose chosen variant decides which `KGemmEpi` extraction takes.
@@ -19,6 +20,7 @@ from egglog import String, eq, i64, relation, rule, ruleset, union, vars_
 from ...hlir.graph import Graph
 from ...hlir.ops import BINARY_OPS, UNARY_OPS, Op
 from ...hlir.partition import Chunk
+from ...hlir.shape import ShapeTracker
 from .. import egraph as E
 
 fuse_gemm = ruleset(name="fuse_gemm")
@@ -63,9 +65,10 @@ def _epilogue():
 
 def epilogue_facts(graph: Graph, chunks: Sequence[Chunk], terms: Mapping[int, object],
                    consumers: Mapping[int, list[int]]) -> list:
-    """EpilogueOf(sum, consumer) for every SumReduce of a Mul (a Gemm candidate) whose only reader, in every
-    chunk of the group, is one elementwise node of the same chunk at the same position, reading it once,
-    and that is neither a graph output nor exported (`terms`: the representative chunk's)."""
+    """EpilogueOf(sum, end) for every SumReduce of a Mul (a Gemm candidate) followed, in every chunk of the
+    group alike, by a chain of elementwise nodes each the only reader of the one before (read once,
+    through its identity view) and none before `end` exported or an output: `end`'s fused body is the
+    whole chain on the accumulator (`terms`: the representative chunk's)."""
     rep = chunks[0]
     outputs = set(graph.outputs.values())
     facts = []
@@ -73,9 +76,12 @@ def epilogue_facts(graph: Graph, chunks: Sequence[Chunk], terms: Mapping[int, ob
         node = graph.nodes[nid]
         if node.op is not Op.SUM_REDUCE or graph.nodes[node.srcs[0].node].op is not Op.MUL:
             continue
-        reader = _sole_reader(graph, chunks, local, consumers, outputs)
-        if reader is not None:
-            facts.append(EpilogueOf(terms[nid], terms[rep.nodes[reader]]))
+        end = None
+        cur = local
+        while (nxt := _sole_reader(graph, chunks, cur, consumers, outputs)) is not None:
+            end = cur = nxt
+        if end is not None:
+            facts.append(EpilogueOf(terms[nid], terms[rep.nodes[end]]))
     return facts
 
 
@@ -83,7 +89,8 @@ _ELEMENTWISE = frozenset(UNARY_OPS) | frozenset(BINARY_OPS) | {Op.CUSTOM, Op.CAS
 
 
 def _sole_reader(graph: Graph, chunks: Sequence[Chunk], local: int, consumers, outputs) -> int | None:
-    """The local position of the node reading chunk node `local`, the same in every chunk, else None."""
+    """The local position of the one elementwise node reading chunk node `local` (once, through its
+    identity view), the same in every chunk; None if `local` is exported or an output, or there is none."""
     found = None
     for c in chunks:
         nid = c.nodes[local]
@@ -91,7 +98,10 @@ def _sole_reader(graph: Graph, chunks: Sequence[Chunk], local: int, consumers, o
         if nid in outputs or nid in c.exported or len(readers) != 1 or readers[0] not in c.nodes:
             return None
         reader = graph.nodes[readers[0]]
-        if reader.op not in _ELEMENTWISE or sum(s.node == nid for s in reader.srcs) != 1:
+        uses = [s for s in reader.srcs if s.node == nid]
+        shape = graph.nodes[nid].shape
+        if reader.op not in _ELEMENTWISE or len(uses) != 1 or uses[0].view != ShapeTracker.contiguous(shape) \
+                or tuple(reader.shape) != tuple(shape):
             return None
         pos = c.nodes.index(readers[0])
         if found is not None and pos != found:
