@@ -4,9 +4,9 @@ A Gemm stores its FP32 accumulator (every variant's dt is "f32"); an elementwise
 FP32 value and computes in FP32. Computing the consumer's body on the accumulator register instead, then
 storing once, is the same arithmetic minus one FP32 store/load of the same value (exact): the fused form
 equals the unfused one bit for bit, and only the launch and the intermediate buffer go away. It is legal
-only where the consumer is the Gemm's sole reader (`EpilogueOf`, from the graph's consumers, in every
-chunk of the group): otherwise the Gemm's buffer is still needed and fusing would run it twice. A chain
-of such sole readers (bias add, then residual add) fuses whole: its last node's body reads the Gemm.
+only where every reader of the Gemm is inside the fused region (`EpilogueOf`, from the graph's
+consumers, in every chunk of the group): otherwise the Gemm's buffer is still needed and fusing would
+run it twice. A region of elementwise readers with one sink (bias then residual add; GELU) fuses whole.
 
 The fused node `KGemmEpi` joins the consumer's e-class (the unfused Ew stays there, extractable); its
 `acc` child is the Gemm's class, whose chosen variant decides which `KGemmEpi` extraction takes.
@@ -65,49 +65,57 @@ def _epilogue():
 
 def epilogue_facts(graph: Graph, chunks: Sequence[Chunk], terms: Mapping[int, object],
                    consumers: Mapping[int, list[int]]) -> list:
-    """EpilogueOf(sum, end) for every SumReduce of a Mul (a Gemm candidate) followed, in every chunk of the
-    group alike, by a chain of elementwise nodes each the only reader of the one before (read once,
-    through its identity view) and none before `end` exported or an output: `end`'s fused body is the
-    whole chain on the accumulator (`terms`: the representative chunk's)."""
+    """EpilogueOf(sum, sink) for every SumReduce of a Mul (a Gemm candidate) whose readers, in every chunk
+    of the group alike, form an elementwise region with one sink: each region node reads its producer
+    through the identity view, and every node but the sink is read only inside the region and is no
+    export or output (bias + residual adds; GELU's x * 0.5 * (1 + erf(x / sqrt 2)), which reads x twice:
+    recomputed in registers for free). The sink's fused body is the region on the accumulator."""
     rep = chunks[0]
-    outputs = set(graph.outputs.values())
     facts = []
     for local, nid in enumerate(rep.nodes):
         node = graph.nodes[nid]
         if node.op is not Op.SUM_REDUCE or graph.nodes[node.srcs[0].node].op is not Op.MUL:
             continue
-        end = None
-        cur = local
-        while (nxt := _sole_reader(graph, chunks, cur, consumers, outputs)) is not None:
-            end = cur = nxt
-        if end is not None:
-            facts.append(EpilogueOf(terms[nid], terms[rep.nodes[end]]))
+        sinks = {_region_sink(graph, c, c.nodes[local], consumers) for c in chunks}
+        if len(sinks) == 1 and None not in sinks:
+            facts.append(EpilogueOf(terms[nid], terms[rep.nodes[sinks.pop()]]))
     return facts
 
 
 _ELEMENTWISE = frozenset(UNARY_OPS) | frozenset(BINARY_OPS) | {Op.CUSTOM, Op.CAST}
 
 
-def _sole_reader(graph: Graph, chunks: Sequence[Chunk], local: int, consumers, outputs) -> int | None:
-    """The local position of the one elementwise node reading chunk node `local` (once, through its
-    identity view), the same in every chunk; None if `local` is exported or an output, or there is none."""
-    found = None
-    for c in chunks:
-        nid = c.nodes[local]
-        readers = consumers.get(nid, [])
-        if nid in outputs or nid in c.exported or len(readers) != 1 or readers[0] not in c.nodes:
-            return None
-        reader = graph.nodes[readers[0]]
-        uses = [s for s in reader.srcs if s.node == nid]
-        shape = graph.nodes[nid].shape
-        if reader.op not in _ELEMENTWISE or len(uses) != 1 or uses[0].view != ShapeTracker.contiguous(shape) \
-                or tuple(reader.shape) != tuple(shape):
-            return None
-        pos = c.nodes.index(readers[0])
-        if found is not None and pos != found:
-            return None
-        found = pos
-    return found
+def _region_sink(graph: Graph, chunk: Chunk, gemm: int, consumers) -> int | None:
+    """The local position of the one sink of `gemm`'s elementwise region in `chunk` (see epilogue_facts)."""
+    outputs = set(graph.outputs.values())
+    members = set(chunk.nodes)
+
+    def private(n: int) -> bool:
+        return n not in outputs and n not in chunk.exported
+
+    def absorbs(reader: int, producer: int) -> bool:
+        r, shape = graph.nodes[reader], graph.nodes[producer].shape
+        return reader in members and r.op in _ELEMENTWISE and tuple(r.shape) == tuple(shape) and all(
+            s.view == ShapeTracker.contiguous(shape) for s in r.srcs if s.node == producer)
+
+    if not private(gemm) or not consumers.get(gemm) or not all(absorbs(r, gemm) for r in consumers[gemm]):
+        return None
+    region: set[int] = set()
+    work = list(consumers[gemm])
+    while work:
+        n = work.pop()
+        if n in region:
+            continue
+        region.add(n)
+        readers = consumers.get(n, [])
+        if private(n) and readers and all(absorbs(r, n) for r in readers):
+            work += readers
+    sinks = [n for n in region if not (private(n) and consumers.get(n) and set(consumers[n]) <= region)]
+    if len(sinks) != 1:
+        return None
+    # every region node's sources are the Gemm, region nodes, or values from outside (never a value
+    # computed from the region by a node outside it: then the sink would not be one fused body)
+    return chunk.nodes.index(sinks[0])
 
 
 # -- horizontal fusion (facts: search/horizontal.py) ---------------------------------------------------
