@@ -14,6 +14,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from test_cuda_codegen import interpret, needs_nvrtc, stored_values
 from luminal_num.codegen import nvrtc
@@ -30,7 +32,9 @@ from luminal_num.models.llama import LLAMA_TINY, build_decode, build_prefill, ra
 from luminal_num.models.testnets import transformer
 from luminal_num.runtime.cpu import CpuRuntime, bind_program
 from luminal_num.runtime.latency import kernel_works, modelled_latency
-from luminal_num.search.horizontal import concat_compatible
+from luminal_num.hlir.shape import ShapeTracker, View
+from luminal_num.hlir.symbolic import prod
+from luminal_num.search.horizontal import compose, concat_compatible
 from luminal_num.search.recipes import pick
 from luminal_num.search.space import SearchSpace
 
@@ -278,3 +282,49 @@ def test_fused_kernels_compile_and_run_as_the_cpu_backend_computes(name):
         got = interpret(p, k, stored, bindings)
         ref = stored[k.id].reshape(got.shape)
         np.testing.assert_allclose(got, ref, rtol=0, atol=_gemm_tolerance(k, ref, bindings), err_msg=k.label)
+
+
+@st.composite
+def part_reads(draw):
+    """(slice view of part columns [off, off + c) of an (r, total) buffer, a random read of the part)."""
+    r, c = draw(st.integers(1, 4)), draw(st.sampled_from([2, 4, 6]))
+    off, extra = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    total = off + c + extra
+    low = ShapeTracker((View.create((r, c), (total, 1), off),))
+    read = ShapeTracker.contiguous((r, c))
+    for _ in range(draw(st.integers(0, 4))):
+        shape = read.shape
+        op = draw(st.sampled_from(["reshape", "permute", "slice", "expand_dim", "pad"]))
+        if op == "reshape":
+            n = prod(shape)
+            a = draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
+            read = read.reshape((a, n // a))
+        elif op == "permute":
+            read = read.permute(draw(st.permutations(range(len(shape)))))
+        elif op == "slice":
+            starts = [draw(st.integers(0, d - 1)) for d in shape]
+            read = read.slice([(a, draw(st.integers(a + 1, d))) for a, d in zip(starts, shape)])
+        elif op == "expand_dim" and len(shape) < 4:
+            read = read.expand_dim(draw(st.integers(0, len(shape))), draw(st.integers(1, 3)))
+        elif op == "pad":
+            read = read.pad([(draw(st.integers(0, 1)), draw(st.integers(0, 1))) for _ in shape])
+    return low, read, total
+
+
+@settings(deadline=None, max_examples=200)
+@given(part_reads())
+def test_composed_part_reads_index_the_fused_buffer_as_stacked_views_do(case):
+    """compose (merged into one view where it can) reads exactly what the stacked views read."""
+    low, read, total = case
+    buffer = np.arange(low.views[0].shape[0] * total, dtype=np.float64) + 1.0
+    merged = compose(low, read)
+    stacked = ShapeTracker(low.views + read.views)
+    np.testing.assert_array_equal(merged.realize(buffer), stacked.realize(buffer))
+
+
+def test_head_reads_of_a_part_stay_one_strided_view():
+    """q as (tokens, heads, head_dim), permuted for attention: one view into the fused (tokens, 3d) buffer."""
+    low = ShapeTracker((View.create((5, 8), (24, 1), 8),))
+    read = ShapeTracker.contiguous((5, 8)).reshape((5, 2, 4)).permute((1, 0, 2))
+    merged = compose(low, read)
+    assert merged.views == (View.create((2, 5, 4), (4, 24, 1), 8),)

@@ -416,7 +416,8 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
     w = _Writer(kernel, formats, prequantized)
     lay = kernel.layout
     # cuBLASLt takes a pre-quantized A as it is: only when read in the (batch, M, K) layout it was written in
-    lt = epilogue is None and _lt_capable(w.variant, kernel.dtype) and (
+    single = all(len(inp.view.views) == 1 for inp in kernel.inputs[:2])  # cuBLAS needs one strided view each
+    lt = epilogue is None and single and _lt_capable(w.variant, kernel.dtype) and (
         not prequantized[0] or kernel.inputs[0].view == quantized_a_view(kernel.layout))
     own = [s for s in (0, 1) if w.specs[s] is not None and not prequantized[s]]
     own_quant = own if lt else []
@@ -440,7 +441,7 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
         call = _lt_call(kernel, w.variant, _geometry(kernel), name_launches(scale_launches + quant, name),
                         (operand_arg[0], operand_arg[1]), (scale_arg[0], scale_arg[1]))
     else:  # an epilogue runs in the tiled kernel only (cuBLAS would store the accumulator first)
-        call = None if epilogue else _cublas_call(kernel, w.variant, formats, _geometry(kernel))
+        call = None if epilogue or not single else _cublas_call(kernel, w.variant, formats, _geometry(kernel))
     return KernelSource(0, name, source.replace(ENTRY, name), name_launches(scale_launches + (gemm,), name),
                         w.table, scratch, call)
 

@@ -20,6 +20,7 @@ from ..hlir.graph import Graph
 from ..hlir.ops import Op
 from ..hlir.partition import Chunk
 from ..hlir.shape import ShapeTracker, View, contiguous_strides
+from ..hlir.symbolic import prod
 from ..codegen.llir import quantized_a_view
 from .encode import ChunkTables
 
@@ -177,10 +178,43 @@ def plan_fusions(groups: Sequence[FusionGroup], tables: ChunkTables) -> tuple[li
 
 def compose(slice_view: ShapeTracker, read: ShapeTracker) -> ShapeTracker:
     """Reading a part through `read` (over its contiguous buffer) = reading the fused buffer through the
-    part's slice view below it; an identity read is the slice view itself."""
-    if read == ShapeTracker.contiguous(read.shape):  # a reshape of the part: strides where they exist
-        return slice_view.reshape(read.shape)
-    return ShapeTracker(slice_view.views + read.views)
+    part's slice view below it: merged into `read`'s lowest view where the index math allows (kernels
+    such as cuBLAS Gemms want one strided view), else stacked under it."""
+    merged = _merge(slice_view.views[0], read.views[0])
+    if merged is None:
+        return ShapeTracker(slice_view.views + read.views)
+    return ShapeTracker((merged, *read.views[1:]))
+
+
+def _merge(low: View, top: View) -> View | None:
+    """One view equal to `top` (over a contiguous buffer of low's shape) read through `low`: each top
+    stride is a whole number of one low axis's contiguous strides (the coarsest it divides) and no
+    coordinate of any low axis can reach its extent (the mixed-radix digits never carry); else None."""
+    dims = (*low.shape, *low.strides, low.offset, *top.shape, *top.strides, top.offset)
+    if low.mask is not None or not all(isinstance(d, int) for d in dims) or any(s < 0 for s in top.strides) \
+            or top.offset < 0:
+        return None
+    cs = [prod(low.shape[i + 1:]) for i in range(len(low.shape))]  # (size-1 axes too: never 0)
+    if 0 in cs:
+        return None
+    reach = []
+    rest = top.offset
+    for c in cs:
+        reach.append(rest // c)
+        rest %= c
+    base = list(reach)
+    strides = []
+    for extent, stride in zip(top.shape, top.strides):
+        if stride == 0 or extent == 1:
+            strides.append(0)
+            continue
+        axis = next(i for i, c in enumerate(cs) if stride % c == 0)
+        reach[axis] += (extent - 1) * (stride // cs[axis])
+        strides.append(stride // cs[axis] * low.strides[axis])
+    if any(r >= d for r, d in zip(reach, low.shape)):
+        return None
+    offset = low.offset + sum(b * s for b, s in zip(base, low.strides))
+    return View.create(top.shape, strides, offset, top.mask)
 
 
 class SliceChoice:
