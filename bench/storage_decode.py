@@ -58,7 +58,7 @@ def measure(config: LlamaConfig, max_cache: int) -> pd.DataFrame:
     """One row per recipe (RECIPES order): kernels, modelled bytes, the hand count, H200 latency."""
     start = time.perf_counter()
     model = build_decode(config, random_weights(config), max_cache)
-    space = SearchSpace.build(model.graph)
+    space = SearchSpace.build(model.graph, fusion=False)  # storage recipes alone (Gemm fusion: bench/fusion.py)
     inputs = model.make_inputs([1], [3])
     bindings = model.graph.bind_symbols(inputs)
     print(f"built {config.num_hidden_layers} layers in {time.perf_counter() - start:.1f} s")

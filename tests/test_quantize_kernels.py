@@ -127,7 +127,7 @@ MODEL = transformer(1, s=5, d=160, heads=4, hidden=192, symbolic_seq=True)  # K 
 
 @functools.cache
 def space() -> SearchSpace:
-    return SearchSpace.build(MODEL.graph)
+    return SearchSpace.build(MODEL.graph, fusion=False)  # unfused q/k/v: one QUANTIZE serves three Gemms
 
 
 @functools.cache

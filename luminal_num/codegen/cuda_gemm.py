@@ -16,13 +16,14 @@ reading its buffer (`prequantized[0]`) loads q as it is with the QUANTIZE kernel
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ..dtypes.formats import BF16, F8E4M3, F8E5M2, F16, F32, INT8, INT32, TF32, Format, Kind
 from ..dtypes.variants import GEMM_VARIANTS, WHOLE, GemmPrecision, Granularity
 from ..hlir.shape import contiguous_strides
 from ..hlir.symbolic import Dim, prod
 from . import ctypes_map
-from .cuda_body import (IndexExpr, SymbolTable, c_add, c_div, c_index, c_mul, dims_symbols, dot, load_float,
+from .cuda_body import (IndexExpr, SymbolTable, body_symbols, c_add, c_div, c_index, c_mul, dims_symbols, dot, load_float,
                         round_expr, row_major_strides, store, unravel, view_index, view_symbols)
 from .cuda_source import (COMPUTE_TYPES, CUBLAS_ENUMS, ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, SCALES_SCRATCH, Arg,
                           GemmCall, KernelSource, Launch, Scratch, entry_name, indent, name_launches, per, source_header)
@@ -196,7 +197,8 @@ class _Writer:
         self.k, self.formats, self.variant = kernel, formats, variant_of(kernel)
         self.prequantized = prequantized
         lay = kernel.layout
-        names = dims_symbols(lay.full_shape).union(*(view_symbols(inp.view) for inp in kernel.inputs))
+        names = dims_symbols(lay.full_shape).union(*(view_symbols(inp.view) for inp in kernel.inputs),
+                                                   body_symbols(kernel.body))
         self.table = SymbolTable.of(names)
         self.lay = lay
         self.specs = (self.variant.a_scale, self.variant.b_scale)
@@ -348,7 +350,16 @@ def _accumulate(w: _Writer) -> list[str]:
     return lines
 
 
-def _gemm_kernel(w: _Writer) -> str:
+@dataclass(frozen=True)
+class EpilogueCode:
+    """What a Gemm epilogue adds to the tiled kernel: its own operands (input slots 2..), and, from the
+    output coordinates and the symbol table, the statements and the float value stored in place of the
+    accumulator `total` (codegen/cuda_gemm_epilogue.py)."""
+    slots: tuple[int, ...]
+    body: Callable[[list[IndexExpr], SymbolTable], tuple[list[str], str]]
+
+
+def _gemm_kernel(w: _Writer, epilogue: EpilogueCode | None = None) -> str:
     k, lay, v = w.k, w.lay, w.variant
     acc_type = "unsigned int" if v.acc_format is INT32 else "float"
     full = w.full_coords("bz", "m", "n", 0)
@@ -359,6 +370,8 @@ def _gemm_kernel(w: _Writer) -> str:
         scale = w.scale_value(slot, "bz", row, col)
         loads.append(f"({bound}) ? {w.quantized(slot, w.element(slot, 'bz', row, col), scale)} : 0.0f")
     params = [f"{ctypes_map.cuda_type(k.dtype)}* __restrict__ out", w.in_param(0), w.in_param(1)]
+    params += [w.in_param(s) for s in (epilogue.slots if epilogue else ())]
+    lines, value = epilogue.body(out_coords, w.table) if epilogue else ([], "total")
     params += [f"const float* __restrict__ scale{s}" for s in (0, 1) if w.specs[s] is not None] + w.dyn_param()
     return (f'extern "C" __global__ void {ENTRY}({", ".join(params)}) {{\n'
             f"    __shared__ float ta[{TILE}][{K_TILE + 1}];\n    __shared__ float tb[{K_TILE}][{TILE + 1}];\n"
@@ -383,7 +396,10 @@ def _gemm_kernel(w: _Writer) -> str:
             "                const long long kk = k0 + t;\n"
             "                const float qa = ta[ty][t], qb = tb[t][tx];\n"
             + indent(_accumulate(w), 4) + "            }\n            __syncthreads();\n        }\n"
-            f"        if (m < M && n < N) out[{c_index(out_pos)}] = {store(k.dtype, 'total')};\n    }}\n}}\n")
+            + (f"        if (m < M && n < N) out[{c_index(out_pos)}] = {store(k.dtype, value)};\n" if not epilogue else
+               "        if (m < M && n < N) {\n" + indent(lines, 3)
+               + f"            out[{c_index(out_pos)}] = {store(k.dtype, value)};\n        }}\n")
+            + "    }\n}\n")
 
 
 def _source(code: str, formats) -> str:
@@ -392,7 +408,7 @@ def _source(code: str, formats) -> str:
 
 
 def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
-                prequantized: tuple[bool, ...] = (False, False)) -> KernelSource:
+                prequantized: tuple[bool, ...] = (False, False), epilogue: EpilogueCode | None = None) -> KernelSource:
     """The fallback (scales, then the tiled kernel) and, where cuBLAS can, the GemmCall.
 
     Scratch: the scales of each operand this kernel scales itself, then (cuBLASLt) its quantized
@@ -400,12 +416,13 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
     w = _Writer(kernel, formats, prequantized)
     lay = kernel.layout
     # cuBLASLt takes a pre-quantized A as it is: only when read in the (batch, M, K) layout it was written in
-    lt = _lt_capable(w.variant, kernel.dtype) and (
+    single = all(len(inp.view.views) == 1 for inp in kernel.inputs[:2])  # cuBLAS needs one strided view each
+    lt = epilogue is None and single and _lt_capable(w.variant, kernel.dtype) and (
         not prequantized[0] or kernel.inputs[0].view == quantized_a_view(kernel.layout))
     own = [s for s in (0, 1) if w.specs[s] is not None and not prequantized[s]]
     own_quant = own if lt else []
     source = _source("".join([_scale_kernel(w, s) for s in own] + [_quant_kernel(w, s) for s in own_quant]
-                                + [_gemm_kernel(w)]), {*formats, kernel.dtype, *(w.op_formats if lt else ())})
+                                + [_gemm_kernel(w, epilogue)]), {*formats, kernel.dtype, *(w.op_formats if lt else ())})
     scratch = tuple(Scratch(f"scale{s}", F32, w.scale_blocks(s)) for s in own)
     scratch += tuple(Scratch(f"quant{s}", w.op_formats[s], ((lay.batch, 1), (w.extents(s)[1 + s], 1), (lay.k, 1)))
                      for s in own_quant)
@@ -415,15 +432,16 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
     scale_launches = tuple(Launch(f"{ENTRY}_scale{s}", (w.scale_blocks(s),), (SCALE_THREADS,),
                                   (scale_arg[s], Arg("in", s))) for s in own)
     gemm = Launch(ENTRY, (per(lay.m, TILE), per(lay.n, TILE), per(lay.batch, 1)), (TILE, TILE),
-                  (Arg("out"), Arg("in", 0), Arg("in", 1), *scale_arg.values()))
+                  (Arg("out"), Arg("in", 0), Arg("in", 1), *(Arg("in", s) for s in (epilogue.slots if epilogue else ())),
+                   *scale_arg.values()))
     name = entry_name("gemm", source)
     if lt:
         quant = tuple(Launch(f"{ENTRY}_quant{s}", (per(prod(w.extents(s)), ELEMENTWISE_THREADS),),
                              (ELEMENTWISE_THREADS,), (operand_arg[s], Arg("in", s), scale_arg[s])) for s in own_quant)
         call = _lt_call(kernel, w.variant, _geometry(kernel), name_launches(scale_launches + quant, name),
                         (operand_arg[0], operand_arg[1]), (scale_arg[0], scale_arg[1]))
-    else:
-        call = _cublas_call(kernel, w.variant, formats, _geometry(kernel))
+    else:  # an epilogue runs in the tiled kernel only (cuBLAS would store the accumulator first)
+        call = None if epilogue or not single else _cublas_call(kernel, w.variant, formats, _geometry(kernel))
     return KernelSource(0, name, source.replace(ENTRY, name), name_launches(scale_launches + (gemm,), name),
                         w.table, scratch, call)
 

@@ -101,6 +101,17 @@ TENSOR_DECLS: tuple[ENodeDecl, ...] = (
     # A Gemm's A operand in the variant's format, contiguous (batch, M, K), dynamic scales beside it.
     ENodeDecl("KQuantize", _T, params("a:T va:i64 layout:i64 prec:S dt:S"), K.QUANTIZE,
               operands=(("a", "va"),), dtype="dt"),
+    # A Gemm (variant `prec`) with the elementwise consumer `epi` computed on its FP32 accumulator before
+    # its one store in dt; `acc` is the plain Gemm's e-class, which `epi` reads by its identity view
+    # (search/rules/fuse_gemm.py). No knob: its variant is the one chosen for `acc`.
+    ENodeDecl("KGemmEpi", _T, params("a:T va:i64 b:T vb:i64 layout:i64 prec:S acc:T epi:F dt:S"), K.GEMM_EPILOGUE,
+              operands=(("a", "va"), ("b", "vb")), dtype="dt"),
+    # Compile-time weights (the external slots in the group's concats table entry `cat`) concatenated along
+    # their rows: one buffer the compiler builds once (no launch), read by a horizontally fused Gemm.
+    ENodeDecl("KCatW", _T, params("cat:i64"), dtype_const="f32"),
+    # An alias: the value is `src`'s buffer read through `view` (a horizontally fused Gemm's columns of
+    # one part); readers compose their own view on top of it. No launch.
+    ENodeDecl("KSlice", _T, params("src:T view:i64"), dtype_const="f32"),
 )
 
 BUFFER_DECLS: tuple[ENodeDecl, ...] = (ENodeDecl("ConsumedBuffer", _B, params("t:T")),)

@@ -15,7 +15,7 @@ kernel widening q * s back to values would change the arithmetic, not just move 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Union
 
 import numpy as np
@@ -43,10 +43,16 @@ class KernelKind(enum.Enum):
     GATHER = "gather"
     SCATTER = "scatter"
     SCATTER_NOCOPY = "scatter_nocopy"
+    GEMM_EPILOGUE = "gemm_epilogue"  # a Gemm whose body (FAcc = the FP32 accumulator) runs before its one store
 
     @property
     def launches(self) -> bool:
         return self is not KernelKind.EXTERNAL
+
+    @property
+    def is_gemm(self) -> bool:
+        """A Gemm kernel (inputs A, B first; scales, variants and the cuBLAS geometry apply)."""
+        return self in (KernelKind.GEMM, KernelKind.GEMM_EPILOGUE)
 
 
 # -- fused scalar bodies ------------------------------------------------------------------------
@@ -74,7 +80,12 @@ class FApply:
     kind: str | None = None
 
 
-FExpr = Union[FLoad, FConstV, FRoundTo, FApply]
+@dataclass(frozen=True)
+class FAcc:
+    """A GEMM_EPILOGUE body's read of its own FP32 accumulator at the output element (never stored)."""
+
+
+FExpr = Union[FLoad, FConstV, FRoundTo, FApply, FAcc]
 
 
 def count_ops(e: FExpr) -> int:
@@ -111,6 +122,8 @@ class Kernel:
     label: str = ""                    # where it came from (graph node), for op tables
     eclass: str = ""                   # provenance: the e-class (in its chunk's group space) it implements
     storage: str | None = None         # EXTERNAL weights: held in this StorageFormat, widened on load
+    concat: tuple[str, ...] = ()       # EXTERNAL: these weights concatenated (`external` names the result) ...
+    concat_axis: int = 0               # ... along this axis
 
     def numel(self, bindings: Mapping[str, int]) -> int:
         return int(evaluate(prod(self.shape), bindings)) if self.shape else 1
@@ -171,7 +184,7 @@ class Kernel:
             total += n * element_bytes.get(inp.buffer, dtypes[inp.buffer].itemsize)
         if self.kind is KernelKind.QUANTIZE:
             total = 2 * total + self.scales_bytes(bindings)
-        if self.kind is KernelKind.GEMM and GEMM_VARIANTS[self.precision or "f32"].a_prologue:
+        if self.kind.is_gemm and GEMM_VARIANTS[self.precision or "f32"].a_prologue:
             a = self.inputs[0]  # the prologue's amax pass reads A once more
             total += float(evaluate(prod(a.view.shape), bindings)) / max(1.0, float(evaluate(
                 self.layout.n, bindings))) * element_bytes.get(a.buffer, dtypes[a.buffer].itemsize)
@@ -205,6 +218,7 @@ _FLOPS = {
     # a max per element, a division per element, one per scale
     KernelKind.QUANTIZE: lambda k, b: 2 * k.numel(b) + int(k.scales_bytes(b) // F32.itemsize),
     KernelKind.GATHER: _no_flops, KernelKind.SCATTER: _no_flops, KernelKind.SCATTER_NOCOPY: _no_flops,
+    KernelKind.GEMM_EPILOGUE: lambda k, b: _gemm_flops(k, b) + k.numel(b) * count_ops(k.body),
 }
 assert set(_FLOPS) == set(KernelKind), "every kernel kind has a flop count"
 
@@ -267,7 +281,7 @@ def verify(p: Program) -> Program:
             if not 0 <= inp.buffer < k.id:
                 raise ProgramError(f"kernel {k.id} ({k.kind.value}) reads buffer {inp.buffer} before it is written")
             readers[inp.buffer] = readers.get(inp.buffer, 0) + 1
-            if p.kernels[inp.buffer].kind is KernelKind.QUANTIZE and (k.kind is not KernelKind.GEMM or inp is not k.inputs[0]):
+            if p.kernels[inp.buffer].kind is KernelKind.QUANTIZE and (not k.kind.is_gemm or inp is not k.inputs[0]):
                 raise ProgramError(f"kernel {k.id} ({k.kind.value}) reads QUANTIZE buffer {inp.buffer}: only a Gemm's A may")
         if k.storage is not None and k.kind is not KernelKind.EXTERNAL:
             raise ProgramError(f"kernel {k.id} ({k.kind.value}) has storage {k.storage!r}: only weights do")
@@ -346,6 +360,37 @@ def _check_gemm(k: Kernel) -> str:
     return _views_shaped(k, lay.full_shape, 2)
 
 
+def _check_gemm_epilogue(k: Kernel) -> str:
+    """A Gemm (A, B over the Mul shape) plus epilogue operands read over its output shape."""
+    gemm = _check_gemm(replace(k, inputs=k.inputs[:2]))
+    if gemm or k.body is None:
+        return gemm or "has no epilogue body"
+    slots = _load_slots(k.body)
+    if slots & {0, 1} or (slots and max(slots) >= len(k.inputs)):
+        return f"epilogue loads slots {sorted(slots)}: only inputs 2..{len(k.inputs) - 1} (A and B are the Gemm's)"
+    bad = [i for i, inp in enumerate(k.inputs[2:], 2) if tuple(inp.view.shape) != tuple(k.shape)]
+    return f"epilogue inputs {bad} are not read over {tuple(k.shape)}" if bad else ""
+
+
+def epilogue_as_elementwise(k: Kernel, acc_buffer: int) -> Kernel:
+    """A GEMM_EPILOGUE's body as an ELEMENTWISE kernel over its output whose last input is the accumulator
+    (buffer `acc_buffer`, a backend's own id for it): the backends and the static bound evaluate it with
+    their elementwise code, so the epilogue is the same arithmetic as the unfused consumer."""
+    acc = KernelInput(acc_buffer, ShapeTracker.contiguous(k.shape))
+    return replace(k, kind=KernelKind.ELEMENTWISE, inputs=(*k.inputs, acc), body=_acc_to_load(k.body, len(k.inputs)),
+                   body_shape=k.shape, layout=None, precision=None)
+
+
+def _acc_to_load(e: FExpr, slot: int) -> FExpr:
+    if isinstance(e, FAcc):
+        return FLoad(slot)
+    if isinstance(e, FRoundTo):
+        return replace(e, x=_acc_to_load(e.x, slot))
+    if isinstance(e, FApply):
+        return replace(e, args=tuple(_acc_to_load(a, slot) for a in e.args))
+    return e
+
+
 def _check_quantize(k: Kernel) -> str:
     v = GEMM_VARIANTS.get(k.precision)
     if k.layout is None or v is None or v.a_scale is None or v.a_scale.static:
@@ -355,10 +400,19 @@ def _check_quantize(k: Kernel) -> str:
     return _views_shaped(k, k.layout.full_shape, 1)
 
 
+def external_value(k: Kernel, feed: Mapping[str, object]) -> np.ndarray:
+    """An EXTERNAL kernel's value from graph inputs by name: the input, or its weights concatenated."""
+    if k.concat:
+        return np.concatenate([np.asarray(feed[n]) for n in k.concat], axis=k.concat_axis)
+    return np.asarray(feed[k.external])
+
+
 def _check_source(k: Kernel) -> str:
     if k.storage is not None and (k.kind is not KernelKind.EXTERNAL or k.storage not in STORAGE_FORMATS
                                   or len(k.shape) != 2):
         return f"storage {k.storage!r}: only a 2-D EXTERNAL weight is held in a (known) storage format"
+    if k.concat and (k.kind is not KernelKind.EXTERNAL or k.storage is not None or len(k.shape) != 2):
+        return f"concatenates {k.concat}: only a 2-D EXTERNAL weight without a storage format is a concatenation"
     if k.inputs:
         return "a source kernel reads nothing"
     if k.kind is KernelKind.EXTERNAL and not k.external:
@@ -388,5 +442,6 @@ _SHAPE_CHECK = {
     KernelKind.MAX: _check_reduce, KernelKind.SOFTMAX: _check_reduce, KernelKind.GEMM: _check_gemm,
     KernelKind.QUANTIZE: _check_quantize, KernelKind.GATHER: _check_gather, KernelKind.SCATTER: _check_scatter,
     KernelKind.SCATTER_NOCOPY: _check_scatter,
+    KernelKind.GEMM_EPILOGUE: lambda k: _check_gemm_epilogue(k),
 }
 assert set(_SHAPE_CHECK) == set(KernelKind), "every kernel kind has a verifier entry"

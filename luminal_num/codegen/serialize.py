@@ -14,7 +14,7 @@ from ..hlir.gemm import GemmLayout
 from ..hlir.ops import Op
 from ..hlir.shape import ShapeTracker, View
 from ..hlir.symbolic import Dim, Poly
-from .llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program, verify
+from .llir import FAcc, FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program, verify
 
 LLIR_FORMAT = 1
 
@@ -91,6 +91,8 @@ def _body(e: FExpr | None) -> Any:
         return {"const": _scalar(e.value)}
     if isinstance(e, FRoundTo):
         return {"round": _body(e.x), "fmt": e.fmt.name, "origin": e.origin}
+    if isinstance(e, FAcc):
+        return {"acc": True}
     return {"apply": e.op.name, "kind": e.kind, "args": [_body(a) for a in e.args]}
 
 
@@ -103,6 +105,8 @@ def _unbody(x: Any) -> FExpr | None:
         return FConstV(_unscalar(x["const"]))
     if "round" in x:
         return FRoundTo(_unbody(x["round"]), get_format(x["fmt"]), x["origin"])
+    if "acc" in x:
+        return FAcc()
     if "apply" in x:
         return FApply(Op[x["apply"]], tuple(_unbody(a) for a in x["args"]), x["kind"])
     raise LlirDataError(f"not a kernel body: {x!r}")
@@ -115,7 +119,8 @@ def _kernel(k: Kernel) -> dict:
             "axis": k.axis, "acc": k.acc.name if k.acc else None, "precision": k.precision,
             "layout": _layout(k.layout), "aliases": k.aliases, "chunk": k.chunk, "external": k.external,
             "value": None if k.value is None else _scalar(k.value), "label": k.label, "eclass": k.eclass,
-            **({"storage": k.storage} if k.storage is not None else {})}
+            **({"storage": k.storage} if k.storage is not None else {}),
+            **({"concat": list(k.concat), "concat_axis": k.concat_axis} if k.concat else {})}
 
 
 def _unkernel(x: dict) -> Kernel:
@@ -125,7 +130,8 @@ def _unkernel(x: dict) -> Kernel:
                   body_shape=_undims(x["body_shape"]), axis=x["axis"], acc=get_format(x["acc"]) if x["acc"] else None,
                   precision=x["precision"], layout=_unlayout(x["layout"]), aliases=x["aliases"], chunk=int(x["chunk"]),
                   external=x["external"], value=None if x["value"] is None else _unscalar(x["value"]),
-                  label=x["label"], eclass=x.get("eclass", ""), storage=x.get("storage"))
+                  label=x["label"], eclass=x.get("eclass", ""), storage=x.get("storage"),
+                  concat=tuple(str(n) for n in x.get("concat", ())), concat_axis=int(x.get("concat_axis", 0)))
 
 
 def program_to_data(p: Program) -> dict:

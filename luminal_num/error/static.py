@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
+from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program, epilogue_as_elementwise
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.formats import get as get_format
 from ..dtypes.variants import GEMM_VARIANTS
@@ -31,6 +31,7 @@ from .normalize import NormBound
 from .rounding_bounds import gamma
 from .softmax_bound import softmax_error
 
+_ACC = -1  # the buffer id a Gemm epilogue's accumulator is analysed under (no kernel has it)
 SLACK = 1.0 + 2.0 ** -40  # covers FP64's own error in the reference and in these bound computations
 
 
@@ -258,8 +259,8 @@ class StaticAnalyzer:
         return tuple(eval_dim(d, self.bindings) for d in k.shape)
 
     def external(self, k: Kernel, inputs: Mapping[str, Interval]) -> _Val:
-        iv = inputs[k.external]
         shape = self._shape(k)
+        iv = self._concat_interval(k, inputs) if k.concat else inputs[k.external]
         if k.storage is not None:  # a weight held in a storage format: its exact storage error
             try:
                 return stored_weight_value(iv, k.storage, shape)
@@ -271,6 +272,13 @@ class StaticAnalyzer:
             return _Val(iv, np.zeros(shape))
         low = float(np.min(iv.lo)) if iv.lo.size else 0.0
         return _store(_Val(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
+
+    def _concat_interval(self, k: Kernel, inputs: Mapping[str, Interval]) -> Interval:
+        """Concatenated weights: each part's interval over its own shape, concatenated along the axis."""
+        parts = {p.external: p for p in self.p.kernels if p.kind is KernelKind.EXTERNAL and not p.concat}
+        ivs = [(inputs[n], self._shape(parts[n])) for n in k.concat]
+        return Interval(np.concatenate([np.broadcast_to(iv.lo, s) for iv, s in ivs], axis=k.concat_axis),
+                        np.concatenate([np.broadcast_to(iv.hi, s) for iv, s in ivs], axis=k.concat_axis))
 
     def const(self, k: Kernel, inputs) -> _Val:
         c = k.value if isinstance(k.value, float) else float(eval_dim(k.value, self.bindings))
@@ -379,6 +387,16 @@ class StaticAnalyzer:
     def gemm(self, k: Kernel, inputs=None) -> _Val:
         return _store(self._gemm(k), k.dtype, k)
 
+    def gemm_epilogue(self, k: Kernel, inputs=None) -> _Val:
+        """The Gemm's value as its FP32 accumulator holds it (the unfused Gemm's F32 store: the same value),
+        then the epilogue exactly as the unfused elementwise kernel's transfer, then the one store."""
+        self.vals[_ACC] = _round_f32(self._gemm(k), k)
+        self.norm.by_id[_ACC] = k  # the accumulator is this Gemm's: a norm pattern stops at it
+        try:
+            return self.elementwise(epilogue_as_elementwise(k, _ACC), inputs)
+        finally:
+            del self.vals[_ACC], self.norm.by_id[_ACC]
+
     def _gemm(self, k: Kernel) -> _Val:
         lay = k.layout
         variant = GEMM_VARIANTS[k.precision or "f32"]
@@ -435,6 +453,7 @@ KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str
     KernelKind.GATHER: StaticAnalyzer.gather,
     KernelKind.SCATTER: StaticAnalyzer.scatter,
     KernelKind.SCATTER_NOCOPY: StaticAnalyzer.scatter,
+    KernelKind.GEMM_EPILOGUE: StaticAnalyzer.gemm_epilogue,
 }
 
 

@@ -21,7 +21,7 @@ from ..codegen.llir import Kernel, Program  # noqa: E402
 
 
 def kernel_format(k: Kernel) -> str:
-    if k.kind is KernelKind.GEMM:
+    if k.kind.is_gemm:
         return k.precision or "f32"
     extra = k.precision or (k.acc.name if k.acc is not None and k.acc is not k.dtype else "")
     return k.dtype.name + (f"/{extra}" if extra and extra != k.dtype.name else "")

@@ -22,7 +22,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
+from ..codegen.llir import (FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program, epilogue_as_elementwise,
+                            external_value)
 from ..dtypes.formats import F32, Format, Kind, get as get_format
 from ..dtypes.rounding import Overflow, round_to, store
 from ..dtypes.variants import GEMM_VARIANTS
@@ -110,6 +111,7 @@ class CpuRuntime:
         self._plans: dict[tuple, BufferPlan] = {}
         self.stored_weights = dict(stored_weights or {})  # stored_key -> StoredTensor (a plan's weights file)
         self._widened: dict[str, np.ndarray] = {}  # stored_key -> its widened values (read-only)
+        self._concats: dict[str, np.ndarray] = {}  # concatenated weights (immutable: built once per runtime)
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
@@ -117,13 +119,15 @@ class CpuRuntime:
         missing = [n for n, _ in self.program.inputs if n not in feed]
         if missing:
             raise KeyError(f"missing inputs: {missing}")
+        feed.update(self._concatenated(feed, inputs))
         bindings = {**bind_program(self.program, feed), **(bindings or {})}
         key = tuple(sorted(bindings.items()))
         if key not in self._plans:
             self._plans[key] = plan_buffers(self.program, bindings)
         plan = self._plans[key]
         slots = [np.empty(n, dtype=np.uint8) for n in plan.slot_bytes]
-        state = _Run({}, {}, feed, bindings, frozenset(n for n in self.weights if n not in inputs))
+        state = _Run({}, {}, feed, bindings, frozenset(n for n in self.weights if n not in inputs)
+                     | frozenset(self._concats))
         timings = []
         wanted = {kid for _, kid in self.program.exports} if keep_exports else set()
         exports: dict[int, np.ndarray] = {}
@@ -148,6 +152,22 @@ class CpuRuntime:
                     timings.append((k.id, time.perf_counter() - t0))
         outputs = {name: state.stored[kid].astype(np.float64) for name, kid in self.program.outputs}
         return RunResult(outputs, tuple(timings), plan, exports if keep_exports else None)
+
+    def _concatenated(self, feed, inputs) -> dict[str, np.ndarray]:
+        """The value of every concatenated-weights EXTERNAL (a horizontally fused Gemm's B): built once
+        per runtime when all its parts are this runtime's weights, else from this run's feed."""
+        out = {}
+        for k in self.program.kernels:
+            if not k.concat:
+                continue
+            if any(n in inputs or n not in self.weights for n in k.concat):
+                out[k.external] = external_value(k, feed)
+                self._concats.pop(k.external, None)
+            else:
+                if k.external not in self._concats:
+                    self._concats[k.external] = external_value(k, self.weights)
+                out[k.external] = self._concats[k.external]
+        return out
 
     def static_b_scales(self, kid: int) -> np.ndarray | None:
         return self.static_scales.get(kid)
@@ -345,6 +365,30 @@ def _quantize(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _gemm(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
+    return store32(gemm_accumulator(rt, k, state), k.dtype)
+
+
+def _accumulator_id(k: Kernel) -> int:
+    """The buffer id a Gemm epilogue's accumulator is held under while its body runs: negative (no
+    kernel has it) and one per kernel, because computed values are shared between the kernels of a run
+    by the buffer ids they load (state.shared): one id for every accumulator made a second epilogue with
+    the same body return the first one's values."""
+    return -1 - k.id
+
+
+def _gemm_epilogue(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
+    """The Gemm's FP32 accumulator, the epilogue body on it (each op one FP32 rounding, as the unfused
+    elementwise kernel computes it), one store in the kernel's dtype."""
+    acc = _accumulator_id(k)
+    state.stored[acc] = gemm_accumulator(rt, k, state)
+    try:
+        return store32(body_values(epilogue_as_elementwise(k, acc), state), k.dtype)
+    finally:
+        del state.stored[acc]
+
+
+def gemm_accumulator(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
+    """A Gemm kernel's C as float32, before its store (the variant's arithmetic, scales applied)."""
     a_scales = state.scales[k.inputs[0].buffer] if rt.program.quantized_inputs(k)[0] else None
     b_source = rt.program.kernel(k.inputs[1].buffer)
     weight = b_source.external if b_source.kind is KernelKind.EXTERNAL else None
@@ -355,7 +399,7 @@ def _gemm(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
                  b_source.storage,  # the same weight held in two formats prepares two operands
                  tuple(sorted(state.bindings.items())), None if scales is None else scales.tobytes())
         b_key = (state.feed[weight], b_key)
-    return store32(run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key), k.dtype)
+    return run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key)
 
 
 def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:
@@ -382,6 +426,7 @@ KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
     KernelKind.ELEMENTWISE: _elementwise, KernelKind.SUM: _sum, KernelKind.MAX: _max,
     KernelKind.SOFTMAX: _softmax, KernelKind.QUANTIZE: _quantize, KernelKind.GEMM: _gemm,
     KernelKind.GATHER: _gather, KernelKind.SCATTER: _scatter, KernelKind.SCATTER_NOCOPY: _scatter,
+    KernelKind.GEMM_EPILOGUE: _gemm_epilogue,
 }
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from ..codegen import nvrtc
 from ..codegen.cuda_kernels import SCALES_SCRATCH, Arg, KernelSource, Launch, render_kernel
 from ..codegen.cuda_source import GemmCall
-from ..codegen.llir import Kernel, KernelKind, Program
+from ..codegen.llir import Kernel, KernelKind, Program, external_value
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.rounding import to_storage
 from ..quant.stored import widened
@@ -163,7 +163,7 @@ class CudaRuntime:
         for k in self.program.kernels:
             if k.kind is not KernelKind.EXTERNAL:
                 continue
-            host = np.ascontiguousarray(self._host_value(k, feed[k.external])).view(np.uint8).reshape(-1)
+            host = np.ascontiguousarray(self._host_value(k, external_value(k, feed))).view(np.uint8).reshape(-1)
             slot = state.slots[state.plan.slot_of[k.id]]
             if len(shared[state.plan.slot_of[k.id]]) == 1:
                 state.host.append(host)

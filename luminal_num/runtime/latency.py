@@ -26,7 +26,7 @@ def kernel_works(program: Program, bindings: Mapping[str, int]) -> list[KernelWo
     works = []
     for k in program.launched():
         math, tc = "fp32", False
-        if k.kind is KernelKind.GEMM:
+        if k.kind.is_gemm:
             math, tc = gemm_math(GEMM_VARIANTS[k.precision or "f32"])
         side = sum(scales.get(inp.buffer, 0) for inp in k.inputs)
         works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes, element_bytes) + side,

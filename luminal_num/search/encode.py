@@ -50,6 +50,7 @@ class ChunkTables:
     ext_shapes: tuple[tuple, ...]
     ext_is_weight: tuple[bool, ...]
     roots: tuple[tuple[str, int], ...]  # (let name, local node index) for every exported node
+    concats: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (axis, external weight slots) concatenated (KCatW)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Mapping
 
 from ..codegen.kinds import Sort, decl
 from .choice import Candidate, ChoiceSpace, ENode, _Picker
+from .horizontal import SliceChoice
 
 BASE = "f32"
 
@@ -45,17 +46,34 @@ def knobs(space: ChoiceSpace) -> tuple[Knob, ...]:
 _T_RANK = {decl(n).name: 0 for n in ("KGemm", "KScatterNoCopy", "KVariant")}
 
 
+def _t_rank(n: ENode, genome: Mapping[str, str], space: ChoiceSpace, slices: SliceChoice) -> int:
+    """A Gemm epilogue comes first when its variant is the one the genome chose for its Gemm (the same
+    value with one kernel less) and that Gemm is not read from a horizontally fused one (it would run
+    twice), and after everything else when not (never a second variant); a slice never unless taken."""
+    if n.op == "KGemmEpi":
+        prec, acc = n.arg("prec"), n.cls("acc")
+        ok = genome.get(acc, BASE) == (BASE if prec == BASE else "gemm:" + prec)
+        return -1 if ok and not slices.sliced(space, acc, genome, BASE) else 9
+    if n.op == "KSlice":
+        return 10
+    return _T_RANK.get(n.op, 1)
+
+
 def extract(space: ChoiceSpace, genome: Mapping[str, str] | None = None) -> Candidate:
     """The candidate realising `genome` (class -> tag; missing = BASE) with preferred structure."""
     genome = dict(genome or {})
+    slices = SliceChoice(space)
 
     def order(cid: str, picker: _Picker) -> list[int]:
         nodes = space.classes[cid]
         want = genome.get(cid, BASE)
-        idx = [i for i, n in enumerate(nodes) if node_tag(n) == want] or list(range(len(nodes)))
+        idx = [i for i, n in enumerate(nodes) if node_tag(n) == want and n.op != "KSlice"] or list(range(len(nodes)))
         if nodes[idx[0]].decl.sort is Sort.F:
             return _scalar_order(space, cid, idx, picker)
-        return sorted(idx, key=lambda i: (_T_RANK.get(nodes[i].op, 1), i))
+        # a part of a horizontally fused Gemm reads the fused one when the genome allows (horizontal.py)
+        taken = [i for i, n in enumerate(nodes) if n.op == "KSlice" and slices.takes(n, genome, BASE)]
+        return taken + sorted((i for i in idx if i not in taken),
+                              key=lambda i: (_t_rank(nodes[i], genome, space, slices), i))
 
     p = _Picker(space, None, None, order)
     for _, cid in space.roots:

@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from ..codegen.kinds import TENSOR_DECLS, Sort
-from ..codegen.llir import (FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program,
+from ..codegen.llir import (FAcc, FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program,
                             verify)
 from ..dtypes.formats import get as get_format
 from ..hlir.graph import Graph
 from ..hlir.partition import Partition
 from ..hlir.shape import ShapeTracker
 from .choice import Candidate, ENode
+from .horizontal import compose
 from .saturate import GroupSpace
 
 
@@ -26,6 +27,7 @@ from .saturate import GroupSpace
 class _Builder:
     kernels: list[Kernel] = field(default_factory=list)
     stored: dict[tuple[int, str], int] = field(default_factory=dict)  # (weight buffer, format) -> its stored buffer
+    concats: dict[tuple[int, ...], int] = field(default_factory=dict)  # (axis, weight buffers) -> concatenation
 
     def add(self, **kw) -> int:
         k = Kernel(id=len(self.kernels), **kw)
@@ -71,12 +73,20 @@ class _ChunkLowering:
 
     def operands(self, n: ENode, origin: str | None = None) -> tuple[KernelInput, ...]:
         """The kernel's inputs: its declared (tensor, view) parameter pairs, in order."""
-        return tuple(KernelInput(self._operand(n, t, origin), self.view(n.arg(v))) for t, v in n.decl.operands)
+        return tuple(self._operand(n, t, self.view(n.arg(v)), origin) for t, v in n.decl.operands)
 
-    def _operand(self, n: ENode, param: str, origin: str | None) -> int:
+    def _operand(self, n: ENode, param: str, view: ShapeTracker, origin: str | None) -> KernelInput:
         if n.decl.params[n.decl.index(param)].sort is Sort.B:  # a consumed buffer: the value it holds
-            return self.tensor(self.node(n.cls(param)).cls("t"))
-        return self.tensor(n.cls(param), origin)
+            return KernelInput(self.tensor(self.node(n.cls(param)).cls("t")), view)
+        return self.read(n.cls(param), view, origin)
+
+    def read(self, cid: str, view: ShapeTracker, origin: str | None = None) -> KernelInput:
+        """Reading e-class `cid` through `view`: a slice alias (KSlice) reads its source's buffer through
+        the slice's view with `view` on top; anything else reads its own kernel's buffer."""
+        n = self.node(cid)
+        if n.op == "KSlice":
+            return KernelInput(self.tensor(n.cls("src"), origin), compose(self.view(n.arg("view")), view))
+        return KernelInput(self.tensor(cid, origin), view)
 
     def body(self, n: ENode) -> tuple[FExpr, tuple[KernelInput, ...], tuple]:
         inputs: list[KernelInput] = []
@@ -86,13 +96,20 @@ class _ChunkLowering:
             raise ValueError(f"{n.op} body reads views of different shapes {set(shapes)}")
         return body, tuple(inputs), shapes[0]
 
-    def scalar(self, cid: str, inputs: list[KernelInput], shapes: list) -> FExpr:
-        """The body expression; `shapes` collects the iteration shape of every leaf (all must agree)."""
+    def scalar(self, cid: str, inputs: list[KernelInput], shapes: list, acc: str | None = None) -> FExpr:
+        """The body expression; `shapes` collects the iteration shape of every leaf (all must agree).
+        `acc`: a Gemm epilogue's Gemm class, whose identity-view loads read the accumulator (FAcc)."""
         n = self.node(cid)
         if n.decl.sort is not Sort.F:
             raise ValueError(f"e-node {n.op} is not a scalar expression")
+        if n.op == "Load" and n.cls("t") == acc:
+            view = self.view(n.arg("view"))
+            if view != ShapeTracker.contiguous(view.shape):  # the rule only matches identity-view reads
+                raise ValueError(f"an epilogue reads its Gemm through the non-identity view {view}")
+            shapes.append(view.shape)
+            return FAcc()
         if n.op == "Load":
-            ki = KernelInput(self.tensor(n.cls("t")), self.view(n.arg("view")))
+            ki = self.read(n.cls("t"), self.view(n.arg("view")))
             if ki not in inputs:
                 inputs.append(ki)
             shapes.append(ki.view.shape)
@@ -101,13 +118,13 @@ class _ChunkLowering:
             shapes.append(self.view(n.arg("view")).shape)
             return FConstV(self.const(n.arg("cid")))
         if n.op == "FRound":
-            inner = self.scalar(n.cls("x"), inputs, shapes)
+            inner = self.scalar(n.cls("x"), inputs, shapes, acc)
             if n.arg("dt") == "f32":
                 return inner  # bodies compute in FP32: rounding to it is exact
             reads = [a.cls("t") for a in self.space.classes[cid] if a.op == "Load"]
             origin = self.space.class_origin.get(reads[0], "") if reads else ""
             return FRoundTo(inner, get_format(n.arg("dt")), origin)
-        args = tuple(self.scalar(n.cls(p.name), inputs, shapes) for p in n.decl.params if p.sort is Sort.F)
+        args = tuple(self.scalar(n.cls(p.name), inputs, shapes, acc) for p in n.decl.params if p.sort is Sort.F)
         return FApply(n.decl.op, args, kind=n.arg("kind") if n.op == "FCustom" else None)
 
 
@@ -125,6 +142,27 @@ def _stored(lo: _ChunkLowering, n: ENode, origin: str) -> int:
                                     external=src.external, storage=n.arg("fmt"),
                                     label=f"{src.label} stored as {n.arg('fmt')}")
     return lo.b.stored[key]
+
+
+def _concat(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """The weights of the concats entry concatenated along its axis: one buffer per set of weights (shared
+    by chunks)."""
+    axis, slots = lo.t.concats[n.arg("cat")]
+    srcs = [lo.b.kernels[lo.slots[s]] for s in slots]
+    key = (axis, *(k.id for k in srcs))
+    if key not in lo.b.concats:
+        names = tuple(k.external for k in srcs)
+        shape = list(srcs[0].shape)
+        shape[axis] = sum(k.shape[axis] for k in srcs)
+        lo.b.concats[key] = lo.b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=tuple(shape), dtype=srcs[0].dtype,
+                                     external=f"concat{axis}(" + ",".join(names) + ")", concat=names, concat_axis=axis,
+                                     label=f"{' + '.join(names)} concatenated along axis {axis}")
+    return lo.b.concats[key]
+
+
+def _slice(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    raise ValueError(f"{origin}: a slice of a fused Gemm has no buffer of its own; only readers (through their "
+                     "views) may use it, never a root or an in-place destination")
 
 
 def _variant(lo: _ChunkLowering, n: ENode, origin: str) -> int:
@@ -167,6 +205,19 @@ def _gemm(lo: _ChunkLowering, n: ENode, origin: str) -> int:
                     precision=n.arg("prec"), **lo.common(n, origin))
 
 
+def _gemm_epilogue(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """KGemmEpi: the Gemm's A and B, then the epilogue's own loads; its reads of `acc` are the accumulator."""
+    layout = lo.t.layouts[n.arg("layout")]
+    inputs = list(lo.operands(n, origin))
+    shape = tuple(d for i, d in enumerate(layout.full_shape) if i != layout.k_axis)
+    shapes: list = []
+    body = lo.scalar(n.cls("epi"), inputs, shapes, acc=n.cls("acc"))
+    if any(tuple(s_) != shape for s_ in shapes):
+        raise ValueError(f"epilogue of {origin} reads views of shapes {set(shapes)}, not its output {shape}")
+    return lo.b.add(kind=KernelKind.GEMM_EPILOGUE, inputs=tuple(inputs), shape=shape, dtype=get_format(n.arg("dt")),
+                    layout=layout, precision=n.arg("prec"), body=body, body_shape=shape, **lo.common(n, origin))
+
+
 def _quantize(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     layout = lo.t.layouts[n.arg("layout")]
     prec = n.arg("prec")
@@ -193,7 +244,8 @@ def _scatter(lo: _ChunkLowering, n: ENode, origin: str) -> int:
 _TENSOR: dict[str, Callable[[_ChunkLowering, ENode, str], int]] = {
     "KExt": _ext, "KStored": _stored, "KVariant": _variant, "KConst": _const, "KIota": _iota, "Ew": _elementwise,
     "KSum": _reduction, "KMax": _reduction, "KSoftmax": _reduction, "KGemm": _gemm, "KQuantize": _quantize,
-    "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter,
+    "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter, "KGemmEpi": _gemm_epilogue,
+    "KCatW": _concat, "KSlice": _slice,
 }
 assert set(_TENSOR) == {d.name for d in TENSOR_DECLS}, "every tensor constructor has exactly one lowering"
 

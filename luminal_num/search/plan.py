@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import __version__
 from ..codegen.kinds import LAUNCHED_KINDS, backend_table
-from ..codegen.llir import KernelKind, Program
+from ..codegen.llir import KernelKind, Program, count_ops, external_value
 from ..codegen.serialize import LlirDataError, program_from_data, program_to_data
 from ..dtypes.variants import GEMM_VARIANTS
 from ..error.budget import Budget
@@ -96,6 +96,7 @@ _OP_ROW = backend_table("plan op table", {
     # what the dynamic scales of the Gemm's A actually are
     KernelKind.QUANTIZE: lambda k: {"quant": f"A:{k.dtype.name}", "scales": _scale_label("A", k.scale_spec)},
     KernelKind.GATHER: _no_extra, KernelKind.SCATTER: _no_extra, KernelKind.SCATTER_NOCOPY: _no_extra,
+    KernelKind.GEMM_EPILOGUE: lambda k: {**_gemm_row(k), "epilogue": f"{count_ops(k.body)} ops on the accumulator"},
 }, LAUNCHED_KINDS)
 
 
@@ -108,17 +109,17 @@ def _scale_label(side: str, spec) -> str:
 def static_weight_scales(program: Program, weights, bindings) -> dict[int, np.ndarray]:
     """Compile-time scales of every Gemm whose variant scales its weight operand statically."""
     out = {}
-    ext = {k.id: k.external for k in program.kernels if k.kind is KernelKind.EXTERNAL}
+    ext = {k.id: k for k in program.kernels if k.kind is KernelKind.EXTERNAL}
     for k in program.launched():
-        if k.kind is not KernelKind.GEMM:
+        if not k.kind.is_gemm:
             continue
         v = GEMM_VARIANTS[k.precision or "f32"]
         if v.b_scale is None or not v.b_scale.static:
             continue
-        name = ext.get(k.inputs[1].buffer)
-        if name not in weights:
+        src = ext.get(k.inputs[1].buffer)
+        if src is None or any(n not in weights for n in (src.concat or (src.external,))):
             raise PlanError(f"kernel {k.id} uses static weight scales but its B operand is not a weight")
-        b = gemm_operand_b(read_operand(k.inputs[1].view, np.asarray(weights[name], dtype=np.float32), bindings),
+        b = gemm_operand_b(read_operand(k.inputs[1].view, external_value(src, weights).astype(np.float32), bindings),
                            k.layout)
         out[k.id] = compute_scales(b, v.b_format, v.b_scale)
     return out

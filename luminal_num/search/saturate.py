@@ -16,6 +16,8 @@ from . import egraph as E
 from .choice import ChoiceSpace, read_choice_space
 from .encode import ChunkTables, encode_chunk
 from .rules.dtype_prop import dtype_prop
+from .horizontal import fusion_groups, plan_fusions
+from .rules.fuse_gemm import epilogue_facts, fuse_gemm, horizontal_facts
 from .rules.inplace import cleanup, inplace
 from .rules.lower import lower
 
@@ -53,7 +55,7 @@ class GroupSpace:
     stats: SaturationStats
 
 
-def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=None) -> GroupSpace:
+def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=None, fusion: bool = True) -> GroupSpace:
     t0 = time.perf_counter()
     enc = encode_chunk(graph, group.representative, consumers, group.chunks)
     eg = enc.egraph
@@ -63,6 +65,18 @@ def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=N
     reports = [eg.run((lower.saturate() + dtype_prop.saturate()).saturate())]
     if precision_rules is not None:
         reports.append(eg.run((precision_rules.saturate() + lower.saturate() + dtype_prop.saturate()).saturate()))
+    tables = enc.tables
+    if fusion:  # Gemm fusion (search/rules/fuse_gemm.py): horizontal groups, epilogues on the accumulator
+        consumers = consumers if consumers is not None else graph.consumers()
+        groups = fusion_groups(graph, group.chunks, consumers)
+        fused, tables = plan_fusions(groups, enc.tables)
+        rep = group.representative
+        facts = epilogue_facts(graph, group.chunks, enc.terms, consumers) + horizontal_facts(
+            fused, {local: enc.terms[nid] for local, nid in enumerate(rep.nodes)},
+            {gi: enc.terms[g.a_node] for gi, g in enumerate(groups)})
+        if facts:
+            eg.register(*facts)
+        reports.append(eg.run((fuse_gemm.saturate() + dtype_prop.saturate()).saturate()))
     reports.append(eg.run((inplace.saturate() + dtype_prop.saturate()).saturate()))
     reports.append(eg.run(cleanup.saturate()))
     t2 = time.perf_counter()
@@ -74,4 +88,4 @@ def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=N
             matches[str(name)] = matches.get(str(name), 0) + n
     stats = SaturationStats(t1 - t0, t2 - t1, t3 - t2, space.n_classes, space.n_nodes,
                             tuple(sorted(matches.items())), enc.gemm_candidates)
-    return GroupSpace(group, space, enc.tables, stats)
+    return GroupSpace(group, space, tables, stats)

@@ -1,0 +1,35 @@
+"""A GEMM_EPILOGUE kernel on CUDA: the tiled Gemm of codegen/cuda_gemm.py with its one store replaced by
+the epilogue body, rendered by the elementwise body writer from the same op table (cuda_body.py).
+
+The accumulator `total` (the variant's FP32 result, scales applied, exactly what the plain Gemm stores
+in FP32) is the body's FAcc; each epilogue operand is read at the output element through its view;
+every op is one FP32 rounding, as in the unfused elementwise kernel; one store in the kernel's dtype.
+cuBLAS cannot run a body before its store, so such a kernel has no GemmCall.
+"""
+from __future__ import annotations
+
+from ..dtypes.formats import Format
+from .cuda_body import BodyWriter, IndexExpr, SymbolTable, load_float, view_index, c_index
+from .cuda_gemm import EpilogueCode, render_gemm
+from .cuda_source import KernelSource
+from .llir import Kernel, epilogue_as_elementwise
+
+_ACC = -1  # the accumulator's buffer id in the elementwise form of the body (no buffer: `total`)
+
+
+def render_gemm_epilogue(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...]) -> KernelSource:
+    if any(prequantized[2:]):
+        raise ValueError(f"kernel {kernel.id}: a Gemm epilogue cannot read a QUANTIZE kernel's buffer")
+    body = epilogue_as_elementwise(kernel, _ACC).body
+    acc_slot = len(kernel.inputs)
+
+    def render(coords: list[IndexExpr], table: SymbolTable) -> tuple[list[str], str]:
+        def load(slot: int) -> str:
+            if slot == acc_slot:
+                return "total"
+            at = view_index(kernel.inputs[slot].view, coords, table)
+            value = load_float(formats[slot], f"in{slot}[{c_index(at.pos)}]")
+            return value if at.valid is None else f"({at.valid}) ? {value} : 0.0f"
+        return BodyWriter(load, table, prefix="ep").render(body)
+
+    return render_gemm(kernel, formats, prequantized[:2], EpilogueCode(tuple(range(2, len(kernel.inputs))), render))
