@@ -23,6 +23,7 @@ from functools import lru_cache
 from typing import Callable
 
 from ..dtypes.formats import F32, F64, Format
+from ..dtypes.formats import get as get_format
 from ..dtypes.rounding import round_to
 from ..hlir.symbolic import Dim, is_const, prod
 from . import ctypes_map
@@ -282,6 +283,9 @@ def _scatter(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
                         _args(k, (0, 1, 2))),)
 
 
+CUDA_KV_ROUNDED = ("bf16", "f16")  # KV formats without scales: the scatter rounds each value
+
+
 def _scatter_nocopy(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
     """In-place scatter: one thread per source element writes its row of the aliased destination.
 
@@ -299,11 +303,16 @@ def _scatter_nocopy(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
     raw_i, valid_i = cx.read(2, coords[:n_idx])
     idx = load_index(cx.formats[2], raw_i)
     out_pos = c_index(dot(["row", *coords[n_idx:]], row_major_strides([cx.dim(d) for d in k.shape])))
+    value = _guarded(raw_s, valid_s, cx.formats[1], k.dtype)
+    if k.storage is not None:  # a KV cache held in a format: the row is written rounded (kept as float values)
+        if k.storage not in CUDA_KV_ROUNDED:
+            raise ValueError(f"kernel {k.id}: the CUDA backend writes KV-cache rows as {'/'.join(CUDA_KV_ROUNDED)} "
+                             f"only, not {k.storage} (its row scales need a row amax: CPU backend only)")
+        value = round_expr(get_format(k.storage), value, saturate=False)
     src = (f'extern "C" __global__ void {ENTRY}({cx.params("out", (1, 2))}) {{\n'
            f"    LN_GRID_STRIDE_LOOP(i, {cx.c_dim(prod(src_shape))}) {{\n" + indent(coord_lines, 2)
            + f"        const long long row = {idx if valid_i is None else f'({valid_i}) ? {idx} : -1LL'};\n"
-           f"        if (row >= 0 && row < {cx.c_dim(k.shape[0])}) out[{out_pos}] = "
-           f"{_guarded(raw_s, valid_s, cx.formats[1], k.dtype)};\n    }}\n}}\n")
+           f"        if (row >= 0 && row < {cx.c_dim(k.shape[0])}) out[{out_pos}] = {value};\n    }}\n}}\n")
     return src, (Launch(ENTRY, (per(prod(src_shape), ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
                         _args(k, (1, 2))),)
 

@@ -101,6 +101,9 @@ TENSOR_DECLS: tuple[ENodeDecl, ...] = (
     # A Gemm's A operand in the variant's format, contiguous (batch, M, K), dynamic scales beside it.
     ENodeDecl("KQuantize", _T, params("a:T va:i64 layout:i64 prec:S dt:S"), K.QUANTIZE,
               operands=(("a", "va"),), dtype="dt"),
+    # A KV-cache input (chunk source `slot`, overwritten in place by the step's Scatter) held in KV format
+    # `fmt` (luminal_num.quant.kv): the Scatter writes its rows converted, attention reads them widened.
+    ENodeDecl("KCacheStored", _T, params("slot:i64 fmt:S"), dtype_const="f32", knob=("fmt", "kv:")),
 )
 
 BUFFER_DECLS: tuple[ENodeDecl, ...] = (ENodeDecl("ConsumedBuffer", _B, params("t:T")),)

@@ -27,6 +27,7 @@ from ..hlir.ops import Op
 from ..hlir.shape import ShapeTracker, View, contiguous_strides
 from ..hlir.symbolic import Dim, evaluate, prod
 from ..quant.scales import scale_shape
+from ..quant.kv import is_kv_format
 from ..quant.storage import STORAGE_FORMATS
 
 
@@ -146,8 +147,10 @@ class Kernel:
     def bytes_stored(self, bindings: Mapping[str, int]) -> int:
         if not self.kind.launches:
             return 0
-        if self.kind is KernelKind.SCATTER_NOCOPY:  # in place: only the scattered rows are written
-            return int(evaluate(prod(self.inputs[1].view.shape), bindings) * self.dtype.itemsize)
+        if self.kind is KernelKind.SCATTER_NOCOPY:  # in place: only the scattered rows are written (in a
+            # KV cache's format: its codes and their share of the scales)
+            return int(round(float(evaluate(prod(self.inputs[1].view.shape), bindings))
+                             * self.stored_bytes_per_element(bindings)))
         return int(self.numel(bindings) * self.dtype.itemsize) + self.scales_bytes(bindings)
 
     def bytes_loaded(self, bindings: Mapping[str, int], dtypes: Mapping[int, Format],
@@ -233,6 +236,12 @@ class Program:
         """Buffer id -> bytes per element in memory, for the buffers held in a storage format."""
         return {k.id: k.stored_bytes_per_element(bindings) for k in self.kernels if k.storage is not None}
 
+    def cache_buffers(self) -> frozenset[int]:
+        """EXTERNAL buffers held in a KV-cache format: the destinations of in-place Scatters with a storage
+        (runtime inputs converted on entry, unlike weights, which the compiler converts once)."""
+        return frozenset(k.inputs[0].buffer for k in self.kernels
+                         if k.kind is KernelKind.SCATTER_NOCOPY and k.storage is not None)
+
     def launched(self) -> list[Kernel]:
         return [k for k in self.kernels if k.kind.launches]
 
@@ -269,8 +278,9 @@ def verify(p: Program) -> Program:
             readers[inp.buffer] = readers.get(inp.buffer, 0) + 1
             if p.kernels[inp.buffer].kind is KernelKind.QUANTIZE and (k.kind is not KernelKind.GEMM or inp is not k.inputs[0]):
                 raise ProgramError(f"kernel {k.id} ({k.kind.value}) reads QUANTIZE buffer {inp.buffer}: only a Gemm's A may")
-        if k.storage is not None and k.kind is not KernelKind.EXTERNAL:
-            raise ProgramError(f"kernel {k.id} ({k.kind.value}) has storage {k.storage!r}: only weights do")
+        if k.storage is not None and k.kind not in (KernelKind.EXTERNAL, KernelKind.SCATTER_NOCOPY):
+            raise ProgramError(f"kernel {k.id} ({k.kind.value}) has storage {k.storage!r}: only weights and "
+                               "KV caches (held by an in-place scatter) do")
         if (k.aliases is not None) != (k.kind is KernelKind.SCATTER_NOCOPY) or k.aliases not in (None, 0):
             raise ProgramError(f"kernel {k.id} ({k.kind.value}) aliases input {k.aliases!r}: only in-place scatters "
                                "alias, their destination (input 0)")
@@ -297,6 +307,9 @@ def verify(p: Program) -> Program:
                                    f"readers{' and is an output' if dest in outs else ''}")
             if p.kernels[dest].dtype != k.dtype:
                 raise ProgramError(f"kernel {k.id} overwrites a {p.kernels[dest].dtype.name} buffer as {k.dtype.name}")
+            if p.kernels[dest].storage != k.storage or (k.storage is not None and not is_kv_format(k.storage)):
+                raise ProgramError(f"kernel {k.id} writes rows as {k.storage!r} into a buffer held as "
+                                   f"{p.kernels[dest].storage!r} (a KV cache and its scatter share one KV format)")
     return p
 
 

@@ -6,7 +6,9 @@ Why each step:
   is refused with one line naming it, never dropped: dropping a bias would judge a different function.
 - Tensors are dequantized with the `gguf` package (llama.cpp's own code, so Q4_1/Q8_0 blocks give
   exactly llama.cpp's float32 values), and each keeps its source format and raw blocks
-  (`TensorSource`) so a storage choice can keep the quantized values as they are.
+  (`TensorSource`) so a storage choice can keep the quantized values as they are: Q4_1 / Q8_0
+  matrices are registered with luminal_num.quant.stored, so the search offers storing them in their
+  own blocks (zero added error) and the plan's weights file holds exactly those blocks.
 - llama.cpp's converter permutes the rows of Q and K so that its interleaved RoPE (pairs 2i, 2i+1)
   equals Hugging Face's rotate-half RoPE (pairs i, i + d/2); we undo it on the dequantized rows and
   on the raw block rows alike (blocks run along a row, so a row permutation moves whole blocks).
@@ -21,6 +23,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from ..quant.gguf import GGUF_TYPE_NAMES
+from ..quant.stored import keep_gguf_source
 from .llama import EMBED, FINAL_NORM, LM_HEAD, LlamaConfig, check_weights, weight_shapes
 from .tokenizer import ChatTemplate, Tokenizer
 
@@ -50,6 +54,9 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd.weight": EMBED, "output_norm.weight": FINAL_NORM, "output.weight": LM_HEAD}
 # Rows permuted by llama.cpp's converter, with the metadata key of the head count that sets the permutation.
 _ROPE_PERMUTED = {"self_attn.q_proj.weight": "head_count", "self_attn.k_proj.weight": "head_count_kv"}
+
+
+GGUF_KEPT_TYPES = frozenset(GGUF_TYPE_NAMES.values())  # GGML types a storage choice keeps bit for bit
 
 
 class GGUFError(ValueError):
@@ -185,6 +192,9 @@ def load_gguf(path: str | Path, layers: int | None = None) -> GGUFModel:
             continue  # a layer cut off by `layers`
         weights[name], sources[name] = _tensor(tensors[gguf_name], meta, meta["general.architecture"], name)
     check_weights(config, weights)
+    for name, src in sources.items():  # Q4_1 / Q8_0 matrices: storing them in their blocks keeps them exactly
+        if src.format in GGUF_KEPT_TYPES and weights[name].ndim == 2:
+            keep_gguf_source(weights[name], src.raw, src.format)
     template = meta.get("tokenizer.chat_template")
     return GGUFModel(config, weights, sources, Tokenizer.from_gguf_metadata(meta),
                      ChatTemplate(str(template)) if template else None,

@@ -35,6 +35,7 @@ from ..codegen.llir import Kernel, KernelKind, Program
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.rounding import to_storage
 from ..quant.stored import widened
+from ..quant.kv import cache_values
 from ..hlir.symbolic import evaluate
 from .buffers import BufferPlan, plan_buffers
 from .cpu import RunResult, bind_program
@@ -121,6 +122,8 @@ class CudaRuntime:
     def _host_value(self, k: Kernel, value) -> np.ndarray:
         """An input as the CPU backend stores it (rounded to the plan dtype, saturating; FP32 plain)."""
         arr = np.asarray(value)
+        if k.storage is not None and k.id in self.program.cache_buffers():  # a KV cache handed in: its format
+            return cache_values(arr.astype(np.float32), k.storage)
         if k.storage is not None:  # the values the plan's stored weight holds, widened (no packed kernel yet)
             return widened(arr, k.storage)
         if k.dtype.kind is Kind.FLOAT:
