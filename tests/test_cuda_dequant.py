@@ -90,3 +90,79 @@ def test_bad_shapes_and_activations_are_refused():
         render_weight_only(WEIGHT_ONLY_GEMMS["gguf_q4_1_af32"].weight, F32, 1, 4, 40)
     with pytest.raises(ValueError, match="activations are f32/bf16/f16"):
         render_weight_only(v.weight, WEIGHT_ONLY_GEMMS["f8e4m3_channel_af32"].weight.element, 1, 4, 32)
+
+
+# -- the CUDA runtime: Gemms on stored weights run this kernel on the stored bytes --------------------
+RUNTIME_FORMATS = ["int8_channel", "int4_g128", "int4_g32_asym", "mxfp4", "nvfp4", "f8e4m3_channel", "bf16"]
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """The executing CUDA stand-in (tests/fake_cuda.py): launches run in the interpreter."""
+    import luminal_num.runtime.cuda as cuda_module
+    from fake_cuda import Recorder, install
+    from luminal_num.runtime import cuda_device
+    rec = Recorder()
+    monkeypatch.setenv(nvrtc.CACHE_ENV, str(tmp_path))
+    install(monkeypatch, rec, cuda_module, cuda_device)
+    plan = cuda_module.weight_only_gemm
+
+    def noting_plan(kernel, program):  # the stand-in executes what it has seen rendered
+        src = plan(kernel, program)
+        if src is not None:
+            rec.sources[src.name] = src.source
+        return src
+    monkeypatch.setattr(cuda_module, "weight_only_gemm", noting_plan)
+    rec.execute = True
+    yield rec
+    cuda_device.probe.cache_clear()
+
+
+def linear(fmt: str, act: str, seed: int = 0):
+    from luminal_num.hlir.graph import Graph
+    from luminal_num.search.recipes import pick
+    from luminal_num.search.space import SearchSpace
+    m, n, k = 2, 20, 256
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) / 16).astype(np.float32)
+    g = Graph()
+    x = g.input("x", (m, k))
+    g.output(x @ g.weight("w", w).transpose(), "y")
+    space = SearchSpace.build(g)
+    program = space.program(pick(space, {f"store:{fmt}", f"gemm:{act}"}.__contains__))
+    return g, w, program, {"x": rng.standard_normal((m, k)).astype(np.float32)}
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("fmt", RUNTIME_FORMATS)
+def test_the_cuda_runtime_runs_stored_weights_dequantized_on_load(fake, fmt):
+    """The Gemm on a stored weight launches the dequantize-on-load kernel on the weight's stored bytes
+    (no FP32 copy of the weight is uploaded) and computes the sequential emulation bit for bit."""
+    from luminal_num.codegen.cuda_weight_only import weight_only_gemm
+    from luminal_num.quant import STORAGE_FORMATS
+    from luminal_num.runtime.cuda import CudaRuntime
+    act = "bf16" if fmt != "bf16" else "f16"
+    g, w, program, inputs = linear(fmt, act)
+    gemm = next(k for k in program.kernels if k.kind.value == "gemm")
+    src = weight_only_gemm(gemm, program)
+    assert src is not None
+    cuda = CudaRuntime(program, g.weights)
+    got = cuda.run(inputs).outputs["y"]
+    assert [e["entry"] for e in fake.ops("launch")] == [src.name]
+    uploads = sorted(e["nbytes"] for e in fake.ops("upload"))
+    stored = STORAGE_FORMATS[fmt].pack(STORAGE_FORMATS[fmt].quantize(w))
+    assert w.nbytes not in uploads and sum(a.nbytes for a in stored.arrays.values()) <= sum(uploads)
+    for part in stored.arrays.values():
+        assert part.nbytes in uploads
+    variant = WEIGHT_ONLY_GEMMS[f"{fmt}_a{act}"]
+    want = emulate_weight_only_gemm(inputs["x"], stored, variant, SumOrder.SEQUENTIAL)
+    assert got.astype(np.float32).tobytes() == want.tobytes()
+
+
+def test_gemms_of_another_form_keep_their_own_kernels():
+    """TF32 or FP8 variants on a stored weight, or no stored weight at all: not this kernel."""
+    from luminal_num.codegen.cuda_weight_only import weight_only_gemm
+    for fmt, act in (("int8_channel", "tf32"), ("none", "f32")):
+        _, _, program, _ = linear(fmt, act)
+        gemm = next(k for k in program.kernels if k.kind.value == "gemm")
+        assert weight_only_gemm(gemm, program) is None, (fmt, act)

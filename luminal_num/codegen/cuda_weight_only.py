@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from ..dtypes.formats import BF16, E8M0, F4E2M1, F16, F32, INT4, UINT4, Format
 from ..quant.layout import Layout, Part, Scheme
 from ..quant.pack import FOUR_BIT_FORMATS, packed_length
-from ..quant.storage import StorageFormat
+from ..hlir.symbolic import is_const
+from ..quant.storage import STORAGE_FORMATS, StorageFormat
 from . import ctypes_map
 from .cuda_body import round_expr
 from .cuda_source import ENTRY, entry_name, source_header
+from .llir import Kernel, KernelKind, Program
 
 TILE = 16     # outputs per block along M and N (16 x 16 threads)
 K_TILE = 32   # K per shared-memory stage
@@ -152,3 +154,45 @@ def render_weight_only(fmt: StorageFormat, act: Format, m: int, n: int, k: int,
     name = entry_name("wgemm", source)
     grid = (min(math.ceil(m / TILE), 65535), min(math.ceil(n / TILE), 65535), 1)
     return WeightOnlySource(name, source.replace(ENTRY, name), ("out", "a", *parts), grid, (TILE, TILE, 1))
+
+
+# -- which LLIR Gemms run as a dequantize-on-load kernel ---------------------------------------------
+_ACT_OF_PRECISION = {"f32": F32, "bf16": BF16, "f16": F16}  # plain Gemm variants: the MMA operand format
+
+
+def _row_major(view, axes: tuple[int, ...], full) -> bool:
+    """`view` reads its buffer row-major over `axes` (in order) and broadcasts (stride 0) every other axis."""
+    if len(view.views) != 1:
+        return False
+    v = view.views[0]
+    if v.mask is not None or v.offset != 0:
+        return False
+    stride, want = 1, {}
+    for a in reversed(axes):
+        want[a] = stride if full[a] != 1 else v.strides[a]
+        stride = stride * full[a]
+    return all(v.strides[a] == want.get(a, 0) or full[a] == 1 for a in range(len(full)))
+
+
+def weight_only_gemm(kernel: Kernel, program: Program) -> WeightOnlySource | None:
+    """The dequantize-on-load kernel for an LLIR Gemm whose B is a weight held in a storage format, or
+    None when the Gemm is not of that form: a plain f32/bf16/f16 variant, A read row-major as (M, K) from
+    an F32/BF16/F16 buffer, B the stored (N, K) weight read as W^T, no batch, concrete shapes."""
+    act = _ACT_OF_PRECISION.get(kernel.precision or "f32")
+    if kernel.kind is not KernelKind.GEMM or act is None:
+        return None
+    a_src, w_src = (program.kernel(i.buffer) for i in kernel.inputs)
+    if w_src.kind is not KernelKind.EXTERNAL or w_src.storage not in STORAGE_FORMATS \
+            or w_src.id in program.cache_buffers() or a_src.kind is KernelKind.QUANTIZE or a_src.dtype not in ACTIVATIONS:
+        return None
+    lay = kernel.layout
+    full = lay.full_shape
+    if not all(is_const(d) for d in full) or lay.batch != 1 or max(lay.m_axes) > min(lay.n_axes):
+        return None
+    m, n, k = int(lay.m), int(lay.n), int(lay.k)
+    if tuple(int(d) for d in w_src.shape) != (n, k) or kernel.dtype is not F32:
+        return None
+    if not (_row_major(kernel.inputs[0].view, (*lay.m_axes, lay.k_axis), full)
+            and _row_major(kernel.inputs[1].view, (*lay.n_axes, lay.k_axis), full)):
+        return None
+    return render_weight_only(STORAGE_FORMATS[w_src.storage], act, m, n, k, a_src.dtype)

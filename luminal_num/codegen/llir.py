@@ -161,6 +161,7 @@ class Kernel:
         kernel reads its operand twice (an amax pass, then the convert pass) and its scales once."""
         element_bytes = element_bytes or {}
         total = 0.0
+        reads: list[float] = []
         for i, inp in enumerate(self.inputs):
             if i == 0 and self.kind is KernelKind.SCATTER_NOCOPY:
                 continue
@@ -171,13 +172,17 @@ class Kernel:
             if i == 0 and self.kind is KernelKind.GATHER and inp.view.shape:
                 rows = float(evaluate(inp.view.shape[0], bindings))
                 n = min(n, n / max(rows, 1.0) * float(evaluate(prod(self.inputs[1].view.shape), bindings)))
-            total += n * element_bytes.get(inp.buffer, dtypes[inp.buffer].itemsize)
+            reads.append(n * element_bytes.get(inp.buffer, dtypes[inp.buffer].itemsize))
+            total += reads[-1]
         if self.kind is KernelKind.QUANTIZE:
             total = 2 * total + self.scales_bytes(bindings)
         if self.kind is KernelKind.GEMM and GEMM_VARIANTS[self.precision or "f32"].a_prologue:
             a = self.inputs[0]  # the prologue's amax pass reads A once more
             total += float(evaluate(prod(a.view.shape), bindings)) / max(1.0, float(evaluate(
                 self.layout.n, bindings))) * element_bytes.get(a.buffer, dtypes[a.buffer].itemsize)
+        b_scale = GEMM_VARIANTS[self.precision or "f32"].b_scale if self.kind is KernelKind.GEMM else None
+        if b_scale is not None and not b_scale.static:  # B scaled at run time: an amax pass reads B once more
+            total += reads[1]
         return int(round(total))
 
     def flops(self, bindings: Mapping[str, int]) -> int:
