@@ -59,6 +59,43 @@ def test_the_source_formats_are_registered_and_offered_for_those_weights_only(sm
                    for t in k.tags)
 
 
+def small_graph(model):
+    """The first 64 rows of SmolLM2's Q8_0 embedding (their blocks kept as a source of their own: rows
+    are independent blocks) and two of its Q4_1 Linears: y = (emb[ids] + x) @ up^T @ down^T."""
+    rows = 64
+    embed = np.ascontiguousarray(model.weights[EMBED][:rows])
+    assert keep_gguf_source(embed, model.sources[EMBED].raw[:rows], "Q8_0") == "gguf_q8_0"
+    g = Graph()
+    ids = index_input(g, "ids", (2,))
+    x = g.input("x", (2, model.config.hidden_size))
+    h = g.weight(EMBED, embed).gather(ids) + x
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        h = h @ g.weight(name, model.weights[name]).transpose()
+    g.output(h, "y")
+    return g, {"ids": np.array([7, 63]), "x": np.random.default_rng(0).standard_normal((2, model.config.hidden_size))}
+
+
+def test_random_genomes_with_kept_blocks_have_sound_bounds(smol):
+    """Genome fuzzing over every knob (kept GGUF blocks, re-quantized formats, Gemm variants)."""
+    model, *_ = smol
+    g, inputs = small_graph(model)
+    space = SearchSpace.build(g)
+    ref = evaluate(g, inputs)["y"]
+    ranges = {k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in inputs.items()}
+    rng = np.random.default_rng(11)
+    kept = 0
+    for _ in range(5):
+        genome = frozenset((gk, k.cls, k.tags[int(rng.integers(len(k.tags)))])
+                           for gk, ks in space.knobs.items() for k in ks if rng.random() < 0.8)
+        program = space.program(genome)
+        kept += sum(k.storage in GGUF_KEPT for k in program.kernels)
+        rep = static_bound(program, ranges, g.bind_symbols(inputs), g.weights)
+        if rep.overflow is None:
+            y = CpuRuntime(program, g.weights).run(inputs).outputs["y"]
+            assert np.all(np.abs(y - ref) <= rep.error_bounds["y"])
+    assert kept > 0
+
+
 def test_kept_blocks_are_llama_cpp_values_and_add_no_error(smol):
     """widened == gguf.quants.dequantize of the raw blocks == the graph's weight, bit for bit; on a graph
     of SmolLM2's own Q4_1 Linears and Q8_0 embedding, the plan keeping the blocks computes exactly what
@@ -72,14 +109,7 @@ def test_kept_blocks_are_llama_cpp_values_and_add_no_error(smol):
         assert widened(model.weights[name], fmt).tobytes() == reference.astype(np.float32).tobytes(), name
         assert np.array_equal(model.weights[name], reference)
         assert not np.any(storage_error(model.weights[name], fmt))
-    g = Graph()
-    ids = index_input(g, "ids", (2,))
-    x = g.input("x", (2, model.config.hidden_size))
-    h = g.weight(EMBED, model.weights[EMBED]).gather(ids) + x
-    for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"):
-        h = h @ g.weight(name, model.weights[name]).transpose()
-    g.output(h, "y")
-    inputs = {"ids": np.array([7, 40000]), "x": np.random.default_rng(0).standard_normal((2, model.config.hidden_size))}
+    g, inputs = small_graph(model)
     space = SearchSpace.build(g)
     fp32, kept = space.program(frozenset()), kept_program(space)
     assert sorted(k.storage for k in kept.kernels if k.storage) == ["gguf_q4_1", "gguf_q4_1", "gguf_q8_0"]

@@ -267,3 +267,33 @@ def test_cuda_refuses_an_fp8_cache_with_one_line(llama):
     with pytest.raises(ValueError, match="writes KV-cache rows as bf16/f16 only, not f8e4m3_channel") as exc:
         render_kernel(scatter, program)
     assert "\n" not in str(exc.value)
+
+
+def test_a_plan_with_kv_formats_saves_loads_and_audits_from_its_file(llama, tmp_path):
+    """The recipe's plan (BF16 weights in the weights file, FP8 caches converted on entry) round-trips
+    through plan.json + its weights file and passes `audit` on new inputs; the file holds no cache."""
+    from luminal_num.compiler import calibration_ranges
+    from luminal_num.error.budget import Budget
+    from luminal_num.error.judge import Judge
+    from luminal_num.error.reference import references
+    from luminal_num.report.audit import audit
+    from luminal_num.runtime.latency import modelled_latency
+    from luminal_num.search.plan import Plan
+    model, space, inputs = llama
+    genome = recipe_genomes(space)["BF16 weights + FP8 KV cache"]
+    program = space.program(genome)
+    budget = Budget.parse("atol=0.5,rtol=0.5")
+    judge = Judge(model.graph, budget, [inputs])
+    verdict = judge.confirm(program)
+    assert verdict.passed, verdict.reason
+    bind = model.graph.bind_symbols(inputs)
+    plan = Plan.create(space, genome, program, budget, "h200", 0, verdict, modelled_latency(program, "h200", bind),
+                       bind, {}, calibration_ranges(model.graph, space.part, references(model.graph, [inputs])),
+                       model.graph.weights)
+    assert plan.stored and all(t.fmt.name == "bf16" for t in plan.stored.values())
+    loaded = Plan.load(plan.save(tmp_path / "plan.json"))
+    again, _ = loaded.program(model.graph)
+    assert {k.storage for k in again.kernels if k.kind is KernelKind.SCATTER_NOCOPY} == {"f8e4m3_channel"}
+    other = model.make_inputs(np.array([1, 2, 3]), np.arange(4, 7), previous=None, cached_rows=4)
+    result = audit(loaded, model.graph, [inputs, {**other, **{k: v for k, v in inputs.items() if "cache" in k}}])
+    assert result.passed, result.reason
