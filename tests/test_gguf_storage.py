@@ -10,13 +10,12 @@ from luminal_num.codegen.llir import KernelKind
 from luminal_num.error.interval import Interval
 from luminal_num.error.static import static_bound
 from luminal_num.hlir import evaluate
-from luminal_num.models.gguf import load_gguf, smollm2_path
+from luminal_num.models.gguf import TensorSource, keep_source, load_gguf, smollm2_path
 from luminal_num.hlir.graph import Graph
 from luminal_num.hlir.tensor import index_input
 from luminal_num.models.llama import EMBED, build_decode, random_weights
 from luminal_num.quant import from_gguf, to_gguf
-from luminal_num.quant.stored import (GGUF_KEPT, convert, convert_all, keep_gguf_source, source_format, storage_error,
-                                      widened)
+from luminal_num.quant.stored import GGUF_KEPT, convert, convert_all, source_format, storage_error, widened
 from luminal_num.quant.weights_file import load_weights, save_weights
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.plan import stored_layout
@@ -64,7 +63,8 @@ def small_graph(model):
     are independent blocks) and two of its Q4_1 Linears: y = (emb[ids] + x) @ up^T @ down^T."""
     rows = 64
     embed = np.ascontiguousarray(model.weights[EMBED][:rows])
-    assert keep_gguf_source(embed, model.sources[EMBED].raw[:rows], "Q8_0") == "gguf_q8_0"
+    keep_source(embed, TensorSource("Q8_0", model.sources[EMBED].raw[:rows]))
+    assert source_format(embed) == "gguf_q8_0"
     g = Graph()
     ids = index_input(g, "ids", (2,))
     x = g.input("x", (2, model.config.hidden_size))
@@ -151,6 +151,6 @@ def test_blocks_that_are_not_the_weight_are_refused(smol):
     model, *_ = smol
     name = "model.layers.0.mlp.up_proj.weight"
     with pytest.raises(ValueError, match="do not dequantize to this"):
-        keep_gguf_source(model.weights[name] * 2, model.sources[name].raw, "Q4_1")
+        keep_source(model.weights[name] * 2, model.sources[name])
     with pytest.raises(ValueError, match="not kept exactly"):
-        keep_gguf_source(model.weights[name], model.sources[name].raw, "Q6_K")
+        keep_source(model.weights[name], TensorSource("Q6_K", model.sources[name].raw))

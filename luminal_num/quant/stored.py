@@ -18,63 +18,30 @@ from typing import Mapping
 
 import numpy as np
 
+from ..models.gguf import kept_source
 from .gguf import GGUF_TYPE_NAMES
-from .storage import Quantized, StorageFormat, StoredTensor, from_gguf, storage_format
+from .storage import STORAGE_FORMATS, Quantized, StorageFormat, StoredTensor, from_gguf, storage_format
 
 # Storage formats the precision rules offer for a 2-D weight: one per kind of recipe (the catalogue
 # has more; GGUF blocks are kept only where the source was GGUF, which needs the source's blocks).
 GGUF_KEPT: tuple[str, ...] = ("gguf_q4_1", "gguf_q8_0")  # offered only for weights loaded from such blocks
 SEARCHED_STORAGE: tuple[str, ...] = ("bf16", "f16", "f8e4m3_channel", "int8_channel", "int4_g128", "int4_g32_asym",
                                      "mxfp4", "nvfp4")
+_GGUF_FORMAT = {GGUF_TYPE_NAMES[f.scheme]: f.name for f in STORAGE_FORMATS.values() if f.scheme in GGUF_TYPE_NAMES}
 _CACHE_SIZE = 64
 _CACHE: "OrderedDict[tuple, tuple[np.ndarray, Quantized, np.ndarray]]" = OrderedDict()
 
 
-# Weights whose values are a GGUF source's dequantized Q4_1 / Q8_0 blocks: (shape, content digest) ->
-# (format name, the raw blocks). Storing such a weight in that format keeps the source's blocks (zero
-# added error: they dequantize to exactly the weight), instead of quantizing the values again.
-_SOURCES: dict[tuple, tuple[str, np.ndarray]] = {}
-_SOURCE_IDS: dict[int, tuple[np.ndarray, tuple]] = {}  # id(weight array) -> (it, its content key)
-
-
-def _content_key(w: np.ndarray) -> tuple:
-    w = np.ascontiguousarray(w, dtype=np.float32)
-    return w.shape, hashlib.blake2b(w.tobytes(), digest_size=16).digest()
-
-
-def _source_key(w) -> tuple:
-    hit = _SOURCE_IDS.get(id(w))
-    if hit is not None and hit[0] is w:
-        return hit[1]
-    return _content_key(w)
-
-
-def keep_gguf_source(w, raw: np.ndarray, type_name: str) -> str:
-    """Record that weight `w` is the dequantized GGUF tensor `raw` (uint8 blocks, rows as `w`'s) of GGML
-    type `type_name` (Q4_1 / Q8_0): storing `w` in that format then keeps these blocks. Returns the
-    storage format's name; a mismatch between `w` and the blocks is refused (ValueError)."""
-    q = from_gguf(raw, type_name)
-    w32 = np.asarray(w, dtype=np.float32)
-    if q.shape != w32.shape or q.dequantize().tobytes() != np.ascontiguousarray(w32).tobytes():
-        raise ValueError(f"the GGUF {type_name} blocks do not dequantize to this {list(w32.shape)} weight")
-    key = _content_key(w32)
-    _SOURCES[key] = (q.fmt.name, np.ascontiguousarray(raw))
-    if isinstance(w, np.ndarray):
-        _SOURCE_IDS[id(w)] = (w, key)
-    return q.fmt.name
-
-
 def source_format(w) -> str | None:
-    """The GGUF storage format whose source blocks `w` was loaded from (keep_gguf_source), else None."""
-    hit = _SOURCES.get(_source_key(w))
-    return hit[0] if hit else None
+    """The storage format of the GGUF blocks `w` was loaded from (models.gguf.keep_source), else None:
+    storing `w` in it keeps those blocks, with zero added error (they dequantize to exactly `w`)."""
+    src = kept_source(w)
+    return None if src is None else _GGUF_FORMAT[src.format]
 
 
 def _kept(w: np.ndarray, fmt: StorageFormat) -> Quantized | None:
-    hit = _SOURCES.get(_source_key(w))
-    if hit is None or hit[0] != fmt.name:
-        return None
-    return from_gguf(hit[1], GGUF_TYPE_NAMES[fmt.scheme])
+    src = kept_source(w)
+    return from_gguf(src.raw, src.format) if src is not None and _GGUF_FORMAT[src.format] == fmt.name else None
 
 
 def stored_key(name: str, fmt: str | StorageFormat) -> str:
@@ -85,7 +52,7 @@ def stored_key(name: str, fmt: str | StorageFormat) -> str:
 
 def convert(w, fmt: str | StorageFormat) -> Quantized:
     """The compile-time conversion of a weight to its storage format (deterministic): a weight loaded
-    from GGUF blocks of this format keeps them (keep_gguf_source), any other is quantized."""
+    from GGUF blocks of this format keeps them (models.gguf.keep_source), any other is quantized."""
     fmt = storage_format(fmt)
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
