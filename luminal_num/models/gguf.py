@@ -101,7 +101,11 @@ def keep_source(w: np.ndarray, source: TensorSource) -> None:
     if w32.ndim != 2 or values.size != w32.size or values.reshape(w32.shape).astype(np.float32).tobytes() \
             != np.ascontiguousarray(w32).tobytes():
         raise ValueError(f"the GGUF {source.format} blocks do not dequantize to this {list(w32.shape)} weight")
-    key = _content_key(w32)
+    _record(w, source)
+
+
+def _record(w: np.ndarray, source: TensorSource) -> None:
+    key = _content_key(w)
     _KEPT[key] = source
     _KEPT_IDS[id(w)] = (w, key)
 
@@ -224,7 +228,7 @@ def load_gguf(path: str | Path, layers: int | None = None) -> GGUFModel:
     check_weights(config, weights)
     for name, src in sources.items():  # Q4_1 / Q8_0 matrices: storing them in their blocks keeps them exactly
         if src.format in KEPT_TYPES and weights[name].ndim == 2:
-            keep_source(weights[name], src)
+            _record(weights[name], src)  # its values ARE gguf.quants' dequantization of src (_tensor)
     template = meta.get("tokenizer.chat_template")
     return GGUFModel(config, weights, sources, Tokenizer.from_gguf_metadata(meta),
                      ChatTemplate(str(template)) if template else None,
