@@ -37,6 +37,7 @@ CAPTURE_ERROR = "calling cuBLAS API during stream capture is currently unsupport
 C_TYPES = {"float": (np.float32, False), "double": (np.float64, False), "__half": (np.float16, False),
            "__nv_bfloat16": (ml_dtypes.bfloat16, False), "__nv_fp8_e4m3": (ml_dtypes.float8_e4m3fn, False),
            "__nv_fp8_e5m2": (ml_dtypes.float8_e5m2, False), "signed char": (np.int8, True), "int": (np.int32, True),
+           "unsigned char": (np.uint8, True),
            "long long": (np.int64, True)}
 ALIGN = 256
 

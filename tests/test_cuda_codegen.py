@@ -372,7 +372,8 @@ def test_model_gemms_map_to_cublas_and_reproduce_the_cpu_gemm():
 
 EXPECTED_CALLS = {"f32": "CUBLAS_COMPUTE_32F", "tf32": "CUBLAS_COMPUTE_32F_FAST_TF32",
                   "bf16": "CUBLAS_COMPUTE_32F_FAST_16BF", "f16": "CUBLAS_COMPUTE_32F_FAST_16F",
-                  "f8e4m3_tensor": "CUBLAS_COMPUTE_32F"}  # every other variant: the fallback kernel
+                  "f8e4m3_tensor": "CUBLAS_COMPUTE_32F",
+                  "f8e4m3_tensor_dynamic": "CUBLAS_COMPUTE_32F"}  # every other variant: the fallback kernel
 
 
 @needs_nvrtc

@@ -241,8 +241,10 @@ def test_storage_errors():
 def test_catalogue_names_and_structure():
     expected = {"f32", "tf32", "bf16", "f16", "f16acc16", "f8e4m3_tensor", "f8e4m3_channel", "f8e4m3_block",
                 "f8e5m2_tensor", "f8e5m2_channel", "f8e5m2_block", "f8e4m3_mx", "f8e4m3_block_nopromote",
-                "int8_channel", "f8e4m3_channel_prologue"}
+                "int8_channel", "f8e4m3_channel_prologue",
+                "f8e4m3_tensor_dynamic", "f8e4m3_channel_dynamic"}  # both operands scaled at run time
     assert set(GEMM_VARIANTS) == expected
+    assert not any(GEMM_VARIANTS[n].b_scale.static for n in ("f8e4m3_tensor_dynamic", "f8e4m3_channel_dynamic"))
     assert all(name == v.name for name, v in GEMM_VARIANTS.items())
     block, nopromote, mx = (GEMM_VARIANTS[n] for n in ("f8e4m3_block", "f8e4m3_block_nopromote", "f8e4m3_mx"))
     assert (block.a_scale.block, block.b_scale.block, block.promote_every) == ((1, 128), (128, 128), 128)

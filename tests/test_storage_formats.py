@@ -43,7 +43,8 @@ def test_every_scheme_has_a_codec_and_the_catalogue_has_every_format_of_issue_13
     assert set(STORAGE_FORMATS) == {
         "f32", "bf16", "f16", "f8e4m3_channel", "f8e4m3_block128", "f8e5m2_channel", "f8e5m2_block128",
         "int8_channel", "int4_g32", "int4_g64", "int4_g128", "int4_g32_asym", "int4_g64_asym", "int4_g128_asym",
-        "mxfp4", "nvfp4", "gguf_q4_1", "gguf_q8_0"}
+        "mxfp4", "nvfp4", "gguf_q4_1", "gguf_q8_0",
+        "f8e4m3_g16", "f8e4m3_g32", "f8e4m3_g64", "f8e4m3_g128"}  # per-group FP8: per-head KV-cache rows
     assert all(f.name == name for name, f in STORAGE_FORMATS.items())
     assert storage_format("nvfp4") is STORAGE_FORMATS["nvfp4"]
     with pytest.raises(KeyError, match="unknown storage format 'int3'"):
@@ -154,7 +155,9 @@ def _amax_scale(top):
     ("f8e4m3_channel", 1, 10**9, ml_dtypes.float8_e4m3fn, 448.0),
     ("f8e5m2_channel", 1, 10**9, ml_dtypes.float8_e5m2, 57344.0),
     ("f8e4m3_block128", 128, 128, ml_dtypes.float8_e4m3fn, 448.0),
-    ("f8e5m2_block128", 128, 128, ml_dtypes.float8_e5m2, 57344.0)])
+    ("f8e5m2_block128", 128, 128, ml_dtypes.float8_e5m2, 57344.0),
+    ("f8e4m3_g16", 1, 16, ml_dtypes.float8_e4m3fn, 448.0),
+    ("f8e4m3_g64", 1, 64, ml_dtypes.float8_e4m3fn, 448.0)])
 def test_fp8_formats_against_ml_dtypes(name, rows, cols, dtype, top):
     x = weights(150, 200, seed=5)
     fmt = STORAGE_FORMATS[name]

@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Callable
 
-from ..dtypes.formats import F32, F64, Format
+from ..dtypes.formats import F8E4M3, F32, F64, Format
+from ..dtypes.formats import get as get_format
 from ..dtypes.rounding import round_to
 from ..hlir.symbolic import Dim, is_const, prod
 from . import ctypes_map
@@ -34,6 +35,7 @@ from .cuda_gemm_epilogue import render_gemm_epilogue
 from .cuda_source import (ELEMENTWISE_THREADS, ENTRY, MAX_GRID, REDUCE_HELPERS, SCALES_SCRATCH, Arg, GemmCall,
                           KernelSource, Launch, Scratch, ceil_count, entry_name, finish_source, indent, name_launches,
                           per, source_header)
+from ..quant.storage import STORAGE_FORMATS
 from .llir import Kernel, KernelInput, KernelKind, Program
 
 __all__ = ["Arg", "ELEMENTWISE_THREADS", "ENTRY", "KernelSource", "Launch", "MAX_GRID", "RENDERERS", "SCALES_SCRATCH",
@@ -283,6 +285,9 @@ def _scatter(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
                         _args(k, (0, 1, 2))),)
 
 
+CUDA_KV_ROUNDED = ("bf16", "f16")  # KV formats without scales: the scatter rounds each value
+
+
 def _scatter_nocopy(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
     """In-place scatter: one thread per source element writes its row of the aliased destination.
 
@@ -300,16 +305,65 @@ def _scatter_nocopy(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
     raw_i, valid_i = cx.read(2, coords[:n_idx])
     idx = load_index(cx.formats[2], raw_i)
     out_pos = c_index(dot(["row", *coords[n_idx:]], row_major_strides([cx.dim(d) for d in k.shape])))
+    value = _guarded(raw_s, valid_s, cx.formats[1], k.dtype)
+    if k.storage is not None and k.storage not in CUDA_KV_ROUNDED:
+        return _scatter_nocopy_scaled(cx)
+    if k.storage is not None:  # a KV cache held in a format: the row is written rounded (kept as float values)
+        value = round_expr(get_format(k.storage), value, saturate=False)
     src = (f'extern "C" __global__ void {ENTRY}({cx.params("out", (1, 2))}) {{\n'
            f"    LN_GRID_STRIDE_LOOP(i, {cx.c_dim(prod(src_shape))}) {{\n" + indent(coord_lines, 2)
            + f"        const long long row = {idx if valid_i is None else f'({valid_i}) ? {idx} : -1LL'};\n"
-           f"        if (row >= 0 && row < {cx.c_dim(k.shape[0])}) out[{out_pos}] = "
-           f"{_guarded(raw_s, valid_s, cx.formats[1], k.dtype)};\n    }}\n}}\n")
+           f"        if (row >= 0 && row < {cx.c_dim(k.shape[0])}) out[{out_pos}] = {value};\n    }}\n}}\n")
     return src, (Launch(ENTRY, (per(prod(src_shape), ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
                         _args(k, (1, 2))),)
 
 
 Renderer = Callable[[Kernel, tuple[Format, ...], tuple[bool, ...]], KernelSource]
+
+
+def _scatter_nocopy_scaled(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
+    """In-place scatter into an FP8 KV cache (luminal_num.quant.kv): one block per (source row, scale group)
+    takes the group's amax, s = fl32(max(amax / 448, 2^-126)) (1 where amax = 0), and writes each value
+    as the cache holds it, fl32(RN_e4m3,sat(fl32(x / s)) * s): the CPU backend's cache_values."""
+    k = cx.k
+    fmt = STORAGE_FORMATS[k.storage]
+    index_shape = k.inputs[2].view.shape
+    if len(index_shape) != 1 or len(k.shape) != 2 or fmt.element is not F8E4M3:
+        raise ValueError(f"kernel {k.id}: an FP8 KV-cache scatter writes (rows, width) rows by a 1-D index, "
+                         f"got {k.shape} by {index_shape} as {k.storage}")
+    width = k.shape[1]
+    group = width if fmt.block == 0 else fmt.block  # per token: the whole row; per head: `block` elements
+    raw_s, valid_s = cx.read(1, ["r", "c"])
+    x = _guarded(raw_s, valid_s, cx.formats[1], F32)
+    raw_i, valid_i = cx.read(2, ["r"])
+    idx = load_index(cx.formats[2], raw_i)
+    fp8 = ctypes_map.to_float_expr(F8E4M3, ctypes_map.from_float_expr(F8E4M3, "__fdiv_rn(x, s)", saturate=True))
+    ratio = f"static_cast<double>(amax) / {ctypes_map.c_float_literal(F8E4M3.max_finite, 'double')}"
+    src = (f'extern "C" __global__ void {ENTRY}({cx.params("out", (1, 2))}) {{\n'
+           f"    const long long R = {cx.c_dim(index_shape[0])}, W = {cx.c_dim(width)}, G = {cx.c_dim(group)};\n"
+           "    const long long NG = W / G;\n"
+           "    for (long long b = blockIdx.x; b < R * NG; b += gridDim.x) {\n"
+           "        const long long r = b / NG, c0 = (b % NG) * G;\n"
+           f"        const long long row = {idx if valid_i is None else f'({valid_i}) ? {idx} : -1LL'};\n"
+           "        float amax = 0.0f;\n"
+           "        for (long long e = threadIdx.x; e < G; e += blockDim.x) {\n"
+           "            const long long c = c0 + e;\n"
+           f"            const float x = {x};\n"
+           "            amax = LnMax::apply(amax, isfinite(x) ? fabsf(x) : 0.0f);\n        }\n"
+           "        amax = ln_block_reduce<LnMax>(amax, 0.0f);\n"
+           f"        const float s = (amax > 0.0f) ? static_cast<float>(fmax({ratio}, "
+           f"{ctypes_map.c_float_literal(F32.min_normal, 'double')})) : 1.0f;\n"
+           f"        if (row >= 0 && row < {cx.c_dim(k.shape[0])})\n"
+           "            for (long long e = threadIdx.x; e < G; e += blockDim.x) {\n"
+           "                const long long c = c0 + e;\n"
+           f"                const float x = {x};\n"
+           f"                out[row * W + c] = __fmul_rn({fp8}, s);\n            }}\n    }}\n}}\n")
+    cx.extra_formats.add(F8E4M3)
+    return REDUCE_HELPERS + src, (Launch(ENTRY, (per(index_shape[0], 1) + per(width, group),), (KV_SCALE_THREADS,),
+                                         _args(k, (1, 2))),)
+
+
+KV_SCALE_THREADS = 256
 
 
 def _simple(render: Callable[[_Context], tuple[str, tuple[Launch, ...]]]) -> Renderer:
@@ -319,8 +373,8 @@ def _simple(render: Callable[[_Context], tuple[str, tuple[Launch, ...]]]) -> Ren
             raise ValueError(f"{kernel.kind.value} kernels cannot read a QUANTIZE kernel's buffer")
         cx = _Context(kernel, formats)
         body, launches = render(cx)
-        return finish_source(kernel.kind.value, source_header((*formats, kernel.dtype), body) + body, launches,
-                             cx.table)
+        return finish_source(kernel.kind.value, source_header((*formats, kernel.dtype, *sorted(cx.extra_formats,
+                             key=lambda f: f.name)), body) + body, launches, cx.table)
     return renderer
 
 

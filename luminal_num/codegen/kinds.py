@@ -112,6 +112,9 @@ TENSOR_DECLS: tuple[ENodeDecl, ...] = (
     # An alias: the value is `src`'s buffer read through `view` (a horizontally fused Gemm's columns of
     # one part); readers compose their own view on top of it. No launch.
     ENodeDecl("KSlice", _T, params("src:T view:i64"), dtype_const="f32"),
+    # A KV-cache input (chunk source `slot`, overwritten in place by the step's Scatter) held in KV format
+    # `fmt` (luminal_num.quant.kv): the Scatter writes its rows converted, attention reads them widened.
+    ENodeDecl("KCacheStored", _T, params("slot:i64 fmt:S"), dtype_const="f32", knob=("fmt", "kv:")),
 )
 
 BUFFER_DECLS: tuple[ENodeDecl, ...] = (ENodeDecl("ConsumedBuffer", _B, params("t:T")),)

@@ -27,6 +27,7 @@ from ..hlir.ops import Op
 from ..hlir.shape import ShapeTracker, View, contiguous_strides
 from ..hlir.symbolic import Dim, evaluate, prod
 from ..quant.scales import scale_shape
+from ..quant.kv import is_kv_format
 from ..quant.storage import STORAGE_FORMATS
 
 
@@ -159,8 +160,10 @@ class Kernel:
     def bytes_stored(self, bindings: Mapping[str, int]) -> int:
         if not self.kind.launches:
             return 0
-        if self.kind is KernelKind.SCATTER_NOCOPY:  # in place: only the scattered rows are written
-            return int(evaluate(prod(self.inputs[1].view.shape), bindings) * self.dtype.itemsize)
+        if self.kind is KernelKind.SCATTER_NOCOPY:  # in place: only the scattered rows are written (in a
+            # KV cache's format: its codes and their share of the scales)
+            return int(round(float(evaluate(prod(self.inputs[1].view.shape), bindings))
+                             * self.stored_bytes_per_element(bindings)))
         return int(self.numel(bindings) * self.dtype.itemsize) + self.scales_bytes(bindings)
 
     def bytes_loaded(self, bindings: Mapping[str, int], dtypes: Mapping[int, Format],
@@ -171,6 +174,7 @@ class Kernel:
         kernel reads its operand twice (an amax pass, then the convert pass) and its scales once."""
         element_bytes = element_bytes or {}
         total = 0.0
+        reads: list[float] = []
         for i, inp in enumerate(self.inputs):
             if i == 0 and self.kind is KernelKind.SCATTER_NOCOPY:
                 continue
@@ -181,13 +185,17 @@ class Kernel:
             if i == 0 and self.kind is KernelKind.GATHER and inp.view.shape:
                 rows = float(evaluate(inp.view.shape[0], bindings))
                 n = min(n, n / max(rows, 1.0) * float(evaluate(prod(self.inputs[1].view.shape), bindings)))
-            total += n * element_bytes.get(inp.buffer, dtypes[inp.buffer].itemsize)
+            reads.append(n * element_bytes.get(inp.buffer, dtypes[inp.buffer].itemsize))
+            total += reads[-1]
         if self.kind is KernelKind.QUANTIZE:
             total = 2 * total + self.scales_bytes(bindings)
         if self.kind.is_gemm and GEMM_VARIANTS[self.precision or "f32"].a_prologue:
             a = self.inputs[0]  # the prologue's amax pass reads A once more
             total += float(evaluate(prod(a.view.shape), bindings)) / max(1.0, float(evaluate(
                 self.layout.n, bindings))) * element_bytes.get(a.buffer, dtypes[a.buffer].itemsize)
+        b_scale = GEMM_VARIANTS[self.precision or "f32"].b_scale if self.kind is KernelKind.GEMM else None
+        if b_scale is not None and not b_scale.static:  # B scaled at run time: an amax pass reads B once more
+            total += reads[1]
         return int(round(total))
 
     def flops(self, bindings: Mapping[str, int]) -> int:
@@ -247,6 +255,12 @@ class Program:
         """Buffer id -> bytes per element in memory, for the buffers held in a storage format."""
         return {k.id: k.stored_bytes_per_element(bindings) for k in self.kernels if k.storage is not None}
 
+    def cache_buffers(self) -> frozenset[int]:
+        """EXTERNAL buffers held in a KV-cache format: the destinations of in-place Scatters with a storage
+        (runtime inputs converted on entry, unlike weights, which the compiler converts once)."""
+        return frozenset(k.inputs[0].buffer for k in self.kernels
+                         if k.kind is KernelKind.SCATTER_NOCOPY and k.storage is not None)
+
     def launched(self) -> list[Kernel]:
         return [k for k in self.kernels if k.kind.launches]
 
@@ -283,8 +297,9 @@ def verify(p: Program) -> Program:
             readers[inp.buffer] = readers.get(inp.buffer, 0) + 1
             if p.kernels[inp.buffer].kind is KernelKind.QUANTIZE and (not k.kind.is_gemm or inp is not k.inputs[0]):
                 raise ProgramError(f"kernel {k.id} ({k.kind.value}) reads QUANTIZE buffer {inp.buffer}: only a Gemm's A may")
-        if k.storage is not None and k.kind is not KernelKind.EXTERNAL:
-            raise ProgramError(f"kernel {k.id} ({k.kind.value}) has storage {k.storage!r}: only weights do")
+        if k.storage is not None and k.kind not in (KernelKind.EXTERNAL, KernelKind.SCATTER_NOCOPY):
+            raise ProgramError(f"kernel {k.id} ({k.kind.value}) has storage {k.storage!r}: only weights and "
+                               "KV caches (held by an in-place scatter) do")
         if (k.aliases is not None) != (k.kind is KernelKind.SCATTER_NOCOPY) or k.aliases not in (None, 0):
             raise ProgramError(f"kernel {k.id} ({k.kind.value}) aliases input {k.aliases!r}: only in-place scatters "
                                "alias, their destination (input 0)")
@@ -311,6 +326,9 @@ def verify(p: Program) -> Program:
                                    f"readers{' and is an output' if dest in outs else ''}")
             if p.kernels[dest].dtype != k.dtype:
                 raise ProgramError(f"kernel {k.id} overwrites a {p.kernels[dest].dtype.name} buffer as {k.dtype.name}")
+            if p.kernels[dest].storage != k.storage or (k.storage is not None and not is_kv_format(k.storage)):
+                raise ProgramError(f"kernel {k.id} writes rows as {k.storage!r} into a buffer held as "
+                                   f"{p.kernels[dest].storage!r} (a KV cache and its scatter share one KV format)")
     return p
 
 

@@ -333,7 +333,11 @@ def _catalogue() -> dict[str, GemmPrecision]:
     fp8.append(_fp8(F8E4M3, Granularity.BLOCK, promote=False, suffix="_nopromote"))
     int8 = GemmPrecision("int8_channel", INT8, INT8, INT32, *_operand_scales(Granularity.CHANNEL))
     fused = dataclasses.replace(fp8[1], name=f"{fp8[1].name}_prologue", a_prologue=True)  # f8e4m3_channel
-    return {v.name: v for v in (*plain, *fp8, int8, fused)}
+    # activation x activation (attention's Q K^T and P V): B scaled at run time too, per tensor or per
+    # column of B (for Q K^T one scale per key token); scales factor out of every K sum, as for weights
+    dynamic = [dataclasses.replace(v, name=f"{v.name}_dynamic", b_scale=dataclasses.replace(v.b_scale, static=False))
+               for v in fp8[:2]]  # f8e4m3_tensor, f8e4m3_channel
+    return {v.name: v for v in (*plain, *fp8, int8, fused, *dynamic)}
 
 
 GEMM_VARIANTS: dict[str, GemmPrecision] = _catalogue()

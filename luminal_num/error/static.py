@@ -22,6 +22,7 @@ from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, Kern
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.formats import get as get_format
 from ..dtypes.variants import GEMM_VARIANTS
+from ..quant.kv import cache_error
 from ..quant.stored import storage_error
 from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result, read_operand
 from ..hlir.ops import CUSTOM_KINDS, Op
@@ -171,6 +172,7 @@ class StaticAnalyzer:
         self.vals: dict[int, _Val] = {}
         self.norm = NormBound(self)
         self.softmax_rel: dict[int, tuple[np.ndarray, float]] = {}  # see _softmax
+        self.caches = program.cache_buffers()  # KV-cache inputs held in a KV format
 
     def read(self, k: Kernel, i: int) -> _Val:
         inp = k.inputs[i]
@@ -261,6 +263,11 @@ class StaticAnalyzer:
     def external(self, k: Kernel, inputs: Mapping[str, Interval]) -> _Val:
         shape = self._shape(k)
         iv = self._concat_interval(k, inputs) if k.concat else inputs[k.external]
+        if k.storage is not None and k.id in self.caches:  # a KV cache handed in, held in its format
+            iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
+            low = float(np.min(iv.lo)) if iv.lo.size else 0.0
+            v = _store(_Val(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)  # FP32 first, then the rows
+            return _Val(iv, v.err + cache_error(_mag(v.wide), k.storage), 0.0 if low >= 0 else None)
         if k.storage is not None:  # a weight held in a storage format: its exact storage error
             try:
                 return stored_weight_value(iv, k.storage, shape)
@@ -331,7 +338,11 @@ class StaticAnalyzer:
         srow = Interval(src.iv.lo.min(axis=0), src.iv.hi.max(axis=0))
         iv = hull(dest.iv, Interval(np.broadcast_to(srow.lo, dest.iv.lo.shape), np.broadcast_to(srow.hi, dest.iv.lo.shape)))
         floor = None if dest.floor is None or src.floor is None else min(dest.floor, src.floor)
-        return _Val(iv, np.maximum(dest.err, src.err.max(axis=0)), floor)
+        src_err = src.err
+        if k.storage is not None:  # rows written into a KV cache in its format: |Q(s~) - s| <= err + cache_error(|s~|)
+            src_err = src.err + cache_error(_mag(src.wide), k.storage)
+            floor = None if floor is None else 0.0  # rounding keeps the sign, not the floor
+        return _Val(iv, np.maximum(dest.err, src_err.max(axis=0)), floor)
 
     def softmax(self, k: Kernel, inputs=None) -> _Val:
         out = _store(self._softmax(k), k.dtype, k)

@@ -6,13 +6,16 @@ Why each step:
   is refused with one line naming it, never dropped: dropping a bias would judge a different function.
 - Tensors are dequantized with the `gguf` package (llama.cpp's own code, so Q4_1/Q8_0 blocks give
   exactly llama.cpp's float32 values), and each keeps its source format and raw blocks
-  (`TensorSource`) so a storage choice can keep the quantized values as they are.
+  (`TensorSource`) so a storage choice can keep the quantized values as they are: Q4_1 / Q8_0
+  matrices are recorded (`keep_source`), so the search offers storing them in their own blocks (zero
+  added error, luminal_num.quant.stored) and the plan's weights file holds exactly those blocks.
 - llama.cpp's converter permutes the rows of Q and K so that its interleaved RoPE (pairs 2i, 2i+1)
   equals Hugging Face's rotate-half RoPE (pairs i, i + d/2); we undo it on the dequantized rows and
   on the raw block rows alike (blocks run along a row, so a row permutation moves whole blocks).
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,6 +55,9 @@ _GLOBAL_NAMES = {"token_embd.weight": EMBED, "output_norm.weight": FINAL_NORM, "
 _ROPE_PERMUTED = {"self_attn.q_proj.weight": "head_count", "self_attn.k_proj.weight": "head_count_kv"}
 
 
+KEPT_TYPES = ("Q4_1", "Q8_0")  # GGML types a storage choice keeps bit for bit (luminal_num.quant.gguf)
+
+
 class GGUFError(ValueError):
     """A GGUF file this graph cannot run exactly; the message names the setting."""
 
@@ -73,6 +79,41 @@ class GGUFModel:
     chat_template: ChatTemplate | None
     name: str
     path: Path
+
+
+# Matrices loaded from Q4_1 / Q8_0 blocks: (shape, content digest) of the dequantized weight -> its source.
+_KEPT: dict[tuple, TensorSource] = {}
+_KEPT_IDS: dict[int, tuple[np.ndarray, tuple]] = {}  # id(weight array) -> (it, its key): no rehash
+
+
+def _content_key(w) -> tuple:
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    return w.shape, hashlib.blake2b(w.tobytes(), digest_size=16).digest()
+
+
+def keep_source(w: np.ndarray, source: TensorSource) -> None:
+    """Record that matrix `w` is `source`'s blocks dequantized (checked with gguf.quants, llama.cpp's own
+    code), so storing `w` in that format keeps them (luminal_num.quant.stored.convert)."""
+    if source.format not in KEPT_TYPES:
+        raise ValueError(f"GGUF type {source.format!r} is not kept exactly (kept: {', '.join(KEPT_TYPES)})")
+    w32 = np.asarray(w, dtype=np.float32)
+    values = gguf.quants.dequantize(np.asarray(source.raw), gguf.GGMLQuantizationType[source.format])
+    if w32.ndim != 2 or values.size != w32.size or values.reshape(w32.shape).astype(np.float32).tobytes() \
+            != np.ascontiguousarray(w32).tobytes():
+        raise ValueError(f"the GGUF {source.format} blocks do not dequantize to this {list(w32.shape)} weight")
+    _record(w, source)
+
+
+def _record(w: np.ndarray, source: TensorSource) -> None:
+    key = _content_key(w)
+    _KEPT[key] = source
+    _KEPT_IDS[id(w)] = (w, key)
+
+
+def kept_source(w) -> TensorSource | None:
+    """The Q4_1 / Q8_0 source `w` was loaded from (keep_source), by identity or else by content."""
+    hit = _KEPT_IDS.get(id(w))
+    return _KEPT.get(hit[1] if hit is not None and hit[0] is w else _content_key(w))
 
 
 def smollm2_path() -> Path:
@@ -185,6 +226,9 @@ def load_gguf(path: str | Path, layers: int | None = None) -> GGUFModel:
             continue  # a layer cut off by `layers`
         weights[name], sources[name] = _tensor(tensors[gguf_name], meta, meta["general.architecture"], name)
     check_weights(config, weights)
+    for name, src in sources.items():  # Q4_1 / Q8_0 matrices: storing them in their blocks keeps them exactly
+        if src.format in KEPT_TYPES and weights[name].ndim == 2:
+            _record(weights[name], src)  # its values ARE gguf.quants' dequantization of src (_tensor)
     template = meta.get("tokenizer.chat_template")
     return GGUFModel(config, weights, sources, Tokenizer.from_gguf_metadata(meta),
                      ChatTemplate(str(template)) if template else None,

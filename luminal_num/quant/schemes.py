@@ -68,6 +68,8 @@ def scale_spec(fmt: StorageFormat) -> ScaleSpec:
         return ScaleSpec(Granularity.BLOCK, (fmt.block, fmt.block), F32, static=True)
     if fmt.layout is Layout.GROUP and fmt.scale is E8M0:
         return ScaleSpec(Granularity.MX, (1, fmt.block), E8M0, static=True)
+    if fmt.layout is Layout.GROUP and fmt.scale is F32:  # one FP32 scale per `block` elements of a row
+        return ScaleSpec(Granularity.BLOCK, (1, fmt.block), F32, static=True)
     raise ValueError(f"{fmt.name}: no AMAX scale spec for layout {fmt.layout.name} with {fmt.scale} scales")
 
 

@@ -248,6 +248,7 @@ MXFP4_GROUP = 32
 NVFP4_GROUP = 16
 GGUF_BLOCK = 32
 FP8_TILE = 128
+FP8_GROUPS = (16, 32, 64, 128)
 
 
 def _catalogue() -> dict[str, StorageFormat]:
@@ -255,6 +256,8 @@ def _catalogue() -> dict[str, StorageFormat]:
     for fp8 in (F8E4M3, F8E5M2):
         formats.append(StorageFormat(f"{fp8.name}_channel", Scheme.AMAX, fp8, Layout.CHANNEL, scale=F32))
         formats.append(StorageFormat(f"{fp8.name}_block{FP8_TILE}", Scheme.AMAX, fp8, Layout.TILE, FP8_TILE, F32))
+    for g in FP8_GROUPS:  # one FP32 scale per g elements of a row: per head for a KV-cache row of g-wide heads
+        formats.append(StorageFormat(f"{F8E4M3.name}_g{g}", Scheme.AMAX, F8E4M3, Layout.GROUP, g, F32))
     formats.append(StorageFormat("int8_channel", Scheme.AMAX, INT8, Layout.CHANNEL, scale=F32))
     for g in INT4_GROUPS:
         formats.append(StorageFormat(f"int4_g{g}", Scheme.INT4_SYMMETRIC, INT4, Layout.GROUP, g, F16))

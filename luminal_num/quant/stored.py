@@ -18,14 +18,30 @@ from typing import Mapping
 
 import numpy as np
 
-from .storage import Quantized, StorageFormat, StoredTensor, storage_format
+from ..models.gguf import kept_source
+from .gguf import GGUF_TYPE_NAMES
+from .storage import STORAGE_FORMATS, Quantized, StorageFormat, StoredTensor, from_gguf, storage_format
 
 # Storage formats the precision rules offer for a 2-D weight: one per kind of recipe (the catalogue
 # has more; GGUF blocks are kept only where the source was GGUF, which needs the source's blocks).
+GGUF_KEPT: tuple[str, ...] = ("gguf_q4_1", "gguf_q8_0")  # offered only for weights loaded from such blocks
 SEARCHED_STORAGE: tuple[str, ...] = ("bf16", "f16", "f8e4m3_channel", "int8_channel", "int4_g128", "int4_g32_asym",
                                      "mxfp4", "nvfp4")
+_GGUF_FORMAT = {GGUF_TYPE_NAMES[f.scheme]: f.name for f in STORAGE_FORMATS.values() if f.scheme in GGUF_TYPE_NAMES}
 _CACHE_SIZE = 64
 _CACHE: "OrderedDict[tuple, tuple[np.ndarray, Quantized, np.ndarray]]" = OrderedDict()
+
+
+def source_format(w) -> str | None:
+    """The storage format of the GGUF blocks `w` was loaded from (models.gguf.keep_source), else None:
+    storing `w` in it keeps those blocks, with zero added error (they dequantize to exactly `w`)."""
+    src = kept_source(w)
+    return None if src is None else _GGUF_FORMAT[src.format]
+
+
+def _kept(w: np.ndarray, fmt: StorageFormat) -> Quantized | None:
+    src = kept_source(w)
+    return from_gguf(src.raw, src.format) if src is not None and _GGUF_FORMAT[src.format] == fmt.name else None
 
 
 def stored_key(name: str, fmt: str | StorageFormat) -> str:
@@ -35,12 +51,14 @@ def stored_key(name: str, fmt: str | StorageFormat) -> str:
 
 
 def convert(w, fmt: str | StorageFormat) -> Quantized:
-    """The compile-time conversion of a weight to its storage format (deterministic)."""
+    """The compile-time conversion of a weight to its storage format (deterministic): a weight loaded
+    from GGUF blocks of this format keeps them (models.gguf.keep_source), any other is quantized."""
     fmt = storage_format(fmt)
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
         raise ValueError(f"storage format {fmt.name}: weights are (rows, K) matrices, got shape {list(w.shape)}")
-    return fmt.quantize(w)
+    kept = _kept(w, fmt)
+    return kept if kept is not None else fmt.quantize(w)
 
 
 def _converted(w: np.ndarray, fmt: StorageFormat) -> tuple[Quantized, np.ndarray]:

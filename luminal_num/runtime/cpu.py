@@ -33,6 +33,7 @@ from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
 from ..hlir.weightcache import WEIGHTS
 from ..quant import quantize_tensor
+from ..quant.kv import cache_values
 from ..quant.stored import stored_key, widened
 from .buffers import BufferPlan, plan_buffers
 from .numerics import emulate_gemm, emulate_reduce_sum, prepare_b
@@ -287,6 +288,8 @@ def body_values(k: Kernel, state: _Run) -> np.ndarray:
 # -- one function per kernel kind -------------------------------------------------------------------
 def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
     val = state.feed[k.external]
+    if k.storage is not None and k.external not in state.weight_names:  # a KV cache handed in: held in its format
+        return cache_values(_store_input(k, val), k.storage)
     if k.storage is not None:  # a weight held in its storage format: readers see it widened
         key = stored_key(k.external, k.storage)
         held = rt.stored_weights.get(key)
@@ -417,7 +420,7 @@ def _scatter(rt, k: Kernel, state: _Run) -> np.ndarray:
     idx = k.inputs[2].view.realize(state.stored[k.inputs[2].buffer], state.bindings).astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= dest.shape[0]):
         raise IndexError(f"scatter: index out of range [0, {dest.shape[0]})")
-    dest[idx] = src
+    dest[idx] = src if k.storage is None else cache_values(src, k.storage)  # a KV cache: rows written converted
     return dest
 
 

@@ -7,7 +7,8 @@ to a CUBIN for the device's architecture (the kernel cache applies) and loaded f
 (cuModuleLoadData: no temp file); when the project's NVRTC is missing, CuPy compiles the same source.
 A Gemm runs through cuBLAS (cublasGemmStridedBatchedEx) or cuBLASLt (FP8 per-tensor) when codegen
 says it can and the bound call is legal, else through its fallback kernels (`gemm="kernel"` forces
-those: they follow the CPU emulator's arithmetic); runtime/cublas.py explains why those calls go
+those: they follow the CPU emulator's arithmetic); a Gemm whose B is a weight held in a storage format
+runs the dequantize-on-load kernel (codegen/cuda_weight_only.py) on the weight's stored bytes; runtime/cublas.py explains why those calls go
 through ctypes (stream capture). A QUANTIZE kernel's scales live in its scratch (allocated per
 binding, never reused by the liveness plan), where the Gemm reading its buffer finds them.
 `profile()` replays one CUDA graph of the whole program between CUDA events.
@@ -31,10 +32,13 @@ import numpy as np
 from ..codegen import nvrtc
 from ..codegen.cuda_kernels import SCALES_SCRATCH, Arg, KernelSource, Launch, render_kernel
 from ..codegen.cuda_source import GemmCall
+from ..codegen.cuda_weight_only import WeightOnlySource, weight_only_gemm
 from ..codegen.llir import Kernel, KernelKind, Program, external_value
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.rounding import to_storage
-from ..quant.stored import widened
+from ..quant.storage import storage_format
+from ..quant.stored import convert, stored_key, widened
+from ..quant.kv import cache_values
 from ..hlir.symbolic import evaluate
 from .buffers import BufferPlan, plan_buffers
 from .cpu import RunResult, bind_program
@@ -58,6 +62,7 @@ class _Prepared:
     dyn: dict[tuple[int, ...], object] = field(default_factory=dict)
     graph: object = None
     host: list = field(default_factory=list)  # host arrays of pending async uploads, kept alive
+    parts: dict[int, list] = field(default_factory=dict)  # stored weight id -> its parts on the device
 
 
 class CudaRuntime:
@@ -66,15 +71,29 @@ class CudaRuntime:
     `libraries`: the cuBLAS / cuBLASLt libraries (default: load_libraries(), after CuPy loaded its own)."""
 
     def __init__(self, program: Program, weights: Mapping[str, np.ndarray] | None = None, gemm: str = "auto",
-                 libraries: Libraries | None = None):
+                 libraries: Libraries | None = None, stored_weights: Mapping | None = None):
         found = require_cuda()
         if gemm not in ("auto", "kernel"):
             raise ValueError(f"gemm must be 'auto' or 'kernel', got {gemm!r}")
         import cupy  # an optional dependency: present once require_cuda() succeeded
         self.cp, self.program, self.weights, self.gemm_mode = cupy, program, dict(weights or {}), gemm
+        self.stored_weights = dict(stored_weights or {})  # stored_key -> StoredTensor (a plan's weights file)
         self.arch = f"sm_{found.compute_capability}"
         self.kernels = {k.id: k for k in program.kernels}
         self.sources: dict[int, KernelSource] = {k.id: render_kernel(k, program) for k in program.launched()}
+        # Gemms whose B is a stored weight: a dequantize-on-load kernel reading the weight's stored bytes
+        self.weight_only: dict[int, WeightOnlySource] = {
+            k.id: src for k in program.launched() if (src := weight_only_gemm(k, program)) is not None}
+        readers: dict[int, set[int]] = {}
+        for k in program.kernels:
+            for i in k.inputs:
+                readers.setdefault(i.buffer, set()).add(k.id)
+        # not uploaded: stored weights only dequantize-on-load Gemms read (their widened FP32 copy), and
+        # inputs nothing reads (a weight's FP32 form once the plan reads it stored)
+        outputs = {kid for _, kid in program.outputs}
+        self.stored_only = frozenset(k.id for k in program.kernels if k.kind is KernelKind.EXTERNAL and k.id not in outputs
+                                     and readers.get(k.id, set()) <= set(self.weight_only)
+                                     and (k.storage or not readers.get(k.id)))
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._functions: dict[str, object] = {}
         self._modules: dict[str, object] = {}
@@ -91,6 +110,8 @@ class CudaRuntime:
         self.lt = CublasLt(libraries.cublaslt, self.workspace.data.ptr, WORKSPACE_BYTES)
         for src in self.sources.values():
             self._load(src)
+        for src in self.weight_only.values():
+            self._load_weight_only(src)
 
     def close(self) -> None:
         """Destroy the cuBLAS(Lt) handles (also on garbage collection)."""
@@ -117,10 +138,31 @@ class CudaRuntime:
             self._functions[entry] = module.get_function(entry)
         self._modules[src.name] = module
 
+    def _load_weight_only(self, src: WeightOnlySource) -> None:
+        if src.name in self._modules:
+            return
+        module = self.cp.cuda.function.Module()
+        module.load(nvrtc.compile_cuda(src.source, src.name, self.arch).cubin)
+        self._functions[src.name] = module.get_function(src.name)
+        self._modules[src.name] = module
+
+    def _stored_parts(self, state: "_Prepared", feed: Mapping[str, np.ndarray]) -> None:
+        """Each stored weight a dequantize-on-load Gemm reads, uploaded once per preparation as its
+        stored containers (packed 4-bit, scales at their stored size): the bytes the plan charges."""
+        for kid in self.weight_only:
+            w = self.kernels[self.kernels[kid].inputs[1].buffer]
+            if w.id in state.parts:
+                continue
+            fmt = storage_format(w.storage)
+            stored = self.stored_weights.get(stored_key(w.external, w.storage)) or fmt.pack(convert(feed[w.external], fmt))
+            state.parts[w.id] = [self._device_copy(state, np.asarray(stored.arrays[p])) for p in fmt.parts]
+
     # -- buffers ----------------------------------------------------------------------------------------
     def _host_value(self, k: Kernel, value) -> np.ndarray:
         """An input as the CPU backend stores it (rounded to the plan dtype, saturating; FP32 plain)."""
         arr = np.asarray(value)
+        if k.storage is not None and k.id in self.program.cache_buffers():  # a KV cache handed in: its format
+            return cache_values(arr.astype(np.float32), k.storage)
         if k.storage is not None:  # the values the plan's stored weight holds, widened (no packed kernel yet)
             return widened(arr, k.storage)
         if k.dtype.kind is Kind.FLOAT:
@@ -160,8 +202,9 @@ class CudaRuntime:
         shared = {}
         for k in self.program.kernels:
             shared.setdefault(state.plan.slot_of[k.id], []).append(k.id)
+        self._stored_parts(state, feed)
         for k in self.program.kernels:
-            if k.kind is not KernelKind.EXTERNAL:
+            if k.kind is not KernelKind.EXTERNAL or k.id in self.stored_only:
                 continue
             host = np.ascontiguousarray(self._host_value(k, external_value(k, feed))).view(np.uint8).reshape(-1)
             slot = state.slots[state.plan.slot_of[k.id]]
@@ -225,6 +268,12 @@ class CudaRuntime:
                 staged, runtime = state.staged[k.id], self.cp.cuda.runtime
                 runtime.memcpyAsync(state.slots[state.plan.slot_of[k.id]].data.ptr, staged.data.ptr, staged.nbytes,
                                     runtime.memcpyDeviceToDevice, self.stream.ptr)
+            return
+        if k.id in self.weight_only:  # the weight read in its storage format, widened in registers
+            src = self.weight_only[k.id]
+            slot = lambda buffer: state.slots[state.plan.slot_of[buffer]]  # noqa: E731
+            args = (slot(k.id), slot(k.inputs[0].buffer), *state.parts[k.inputs[1].buffer])
+            self._functions[src.name](src.grid, src.block, args, stream=self.stream)
             return
         if k.kind is KernelKind.GEMM and self._gemm(state, k):
             return

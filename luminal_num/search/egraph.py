@@ -81,6 +81,8 @@ SoleReader = relation("SoleReader", T)                          # the value has 
 IsWeight = relation("IsWeight", T)                              # compile-time-known value (static scales)
 MatrixWeight = relation("MatrixWeight", T)                      # a 2-D weight: may be held in a storage format
 QuantView = relation("QuantView", i64, i64)                     # (layout, view a Gemm reads its QUANTIZE buffer by)
+GGUFSource = relation("GGUFSource", T, String)                  # a weight loaded from GGUF blocks of this storage format
+KVCache = relation("KVCache", T, i64)                           # a cache input a Scatter overwrites in place, its head width (0: unknown)
 
 
 SELECTABLE = frozenset(DECLS)

@@ -16,6 +16,7 @@ from ..hlir.graph import Graph
 from ..hlir.ops import Op
 from ..hlir.partition import Chunk
 from ..hlir.shape import ShapeTracker
+from ..quant.stored import source_format
 from . import egraph as E
 
 V = TypeVar("V", bound=Hashable)
@@ -99,6 +100,9 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
             facts.append(E.IsWeight(term))
             if len(node.shape) == 2:
                 facts.append(E.MatrixWeight(term))
+                kept = _gguf_source_everywhere(graph, group_chunks, slot)
+                if kept is not None:
+                    facts.append(E.GGUFSource(term, kept))
         facts.append(set_(E.dtype(term)).to(node.dtype.name))
 
     gemm_candidates = 0
@@ -122,6 +126,8 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
         facts.append(set_(E.identity_view(term)).to(view_id(ShapeTracker.contiguous(node.shape))))
         if node.op is Op.SCATTER and _sole_reader_everywhere(graph, group_chunks, chunk.nodes.index(nid), consumers):
             facts.append(E.SoleReader(terms[node.srcs[0].node]))
+            if _cache_input_everywhere(graph, group_chunks, chunk.nodes.index(nid)):
+                facts.append(E.KVCache(terms[node.srcs[0].node], _head_width(graph, nid, consumers)))
         if node.op is Op.SUM_REDUCE and graph.nodes[node.srcs[0].node].op is Op.MUL:
             mul = graph.nodes[node.srcs[0].node]
             va, vb = _gemm_operand_views(mul)
@@ -151,6 +157,46 @@ def _sole_reader_everywhere(graph: Graph, chunks: Sequence[Chunk], local: int,
         if len(consumers[dest]) != 1 or dest in outputs:
             return False
     return True
+
+
+def _gguf_source_everywhere(graph: Graph, chunks: Sequence[Chunk], slot: int) -> str | None:
+    """The GGUF format (gguf_q4_1 / gguf_q8_0) whose source blocks the weight at external `slot` was
+    loaded from, when that holds in every chunk of the group with one format; else None."""
+    found = set()
+    for c in chunks:
+        node = graph.nodes[c.external[slot]]
+        name = node.attr("name") if node.op is Op.INPUT else None
+        found.add(source_format(graph.weights[name]) if name in graph.weights else None)
+    return found.pop() if len(found) == 1 else None
+
+
+def _cache_input_everywhere(graph: Graph, chunks: Sequence[Chunk], local: int) -> bool:
+    """In every chunk, the scatter at `local` overwrites a 2-D graph input that is no weight (a KV cache
+    the caller hands in and gets back) through its identity view: it may be held in a KV format."""
+    for c in chunks:
+        node = graph.nodes[c.nodes[local]]
+        dest = graph.nodes[node.srcs[0].node]
+        if dest.op is not Op.INPUT or graph.inputs[dest.attr("name")].is_weight or len(dest.shape) != 2 \
+                or node.srcs[0].view != ShapeTracker.contiguous(dest.shape):
+            return False
+    return True
+
+
+def _head_width(graph: Graph, nid: int, consumers: dict[int, list[int]]) -> int:
+    """The width of one head of a cache row: the extent of the unit-stride axis every reader of the
+    updated cache indexes it by (attention reads (..., head_dim) slices); 0 when readers disagree or
+    read whole rows (one head: per-token scales already are per head)."""
+    width = graph.nodes[nid].shape[-1]
+    found = set()
+    for c in consumers.get(nid, []):
+        if graph.nodes[c].op is Op.OUTPUT:  # handing the cache back reads whole rows
+            continue
+        for src in graph.nodes[c].srcs:
+            if src.node == nid:
+                v = src.view.views[0]
+                found |= {d for d, st in zip(v.shape, v.strides) if st == 1}
+    head = next(iter(found)) if len(found) == 1 else 0
+    return head if isinstance(head, int) and isinstance(width, int) and 0 < head < width and width % head == 0 else 0
 
 
 def _gemm_operand_views(mul) -> tuple[ShapeTracker, ShapeTracker]:

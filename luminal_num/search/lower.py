@@ -165,6 +165,16 @@ def _slice(lo: _ChunkLowering, n: ENode, origin: str) -> int:
                      "views) may use it, never a root or an in-place destination")
 
 
+def _cache_stored(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """A KV-cache input held in KV format `fmt`: the graph input's buffer, converted on entry (rows a
+    caller hands in) and by the in-place Scatter that writes into it (the rows a step adds)."""
+    src = lo.b.kernels[lo.slots[n.arg("slot")]]
+    if src.kind is not KernelKind.EXTERNAL:
+        raise ValueError(f"KCacheStored: chunk source {n.arg('slot')} is kernel {src.id} ({src.kind.value}), "
+                         "not a graph input")
+    return _stored(lo, n, origin)
+
+
 def _variant(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     return lo.tensor(n.cls("inner"))  # an alias: consumers read the low-precision buffer and widen on load
 
@@ -237,15 +247,17 @@ def _scatter(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     """KScatter copies dest; KScatterNoCopy (legal only as decided in the e-graph) overwrites it."""
     ins = lo.operands(n)
     nocopy = n.decl.kind is KernelKind.SCATTER_NOCOPY
+    # in place into a cache held in a KV format: the output is that buffer, so it holds rows in that format
+    storage = lo.b.kernels[ins[0].buffer].storage if nocopy else None
     return lo.b.add(kind=n.decl.kind, inputs=ins, shape=tuple(ins[0].view.shape), dtype=get_format(n.arg("dt")),
-                    aliases=0 if nocopy else None, **lo.common(n, origin))
+                    aliases=0 if nocopy else None, storage=storage, **lo.common(n, origin))
 
 
 _TENSOR: dict[str, Callable[[_ChunkLowering, ENode, str], int]] = {
     "KExt": _ext, "KStored": _stored, "KVariant": _variant, "KConst": _const, "KIota": _iota, "Ew": _elementwise,
     "KSum": _reduction, "KMax": _reduction, "KSoftmax": _reduction, "KGemm": _gemm, "KQuantize": _quantize,
     "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter, "KGemmEpi": _gemm_epilogue,
-    "KCatW": _concat, "KSlice": _slice,
+    "KCatW": _concat, "KSlice": _slice, "KCacheStored": _cache_stored,
 }
 assert set(_TENSOR) == {d.name for d in TENSOR_DECLS}, "every tensor constructor has exactly one lowering"
 

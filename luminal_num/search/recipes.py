@@ -176,8 +176,9 @@ STORAGE_RECIPES: dict[str, frozenset[str]] = {
     "W8A16 INT8 per-channel": frozenset({"store:int8_channel", "gemm:bf16"}),
     "W4A16 INT4 group 128": frozenset({"store:int4_g128", "gemm:bf16"}),
     "FP8 W8A8 dynamic per-token": frozenset({"store:f8e4m3_channel", "gemm:f8e4m3_channel_prologue"}),
+    "BF16 weights + FP8 KV cache": frozenset({"store:bf16", "gemm:bf16", "kv:f8e4m3_channel"}),
 }
-BF16_WEIGHTS = frozenset({"store:bf16", "gemm:bf16"})  # BF16 weights and BF16 Gemms (no KV-cache format yet)
+BF16_WEIGHTS = frozenset({"store:bf16", "gemm:bf16"})  # BF16 weights and BF16 Gemms, FP32 KV cache
 STORAGE_SOURCES: dict[str, str] = {
     "W8A16 INT8 per-channel": "weight-only INT8 (one scale per output channel), BF16 activations and Gemms: "
                               "TensorRT-LLM / ModelOpt int8 weight-only",
@@ -185,6 +186,10 @@ STORAGE_SOURCES: dict[str, str] = {
                             "the GPTQ / AWQ W4A16 recipe",
     "FP8 W8A8 dynamic per-token": "FP8 E4M3 weights per output channel, activations scaled per token at run time: "
                                   "torchao float8 dynamic / ModelOpt FP8",
+    "BF16 weights + FP8 KV cache": "BF16 weights and Gemms, KV cache stored as FP8 E4M3 and widened by attention: "
+                                   "vLLM kv_cache_dtype='fp8_e4m3' / TensorRT-LLM FP8 KV cache (which scale per "
+                                   "tensor from calibration; here one FP32 scale per token row, computed as the "
+                                   "row is written)",
 }
 
 
@@ -200,4 +205,8 @@ def pick(space: SearchSpace, pred: Callable[[str], bool]) -> Genome:
 
 
 def recipe_genomes(space: SearchSpace) -> dict[str, Genome]:
-    return {name: pick(space, tags.__contains__) for name, tags in STORAGE_RECIPES.items()}
+    """Every storage recipe as a genome; a KV-cache recipe only where the graph has a KV cache (elsewhere
+    it would repeat the weights-only recipe under another name)."""
+    has_kv = any(t.startswith("kv:") for ks in space.knobs.values() for k in ks for t in k.tags)
+    return {name: pick(space, tags.__contains__) for name, tags in STORAGE_RECIPES.items()
+            if has_kv or not any(t.startswith("kv:") for t in tags)}

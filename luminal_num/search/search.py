@@ -362,7 +362,7 @@ def variant_classes(tags, target: str) -> list[list[str]]:
         if kind == "sum":
             p = REDUCE_VARIANTS[name]
             return p.storage.bits, p.storage.unit_roundoff + p.acc.unit_roundoff
-        if kind == "store":  # a weight's storage format: its bits per weight, its element error
+        if kind in ("store", "kv"):  # a weight's (or KV cache's) storage format: bits per element, element error
             f = STORAGE_FORMATS[name]
             return f.bits_per_weight((128, 128)), sum(f.element_error(1.0))
         return 0.0, 0.0

@@ -13,7 +13,8 @@ from egglog import String, eq, i64, rule, ruleset, union, var, vars_
 from ...dtypes.formats import BF16, F32
 from ...dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ...hlir.ops import BINARY_OPS, UNARY_OPS, Op
-from ...quant.stored import SEARCHED_STORAGE
+from ...quant.kv import KV_HEAD_DIMS, KV_HEAD_FORMAT, KV_TOKEN_FORMATS
+from ...quant.stored import GGUF_KEPT, SEARCHED_STORAGE
 from .. import egraph as E
 
 precision = ruleset(name="precision")
@@ -97,3 +98,19 @@ def _weight_storage():
     # error, which the compiler knows exactly (quant.stored.storage_error); KStored matches no rule
     for fmt in SEARCHED_STORAGE:
         yield rule(eq(t).to(E.KExt(vx, "f32")), E.MatrixWeight(t)).then(union(t).with_(E.CTOR["KStored"](vx, fmt)))
+    # a weight loaded from GGUF Q4_1 / Q8_0 blocks kept in them: zero storage error (they ARE its values)
+    for fmt in GGUF_KEPT:
+        yield rule(eq(t).to(E.KExt(vx, "f32")), E.MatrixWeight(t), E.GGUFSource(t, fmt)).then(
+            union(t).with_(E.CTOR["KStored"](vx, fmt)))
+
+
+@precision.register
+def _cache_storage():
+    # a KV-cache input overwritten in place, held in a KV format: every row (old ones on entry, new ones as
+    # the Scatter writes them) is the same value up to its row's quantization (quant.kv.cache_error);
+    # per-head scales only where the readers' head width is known (KVCache's second field)
+    for fmt in KV_TOKEN_FORMATS:
+        yield rule(eq(t).to(E.KExt(vx, "f32")), E.KVCache(t, vy)).then(union(t).with_(E.CTOR["KCacheStored"](vx, fmt)))
+    for head in KV_HEAD_DIMS:
+        yield rule(eq(t).to(E.KExt(vx, "f32")), E.KVCache(t, head)).then(
+            union(t).with_(E.CTOR["KCacheStored"](vx, KV_HEAD_FORMAT.format(head=head))))
