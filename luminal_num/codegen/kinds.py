@@ -101,6 +101,10 @@ TENSOR_DECLS: tuple[ENodeDecl, ...] = (
     # A Gemm's A operand in the variant's format, contiguous (batch, M, K), dynamic scales beside it.
     ENodeDecl("KQuantize", _T, params("a:T va:i64 layout:i64 prec:S dt:S"), K.QUANTIZE,
               operands=(("a", "va"),), dtype="dt"),
+    # softmax(Q K^T * scale + bias) V as one kernel (codegen/attention.py); `scale` is a constant id
+    ENodeDecl("KAttention", _T, params("q:T vq:i64 k:T vk:i64 bias:T vb:i64 v:T vv:i64 scale:i64 prec:S dt:S"),
+              K.ATTENTION, operands=(("q", "vq"), ("k", "vk"), ("bias", "vb"), ("v", "vv")), dtype="dt",
+              knob=("prec", "attn:")),
 )
 
 BUFFER_DECLS: tuple[ENodeDecl, ...] = (ENodeDecl("ConsumedBuffer", _B, params("t:T")),)

@@ -28,6 +28,7 @@ from ..hlir.shape import ShapeTracker, View, contiguous_strides
 from ..hlir.symbolic import Dim, evaluate, prod
 from ..quant.scales import scale_shape
 from ..quant.storage import STORAGE_FORMATS
+from .attention import attention_flops, check_attention
 
 
 class KernelKind(enum.Enum):
@@ -43,6 +44,7 @@ class KernelKind(enum.Enum):
     GATHER = "gather"
     SCATTER = "scatter"
     SCATTER_NOCOPY = "scatter_nocopy"
+    ATTENTION = "attention"      # softmax(Q K^T * scale + bias) V in one kernel (codegen/attention.py)
 
     @property
     def launches(self) -> bool:
@@ -205,6 +207,7 @@ _FLOPS = {
     # a max per element, a division per element, one per scale
     KernelKind.QUANTIZE: lambda k, b: 2 * k.numel(b) + int(k.scales_bytes(b) // F32.itemsize),
     KernelKind.GATHER: _no_flops, KernelKind.SCATTER: _no_flops, KernelKind.SCATTER_NOCOPY: _no_flops,
+    KernelKind.ATTENTION: attention_flops,
 }
 assert set(_FLOPS) == set(KernelKind), "every kernel kind has a flop count"
 
@@ -388,5 +391,6 @@ _SHAPE_CHECK = {
     KernelKind.MAX: _check_reduce, KernelKind.SOFTMAX: _check_reduce, KernelKind.GEMM: _check_gemm,
     KernelKind.QUANTIZE: _check_quantize, KernelKind.GATHER: _check_gather, KernelKind.SCATTER: _check_scatter,
     KernelKind.SCATTER_NOCOPY: _check_scatter,
+    KernelKind.ATTENTION: check_attention,
 }
 assert set(_SHAPE_CHECK) == set(KernelKind), "every kernel kind has a verifier entry"

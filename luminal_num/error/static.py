@@ -12,6 +12,7 @@ twice, and the interval it carries is the exact value's, which quantizing does n
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -30,6 +31,9 @@ from .interval import Interval, derivative_bound, hull, transfer
 from .normalize import NormBound
 from .rounding_bounds import gamma
 from .softmax_bound import softmax_error
+from . import attention_bound
+from ..codegen.attention import ATTENTION_VARIANTS, key_ranges
+from ..hlir.gemm import gemm_layouts
 
 SLACK = 1.0 + 2.0 ** -40  # covers FP64's own error in the reference and in these bound computations
 
@@ -421,6 +425,34 @@ class StaticAnalyzer:
         return _Val(Interval(lo, hi), gemm_result(err, lay, full))
 
 
+    def attention(self, k: Kernel, inputs=None) -> _Val:
+        """The fused attention kernel: error/attention_bound.py (stages (a) and (b) there)."""
+        variant, spec = ATTENTION_VARIANTS[k.precision], k.value
+        qk = dataclasses.replace(k, kind=KernelKind.GEMM, inputs=k.inputs[:2], precision=variant.gemm,
+                                 layout=gemm_layouts(k.inputs[0].view, k.inputs[1].view, len(k.inputs[0].view.shape) - 1)[0])
+        dot = self._gemm(qk)  # the same operand rounding and FP32 accumulation, not stored
+        scale = _Val(Interval.point(spec.scale), np.asarray(abs(float(np.float32(spec.scale)) - spec.scale)))
+        scaled = _round_f32(self._apply(FApply(Op.MUL, ()), [dot, scale]), k)
+        s = _round_f32(self._apply(FApply(Op.ADD, ()), [scaled, self.read(k, 2)]), k)
+        shape = tuple(eval_dim(d, self.bindings) for d in k.inputs[2].view.shape)
+        s = _Val(Interval(*(np.broadcast_to(x, shape) for x in (s.iv.lo, s.iv.hi))), np.broadcast_to(s.err, shape))
+        v = self.read(k, 3)  # over (rows..., Dv, T)
+        vshape = tuple(eval_dim(d, self.bindings) for d in k.inputs[3].view.shape)
+        v_lo, v_hi, v_err = (np.broadcast_to(x, vshape) for x in (v.iv.lo, v.iv.hi, v.err))
+        with np.errstate(all="ignore"):
+            wide = s.wide
+            weights = transfer(Op.SOFTMAX, s.iv, axis=len(shape) - 1)
+            t_row = attention_bound.score_row_total(s.iv, wide, s.err, weights)         # (rows..., 1)
+            v_mag = np.max(np.maximum(np.abs(v_lo - v_err), np.abs(v_hi + v_err)), axis=-1)  # (rows..., Dv)
+            n_tiles = max(len(r) for r in key_ranges(shape[-1], spec))
+            a_sum = np.sum(attention_bound.term_errors(wide.lo, wide.hi, n_tiles), axis=-1, keepdims=True)
+            err = t_row * v_mag + np.max(v_err, axis=-1) \
+                + attention_bound.online_error(a_sum, v_mag, shape[-1], spec.splits, variant.pv)
+            iv = Interval(np.min(v_lo, axis=-1), np.max(v_hi, axis=-1))  # a convex combination of V rows
+        out = _Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK)
+        return _store(_round_f32(out, k), k.dtype, k)  # the divide's rounding, then the store
+
+
 # How each kernel kind transforms (interval, error): one entry per KernelKind (a test checks coverage).
 KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str, Interval]], _Val]] = {
     KernelKind.EXTERNAL: StaticAnalyzer.external,
@@ -435,6 +467,7 @@ KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str
     KernelKind.GATHER: StaticAnalyzer.gather,
     KernelKind.SCATTER: StaticAnalyzer.scatter,
     KernelKind.SCATTER_NOCOPY: StaticAnalyzer.scatter,
+    KernelKind.ATTENTION: StaticAnalyzer.attention,
 }
 
 
