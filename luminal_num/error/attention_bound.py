@@ -12,12 +12,15 @@ Softmax weights sum to one, so the output is a convex combination of V rows. Two
     2 u x_j, x_j = M - s^_j (the running max only grows towards M), and each e() and each l*alpha /
     o*alpha product is one relative rounding: c = 2 n_tiles + 3 of them. So the executed multiplier
     differs from e_j by A_j <= e^{-x}(e^{2ux}(1+u)^c - 1) <= ((1+u)^c - 1) e^{-a xl} + 2u x* e^{-a x*}
+    (or, summed over the keys with x_j <= X and divided by S, <= (1+u)^c e^{2uX} - 1)
     (a = 1 - 2u, x in [xl, xh], x* = clip(1/a, xl, xh): e^y - 1 <= y e^y and x e^{-ax} peaks at 1/a);
     a key masked at -1e9 has xl ~ 1e9 and weighs 0 here, however large its exponent error.
-    The running sums add at most g = gamma_{T + splits + 1} relative (positive terms, any order);
-    P and V rounded to the variant's P V format add u_p and u_v. With everything divided by S >= 1:
-      dL = sum A + g (1 + sum A),
-      dO = Vm [(1 + u_v)(1 + g)(sum A + u_p (1 + sum A)) + u_v + g (1 + u_v)],
+    Every rounding of a running sum (an add, a rescale product) multiplies each term in it by one
+    (1 + d): the sums add at most g = gamma_{T + splits + 1} relative (the P V product included).
+    P and V rounded to the P V format f: |r(x) - x| <= u_f |x| + sub_f / 2 (inf past f's range).
+    With EP = sum A + u_f (1 + sum A) + T sub_f / 2 (1 + u)^c >= sum_j |P^o_j - e_j| / S, V' =
+    Vm (1 + u_f) + sub_f / 2 >= |r(v)|, ev = u_f Vm + sub_f / 2, everything divided by S >= 1:
+      dL = sum A + g (1 + sum A),   dO = EP V' + ev + g (1 + EP) V',
       |O/L - sum_j e_j v^_j / S| <= (dO + Vm dL) / (1 - dL)     (infinite when dL >= 1),
     Vm = max_j |v^_j| per output column. The divide's rounding is the caller's FP32 store.
 """
@@ -34,28 +37,53 @@ U = F32.unit_roundoff
 U_EXP = U * (1 + 2.0 ** -50)  # exp in FP64 then one rounding to FP32
 
 
+def _x_range(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[xl, xh] of x_j = M - s^_j per score, from where the executed scores can be ([lo, hi])."""
+    m_lo, m_hi = np.max(lo, axis=-1, keepdims=True), np.max(hi, axis=-1, keepdims=True)
+    xl = np.maximum(m_lo - hi, 0.0)
+    return xl, np.maximum(m_hi - lo, xl)
+
+
 def term_errors(lo: np.ndarray, hi: np.ndarray, n_tiles: int) -> np.ndarray:
-    """A_j per score (last axis = keys) from where the executed scores can be ([lo, hi])."""
+    """A_j per score (last axis = keys)."""
     a = 1 - 2 * U
-    c = 2 * n_tiles + 3
     with np.errstate(all="ignore"):
-        m_lo, m_hi = np.max(lo, axis=-1, keepdims=True), np.max(hi, axis=-1, keepdims=True)
-        xl = np.maximum(m_lo - hi, 0.0)
-        xh = np.maximum(m_hi - lo, xl)
+        xl, xh = _x_range(lo, hi)
         x_star = np.clip(1 / a, xl, xh)
-        out = np.expm1(c * np.log1p(U_EXP)) * np.exp(-a * xl) + 2 * U * x_star * np.exp(-a * x_star)
+        out = np.expm1((2 * n_tiles + 3) * np.log1p(U_EXP)) * np.exp(-a * xl) + 2 * U * x_star * np.exp(-a * x_star)
     return np.where(np.isfinite(out), out, np.inf) * (1 + 2.0 ** -40)
 
 
-def online_error(a_sum: np.ndarray, v_mag: np.ndarray, keys: int, splits: int, pv: Format) -> np.ndarray:
+def row_term_total(lo: np.ndarray, hi: np.ndarray, n_tiles: int) -> np.ndarray:
+    """>= sum_j A_j / S per row (keys axis kept, size 1): the smaller of sum_j A_j (S >= 1) and, for a
+    cut X, the near keys (x_j <= X) as a weighted mean (sum of e_j / S <= 1, each off by at most
+    (1+u)^c e^{2uX} - 1) plus the far keys' own A_j."""
+    per_term = term_errors(lo, hi, n_tiles)
+    best = np.sum(per_term, axis=-1, keepdims=True)
+    with np.errstate(all="ignore"):
+        _, xh = _x_range(lo, hi)
+        for cut in (4.0, 16.0, 64.0, 256.0, 1024.0, 16384.0):
+            near = np.expm1((2 * n_tiles + 3) * np.log1p(U_EXP) + 2 * U * cut) * (1 + 2.0 ** -40)
+            best = np.minimum(best, near + np.sum(np.where(xh > cut, per_term, 0.0), axis=-1, keepdims=True))
+    return best
+
+
+def online_error(a_sum: np.ndarray, v_mag: np.ndarray, keys: int, splits: int, n_tiles: int,
+                 pv: Format) -> np.ndarray:
     """Stage (b): a_sum (rows, 1) = sum_j A_j, v_mag (rows, Dv) = max_j |v^_j|; returns (rows, Dv)."""
     g = gamma(keys + splits + 1, U)
-    u_p = u_v = 0.0 if pv is F32 else pv.unit_roundoff
+    low = pv is not F32
+    u, half_sub = (pv.unit_roundoff, pv.min_subnormal / 2) if low else (0.0, 0.0)
+    chain = (1 + U_EXP) ** (2 * n_tiles + 3)  # a rounded p's absolute part, carried by the rescales (<= 1)
     with np.errstate(all="ignore"):
+        v_round = v_mag * (1 + u) + half_sub         # >= |r(v)|
+        v_err = u * v_mag + half_sub                 # >= |r(v) - v|
+        e_p = a_sum + u * (1 + a_sum) + keys * half_sub * chain  # >= sum_j |P^o_j - e_j| / S
         d_l = a_sum + g * (1 + a_sum)
-        d_o = v_mag * ((1 + u_v) * (1 + g) * (a_sum + u_p * (1 + a_sum)) + u_v + g * (1 + u_v))
+        d_o = e_p * v_round + v_err + g * (1 + e_p) * v_round
         err = (d_o + v_mag * d_l) / (1 - d_l)
-    return np.where((d_l < 1) & np.isfinite(err), err, np.inf)
+        fits = v_mag * (1 + u) <= pv.max_finite  # r(v) overflows to inf past the format's range
+    return np.where((d_l < 1) & np.isfinite(err) & fits, err, np.inf)
 
 
 def score_row_total(exact: Interval, wide: Interval, err: np.ndarray, weights: Interval) -> np.ndarray:

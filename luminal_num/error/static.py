@@ -445,9 +445,9 @@ class StaticAnalyzer:
             t_row = attention_bound.score_row_total(s.iv, wide, s.err, weights)         # (rows..., 1)
             v_mag = np.max(np.maximum(np.abs(v_lo - v_err), np.abs(v_hi + v_err)), axis=-1)  # (rows..., Dv)
             n_tiles = max(len(r) for r in key_ranges(shape[-1], spec))
-            a_sum = np.sum(attention_bound.term_errors(wide.lo, wide.hi, n_tiles), axis=-1, keepdims=True)
+            a_sum = attention_bound.row_term_total(wide.lo, wide.hi, n_tiles)  # >= sum_j A_j / S
             err = t_row * v_mag + np.max(v_err, axis=-1) \
-                + attention_bound.online_error(a_sum, v_mag, shape[-1], spec.splits, variant.pv)
+                + attention_bound.online_error(a_sum, v_mag, shape[-1], spec.splits, n_tiles, variant.pv)
             iv = Interval(np.min(v_lo, axis=-1), np.max(v_hi, axis=-1))  # a convex combination of V rows
         out = _Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK)
         return _store(_round_f32(out, k), k.dtype, k)  # the divide's rounding, then the store
