@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from test_cuda_codegen import interpret, needs_nvrtc, stored_values
 from luminal_num.codegen import nvrtc
-from luminal_num.codegen.attention import ATTENTION_VARIANTS, AttentionSpec, key_ranges
+from luminal_num.codegen.attention import ATTENTION_VARIANTS, DECODE_SPLITS, AttentionSpec, key_ranges
 from luminal_num.codegen.cuda_kernels import render_kernel
 from luminal_num.codegen.llir import KernelKind
 from luminal_num.dtypes.formats import BF16, F16, F32
@@ -24,7 +24,7 @@ from luminal_num.error.static import static_bound
 from luminal_num.hlir import Graph, evaluate
 from luminal_num.hlir.symbolic import evaluate as eval_dim
 from luminal_num.models.bert import BertConfig, build_bert
-from luminal_num.models.llama import LLAMA_TINY, build_decode, build_prefill, random_weights
+from luminal_num.models.llama import LLAMA_TINY, LlamaConfig, build_decode, build_prefill, random_weights
 from luminal_num.models.testnets import transformer
 from luminal_num.runtime.cpu import CpuRuntime, bind_program
 from luminal_num.runtime.cpu_attention import online_softmax_pv, scores
@@ -75,19 +75,29 @@ def _bert():
 
 MODELS = {"llama_decode": lambda: _llama(None), "llama_prefill": lambda: _llama(4), "minilm_tiny": _bert,
           "transformer": lambda: transformer(2).graph}
+# SmolLM2-135M's attention shapes (hidden 576, 9 query heads over 3 KV heads, head dim 64), two layers,
+# a small vocabulary: only the rule's firing is checked on these
+SMOLLM2_SHAPED = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+                             num_key_value_heads=3, vocab_size=256, rms_norm_eps=1e-5, max_position_embeddings=256)
+FIRING = {**MODELS,
+          "smollm2_decode": lambda: build_decode(SMOLLM2_SHAPED, random_weights(SMOLLM2_SHAPED), 256).graph,
+          "smollm2_prefill": lambda: build_prefill(SMOLLM2_SHAPED, random_weights(SMOLLM2_SHAPED), 16, 256).graph}
 
 
 # -- the rule fires ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(FIRING))
 def test_rule_fires_once_per_attention_and_replaces_four_launches(name):
-    """One attention per layer (2 layers each): QK^T Gemm, scale CONST, Softmax, PV Gemm -> one kernel."""
-    graph = MODELS[name]()
+    """One attention per layer (2 layers each): QK^T Gemm, scale CONST, Softmax, PV Gemm -> one kernel;
+    a one-query (decode) kernel splits its keys (flash decoding), a prefill kernel does not."""
+    graph = FIRING[name]()
     space = SearchSpace.build(graph)
     assert _attention_classes(space) == 2
     assert _attention_classes(SearchSpace.build(graph, fusion=False)) == 0
     base, fused = space.program(pick(space, _tag("f32"))), space.program(pick(space, _tag(FUSED)))
-    layers = {k.chunk for k in fused.launched() if k.kind is KernelKind.ATTENTION}
+    fused_kernels = [k for k in fused.launched() if k.kind is KernelKind.ATTENTION]
+    layers = {k.chunk for k in fused_kernels}
     assert len(layers) == 2
+    assert {k.value.splits for k in fused_kernels} == ({DECODE_SPLITS} if "decode" in name else {1})
     before, after = _per_layer(base, layers), _per_layer(fused, layers)
     for c in layers:
         assert after[c]["attention"] == 1 and "softmax" not in after[c]
