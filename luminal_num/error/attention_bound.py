@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..codegen.attention import AttentionSpec, key_ranges
 from ..dtypes.formats import F32, Format
-from .interval import Interval
+from ..hlir.ops import Op
+from .interval import Interval, transfer
 from .rounding_bounds import gamma
 from .softmax_bound import softmax_error
 
@@ -91,3 +93,19 @@ def score_row_total(exact: Interval, wide: Interval, err: np.ndarray, weights: I
     the exact softmax's interval)."""
     bound = softmax_error(exact, wide, err, weights, exact.lo.ndim - 1, None)
     return bound.row_total + exact.lo.shape[-1] * bound.absolute
+
+
+def attention_error(scores: Interval, wide: Interval, err: np.ndarray, v: Interval, v_err: np.ndarray,
+                    spec: AttentionSpec, pv: Format) -> tuple[Interval, np.ndarray]:
+    """(exact output interval, error bound before the divide's rounding) per output (rows..., Dv):
+    scores over (rows..., T) (exact, where executed, error), V over (rows..., Dv, T)."""
+    with np.errstate(all="ignore"):
+        weights = transfer(Op.SOFTMAX, scores, axis=scores.lo.ndim - 1)
+        t_row = score_row_total(scores, wide, err, weights)  # (rows..., 1)
+        v_mag = np.max(np.maximum(np.abs(v.lo - v_err), np.abs(v.hi + v_err)), axis=-1)  # (rows..., Dv)
+        keys = scores.lo.shape[-1]
+        n_tiles = max(len(r) for r in key_ranges(keys, spec))
+        a_sum = row_term_total(wide.lo, wide.hi, n_tiles)  # >= sum_j A_j / S
+        total = t_row * v_mag + np.max(v_err, axis=-1) + online_error(a_sum, v_mag, keys, spec.splits, n_tiles, pv)
+    # a convex combination of V rows
+    return Interval(np.min(v.lo, axis=-1), np.max(v.hi, axis=-1)), np.nan_to_num(total, nan=np.inf)

@@ -32,7 +32,7 @@ from .normalize import NormBound
 from .rounding_bounds import gamma
 from .softmax_bound import softmax_error
 from . import attention_bound
-from ..codegen.attention import ATTENTION_VARIANTS, key_ranges
+from ..codegen.attention import ATTENTION_VARIANTS
 from ..hlir.gemm import gemm_layouts
 
 SLACK = 1.0 + 2.0 ** -40  # covers FP64's own error in the reference and in these bound computations
@@ -438,17 +438,8 @@ class StaticAnalyzer:
         s = _Val(Interval(*(np.broadcast_to(x, shape) for x in (s.iv.lo, s.iv.hi))), np.broadcast_to(s.err, shape))
         v = self.read(k, 3)  # over (rows..., Dv, T)
         vshape = tuple(eval_dim(d, self.bindings) for d in k.inputs[3].view.shape)
-        v_lo, v_hi, v_err = (np.broadcast_to(x, vshape) for x in (v.iv.lo, v.iv.hi, v.err))
-        with np.errstate(all="ignore"):
-            wide = s.wide
-            weights = transfer(Op.SOFTMAX, s.iv, axis=len(shape) - 1)
-            t_row = attention_bound.score_row_total(s.iv, wide, s.err, weights)         # (rows..., 1)
-            v_mag = np.max(np.maximum(np.abs(v_lo - v_err), np.abs(v_hi + v_err)), axis=-1)  # (rows..., Dv)
-            n_tiles = max(len(r) for r in key_ranges(shape[-1], spec))
-            a_sum = attention_bound.row_term_total(wide.lo, wide.hi, n_tiles)  # >= sum_j A_j / S
-            err = t_row * v_mag + np.max(v_err, axis=-1) \
-                + attention_bound.online_error(a_sum, v_mag, shape[-1], spec.splits, n_tiles, variant.pv)
-            iv = Interval(np.min(v_lo, axis=-1), np.max(v_hi, axis=-1))  # a convex combination of V rows
+        iv, err = attention_bound.attention_error(s.iv, s.wide, s.err, Interval(*(np.broadcast_to(x, vshape) for x in (
+            v.iv.lo, v.iv.hi))), np.broadcast_to(v.err, vshape), spec, variant.pv)
         out = _Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK)
         return _store(_round_f32(out, k), k.dtype, k)  # the divide's rounding, then the store
 
