@@ -16,7 +16,7 @@ from . import egraph as E
 from .choice import ChoiceSpace, read_choice_space
 from .encode import ChunkTables, encode_chunk
 from .rules.dtype_prop import dtype_prop
-from .rules.fuse_attention import attention_facts, fuse_attention
+from .rules.fuse_attention import attention_facts, attention_schedule
 from .rules.inplace import cleanup, inplace
 from .rules.lower import lower
 
@@ -70,7 +70,7 @@ def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=N
         facts = attention_facts(enc.tables)
         if facts:
             eg.register(*facts)
-        reports.append(eg.run((fuse_attention.saturate() + dtype_prop.saturate()).saturate()))
+        reports.append(eg.run((attention_schedule(precision_rules is not None) + dtype_prop.saturate()).saturate()))
     reports.append(eg.run((inplace.saturate() + dtype_prop.saturate()).saturate()))
     reports.append(eg.run(cleanup.saturate()))
     t2 = time.perf_counter()
