@@ -385,6 +385,7 @@ _N = types.SimpleNamespace(**{
     "fmodf": lambda a, b: np.fmod(np.float32(a), np.float32(b)),
     "exp2f": lambda a: np.exp2(np.float32(a)),
     "expf": lambda a: np.exp(np.float32(a)),
+    "exp": lambda a: np.exp(np.float64(a)),
     "log2f": lambda a: np.log2(np.float32(a)),
     "sinf": lambda a: np.sin(np.float32(a)),
     "tanhf": lambda a: np.tanh(np.float32(a)),

@@ -271,7 +271,8 @@ def test_static_bound_holds_under_genome_fuzzing_with_fusion(name):
         ref = ref_cache[scale]
         out = CpuRuntime(p, graph.weights).run(inputs).outputs
         for o in ref:
-            assert np.all(np.abs(out[o] - ref[o]) <= rep.error_bounds[o]), (o, trial)
+            bound = rep.error_bounds[o]  # NaN/inf outputs need an infinite bound
+            assert np.all((np.abs(out[o] - ref[o]) <= bound) | np.isinf(bound)), (o, trial)
         checked += 1
     assert fused_seen and checked
 

@@ -289,3 +289,44 @@ def test_a_plan_with_kv_formats_saves_loads_and_audits_from_its_file(llama, tmp_
     other = model.make_inputs(np.array([1, 2, 3]), np.arange(4, 7), previous=None, cached_rows=4)
     result = audit(loaded, model.graph, [inputs, {**other, **{k: v for k, v in inputs.items() if "cache" in k}}])
     assert result.passed, result.reason
+
+
+# -- run-time rows that overflow or carry NaN ----------------------------------------------------------
+def _cuda_scatter_reference(row: np.ndarray, group: int) -> list[float]:
+    """Element by element, what the generated FP8 scatter writes (its source's semantics, written out
+    here independently): amax over the group's finite |x|, s = fl32(max(amax / 448, 2^-126)) (1 for
+    amax 0), q = RN_e4m3 with satfinite (inf -> +-448, NaN stays NaN) of fl32(x / s), then fl32(q * s)."""
+    out = []
+    for c0 in range(0, len(row), group):
+        part = [float(x) for x in row[c0:c0 + group]]
+        amax = max([abs(x) for x in part if np.isfinite(x)], default=0.0)
+        s = np.float32(max(amax / 448.0, 2.0 ** -126)) if amax > 0 else np.float32(1.0)
+        for x in part:
+            if np.isnan(x):
+                out.append(float("nan"))
+                continue
+            ratio = np.float32(np.float32(x) / s) if np.isfinite(x) else np.float32(np.copysign(np.inf, x))
+            q = float(np.clip(ratio, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)) if np.isfinite(ratio) \
+                else float(np.copysign(448.0, ratio))
+            out.append(float(np.float32(np.float32(q) * s)))
+    return out
+
+
+@pytest.mark.parametrize("fmt,group", [("f8e4m3_channel", 8), ("f8e4m3_g16", 16)])
+def test_non_finite_rows_are_written_as_the_cuda_scatter_writes_them(fmt, group):
+    """An activation that overflowed upstream reaches the cache: the row converts instead of raising."""
+    rng = np.random.default_rng(7)
+    width = 8 if fmt.endswith("channel") else 32
+    rows = rng.standard_normal((3, width)).astype(np.float32) * 50
+    rows[0, 1], rows[0, 2], rows[1, 3], rows[2, :] = np.inf, -np.inf, np.nan, np.nan
+    got = cache_values(rows, fmt)
+    want = np.array([_cuda_scatter_reference(r, width if fmt.endswith("channel") else group) for r in rows])
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt,limit", [("bf16", ml_dtypes.bfloat16), ("f16", np.float16)])
+def test_unscaled_cache_rows_overflow_to_inf(fmt, limit):
+    rows = np.array([[3.4e38, -1e6, np.nan, 1.5, 65520.0, np.inf]], np.float32)
+    with np.errstate(over="ignore"):
+        want = rows.astype(limit).astype(np.float32)  # ml_dtypes / numpy: RNE, inf past the range
+    np.testing.assert_array_equal(cache_values(rows, fmt), want)

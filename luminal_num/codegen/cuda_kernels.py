@@ -30,6 +30,7 @@ from . import ctypes_map
 from .cuda_body import (BodyWriter, IndexExpr, SymbolTable, body_symbols, c_and, c_index, convert, dims_symbols, dot,
                         float_literal, load_index, round_expr, row_major_strides, store, store_double, unravel,
                         view_index, view_symbols, load_float)
+from .cuda_attention import render_attention
 from .cuda_gemm import render_gemm, render_quantize
 from .cuda_gemm_epilogue import render_gemm_epilogue
 from .cuda_source import (ELEMENTWISE_THREADS, ENTRY, MAX_GRID, REDUCE_HELPERS, SCALES_SCRATCH, Arg, GemmCall,
@@ -98,6 +99,9 @@ class _Context:
         raw, valid = self.read(slot, coords)
         value = load_float(self.formats[slot], raw)
         return value if valid is None else f"({valid}) ? {value} : 0.0f"
+
+    def declare(self, prefix: str, exprs: list[IndexExpr]) -> tuple[list[str], list[IndexExpr]]:
+        return declare(prefix, exprs)
 
     def body(self, coords: list[IndexExpr], prefix: str = "v") -> tuple[list[str], str]:
         return BodyWriter(lambda slot: self.read_float(slot, coords), self.table, prefix).render(self.k.body)
@@ -373,8 +377,9 @@ def _simple(render: Callable[[_Context], tuple[str, tuple[Launch, ...]]]) -> Ren
             raise ValueError(f"{kernel.kind.value} kernels cannot read a QUANTIZE kernel's buffer")
         cx = _Context(kernel, formats)
         body, launches = render(cx)
-        return finish_source(kernel.kind.value, source_header((*formats, kernel.dtype, *sorted(cx.extra_formats,
-                             key=lambda f: f.name)), body) + body, launches, cx.table)
+        extra = tuple(sorted(cx.extra_formats, key=lambda f: f.name))  # formats a body converts to
+        return finish_source(kernel.kind.value, source_header((*formats, kernel.dtype, *extra), body) + body,
+                             launches, cx.table)
     return renderer
 
 
@@ -386,6 +391,7 @@ RENDERERS: dict[KernelKind, Renderer] = {
     KernelKind.SCATTER_NOCOPY: _simple(_scatter_nocopy),
     KernelKind.GEMM: render_gemm, KernelKind.QUANTIZE: render_quantize,
     KernelKind.GEMM_EPILOGUE: render_gemm_epilogue,
+    KernelKind.ATTENTION: _simple(render_attention),
 }
 
 

@@ -115,6 +115,10 @@ TENSOR_DECLS: tuple[ENodeDecl, ...] = (
     # A KV-cache input (chunk source `slot`, overwritten in place by the step's Scatter) held in KV format
     # `fmt` (luminal_num.quant.kv): the Scatter writes its rows converted, attention reads them widened.
     ENodeDecl("KCacheStored", _T, params("slot:i64 fmt:S"), dtype_const="f32", knob=("fmt", "kv:")),
+    # softmax(Q K^T * scale + bias) V as one kernel (codegen/attention.py); `scale` is a constant id
+    ENodeDecl("KAttention", _T, params("q:T vq:i64 k:T vk:i64 bias:T vb:i64 v:T vv:i64 scale:i64 prec:S dt:S"),
+              K.ATTENTION, operands=(("q", "vq"), ("k", "vk"), ("bias", "vb"), ("v", "vv")), dtype="dt",
+              knob=("prec", "attn:")),
 )
 
 BUFFER_DECLS: tuple[ENodeDecl, ...] = (ENodeDecl("ConsumedBuffer", _B, params("t:T")),)

@@ -29,6 +29,7 @@ from ..hlir.symbolic import Dim, evaluate, prod
 from ..quant.scales import scale_shape
 from ..quant.kv import is_kv_format
 from ..quant.storage import STORAGE_FORMATS
+from .attention import attention_flops, check_attention
 
 
 class KernelKind(enum.Enum):
@@ -45,6 +46,7 @@ class KernelKind(enum.Enum):
     SCATTER = "scatter"
     SCATTER_NOCOPY = "scatter_nocopy"
     GEMM_EPILOGUE = "gemm_epilogue"  # a Gemm whose body (FAcc = the FP32 accumulator) runs before its one store
+    ATTENTION = "attention"      # softmax(Q K^T * scale + bias) V in one kernel (codegen/attention.py)
 
     @property
     def launches(self) -> bool:
@@ -227,6 +229,7 @@ _FLOPS = {
     KernelKind.QUANTIZE: lambda k, b: 2 * k.numel(b) + int(k.scales_bytes(b) // F32.itemsize),
     KernelKind.GATHER: _no_flops, KernelKind.SCATTER: _no_flops, KernelKind.SCATTER_NOCOPY: _no_flops,
     KernelKind.GEMM_EPILOGUE: lambda k, b: _gemm_flops(k, b) + k.numel(b) * count_ops(k.body),
+    KernelKind.ATTENTION: attention_flops,
 }
 assert set(_FLOPS) == set(KernelKind), "every kernel kind has a flop count"
 
@@ -461,5 +464,6 @@ _SHAPE_CHECK = {
     KernelKind.QUANTIZE: _check_quantize, KernelKind.GATHER: _check_gather, KernelKind.SCATTER: _check_scatter,
     KernelKind.SCATTER_NOCOPY: _check_scatter,
     KernelKind.GEMM_EPILOGUE: lambda k: _check_gemm_epilogue(k),
+    KernelKind.ATTENTION: check_attention,
 }
 assert set(_SHAPE_CHECK) == set(KernelKind), "every kernel kind has a verifier entry"

@@ -14,6 +14,7 @@ from ..hlir.gemm import GemmLayout
 from ..hlir.ops import Op
 from ..hlir.shape import ShapeTracker, View
 from ..hlir.symbolic import Dim, Poly
+from .attention import AttentionSpec
 from .llir import FAcc, FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program, verify
 
 LLIR_FORMAT = 1
@@ -45,7 +46,9 @@ def _undims(xs) -> tuple[Dim, ...]:
 
 
 def _scalar(v: object) -> Any:
-    """A CONST / FConstV value: a float (hex, exact) or a symbolic dim."""
+    """A CONST / FConstV value: a float (hex, exact) or a symbolic dim; an ATTENTION kernel's spec."""
+    if isinstance(v, AttentionSpec):
+        return {"attention": {"scale": float(v.scale).hex(), "key_tile": v.key_tile, "splits": v.splits}}
     return {"f": float(v).hex()} if isinstance(v, float) else {"dim": _dim(v)}
 
 
@@ -54,6 +57,9 @@ def _unscalar(x: Any) -> object:
         return float.fromhex(x["f"])
     if isinstance(x, dict) and "dim" in x:
         return _undim(x["dim"])
+    if isinstance(x, dict) and "attention" in x:
+        a = x["attention"]
+        return AttentionSpec(float.fromhex(a["scale"]), int(a["key_tile"]), int(a["splits"]))
     raise LlirDataError(f"not a constant: {x!r}")
 
 

@@ -12,6 +12,7 @@ twice, and the interval it carries is the exact value's, which quantizing does n
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -31,6 +32,9 @@ from .interval import Interval, derivative_bound, hull, transfer
 from .normalize import NormBound
 from .rounding_bounds import gamma
 from .softmax_bound import softmax_error
+from . import attention_bound
+from ..codegen.attention import ATTENTION_VARIANTS
+from ..hlir.gemm import gemm_layouts
 
 _ACC = -1  # the buffer id a Gemm epilogue's accumulator is analysed under (no kernel has it)
 SLACK = 1.0 + 2.0 ** -40  # covers FP64's own error in the reference and in these bound computations
@@ -450,6 +454,25 @@ class StaticAnalyzer:
         return _Val(Interval(lo, hi), gemm_result(err, lay, full))
 
 
+    def attention(self, k: Kernel, inputs=None) -> _Val:
+        """The fused attention kernel: error/attention_bound.py (stages (a) and (b) there)."""
+        variant, spec = ATTENTION_VARIANTS[k.precision], k.value
+        qk = dataclasses.replace(k, kind=KernelKind.GEMM, inputs=k.inputs[:2], precision=variant.gemm,
+                                 layout=gemm_layouts(k.inputs[0].view, k.inputs[1].view, len(k.inputs[0].view.shape) - 1)[0])
+        dot = self._gemm(qk)  # the same operand rounding and FP32 accumulation, not stored
+        scale = _Val(Interval.point(spec.scale), np.asarray(abs(float(np.float32(spec.scale)) - spec.scale)))
+        scaled = _round_f32(self._apply(FApply(Op.MUL, ()), [dot, scale]), k)
+        s = _round_f32(self._apply(FApply(Op.ADD, ()), [scaled, self.read(k, 2)]), k)
+        shape = tuple(eval_dim(d, self.bindings) for d in k.inputs[2].view.shape)
+        s = _Val(Interval(*(np.broadcast_to(x, shape) for x in (s.iv.lo, s.iv.hi))), np.broadcast_to(s.err, shape))
+        v = self.read(k, 3)  # over (rows..., Dv, T)
+        vshape = tuple(eval_dim(d, self.bindings) for d in k.inputs[3].view.shape)
+        iv, err = attention_bound.attention_error(s.iv, s.wide, s.err, Interval(*(np.broadcast_to(x, vshape) for x in (
+            v.iv.lo, v.iv.hi))), np.broadcast_to(v.err, vshape), spec, variant.pv)
+        out = _Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK)
+        return _store(_round_f32(out, k), k.dtype, k)  # the divide's rounding, then the store
+
+
 # How each kernel kind transforms (interval, error): one entry per KernelKind (a test checks coverage).
 KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str, Interval]], _Val]] = {
     KernelKind.EXTERNAL: StaticAnalyzer.external,
@@ -465,6 +488,7 @@ KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str
     KernelKind.SCATTER: StaticAnalyzer.scatter,
     KernelKind.SCATTER_NOCOPY: StaticAnalyzer.scatter,
     KernelKind.GEMM_EPILOGUE: StaticAnalyzer.gemm_epilogue,
+    KernelKind.ATTENTION: StaticAnalyzer.attention,
 }
 
 

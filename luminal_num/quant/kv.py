@@ -10,9 +10,11 @@ step writes and, on entry, to the rows a cache input brings (a cache handed over
 have been written in the plan's format: the conversion the CPU backend applies is this same function).
 
 The formats are `luminal_num.quant.storage` declarations (the cost model reads their stored bytes):
-  bf16, f16           round to nearest even (no scale); an overflowing value is refused;
+  bf16, f16           round to nearest even (no scale); an overflow is inf (the store's policy);
   f8e4m3_channel      per token: s = amax(row) / 448 in FP32, q = RN_e4m3,sat(fl32(x / s)), x^ = fl32(q s);
   f8e4m3_g<head>      per head: the same per `head` elements of a row (FP8 KV caches of vLLM / TensorRT-LLM).
+A run-time row may overflow or carry NaN: its amax skips non-finite values, NaN stays NaN, +-inf saturates
+(what the CUDA scatter writes), so a run never raises on the values a step computes.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import math
 
 import numpy as np
 
+from ..dtypes.rounding import store
+from .layout import Layout
 from .storage import FP8_GROUPS, StorageFormat, storage_format
 
 KV_TOKEN_FORMATS: tuple[str, ...] = ("bf16", "f16", "f8e4m3_channel")
@@ -54,7 +58,30 @@ def cache_values(rows, fmt: str | StorageFormat) -> np.ndarray:
     flat = rows.reshape(-1, rows.shape[-1]) if rows.size else rows.reshape(0, rows.shape[-1])
     if flat.shape[0] == 0:
         return flat.reshape(rows.shape).copy()
-    return fmt.quantize(flat).dequantize().astype(np.float32).reshape(rows.shape)
+    if fmt.layout is Layout.NONE:  # bf16 / f16: the store's rounding; an overflow is inf, as the CUDA store's
+        return store(flat, fmt.element).astype(np.float32).reshape(rows.shape)
+    finite = np.isfinite(flat)
+    if finite.all():
+        return fmt.quantize(flat).dequantize().astype(np.float32).reshape(rows.shape)
+    return _with_non_finite(flat, finite, fmt).reshape(rows.shape)
+
+
+def _with_non_finite(flat: np.ndarray, finite: np.ndarray, fmt: StorageFormat) -> np.ndarray:
+    """A scaled FP8 row with inf/NaN in it, as the CUDA scatter writes it: the group's amax skips
+    non-finite values, so the finite ones convert as usual; NaN stays NaN and +-inf saturates to
+    +-fl32(448 s) (RN_e4m3,sat of an infinite ratio)."""
+    width = flat.shape[-1]
+    group = width if fmt.layout is Layout.CHANNEL else fmt.block
+    if width % group:
+        raise ValueError(f"{fmt.name}: a {width}-wide KV-cache row is not a whole number of {group}-wide groups")
+    out = fmt.quantize(np.where(finite, flat, 0.0)).dequantize().astype(np.float32)
+    grouped = np.where(finite, np.abs(flat), 0.0).reshape(flat.shape[0], -1, group)
+    amax = grouped.max(axis=-1, keepdims=True).astype(np.float64)
+    limit = fmt.element.max_finite
+    s = np.where(amax > 0, np.maximum(amax / limit, 2.0 ** -126), 1.0).astype(np.float32)
+    saturated = np.broadcast_to(np.float32(limit) * s, grouped.shape).reshape(flat.shape)
+    out = np.where(np.isnan(flat), np.float32(np.nan), out)
+    return np.where(np.isinf(flat), np.copysign(saturated, flat), out).astype(np.float32)
 
 
 def cache_error(magnitude, fmt: str | StorageFormat) -> np.ndarray:

@@ -36,6 +36,7 @@ from ..quant import quantize_tensor
 from ..quant.kv import cache_values
 from ..quant.stored import stored_key, widened
 from .buffers import BufferPlan, plan_buffers
+from .cpu_attention import run_attention
 from .numerics import emulate_gemm, emulate_reduce_sum, prepare_b
 
 # Ops whose float32 numpy result equals the float64 result rounded once to FP32 (IEEE: correctly
@@ -424,12 +425,17 @@ def _scatter(rt, k: Kernel, state: _Run) -> np.ndarray:
     return dest
 
 
+def _attention(rt, k: Kernel, state: _Run) -> np.ndarray:
+    return store32(run_attention(k, tuple(_raw(k, i, state) for i in range(len(k.inputs))), state.bindings), k.dtype)
+
+
 KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
     KernelKind.EXTERNAL: _external, KernelKind.CONST: _const_kernel, KernelKind.IOTA: _iota,
     KernelKind.ELEMENTWISE: _elementwise, KernelKind.SUM: _sum, KernelKind.MAX: _max,
     KernelKind.SOFTMAX: _softmax, KernelKind.QUANTIZE: _quantize, KernelKind.GEMM: _gemm,
     KernelKind.GATHER: _gather, KernelKind.SCATTER: _scatter, KernelKind.SCATTER_NOCOPY: _scatter,
     KernelKind.GEMM_EPILOGUE: _gemm_epilogue,
+    KernelKind.ATTENTION: _attention,
 }
 
 

@@ -14,7 +14,8 @@ from ..codegen.llir import KernelKind, Program
 from ..dtypes.variants import GEMM_VARIANTS
 from .cpu import CpuRuntime
 from .cost import KernelWork, Latency, model_latency
-from .targets import gemm_math, get_target
+from ..codegen.attention import ATTENTION_VARIANTS
+from .targets import OPERAND_MATH, gemm_math, get_target
 
 
 def kernel_works(program: Program, bindings: Mapping[str, int]) -> list[KernelWork]:
@@ -28,6 +29,8 @@ def kernel_works(program: Program, bindings: Mapping[str, int]) -> list[KernelWo
         math, tc = "fp32", False
         if k.kind.is_gemm:
             math, tc = gemm_math(GEMM_VARIANTS[k.precision or "f32"])
+        elif k.kind is KernelKind.ATTENTION:  # its two products run in the Q K^T operand format
+            math, tc = OPERAND_MATH[ATTENTION_VARIANTS[k.precision].qk.name]
         side = sum(scales.get(inp.buffer, 0) for inp in k.inputs)
         works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes, element_bytes) + side,
                                 bytes_written=k.bytes_stored(bindings), flops=k.flops(bindings), math=math,

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from ..codegen.attention import AttentionSpec, splits_for
 from ..codegen.kinds import TENSOR_DECLS, Sort
 from ..codegen.llir import (FAcc, FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program,
                             verify)
@@ -253,11 +254,21 @@ def _scatter(lo: _ChunkLowering, n: ENode, origin: str) -> int:
                     aliases=0 if nocopy else None, storage=storage, **lo.common(n, origin))
 
 
+def _attention(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """One attention kernel: its four operands' views, the scale constant, the launch parameters."""
+    ins = lo.operands(n, origin)
+    scores = tuple(ins[2].view.shape)
+    spec = AttentionSpec(scale=float(lo.const(n.arg("scale"))), splits=splits_for(scores[-2]))
+    return lo.b.add(kind=KernelKind.ATTENTION, inputs=ins, shape=scores[:-1] + (ins[3].view.shape[-2],),
+                    dtype=get_format(n.arg("dt")), body_shape=scores, axis=len(scores) - 1, precision=n.arg("prec"),
+                    value=spec, **lo.common(n, origin))
+
+
 _TENSOR: dict[str, Callable[[_ChunkLowering, ENode, str], int]] = {
     "KExt": _ext, "KStored": _stored, "KVariant": _variant, "KConst": _const, "KIota": _iota, "Ew": _elementwise,
     "KSum": _reduction, "KMax": _reduction, "KSoftmax": _reduction, "KGemm": _gemm, "KQuantize": _quantize,
     "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter, "KGemmEpi": _gemm_epilogue,
-    "KCatW": _concat, "KSlice": _slice, "KCacheStored": _cache_stored,
+    "KCatW": _concat, "KSlice": _slice, "KCacheStored": _cache_stored, "KAttention": _attention,
 }
 assert set(_TENSOR) == {d.name for d in TENSOR_DECLS}, "every tensor constructor has exactly one lowering"
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
+from ..codegen.attention import attention_row
 from ..codegen.kinds import LAUNCHED_KINDS, backend_table
 from ..codegen.llir import KernelKind, Program, count_ops, external_value
 from ..codegen.serialize import LlirDataError, program_from_data, program_to_data
@@ -97,6 +98,7 @@ _OP_ROW = backend_table("plan op table", {
     KernelKind.QUANTIZE: lambda k: {"quant": f"A:{k.dtype.name}", "scales": _scale_label("A", k.scale_spec)},
     KernelKind.GATHER: _no_extra, KernelKind.SCATTER: _no_extra, KernelKind.SCATTER_NOCOPY: _no_extra,
     KernelKind.GEMM_EPILOGUE: lambda k: {**_gemm_row(k), "epilogue": f"{count_ops(k.body)} ops on the accumulator"},
+    KernelKind.ATTENTION: attention_row,
 }, LAUNCHED_KINDS)
 
 

@@ -18,6 +18,7 @@ from .encode import ChunkTables, encode_chunk
 from .rules.dtype_prop import dtype_prop
 from .horizontal import fusion_groups, plan_fusions
 from .rules.fuse_gemm import epilogue_facts, fuse_gemm, horizontal_facts
+from .rules.fuse_attention import attention_facts, attention_schedule
 from .rules.inplace import cleanup, inplace
 from .rules.lower import lower
 
@@ -56,6 +57,8 @@ class GroupSpace:
 
 
 def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=None, fusion: bool = True) -> GroupSpace:
+    """`fusion`: add the fused-kernel alternatives (one phase after precision); False keeps the
+    unfused space exactly."""
     t0 = time.perf_counter()
     enc = encode_chunk(graph, group.representative, consumers, group.chunks)
     eg = enc.egraph
@@ -77,6 +80,10 @@ def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=N
         if facts:
             eg.register(*facts)
         reports.append(eg.run((fuse_gemm.saturate() + dtype_prop.saturate()).saturate()))
+        facts = attention_facts(tables)  # attention (search/rules/fuse_attention.py): QK^T, softmax, PV as one kernel
+        if facts:
+            eg.register(*facts)
+        reports.append(eg.run((attention_schedule(precision_rules is not None) + dtype_prop.saturate()).saturate()))
     reports.append(eg.run((inplace.saturate() + dtype_prop.saturate()).saturate()))
     reports.append(eg.run(cleanup.saturate()))
     t2 = time.perf_counter()

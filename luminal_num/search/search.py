@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
+from ..codegen.attention import ATTENTION_VARIANTS
 from ..codegen.llir import Program
 from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ..quant.storage import STORAGE_FORMATS
 from ..error.judge import PREDICTED_SOURCES, Judge, Verdict
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
-from ..runtime.targets import gemm_math, get_target
+from ..runtime.targets import OPERAND_MATH, gemm_math, get_target
 from .recipes import AUTOCASTS, STORAGE_SOURCES, TF32_SOURCE, autocast_recipe, pick, recipe_genomes, tf32_recipe
 from .space import Change, ChunkSite, Genome, SearchSpace
 
@@ -200,7 +201,7 @@ class Searcher:
         for gk, ks in self.space.knobs.items():
             for k in ks:
                 plans.append([(gk, k.cls, tags[0]) for tags in variant_classes(k.tags, self.target)])
-        kinds = {"gemm": 0, "sum": 1, "softmax": 2, "ew": 3}
+        kinds = {"gemm": 0, "attn": 0.5, "sum": 1, "softmax": 2, "ew": 3}  # attn: one launch for four
         plans.sort(key=lambda p: kinds.get(p[0][2].split(":")[0], 4) if p else 9)
         out, passed = [], [0] * len(plans)
         for round_ in range(max((len(p) for p in plans), default=0)):
@@ -229,9 +230,10 @@ class Searcher:
             return gain / max(e.verdict.error - base_err, 1e-12)
         useful = [e for e in singles if e.verdict.passed and e.latency is not None and e.latency_s < base.latency_s]
         useful.sort(key=lambda e: (-score(e), e.id))
-        # start from the fastest passing uniform recipe (or FP32): singles then refine it knob by knob
+        # start from the fastest passing uniform recipe or single change (or FP32): singles then refine it
+        # knob by knob (a single can beat every uniform recipe: a fused kernel on a knob the recipe sets)
         starts = [e for e in self.evaluated if e.stage == "uniform" and e.verdict.passed and e.latency is not None]
-        start = min(starts, key=lambda e: (e.latency_s, e.id), default=base)
+        start = min(starts + useful, key=lambda e: (e.latency_s, e.id), default=base)
         current, current_lat = start.genome, start.latency_s
         for e in useful:
             (change,) = tuple(e.genome)
@@ -362,6 +364,10 @@ def variant_classes(tags, target: str) -> list[list[str]]:
         if kind == "sum":
             p = REDUCE_VARIANTS[name]
             return p.storage.bits, p.storage.unit_roundoff + p.acc.unit_roundoff
+        if kind == "attn":  # one kernel for four: ahead of every unfused class, then by its operand math
+            v = ATTENTION_VARIANTS[name]
+            math_, tc = OPERAND_MATH[v.qk.name]
+            return -1e20 - ((t.tensor_cores if tc else t.cuda_cores).rate(math_) or 0.0), v.qk.unit_roundoff
         if kind in ("store", "kv"):  # a weight's (or KV cache's) storage format: bits per element, element error
             f = STORAGE_FORMATS[name]
             return f.bits_per_weight((128, 128)), sum(f.element_error(1.0))

@@ -70,7 +70,8 @@ class SearchSpace:
     def build(graph: Graph, with_precision: bool = True, fusion: bool = True) -> "SearchSpace":
         part = partition(graph)
         consumers = graph.consumers()
-        groups = {g.key: saturate_group(graph, g, consumers, precision if with_precision else None, fusion=fusion) for g in part.groups}
+        groups = {g.key: saturate_group(graph, g, consumers, precision if with_precision else None, fusion=fusion)
+                  for g in part.groups}
         return SearchSpace(graph, part, groups, {k: knobs(gs.space) for k, gs in groups.items()})
 
     def group_index(self, key: str) -> int:
@@ -79,7 +80,7 @@ class SearchSpace:
     def all_changes(self) -> list[Change]:
         """Every single precision change, Gemms first (where the time goes), then reductions, softmax,
         elementwise storage; group order and tag order are kept, so the list is deterministic."""
-        kinds = {"gemm": 0, "sum": 1, "softmax": 2, "ew": 3}
+        kinds = {"gemm": 0, "attn": 0.5, "sum": 1, "softmax": 2, "ew": 3}  # attn: one launch for four
         out = [(gk, k.cls, tag) for gk, ks in self.knobs.items() for k in ks for tag in k.tags if tag != BASE]
         return sorted(out, key=lambda c: kinds.get(c[2].split(":")[0], 4))
 
