@@ -101,6 +101,9 @@ TENSOR_DECLS: tuple[ENodeDecl, ...] = (
     # A Gemm's A operand in the variant's format, contiguous (batch, M, K), dynamic scales beside it.
     ENodeDecl("KQuantize", _T, params("a:T va:i64 layout:i64 prec:S dt:S"), K.QUANTIZE,
               operands=(("a", "va"),), dtype="dt"),
+    # An elementwise body computed one block per row (last axis): it may hold row sums (FRowSum) read
+    # through per-row views (FAt), so a norm is one kernel (search/rules/fuse_rows.py).
+    ENodeDecl("KRows", _T, params("body:F dt:S"), K.ROWS, dtype="dt"),
 )
 
 BUFFER_DECLS: tuple[ENodeDecl, ...] = (ENodeDecl("ConsumedBuffer", _B, params("t:T")),)
@@ -113,6 +116,12 @@ SCALAR_DECLS: tuple[ENodeDecl, ...] = (
     ENodeDecl("FCustom", _F, params("kind:S x:F"), op=Op.CUSTOM),
     *(ENodeDecl("F" + o.decl.name, _F, params("x:F"), op=o) for o in UNARY_OPS),
     *(ENodeDecl("F" + o.decl.name, _F, params("a:F b:F"), op=o) for o in BINARY_OPS),
+    # Row-kernel bodies (search/rules/fuse_rows.py): RowBody(x) is x inside a KRows body (its own
+    # e-classes, so row sums never reach ordinary kernels' bodies); FRowSum is the last-axis sum of its
+    # body stored as dt; FAt reads a scalar value through a view, as a load reads a buffer.
+    ENodeDecl("RowBody", _F, params("x:F")),
+    ENodeDecl("FRowSum", _F, params("body:F acc:S dt:S")),
+    ENodeDecl("FAt", _F, params("x:F view:i64")),
 )
 
 DECLS: Mapping[str, ENodeDecl] = MappingProxyType({d.name: d for d in TENSOR_DECLS + BUFFER_DECLS + SCALAR_DECLS})

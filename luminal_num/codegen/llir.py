@@ -43,6 +43,7 @@ class KernelKind(enum.Enum):
     GATHER = "gather"
     SCATTER = "scatter"
     SCATTER_NOCOPY = "scatter_nocopy"
+    ROWS = "rows"                # one block per row: row sums (FRowSum) then an elementwise tail, one store
 
     @property
     def launches(self) -> bool:
@@ -74,14 +75,36 @@ class FApply:
     kind: str | None = None
 
 
-FExpr = Union[FLoad, FConstV, FRoundTo, FApply]
+@dataclass(frozen=True)
+class FRowSum:
+    """Inside a ROWS kernel: the sum of `body` (over its own space `shape`) along its last axis, with
+    the accumulator `acc`, rounded once to `dt` (what a SUM kernel would have stored); its value lives
+    on `shape` without that axis."""
+    body: "FExpr"
+    acc: Format
+    dt: Format
+    shape: tuple[Dim, ...]
+
+
+@dataclass(frozen=True)
+class FAt:
+    """`x`, a value over `src_shape` (row-major), read through `view` (as a load reads a buffer).
+    In a ROWS kernel `view` has stride 0 along the last axis, so the value is constant per row."""
+    x: "FExpr"
+    view: ShapeTracker
+    src_shape: tuple[Dim, ...]
+
+
+FExpr = Union[FLoad, FConstV, FRoundTo, FApply, FRowSum, FAt]
 
 
 def count_ops(e: FExpr) -> int:
     if isinstance(e, FApply):
         return 1 + sum(count_ops(a) for a in e.args)
-    if isinstance(e, FRoundTo):
+    if isinstance(e, (FRoundTo, FAt)):
         return count_ops(e.x)
+    if isinstance(e, FRowSum):
+        return 1 + count_ops(e.body)
     return 0
 
 
@@ -205,6 +228,8 @@ _FLOPS = {
     # a max per element, a division per element, one per scale
     KernelKind.QUANTIZE: lambda k, b: 2 * k.numel(b) + int(k.scales_bytes(b) // F32.itemsize),
     KernelKind.GATHER: _no_flops, KernelKind.SCATTER: _no_flops, KernelKind.SCATTER_NOCOPY: _no_flops,
+    # row sums and the tail, each op once per element of the row (the sums' bodies run over the row too)
+    KernelKind.ROWS: lambda k, b: k.numel(b) * max(count_ops(k.body), 1),
 }
 assert set(_FLOPS) == set(KernelKind), "every kernel kind has a flop count"
 
@@ -321,11 +346,23 @@ def _check_body(k: Kernel, out_shape) -> str:
 def _load_slots(e: FExpr) -> set[int]:
     if isinstance(e, FLoad):
         return {e.slot}
-    if isinstance(e, FRoundTo):
+    if isinstance(e, (FRoundTo, FAt)):
         return _load_slots(e.x)
+    if isinstance(e, FRowSum):
+        return _load_slots(e.body)
     if isinstance(e, FApply):
         return set().union(*(_load_slots(a) for a in e.args))
     return set()
+
+
+def _check_rows(k: Kernel) -> str:
+    """A ROWS kernel: rows along its last axis; its loads read spaces of their own (row sums, FAt)."""
+    if k.body is None or tuple(k.shape) != tuple(k.body_shape) or not k.shape or k.axis != len(k.shape) - 1:
+        return f"a row kernel needs a body over its shape {k.shape} with rows along its last axis (axis {k.axis})"
+    slots = _load_slots(k.body)
+    if slots and max(slots) >= len(k.inputs):
+        return f"body loads slot {max(slots)} of {len(k.inputs)} inputs"
+    return ""
 
 
 def _check_reduce(k: Kernel) -> str:
@@ -387,6 +424,6 @@ _SHAPE_CHECK = {
     KernelKind.ELEMENTWISE: lambda k: _check_body(k, k.body_shape), KernelKind.SUM: _check_reduce,
     KernelKind.MAX: _check_reduce, KernelKind.SOFTMAX: _check_reduce, KernelKind.GEMM: _check_gemm,
     KernelKind.QUANTIZE: _check_quantize, KernelKind.GATHER: _check_gather, KernelKind.SCATTER: _check_scatter,
-    KernelKind.SCATTER_NOCOPY: _check_scatter,
+    KernelKind.SCATTER_NOCOPY: _check_scatter, KernelKind.ROWS: _check_rows,
 }
 assert set(_SHAPE_CHECK) == set(KernelKind), "every kernel kind has a verifier entry"

@@ -19,6 +19,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program
+from ..codegen.rows import unfused
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.formats import get as get_format
 from ..dtypes.variants import GEMM_VARIANTS
@@ -307,6 +308,20 @@ class StaticAnalyzer:
         return _store(_Val(transfer(Op.MAX_REDUCE, v.iv, axis=k.axis), np.max(v.err, axis=k.axis), v.floor),
                       k.dtype, k)
 
+    def rows(self, k: Kernel, inputs) -> _Val:
+        """A row kernel computes its unfused chain's values exactly (codegen/rows.py): bound that chain,
+        so the correlated norm bound and every rounding of the chain apply as they would unfused."""
+        mini, ext = unfused(k, [self.p.kernel(inp.buffer) for inp in k.inputs])
+        sub = StaticAnalyzer(mini, self.bindings)
+        for buf, kid in ext.items():
+            sub.vals[kid] = self.vals[buf]
+        try:
+            for mk in mini.kernels[len(ext):]:
+                sub.vals[mk.id] = sub.kernel(mk, inputs)
+        except _Overflowed as exc:  # name the row kernel, not a kernel of the unfused chain
+            raise _Overflowed(Overflow(k.id, k.label, exc.ov.fmt, exc.ov.magnitude, exc.ov.detail)) from None
+        return sub.vals[mini.outputs[0][1]]
+
     def quantize(self, k: Kernel, inputs) -> _Val:
         lo, hi, err = self._gemm_operand(k, 0)
         return _Val(Interval(lo, hi), err)
@@ -435,6 +450,7 @@ KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str
     KernelKind.GATHER: StaticAnalyzer.gather,
     KernelKind.SCATTER: StaticAnalyzer.scatter,
     KernelKind.SCATTER_NOCOPY: StaticAnalyzer.scatter,
+    KernelKind.ROWS: StaticAnalyzer.rows,
 }
 
 

@@ -12,6 +12,7 @@ from typing import Mapping
 
 from ..codegen.kinds import Sort, decl
 from .choice import Candidate, ChoiceSpace, ENode, _Picker
+from .rows_extract import RowBodies, as_elementwise, row_order
 
 BASE = "f32"
 
@@ -42,15 +43,18 @@ def knobs(space: ChoiceSpace) -> tuple[Knob, ...]:
 
 
 # Preferred structure among alternatives of the same tag (lower first; undeclared names are an error).
-_T_RANK = {decl(n).name: 0 for n in ("KGemm", "KScatterNoCopy", "KVariant")}
+_T_RANK = {decl(n).name: 0 for n in ("KGemm", "KScatterNoCopy", "KVariant", "KRows")}
 
 
 def extract(space: ChoiceSpace, genome: Mapping[str, str] | None = None) -> Candidate:
     """The candidate realising `genome` (class -> tag; missing = BASE) with preferred structure."""
     genome = dict(genome or {})
+    rows = RowBodies.of(space)
 
     def order(cid: str, picker: _Picker) -> list[int]:
         nodes = space.classes[cid]
+        if cid in rows.inner:
+            return row_order(space, cid, rows, picker)
         want = genome.get(cid, BASE)
         idx = [i for i, n in enumerate(nodes) if node_tag(n) == want] or list(range(len(nodes)))
         if nodes[idx[0]].decl.sort is Sort.F:
@@ -76,11 +80,12 @@ def _scalar_order(space: ChoiceSpace, cid: str, idx: list[int], picker: _Picker)
         t = nodes[i].cls("t")
         if not picker.pick(t):
             continue
-        chosen = space.classes[t][picker.chosen[t]]
+        chosen = as_elementwise(space, t, space.classes[t][picker.chosen[t]])
         if chosen.op == "Ew":
             return plain + loads + lowp
         if chosen.op == "KVariant" and picker.pick(chosen.cls("inner")):
-            inner = space.classes[chosen.cls("inner")][picker.chosen[chosen.cls("inner")]]
+            inner = as_elementwise(space, chosen.cls("inner"),
+                                   space.classes[chosen.cls("inner")][picker.chosen[chosen.cls("inner")]])
             if inner.op == "Ew":
                 match = [j for j in lowp if (nodes[j].arg("x"), nodes[j].arg("dt")) == (inner.arg("body"), inner.arg("dt"))]
                 return match + loads + plain + [j for j in lowp if j not in match]

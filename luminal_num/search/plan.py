@@ -18,6 +18,7 @@ import numpy as np
 from .. import __version__
 from ..codegen.kinds import LAUNCHED_KINDS, backend_table
 from ..codegen.llir import KernelKind, Program
+from ..codegen.rows import row_sums
 from ..codegen.serialize import LlirDataError, program_from_data, program_to_data
 from ..dtypes.variants import GEMM_VARIANTS
 from ..error.budget import Budget
@@ -84,6 +85,11 @@ def _gemm_row(k) -> dict:
                                 if s is not None)}
 
 
+def _rows_row(k) -> dict:
+    """A row kernel: the accumulators of the row sums it holds (codegen/llir.py FRowSum)."""
+    return {"accumulator": ",".join(sorted({s.acc.name for s in row_sums(k.body)})) or k.dtype.name}
+
+
 def _no_extra(k) -> dict:
     return {}
 
@@ -96,6 +102,7 @@ _OP_ROW = backend_table("plan op table", {
     # what the dynamic scales of the Gemm's A actually are
     KernelKind.QUANTIZE: lambda k: {"quant": f"A:{k.dtype.name}", "scales": _scale_label("A", k.scale_spec)},
     KernelKind.GATHER: _no_extra, KernelKind.SCATTER: _no_extra, KernelKind.SCATTER_NOCOPY: _no_extra,
+    KernelKind.ROWS: _rows_row,
 }, LAUNCHED_KINDS)
 
 

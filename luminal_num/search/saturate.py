@@ -16,6 +16,7 @@ from . import egraph as E
 from .choice import ChoiceSpace, read_choice_space
 from .encode import ChunkTables, encode_chunk
 from .rules.dtype_prop import dtype_prop
+from .rules.fuse_rows import fuse_rows, row_facts
 from .rules.inplace import cleanup, inplace
 from .rules.lower import lower
 
@@ -53,7 +54,7 @@ class GroupSpace:
     stats: SaturationStats
 
 
-def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=None) -> GroupSpace:
+def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=None, fusion: bool = True) -> GroupSpace:
     t0 = time.perf_counter()
     enc = encode_chunk(graph, group.representative, consumers, group.chunks)
     eg = enc.egraph
@@ -63,6 +64,11 @@ def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=N
     reports = [eg.run((lower.saturate() + dtype_prop.saturate()).saturate())]
     if precision_rules is not None:
         reports.append(eg.run((precision_rules.saturate() + lower.saturate() + dtype_prop.saturate()).saturate()))
+    if fusion:  # fewer launches: constants in their consumers, norms as one row kernel (rules/fuse_rows.py)
+        facts = row_facts(graph, group, enc.terms, enc.tables.views)
+        if facts:
+            eg.register(*facts)
+        reports.append(eg.run((fuse_rows.saturate() + dtype_prop.saturate()).saturate()))
     reports.append(eg.run((inplace.saturate() + dtype_prop.saturate()).saturate()))
     reports.append(eg.run(cleanup.saturate()))
     t2 = time.perf_counter()

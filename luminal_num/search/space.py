@@ -27,10 +27,12 @@ class SearchSpace:
     _extracted: dict[tuple, Candidate] = field(default_factory=dict, repr=False)
 
     @staticmethod
-    def build(graph: Graph, with_precision: bool = True) -> "SearchSpace":
+    def build(graph: Graph, with_precision: bool = True, fusion: bool = True) -> "SearchSpace":
+        """`fusion=False`: the space without the fusion rules (every kernel as the lowering made it)."""
         part = partition(graph)
         consumers = graph.consumers()
-        groups = {g.key: saturate_group(graph, g, consumers, precision if with_precision else None) for g in part.groups}
+        groups = {g.key: saturate_group(graph, g, consumers, precision if with_precision else None, fusion=fusion)
+                  for g in part.groups}
         return SearchSpace(graph, part, groups, {k: knobs(gs.space) for k, gs in groups.items()})
 
     def group_index(self, key: str) -> int:

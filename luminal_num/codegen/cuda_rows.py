@@ -1,0 +1,156 @@
+"""CUDA C for a ROWS kernel: one block per row (the last axis); the row's values read through FAt (its
+row sums and what is computed from them) first, by the whole block, then the elementwise tail per
+element and one store. The semantics are the CPU backend's (runtime/cpu.py `_rows`):
+* a row sum accumulates as the SUM kernel of its accumulator does (cuda_kernels.py `_accumulator`):
+  FP32 / FP64 in parallel over the block (any order), narrow accumulators by one thread in index order
+  rounding after every add; then it is rounded once to its storage format, as that kernel stores it;
+* every FAt view has stride 0 along the last axis (search/rules/fuse_rows.py), so its value is the
+  same for the whole row: it is computed once per row, before the loop that needs it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..dtypes.formats import F32, F64, Format
+from ..hlir.symbolic import Dim, is_const, prod
+from .ctypes_map import cuda_type
+from .cuda_body import (BodyWriter, IndexExpr, SymbolTable, c_index, dims_symbols, load_float, round_expr, store,
+                        unravel, view_index, view_symbols)
+from .cuda_source import (ENTRY, REDUCE_HELPERS, Arg, KernelSource, Launch, finish_source, indent, per,
+                          source_header)
+from .llir import FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel
+
+ROW_THREADS_MAX = 256
+_PSEUDO = 1 << 20  # slots from here on name values computed earlier in the row (not kernel inputs)
+
+
+def _symbols(e: FExpr) -> set[str]:
+    if isinstance(e, FApply):
+        return set().union(*(_symbols(a) for a in e.args))
+    if isinstance(e, FRoundTo):
+        return _symbols(e.x)
+    if isinstance(e, FConstV):
+        return dims_symbols((e.value,))
+    if isinstance(e, FRowSum):
+        return _symbols(e.body) | dims_symbols(e.shape)
+    if isinstance(e, FAt):
+        return _symbols(e.x) | view_symbols(e.view) | dims_symbols(e.src_shape)
+    return set()
+
+
+def _lengths(e: FExpr) -> list[Dim]:
+    if isinstance(e, FApply):
+        return [n for a in e.args for n in _lengths(a)]
+    if isinstance(e, (FRoundTo, FAt)):
+        return _lengths(e.x)
+    if isinstance(e, FRowSum):
+        return [e.shape[-1], *_lengths(e.body)]
+    return []
+
+
+class _RowWriter:
+    def __init__(self, k: Kernel, formats: tuple[Format, ...]):
+        self.k, self.formats = k, formats
+        names = dims_symbols(k.shape) | _symbols(k.body)
+        for inp in k.inputs:
+            names |= view_symbols(inp.view)
+        self.table = SymbolTable.of(names)
+        self.n = 0
+
+    def fresh(self, stem: str) -> str:
+        self.n += 1
+        return f"{stem}{self.n}"
+
+    def read(self, slot: int, coords: Sequence[IndexExpr], values: dict[int, str]) -> str:
+        if slot >= _PSEUDO:
+            return values[slot]
+        at = view_index(self.k.inputs[slot].view, coords, self.table)
+        value = load_float(self.formats[slot], f"in{slot}[{c_index(at.pos)}]")
+        return value if at.valid is None else f"({at.valid}) ? {value} : 0.0f"
+
+    def space(self, e: FExpr, coords: Sequence[IndexExpr], hoisted: list[str]) -> tuple[list[str], str]:
+        """`e` at `coords`: its row values' statements go to `hoisted` (once per row), the rest returned."""
+        values: dict[int, str] = {}
+
+        def substitute(x: FExpr) -> FExpr:
+            if isinstance(x, (FAt, FRowSum)):
+                slot = _PSEUDO + len(values)
+                values[slot] = self.special(x, coords, hoisted)
+                return FLoad(slot)
+            if isinstance(x, FApply):
+                return FApply(x.op, tuple(substitute(a) for a in x.args), x.kind)
+            if isinstance(x, FRoundTo):
+                return FRoundTo(substitute(x.x), x.fmt, x.origin)
+            return x
+        plain = substitute(e)
+        return BodyWriter(lambda slot: self.read(slot, coords, values), self.table, self.fresh("v") + "_").render(plain)
+
+    def special(self, e: FExpr, coords: Sequence[IndexExpr], hoisted: list[str]) -> str:
+        """A row value (emitted into `hoisted`); the name of the float holding it."""
+        if isinstance(e, FAt):  # the coordinates the view maps to, in the space of what it reads
+            at = view_index(e.view, coords, self.table)
+            name = self.fresh("p")
+            hoisted.append(f"const long long {name} = {c_index(at.pos)};")
+            src = unravel(name, [self.table.dim(d) for d in e.src_shape])
+            if isinstance(e.x, FRowSum):
+                return self.row_sum(e.x, src, hoisted)
+            lines, value = self.space(e.x, src, hoisted)
+            hoisted.extend(lines)
+            return value
+        return self.row_sum(e, coords, hoisted)
+
+    def row_sum(self, s: FRowSum, coords: Sequence[IndexExpr], hoisted: list[str]) -> str:
+        r, acc, length = self.fresh("r"), self.fresh("acc"), self.fresh("len")
+        hoisted.append(f"const long long {length} = {c_index(self.table.dim(s.shape[-1]))};")
+        lines, value = self.space(s.body, [*coords, r], hoisted)  # its own row values first
+        if s.acc in (F32, F64):
+            ctype, zero = ("float", "0.0f") if s.acc is F32 else ("double", "0.0")
+            add = "__fadd_rn" if s.acc is F32 else "__dadd_rn"
+            v = value if s.acc is F32 else f"static_cast<double>({value})"
+            hoisted += [f"{ctype} {acc} = {zero};", f"for (long long {r} = threadIdx.x; {r} < {length}; {r} += blockDim.x) {{"]
+            hoisted += ["    " + ln for ln in lines] + [f"    {acc} = {add}({acc}, {v});", "}",
+                                                        f"{acc} = ln_block_reduce<LnSum>({acc}, {zero});"]
+        else:  # a narrow accumulator: one thread, index order, rounding after every add; shared with the block
+            shared = self.fresh("ln_row_")
+            update = round_expr(s.acc, f"__dadd_rn(static_cast<double>({acc}), static_cast<double>({value}))",
+                                "double", saturate=False)
+            hoisted += [f"__shared__ float {shared};", f"float {acc} = 0.0f;", "if (threadIdx.x == 0) {",
+                        f"    for (long long {r} = 0; {r} < {length}; ++{r}) {{"]
+            hoisted += ["        " + ln for ln in lines] + [f"        {acc} = {update};", "    }",
+                                                            f"    {shared} = {acc};", "}", "__syncthreads();",
+                                                            f"{acc} = {shared};", "__syncthreads();"]
+        out = self.fresh("s")
+        hoisted.append(f"const float {out} = {round_expr(s.dt, acc, 'float' if s.acc is not F64 else 'double')};")
+        return out
+
+
+def _threads(k: Kernel) -> int:
+    lengths = [k.shape[-1], *_lengths(k.body)]
+    if not all(is_const(d) for d in lengths):
+        return ROW_THREADS_MAX
+    return min(ROW_THREADS_MAX, max(32, 1 << max(int(max(lengths)) - 1, 0).bit_length()))
+
+
+def render_rows(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...]) -> KernelSource:
+    if any(prequantized):
+        raise ValueError("row kernels cannot read a QUANTIZE kernel's buffer")
+    w = _RowWriter(kernel, formats)
+    kept = [w.table.dim(d) for d in kernel.shape[:-1]]
+    coords = unravel("row", kept) + ["j"]
+    hoisted: list[str] = []
+    lines, value = w.space(kernel.body, coords, hoisted)
+    slots = tuple(range(len(kernel.inputs)))
+    params = [f"{cuda_type(kernel.dtype)}* __restrict__ out"] + [
+        f"const {cuda_type(formats[s])}* __restrict__ in{s}" for s in slots]
+    if w.table.symbols:
+        params.append("const long long* __restrict__ dyn_dims")
+    rows = prod(kernel.shape[:-1]) if kernel.shape[:-1] else 1
+    body = (f'extern "C" __global__ void {ENTRY}({", ".join(params)}) {{\n'
+            f"    const long long rows = {c_index(w.table.dim(rows))};\n"
+            f"    const long long len = {c_index(w.table.dim(kernel.shape[-1]))};\n"
+            "    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {\n" + indent(hoisted, 2)
+            + "        for (long long j = threadIdx.x; j < len; j += blockDim.x) {\n" + indent(lines, 3)
+            + f"            out[row * len + j] = {store(kernel.dtype, value)};\n        }}\n    }}\n}}\n")
+    src = REDUCE_HELPERS + body
+    launch = Launch(ENTRY, (per(rows, 1),), (_threads(kernel),), (Arg("out"),) + tuple(Arg("in", s) for s in slots))
+    return finish_source(kernel.kind.value, source_header((*formats, kernel.dtype), src) + src, (launch,), w.table)

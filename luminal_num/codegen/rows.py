@@ -1,0 +1,88 @@
+"""A ROWS kernel as the unfused kernels it stands for (one SUM per row sum, one ELEMENTWISE per value
+read through a view, the tail), so analyses written for kernel chains apply to it unchanged.
+
+Why it is exact: the row-fusion rules (search/rules/fuse_rows.py) keep every rounding of the chain
+(a row sum is stored as its SUM kernel would store it; a value read through FAt is rounded as its
+kernel would store it), so the fused kernel and this program compute the same values.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..dtypes.formats import F32
+from ..hlir.shape import ShapeTracker
+from .llir import FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel, KernelInput, KernelKind, Program
+
+
+class _Unfuse:
+    def __init__(self, k: Kernel, sources: Sequence[Kernel]):
+        self.k = k
+        self.kernels: list[Kernel] = []
+        self.ext: dict[int, int] = {}  # buffer id -> EXTERNAL kernel id here
+        for src in sources:
+            if src.id not in self.ext:
+                self.ext[src.id] = self._add(kind=KernelKind.EXTERNAL, inputs=(), shape=src.shape, dtype=src.dtype,
+                                             external=f"%{src.id}", label=src.label)
+
+    def _add(self, **kw) -> int:
+        self.kernels.append(Kernel(id=len(self.kernels), chunk=self.k.chunk, **kw))
+        return len(self.kernels) - 1
+
+    def _slot(self, ki: KernelInput, inputs: list[KernelInput]) -> FLoad:
+        if ki not in inputs:
+            inputs.append(ki)
+        return FLoad(inputs.index(ki))
+
+    def expr(self, e: FExpr, inputs: list[KernelInput]) -> FExpr:
+        """`e` as the body of a kernel whose inputs are `inputs` (row sums and FAt values materialised)."""
+        if isinstance(e, FLoad):
+            inp = self.k.inputs[e.slot]
+            return self._slot(KernelInput(self.ext[inp.buffer], inp.view), inputs)
+        if isinstance(e, FRoundTo):
+            return FRoundTo(self.expr(e.x, inputs), e.fmt, e.origin)
+        if isinstance(e, FApply):
+            return FApply(e.op, tuple(self.expr(a, inputs) for a in e.args), e.kind)
+        if isinstance(e, FRowSum):
+            buf = self._sum(e)
+            return self._slot(KernelInput(buf, ShapeTracker.contiguous(e.shape[:-1])), inputs)
+        if isinstance(e, FAt):
+            buf = self._sum(e.x) if isinstance(e.x, FRowSum) else self._elementwise(e.x, e.src_shape, F32)
+            return self._slot(KernelInput(buf, e.view), inputs)
+        if isinstance(e, FConstV):
+            return e
+        raise TypeError(f"not a body expression: {e!r}")
+
+    def _sum(self, e: FRowSum) -> int:
+        inputs: list[KernelInput] = []
+        body = self.expr(e.body, inputs)
+        axis = len(e.shape) - 1
+        return self._add(kind=KernelKind.SUM, inputs=tuple(inputs), shape=tuple(e.shape[:-1]), dtype=e.dt, body=body,
+                         body_shape=tuple(e.shape), axis=axis, acc=e.acc, label=f"{self.k.label} (row sum)")
+
+    def _elementwise(self, e: FExpr, shape, dtype) -> int:
+        inputs: list[KernelInput] = []
+        body = self.expr(e, inputs)
+        return self._add(kind=KernelKind.ELEMENTWISE, inputs=tuple(inputs), shape=tuple(shape), dtype=dtype,
+                         body=body, body_shape=tuple(shape), label=self.k.label)
+
+
+def row_sums(e: FExpr | None) -> list[FRowSum]:
+    """Every row sum in a body (outermost first)."""
+    if isinstance(e, FRowSum):
+        return [e, *row_sums(e.body)]
+    if isinstance(e, (FRoundTo, FAt)):
+        return row_sums(e.x)
+    if isinstance(e, FApply):
+        return [s for a in e.args for s in row_sums(a)]
+    return []
+
+
+def unfused(k: Kernel, sources: Sequence[Kernel]) -> tuple[Program, dict[int, int]]:
+    """(the program, buffer id -> its EXTERNAL kernel there); its last kernel is the ROWS kernel's value.
+    `sources`: the kernels producing k's inputs."""
+    if k.kind is not KernelKind.ROWS:
+        raise ValueError(f"kernel {k.id} is {k.kind.value}, not a row kernel")
+    u = _Unfuse(k, sources)
+    out = u._elementwise(k.body, k.shape, k.dtype)
+    inputs = tuple((f"%{b}", kid) for b, kid in u.ext.items())
+    return Program(tuple(u.kernels), inputs, (("out", out),)), dict(u.ext)

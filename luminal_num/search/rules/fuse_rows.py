@@ -1,0 +1,112 @@
+"""`fuse_rows`: constants without a launch, and a row reduction fused with its elementwise consumers.
+
+Constants: a scalar constant read through an unmasked view is already `FConst` there (lower.py);
+the load of its CONST kernel is dominated (the same FP32 value, one launch less), so it is subsumed.
+
+Rows: RMSNorm is SUM(x^2) -> rsqrt(s * 1/n + eps) -> x * r * g, three kernels. `KRows(RowBody(b), d)`
+is an alternative of `Ew(b, d)`: the same body per element, one block per row (the last axis). Inside
+`RowBody` (its own e-classes, so ordinary kernels never see row nodes) a read of a last-axis KSum
+through a per-row view (stride 0 along the last axis) may be `FAt(FRowSum(body, acc, dt), view)`:
+the row's sum in the same accumulator, rounded once to the same storage format as the SUM kernel
+would store it; a read of an elementwise value of such sums the same way (`FAt(RowBody(body))`,
+rounded to its storage format). Every rounding of the unfused chain is kept, so the fused kernel
+computes the unfused values bit for bit; only launches and intermediate buffers go. The unfused
+form stays in the e-graph (Ew, plain loads): extraction prefers the row kernel (search/extract.py).
+"""
+from __future__ import annotations
+
+from egglog import String, eq, i64, relation, rewrite, rule, ruleset, union, var, vars_
+
+from ...codegen.kinds import SCALAR_DECLS, Sort
+from ...hlir.graph import Graph
+from ...hlir.ops import Op
+from ...hlir.partition import Group
+from ...hlir.shape import ShapeTracker
+from .. import egraph as E
+from .dtype_prop import pattern
+
+fuse_rows = ruleset(name="fuse_rows")
+
+RowView = relation("RowView", i64)           # one unmasked view with stride 0 along its last axis
+RowReady = relation("RowReady", E.F)         # some alternative reads a row sum through a per-row view
+LastAxisReduce = relation("LastAxisReduce", E.T)  # a SumReduce along its input's last axis
+
+t, inner = vars_("t inner", E.T)
+v, c, ax = vars_("v c ax", i64)
+d, acc, tag = vars_("d acc tag", String)
+fa, body = vars_("fa body", E.F)
+x = var("x", E.F)
+
+RowBody, FRowSum, FAt, KRows = (E.CTOR[n] for n in ("RowBody", "FRowSum", "FAt", "KRows"))
+_ROW_NODES = ("RowBody", "FRowSum", "FAt")
+# scalar constructors the row analysis and RowBody see through (leaves: Load, FConst; row nodes excluded)
+_INNER = tuple(dcl for dcl in SCALAR_DECLS if dcl.name not in _ROW_NODES and dcl.name != "Load"
+               and any(p.sort is Sort.F for p in dcl.params))
+
+
+def is_row_view(st: ShapeTracker) -> bool:
+    """A read whose value is the same along the reader's last axis (so once per row of a row kernel)."""
+    view = st.views[-1]
+    return len(st.views) == 1 and view.mask is None and bool(view.shape) and view.strides[-1] == 0
+
+
+def row_facts(graph: Graph, group: Group, terms: dict, views) -> list:
+    """The Python-computed facts the rules read: per-row views, last-axis sums (representative chunk)."""
+    facts = [RowView(i) for i, st in enumerate(views) if is_row_view(st)]
+    for nid in group.representative.nodes:
+        node = graph.nodes[nid]
+        if node.op is Op.SUM_REDUCE and node.attr("axis") == len(node.srcs[0].view.shape) - 1:
+            facts.append(LastAxisReduce(terms[nid]))
+    return facts
+
+
+@fuse_rows.register
+def _constants():
+    # the same FP32 constant without its CONST kernel (FConst exists wherever this rewrite applies)
+    yield rewrite(E.Load(E.KConst(c, "f32"), v), subsume=True).to(E.FConst(c, v), E.Unmasked(v))
+
+
+def _sum_forms():
+    """(condition facts, accumulator, storage) of every KSum form a value `t` may have."""
+    yield [eq(t).to(E.KSum(body, ax, acc, "f32"))], String("f32")
+    yield [eq(t).to(E.KVariant(inner, tag)), eq(inner).to(E.KSum(body, ax, acc, d))], d
+
+
+def _ew_forms():
+    yield [eq(t).to(E.Ew(body, d))]
+    yield [eq(t).to(E.KVariant(inner, tag)), eq(inner).to(E.Ew(body, d))]
+
+
+@fuse_rows.register
+def _row_analysis():
+    for conds, _ in _sum_forms():
+        # a last-axis sum read per row: readable as its row's sum inside a row kernel
+        yield rule(eq(fa).to(E.Load(t, v)), *conds, LastAxisReduce(t), RowView(v)).then(RowReady(fa))
+    for conds in _ew_forms():
+        # an elementwise value of row sums read per row: the same
+        yield rule(eq(fa).to(E.Load(t, v)), *conds, RowReady(body), RowView(v)).then(RowReady(fa))
+    for dcl in _INNER:
+        pat, vs = pattern(dcl)
+        for p in dcl.params:
+            if p.sort is Sort.F:  # an expression over such a read can fuse it
+                yield rule(eq(fa).to(pat), RowReady(vs[p.name])).then(RowReady(fa))
+
+
+@fuse_rows.register
+def _row_kernels():
+    # a body that can read row sums may run as a row kernel: the same per-element values, one block a row
+    yield rule(eq(t).to(E.Ew(body, d)), RowReady(body)).then(union(t).with_(KRows(RowBody(body), d)))
+    for dcl in _INNER:
+        pat, vs = pattern(dcl)
+        # RowBody is transparent: an op inside a row body applies to the row bodies of its operands
+        pushed = E.CTOR[dcl.name](**{p.name: RowBody(vs[p.name]) if p.sort is Sort.F else vs[p.name]
+                                     for p in dcl.params})
+        yield rule(eq(fa).to(RowBody(x)), eq(x).to(pat), RowReady(x)).then(union(fa).with_(pushed))
+    for conds, store in _sum_forms():
+        # the row's sum, same body, accumulator and stored rounding as the SUM kernel: the same value
+        yield rule(eq(fa).to(RowBody(x)), eq(x).to(E.Load(t, v)), *conds, LastAxisReduce(t), RowView(v)).then(
+            union(fa).with_(FAt(FRowSum(RowBody(body), acc, store), v)))
+    for conds in _ew_forms():
+        # an elementwise value of row sums, computed in the row kernel and rounded as it would be stored
+        yield rule(eq(fa).to(RowBody(x)), eq(x).to(E.Load(t, v)), *conds, RowReady(body), RowView(v)).then(
+            union(fa).with_(E.FRound(FAt(RowBody(body), v), d)))
