@@ -114,11 +114,11 @@ class _RowWriter:
             shared = self.fresh("ln_row_")
             update = round_expr(s.acc, f"__dadd_rn(static_cast<double>({acc}), static_cast<double>({value}))",
                                 "double", saturate=False)
-            hoisted += [f"__shared__ float {shared};", f"float {acc} = 0.0f;", "if (threadIdx.x == 0) {",
+            hoisted += [f"__shared__ float {shared}[1];", f"float {acc} = 0.0f;", "if (threadIdx.x == 0) {",
                         f"    for (long long {r} = 0; {r} < {length}; ++{r}) {{"]
             hoisted += ["        " + ln for ln in lines] + [f"        {acc} = {update};", "    }",
-                                                            f"    {shared} = {acc};", "}", "__syncthreads();",
-                                                            f"{acc} = {shared};", "__syncthreads();"]
+                                                            f"    {shared}[0] = {acc};", "}", "__syncthreads();",
+                                                            f"{acc} = {shared}[0];", "__syncthreads();"]
         out = self.fresh("s")
         hoisted.append(f"const float {out} = {round_expr(s.dt, acc, 'float' if s.acc is not F64 else 'double')};")
         return out
