@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import compile_time, emulation, numerics, onnx_minilm, render_reports, runtime, search_efficiency, smollm2
+from . import compile_time, emulation, fusion, numerics, onnx_minilm, render_reports, runtime, search_efficiency, smollm2
 from .summary import write_summary
 
 
@@ -60,6 +60,8 @@ def main(argv=None) -> str:
     headlines["report_render"] = render_reports.run()
     print("== SmolLM2 decode: judge cost per candidate, FP64 reference, token-level error")
     headlines["smollm2"] = smollm2.run(layers=2, genomes=("FP32", "BF16 autocast")) if quick else smollm2.run()
+    print("== fusion: kernels per layer, bytes and modelled H200 latency, fusion rules off vs on")
+    headlines["fusion"] = fusion.run(layers=2, with_minilm=False) if quick else fusion.run()
     if not quick:
         print("== ONNX import (MiniLM from an ONNX file)")
         headlines["onnx_minilm"] = onnx_minilm.run()

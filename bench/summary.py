@@ -84,6 +84,10 @@ SECTIONS = (
             "The imported graph must compute the project's own MiniLM (FP64) and its FP32 plan must match ONNX "
             "Runtime FP32; the ORT peers are judged on the same budget; compile works from the file alone.",
             (("onnx_minilm.csv", "per ONNX form: import time, FP64 vs the project graph, FP32 plan vs ORT"),)),
+    Section("fusion", "Fusion: launched kernels per layer",
+            "Decode of small models is launches, not bytes: the fusion rules (SearchSpace.build(fusion=True)) "
+            "should cut kernels per layer and the launch share of the modelled H200 latency.",
+            (("fusion.csv", "per model, fusion off / on and genome: kernels, bytes, modelled H200 latency"),)),
     Section("slow_tests", "Model-scale checks",
             "`pytest -m slow`: the MiniLM demo end to end (compile, report, audit on held-out sentences) and "
             "the wide-model search; kept out of the default suite for time.", ()),
