@@ -13,6 +13,7 @@ import warnings
 
 import ml_dtypes
 import numpy as np
+import pandas as pd
 import pytest
 
 from luminal_num.codegen import nvrtc
@@ -29,10 +30,12 @@ from luminal_num.hlir.shape import ShapeTracker
 from luminal_num.models.llama import LLAMA_TINY, build_decode, random_weights
 from luminal_num.models.registry import minilm_job
 from luminal_num.models.testnets import mlp, transformer
+from luminal_num.report.compile_report import kernels_per_chunk
 from luminal_num.runtime.cpu import CpuRuntime, bind_program
 from luminal_num.runtime.latency import kernel_works, modelled_latency
 from luminal_num.search.choice import random_candidate
 from luminal_num.search.lower import lower_program
+from luminal_num.search.plan import op_table
 from luminal_num.search.recipes import pick
 from luminal_num.search.space import SearchSpace
 from test_cuda_codegen import interpret, needs_nvrtc, one_kernel, stored_values
@@ -272,3 +275,14 @@ def test_row_kernels_survive_the_plan_format(decode_spaces):
     program = space.program(pick(space, lambda t: "bf16" in t))
     assert any(k.kind is KernelKind.ROWS for k in program.kernels)
     assert program_from_data(program_to_data(program)) == program
+
+
+def test_compile_report_counts_kernels_per_layer(decode, decode_spaces):
+    space = decode_spaces[True]
+    program = space.program(frozenset())
+    ops = pd.DataFrame(op_table(program, decode[0].graph.bind_symbols(decode[1])))
+    table = kernels_per_chunk(ops, [[c.index for c in g.chunks] for g in space.part.groups])
+    layers = table[table.chunk.between(1, LAYERS)]
+    assert list(layers.kernels) == [sum(per_layer(program, c).values()) for c in range(1, LAYERS + 1)]
+    assert list(layers.rows) == [2] * LAYERS and layers.group.nunique() == 1
+    assert table.kernels.sum() == len(program.launched())

@@ -57,7 +57,7 @@ def op_table(program: Program, bindings) -> list[dict]:
     rows = []
     dtypes = program.dtypes()
     for k in program.launched():
-        row = {"kernel": k.id, "kind": k.kind.value, "op": k.label, "dtype": k.dtype.name,
+        row = {"kernel": k.id, "chunk": k.chunk, "kind": k.kind.value, "op": k.label, "dtype": k.dtype.name,
                "inputs": ",".join(dtypes[i.buffer].name for i in k.inputs),
                "weights": _weights_read(program, k, bindings),
                "shape": "x".join(str(d) for d in k.shape), "accumulator": "", "precision": k.precision or "",
