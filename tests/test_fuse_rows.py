@@ -65,8 +65,9 @@ def test_llama_norms_are_one_row_kernel_and_constants_launch_nothing(decode_spac
     for layer in range(1, LAYERS + 1):
         old, new = per_layer(before, layer), per_layer(after, layer)
         assert old[KernelKind.CONST] == 6 and old[KernelKind.SUM] == 2  # today's layer: what fusion removes
-        assert new[KernelKind.CONST] == 0 and new[KernelKind.SUM] == 0 and new[KernelKind.ROWS] == 2
-        assert sum(old.values()) - sum(new.values()) == 6 + 2 * 2  # constants, and 3 -> 1 kernels per norm
+        # two norms and the two RoPEs (their rotate-half negation read through a pad, computed in place)
+        assert new[KernelKind.CONST] == 0 and new[KernelKind.SUM] == 0 and new[KernelKind.ROWS] == 4
+        assert sum(old.values()) - sum(new.values()) == 6 + 2 * 2 + 2  # constants, 3 -> 1 per norm, 2 -> 1 per RoPE
     assert not any(k.kind is KernelKind.CONST for k in after.launched())
 
 
@@ -206,7 +207,7 @@ def test_model_row_kernels_generated_c_matches_the_cpu_backend(decode, decode_sp
                 tol = n * 2.0 ** -22 * (1 + float(np.max(np.abs(ref))))
                 np.testing.assert_allclose(interpret(program, k, stored, bindings), ref, rtol=0, atol=tol)
                 checked += 1
-    assert checked == 2 * 2 * LAYERS + 2  # two norms per layer and the final norm, two genomes
+    assert checked == 2 * (4 * LAYERS + 1)  # two norms and two RoPEs per layer, the final norm; two genomes
 
 
 @needs_nvrtc
@@ -267,7 +268,7 @@ def test_fusion_removes_launches_and_intermediate_bytes(decode, decode_spaces):
     lat = {f: modelled_latency(p, "h200", bindings).total_s for f, p in progs.items()}
     assert moved[True] < moved[False] and lat[True] < lat[False]
     removed = len(progs[False].launched()) - len(progs[True].launched())
-    assert removed >= LAYERS * 10 + 2  # per layer 6 constants and 2 x 2 norm kernels; the final norm
+    assert removed >= LAYERS * 12 + 2  # per layer 6 constants, 2 x 2 norm and 2 RoPE kernels; the final norm
 
 
 def test_row_kernels_survive_the_plan_format(decode_spaces):
@@ -284,5 +285,5 @@ def test_compile_report_counts_kernels_per_layer(decode, decode_spaces):
     table = kernels_per_chunk(ops, [[c.index for c in g.chunks] for g in space.part.groups])
     layers = table[table.chunk.between(1, LAYERS)]
     assert list(layers.kernels) == [sum(per_layer(program, c).values()) for c in range(1, LAYERS + 1)]
-    assert list(layers.rows) == [2] * LAYERS and layers.group.nunique() == 1
+    assert list(layers.rows) == [4] * LAYERS and layers.group.nunique() == 1
     assert table.kernels.sum() == len(program.launched())

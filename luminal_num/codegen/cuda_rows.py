@@ -18,6 +18,7 @@ from .cuda_body import (BodyWriter, IndexExpr, SymbolTable, c_index, dims_symbol
                         unravel, view_index, view_symbols)
 from .cuda_source import (ENTRY, REDUCE_HELPERS, Arg, KernelSource, Launch, finish_source, indent, per,
                           source_header)
+from .rows import is_row_view
 from .llir import FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel
 
 ROW_THREADS_MAX = 256
@@ -68,14 +69,17 @@ class _RowWriter:
         value = load_float(self.formats[slot], f"in{slot}[{c_index(at.pos)}]")
         return value if at.valid is None else f"({at.valid}) ? {value} : 0.0f"
 
-    def space(self, e: FExpr, coords: Sequence[IndexExpr], hoisted: list[str]) -> tuple[list[str], str]:
-        """`e` at `coords`: its row values' statements go to `hoisted` (once per row), the rest returned."""
+    def space(self, e: FExpr, coords: Sequence[IndexExpr], hoisted: list[str] | None) -> tuple[list[str], str]:
+        """`e` at `coords`: its row values' statements go to `hoisted` (once per row; None: this code runs
+        per element, so everything stays inline), the rest are returned with the value."""
         values: dict[int, str] = {}
+        inline: list[str] = []
 
         def substitute(x: FExpr) -> FExpr:
             if isinstance(x, (FAt, FRowSum)):
                 slot = _PSEUDO + len(values)
-                values[slot] = self.special(x, coords, hoisted)
+                per_row = hoisted is not None and (isinstance(x, FRowSum) or is_row_view(x.view))
+                values[slot] = self.special(x, coords, hoisted if per_row else inline, per_row)
                 return FLoad(slot)
             if isinstance(x, FApply):
                 return FApply(x.op, tuple(substitute(a) for a in x.args), x.kind)
@@ -83,45 +87,70 @@ class _RowWriter:
                 return FRoundTo(substitute(x.x), x.fmt, x.origin)
             return x
         plain = substitute(e)
-        return BodyWriter(lambda slot: self.read(slot, coords, values), self.table, self.fresh("v") + "_").render(plain)
+        lines, value = BodyWriter(lambda slot: self.read(slot, coords, values), self.table,
+                                  self.fresh("v") + "_").render(plain)
+        return inline + lines, value
 
-    def special(self, e: FExpr, coords: Sequence[IndexExpr], hoisted: list[str]) -> str:
-        """A row value (emitted into `hoisted`); the name of the float holding it."""
+    def special(self, e: FExpr, coords: Sequence[IndexExpr], out: list[str], per_row: bool) -> str:
+        """A value read through FAt or a row sum, its statements emitted into `out` (the row's prologue when
+        `per_row`, else the per-element code); the name of the float holding it."""
         if isinstance(e, FAt):  # the coordinates the view maps to, in the space of what it reads
             at = view_index(e.view, coords, self.table)
             name = self.fresh("p")
-            hoisted.append(f"const long long {name} = {c_index(at.pos)};")
+            pos = c_index(at.pos) if at.valid is None else f"({at.valid}) ? {c_index(at.pos)} : 0LL"
+            out.append(f"const long long {name} = {pos};")  # outside a mask: any valid element, then 0
             src = unravel(name, [self.table.dim(d) for d in e.src_shape])
             if isinstance(e.x, FRowSum):
-                return self.row_sum(e.x, src, hoisted)
-            lines, value = self.space(e.x, src, hoisted)
-            hoisted.extend(lines)
-            return value
-        return self.row_sum(e, coords, hoisted)
+                value = self.row_sum(e.x, src, out, per_row)
+            else:
+                lines, value = self.space(e.x, src, out if per_row else None)
+                out.extend(lines)
+            if at.valid is None:
+                return value
+            masked = self.fresh("m")
+            out.append(f"const float {masked} = ({at.valid}) ? {value} : 0.0f;")
+            return masked
+        return self.row_sum(e, coords, out, per_row)
 
-    def row_sum(self, s: FRowSum, coords: Sequence[IndexExpr], hoisted: list[str]) -> str:
+    def row_sum(self, s: FRowSum, coords: Sequence[IndexExpr], hoisted: list[str], per_row: bool = True) -> str:
         r, acc, length = self.fresh("r"), self.fresh("acc"), self.fresh("len")
         hoisted.append(f"const long long {length} = {c_index(self.table.dim(s.shape[-1]))};")
-        lines, value = self.space(s.body, [*coords, r], hoisted)  # its own row values first
-        if s.acc in (F32, F64):
+        lines, value = self.space(s.body, [*coords, r], hoisted if per_row else None)  # its row values first
+        if not per_row:  # inside per-element code: this thread alone, in index order
+            return self._serial_sum(s, r, acc, length, lines, value, hoisted)
+        if s.acc in (F32, F64):  # the whole block, any order, then every thread has the sum
             ctype, zero = ("float", "0.0f") if s.acc is F32 else ("double", "0.0")
-            add = "__fadd_rn" if s.acc is F32 else "__dadd_rn"
-            v = value if s.acc is F32 else f"static_cast<double>({value})"
             hoisted += [f"{ctype} {acc} = {zero};", f"for (long long {r} = threadIdx.x; {r} < {length}; {r} += blockDim.x) {{"]
-            hoisted += ["    " + ln for ln in lines] + [f"    {acc} = {add}({acc}, {v});", "}",
+            hoisted += ["    " + ln for ln in lines] + [f"    {acc} = {self._update(s, acc, value)};", "}",
                                                         f"{acc} = ln_block_reduce<LnSum>({acc}, {zero});"]
         else:  # a narrow accumulator: one thread, index order, rounding after every add; shared with the block
             shared = self.fresh("ln_row_")
-            update = round_expr(s.acc, f"__dadd_rn(static_cast<double>({acc}), static_cast<double>({value}))",
-                                "double", saturate=False)
             hoisted += [f"__shared__ float {shared}[1];", f"float {acc} = 0.0f;", "if (threadIdx.x == 0) {",
                         f"    for (long long {r} = 0; {r} < {length}; ++{r}) {{"]
-            hoisted += ["        " + ln for ln in lines] + [f"        {acc} = {update};", "    }",
+            hoisted += ["        " + ln for ln in lines] + [f"        {acc} = {self._update(s, acc, value)};", "    }",
                                                             f"    {shared}[0] = {acc};", "}", "__syncthreads();",
                                                             f"{acc} = {shared}[0];", "__syncthreads();"]
-        out = self.fresh("s")
-        hoisted.append(f"const float {out} = {round_expr(s.dt, acc, 'float' if s.acc is not F64 else 'double')};")
-        return out
+        return self._stored(s, acc, hoisted)
+
+    def _update(self, s: FRowSum, acc: str, value: str) -> str:
+        if s.acc is F32:
+            return f"__fadd_rn({acc}, {value})"
+        if s.acc is F64:
+            return f"__dadd_rn({acc}, static_cast<double>({value}))"
+        return round_expr(s.acc, f"__dadd_rn(static_cast<double>({acc}), static_cast<double>({value}))", "double",
+                          saturate=False)
+
+    def _serial_sum(self, s: FRowSum, r: str, acc: str, length: str, lines: list[str], value: str,
+                    out: list[str]) -> str:
+        out += [f"{'double' if s.acc is F64 else 'float'} {acc} = 0.0;",
+                f"for (long long {r} = 0; {r} < {length}; ++{r}) {{"]
+        out += ["    " + ln for ln in lines] + [f"    {acc} = {self._update(s, acc, value)};", "}"]
+        return self._stored(s, acc, out)
+
+    def _stored(self, s: FRowSum, acc: str, out: list[str]) -> str:
+        name = self.fresh("s")
+        out.append(f"const float {name} = {round_expr(s.dt, acc, 'float' if s.acc is not F64 else 'double')};")
+        return name
 
 
 def _threads(k: Kernel) -> int:

@@ -14,6 +14,12 @@ from ..hlir.shape import ShapeTracker
 from .llir import FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel, KernelInput, KernelKind, Program
 
 
+def is_row_view(st: ShapeTracker) -> bool:
+    """A read whose value is the same along the reader's last axis (so once per row of a row kernel)."""
+    view = st.views[-1]
+    return len(st.views) == 1 and view.mask is None and bool(view.shape) and view.strides[-1] == 0
+
+
 class _Unfuse:
     def __init__(self, k: Kernel, sources: Sequence[Kernel]):
         self.k = k

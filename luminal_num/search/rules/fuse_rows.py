@@ -15,19 +15,20 @@ form stays in the e-graph (Ew, plain loads): extraction prefers the row kernel (
 """
 from __future__ import annotations
 
-from egglog import String, eq, i64, relation, rewrite, rule, ruleset, union, var, vars_
+from egglog import String, eq, i64, ne, relation, rewrite, rule, ruleset, union, var, vars_
 
 from ...codegen.kinds import SCALAR_DECLS, Sort
 from ...hlir.graph import Graph
 from ...hlir.ops import Op
 from ...hlir.partition import Group
-from ...hlir.shape import ShapeTracker
+from ...codegen.rows import is_row_view
 from .. import egraph as E
 from .dtype_prop import pattern
 
 fuse_rows = ruleset(name="fuse_rows")
 
 RowView = relation("RowView", i64)           # one unmasked view with stride 0 along its last axis
+OneView = relation("OneView", i64)           # a single view (masks allowed): a value can be read through it
 RowReady = relation("RowReady", E.F)         # some alternative reads a row sum through a per-row view
 LastAxisReduce = relation("LastAxisReduce", E.T)  # a SumReduce along its input's last axis
 
@@ -44,15 +45,10 @@ _INNER = tuple(dcl for dcl in SCALAR_DECLS if dcl.name not in _ROW_NODES and dcl
                and any(p.sort is Sort.F for p in dcl.params))
 
 
-def is_row_view(st: ShapeTracker) -> bool:
-    """A read whose value is the same along the reader's last axis (so once per row of a row kernel)."""
-    view = st.views[-1]
-    return len(st.views) == 1 and view.mask is None and bool(view.shape) and view.strides[-1] == 0
-
-
 def row_facts(graph: Graph, group: Group, terms: dict, views) -> list:
     """The Python-computed facts the rules read: per-row views, last-axis sums (representative chunk)."""
     facts = [RowView(i) for i, st in enumerate(views) if is_row_view(st)]
+    facts += [OneView(i) for i, st in enumerate(views) if len(st.views) == 1]
     for nid in group.representative.nodes:
         node = graph.nodes[nid]
         if node.op is Op.SUM_REDUCE and node.attr("axis") == len(node.srcs[0].view.shape) - 1:
@@ -83,8 +79,9 @@ def _row_analysis():
         # a last-axis sum read per row: readable as its row's sum inside a row kernel
         yield rule(eq(fa).to(E.Load(t, v)), *conds, LastAxisReduce(t), RowView(v)).then(RowReady(fa))
     for conds in _ew_forms():
-        # an elementwise value of row sums read per row: the same
-        yield rule(eq(fa).to(E.Load(t, v)), *conds, RowReady(body), RowView(v)).then(RowReady(fa))
+        # an elementwise value read through any other single view (a RoPE half through a pad, a value
+        # of row sums per row): a row kernel can compute it where it reads it
+        yield rule(eq(fa).to(E.Load(t, v)), *conds, OneView(v), ne(v).to(E.identity_view(t))).then(RowReady(fa))
     for dcl in _INNER:
         pat, vs = pattern(dcl)
         for p in dcl.params:
@@ -107,6 +104,7 @@ def _row_kernels():
         yield rule(eq(fa).to(RowBody(x)), eq(x).to(E.Load(t, v)), *conds, LastAxisReduce(t), RowView(v)).then(
             union(fa).with_(FAt(FRowSum(RowBody(body), acc, store), v)))
     for conds in _ew_forms():
-        # an elementwise value of row sums, computed in the row kernel and rounded as it would be stored
-        yield rule(eq(fa).to(RowBody(x)), eq(x).to(E.Load(t, v)), *conds, RowReady(body), RowView(v)).then(
-            union(fa).with_(E.FRound(FAt(RowBody(body), v), d)))
+        # an elementwise value computed in the row kernel where it is read (through the view the load
+        # reads its buffer by) and rounded as it would be stored: the value the load reads
+        yield rule(eq(fa).to(RowBody(x)), eq(x).to(E.Load(t, v)), *conds, OneView(v),
+                   ne(v).to(E.identity_view(t))).then(union(fa).with_(E.FRound(FAt(RowBody(body), v), d)))
