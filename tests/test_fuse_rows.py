@@ -65,9 +65,12 @@ def test_llama_norms_are_one_row_kernel_and_constants_launch_nothing(decode_spac
     for layer in range(1, LAYERS + 1):
         old, new = per_layer(before, layer), per_layer(after, layer)
         assert old[KernelKind.CONST] == 6 and old[KernelKind.SUM] == 2  # today's layer: what fusion removes
-        # two norms and the two RoPEs (their rotate-half negation read through a pad, computed in place)
-        assert new[KernelKind.CONST] == 0 and new[KernelKind.SUM] == 0 and new[KernelKind.ROWS] == 4
-        assert sum(old.values()) - sum(new.values()) == 6 + 2 * 2 + 2  # constants, 3 -> 1 per norm, 2 -> 1 per RoPE
+        # two norms and q's RoPE (its rotate-half negation read through a pad, computed in place); k's RoPE
+        # is computed by the KV-cache write itself
+        assert new[KernelKind.CONST] == 0 and new[KernelKind.SUM] == 0 and new[KernelKind.ROWS] == 3
+        assert new[KernelKind.SCATTER_EW] == 1 and new[KernelKind.SCATTER_NOCOPY] == 1  # v is a Gemm: a copy
+        # constants, 3 -> 1 per norm, 2 -> 1 for q's RoPE, 3 -> 1 for k's RoPE and its cache write
+        assert sum(old.values()) - sum(new.values()) == 6 + 2 * 2 + 1 + 2
     assert not any(k.kind is KernelKind.CONST for k in after.launched())
 
 
@@ -119,7 +122,7 @@ def test_fused_and_unfused_compute_the_same_bits(which, decode, decode_spaces):
         outs = []
         for f in (False, True):
             program = spaces[f].program(genome)
-            fused_rows += f and sum(k.kind is KernelKind.ROWS for k in program.kernels)
+            fused_rows += f and sum(k.kind in (KernelKind.ROWS, KernelKind.SCATTER_EW) for k in program.kernels)
             outs.append(CpuRuntime(program, graph.weights).run(inputs).outputs)
         for out in outs[0]:
             assert np.array_equal(outs[0][out], outs[1][out]), (name, out)
@@ -201,13 +204,13 @@ def test_model_row_kernels_generated_c_matches_the_cpu_backend(decode, decode_sp
         stored = stored_values(program, feed)
         bindings = bind_program(program, feed)
         for k in program.launched():
-            if k.kind is KernelKind.ROWS:
+            if k.kind in (KernelKind.ROWS, KernelKind.SCATTER_EW):
                 ref = stored[k.id].reshape([int(d) for d in k.shape])
                 n = int(k.shape[-1])  # FP32 row sums may add in another order: n ulps, through rsqrt
                 tol = n * 2.0 ** -22 * (1 + float(np.max(np.abs(ref))))
                 np.testing.assert_allclose(interpret(program, k, stored, bindings), ref, rtol=0, atol=tol)
                 checked += 1
-    assert checked == 2 * (4 * LAYERS + 1)  # two norms and two RoPEs per layer, the final norm; two genomes
+    assert checked == 2 * (4 * LAYERS + 1)  # two norms, q's RoPE, k's cache write per layer, the final norm
 
 
 @needs_nvrtc
@@ -219,7 +222,7 @@ def test_row_kernels_compile_with_nvrtc(decode, decode_spaces):
         for genome in (frozenset(), pick(space, lambda t: "bf16" in t), pick(space, lambda t: t == "sum:f16")):
             program = space.program(genome)
             for k in program.launched():
-                if k.kind is KernelKind.ROWS:
+                if k.kind in (KernelKind.ROWS, KernelKind.SCATTER_EW):
                     src = render_kernel(k, program)
                     sources[src.source] = src
     assert len(sources) >= 4
@@ -248,7 +251,7 @@ def test_static_bound_covers_the_fused_error_under_genome_fuzzing(which, scale, 
     for _ in range(12):
         choices = {c.index: random_candidate(space.groups[g.key].space, rng) for g in space.part.groups for c in g.chunks}
         program = lower_program(graph, space.part, space.groups, choices)
-        rows += sum(k.kind is KernelKind.ROWS for k in program.kernels)
+        rows += sum(k.kind in (KernelKind.ROWS, KernelKind.SCATTER_EW) for k in program.kernels)
         rep = static_bound(program, ranges, graph.bind_symbols(inputs), graph.weights)
         if rep.overflow is not None:
             continue
@@ -268,7 +271,7 @@ def test_fusion_removes_launches_and_intermediate_bytes(decode, decode_spaces):
     lat = {f: modelled_latency(p, "h200", bindings).total_s for f, p in progs.items()}
     assert moved[True] < moved[False] and lat[True] < lat[False]
     removed = len(progs[False].launched()) - len(progs[True].launched())
-    assert removed >= LAYERS * 12 + 2  # per layer 6 constants, 2 x 2 norm and 2 RoPE kernels; the final norm
+    assert removed >= LAYERS * 13 + 2  # per layer 6 constants, 2 x 2 norm, 3 RoPE kernels; the final norm
 
 
 def test_row_kernels_survive_the_plan_format(decode_spaces):
@@ -285,5 +288,5 @@ def test_compile_report_counts_kernels_per_layer(decode, decode_spaces):
     table = kernels_per_chunk(ops, [[c.index for c in g.chunks] for g in space.part.groups])
     layers = table[table.chunk.between(1, LAYERS)]
     assert list(layers.kernels) == [sum(per_layer(program, c).values()) for c in range(1, LAYERS + 1)]
-    assert list(layers.rows) == [4] * LAYERS and layers.group.nunique() == 1
+    assert list(layers.rows) == [3] * LAYERS and list(layers.scatter_ew) == [1] * LAYERS and layers.group.nunique() == 1
     assert table.kernels.sum() == len(program.launched())

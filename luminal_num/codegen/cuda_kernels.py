@@ -30,7 +30,7 @@ from .cuda_body import (BodyWriter, IndexExpr, SymbolTable, body_symbols, c_and,
                         float_literal, load_index, round_expr, row_major_strides, store, store_double, unravel,
                         view_index, view_symbols, load_float)
 from .cuda_gemm import render_gemm, render_quantize
-from .cuda_rows import render_rows
+from .cuda_rows import render_rows, render_scatter_ew
 from .cuda_source import (ELEMENTWISE_THREADS, ENTRY, MAX_GRID, REDUCE_HELPERS, SCALES_SCRATCH, Arg, GemmCall,
                           KernelSource, Launch, Scratch, ceil_count, entry_name, finish_source, indent, name_launches,
                           per, source_header)
@@ -331,7 +331,7 @@ RENDERERS: dict[KernelKind, Renderer] = {
     KernelKind.IOTA: _simple(_iota), KernelKind.GATHER: _simple(_gather), KernelKind.SCATTER: _simple(_scatter),
     KernelKind.SCATTER_NOCOPY: _simple(_scatter_nocopy),
     KernelKind.GEMM: render_gemm, KernelKind.QUANTIZE: render_quantize,
-    KernelKind.ROWS: render_rows,
+    KernelKind.ROWS: render_rows, KernelKind.SCATTER_EW: render_scatter_ew,
 }
 
 

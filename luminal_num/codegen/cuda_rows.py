@@ -14,10 +14,10 @@ from typing import Sequence
 from ..dtypes.formats import F32, F64, Format
 from ..hlir.symbolic import Dim, is_const, prod
 from .ctypes_map import cuda_type
-from .cuda_body import (BodyWriter, IndexExpr, SymbolTable, c_index, dims_symbols, load_float, round_expr, store,
-                        unravel, view_index, view_symbols)
-from .cuda_source import (ENTRY, REDUCE_HELPERS, Arg, KernelSource, Launch, finish_source, indent, per,
-                          source_header)
+from .cuda_body import (BodyWriter, IndexExpr, SymbolTable, c_index, dims_symbols, dot, load_float, load_index,
+                        round_expr, row_major_strides, store, unravel, view_index, view_symbols)
+from .cuda_source import (ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, Arg, KernelSource, Launch, finish_source, indent,
+                          per, source_header)
 from .rows import is_row_view
 from .llir import FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel
 
@@ -52,7 +52,7 @@ def _lengths(e: FExpr) -> list[Dim]:
 class _RowWriter:
     def __init__(self, k: Kernel, formats: tuple[Format, ...]):
         self.k, self.formats = k, formats
-        names = dims_symbols(k.shape) | _symbols(k.body)
+        names = dims_symbols((*k.shape, *k.body_shape)) | _symbols(k.body)
         for inp in k.inputs:
             names |= view_symbols(inp.view)
         self.table = SymbolTable.of(names)
@@ -182,4 +182,37 @@ def render_rows(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple
             + f"            out[row * len + j] = {store(kernel.dtype, value)};\n        }}\n    }}\n}}\n")
     src = REDUCE_HELPERS + body
     launch = Launch(ENTRY, (per(rows, 1),), (_threads(kernel),), (Arg("out"),) + tuple(Arg("in", s) for s in slots))
+    return finish_source(kernel.kind.value, source_header((*formats, kernel.dtype), src) + src, (launch,), w.table)
+
+
+def render_scatter_ew(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...]) -> KernelSource:
+    """One thread per source element: its body (inline: a source element is no row of this kernel), then
+    its row of the aliased destination (cuda_kernels.py `_scatter_nocopy`: an out-of-range index skips)."""
+    if any(prequantized):
+        raise ValueError("scatter kernels cannot read a QUANTIZE kernel's buffer")
+    dest, index = kernel.inputs[:2]
+    if not dest.view.is_contiguous or formats[0] is not kernel.dtype:
+        raise ValueError(f"kernel {kernel.id}: an in-place scatter needs its destination's identity view and dtype, "
+                         f"got {dest.view} ({formats[0]} -> {kernel.dtype})")
+    w = _RowWriter(kernel, formats)
+    n_idx = len(index.view.shape)
+    coords = unravel("i", [w.table.dim(d) for d in kernel.body_shape])
+    lines, value = w.space(kernel.body, coords, None)
+    at = view_index(index.view, coords[:n_idx], w.table)
+    idx = load_index(formats[1], f"in1[{c_index(at.pos)}]")
+    out_pos = c_index(dot(["row", *coords[n_idx:]], row_major_strides([w.table.dim(d) for d in kernel.shape])))
+    slots = tuple(range(1, len(kernel.inputs)))
+    params = [f"{cuda_type(kernel.dtype)}* __restrict__ out"] + [
+        f"const {cuda_type(formats[s])}* __restrict__ in{s}" for s in slots]
+    if w.table.symbols:
+        params.append("const long long* __restrict__ dyn_dims")
+    n = prod(kernel.body_shape)
+    body = (f'extern "C" __global__ void {ENTRY}({", ".join(params)}) {{\n'
+            f"    LN_GRID_STRIDE_LOOP(i, {c_index(w.table.dim(n))}) {{\n"
+            + f"        const long long row = {idx if at.valid is None else f'({at.valid}) ? {idx} : -1LL'};\n"
+            f"        if (row >= 0 && row < {c_index(w.table.dim(kernel.shape[0]))}) {{\n"
+            + indent(lines, 3) + f"            out[{out_pos}] = {store(kernel.dtype, value)};\n        }}\n    }}\n}}\n")
+    src = REDUCE_HELPERS + body
+    launch = Launch(ENTRY, (per(n, ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
+                    (Arg("out"),) + tuple(Arg("in", s) for s in slots))
     return finish_source(kernel.kind.value, source_header((*formats, kernel.dtype), src) + src, (launch,), w.table)

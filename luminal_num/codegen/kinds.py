@@ -104,6 +104,9 @@ TENSOR_DECLS: tuple[ENodeDecl, ...] = (
     # An elementwise body computed one block per row (last axis): it may hold row sums (FRowSum) read
     # through per-row views (FAt), so a norm is one kernel (search/rules/fuse_rows.py).
     ENodeDecl("KRows", _T, params("body:F dt:S"), K.ROWS, dtype="dt"),
+    # An in-place KV-cache write whose source rows `body` computes (RoPE fused with the cache write).
+    ENodeDecl("KScatterEw", _T, params("dest:B vd:i64 body:F idx:T vi:i64 dt:S"), K.SCATTER_EW,
+              operands=(("dest", "vd"), ("idx", "vi")), dtype="dt"),
 )
 
 BUFFER_DECLS: tuple[ENodeDecl, ...] = (ENodeDecl("ConsumedBuffer", _B, params("t:T")),)

@@ -44,10 +44,16 @@ class KernelKind(enum.Enum):
     SCATTER = "scatter"
     SCATTER_NOCOPY = "scatter_nocopy"
     ROWS = "rows"                # one block per row: row sums (FRowSum) then an elementwise tail, one store
+    SCATTER_EW = "scatter_ew"    # an in-place scatter whose source rows its body computes (RoPE + KV write)
 
     @property
     def launches(self) -> bool:
         return self is not KernelKind.EXTERNAL
+
+    @property
+    def in_place(self) -> bool:
+        """Overwrites its input 0 (the destination), writing only the scattered rows."""
+        return self in (KernelKind.SCATTER_NOCOPY, KernelKind.SCATTER_EW)
 
 
 # -- fused scalar bodies ------------------------------------------------------------------------
@@ -171,6 +177,8 @@ class Kernel:
             return 0
         if self.kind is KernelKind.SCATTER_NOCOPY:  # in place: only the scattered rows are written
             return int(evaluate(prod(self.inputs[1].view.shape), bindings) * self.dtype.itemsize)
+        if self.kind is KernelKind.SCATTER_EW:  # in place: the rows its body computes
+            return int(evaluate(prod(self.body_shape), bindings) * self.dtype.itemsize)
         return int(self.numel(bindings) * self.dtype.itemsize) + self.scales_bytes(bindings)
 
     def bytes_loaded(self, bindings: Mapping[str, int], dtypes: Mapping[int, Format],
@@ -182,7 +190,7 @@ class Kernel:
         element_bytes = element_bytes or {}
         total = 0.0
         for i, inp in enumerate(self.inputs):
-            if i == 0 and self.kind is KernelKind.SCATTER_NOCOPY:
+            if i == 0 and self.kind.in_place:
                 continue
             v = inp.view.views[0]
             distinct = prod(d for d, s in zip(v.shape, v.strides) if s != 0) if len(inp.view.views) == 1 \
@@ -230,6 +238,7 @@ _FLOPS = {
     KernelKind.GATHER: _no_flops, KernelKind.SCATTER: _no_flops, KernelKind.SCATTER_NOCOPY: _no_flops,
     # row sums and the tail, each op once per element of the row (the sums' bodies run over the row too)
     KernelKind.ROWS: lambda k, b: k.numel(b) * max(count_ops(k.body), 1),
+    KernelKind.SCATTER_EW: lambda k, b: _body_n(k, b) * count_ops(k.body),
 }
 assert set(_FLOPS) == set(KernelKind), "every kernel kind has a flop count"
 
@@ -296,7 +305,7 @@ def verify(p: Program) -> Program:
                 raise ProgramError(f"kernel {k.id} ({k.kind.value}) reads QUANTIZE buffer {inp.buffer}: only a Gemm's A may")
         if k.storage is not None and k.kind is not KernelKind.EXTERNAL:
             raise ProgramError(f"kernel {k.id} ({k.kind.value}) has storage {k.storage!r}: only weights do")
-        if (k.aliases is not None) != (k.kind is KernelKind.SCATTER_NOCOPY) or k.aliases not in (None, 0):
+        if (k.aliases is not None) != k.kind.in_place or k.aliases not in (None, 0):
             raise ProgramError(f"kernel {k.id} ({k.kind.value}) aliases input {k.aliases!r}: only in-place scatters "
                                "alias, their destination (input 0)")
         problem = _SHAPE_CHECK[k.kind](k)
@@ -315,7 +324,7 @@ def verify(p: Program) -> Program:
             raise ProgramError(f"export of node {nid} names kernel {kid}, which does not exist")
     outs = {kid for _, kid in p.outputs}
     for k in p.kernels:
-        if k.kind is KernelKind.SCATTER_NOCOPY:
+        if k.kind.in_place:
             dest = k.inputs[0].buffer
             if readers[dest] > 1 or dest in outs:
                 raise ProgramError(f"kernel {k.id} overwrites buffer {dest} in place, but it has {readers[dest]} "
@@ -418,6 +427,19 @@ def _check_gather(k: Kernel) -> str:
     return "" if tuple(k.shape) == want else f"shape {k.shape} is not indices + table rows {want}"
 
 
+def _check_scatter_ew(k: Kernel) -> str:
+    """(dest, indices, the body's loads...): the body computes the source rows (indices + dest rows)."""
+    if len(k.inputs) < 2 or k.body is None:
+        return "a scatter of computed rows takes (dest, indices, body loads...) and a body"
+    if tuple(k.shape) != tuple(k.inputs[0].view.shape):
+        return f"shape {k.shape} is not its destination's"
+    want = tuple(k.inputs[1].view.shape) + tuple(k.shape[1:])
+    if tuple(k.body_shape) != want:
+        return f"body shape {k.body_shape} is not indices + destination rows {want}"
+    slots = _load_slots(k.body)
+    return f"body loads slot {max(slots)} of {len(k.inputs)} inputs" if slots and max(slots) >= len(k.inputs) else ""
+
+
 # What each kind's kernel must look like, one entry per kind.
 _SHAPE_CHECK = {
     KernelKind.EXTERNAL: _check_source, KernelKind.CONST: _check_source, KernelKind.IOTA: _check_source,
@@ -425,5 +447,6 @@ _SHAPE_CHECK = {
     KernelKind.MAX: _check_reduce, KernelKind.SOFTMAX: _check_reduce, KernelKind.GEMM: _check_gemm,
     KernelKind.QUANTIZE: _check_quantize, KernelKind.GATHER: _check_gather, KernelKind.SCATTER: _check_scatter,
     KernelKind.SCATTER_NOCOPY: _check_scatter, KernelKind.ROWS: _check_rows,
+    KernelKind.SCATTER_EW: _check_scatter_ew,
 }
 assert set(_SHAPE_CHECK) == set(KernelKind), "every kernel kind has a verifier entry"

@@ -84,11 +84,14 @@ def row_sums(e: FExpr | None) -> list[FRowSum]:
 
 
 def unfused(k: Kernel, sources: Sequence[Kernel]) -> tuple[Program, dict[int, int]]:
-    """(the program, buffer id -> its EXTERNAL kernel there); its last kernel is the ROWS kernel's value.
+    """(the program, buffer id -> its EXTERNAL kernel there); its output is the ROWS kernel's value (a
+    computed scatter's source rows).
     `sources`: the kernels producing k's inputs."""
-    if k.kind is not KernelKind.ROWS:
-        raise ValueError(f"kernel {k.id} is {k.kind.value}, not a row kernel")
+    if k.kind not in (KernelKind.ROWS, KernelKind.SCATTER_EW):
+        raise ValueError(f"kernel {k.id} is {k.kind.value}: only row kernels and computed scatters have a body "
+                         "standing for other kernels")
     u = _Unfuse(k, sources)
-    out = u._elementwise(k.body, k.shape, k.dtype)
+    # a computed scatter's body is its source rows, held in FP32 (the body's own rounding is exact there)
+    out = u._elementwise(k.body, k.body_shape, k.dtype if k.kind is KernelKind.ROWS else F32)
     inputs = tuple((f"%{b}", kid) for b, kid in u.ext.items())
     return Program(tuple(u.kernels), inputs, (("out", out),)), dict(u.ext)

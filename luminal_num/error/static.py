@@ -311,6 +311,9 @@ class StaticAnalyzer:
     def rows(self, k: Kernel, inputs) -> _Val:
         """A row kernel computes its unfused chain's values exactly (codegen/rows.py): bound that chain,
         so the correlated norm bound and every rounding of the chain apply as they would unfused."""
+        return self._unfused(k, inputs)
+
+    def _unfused(self, k: Kernel, inputs) -> _Val:
         mini, ext = unfused(k, [self.p.kernel(inp.buffer) for inp in k.inputs])
         sub = StaticAnalyzer(mini, self.bindings)
         for buf, kid in ext.items():
@@ -334,7 +337,14 @@ class StaticAnalyzer:
                     np.broadcast_to(table.err.max(axis=0), shape), table.floor)
 
     def scatter(self, k: Kernel, inputs) -> _Val:
-        dest, src = self.read(k, 0), self.read(k, 1)
+        return self._scattered(self.read(k, 0), self.read(k, 1))
+
+    def scatter_ew(self, k: Kernel, inputs) -> _Val:
+        """The source rows as the elementwise kernel the body replaces (codegen/rows.py), then scattered."""
+        return self._scattered(self.read(k, 0), self._unfused(k, inputs))
+
+    @staticmethod
+    def _scattered(dest: _Val, src: _Val) -> _Val:
         srow = Interval(src.iv.lo.min(axis=0), src.iv.hi.max(axis=0))
         iv = hull(dest.iv, Interval(np.broadcast_to(srow.lo, dest.iv.lo.shape), np.broadcast_to(srow.hi, dest.iv.lo.shape)))
         floor = None if dest.floor is None or src.floor is None else min(dest.floor, src.floor)
@@ -451,6 +461,7 @@ KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str
     KernelKind.SCATTER: StaticAnalyzer.scatter,
     KernelKind.SCATTER_NOCOPY: StaticAnalyzer.scatter,
     KernelKind.ROWS: StaticAnalyzer.rows,
+    KernelKind.SCATTER_EW: StaticAnalyzer.scatter_ew,
 }
 
 

@@ -312,9 +312,11 @@ def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _scatter(rt, k: Kernel, state: _Run) -> np.ndarray:
-    dest = _read64(k, 0, state)
-    src = _read64(k, 1, state)
-    idx = k.inputs[2].view.realize(state.stored[k.inputs[2].buffer], state.bindings).astype(np.int64)
+    return _scatter_rows(k, _read64(k, 0, state), _read64(k, 1, state), state, index_slot=2)
+
+
+def _scatter_rows(k: Kernel, dest: np.ndarray, src: np.ndarray, state: _Run, index_slot: int = 1) -> np.ndarray:
+    idx = k.inputs[index_slot].view.realize(state.stored[k.inputs[index_slot].buffer], state.bindings).astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= dest.shape[0]):
         raise IndexError(f"scatter: index out of range [0, {dest.shape[0]})")
     dest[idx] = src
@@ -356,12 +358,19 @@ def _rows(rt, k: Kernel, state: _Run) -> np.ndarray:
     return store32(np.broadcast_to(_rows_body(k.body, k, state, not _fits_body(k, state)), shape), k.dtype)
 
 
+def _scatter_ew(rt, k: Kernel, state: _Run) -> np.ndarray:
+    """An in-place scatter of rows its body computes: the copy of the source it replaces wrote the same."""
+    shape = tuple(eval_dim(d, state.bindings) for d in k.body_shape)
+    src = np.broadcast_to(_rows_body(k.body, k, state, not _fits_body(k, state)), shape).astype(np.float64)
+    return _scatter_rows(k, _read64(k, 0, state), src, state)
+
+
 KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
     KernelKind.EXTERNAL: _external, KernelKind.CONST: _const_kernel, KernelKind.IOTA: _iota,
     KernelKind.ELEMENTWISE: _elementwise, KernelKind.SUM: _sum, KernelKind.MAX: _max,
     KernelKind.SOFTMAX: _softmax, KernelKind.QUANTIZE: _quantize, KernelKind.GEMM: _gemm,
     KernelKind.GATHER: _gather, KernelKind.SCATTER: _scatter, KernelKind.SCATTER_NOCOPY: _scatter,
-    KernelKind.ROWS: _rows,
+    KernelKind.ROWS: _rows, KernelKind.SCATTER_EW: _scatter_ew,
 }
 
 

@@ -12,7 +12,7 @@ from typing import Mapping
 
 from ..codegen.kinds import Sort, decl
 from .choice import Candidate, ChoiceSpace, ENode, _Picker
-from .rows_extract import RowBodies, as_elementwise, row_order
+from .rows_extract import RowBodies, as_elementwise, fused_scatter_first, row_order
 
 BASE = "f32"
 
@@ -43,7 +43,7 @@ def knobs(space: ChoiceSpace) -> tuple[Knob, ...]:
 
 
 # Preferred structure among alternatives of the same tag (lower first; undeclared names are an error).
-_T_RANK = {decl(n).name: 0 for n in ("KGemm", "KScatterNoCopy", "KVariant", "KRows")}
+_T_RANK = {decl(n).name: 0 for n in ("KGemm", "KScatterNoCopy", "KVariant", "KRows")} | {decl("KScatterEw").name: -1}
 
 
 def extract(space: ChoiceSpace, genome: Mapping[str, str] | None = None) -> Candidate:
@@ -59,7 +59,8 @@ def extract(space: ChoiceSpace, genome: Mapping[str, str] | None = None) -> Cand
         idx = [i for i, n in enumerate(nodes) if node_tag(n) == want] or list(range(len(nodes)))
         if nodes[idx[0]].decl.sort is Sort.F:
             return _scalar_order(space, cid, idx, picker)
-        return sorted(idx, key=lambda i: (_T_RANK.get(nodes[i].op, 1), i))
+        return fused_scatter_first(space, nodes, sorted(idx, key=lambda i: (_T_RANK.get(nodes[i].op, 1), i)), rows,
+                                   picker)
 
     p = _Picker(space, None, None, order)
     for _, cid in space.roots:

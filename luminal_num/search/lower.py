@@ -184,6 +184,18 @@ def _rows(lo: _ChunkLowering, n: ENode, origin: str) -> int:
                     body_shape=shape, axis=len(shape) - 1, **lo.common(n, origin))
 
 
+def _scatter_ew(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """An in-place scatter whose body computes the source rows; inputs (dest, indices, the body's loads)."""
+    inputs = list(lo.operands(n))
+    shapes: list = []
+    body = lo.scalar(n.cls("body"), inputs, shapes)
+    if not shapes or any(s_ != shapes[0] for s_ in shapes):
+        raise ValueError(f"{n.op} body reads views of different shapes {set(shapes)}")
+    return lo.b.add(kind=KernelKind.SCATTER_EW, inputs=tuple(inputs), shape=tuple(inputs[0].view.shape),
+                    dtype=get_format(n.arg("dt")), body=body, body_shape=tuple(shapes[0]), aliases=0,
+                    **lo.common(n, origin))
+
+
 def _reduction(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     """KSum / KMax / KSoftmax: the body over the un-reduced space, reduced (or normalised) along axis."""
     body, inputs, shape = lo.body(n)
@@ -230,7 +242,7 @@ _TENSOR: dict[str, Callable[[_ChunkLowering, ENode, str], int]] = {
     "KExt": _ext, "KStored": _stored, "KVariant": _variant, "KConst": _const, "KIota": _iota, "Ew": _elementwise,
     "KSum": _reduction, "KMax": _reduction, "KSoftmax": _reduction, "KGemm": _gemm, "KQuantize": _quantize,
     "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter,
-    "KRows": _rows,
+    "KRows": _rows, "KScatterEw": _scatter_ew,
 }
 assert set(_TENSOR) == {d.name for d in TENSOR_DECLS}, "every tensor constructor has exactly one lowering"
 

@@ -102,7 +102,7 @@ _OP_ROW = backend_table("plan op table", {
     # what the dynamic scales of the Gemm's A actually are
     KernelKind.QUANTIZE: lambda k: {"quant": f"A:{k.dtype.name}", "scales": _scale_label("A", k.scale_spec)},
     KernelKind.GATHER: _no_extra, KernelKind.SCATTER: _no_extra, KernelKind.SCATTER_NOCOPY: _no_extra,
-    KernelKind.ROWS: _rows_row,
+    KernelKind.ROWS: _rows_row, KernelKind.SCATTER_EW: _rows_row,
 }, LAUNCHED_KINDS)
 
 

@@ -97,3 +97,28 @@ def row_order(space: ChoiceSpace, cid: str, rows: RowBodies, picker: _Picker) ->
         first = _fused_reads(space, nodes, chosen, rows, picker) if chosen.op == "Load" else []
         first += [i for i, n in enumerate(nodes) if i not in first and _mirrors(n, chosen, rows)]
     return first + wrapper + [i for i in range(len(nodes)) if i not in first and i not in wrapper]
+
+
+def fused_scatter_first(space: ChoiceSpace, nodes, idx: list[int], rows: RowBodies, picker: _Picker) -> list[int]:
+    """Of the fused KV writes (KScatterEw) only the one computing the source as the genome chose it (same
+    body, same stored rounding) stays ahead of the in-place scatter; the others go last."""
+    fused = [i for i in idx if nodes[i].op == "KScatterEw"]
+    plain = next((nodes[i] for i in idx if nodes[i].op == "KScatterNoCopy"), None)
+    if not fused or plain is None:
+        return idx
+    cls = plain.cls("src")
+    src = _chosen(space, cls, picker)
+    if src is not None and src.op == "KVariant":
+        cls = src.cls("inner")
+        src = _chosen(space, cls, picker)
+    src = None if src is None else as_elementwise(space, cls, src)
+    match = []
+    if src is not None and src.op in ("Ew", "KRows"):
+        body = src.cls("body") if src.op == "KRows" else rows.of_class.get(src.cls("body"))
+        for i in fused:
+            rnd = space.classes[nodes[i].cls("body")]
+            if any(r.op == "FRound" and r.arg("dt") == src.arg("dt") and _has(
+                    space, r.cls("x"), lambda a: a.op == "FAt" and a.arg("view") == plain.arg("vs")
+                    and a.cls("x") == body) for r in rnd):
+                match.append(i)
+    return match[:1] + [i for i in idx if i not in fused] + [i for i in fused if i not in match[:1]]

@@ -38,7 +38,10 @@ d, acc, tag = vars_("d acc tag", String)
 fa, body = vars_("fa body", E.F)
 x = var("x", E.F)
 
-RowBody, FRowSum, FAt, KRows = (E.CTOR[n] for n in ("RowBody", "FRowSum", "FAt", "KRows"))
+RowBody, FRowSum, FAt, KRows, KScatterEw = (E.CTOR[n] for n in ("RowBody", "FRowSum", "FAt", "KRows", "KScatterEw"))
+dest, src, idx = vars_("dest src idx", E.T)
+vd, vs, vi = vars_("vd vs vi", i64)
+dd = var("dd", String)
 _ROW_NODES = ("RowBody", "FRowSum", "FAt")
 # scalar constructors the row analysis and RowBody see through (leaves: Load, FConst; row nodes excluded)
 _INNER = tuple(dcl for dcl in SCALAR_DECLS if dcl.name not in _ROW_NODES and dcl.name != "Load"
@@ -68,9 +71,10 @@ def _sum_forms():
     yield [eq(t).to(E.KVariant(inner, tag)), eq(inner).to(E.KSum(body, ax, acc, d))], d
 
 
-def _ew_forms():
-    yield [eq(t).to(E.Ew(body, d))]
-    yield [eq(t).to(E.KVariant(inner, tag)), eq(inner).to(E.Ew(body, d))]
+def _ew_forms(value=t):
+    """Condition facts of every elementwise form `value` may have (its body and storage)."""
+    yield [eq(value).to(E.Ew(body, d))]
+    yield [eq(value).to(E.KVariant(inner, tag)), eq(inner).to(E.Ew(body, d))]
 
 
 @fuse_rows.register
@@ -108,3 +112,16 @@ def _row_kernels():
         # reads its buffer by) and rounded as it would be stored: the value the load reads
         yield rule(eq(fa).to(RowBody(x)), eq(x).to(E.Load(t, v)), *conds, OneView(v),
                    ne(v).to(E.identity_view(t))).then(union(fa).with_(E.FRound(FAt(RowBody(body), v), d)))
+
+
+
+@fuse_rows.register
+def _scatter_rows():
+    # A KV-cache write (in place: the inplace rule's own conditions, sole reader and identity view) whose
+    # source is elementwise computes the source rows itself: each written element is the source's body
+    # read through the scatter's source view and rounded as the source would be stored, the value the
+    # copy would have written (one launch and no source buffer).
+    legal = [E.SoleReader(dest), eq(vd).to(E.identity_view(dest)), OneView(vs)]
+    for conds in _ew_forms(src):
+        yield rule(eq(t).to(E.KScatter(dest, vd, src, vs, idx, vi, dd)), *conds, *legal).then(
+            union(t).with_(KScatterEw(E.ConsumedBuffer(dest), vd, E.FRound(FAt(RowBody(body), vs), d), idx, vi, dd)))
