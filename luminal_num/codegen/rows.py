@@ -25,6 +25,7 @@ class _Unfuse:
         self.k = k
         self.kernels: list[Kernel] = []
         self.ext: dict[int, int] = {}  # buffer id -> EXTERNAL kernel id here
+        self.made: dict[tuple, int] = {}  # a materialised value -> its kernel: one per distinct value, as unfused
         for src in sources:
             if src.id not in self.ext:
                 self.ext[src.id] = self._add(kind=KernelKind.EXTERNAL, inputs=(), shape=src.shape, dtype=src.dtype,
@@ -52,18 +53,24 @@ class _Unfuse:
             buf = self._sum(e)
             return self._slot(KernelInput(buf, ShapeTracker.contiguous(e.shape[:-1])), inputs)
         if isinstance(e, FAt):
-            buf = self._sum(e.x) if isinstance(e.x, FRowSum) else self._elementwise(e.x, e.src_shape, F32)
-            return self._slot(KernelInput(buf, e.view), inputs)
+            key = (e.x, tuple(e.src_shape))
+            if key not in self.made:
+                self.made[key] = self._sum(e.x) if isinstance(e.x, FRowSum) else self._elementwise(e.x, e.src_shape, F32)
+            return self._slot(KernelInput(self.made[key], e.view), inputs)
         if isinstance(e, FConstV):
             return e
         raise TypeError(f"not a body expression: {e!r}")
 
     def _sum(self, e: FRowSum) -> int:
+        if e in self.made:
+            return self.made[e]
         inputs: list[KernelInput] = []
         body = self.expr(e.body, inputs)
         axis = len(e.shape) - 1
-        return self._add(kind=KernelKind.SUM, inputs=tuple(inputs), shape=tuple(e.shape[:-1]), dtype=e.dt, body=body,
-                         body_shape=tuple(e.shape), axis=axis, acc=e.acc, label=f"{self.k.label} (row sum)")
+        self.made[e] = self._add(kind=KernelKind.SUM, inputs=tuple(inputs), shape=tuple(e.shape[:-1]), dtype=e.dt,
+                                 body=body, body_shape=tuple(e.shape), axis=axis, acc=e.acc,
+                                 label=f"{self.k.label} (row sum)")
+        return self.made[e]
 
     def _elementwise(self, e: FExpr, shape, dtype) -> int:
         inputs: list[KernelInput] = []
