@@ -118,6 +118,8 @@ def test_fused_and_unfused_compute_the_same_bits(which, decode, decode_spaces):
         graph, inputs = model.graph, model.make_inputs(3)
         spaces = {f: SearchSpace.build(graph, fusion=f) for f in (False, True)}
     fused_rows = 0
+    # the fusion phase runs after the precision phase: the knobs (class ids, tags) are the same in both spaces
+    assert spaces[True].knobs == spaces[False].knobs
     for name, genome in _genomes(spaces[False], np.random.default_rng(5)).items():
         outs = []
         for f in (False, True):
@@ -316,3 +318,21 @@ def test_computed_scatter_matches_a_slow_reference_in_emulation_and_generated_c(
     np.testing.assert_array_equal(got, want)
     stored = stored_values(program, feed)
     np.testing.assert_array_equal(interpret(program, program.kernels[-1], stored, bind_program(program, feed)), want)
+
+
+@pytest.mark.parametrize("which", ["mlp", "transformer", "llama"])
+def test_fused_static_bound_is_no_looser_than_unfused(which, decode):
+    """The bound follows the unfused chain (codegen/rows.py), correlated norm bound included: fusing never
+    turns a finite bound infinite or looser (it may be tighter: constants are FConst, not stored)."""
+    if which == "llama":
+        graph, inputs = decode[0].graph, decode[1]
+    else:
+        model = mlp() if which == "mlp" else transformer(1)
+        graph, inputs = model.graph, model.make_inputs(4)
+    ranges = {k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in inputs.items()}
+    spaces = {f: SearchSpace.build(graph, fusion=f) for f in (False, True)}
+    for genome in (frozenset(), pick(spaces[False], lambda t: "bf16" in t)):
+        bounds = [static_bound(spaces[f].program(genome), ranges, graph.bind_symbols(inputs), graph.weights)
+                  for f in (False, True)]
+        for name, unfused_bound in bounds[0].error_bounds.items():
+            assert np.all(bounds[1].error_bounds[name] <= unfused_bound * (1 + 1e-6)), name
