@@ -11,7 +11,7 @@ import time
 
 import pandas as pd
 
-from . import (compile_time, emulation, judge_loop, numerics, onnx_minilm, prediction, render_reports, runtime,
+from . import (compile_time, emulation, fusion, judge_loop, numerics, onnx_minilm, prediction, render_reports, runtime,
                search_efficiency, smollm2, storage, storage_decode)
 from .summary import OUT, write_summary
 
@@ -102,6 +102,8 @@ def main(argv=None) -> str:
     headlines["storage_decode"] = storage_decode_figures(quick)
     print("== error prediction from chunk verdicts")
     headlines["prediction"] = prediction_figures(quick)
+    print("== fusion: kernels per layer, bytes and modelled H200 latency, fusion rules off vs on")
+    headlines["fusion"] = fusion.run(layers=2, with_minilm=False) if quick else fusion.run()
     if not quick:
         print("== ONNX import (MiniLM from an ONNX file)")
         headlines["onnx_minilm"] = onnx_minilm.run()

@@ -100,6 +100,10 @@ SECTIONS = (
     Section("erf_f32", "float32 custom functions",
             "Where a float32 loop equals the float64 function rounded once on all 2^32 inputs, the CPU backend "
             "calls it (`python -m bench.erf_f32`, run once).", (("erf_f32.csv", "exhaustive check"),)),
+    Section("fusion", "Fusion: launched kernels per layer",
+            "Decode of small models is launches, not bytes: the fusion rules (SearchSpace.build(fusion=True)) "
+            "should cut kernels per layer and the launch share of the modelled H200 latency.",
+            (("fusion.csv", "per model, fusion off / on and genome: kernels, bytes, modelled H200 latency"),)),
     Section("slow_tests", "Model-scale checks",
             "`pytest -m slow`: the MiniLM demo end to end (compile, report, audit on held-out sentences) and "
             "the wide-model search; kept out of the default suite for time.", ()),

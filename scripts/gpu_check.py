@@ -111,7 +111,7 @@ def stage_timing(cuda_runtime, device: str, name: str = "minilm", report: Path =
         modelled = modelled_latency(program, TARGET, bind_program(program, {**weights, **batch})).total_s
         rows.append({"model": name, "plan": plan, "device": device, "target": TARGET,
                      "measured_s": f"{measured:.6e}", "modelled_s": f"{modelled:.6e}",
-                     "modelled_over_measured": f"{modelled / measured:.3f}",
+                     "modelled_over_measured": f"{modelled / measured:.4g}",
                      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
         print(f"ok   timing {name} {plan}: measured {measured * 1e3:.3f} ms, modelled {modelled * 1e3:.3f} ms "
               f"({modelled / measured:.2f}x)")

@@ -60,7 +60,7 @@ def programs(name: str, count: int) -> tuple[Program, ...]:
 
 def stored_values(program: Program, feed: dict) -> dict[int, np.ndarray]:
     """Every buffer as the CPU backend stores it (float64 copies), in-place scatter destinations too."""
-    aliased = {k.inputs[0].buffer for k in program.kernels if k.kind is KernelKind.SCATTER_NOCOPY}
+    aliased = {k.inputs[0].buffer for k in program.kernels if k.kind.in_place}
     everything = dataclasses.replace(program, outputs=tuple((f"k{k.id}", k.id) for k in program.kernels
                                                             if k.id not in aliased))
     out = {int(n[1:]): v for n, v in CpuRuntime(everything).run(feed).outputs.items()}
@@ -94,7 +94,7 @@ def run_launches(src, launches, program: Program, stored: dict, bindings: dict, 
 def interpret(program: Program, kernel: Kernel, stored: dict[int, np.ndarray], bindings: dict) -> np.ndarray:
     """The kernel's output computed by running its generated C (every launch) in the interpreter."""
     src = render_kernel(kernel, program)
-    first = stored[kernel.inputs[0].buffer] if kernel.kind is KernelKind.SCATTER_NOCOPY else \
+    first = stored[kernel.inputs[0].buffer] if kernel.kind.in_place else \
         np.zeros(kernel.numel(bindings))
     out = Buffer(np.array(first, dtype=np.float64).reshape(-1), kernel.dtype.kind is Kind.INT)
     scratch = [Buffer(np.zeros(s.numel(bindings)), False) for s in src.scratch]

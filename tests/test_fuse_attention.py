@@ -103,7 +103,7 @@ def test_rule_fires_once_per_attention_and_replaces_four_launches(name):
         assert after[c]["attention"] == 1 and "softmax" not in after[c]
         gemms = lambda kinds: sum(n for kind, n in kinds.items() if KernelKind(kind).is_gemm)  # noqa: E731 (epilogues too)
         assert gemms(after[c]) == gemms(before[c]) - 2
-        assert sum(after[c].values()) <= sum(before[c].values()) - 3  # (the scale constant goes too)
+        assert sum(after[c].values()) <= sum(before[c].values()) - 2  # (row fusion already folds the scale constant)
     print(name, "kernels per layer before", {c: sum(v.values()) for c, v in before.items()},
           "after", {c: sum(v.values()) for c, v in after.items()})
 
@@ -335,4 +335,5 @@ def test_cost_counts_one_launch_and_no_score_traffic():
     # Q once per head, K and V once per KV head (GQA: stride 0 over the group), the bias row once
     assert work.bytes_read == 4 * (heads * dh + 2 * kv * cache * dh + cache)
     assert work.bytes_written == 4 * heads * dh
-    assert len(fused.launched()) == len(base.launched()) - 3 * LLAMA_TINY.num_hidden_layers
+    # QK^T, softmax and PV -> one kernel (the scale constant no longer launches: row fusion folds it)
+    assert len(fused.launched()) == len(base.launched()) - 2 * LLAMA_TINY.num_hidden_layers

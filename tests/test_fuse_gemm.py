@@ -75,9 +75,11 @@ def per_layer(p: Program, chunk: int = 1) -> collections.Counter:
     return collections.Counter(k.kind for k in p.launched() if k.chunk == chunk)
 
 
-# (launched per layer unfused, fused; Gemm epilogues per layer; concatenated weights per layer)
-EXPECTED = {"llama_decode": (30, 26, 3, 1), "llama_prefill": (31, 27, 3, 1), "transformer2": (34, 30, 4, 1),
-            "minilm": (31, 27, 7, 0)}
+# (launched per layer unfused, fused; Gemm epilogues per layer; concatenated weights per layer). Fused
+# counts are with every fusion phase on (Gemm fusion alone: 26, 27, 30, 27; row fusion then folds the
+# constants and the norms, and RoPE into the k-cache write)
+EXPECTED = {"llama_decode": (30, 13, 3, 1), "llama_prefill": (31, 14, 3, 1), "transformer2": (34, 12, 4, 1),
+            "minilm": (31, 14, 7, 0)}
 MODELS = sorted(EXPECTED)
 
 
@@ -239,7 +241,7 @@ def test_cost_model_counts_fewer_launches_and_bytes():
     bindings = graph.bind_symbols(inputs)
     off, on = program("llama_decode", False), program("llama_decode", True)
     w_off, w_on = kernel_works(off, bindings), kernel_works(on, bindings)
-    assert len(w_on) == len(w_off) - 8
+    assert len(w_on) <= len(w_off) - 8  # the Gemm fusions' share (q/k/v, epilogues); row fusion removes more
     moved = lambda ws: sum(w.bytes_read + w.bytes_written for w in ws)  # noqa: E731
     assert moved(w_on) < moved(w_off)
     assert modelled_latency(on, "h100", bindings).total_s < modelled_latency(off, "h100", bindings).total_s

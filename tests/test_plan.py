@@ -51,9 +51,10 @@ def saved(compiled, tmp_path):
 
 def test_report_writes_every_file(report, compiled):
     out, files = report
-    expected = {"pareto.csv", "pareto.html", "pareto.png", "plan_ops.csv", "plan.json", "layer_map.csv", "layer_map.png"}
+    expected = {"pareto.csv", "pareto.html", "pareto.png", "plan_ops.csv", "plan.json", "layer_map.csv", "layer_map.png",
+                "kernels_per_chunk.csv"}
     assert {p.name for p in out.iterdir()} == expected | ({"plan_scales.npz"} if compiled.plan.scales else set())
-    assert {k: p.parent for k, p in files.items()} == {k: out for k in ("csv", "png", "html", "ops", "plan",
+    assert {k: p.parent for k, p in files.items()} == {k: out for k in ("csv", "png", "html", "ops", "plan", "chunks",
                                                                           "layer_map_csv", "layer_map_png")}
 
 

@@ -309,7 +309,10 @@ def test_chosen_latency_never_rises_as_the_budget_loosens(job, space, log_tol, s
 def test_front_and_chosen_plan_stand_on_measurements_and_predictions_track_them(job, space):
     """Multi-change candidates are decided from the first-order sum of their changes' measured output
     errors; every front member and the chosen plan is then measured end to end, and the prediction of
-    each measured candidate lies within a factor 2 of the measurement (or widened the margin)."""
+    each measured candidate lies within a factor 2 of the measurement (or widened the margin).
+    Fusion off: with fewer launches the front of this small job holds only directly measured recipes,
+    so no predicted candidate would be re-measured; the prediction machinery is what is tested here."""
+    space = SearchSpace.build(job.graph, fusion=False)
     budget = Budget.parse(BUDGETS[-1])
     judge = Judge(job.graph, budget, list(job.calibration))
     searcher = Searcher(space, judge, SearchOptions(seed=0, max_candidates=60, progress=False), job.calibration[0])

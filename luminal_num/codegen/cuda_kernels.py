@@ -33,6 +33,7 @@ from .cuda_body import (BodyWriter, IndexExpr, SymbolTable, body_symbols, c_and,
 from .cuda_attention import render_attention
 from .cuda_gemm import render_gemm, render_quantize
 from .cuda_gemm_epilogue import render_gemm_epilogue
+from .cuda_rows import render_rows, render_scatter_ew
 from .cuda_source import (ELEMENTWISE_THREADS, ENTRY, MAX_GRID, REDUCE_HELPERS, SCALES_SCRATCH, Arg, GemmCall,
                           KernelSource, Launch, Scratch, ceil_count, entry_name, finish_source, indent, name_launches,
                           per, source_header)
@@ -392,6 +393,7 @@ RENDERERS: dict[KernelKind, Renderer] = {
     KernelKind.GEMM: render_gemm, KernelKind.QUANTIZE: render_quantize,
     KernelKind.GEMM_EPILOGUE: render_gemm_epilogue,
     KernelKind.ATTENTION: _simple(render_attention),
+    KernelKind.ROWS: render_rows, KernelKind.SCATTER_EW: render_scatter_ew,
 }
 
 

@@ -119,6 +119,12 @@ TENSOR_DECLS: tuple[ENodeDecl, ...] = (
     ENodeDecl("KAttention", _T, params("q:T vq:i64 k:T vk:i64 bias:T vb:i64 v:T vv:i64 scale:i64 prec:S dt:S"),
               K.ATTENTION, operands=(("q", "vq"), ("k", "vk"), ("bias", "vb"), ("v", "vv")), dtype="dt",
               knob=("prec", "attn:")),
+    # An elementwise body computed one block per row (last axis): it may hold row sums (FRowSum) read
+    # through per-row views (FAt), so a norm is one kernel (search/rules/fuse_rows.py).
+    ENodeDecl("KRows", _T, params("body:F dt:S"), K.ROWS, dtype="dt"),
+    # An in-place KV-cache write whose source rows `body` computes (RoPE fused with the cache write).
+    ENodeDecl("KScatterEw", _T, params("dest:B vd:i64 body:F idx:T vi:i64 dt:S"), K.SCATTER_EW,
+              operands=(("dest", "vd"), ("idx", "vi")), dtype="dt"),
 )
 
 BUFFER_DECLS: tuple[ENodeDecl, ...] = (ENodeDecl("ConsumedBuffer", _B, params("t:T")),)
@@ -131,6 +137,12 @@ SCALAR_DECLS: tuple[ENodeDecl, ...] = (
     ENodeDecl("FCustom", _F, params("kind:S x:F"), op=Op.CUSTOM),
     *(ENodeDecl("F" + o.decl.name, _F, params("x:F"), op=o) for o in UNARY_OPS),
     *(ENodeDecl("F" + o.decl.name, _F, params("a:F b:F"), op=o) for o in BINARY_OPS),
+    # Row-kernel bodies (search/rules/fuse_rows.py): RowBody(x) is x inside a KRows body (its own
+    # e-classes, so row sums never reach ordinary kernels' bodies); FRowSum is the last-axis sum of its
+    # body stored as dt; FAt reads a scalar value through a view, as a load reads a buffer.
+    ENodeDecl("RowBody", _F, params("x:F")),
+    ENodeDecl("FRowSum", _F, params("body:F acc:S dt:S")),
+    ENodeDecl("FAt", _F, params("x:F view:i64")),
 )
 
 DECLS: Mapping[str, ENodeDecl] = MappingProxyType({d.name: d for d in TENSOR_DECLS + BUFFER_DECLS + SCALAR_DECLS})

@@ -47,6 +47,8 @@ class KernelKind(enum.Enum):
     SCATTER_NOCOPY = "scatter_nocopy"
     GEMM_EPILOGUE = "gemm_epilogue"  # a Gemm whose body (FAcc = the FP32 accumulator) runs before its one store
     ATTENTION = "attention"      # softmax(Q K^T * scale + bias) V in one kernel (codegen/attention.py)
+    ROWS = "rows"                # one block per row: row sums (FRowSum) then an elementwise tail, one store
+    SCATTER_EW = "scatter_ew"    # an in-place scatter whose source rows its body computes (RoPE + KV write)
 
     @property
     def launches(self) -> bool:
@@ -56,6 +58,11 @@ class KernelKind(enum.Enum):
     def is_gemm(self) -> bool:
         """A Gemm kernel (inputs A, B first; scales, variants and the cuBLAS geometry apply)."""
         return self in (KernelKind.GEMM, KernelKind.GEMM_EPILOGUE)
+
+    @property
+    def in_place(self) -> bool:
+        """Overwrites its input 0 (the destination), writing only the scattered rows."""
+        return self in (KernelKind.SCATTER_NOCOPY, KernelKind.SCATTER_EW)
 
 
 # -- fused scalar bodies ------------------------------------------------------------------------
@@ -88,14 +95,36 @@ class FAcc:
     """A GEMM_EPILOGUE body's read of its own FP32 accumulator at the output element (never stored)."""
 
 
-FExpr = Union[FLoad, FConstV, FRoundTo, FApply, FAcc]
+@dataclass(frozen=True)
+class FRowSum:
+    """Inside a ROWS kernel: the sum of `body` (over its own space `shape`) along its last axis, with
+    the accumulator `acc`, rounded once to `dt` (what a SUM kernel would have stored); its value lives
+    on `shape` without that axis."""
+    body: "FExpr"
+    acc: Format
+    dt: Format
+    shape: tuple[Dim, ...]
+
+
+@dataclass(frozen=True)
+class FAt:
+    """`x`, a value over `src_shape` (row-major), read through `view` (as a load reads a buffer).
+    In a ROWS kernel `view` has stride 0 along the last axis, so the value is constant per row."""
+    x: "FExpr"
+    view: ShapeTracker
+    src_shape: tuple[Dim, ...]
+
+
+FExpr = Union[FLoad, FConstV, FRoundTo, FApply, FAcc, FRowSum, FAt]
 
 
 def count_ops(e: FExpr) -> int:
     if isinstance(e, FApply):
         return 1 + sum(count_ops(a) for a in e.args)
-    if isinstance(e, FRoundTo):
+    if isinstance(e, (FRoundTo, FAt)):
         return count_ops(e.x)
+    if isinstance(e, FRowSum):
+        return 1 + count_ops(e.body)
     return 0
 
 
@@ -166,6 +195,8 @@ class Kernel:
             # KV cache's format: its codes and their share of the scales)
             return int(round(float(evaluate(prod(self.inputs[1].view.shape), bindings))
                              * self.stored_bytes_per_element(bindings)))
+        if self.kind is KernelKind.SCATTER_EW:  # in place: the rows its body computes (in a KV cache's format)
+            return int(round(float(evaluate(prod(self.body_shape), bindings)) * self.stored_bytes_per_element(bindings)))
         return int(self.numel(bindings) * self.dtype.itemsize) + self.scales_bytes(bindings)
 
     def bytes_loaded(self, bindings: Mapping[str, int], dtypes: Mapping[int, Format],
@@ -178,7 +209,7 @@ class Kernel:
         total = 0.0
         reads: list[float] = []
         for i, inp in enumerate(self.inputs):
-            if i == 0 and self.kind is KernelKind.SCATTER_NOCOPY:
+            if i == 0 and self.kind.in_place:
                 continue
             v = inp.view.views[0]
             distinct = prod(d for d, s in zip(v.shape, v.strides) if s != 0) if len(inp.view.views) == 1 \
@@ -230,6 +261,9 @@ _FLOPS = {
     KernelKind.GATHER: _no_flops, KernelKind.SCATTER: _no_flops, KernelKind.SCATTER_NOCOPY: _no_flops,
     KernelKind.GEMM_EPILOGUE: lambda k, b: _gemm_flops(k, b) + k.numel(b) * count_ops(k.body),
     KernelKind.ATTENTION: attention_flops,
+    # row sums and the tail, each op once per element of the row (the sums' bodies run over the row too)
+    KernelKind.ROWS: lambda k, b: k.numel(b) * max(count_ops(k.body), 1),
+    KernelKind.SCATTER_EW: lambda k, b: _body_n(k, b) * count_ops(k.body),
 }
 assert set(_FLOPS) == set(KernelKind), "every kernel kind has a flop count"
 
@@ -300,10 +334,10 @@ def verify(p: Program) -> Program:
             readers[inp.buffer] = readers.get(inp.buffer, 0) + 1
             if p.kernels[inp.buffer].kind is KernelKind.QUANTIZE and (not k.kind.is_gemm or inp is not k.inputs[0]):
                 raise ProgramError(f"kernel {k.id} ({k.kind.value}) reads QUANTIZE buffer {inp.buffer}: only a Gemm's A may")
-        if k.storage is not None and k.kind not in (KernelKind.EXTERNAL, KernelKind.SCATTER_NOCOPY):
+        if k.storage is not None and k.kind is not KernelKind.EXTERNAL and not k.kind.in_place:
             raise ProgramError(f"kernel {k.id} ({k.kind.value}) has storage {k.storage!r}: only weights and "
                                "KV caches (held by an in-place scatter) do")
-        if (k.aliases is not None) != (k.kind is KernelKind.SCATTER_NOCOPY) or k.aliases not in (None, 0):
+        if (k.aliases is not None) != k.kind.in_place or k.aliases not in (None, 0):
             raise ProgramError(f"kernel {k.id} ({k.kind.value}) aliases input {k.aliases!r}: only in-place scatters "
                                "alias, their destination (input 0)")
         problem = _SHAPE_CHECK[k.kind](k)
@@ -322,7 +356,7 @@ def verify(p: Program) -> Program:
             raise ProgramError(f"export of node {nid} names kernel {kid}, which does not exist")
     outs = {kid for _, kid in p.outputs}
     for k in p.kernels:
-        if k.kind is KernelKind.SCATTER_NOCOPY:
+        if k.kind.in_place:
             dest = k.inputs[0].buffer
             if readers[dest] > 1 or dest in outs:
                 raise ProgramError(f"kernel {k.id} overwrites buffer {dest} in place, but it has {readers[dest]} "
@@ -356,11 +390,23 @@ def _check_body(k: Kernel, out_shape) -> str:
 def _load_slots(e: FExpr) -> set[int]:
     if isinstance(e, FLoad):
         return {e.slot}
-    if isinstance(e, FRoundTo):
+    if isinstance(e, (FRoundTo, FAt)):
         return _load_slots(e.x)
+    if isinstance(e, FRowSum):
+        return _load_slots(e.body)
     if isinstance(e, FApply):
         return set().union(*(_load_slots(a) for a in e.args))
     return set()
+
+
+def _check_rows(k: Kernel) -> str:
+    """A ROWS kernel: rows along its last axis; its loads read spaces of their own (row sums, FAt)."""
+    if k.body is None or tuple(k.shape) != tuple(k.body_shape) or not k.shape or k.axis != len(k.shape) - 1:
+        return f"a row kernel needs a body over its shape {k.shape} with rows along its last axis (axis {k.axis})"
+    slots = _load_slots(k.body)
+    if slots and max(slots) >= len(k.inputs):
+        return f"body loads slot {max(slots)} of {len(k.inputs)} inputs"
+    return ""
 
 
 def _check_reduce(k: Kernel) -> str:
@@ -456,6 +502,19 @@ def _check_gather(k: Kernel) -> str:
     return "" if tuple(k.shape) == want else f"shape {k.shape} is not indices + table rows {want}"
 
 
+def _check_scatter_ew(k: Kernel) -> str:
+    """(dest, indices, the body's loads...): the body computes the source rows (indices + dest rows)."""
+    if len(k.inputs) < 2 or k.body is None:
+        return "a scatter of computed rows takes (dest, indices, body loads...) and a body"
+    if tuple(k.shape) != tuple(k.inputs[0].view.shape):
+        return f"shape {k.shape} is not its destination's"
+    want = tuple(k.inputs[1].view.shape) + tuple(k.shape[1:])
+    if tuple(k.body_shape) != want:
+        return f"body shape {k.body_shape} is not indices + destination rows {want}"
+    slots = _load_slots(k.body)
+    return f"body loads slot {max(slots)} of {len(k.inputs)} inputs" if slots and max(slots) >= len(k.inputs) else ""
+
+
 # What each kind's kernel must look like, one entry per kind.
 _SHAPE_CHECK = {
     KernelKind.EXTERNAL: _check_source, KernelKind.CONST: _check_source, KernelKind.IOTA: _check_source,
@@ -465,5 +524,7 @@ _SHAPE_CHECK = {
     KernelKind.SCATTER_NOCOPY: _check_scatter,
     KernelKind.GEMM_EPILOGUE: lambda k: _check_gemm_epilogue(k),
     KernelKind.ATTENTION: check_attention,
+    KernelKind.SCATTER_NOCOPY: _check_scatter, KernelKind.ROWS: _check_rows,
+    KernelKind.SCATTER_EW: _check_scatter_ew,
 }
 assert set(_SHAPE_CHECK) == set(KernelKind), "every kernel kind has a verifier entry"

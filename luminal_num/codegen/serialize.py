@@ -15,7 +15,7 @@ from ..hlir.ops import Op
 from ..hlir.shape import ShapeTracker, View
 from ..hlir.symbolic import Dim, Poly
 from .attention import AttentionSpec
-from .llir import FAcc, FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program, verify
+from .llir import FAcc, FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel, KernelInput, KernelKind, Program, verify
 
 LLIR_FORMAT = 1
 
@@ -97,8 +97,12 @@ def _body(e: FExpr | None) -> Any:
         return {"const": _scalar(e.value)}
     if isinstance(e, FRoundTo):
         return {"round": _body(e.x), "fmt": e.fmt.name, "origin": e.origin}
-    if isinstance(e, FAcc):
-        return {"acc": True}
+    if isinstance(e, FAcc):  # not "acc": a row sum's accumulator format is "acc"
+        return {"accumulator": True}
+    if isinstance(e, FRowSum):
+        return {"rowsum": _body(e.body), "acc": e.acc.name, "fmt": e.dt.name, "shape": _dims(e.shape)}
+    if isinstance(e, FAt):
+        return {"at": _body(e.x), "view": _view(e.view), "shape": _dims(e.src_shape)}
     return {"apply": e.op.name, "kind": e.kind, "args": [_body(a) for a in e.args]}
 
 
@@ -111,10 +115,14 @@ def _unbody(x: Any) -> FExpr | None:
         return FConstV(_unscalar(x["const"]))
     if "round" in x:
         return FRoundTo(_unbody(x["round"]), get_format(x["fmt"]), x["origin"])
-    if "acc" in x:
+    if "accumulator" in x:
         return FAcc()
     if "apply" in x:
         return FApply(Op[x["apply"]], tuple(_unbody(a) for a in x["args"]), x["kind"])
+    if "rowsum" in x:
+        return FRowSum(_unbody(x["rowsum"]), get_format(x["acc"]), get_format(x["fmt"]), _undims(x["shape"]))
+    if "at" in x:
+        return FAt(_unbody(x["at"]), _unview(x["view"]), _undims(x["shape"]))
     raise LlirDataError(f"not a kernel body: {x!r}")
 
 

@@ -20,6 +20,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program, epilogue_as_elementwise
+from ..codegen.rows import unfused
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.formats import get as get_format
 from ..dtypes.variants import GEMM_VARIANTS
@@ -326,6 +327,23 @@ class StaticAnalyzer:
         return _store(_Val(transfer(Op.MAX_REDUCE, v.iv, axis=k.axis), np.max(v.err, axis=k.axis), v.floor),
                       k.dtype, k)
 
+    def rows(self, k: Kernel, inputs) -> _Val:
+        """A row kernel computes its unfused chain's values exactly (codegen/rows.py): bound that chain,
+        so the correlated norm bound and every rounding of the chain apply as they would unfused."""
+        return self._unfused(k, inputs)
+
+    def _unfused(self, k: Kernel, inputs) -> _Val:
+        mini, ext = unfused(k, [self.p.kernel(inp.buffer) for inp in k.inputs])
+        sub = StaticAnalyzer(mini, self.bindings)
+        for buf, kid in ext.items():
+            sub.vals[kid] = self.vals[buf]
+        try:
+            for mk in mini.kernels[len(ext):]:
+                sub.vals[mk.id] = sub.kernel(mk, inputs)
+        except _Overflowed as exc:  # name the row kernel, not a kernel of the unfused chain
+            raise _Overflowed(Overflow(k.id, k.label, exc.ov.fmt, exc.ov.magnitude, exc.ov.detail)) from None
+        return sub.vals[mini.outputs[0][1]]
+
     def quantize(self, k: Kernel, inputs) -> _Val:
         lo, hi, err = self._gemm_operand(k, 0)
         return _Val(Interval(lo, hi), err)
@@ -338,13 +356,20 @@ class StaticAnalyzer:
                     np.broadcast_to(table.err.max(axis=0), shape), table.floor)
 
     def scatter(self, k: Kernel, inputs) -> _Val:
-        dest, src = self.read(k, 0), self.read(k, 1)
+        return self._scattered(self.read(k, 0), self.read(k, 1), k.storage)
+
+    def scatter_ew(self, k: Kernel, inputs) -> _Val:
+        """The source rows as the elementwise kernel the body replaces (codegen/rows.py), then scattered."""
+        return self._scattered(self.read(k, 0), self._unfused(k, inputs), k.storage)
+
+    @staticmethod
+    def _scattered(dest: _Val, src: _Val, storage: str | None) -> _Val:
         srow = Interval(src.iv.lo.min(axis=0), src.iv.hi.max(axis=0))
         iv = hull(dest.iv, Interval(np.broadcast_to(srow.lo, dest.iv.lo.shape), np.broadcast_to(srow.hi, dest.iv.lo.shape)))
         floor = None if dest.floor is None or src.floor is None else min(dest.floor, src.floor)
         src_err = src.err
-        if k.storage is not None:  # rows written into a KV cache in its format: |Q(s~) - s| <= err + cache_error(|s~|)
-            src_err = src.err + cache_error(_mag(src.wide), k.storage)
+        if storage is not None:  # rows written into a KV cache in its format: |Q(s~) - s| <= err + cache_error(|s~|)
+            src_err = src.err + cache_error(_mag(src.wide), storage)
             floor = None if floor is None else 0.0  # rounding keeps the sign, not the floor
         return _Val(iv, np.maximum(dest.err, src_err.max(axis=0)), floor)
 
@@ -489,6 +514,8 @@ KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str
     KernelKind.SCATTER_NOCOPY: StaticAnalyzer.scatter,
     KernelKind.GEMM_EPILOGUE: StaticAnalyzer.gemm_epilogue,
     KernelKind.ATTENTION: StaticAnalyzer.attention,
+    KernelKind.ROWS: StaticAnalyzer.rows,
+    KernelKind.SCATTER_EW: StaticAnalyzer.scatter_ew,
 }
 
 

@@ -13,7 +13,8 @@ from .pareto import CSV_NAME, ERROR_COLUMN, HTML_NAME, PNG_NAME, write_op_table,
 
 PLAN_NAME, OPS_NAME = "plan.json", "plan_ops.csv"
 LAYER_CSV, LAYER_PNG = "layer_map.csv", "layer_map.png"
-COMPILE_FILES = (CSV_NAME, PNG_NAME, HTML_NAME, OPS_NAME, PLAN_NAME, LAYER_CSV, LAYER_PNG,
+CHUNKS_NAME = "kernels_per_chunk.csv"
+COMPILE_FILES = (CSV_NAME, PNG_NAME, HTML_NAME, OPS_NAME, PLAN_NAME, LAYER_CSV, LAYER_PNG, CHUNKS_NAME,
                  scales_path(PLAN_NAME).name, weights_path(PLAN_NAME).name)
 INTERRUPTED_KEY = "interrupted"  # plan.json field marking a partial result (the search was stopped)
 
@@ -38,6 +39,16 @@ def candidate_rows(result) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def kernels_per_chunk(ops: pd.DataFrame, groups: list[list[int]]) -> pd.DataFrame:
+    """Launched kernels per chunk (a layer is a chunk of the group of identical layers), total and by kind:
+    what decode latency is made of when launches dominate (issue 16)."""
+    group_of = {c: g for g, chunks in enumerate(groups) for c in chunks}
+    counts = ops.groupby(["chunk", "kind"]).size().unstack(fill_value=0)
+    table = counts.assign(kernels=counts.sum(axis=1)).reset_index()
+    table.insert(0, "group", [group_of.get(int(c), -1) for c in table["chunk"]])
+    return table[["group", "chunk", "kernels", *counts.columns]]
+
+
 def write_compile_report(result, out_dir: str | Path, title: str, interrupted: str = "",
                          extra_rows: pd.DataFrame | None = None) -> dict[str, Path]:
     """Every file of a compile, staged beside `out_dir` and moved in only when all were written.
@@ -57,10 +68,13 @@ def write_compile_report(result, out_dir: str | Path, title: str, interrupted: s
     with atomic_files(out_dir) as staging:
         write_pareto_report(staging, rows, budget_error=1.0, title=title, threshold=headroom,
                             error_label="allclose ratio vs FP64 (<= 1 is within the budget)")
-        write_op_table(staging / OPS_NAME, pd.DataFrame(result.plan.data["kernels"]))
+        ops = pd.DataFrame(result.plan.data["kernels"])
+        write_op_table(staging / OPS_NAME, ops)
+        groups = [[c.index for c in g.chunks] for g in result.space.part.groups]
+        write_op_table(staging / CHUNKS_NAME, kernels_per_chunk(ops, groups))
         result.plan.save(staging / PLAN_NAME)
         layers = write_layer_map(result.program, [[c.index for c in g.chunks] for g in result.space.part.groups],
                                  staging)
-    files = {"csv": CSV_NAME, "png": PNG_NAME, "html": HTML_NAME, "ops": OPS_NAME, "plan": PLAN_NAME,
+    files = {"csv": CSV_NAME, "png": PNG_NAME, "html": HTML_NAME, "ops": OPS_NAME, "plan": PLAN_NAME, "chunks": CHUNKS_NAME,
              **{key: path.name for key, path in layers.items()}}
     return {key: out_dir / name for key, name in files.items()}

@@ -22,8 +22,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..codegen.llir import (FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program, epilogue_as_elementwise,
-                            external_value)
+from ..codegen.llir import (FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel, KernelKind, Program,
+                            epilogue_as_elementwise, external_value)
 from ..dtypes.formats import F32, Format, Kind, get as get_format
 from ..dtypes.rounding import Overflow, round_to, store
 from ..dtypes.variants import GEMM_VARIANTS
@@ -270,8 +270,10 @@ def _eval32(e: FExpr, k: Kernel, state: _Run, memo: dict) -> tuple[object, tuple
 def _loads(e: FExpr) -> set[int]:
     if isinstance(e, FLoad):
         return {e.slot}
-    if isinstance(e, FRoundTo):
+    if isinstance(e, (FRoundTo, FAt)):
         return _loads(e.x)
+    if isinstance(e, FRowSum):
+        return _loads(e.body)
     return set().union(*(_loads(a) for a in e.args)) if isinstance(e, FApply) else set()
 
 
@@ -416,9 +418,11 @@ def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _scatter(rt, k: Kernel, state: _Run) -> np.ndarray:
-    dest = _read64(k, 0, state)
-    src = _read64(k, 1, state)
-    idx = k.inputs[2].view.realize(state.stored[k.inputs[2].buffer], state.bindings).astype(np.int64)
+    return _scatter_rows(k, _read64(k, 0, state), _read64(k, 1, state), state, index_slot=2)
+
+
+def _scatter_rows(k: Kernel, dest: np.ndarray, src: np.ndarray, state: _Run, index_slot: int = 1) -> np.ndarray:
+    idx = k.inputs[index_slot].view.realize(state.stored[k.inputs[index_slot].buffer], state.bindings).astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= dest.shape[0]):
         raise IndexError(f"scatter: index out of range [0, {dest.shape[0]})")
     dest[idx] = src if k.storage is None else cache_values(src, k.storage)  # a KV cache: rows written converted
@@ -429,6 +433,48 @@ def _attention(rt, k: Kernel, state: _Run) -> np.ndarray:
     return store32(run_attention(k, tuple(_raw(k, i, state) for i in range(len(k.inputs))), state.bindings), k.dtype)
 
 
+def _rows_body(e: FExpr, k: Kernel, state: _Run, wide: bool) -> np.ndarray:
+    """A ROWS body (codegen/llir.py FRowSum, FAt): exactly the values of the unfused kernels. A row sum
+    is the SUM kernel's (its body, accumulator, stored rounding); FAt reads a value as a load reads the
+    buffer it would have been stored in. `wide`: the float64 path of _body64, else _body32's."""
+    if isinstance(e, FRowSum):
+        shape = tuple(eval_dim(d, state.bindings) for d in e.shape)
+        vals = np.broadcast_to(_rows_body(e.body, k, state, wide), shape)
+        out = store32(reduce_sum(vals, len(shape) - 1, e.acc), e.dt)
+        return out.astype(np.float64) if wide else np.asarray(out, dtype=np.float32)
+    if isinstance(e, FAt):
+        src = tuple(eval_dim(d, state.bindings) for d in e.src_shape)
+        return e.view.realize(np.ascontiguousarray(np.broadcast_to(_rows_body(e.x, k, state, wide), src)),
+                              state.bindings)
+    if isinstance(e, FLoad):
+        return _read64(k, e.slot, state) if wide else _body32(e, k, state)
+    if isinstance(e, FConstV):
+        return _body64(e, k, state) if wide else _body32(e, k, state)
+    if isinstance(e, FRoundTo):
+        x = _rows_body(e.x, k, state, wide)
+        return store(x, e.fmt) if wide else store32(np.asarray(x, dtype=np.float32), e.fmt)
+    args = [_rows_body(a, k, state, wide) for a in e.args]
+    if wide:
+        return store(_apply(e, args), F32)
+    if not CORRECTLY_ROUNDED_F32[e.op]:
+        args = [np.asarray(a, dtype=np.float64) for a in args]
+    out = np.asarray(_apply(e, args))
+    return out if out.dtype == np.float32 else out.astype(np.float32)
+
+
+def _rows(rt, k: Kernel, state: _Run) -> np.ndarray:
+    """A row kernel: per row its sums, then the elementwise tail per element, one store."""
+    shape = tuple(eval_dim(d, state.bindings) for d in k.shape)
+    return store32(np.broadcast_to(_rows_body(k.body, k, state, not _fits_body(k, state)), shape), k.dtype)
+
+
+def _scatter_ew(rt, k: Kernel, state: _Run) -> np.ndarray:
+    """An in-place scatter of rows its body computes: the copy of the source it replaces wrote the same."""
+    shape = tuple(eval_dim(d, state.bindings) for d in k.body_shape)
+    src = np.broadcast_to(_rows_body(k.body, k, state, not _fits_body(k, state)), shape).astype(np.float64)
+    return _scatter_rows(k, _read64(k, 0, state), src, state)
+
+
 KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
     KernelKind.EXTERNAL: _external, KernelKind.CONST: _const_kernel, KernelKind.IOTA: _iota,
     KernelKind.ELEMENTWISE: _elementwise, KernelKind.SUM: _sum, KernelKind.MAX: _max,
@@ -436,6 +482,7 @@ KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
     KernelKind.GATHER: _gather, KernelKind.SCATTER: _scatter, KernelKind.SCATTER_NOCOPY: _scatter,
     KernelKind.GEMM_EPILOGUE: _gemm_epilogue,
     KernelKind.ATTENTION: _attention,
+    KernelKind.ROWS: _rows, KernelKind.SCATTER_EW: _scatter_ew,
 }
 
 

@@ -13,6 +13,7 @@ from typing import Mapping
 from ..codegen.kinds import Sort, decl
 from .choice import Candidate, ChoiceSpace, ENode, _Picker
 from .horizontal import SliceChoice
+from .rows_extract import RowBodies, as_elementwise, fused_scatter_first, row_order
 
 BASE = "f32"
 
@@ -43,7 +44,7 @@ def knobs(space: ChoiceSpace) -> tuple[Knob, ...]:
 
 
 # Preferred structure among alternatives of the same tag (lower first; undeclared names are an error).
-_T_RANK = {decl(n).name: 0 for n in ("KGemm", "KScatterNoCopy", "KVariant")}
+_T_RANK = {decl(n).name: 0 for n in ("KGemm", "KScatterNoCopy", "KVariant", "KRows")} | {decl("KScatterEw").name: -1}
 
 
 def _t_rank(n: ENode, genome: Mapping[str, str], space: ChoiceSpace, slices: SliceChoice) -> int:
@@ -63,17 +64,21 @@ def extract(space: ChoiceSpace, genome: Mapping[str, str] | None = None) -> Cand
     """The candidate realising `genome` (class -> tag; missing = BASE) with preferred structure."""
     genome = dict(genome or {})
     slices = SliceChoice(space)
+    rows = RowBodies.of(space)
 
     def order(cid: str, picker: _Picker) -> list[int]:
         nodes = space.classes[cid]
+        if cid in rows.inner:
+            return row_order(space, cid, rows, picker)
         want = genome.get(cid, BASE)
         idx = [i for i, n in enumerate(nodes) if node_tag(n) == want and n.op != "KSlice"] or list(range(len(nodes)))
         if nodes[idx[0]].decl.sort is Sort.F:
             return _scalar_order(space, cid, idx, picker)
         # a part of a horizontally fused Gemm reads the fused one when the genome allows (horizontal.py)
         taken = [i for i, n in enumerate(nodes) if n.op == "KSlice" and slices.takes(n, genome, BASE)]
-        return taken + sorted((i for i in idx if i not in taken),
-                              key=lambda i: (_t_rank(nodes[i], genome, space, slices), i))
+        ranked = taken + sorted((i for i in idx if i not in taken),
+                                key=lambda i: (_t_rank(nodes[i], genome, space, slices), i))
+        return fused_scatter_first(space, nodes, ranked, rows, picker)
 
     p = _Picker(space, None, None, order)
     for _, cid in space.roots:
@@ -94,11 +99,12 @@ def _scalar_order(space: ChoiceSpace, cid: str, idx: list[int], picker: _Picker)
         t = nodes[i].cls("t")
         if not picker.pick(t):
             continue
-        chosen = space.classes[t][picker.chosen[t]]
+        chosen = as_elementwise(space, t, space.classes[t][picker.chosen[t]])
         if chosen.op == "Ew":
             return plain + loads + lowp
         if chosen.op == "KVariant" and picker.pick(chosen.cls("inner")):
-            inner = space.classes[chosen.cls("inner")][picker.chosen[chosen.cls("inner")]]
+            inner = as_elementwise(space, chosen.cls("inner"),
+                                   space.classes[chosen.cls("inner")][picker.chosen[chosen.cls("inner")]])
             if inner.op == "Ew":
                 match = [j for j in lowp if (nodes[j].arg("x"), nodes[j].arg("dt")) == (inner.arg("body"), inner.arg("dt"))]
                 return match + loads + plain + [j for j in lowp if j not in match]

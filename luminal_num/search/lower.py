@@ -13,8 +13,8 @@ from typing import Callable, Mapping
 
 from ..codegen.attention import AttentionSpec, splits_for
 from ..codegen.kinds import TENSOR_DECLS, Sort
-from ..codegen.llir import (FAcc, FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program,
-                            verify)
+from ..codegen.llir import (FAcc, FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel, KernelInput,
+                            KernelKind, Program, verify)
 from ..dtypes.formats import get as get_format
 from ..hlir.graph import Graph
 from ..hlir.partition import Partition
@@ -125,8 +125,36 @@ class _ChunkLowering:
             reads = [a.cls("t") for a in self.space.classes[cid] if a.op == "Load"]
             origin = self.space.class_origin.get(reads[0], "") if reads else ""
             return FRoundTo(inner, get_format(n.arg("dt")), origin)
+        if n.op in _ROW_SCALARS:
+            return _ROW_SCALARS[n.op](self, n, inputs, shapes)
         args = tuple(self.scalar(n.cls(p.name), inputs, shapes, acc) for p in n.decl.params if p.sort is Sort.F)
         return FApply(n.decl.op, args, kind=n.arg("kind") if n.op == "FCustom" else None)
+
+    def space_of(self, cid: str, inputs: list[KernelInput]) -> tuple[FExpr, tuple]:
+        """A sub-expression over a space of its own (a row sum's body, what FAt reads) and that shape."""
+        shapes: list = []
+        e = self.scalar(cid, inputs, shapes)
+        if not shapes or any(s_ != shapes[0] for s_ in shapes):
+            raise ValueError(f"a row-kernel sub-body reads views of shapes {set(shapes)} (one shape needed)")
+        return e, tuple(shapes[0])
+
+
+# Row-kernel body nodes (search/rules/fuse_rows.py): RowBody is transparent; FRowSum and FAt open a space.
+def _row_sum(lo: _ChunkLowering, n: ENode, inputs: list, shapes: list) -> FExpr:
+    body, space = lo.space_of(n.cls("body"), inputs)
+    shapes.append(space[:-1])
+    return FRowSum(body, get_format(n.arg("acc")), get_format(n.arg("dt")), space)
+
+
+def _at(lo: _ChunkLowering, n: ENode, inputs: list, shapes: list) -> FExpr:
+    x, space = lo.space_of(n.cls("x"), inputs)
+    view = lo.view(n.arg("view"))
+    shapes.append(view.shape)
+    return FAt(x, view, space)
+
+
+_ROW_SCALARS = {"RowBody": lambda lo, n, inputs, shapes: lo.scalar(n.cls("x"), inputs, shapes),
+                "FRowSum": _row_sum, "FAt": _at}
 
 
 # -- one lowering per tensor constructor ----------------------------------------------------------
@@ -195,6 +223,26 @@ def _elementwise(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     body, inputs, shape = lo.body(n)
     return lo.b.add(kind=KernelKind.ELEMENTWISE, inputs=inputs, shape=shape, dtype=get_format(n.arg("dt")),
                     body=body, body_shape=shape, **lo.common(n, origin))
+
+
+def _rows(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """A row kernel: its body (row sums and the elementwise tail) over its shape, rows on the last axis."""
+    body, inputs, shape = lo.body(n)
+    return lo.b.add(kind=KernelKind.ROWS, inputs=inputs, shape=shape, dtype=get_format(n.arg("dt")), body=body,
+                    body_shape=shape, axis=len(shape) - 1, **lo.common(n, origin))
+
+
+def _scatter_ew(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """An in-place scatter whose body computes the source rows; inputs (dest, indices, the body's loads)."""
+    inputs = list(lo.operands(n))
+    shapes: list = []
+    body = lo.scalar(n.cls("body"), inputs, shapes)
+    if not shapes or any(s_ != shapes[0] for s_ in shapes):
+        raise ValueError(f"{n.op} body reads views of different shapes {set(shapes)}")
+    storage = lo.b.kernels[inputs[0].buffer].storage  # a KV cache held in a format: rows written converted
+    return lo.b.add(kind=KernelKind.SCATTER_EW, inputs=tuple(inputs), shape=tuple(inputs[0].view.shape),
+                    dtype=get_format(n.arg("dt")), body=body, body_shape=tuple(shapes[0]), aliases=0,
+                    storage=storage, **lo.common(n, origin))
 
 
 def _reduction(lo: _ChunkLowering, n: ENode, origin: str) -> int:
@@ -269,6 +317,7 @@ _TENSOR: dict[str, Callable[[_ChunkLowering, ENode, str], int]] = {
     "KSum": _reduction, "KMax": _reduction, "KSoftmax": _reduction, "KGemm": _gemm, "KQuantize": _quantize,
     "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter, "KGemmEpi": _gemm_epilogue,
     "KCatW": _concat, "KSlice": _slice, "KCacheStored": _cache_stored, "KAttention": _attention,
+    "KRows": _rows, "KScatterEw": _scatter_ew,
 }
 assert set(_TENSOR) == {d.name for d in TENSOR_DECLS}, "every tensor constructor has exactly one lowering"
 

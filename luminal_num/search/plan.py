@@ -19,6 +19,7 @@ from .. import __version__
 from ..codegen.attention import attention_row
 from ..codegen.kinds import LAUNCHED_KINDS, backend_table
 from ..codegen.llir import KernelKind, Program, count_ops, external_value
+from ..codegen.rows import row_sums
 from ..codegen.serialize import LlirDataError, program_from_data, program_to_data
 from ..dtypes.variants import GEMM_VARIANTS
 from ..error.budget import Budget
@@ -57,7 +58,7 @@ def op_table(program: Program, bindings) -> list[dict]:
     rows = []
     dtypes = program.dtypes()
     for k in program.launched():
-        row = {"kernel": k.id, "kind": k.kind.value, "op": k.label, "dtype": k.dtype.name,
+        row = {"kernel": k.id, "chunk": k.chunk, "kind": k.kind.value, "op": k.label, "dtype": k.dtype.name,
                "inputs": ",".join(dtypes[i.buffer].name for i in k.inputs),
                "weights": _weights_read(program, k, bindings),
                "shape": "x".join(str(d) for d in k.shape), "accumulator": "", "precision": k.precision or "",
@@ -85,6 +86,11 @@ def _gemm_row(k) -> dict:
                                 if s is not None)}
 
 
+def _rows_row(k) -> dict:
+    """A row kernel: the accumulators of the row sums it holds (codegen/llir.py FRowSum)."""
+    return {"accumulator": ",".join(sorted({s.acc.name for s in row_sums(k.body)})) or k.dtype.name}
+
+
 def _no_extra(k) -> dict:
     return {}
 
@@ -99,6 +105,7 @@ _OP_ROW = backend_table("plan op table", {
     KernelKind.GATHER: _no_extra, KernelKind.SCATTER: _no_extra, KernelKind.SCATTER_NOCOPY: _no_extra,
     KernelKind.GEMM_EPILOGUE: lambda k: {**_gemm_row(k), "epilogue": f"{count_ops(k.body)} ops on the accumulator"},
     KernelKind.ATTENTION: attention_row,
+    KernelKind.ROWS: _rows_row, KernelKind.SCATTER_EW: _rows_row,
 }, LAUNCHED_KINDS)
 
 

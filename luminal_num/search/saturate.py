@@ -19,6 +19,7 @@ from .rules.dtype_prop import dtype_prop
 from .horizontal import fusion_groups, plan_fusions
 from .rules.fuse_gemm import epilogue_facts, fuse_gemm, horizontal_facts
 from .rules.fuse_attention import attention_facts, attention_schedule
+from .rules.fuse_rows import fuse_rows, row_facts
 from .rules.inplace import cleanup, inplace
 from .rules.lower import lower
 
@@ -84,6 +85,11 @@ def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=N
         if facts:
             eg.register(*facts)
         reports.append(eg.run((attention_schedule(precision_rules is not None) + dtype_prop.saturate()).saturate()))
+    if fusion:  # fewer launches: constants in their consumers, norms as one row kernel (rules/fuse_rows.py)
+        facts = row_facts(graph, group, enc.terms, enc.tables.views)
+        if facts:
+            eg.register(*facts)
+        reports.append(eg.run((fuse_rows.saturate() + dtype_prop.saturate()).saturate()))
     reports.append(eg.run((inplace.saturate() + dtype_prop.saturate()).saturate()))
     reports.append(eg.run(cleanup.saturate()))
     t2 = time.perf_counter()

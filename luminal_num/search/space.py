@@ -68,6 +68,7 @@ class SearchSpace:
 
     @staticmethod
     def build(graph: Graph, with_precision: bool = True, fusion: bool = True) -> "SearchSpace":
+        """`fusion=False`: the space without the fusion rules (every kernel as the lowering made it)."""
         part = partition(graph)
         consumers = graph.consumers()
         groups = {g.key: saturate_group(graph, g, consumers, precision if with_precision else None, fusion=fusion)
