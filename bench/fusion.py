@@ -28,7 +28,11 @@ from .storage_decode import SMOLLM2
 
 OUT = Path("reports/bench")
 TARGET = "h200"
-GENOMES = {"FP32": frozenset(), "BF16": BF16_WEIGHTS, **STORAGE_RECIPES}
+_PLAIN = {"FP32": frozenset(), "BF16": BF16_WEIGHTS, **STORAGE_RECIPES}
+# fused attention is a knob choice (attn: tags, search/rules/fuse_attention.py): each genome also with it,
+# FP32 attention in the FP32 genome, BF16 operands in the others (absent from a space without fusion)
+GENOMES = {**_PLAIN, **{f"{label} + fused attention": tags | {"attn:flash_f32" if label == "FP32" else "attn:flash_bf16"}
+                        for label, tags in _PLAIN.items()}}
 
 
 def _cases(layers: int, max_cache: int, with_minilm: bool):

@@ -22,6 +22,7 @@ from luminal_num.codegen import nvrtc
 from luminal_num.codegen.cuda_body import OP_TEMPLATES, SymbolTable, is_exact, op_template, view_index, view_symbols
 from luminal_num.codegen.cuda_gemm import COMPUTE_TYPES
 from luminal_num.codegen.cuda_kernels import RENDERERS, Arg, gemm_call, render_kernel
+from luminal_num.codegen.rows import row_sums
 from luminal_num.codegen.llir import (FApply, FConstV, FLoad, FRoundTo, Kernel, KernelInput, KernelKind, Program)
 from luminal_num.search.lower import lower_program
 from luminal_num.dtypes.formats import BF16, F8E4M3, F16, F32, F64, INT32, Kind
@@ -105,6 +106,10 @@ def interpret(program: Program, kernel: Kernel, stored: dict[int, np.ndarray], b
 def tolerance(kernel: Kernel, ref: np.ndarray, bindings=None) -> float:
     """0 where CUDA and the CPU backend agree bit for bit; else the documented envelope."""
     scale = float(np.max(np.abs(ref), initial=0.0)) + 1.0
+    wide_sums = [s for s in row_sums(kernel.body) if s.acc in (F32, F64)] if kernel.kind is KernelKind.ROWS else []
+    if wide_sums:  # an FP32 row sum is a block reduce on the GPU (another order): the SUM envelope, with a
+        # factor 2 for the row's tail (a norm's rsqrt halves a relative change, the scale by x keeps it)
+        return 2 * max(evaluate(s.shape[-1], bindings or {}) for s in wide_sums) * 2.0 ** -23 * scale
     if kernel.kind is KernelKind.SUM:
         narrow = kernel.acc not in (None, F32, F64)
         return 0.0 if narrow else evaluate(kernel.body_shape[kernel.axis], bindings or {}) * 2.0 ** -23 * scale
@@ -361,6 +366,11 @@ def test_model_gemms_map_to_cublas_and_reproduce_the_cpu_gemm():
     stored = {kid: v.reshape(-1) for kid, v in stored_values(program, feed).items()}
     bindings = bind_program(program, feed)
     gemms = [k for k in program.launched() if k.kind is KernelKind.GEMM]
+    # an operand read through stacked views (a random structure's reshape) has no single leading dimension:
+    # the tiled fallback kernel computes it (checked against the CPU backend by the generated-kernel tests)
+    stacked = [k for k in gemms if any(len(i.view.views) > 1 for i in k.inputs)]
+    assert all(gemm_call(k, program) is None for k in stacked)
+    gemms = [k for k in gemms if k not in stacked]
     assert gemms
     for k in gemms:
         call = gemm_call(k, program)
