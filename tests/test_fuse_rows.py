@@ -9,6 +9,7 @@ CUDA interpreter / NVRTC for the generated C.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import warnings
 
 import ml_dtypes
@@ -17,6 +18,7 @@ import pandas as pd
 import pytest
 
 from luminal_num.codegen import nvrtc
+from luminal_num.codegen.cuda_kernels import render_kernel
 from luminal_num.codegen.cuda_kernels import render_kernel
 from luminal_num.codegen.llir import FApply, FAt, FConstV, FLoad, FRoundTo, FRowSum, Kernel, KernelInput, KernelKind
 from luminal_num.codegen.rows import unfused
@@ -341,3 +343,38 @@ def test_fused_static_bound_is_no_looser_than_unfused(which, decode):
                   for f in (False, True)]
         for name, unfused_bound in bounds[0].error_bounds.items():
             assert np.all(bounds[1].error_bounds[name] <= unfused_bound * (1 + 1e-6)), name
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+def test_computed_scatter_into_an_unscaled_kv_cache_writes_rows_converted(fmt):
+    """RoPE-style computed rows written into a KV cache held in F16/BF16: the CPU backend and the generated C
+    (interpreter) both store each row rounded to the cache's format, the rows already there converted on
+    entry; element-by-element reference with numpy / ml_dtypes casts. A scaled FP8 cache is refused by the
+    renderer in one line (the plain in-place scatter writes those: extraction keeps it first)."""
+    cast = {"f16": np.float16, "bf16": ml_dtypes.bfloat16}[fmt]
+    body = FApply(Op.ADD, (FApply(Op.MUL, (FLoad(2), FLoad(3))), FLoad(2)))
+    c2 = ShapeTracker.contiguous((2, 4))
+    program = one_kernel([("d", (6, 4), F32), ("i", (2,), INT32), ("x", (2, 4), F32), ("c", (2, 4), F32)],
+                         kind=KernelKind.SCATTER_EW, shape=(6, 4), dtype=F32, aliases=0, body=body, body_shape=(2, 4),
+                         storage=fmt, inputs=(KernelInput(0, ShapeTracker.contiguous((6, 4))),
+                                              KernelInput(1, ShapeTracker.contiguous((2,))), KernelInput(2, c2),
+                                              KernelInput(3, c2)))
+    program = dataclasses.replace(program, kernels=(dataclasses.replace(program.kernels[0], storage=fmt),
+                                                    *program.kernels[1:]))
+    rng = np.random.default_rng(9)
+    feed = {"d": rng.standard_normal((6, 4)).astype(np.float32) * 300, "i": np.array([5, 0], dtype=np.int32),
+            "x": rng.standard_normal((2, 4)).astype(np.float32) * 300, "c": rng.standard_normal((2, 4)).astype(np.float32)}
+    want = feed["d"].astype(cast).astype(np.float64)
+    f = np.float32
+    for r in range(2):
+        for j in range(4):
+            want[feed["i"][r], j] = float(cast(f(f(feed["x"][r, j] * feed["c"][r, j]) + feed["x"][r, j])))
+    got = CpuRuntime(program).run(feed).outputs["y"]
+    np.testing.assert_array_equal(got, want)
+    stored = stored_values(program, feed)
+    np.testing.assert_array_equal(interpret(program, program.kernels[-1], stored, bind_program(program, feed)), want)
+    fp8 = dataclasses.replace(program.kernels[-1], storage="f8e4m3_channel")
+    with pytest.raises(ValueError, match="per-row scales"):
+        render_kernel(fp8, dataclasses.replace(program, kernels=(dataclasses.replace(program.kernels[0],
+                                                                                     storage="f8e4m3_channel"),
+                                                                 *program.kernels[1:-1], fp8)))
