@@ -19,7 +19,6 @@ import pytest
 
 from luminal_num.codegen import nvrtc
 from luminal_num.codegen.cuda_kernels import render_kernel
-from luminal_num.codegen.cuda_kernels import render_kernel
 from luminal_num.codegen.llir import FApply, FAt, FConstV, FLoad, FRoundTo, FRowSum, Kernel, KernelInput, KernelKind
 from luminal_num.codegen.rows import unfused
 from luminal_num.codegen.serialize import program_from_data, program_to_data
