@@ -13,6 +13,7 @@ from luminal_num.dtypes.rounding import Overflow, round_to, to_storage
 from luminal_num.error.budget import Budget
 from luminal_num.error.interval import Interval
 from luminal_num.error.judge import Judge
+from luminal_num.error.rounding_bounds import nan_as_unbounded
 from luminal_num.error.static import static_bound
 from luminal_num.hlir import Graph, evaluate
 from luminal_num.runtime.cpu import CpuRuntime
@@ -123,3 +124,11 @@ def test_round_to_refuses_an_overflow_policy_that_is_not_the_enum(bad):
     with pytest.raises(TypeError, match="Overflow"):
         to_storage(np.array([465.0]), F8E4M3, overflow=bad)
     assert round_to(np.array([465.0]), F8E4M3, overflow=Overflow.SATURATE)[0] == 448.0
+
+
+def test_a_nan_or_infinite_error_term_is_an_unbounded_bound():
+    """0 * inf and inf - inf in a bound's terms are NaN: unbounded. +inf stays inf; numpy's nan_to_num,
+    used here before, turns +inf into the largest double, a finite (unsound) bound."""
+    got = nan_as_unbounded(np.array([np.nan, np.inf, 2.5, 0.0]))
+    assert np.isinf(got[0]) and np.isinf(got[1]) and got[2] == 2.5 and got[3] == 0.0
+    assert np.isfinite(np.nan_to_num(np.array([np.inf]), nan=np.inf)).all()  # why the helper exists

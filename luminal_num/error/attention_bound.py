@@ -32,7 +32,7 @@ from ..codegen.attention import AttentionSpec, key_ranges
 from ..dtypes.formats import F32, Format
 from ..hlir.ops import Op
 from .interval import Interval, transfer
-from .rounding_bounds import gamma
+from .rounding_bounds import gamma, nan_as_unbounded
 from .softmax_bound import softmax_error
 
 U = F32.unit_roundoff
@@ -108,4 +108,4 @@ def attention_error(scores: Interval, wide: Interval, err: np.ndarray, v: Interv
         a_sum = row_term_total(wide.lo, wide.hi, n_tiles)  # >= sum_j A_j / S
         total = t_row * v_mag + np.max(v_err, axis=-1) + online_error(a_sum, v_mag, keys, spec.splits, n_tiles, pv)
     # a convex combination of V rows
-    return Interval(np.min(v.lo, axis=-1), np.max(v.hi, axis=-1)), np.nan_to_num(total, nan=np.inf)
+    return Interval(np.min(v.lo, axis=-1), np.max(v.hi, axis=-1)), nan_as_unbounded(total)

@@ -26,7 +26,7 @@ from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, Kern
 from ..dtypes.formats import F32, Format, Kind
 from ..hlir.ops import Op
 from .interval import Interval, transfer
-from .rounding_bounds import gamma
+from .rounding_bounds import gamma, nan_as_unbounded
 
 
 @dataclass(frozen=True)
@@ -230,4 +230,4 @@ class NormBound:
         generic = an.body(r_e, k)
         product = transfer(Op.MUL, Interval(lo, hi), generic.iv)
         iv = Interval(np.maximum(product.lo, -big_k), np.minimum(product.hi, big_k), product.nan)
-        return iv, np.nan_to_num(err, nan=np.inf)
+        return iv, nan_as_unbounded(err)

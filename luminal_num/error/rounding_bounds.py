@@ -18,6 +18,13 @@ _INFLATE = 1.0 + 2.0 ** -48
 _SUBNORMAL_SLACK = 4 * 2.0 ** -1074
 
 
+def nan_as_unbounded(err) -> np.ndarray:
+    """An error bound with NaN in it (0 * inf, inf - inf of its terms) read as unbounded, infinities kept:
+    np.nan_to_num(err, nan=inf) would also turn +inf into the largest double, a finite bound."""
+    err = np.asarray(err, dtype=np.float64)
+    return np.where(np.isnan(err), np.inf, err)
+
+
 def round_up(x) -> np.ndarray:
     """A value >= x for a non-negative bound x computed with a few FP64 roundings.
 

@@ -31,7 +31,7 @@ from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import evaluate as eval_dim
 from .interval import Interval, derivative_bound, hull, transfer
 from .normalize import NormBound
-from .rounding_bounds import gamma
+from .rounding_bounds import gamma, nan_as_unbounded
 from .softmax_bound import softmax_error
 from . import attention_bound
 from ..codegen.attention import ATTENTION_VARIANTS
@@ -220,7 +220,7 @@ class StaticAnalyzer:
             low = np.where((lo <= 0) & (hi >= 0), 0.0, np.nextafter(np.minimum(sq_lo, sq_hi), -np.inf))
             high = np.nextafter(np.maximum(sq_lo, sq_hi), np.inf)
             err = 2 * _mag(a.iv) * a.err + a.err * a.err
-        return _Val(Interval(np.maximum(low, 0.0), high, a.iv.nan), np.nan_to_num(err, nan=np.inf) * SLACK, 0.0)
+        return _Val(Interval(np.maximum(low, 0.0), high, a.iv.nan), nan_as_unbounded(err) * SLACK, 0.0)
 
     def _apply(self, e: FApply, args: list[_Val]) -> _Val:
         op = e.op
@@ -231,7 +231,7 @@ class StaticAnalyzer:
             if op is Op.MUL:
                 a, b = args
                 err = _mag(a.iv) * b.err + _mag(b.iv) * a.err + a.err * b.err
-                return _Val(transfer(Op.MUL, a.iv, b.iv), np.nan_to_num(err, nan=np.inf) * SLACK, _floor_of(op, args))
+                return _Val(transfer(Op.MUL, a.iv, b.iv), nan_as_unbounded(err) * SLACK, _floor_of(op, args))
             if op is Op.LESS_THAN:
                 a, b = args
                 out = transfer(Op.LESS_THAN, a.iv, b.iv)
@@ -247,7 +247,7 @@ class StaticAnalyzer:
             iv = _custom_interval(e.kind, a.iv) if op is Op.CUSTOM else transfer(op, a.iv)
             slope = _slope(op, e.kind, a.wide)
             err = np.where(a.err > 0, slope * a.err, 0.0)
-            return _Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK, _floor_of(op, args))
+            return _Val(iv, nan_as_unbounded(err) * SLACK, _floor_of(op, args))
 
     def run(self, inputs: Mapping[str, Interval]) -> StaticReport:
         try:
@@ -320,7 +320,7 @@ class StaticAnalyzer:
             # accumulator's max a partial sum may overflow even when the final sum is small
             err = np.where(abs_sum * (1 + g) + n * acc.min_subnormal <= acc.max_finite, err, np.inf)
         floor = None if v.floor is None else 0.0  # a sum of executed values >= 0 rounds to >= 0
-        return _store(_Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK, floor), k.dtype, k)
+        return _store(_Val(iv, nan_as_unbounded(err) * SLACK, floor), k.dtype, k)
 
     def max(self, k: Kernel, inputs) -> _Val:
         v = self.body(k.body, k)
@@ -473,7 +473,7 @@ class StaticAnalyzer:
                 abs_dot = np.minimum(abs_dot, total * scale)
             rounding = variant.a_priori_bound(alo.shape[-1], abs_dot, float(np.max(wa)) if wa.size else 0.0,
                                               float(np.max(wb)) if wb.size else 0.0)
-            err = np.nan_to_num(prop + rounding, nan=np.inf) * SLACK
+            err = nan_as_unbounded(prop + rounding) * SLACK
         lo = gemm_result(np.where(np.isnan(lo), -np.inf, lo), lay, full)
         hi = gemm_result(np.where(np.isnan(hi), np.inf, hi), lay, full)
         return _Val(Interval(lo, hi), gemm_result(err, lay, full))
@@ -494,7 +494,7 @@ class StaticAnalyzer:
         vshape = tuple(eval_dim(d, self.bindings) for d in k.inputs[3].view.shape)
         iv, err = attention_bound.attention_error(s.iv, s.wide, s.err, Interval(*(np.broadcast_to(x, vshape) for x in (
             v.iv.lo, v.iv.hi))), np.broadcast_to(v.err, vshape), spec, variant.pv)
-        out = _Val(iv, np.nan_to_num(err, nan=np.inf) * SLACK)
+        out = _Val(iv, nan_as_unbounded(err) * SLACK)
         return _store(_round_f32(out, k), k.dtype, k)  # the divide's rounding, then the store
 
 
