@@ -111,6 +111,19 @@ def test_one_low_precision_chunk_predicts_its_end_to_end_error(job3, space3, ref
                 assert cos > 0.9, (chunk.index, name, cos)
 
 
+def test_a_scaled_effect_reads_its_basis_scaled_and_keeps_no_arrays_of_its_own(job3, space3, refs3):
+    """SCALED: a chunk choice's effect is its local-error ratio times the FP32 choice's injected effect;
+    it shares the basis's arrays (memory: one set per chunk, not per choice) and reads as their product."""
+    ce = effects(job3, space3, refs3, Propagation.SCALED)
+    g = layers(space3)
+    chunk = g.chunks[0]
+    cands = space3.candidates(space3.per_chunk(frozenset(), chunk.index, bf16_gemms(space3, g)))
+    eff, basis = ce.effect(chunk.index, cands[chunk.index]), ce.effect(chunk.index, ce.base[chunk.index])
+    assert eff.basis is basis.basis and basis.scale == 1.0 and eff.scale == eff.local / basis.local
+    for name, dev in basis.outputs[0].items():
+        np.testing.assert_array_equal(eff.outputs[0][name], (eff.local / basis.local) * dev)
+
+
 def test_a_chunk_choice_that_alone_breaks_the_budget_prunes_every_genome_with_it(job3, space3, refs3):
     budget = Budget.parse("atol=1e-4,rtol=1e-4")
     judge = Judge(job3.graph, budget, list(job3.calibration), use_static=False, references=refs3,

@@ -38,8 +38,18 @@ class Propagation(enum.Enum):
 
 @dataclass(frozen=True)
 class ChunkEffect:
+    """`outputs` = `scale` x `basis`: a SCALED effect keeps its basis's arrays (one set per chunk, not one
+    per chunk choice: on SmolLM2 each is a batch of 49152-wide logits) and scales them when read."""
+
     local: float                  # relative L2 of the chunk's exports vs FP64 (all exports together)
-    outputs: tuple[Outputs, ...]  # per batch: deviation of every final output caused by this chunk alone
+    basis: tuple[Outputs, ...]    # per batch: deviation of every final output caused by this chunk alone ...
+    scale: float = 1.0            # ... times this
+
+    @property
+    def outputs(self) -> tuple[Outputs, ...]:
+        if self.scale == 1.0:
+            return self.basis
+        return tuple({k: self.scale * v for k, v in out.items()} for out in self.basis)
 
 
 @dataclass
@@ -89,7 +99,7 @@ class ChunkEffects:
             basis = self.effect(chunk.index, self.base[chunk.index])
             if basis.local > 0 and np.isfinite(local):
                 s = local / basis.local
-                return ChunkEffect(local, tuple({k: s * v for k, v in out.items()} for out in basis.outputs))
+                return ChunkEffect(local, basis.basis, s * basis.scale)
         return ChunkEffect(local, tuple(self._inject(chunk, ref, dev) for ref, dev in zip(self.references, devs)))
 
     def _task(self, chunk: Chunk, choice: ChunkChoice) -> RunTask:
@@ -141,7 +151,7 @@ class ChunkEffects:
         """Predicted outputs per batch: FP64 plus the sum of the chunks' effects (`only`: those chunks)."""
         idx = sorted(candidates) if only is None else list(only)
         effects = [self.effect(i, candidates[i]) for i in idx]
-        return [{k: np.asarray(r, np.float64) + sum(e.outputs[b][k] for e in effects) for k, r in ref.items()}
+        return [{k: np.asarray(r, np.float64) + sum(e.scale * e.basis[b][k] for e in effects) for k, r in ref.items()}
                 for b, ref in enumerate(refs)]
 
 
