@@ -381,21 +381,22 @@ def _check_body(k: Kernel, out_shape) -> str:
         return "has no body"
     if tuple(k.shape) != tuple(out_shape):
         return f"shape {k.shape} is not {tuple(out_shape)} (from its body shape {k.body_shape})"
-    slots = _load_slots(k.body)
+    slots = load_slots(k.body)
     if slots and max(slots) >= len(k.inputs):
         return f"body loads slot {max(slots)} of {len(k.inputs)} inputs"
     return _views_shaped(k, k.body_shape)
 
 
-def _load_slots(e: FExpr) -> set[int]:
+def load_slots(e: FExpr | None) -> set[int]:
+    """The input slots a body reads (through rounds, FAt and row sums)."""
     if isinstance(e, FLoad):
         return {e.slot}
     if isinstance(e, (FRoundTo, FAt)):
-        return _load_slots(e.x)
+        return load_slots(e.x)
     if isinstance(e, FRowSum):
-        return _load_slots(e.body)
+        return load_slots(e.body)
     if isinstance(e, FApply):
-        return set().union(*(_load_slots(a) for a in e.args))
+        return set().union(*(load_slots(a) for a in e.args))
     return set()
 
 
@@ -403,7 +404,7 @@ def _check_rows(k: Kernel) -> str:
     """A ROWS kernel: rows along its last axis; its loads read spaces of their own (row sums, FAt)."""
     if k.body is None or tuple(k.shape) != tuple(k.body_shape) or not k.shape or k.axis != len(k.shape) - 1:
         return f"a row kernel needs a body over its shape {k.shape} with rows along its last axis (axis {k.axis})"
-    slots = _load_slots(k.body)
+    slots = load_slots(k.body)
     if slots and max(slots) >= len(k.inputs):
         return f"body loads slot {max(slots)} of {len(k.inputs)} inputs"
     return ""
@@ -432,7 +433,7 @@ def _check_gemm_epilogue(k: Kernel) -> str:
     gemm = _check_gemm(replace(k, inputs=k.inputs[:2]))
     if gemm or k.body is None:
         return gemm or "has no epilogue body"
-    slots = _load_slots(k.body)
+    slots = load_slots(k.body)
     if slots & {0, 1} or (slots and max(slots) >= len(k.inputs)):
         return f"epilogue loads slots {sorted(slots)}: only inputs 2..{len(k.inputs) - 1} (A and B are the Gemm's)"
     bad = [i for i, inp in enumerate(k.inputs[2:], 2) if tuple(inp.view.shape) != tuple(k.shape)]
@@ -511,7 +512,7 @@ def _check_scatter_ew(k: Kernel) -> str:
     want = tuple(k.inputs[1].view.shape) + tuple(k.shape[1:])
     if tuple(k.body_shape) != want:
         return f"body shape {k.body_shape} is not indices + destination rows {want}"
-    slots = _load_slots(k.body)
+    slots = load_slots(k.body)
     return f"body loads slot {max(slots)} of {len(k.inputs)} inputs" if slots and max(slots) >= len(k.inputs) else ""
 
 

@@ -23,7 +23,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..codegen.llir import (FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel, KernelKind, Program,
-                            epilogue_as_elementwise, external_value)
+                            epilogue_as_elementwise, external_value, load_slots)
 from ..dtypes.formats import F32, Format, Kind, get as get_format
 from ..dtypes.rounding import Overflow, round_to, store
 from ..dtypes.variants import GEMM_VARIANTS
@@ -267,18 +267,8 @@ def _eval32(e: FExpr, k: Kernel, state: _Run, memo: dict) -> tuple[object, tuple
     return out, key
 
 
-def _loads(e: FExpr) -> set[int]:
-    if isinstance(e, FLoad):
-        return {e.slot}
-    if isinstance(e, (FRoundTo, FAt)):
-        return _loads(e.x)
-    if isinstance(e, FRowSum):
-        return _loads(e.body)
-    return set().union(*(_loads(a) for a in e.args)) if isinstance(e, FApply) else set()
-
-
 def _fits_body(k: Kernel, state: _Run) -> bool:
-    return all(_fits_f32(state.stored[k.inputs[i].buffer]) for i in _loads(k.body))
+    return all(_fits_f32(state.stored[k.inputs[i].buffer]) for i in load_slots(k.body))
 
 
 def body_values(k: Kernel, state: _Run) -> np.ndarray:
