@@ -558,3 +558,25 @@ def test_every_elementwise_op_and_custom_kind_has_a_cuda_template():
         assert template.count("{0}") >= 1 and ("{1}" in template) == (op in BINARY_OPS), op
     for name, custom in CUSTOM_KINDS.items():
         assert op_template(FApply(Op.CUSTOM, (FLoad(0),), kind=name)) == custom.cuda_fn + "({0})"
+
+
+@pytest.mark.parametrize("fmt", [BF16, F16], ids=lambda f: f.name)
+def test_low_precision_softmax_rounds_inputs_and_result_like_the_cpu_backend(fmt):
+    """A bf16/f16 softmax stored as FP32: the CPU backend rounds its inputs and its result to the format;
+    the generated kernel must too (it used to compute in FP32 and return off-grid values). Envelope: the
+    GPU's expf and block sum differ from the CPU's float64 by ~2^-22 relative, which can move a result
+    across one rounding boundary of the format: one ulp of it, nothing more."""
+    program = one_kernel([("a", (6, 40), F32)], kind=KernelKind.SOFTMAX, shape=(6, 40), dtype=F32,
+                         inputs=(KernelInput(0, ShapeTracker.contiguous((6, 40))),), body_shape=(6, 40), axis=1,
+                         body=ap(Op.MUL, ld(0), FConstV(3.0)), precision=fmt.name)
+    feed = feed_for(program, np.random.default_rng(11))
+    bindings = bind_program(program, feed)
+    stored = stored_values(program, feed)
+    kernel = program.kernels[-1]
+    got, ref = interpret(program, kernel, stored, bindings), stored[kernel.id].reshape(6, 40)
+    on_grid = round_to(got, fmt, Overflow.INF)
+    np.testing.assert_array_equal(got, on_grid)  # the result is rounded to the format
+    np.testing.assert_array_equal(ref, round_to(ref, fmt, Overflow.INF))
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), fmt.min_normal))) - (fmt.p - 1))
+    assert np.all(np.abs(got - ref) <= ulp), float(np.max(np.abs(got - ref) / ulp))
+    assert np.mean(got == ref) > 0.95  # straddles are rare: the kernel computes the same function

@@ -13,7 +13,8 @@ QUANTIZE renderers come from cuda_gemm.py; the types they share live in cuda_sou
 Reductions: FP32/FP64 accumulators reduce in parallel (one block per output row, any order: equal
 to the CPU backend's pairwise sum up to rounding; MAX is order-free and exact); narrow (bf16/f16)
 accumulators run one thread per output row in index order, rounding after every add. Softmax runs
-one block per row: max, sum of exp(x - max), then the quotients. Index errors cannot raise on a
+one block per row: max, sum of exp(x - max), then the quotients; a bf16/f16 softmax
+rounds its inputs and its result to that format, as the CPU backend does. Index errors cannot raise on a
 GPU: gather reads an out-of-range row as 0 and scatter skips it (the CPU backend raises).
 """
 from __future__ import annotations
@@ -193,6 +194,15 @@ def _reduction(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
     return REDUCE_HELPERS + src, (Launch(ENTRY, grid, (threads,), _args(k, slots)),)
 
 
+def _softmax_rounding(k: Kernel) -> Callable[[str], str]:
+    """A low-precision softmax rounds its inputs and its result to the compute format (the CPU backend's
+    `_softmax`: 16-bit formats overflow to inf, 8-bit ones saturate, as `rounding.store`); FP32: none."""
+    if k.precision in (None, "f32"):
+        return lambda x: x
+    compute = get_format(k.precision)
+    return lambda x: round_expr(compute, x, saturate=compute.bits <= 8)
+
+
 def _softmax(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
     k = cx.k
     length = k.body_shape[k.axis]
@@ -200,12 +210,14 @@ def _softmax(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
     coord_lines, coords = _row_space(cx, "row", "r")
     out_pos = c_index(dot(coords, row_major_strides([cx.dim(d) for d in k.body_shape])))
     loop = "for (long long r = threadIdx.x; r < len; r += blockDim.x) {"
+    rounded = _softmax_rounding(k)
     passes = []
     for step, prefix in (("m = LnMax::apply(m, {v});", "va"), ("s = __fadd_rn(s, expf(__fsub_rn({v}, m)));", "vb"),
-                         (f"out[{out_pos}] = " + store(k.dtype, "__fdiv_rn(expf(__fsub_rn({v}, m)), s)") + ";",
-                          "vc")):
+                         (f"out[{out_pos}] = " + store(k.dtype, rounded("__fdiv_rn(expf(__fsub_rn({v}, m)), s)"))
+                          + ";", "vc")):
         body_lines, value = cx.body(coords, prefix)
-        passes.append(indent([loop], 2) + indent(body_lines + [step.replace("{v}", value)], 3) + indent(["}"], 2))
+        passes.append(indent([loop], 2) + indent(body_lines + [step.replace("{v}", rounded(value))], 3)
+                      + indent(["}"], 2))
     slots = tuple(range(len(k.inputs)))
     threads = _row_threads(length)
     src = (f'extern "C" __global__ void {ENTRY}({cx.params("out", slots)}) {{\n'
