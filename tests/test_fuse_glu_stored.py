@@ -32,11 +32,12 @@ from luminal_num.hlir import Graph, evaluate
 from luminal_num.models.llama import LLAMA_TINY, build_decode, build_prefill, random_weights
 from luminal_num.quant.concat import concat_quantized, concat_refusal, concat_stored, concat_widened
 from luminal_num.quant.storage import STORAGE_FORMATS
-from luminal_num.quant.stored import widened
+from luminal_num.quant.stored import convert_all, widened
 from luminal_num.runtime.cpu import CpuRuntime, bind_program
 from luminal_num.runtime.latency import kernel_works
 from luminal_num.runtime.weight_only import stored_weight
 from luminal_num.search.horizontal import FusionGroup
+from luminal_num.search.plan import stored_layout
 from luminal_num.search.recipes import STORAGE_RECIPES, pick
 from luminal_num.search.space import SearchSpace
 
@@ -325,3 +326,19 @@ def test_static_bound_holds_under_genome_fuzzing_with_stored_concatenations(name
             assert np.all((np.abs(out[o] - ref[o]) <= bound) | np.isinf(bound)), (o, trial, store)
         checked += 1
     assert seen and checked
+
+
+def test_a_plans_weights_file_holds_the_parts_of_a_stored_concatenation():
+    """search/plan.stored_layout lists each part of a KCatStored buffer (never the concatenation's name),
+    so the weights file converts and holds the parts; a runtime reading that file computes the same."""
+    p = program(True, STORAGE_RECIPES["W4A16 INT4 group 128"])
+    graph, inputs = llama()
+    layout = stored_layout(p)
+    cat_parts = {n for k in p.kernels if k.concat and k.storage for n in k.concat}
+    assert cat_parts and cat_parts <= {name for name, _, _ in layout.values()}
+    assert not any(name.startswith("concat") for name, _, _ in layout.values())
+    stored = convert_all(graph.weights, {key: (name, fmt) for key, (name, fmt, _) in layout.items()})
+    y_file = CpuRuntime(p, graph.weights, stored_weights=stored).run(inputs).outputs
+    y = run(p)
+    for o in y:
+        np.testing.assert_array_equal(y_file[o], y[o], err_msg=o)
