@@ -109,8 +109,11 @@ class _ChunkLowering:
                 raise ValueError(f"an epilogue reads its Gemm through the non-identity view {view}")
             shapes.append(view.shape)
             return FAcc()
-        src = self.node(n.cls("t")) if n.op == "Load" and acc is not None else None
-        if src is not None and src.op == "KSlice" and src.cls("src") == acc:  # a GLU epilogue's read of a part
+        # a GLU epilogue's read of a part: the part's class holds a slice of the fused accumulator (whichever
+        # alternative the part itself chose, it is the same value)
+        src = next((a for a in self.space.classes[n.cls("t")] if a.op == "KSlice" and a.cls("src") == acc),
+                   None) if n.op == "Load" and acc is not None else None
+        if src is not None:
             view = compose(self.view(src.arg("view")), self.view(n.arg("view")))
             shapes.append(view.shape)
             return FAcc(view)
