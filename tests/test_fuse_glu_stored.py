@@ -22,7 +22,7 @@ from test_cuda_codegen import interpret, needs_nvrtc, stored_values
 from luminal_num.codegen import nvrtc
 from luminal_num.codegen.cuda_gemm_epilogue import glu_offsets
 from luminal_num.codegen.cuda_kernels import render_kernel
-from luminal_num.codegen.cuda_weight_only import param_name, render_weight_only
+from luminal_num.codegen.cuda_weight_only import param_name, render_weight_only, weight_only_gemm
 from luminal_num.codegen.llir import FAcc, KernelKind, Program, acc_views
 from luminal_num.codegen.serialize import program_from_data, program_to_data
 from luminal_num.dtypes.formats import BF16, F32
@@ -280,6 +280,9 @@ def test_the_gpu_backend_reads_the_parts_own_stored_values():
     q = stored_weight(cat, graph.weights)
     parts = [widened(graph.weights[n], cat.storage) for n in cat.concat]
     np.testing.assert_array_equal(q.dequantize(), np.concatenate(parts))
+    # the q/k/v Gemm over it runs as the dequantize-on-load kernel (M = 1 decode: no M axis) on those values
+    qkv = [k for k in p.launched() if k.kind is KernelKind.GEMM and p.kernel(k.inputs[1].buffer).concat]
+    assert qkv and all(weight_only_gemm(k, p) is not None for k in qkv)
     only = dataclasses.replace(p, outputs=(("cat", cat.id),))
     np.testing.assert_array_equal(CpuRuntime(only, graph.weights).run(inputs).outputs["cat"], np.concatenate(parts))
 

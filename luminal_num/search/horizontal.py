@@ -5,7 +5,8 @@ are 2-D compile-time weights of the same K, read row by row (row stride K: conti
 group: q/k/v (GQA: k and v narrower), gate/up. The fused Gemm reads A through the same view with N
 extended to sum(N_i), and the weights concatenated along their rows (KCatW: materialised once, like a
 stored weight); part i is the fused output's columns [off_i, off_i + N_i) (KSlice). A part that is a
-chunk export or graph output is left alone (its buffer would be the fused one's). Facts and the views,
+chunk export or graph output is left alone (its buffer would be the fused one's). Weights the genome holds
+in one storage format concatenate in it where no block spans parts (quant/concat.py). Facts and the views,
 layouts and concatenations they name are computed here; the rules are in rules/fuse_gemm.py.
 """
 from __future__ import annotations

@@ -10,6 +10,12 @@ run it twice. A region of elementwise readers with one sink (bias then residual 
 
 The fused node `KGemmEpi` joins the consumer's e-class (the unfused Ew stays there, extractable); its
 `acc` child is the Gemm's class, whose chosen variant decides which `KGemmEpi` extraction takes.
+
+Horizontal fusion (facts from search/horizontal.py) makes one Gemm over weights concatenated along N;
+`_stored_concat` offers that concatenation held in a storage format its parts share (KCatStored), and
+`_glu` fuses a region fed by every part of one fused Gemm (gate/up -> silu(gate) * up) into that Gemm:
+its `acc` is the fused Gemm, whose column slices the body reads (FAcc views), and it stores only the
+region's F-wide result.
 """
 from __future__ import annotations
 
