@@ -345,3 +345,24 @@ def test_a_plans_weights_file_holds_the_parts_of_a_stored_concatenation():
     y = run(p)
     for o in y:
         np.testing.assert_array_equal(y_file[o], y[o], err_msg=o)
+
+
+@pytest.mark.parametrize("variant", ["bf16", "f16", "tf32", "f8e4m3_channel_prologue", "f8e4m3_channel", "int8_channel",
+                                     "f8e4m3_mx", "f8e4m3_channel_dynamic"])
+def test_glu_in_every_gemm_variant_stays_within_its_static_bound(variant):
+    """Every Gemm of the llama layer in `variant` (A quantized at run time where the variant says so): the
+    GLU epilogue is taken, and its error vs FP64 stays within the static bound, inputs scaled up too."""
+    s = space(True)
+    want = "gemm:" + variant
+    p = s.program(pick(s, want.__eq__))
+    assert glu_kernels(p) and {k.precision for k in glu_kernels(p)} == {variant}
+    graph, base = llama()
+    for scale in (1.0, 40.0):
+        inputs = {k: (v * scale if np.issubdtype(np.asarray(v).dtype, np.floating) else v) for k, v in base.items()}
+        ranges = {k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in inputs.items()}
+        rep = static_bound(p, ranges, graph.bind_symbols(inputs), graph.weights)
+        if rep.overflow is not None:
+            continue
+        ref, out = evaluate(graph, inputs), run(p, inputs)
+        for o in ref:
+            assert np.all(np.abs(out[o] - ref[o]) <= rep.error_bounds[o]), (o, scale)
