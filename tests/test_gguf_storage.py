@@ -2,6 +2,8 @@
 Q8_0 blocks may be stored in those very blocks. The FP64 reference is the dequantized source, so the
 choice adds no error: emulation reads exactly llama.cpp's values (gguf.quants.dequantize, the
 independent reference), the static bound charges 0, and the weights file holds the original blocks."""
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from luminal_num.quant import from_gguf, to_gguf
 from luminal_num.quant.stored import GGUF_KEPT, convert, convert_all, source_format, storage_error, widened
 from luminal_num.quant.weights_file import load_weights, save_weights
 from luminal_num.runtime.cpu import CpuRuntime
+from luminal_num.runtime.weight_only import stored_weight
 from luminal_num.search.plan import stored_layout
 from luminal_num.search.recipes import pick
 from luminal_num.search.space import SearchSpace
@@ -51,11 +54,28 @@ def test_the_source_formats_are_registered_and_offered_for_those_weights_only(sm
             assert source_format(model.weights[n].copy()) == fmt  # by content, not identity
     assert source_format(random_weights(model.config.with_layers(1))["model.embed_tokens.weight"]) is None
     program = kept_program(space)
-    held = {k.external: k.storage for k in program.kernels if k.kind is KernelKind.EXTERNAL and k.storage}
+    held = {n: k.storage for k in program.kernels if k.kind is KernelKind.EXTERNAL and k.storage
+            for n in (k.concat or (k.external,))}  # a fused Gemm's concatenation holds its parts' kept blocks
     assert held == {n: f for f, names in by_format.items() for n in names}
     other = SearchSpace.build(build_decode(model.config, random_weights(model.config), MAX_CACHE).graph)
     assert not any(t in ("store:gguf_q4_1", "store:gguf_q8_0") for ks in other.knobs.values() for k in ks
                    for t in k.tags)
+
+
+def test_a_fused_gemm_over_kept_blocks_reads_those_blocks_unchanged(smol):
+    """q/k/v and gate/up held as their GGUF Q4_1 blocks, each fused into one Gemm: the concatenated stored
+    tensor the GPU backend uploads is the parts' raw blocks row after row (quant/concat.py), and the
+    CPU backend's concatenation is their dequantization."""
+    model, step, space, inputs = smol
+    program = kept_program(space)
+    cats = [k for k in program.kernels if k.concat and k.storage == "gguf_q4_1"]
+    assert len(cats) == 2
+    for k in cats:
+        q = stored_weight(k, model.weights)
+        np.testing.assert_array_equal(to_gguf(q), np.concatenate([model.sources[n].raw for n in k.concat]))
+        only = dataclasses.replace(program, outputs=(("cat", k.id),))
+        np.testing.assert_array_equal(CpuRuntime(only, model.weights).run(inputs).outputs["cat"],
+                                      np.concatenate([model.weights[n] for n in k.concat]))
 
 
 def small_graph(model):

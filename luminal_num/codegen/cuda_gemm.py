@@ -15,6 +15,7 @@ reading its buffer (`prequantized[0]`) loads q as it is with the QUANTIZE kernel
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -354,12 +355,73 @@ def _accumulate(w: _Writer) -> list[str]:
 class EpilogueCode:
     """What a Gemm epilogue adds to the tiled kernel: its own operands (input slots 2..), and, from the
     output coordinates and the symbol table, the statements and the float value stored in place of the
-    accumulator `total` (codegen/cuda_gemm_epilogue.py)."""
+    accumulator `total` (codegen/cuda_gemm_epilogue.py). `col_offsets` (a GLU epilogue): the thread
+    computes one accumulator `total<i>` per offset, Gemm column n + offset_i for output column n < `n_out`."""
     slots: tuple[int, ...]
     body: Callable[[list[IndexExpr], SymbolTable], tuple[list[str], str]]
+    col_offsets: tuple[int, ...] = ()
+    n_out: Dim | None = None
+
+
+def _suffixed(lines: list[str], sfx: str) -> list[str]:
+    """The per-product update of one of a GLU thread's accumulators (its own acc / grp / total, B element
+    qb and column ns)."""
+    return [re.sub(r"\b(acc|grp|total|qb|ns)\b", lambda m: m.group(1) + sfx, line) for line in lines]
+
+
+def _glu_kernel(w: _Writer, epilogue: EpilogueCode) -> str:
+    """The tiled kernel for a GLU epilogue: per output (m, n), n < n_out, one FP32 accumulation per column
+    offset (B tile i holds columns n0 + offset_i ..), each exactly the plain kernel's, then the body."""
+    k, lay, v = w.k, w.lay, w.variant
+    if tuple(lay.n_axes) != (max(i for i in range(len(lay.full_shape)) if i != lay.k_axis),):
+        raise ValueError(f"kernel {k.id}: a GLU epilogue needs one N axis, the last of its output")
+    acc_type = "unsigned int" if v.acc_format is INT32 else "float"
+    sfx = [str(i) for i in range(len(epilogue.col_offsets))]
+    full = w.full_coords("bz", "m", "n", 0)
+    out_coords = [c for axis, c in enumerate(full) if axis != lay.k_axis]
+    out_pos = dot(out_coords, row_major_strides([w.dim(d) for d in k.shape]))
+    a_load = f"(lm < M && lk < K) ? {w.quantized(0, w.element(0, 'bz', 'lm', 'lk'), w.scale_value(0, 'bz', 'lm', 'lk'))} : 0.0f"
+    b_load = f"(lk < K && ln < N) ? {w.quantized(1, w.element(1, 'bz', 'lk', 'ln'), w.scale_value(1, 'bz', 'lk', 'ln'))} : 0.0f"
+    params = [f"{ctypes_map.cuda_type(k.dtype)}* __restrict__ out", w.in_param(0), w.in_param(1)]
+    params += [w.in_param(s_) for s_ in epilogue.slots]
+    lines, value = epilogue.body(out_coords, w.table)
+    params += [f"const float* __restrict__ scale{s_}" for s_ in (0, 1) if w.specs[s_] is not None] + w.dyn_param()
+    tiles = "".join(f"    __shared__ float tb{x}[{K_TILE}][{TILE + 1}];\n" for x in sfx)
+    cols = "".join(f"        const long long ns{x} = min(n + {off}LL, N - 1);\n"
+                   f"        {acc_type} acc{x} = 0;\n        double grp{x} = 0.0;\n        float total{x} = -0.0f;\n"
+                   for x, off in zip(sfx, epilogue.col_offsets))
+    b_tiles = "".join(f"            for (int e = tid; e < {TILE * K_TILE}; e += {TILE * TILE}) {{\n"
+                      f"                const long long lk = k0 + e / {TILE}, ln = n0 + {off}LL + e % {TILE};\n"
+                      f"                tb{x}[e / {TILE}][e % {TILE}] = {b_load};\n            }}\n"
+                      for x, off in zip(sfx, epilogue.col_offsets))
+    updates = "".join(f"                {{ const float qb{x} = tb{x}[t][tx];\n" + indent(_suffixed(_accumulate(w), x), 4)
+                      + "                }\n" for x in sfx)
+    return (f'extern "C" __global__ void {ENTRY}({", ".join(params)}) {{\n'
+            f"    __shared__ float ta[{TILE}][{K_TILE + 1}];\n{tiles}"
+            f"    const long long M = {c_index(w.dim(lay.m))}, N = {c_index(w.dim(lay.n))}, "
+            f"NO = {c_index(w.dim(epilogue.n_out))}, K = {c_index(w.dim(lay.k))}, NB = {c_index(w.dim(lay.batch))};\n"
+            f"    const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * {TILE} + tx;\n"
+            "    for (long long bz = blockIdx.z; bz < NB; bz += gridDim.z)\n"
+            f"    for (long long m0 = blockIdx.x * {TILE}LL; m0 < M; m0 += gridDim.x * {TILE}LL)\n"
+            f"    for (long long n0 = blockIdx.y * {TILE}LL; n0 < NO; n0 += gridDim.y * {TILE}LL) {{\n"
+            "        const long long m = m0 + ty, n = n0 + tx, ms = min(m, M - 1);\n" + cols +
+            f"        for (long long k0 = 0; k0 < K; k0 += {K_TILE}) {{\n"
+            f"            for (int e = tid; e < {TILE * K_TILE}; e += {TILE * TILE}) {{\n"
+            f"                const long long lm = m0 + e / {K_TILE}, lk = k0 + e % {K_TILE};\n"
+            f"                ta[e / {K_TILE}][e % {K_TILE}] = {a_load};\n            }}\n" + b_tiles +
+            "            __syncthreads();\n"
+            f"            const int kt = static_cast<int>(min(static_cast<long long>({K_TILE}), K - k0));\n"
+            "            for (int t = 0; t < kt; ++t) {\n"
+            "                const long long kk = k0 + t;\n"
+            "                const float qa = ta[ty][t];\n" + updates + "            }\n            __syncthreads();\n        }\n"
+            "        if (m < M && n < NO) {\n" + indent(lines, 3)
+            + f"            out[{c_index(out_pos)}] = {store(k.dtype, value)};\n        }}\n"
+            + "    }\n}\n")
 
 
 def _gemm_kernel(w: _Writer, epilogue: EpilogueCode | None = None) -> str:
+    if epilogue is not None and epilogue.col_offsets:
+        return _glu_kernel(w, epilogue)
     k, lay, v = w.k, w.lay, w.variant
     acc_type = "unsigned int" if v.acc_format is INT32 else "float"
     full = w.full_coords("bz", "m", "n", 0)
@@ -431,7 +493,8 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
     operand_arg = {s: Arg("scratch", len(own) + own_quant.index(s)) if s in own_quant else Arg("in", s) for s in (0, 1)}
     scale_launches = tuple(Launch(f"{ENTRY}_scale{s}", (w.scale_blocks(s),), (SCALE_THREADS,),
                                   (scale_arg[s], Arg("in", s))) for s in own)
-    gemm = Launch(ENTRY, (per(lay.m, TILE), per(lay.n, TILE), per(lay.batch, 1)), (TILE, TILE),
+    n_out = epilogue.n_out if epilogue is not None and epilogue.col_offsets else lay.n
+    gemm = Launch(ENTRY, (per(lay.m, TILE), per(n_out, TILE), per(lay.batch, 1)), (TILE, TILE),
                   (Arg("out"), Arg("in", 0), Arg("in", 1), *(Arg("in", s) for s in (epilogue.slots if epilogue else ())),
                    *scale_arg.values()))
     name = entry_name("gemm", source)

@@ -9,10 +9,11 @@ cuBLAS cannot run a body before its store, so such a kernel has no GemmCall.
 from __future__ import annotations
 
 from ..dtypes.formats import Format
+from ..hlir.shape import contiguous_strides
 from .cuda_body import BodyWriter, IndexExpr, SymbolTable, load_float, view_index, c_index
 from .cuda_gemm import EpilogueCode, render_gemm
 from .cuda_source import KernelSource
-from .llir import Kernel, epilogue_as_elementwise
+from .llir import Kernel, acc_reads, epilogue_as_elementwise, gemm_output_shape
 
 _ACC = -1  # the accumulator's buffer id in the elementwise form of the body (no buffer: `total`)
 
@@ -22,14 +23,35 @@ def render_gemm_epilogue(kernel: Kernel, formats: tuple[Format, ...], prequantiz
         raise ValueError(f"kernel {kernel.id}: a Gemm epilogue cannot read a QUANTIZE kernel's buffer")
     body = epilogue_as_elementwise(kernel, _ACC).body
     acc_slot = len(kernel.inputs)
+    offsets = glu_offsets(kernel)
 
     def render(coords: list[IndexExpr], table: SymbolTable) -> tuple[list[str], str]:
         def load(slot: int) -> str:
             if slot == acc_slot:
                 return "total"
+            if slot > acc_slot:  # a GLU epilogue's accumulator of the columns at offset i
+                return f"total{slot - acc_slot - 1}"
             at = view_index(kernel.inputs[slot].view, coords, table)
             value = load_float(formats[slot], f"in{slot}[{c_index(at.pos)}]")
             return value if at.valid is None else f"({at.valid}) ? {value} : 0.0f"
         return BodyWriter(load, table, prefix="ep").render(body)
 
-    return render_gemm(kernel, formats, prequantized[:2], EpilogueCode(tuple(range(2, len(kernel.inputs))), render))
+    return render_gemm(kernel, formats, prequantized[:2], EpilogueCode(tuple(range(2, len(kernel.inputs))), render,
+                                                                       offsets, kernel.shape[-1] if offsets else None))
+
+
+def glu_offsets(kernel: Kernel) -> tuple[int, ...]:
+    """The column offset of each accumulator view of a GLU epilogue (acc_reads order), () for a plain one;
+    a view that is not the accumulator's columns [off, off + n) at every row is refused in one line."""
+    views = acc_reads(kernel.body)[1:]
+    acc_shape = gemm_output_shape(kernel)
+    out = []
+    for st in views:
+        v = st.views[0]
+        n, total = kernel.shape[-1], acc_shape[-1]
+        if len(st.views) != 1 or v.mask is not None or tuple(v.shape) != tuple(kernel.shape) \
+                or tuple(v.strides) != tuple(contiguous_strides(acc_shape)) or not isinstance(v.offset, int) \
+                or not isinstance(n, int) or not isinstance(total, int) or not 0 <= v.offset <= total - n:
+            raise ValueError(f"kernel {kernel.id}: accumulator view {st} is not a column slice of {acc_shape}")
+        out.append(v.offset)
+    return tuple(out)

@@ -187,7 +187,7 @@ def weight_only_gemm(kernel: Kernel, program: Program) -> WeightOnlySource | Non
         return None
     lay = kernel.layout
     full = lay.full_shape
-    if not all(is_const(d) for d in full) or lay.batch != 1 or max(lay.m_axes) > min(lay.n_axes):
+    if not all(is_const(d) for d in full) or lay.batch != 1 or max(lay.m_axes, default=-1) > min(lay.n_axes, default=len(full)):
         return None
     m, n, k = int(lay.m), int(lay.n), int(lay.k)
     if tuple(int(d) for d in w_src.shape) != (n, k) or kernel.dtype is not F32:

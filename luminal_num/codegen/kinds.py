@@ -109,6 +109,10 @@ TENSOR_DECLS: tuple[ENodeDecl, ...] = (
     # Compile-time weights (the external slots in the group's concats table entry `cat`) concatenated along
     # their rows: one buffer the compiler builds once (no launch), read by a horizontally fused Gemm.
     ENodeDecl("KCatW", _T, params("cat:i64"), dtype_const="f32"),
+    # The same concatenation with every part held in storage format `fmt` (each part's stored values and
+    # scales kept: quant/concat.py), read widened on load as KStored is. No launch, no knob: extraction
+    # takes it where the genome stores every part in `fmt` (search/horizontal.SliceChoice).
+    ENodeDecl("KCatStored", _T, params("cat:i64 fmt:S"), dtype_const="f32"),
     # An alias: the value is `src`'s buffer read through `view` (a horizontally fused Gemm's columns of
     # one part); readers compose their own view on top of it. No launch.
     ENodeDecl("KSlice", _T, params("src:T view:i64"), dtype_const="f32"),

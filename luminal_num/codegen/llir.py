@@ -92,7 +92,11 @@ class FApply:
 
 @dataclass(frozen=True)
 class FAcc:
-    """A GEMM_EPILOGUE body's read of its own FP32 accumulator at the output element (never stored)."""
+    """A GEMM_EPILOGUE body's read of its own FP32 accumulator at the output element (never stored).
+    `view`: the accumulator (over the Gemm's output shape) read through this view instead, e.g. a
+    GLU epilogue reading both column halves of one Gemm over [W_gate; W_up] (search/rules/fuse_gemm.py);
+    the kernel's shape is then the body's, not the Gemm's."""
+    view: ShapeTracker | None = None
 
 
 @dataclass(frozen=True)
@@ -428,9 +432,40 @@ def _check_gemm(k: Kernel) -> str:
     return _views_shaped(k, lay.full_shape, 2)
 
 
+def gemm_output_shape(k: Kernel) -> tuple:
+    """The shape of a Gemm kernel's accumulator: its layout's output (a GLU epilogue stores less)."""
+    return tuple(d for i, d in enumerate(k.layout.full_shape) if i != k.layout.k_axis)
+
+
+def acc_views(e: FExpr | None) -> set:
+    """The views of the FAcc reads of a body that read the accumulator through one (FAcc.view)."""
+    if isinstance(e, FAcc):
+        return set() if e.view is None else {e.view}
+    if isinstance(e, (FRoundTo, FAt)):
+        return acc_views(e.x)
+    if isinstance(e, FApply):
+        return set().union(*(acc_views(a) for a in e.args))
+    return set()
+
+
+def acc_reads(e: FExpr | None) -> list:
+    """Each way a body reads its accumulator, in the order epilogue_as_elementwise appends them as inputs:
+    at the element (None, always first), then through each view (FAcc.view)."""
+    return [None] + sorted(acc_views(e), key=lambda v: v.encode())
+
+
 def _check_gemm_epilogue(k: Kernel) -> str:
-    """A Gemm (A, B over the Mul shape) plus epilogue operands read over its output shape."""
-    gemm = _check_gemm(replace(k, inputs=k.inputs[:2]))
+    """A Gemm (A, B over the Mul shape) plus epilogue operands read over its output shape (a body reading
+    the accumulator through views: over the body's shape, each view reading the Gemm's output)."""
+    views = acc_views(k.body)
+    if views and k.layout is not None:
+        acc_shape = gemm_output_shape(k)
+        bad = [v for v in views if tuple(v.shape) != tuple(k.shape)]
+        if bad:
+            return f"accumulator views {bad} are not read over {tuple(k.shape)}"
+        gemm = _check_gemm(replace(k, inputs=k.inputs[:2], shape=acc_shape))
+    else:
+        gemm = _check_gemm(replace(k, inputs=k.inputs[:2]))
     if gemm or k.body is None:
         return gemm or "has no epilogue body"
     slots = load_slots(k.body)
@@ -444,18 +479,20 @@ def epilogue_as_elementwise(k: Kernel, acc_buffer: int) -> Kernel:
     """A GEMM_EPILOGUE's body as an ELEMENTWISE kernel over its output whose last input is the accumulator
     (buffer `acc_buffer`, a backend's own id for it): the backends and the static bound evaluate it with
     their elementwise code, so the epilogue is the same arithmetic as the unfused consumer."""
-    acc = KernelInput(acc_buffer, ShapeTracker.contiguous(k.shape))
-    return replace(k, kind=KernelKind.ELEMENTWISE, inputs=(*k.inputs, acc), body=_acc_to_load(k.body, len(k.inputs)),
+    reads = acc_reads(k.body)
+    accs = tuple(KernelInput(acc_buffer, ShapeTracker.contiguous(k.shape) if v is None else v) for v in reads)
+    slots = {v: len(k.inputs) + i for i, v in enumerate(reads)}
+    return replace(k, kind=KernelKind.ELEMENTWISE, inputs=(*k.inputs, *accs), body=_acc_to_load(k.body, slots),
                    body_shape=k.shape, layout=None, precision=None)
 
 
-def _acc_to_load(e: FExpr, slot: int) -> FExpr:
+def _acc_to_load(e: FExpr, slots: Mapping) -> FExpr:
     if isinstance(e, FAcc):
-        return FLoad(slot)
+        return FLoad(slots[e.view])
     if isinstance(e, FRoundTo):
-        return replace(e, x=_acc_to_load(e.x, slot))
+        return replace(e, x=_acc_to_load(e.x, slots))
     if isinstance(e, FApply):
-        return replace(e, args=tuple(_acc_to_load(a, slot) for a in e.args))
+        return replace(e, args=tuple(_acc_to_load(a, slots) for a in e.args))
     return e
 
 
@@ -479,8 +516,8 @@ def _check_source(k: Kernel) -> str:
     if k.storage is not None and (k.kind is not KernelKind.EXTERNAL or k.storage not in STORAGE_FORMATS
                                   or len(k.shape) != 2):
         return f"storage {k.storage!r}: only a 2-D EXTERNAL weight is held in a (known) storage format"
-    if k.concat and (k.kind is not KernelKind.EXTERNAL or k.storage is not None or len(k.shape) != 2):
-        return f"concatenates {k.concat}: only a 2-D EXTERNAL weight without a storage format is a concatenation"
+    if k.concat and (k.kind is not KernelKind.EXTERNAL or len(k.shape) != 2):
+        return f"concatenates {k.concat}: only a 2-D EXTERNAL weight (stored or not) is a concatenation"
     if k.inputs:
         return "a source kernel reads nothing"
     if k.kind is KernelKind.EXTERNAL and not k.external:

@@ -98,7 +98,7 @@ def _body(e: FExpr | None) -> Any:
     if isinstance(e, FRoundTo):
         return {"round": _body(e.x), "fmt": e.fmt.name, "origin": e.origin}
     if isinstance(e, FAcc):  # not "acc": a row sum's accumulator format is "acc"
-        return {"accumulator": True}
+        return {"accumulator": True} if e.view is None else {"accumulator": True, "view": _view(e.view)}
     if isinstance(e, FRowSum):
         return {"rowsum": _body(e.body), "acc": e.acc.name, "fmt": e.dt.name, "shape": _dims(e.shape)}
     if isinstance(e, FAt):
@@ -116,7 +116,7 @@ def _unbody(x: Any) -> FExpr | None:
     if "round" in x:
         return FRoundTo(_unbody(x["round"]), get_format(x["fmt"]), x["origin"])
     if "accumulator" in x:
-        return FAcc()
+        return FAcc(_unview(x["view"]) if "view" in x else None)
     if "apply" in x:
         return FApply(Op[x["apply"]], tuple(_unbody(a) for a in x["args"]), x["kind"])
     if "rowsum" in x:

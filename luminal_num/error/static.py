@@ -275,6 +275,8 @@ class StaticAnalyzer:
             return _Val(iv, v.err + cache_error(_mag(v.wide), k.storage), 0.0 if low >= 0 else None)
         if k.storage is not None:  # a weight held in a storage format: its exact storage error
             try:
+                if k.concat:  # concatenated stored weights: each part's own storage error (quant/concat.py)
+                    return self._stored_concat(k, inputs)
                 return stored_weight_value(iv, k.storage, shape)
             except ValueError as exc:  # its scales do not fit their format: the run would refuse it too
                 magnitude = float(np.max(np.abs(iv.lo))) if iv.lo.size else 0.0
@@ -284,6 +286,12 @@ class StaticAnalyzer:
             return _Val(iv, np.zeros(shape))
         low = float(np.min(iv.lo)) if iv.lo.size else 0.0
         return _store(_Val(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
+
+    def _stored_concat(self, k: Kernel, inputs: Mapping[str, Interval]) -> _Val:
+        parts = {p.external: p for p in self.p.kernels if p.kind is KernelKind.EXTERNAL and not p.concat}
+        vals = [stored_weight_value(inputs[n], k.storage, self._shape(parts[n])) for n in k.concat]
+        cat = lambda xs: np.concatenate(xs, axis=k.concat_axis)  # noqa: E731
+        return _Val(Interval(cat([v.iv.lo for v in vals]), cat([v.iv.hi for v in vals])), cat([v.err for v in vals]))
 
     def _concat_interval(self, k: Kernel, inputs: Mapping[str, Interval]) -> Interval:
         """Concatenated weights: each part's interval over its own shape, concatenated along the axis."""

@@ -33,6 +33,7 @@ from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
 from ..hlir.weightcache import WEIGHTS
 from ..quant import quantize_tensor
+from ..quant.concat import concat_widened
 from ..quant.kv import cache_values
 from ..quant.stored import stored_key, widened
 from .buffers import BufferPlan, plan_buffers
@@ -281,6 +282,8 @@ def body_values(k: Kernel, state: _Run) -> np.ndarray:
 # -- one function per kernel kind -------------------------------------------------------------------
 def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
     val = state.feed[k.external]
+    if k.storage is not None and k.concat:  # weights held in one format, concatenated: each part as stored
+        return WEIGHTS.get(val, ("widened concat", k.storage, k.dtype.name, k.concat), lambda: _stored_concat(rt, k, state))
     if k.storage is not None and k.external not in state.weight_names:  # a KV cache handed in: held in its format
         return cache_values(_store_input(k, val), k.storage)
     if k.storage is not None:  # a weight held in its storage format: readers see it widened
@@ -301,6 +304,15 @@ def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
     if k.external in state.weight_names:
         return WEIGHTS.get(val, ("stored", k.dtype.name), lambda: _store_input(k, val))
     return _store_input(k, val)
+
+
+def _stored_concat(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
+    """A KCatStored buffer: every part widened as its own stored weight (a plan's weights file or its
+    compile-time conversion), side by side (quant/concat.py checks that no block spans parts)."""
+    parts = [widened(state.feed[n], k.storage, rt.stored_weights.get(stored_key(n, k.storage))) for n in k.concat]
+    out = np.array(concat_widened(parts, k.storage, k.concat_axis), dtype=k.dtype.storage)
+    out.flags.writeable = False
+    return out
 
 
 def _store_input(k: Kernel, val) -> np.ndarray:

@@ -44,6 +44,7 @@ from .buffers import BufferPlan, plan_buffers
 from .cpu import RunResult, bind_program
 from .cublas import Cublas, CublasLt, Libraries, load_libraries
 from .cuda_device import require_cuda
+from .weight_only import stored_weight
 
 WORKSPACE_BYTES = 32 << 20  # cuBLAS(Lt) workspace, set once on the handle: graph capture never allocates
 
@@ -154,7 +155,8 @@ class CudaRuntime:
             if w.id in state.parts:
                 continue
             fmt = storage_format(w.storage)
-            stored = self.stored_weights.get(stored_key(w.external, w.storage)) or fmt.pack(convert(feed[w.external], fmt))
+            stored = fmt.pack(stored_weight(w, feed, self.stored_weights)) if w.concat else \
+                self.stored_weights.get(stored_key(w.external, w.storage)) or fmt.pack(convert(feed[w.external], fmt))
             state.parts[w.id] = [self._device_copy(state, np.asarray(stored.arrays[p])) for p in fmt.parts]
 
     # -- buffers ----------------------------------------------------------------------------------------
@@ -206,7 +208,9 @@ class CudaRuntime:
         for k in self.program.kernels:
             if k.kind is not KernelKind.EXTERNAL or k.id in self.stored_only:
                 continue
-            host = np.ascontiguousarray(self._host_value(k, external_value(k, feed))).view(np.uint8).reshape(-1)
+            value = stored_weight(k, feed, self.stored_weights).dequantize().astype(np.float32) \
+                if k.storage is not None and k.concat else self._host_value(k, external_value(k, feed))
+            host = np.ascontiguousarray(value).view(np.uint8).reshape(-1)
             slot = state.slots[state.plan.slot_of[k.id]]
             if len(shared[state.plan.slot_of[k.id]]) == 1:
                 state.host.append(host)

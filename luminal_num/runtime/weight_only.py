@@ -28,7 +28,10 @@ import numpy as np
 from ..dtypes.formats import BF16, F16, F32, Format
 from ..dtypes.rounding import Overflow, round_to
 from ..dtypes.variants import _gamma, _times
+from ..codegen.llir import Kernel
+from ..quant.concat import concat_quantized
 from ..quant.storage import STORAGE_FORMATS, Quantized, StorageFormat, StoredTensor
+from ..quant.stored import convert, stored_key
 
 ACTIVATION_FORMATS = (F32, BF16, F16)
 U32, ETA32 = F32.unit_roundoff, F32.min_subnormal / 2.0
@@ -218,3 +221,19 @@ def weight_only_transfer(variant: WeightOnlyGemm, a_lo, a_hi, a_err, weight: Qua
         out_lo = np.nan_to_num(center - radius, nan=-np.inf, posinf=np.inf, neginf=-np.inf)
         out_hi = np.nan_to_num(center + radius, nan=np.inf, posinf=np.inf, neginf=-np.inf)
     return TransferResult(out_lo, out_hi, err)
+
+
+def stored_weight(w: Kernel, feed: Mapping[str, np.ndarray], stored_weights: Mapping | None = None) -> Quantized:
+    """The stored tensor of EXTERNAL weight `w` (held in w.storage): the plan's weights file entry, else
+    its compile-time conversion; a concatenation (KCatStored) joins its parts' own stored values and
+    scales (quant/concat.py), never a quantization of the joined FP32 weights."""
+    fmt = STORAGE_FORMATS[w.storage]
+
+    def one(name: str) -> Quantized:
+        held = (stored_weights or {}).get(stored_key(name, fmt))
+        if held is None:
+            return convert(feed[name], fmt)
+        return fmt.unpack(held) if isinstance(held, StoredTensor) else held
+    if w.concat:
+        return concat_quantized([one(n) for n in w.concat], w.concat_axis)
+    return one(w.external)

@@ -50,7 +50,10 @@ _T_RANK = {decl(n).name: 0 for n in ("KGemm", "KScatterNoCopy", "KVariant", "KRo
 def _t_rank(n: ENode, genome: Mapping[str, str], space: ChoiceSpace, slices: SliceChoice) -> int:
     """A Gemm epilogue comes first when its variant is the one the genome chose for its Gemm (the same
     value with one kernel less) and that Gemm is not read from a horizontally fused one (it would run
-    twice), and after everything else when not (never a second variant); a slice never unless taken."""
+    twice), and after everything else when not (never a second variant); a slice never unless taken. A GLU
+    epilogue (its `acc` a fused Gemm) comes before all when the genome takes the fused Gemm."""
+    if n.op == "KGemmEpi" and n.cls("acc") in slices.parts:
+        return -2 if slices.takes_src(n.cls("acc"), genome, BASE) else 9
     if n.op == "KGemmEpi":
         prec, acc = n.arg("prec"), n.cls("acc")
         ok = genome.get(acc, BASE) == (BASE if prec == BASE else "gemm:" + prec)
@@ -74,6 +77,9 @@ def extract(space: ChoiceSpace, genome: Mapping[str, str] | None = None) -> Cand
         idx = [i for i, n in enumerate(nodes) if node_tag(n) == want and n.op != "KSlice"] or list(range(len(nodes)))
         if nodes[idx[0]].decl.sort is Sort.F:
             return _scalar_order(space, cid, idx, picker)
+        cat = slices.cat_order(cid, nodes, genome, BASE)  # concatenated weights held as the parts are
+        if cat is not None:
+            return cat
         # a part of a horizontally fused Gemm reads the fused one when the genome allows (horizontal.py)
         taken = [i for i, n in enumerate(nodes) if n.op == "KSlice" and slices.takes(n, genome, BASE)]
         ranked = taken + sorted((i for i in idx if i not in taken),

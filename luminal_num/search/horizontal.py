@@ -5,7 +5,8 @@ are 2-D compile-time weights of the same K, read row by row (row stride K: conti
 group: q/k/v (GQA: k and v narrower), gate/up. The fused Gemm reads A through the same view with N
 extended to sum(N_i), and the weights concatenated along their rows (KCatW: materialised once, like a
 stored weight); part i is the fused output's columns [off_i, off_i + N_i) (KSlice). A part that is a
-chunk export or graph output is left alone (its buffer would be the fused one's). Facts and the views,
+chunk export or graph output is left alone (its buffer would be the fused one's). Weights the genome holds
+in one storage format concatenate in it where no block spans parts (quant/concat.py). Facts and the views,
 layouts and concatenations they name are computed here; the rules are in rules/fuse_gemm.py.
 """
 from __future__ import annotations
@@ -22,6 +23,8 @@ from ..hlir.partition import Chunk
 from ..hlir.shape import ShapeTracker, View, contiguous_strides
 from ..hlir.symbolic import prod
 from ..codegen.llir import quantized_a_view
+from ..quant.concat import concat_refusal
+from ..quant.stored import GGUF_KEPT, SEARCHED_STORAGE
 from .encode import ChunkTables
 
 
@@ -42,6 +45,17 @@ class FusionGroup:
     n_axis: int
     k_axis: int
     weight_axis: int      # the weights' axis that N runs along: 0 for torch Linear (out, in), 1 for x @ W
+    k_extent: int = 0     # the weights' K (their other axis)
+
+    def stored_shapes(self) -> list[tuple[int, int]]:
+        """The parts' weight shapes as stored (rows, last axis), as quant/concat.py checks them."""
+        return [(p.n, self.k_extent) if self.weight_axis == 0 else (self.k_extent, p.n) for p in self.parts]
+
+    def storable(self) -> tuple[str, ...]:
+        """Storage formats whose parts concatenate keeping every stored value and scale (the others are
+        refused: concat_refusal says why)."""
+        return tuple(f for f in SEARCHED_STORAGE + GGUF_KEPT
+                     if not concat_refusal(f, self.stored_shapes(), self.weight_axis))
 
 
 def fusion_groups(graph: Graph, chunks: Sequence[Chunk], consumers: Mapping[int, list[int]]) -> list[FusionGroup]:
@@ -77,7 +91,7 @@ def fusion_groups(graph: Graph, chunks: Sequence[Chunk], consumers: Mapping[int,
         b_key = tuple(s if i not in (n, ax) else None for i, s in enumerate(vb.strides))
         key = (a.node, shape_key, va.strides, va.offset, b_key, ax, wa, w.shape[1 - wa])
         by_key.setdefault(key, []).append(_Part(local, slot_of[b.node], int(w.shape[wa]), a.view, b.view))
-        keys[key] = (n, ax, wa)
+        keys[key] = (n, ax, wa, int(w.shape[1 - wa]))
     return [FusionGroup(k[0], tuple(ps), *keys[k]) for k, ps in by_key.items() if len(ps) >= 2]
 
 
@@ -137,6 +151,7 @@ class FusedGemm:
     quant_view: int
     cat: int
     variants: tuple[str, ...]               # Gemm variants that may be fused (concat_compatible)
+    storable: tuple[str, ...] = ()          # storage formats the parts' weights may share (FusionGroup.storable)
 
 
 def plan_fusions(groups: Sequence[FusionGroup], tables: ChunkTables) -> tuple[list[FusedGemm], ChunkTables]:
@@ -172,7 +187,7 @@ def plan_fusions(groups: Sequence[FusionGroup], tables: ChunkTables) -> tuple[li
                 parts.append((p.local, intern(layouts, lay), intern(views, sv)))
                 offset += p.n
             out.append(FusedGemm(gi, tuple(parts), intern(views, va), intern(views, vb), intern(layouts, fused),
-                                 intern(views, quantized_a_view(fused)), cat, variants))
+                                 intern(views, quantized_a_view(fused)), cat, variants, g.storable()))
     return out, dataclasses.replace(tables, views=tuple(views), layouts=tuple(layouts), concats=tuple(cats))
 
 
@@ -219,18 +234,22 @@ def _merge(low: View, top: View) -> View | None:
 
 class SliceChoice:
     """When extraction reads a part of a horizontally fused Gemm from the fused one (its KSlice): when the
-    genome gives every part of that fused Gemm its variant and keeps every part's weight unstored (the
-    concatenation is of the FP32 weights), so the fused form computes exactly what the genome asks; and
-    when it saves more launches (parts - 1) than the parts' own epilogues would (one each: a sliced part
-    cannot take one), so MiniLM's biased q/k/v keep their bias epilogues and llama's q/k/v fuse."""
+    genome gives every part of that fused Gemm its variant and holds every part's weight alike (unstored:
+    the concatenation of the FP32 weights; or in one storage format the concatenation keeps: KCatStored),
+    so the fused form computes exactly what the genome asks; and when it saves launches: a GLU epilogue
+    reads the fused accumulator (one kernel for gate and up), or fusing saves more (parts - 1) than the
+    parts' own epilogues would (one each: a sliced part cannot take one), so MiniLM's biased q/k/v keep
+    their bias epilogues and llama's q/k/v fuse."""
 
     def __init__(self, space):
         self.parts: dict[str, list[str]] = {}   # fused Gemm class -> its parts' classes
         self.weight: dict[str, str] = {}        # part class -> its weight's class
         self.prec: dict[str, str] = {}          # fused Gemm class -> its variant
+        self.b: dict[str, str] = {}             # fused Gemm class -> its concatenated weights' class
         self.epilogues: dict[str, set[str]] = {}  # Gemm class -> variants an epilogue reading it has
+        self.stored: dict[str, dict[str, int]] = {}  # concatenation class -> store: tag -> its KCatStored
         for cid, nodes in space.classes.items():
-            for n in nodes:
+            for i, n in enumerate(nodes):
                 if n.op == "KGemmEpi":
                     self.epilogues.setdefault(n.cls("acc"), set()).add(n.arg("prec"))
                 elif n.op == "KSlice":
@@ -238,15 +257,40 @@ class SliceChoice:
                 elif n.op == "KGemm":
                     self.weight.setdefault(cid, n.cls("b"))
                     self.prec.setdefault(cid, n.arg("prec"))
+                elif n.op == "KCatStored":
+                    self.stored.setdefault(cid, {})["store:" + n.arg("fmt")] = i
+        self.b = {src: self.weight[src] for src in self.parts}
+        self.cat_parts = {self.b[src]: parts for src, parts in self.parts.items()}
 
-    def takes(self, n, genome: Mapping[str, str], base: str) -> bool:
-        src = n.cls("src")
+    def weight_tag(self, src: str, genome: Mapping[str, str], base: str) -> str | None:
+        """The tag every part's weight has in `genome` when the fused B can hold them so, else None."""
+        tags = {genome.get(self.weight[p], base) for p in self.parts[src]}
+        if len(tags) != 1:
+            return None
+        tag = tags.pop()
+        return tag if tag == base or tag in self.stored.get(self.b[src], {}) else None
+
+    def takes_src(self, src: str, genome: Mapping[str, str], base: str) -> bool:
         prec = self.prec[src]
         tag = base if prec == base else "gemm:" + prec
         parts = self.parts[src]
-        if not all(genome.get(p, base) == tag and genome.get(self.weight[p], base) == base for p in parts):
+        if not all(genome.get(p, base) == tag for p in parts) or self.weight_tag(src, genome, base) is None:
             return False
+        if prec in self.epilogues.get(src, ()):  # a GLU epilogue: every part in one kernel
+            return True
         return len(parts) - 1 > sum(prec in self.epilogues.get(p, ()) for p in parts)
+
+    def takes(self, n, genome: Mapping[str, str], base: str) -> bool:
+        return self.takes_src(n.cls("src"), genome, base)
 
     def sliced(self, space, cid: str, genome: Mapping[str, str], base: str) -> bool:
         return any(n.op == "KSlice" and self.takes(n, genome, base) for n in space.classes[cid])
+
+    def cat_order(self, cid: str, nodes, genome: Mapping[str, str], base: str) -> list[int] | None:
+        """For a concatenated-weights class: its node holding the parts as the genome holds them first."""
+        if cid not in self.cat_parts:
+            return None
+        tags = {genome.get(self.weight[p], base) for p in self.cat_parts[cid]}
+        want = self.stored.get(cid, {}).get(tags.pop()) if len(tags) == 1 else None
+        first = [want] if want is not None else [i for i, n in enumerate(nodes) if n.op == "KCatW"]
+        return first + [i for i in range(len(nodes)) if i not in first]

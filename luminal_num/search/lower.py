@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 
 from ..codegen.attention import AttentionSpec, splits_for
 from ..codegen.kinds import TENSOR_DECLS, Sort
-from ..codegen.llir import (FAcc, FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel, KernelInput,
+from ..codegen.llir import (FAcc, acc_views, FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel, KernelInput,
                             KernelKind, Program, verify)
 from ..dtypes.formats import get as get_format
 from ..hlir.graph import Graph
@@ -109,6 +109,14 @@ class _ChunkLowering:
                 raise ValueError(f"an epilogue reads its Gemm through the non-identity view {view}")
             shapes.append(view.shape)
             return FAcc()
+        # a GLU epilogue's read of a part: the part's class holds a slice of the fused accumulator (whichever
+        # alternative the part itself chose, it is the same value)
+        src = next((a for a in self.space.classes[n.cls("t")] if a.op == "KSlice" and a.cls("src") == acc),
+                   None) if n.op == "Load" and acc is not None else None
+        if src is not None:
+            view = compose(self.view(src.arg("view")), self.view(n.arg("view")))
+            shapes.append(view.shape)
+            return FAcc(view)
         if n.op == "Load":
             ki = self.read(n.cls("t"), self.view(n.arg("view")))
             if ki not in inputs:
@@ -174,18 +182,20 @@ def _stored(lo: _ChunkLowering, n: ENode, origin: str) -> int:
 
 
 def _concat(lo: _ChunkLowering, n: ENode, origin: str) -> int:
-    """The weights of the concats entry concatenated along its axis: one buffer per set of weights (shared
-    by chunks)."""
+    """The weights of the concats entry concatenated along its axis: one buffer per set of weights and
+    storage format (shared by chunks); KCatStored holds it in `fmt` (each part's stored values kept)."""
     axis, slots = lo.t.concats[n.arg("cat")]
+    fmt = n.arg("fmt") if n.op == "KCatStored" else None
     srcs = [lo.b.kernels[lo.slots[s]] for s in slots]
-    key = (axis, *(k.id for k in srcs))
+    key = (axis, *(k.id for k in srcs)) + ((fmt,) if fmt else ())
     if key not in lo.b.concats:
         names = tuple(k.external for k in srcs)
         shape = list(srcs[0].shape)
         shape[axis] = sum(k.shape[axis] for k in srcs)
+        held = f" stored as {fmt}" if fmt else ""
         lo.b.concats[key] = lo.b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=tuple(shape), dtype=srcs[0].dtype,
                                      external=f"concat{axis}(" + ",".join(names) + ")", concat=names, concat_axis=axis,
-                                     label=f"{' + '.join(names)} concatenated along axis {axis}")
+                                     storage=fmt, label=f"{' + '.join(names)} concatenated along axis {axis}{held}")
     return lo.b.concats[key]
 
 
@@ -271,6 +281,8 @@ def _gemm_epilogue(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     shape = tuple(d for i, d in enumerate(layout.full_shape) if i != layout.k_axis)
     shapes: list = []
     body = lo.scalar(n.cls("epi"), inputs, shapes, acc=n.cls("acc"))
+    if acc_views(body):  # a GLU epilogue: the body's shape (its reads of the accumulator's column slices)
+        shape = tuple(shapes[0])
     if any(tuple(s_) != shape for s_ in shapes):
         raise ValueError(f"epilogue of {origin} reads views of shapes {set(shapes)}, not its output {shape}")
     return lo.b.add(kind=KernelKind.GEMM_EPILOGUE, inputs=tuple(inputs), shape=shape, dtype=get_format(n.arg("dt")),
@@ -316,7 +328,7 @@ _TENSOR: dict[str, Callable[[_ChunkLowering, ENode, str], int]] = {
     "KExt": _ext, "KStored": _stored, "KVariant": _variant, "KConst": _const, "KIota": _iota, "Ew": _elementwise,
     "KSum": _reduction, "KMax": _reduction, "KSoftmax": _reduction, "KGemm": _gemm, "KQuantize": _quantize,
     "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter, "KGemmEpi": _gemm_epilogue,
-    "KCatW": _concat, "KSlice": _slice, "KCacheStored": _cache_stored, "KAttention": _attention,
+    "KCatW": _concat, "KCatStored": _concat, "KSlice": _slice, "KCacheStored": _cache_stored, "KAttention": _attention,
     "KRows": _rows, "KScatterEw": _scatter_ew,
 }
 assert set(_TENSOR) == {d.name for d in TENSOR_DECLS}, "every tensor constructor has exactly one lowering"

@@ -137,8 +137,12 @@ def static_weight_scales(program: Program, weights, bindings) -> dict[int, np.nd
 def stored_layout(program: Program) -> dict[str, tuple[str, str, tuple[int, ...]]]:
     """stored_key -> (weight name, storage format, shape) of every weight the program holds in a format."""
     caches = program.cache_buffers()  # KV caches are runtime inputs, converted on entry: not in the file
-    return {stored_key(k.external, k.storage): (k.external, k.storage, tuple(int(d) for d in k.shape))
-            for k in program.kernels if k.storage is not None and k.kind is KernelKind.EXTERNAL and k.id not in caches}
+    shapes = {k.external: tuple(int(d) for d in k.shape) for k in program.kernels
+              if k.kind is KernelKind.EXTERNAL and not k.concat}
+    # a concatenation held in a format (KCatStored) is its parts' stored tensors: each part is in the file
+    return {stored_key(name, k.storage): (name, k.storage, shapes[name])
+            for k in program.kernels if k.storage is not None and k.kind is KernelKind.EXTERNAL and k.id not in caches
+            for name in (k.concat or (k.external,))}
 
 
 def weights_path(plan_path: str | Path) -> Path:
@@ -342,8 +346,9 @@ def _load_stored(path: Path, data: dict) -> dict | None:
     expected = {key: (rec["format"], tuple(rec["shape"])) for key, rec in listed.items()}
     kernels = data["llir"].get("kernels", [])
     caches = {k["inputs"][0][0] for k in kernels if k["kind"] == KernelKind.SCATTER_NOCOPY.value and k.get("storage")}
-    in_llir = {stored_key(k["external"], k["storage"]) for k in kernels
-               if k.get("storage") and k["kind"] == KernelKind.EXTERNAL.value and k["id"] not in caches}
+    in_llir = {stored_key(name, k["storage"]) for k in kernels
+               if k.get("storage") and k["kind"] == KernelKind.EXTERNAL.value and k["id"] not in caches
+               for name in (k.get("concat") or [k["external"]])}
     if in_llir != set(expected):
         raise PlanError(f"plan file {path}: its stored-weights table does not match the stored weights its LLIR reads")
     try:

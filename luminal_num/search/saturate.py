@@ -17,7 +17,7 @@ from .choice import ChoiceSpace, read_choice_space
 from .encode import ChunkTables, encode_chunk
 from .rules.dtype_prop import dtype_prop
 from .horizontal import fusion_groups, plan_fusions
-from .rules.fuse_gemm import epilogue_facts, fuse_gemm, horizontal_facts
+from .rules.fuse_gemm import epilogue_facts, epilogue_sinks, fuse_gemm, horizontal_facts
 from .rules.fuse_attention import attention_facts, attention_schedule
 from .rules.fuse_rows import fuse_rows, row_facts
 from .rules.inplace import cleanup, inplace
@@ -77,7 +77,7 @@ def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=N
         rep = group.representative
         facts = epilogue_facts(graph, group.chunks, enc.terms, consumers) + horizontal_facts(
             fused, {local: enc.terms[nid] for local, nid in enumerate(rep.nodes)},
-            {gi: enc.terms[g.a_node] for gi, g in enumerate(groups)})
+            {gi: enc.terms[g.a_node] for gi, g in enumerate(groups)}, epilogue_sinks(graph, group.chunks, consumers))
         if facts:
             eg.register(*facts)
         reports.append(eg.run((fuse_gemm.saturate() + dtype_prop.saturate()).saturate()))
