@@ -168,6 +168,20 @@ def _round_f16_magic(x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
     np.copysign(out, x, out=out)
 
 
+def _round_f16_magic_inplace(x: np.ndarray, tmp: np.ndarray) -> None:
+    """x <- RN_f16(x) as _round_f16_magic computes it, in place and without the copysign, so a result
+    that rounds to zero is +0 whatever the sign of x (twice as fast: in-place passes, no copysign).
+    Exact for every MMA step but a chunk's last: the next step adds a group sum g to it, and
+    (+0) + g == (-0) + g unless g is -0, which the FP64 matmul never returns (BLAS and numpy's own
+    loops start their sums at +0, so a sum of zero products is +0; tests/test_f16_accumulation.py
+    checks the matmul shapes used). The chunk's last step keeps the sign (_round_f16_magic)."""
+    np.bitwise_and(x.view(np.uint64), _EXPONENT_BITS, out=tmp.view(np.uint64))
+    np.maximum(tmp, 2.0 ** -14, out=tmp)
+    tmp *= _F16_MAGIC
+    x += tmp
+    x -= tmp
+
+
 def _f16_in_range(qa: _Operand, qb: _Operand, k: int, groups: int) -> bool:
     """Whether every partial sum of an F16 accumulation provably stays at most F16's max_finite:
     |partials| <= sum_k |a_mk| |b_kn| <= min(k max|a| max|b|, max_m |a_m|_1 max|b|, max|a| max_n |b_n|_1),
@@ -250,7 +264,8 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
     (one FP64 matmul call per group), adds, roundings and promotions stay in cache. Per promotion
     chunk: out = term or fl32(out + term), term = fl32(acc) [* fl32(sa * sb)]. With every partial
     sum provably in acc's normal range the rounding is done in place (_round_acc_inplace; for F16
-    with no overflow possible, _round_f16_magic), else by round_to. Tiles hold their outputs as
+    with no overflow possible, _round_f16_magic_inplace, and _round_f16_magic at a chunk's last
+    step), else by round_to. Tiles hold their outputs as
     (..., items, rows, item_cols): elementwise steps do not care.
     """
     k = qa.values.shape[-1]
@@ -281,7 +296,8 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
                     scales[block] = None if s is None else _blocks(s, parts)
                 return scales[block]
             for start in range(0, k, chunk):
-                for g in range(start, min(start + chunk, k), group):
+                stop = min(start + chunk, k)
+                for g in range(start, stop, group):
                     np.matmul(a_rows[..., g:g + group], b_blocks[..., g:g + group, :], out=group_sum)
                     if per_product:  # fl32(fl32(group) * s), widened again so acc + term stays exact
                         np.copyto(narrow, group_sum, casting="same_kind")
@@ -289,7 +305,10 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
                         np.copyto(group_sum, narrow)
                     if g > start:
                         group_sum += tile
-                    if magic16:
+                    if magic16 and g + group < stop:  # not the chunk's last step: the sign of a zero can go
+                        _round_f16_magic_inplace(group_sum, tmp)
+                        tile, group_sum = group_sum, tile
+                    elif magic16:
                         _round_f16_magic(group_sum, tile, tmp)
                     elif in_place:
                         _round_acc_inplace(group_sum, acc, tmp)
