@@ -128,3 +128,25 @@ def test_a_float64_matmul_of_zero_products_is_plus_zero(shape):
         out = np.empty_like(sums)
         np.matmul(x, y, out=out)
         assert not np.signbit(out).any()
+
+
+@pytest.mark.parametrize("name", ["f16acc16", "f8e4m3_block", "f8e5m2_block", "f8e4m3_block_nopromote"])
+def test_tiles_on_threads_give_the_same_bits(name, monkeypatch):
+    """A large grouped Gemm spreads its output tiles over threads: the bits are those of one thread, and
+    an error in a tile reaches the caller."""
+    variant = GEMM_VARIANTS[name]
+    rng = np.random.default_rng(4)
+    a = (rng.standard_normal((2, 70, 300)) * 2.0 ** rng.integers(-6, 3, (2, 70, 300))).astype(np.float32)
+    b = rng.standard_normal((300, 90)).astype(np.float32)
+    monkeypatch.setattr(numerics, "_TILE_ELEMENTS", 600)  # many small tiles
+    monkeypatch.setattr(numerics, "_TILE_THREADS", 1)
+    alone = emulate_gemm(a, b, variant)
+    monkeypatch.setattr(numerics, "_TILE_THREADS", 3)
+    monkeypatch.setattr(numerics, "_PARALLEL_MNK", 0)
+    assert same_bits(emulate_gemm(a, b, variant), alone)
+
+    def broken(*args):
+        raise FloatingPointError("a tile failed")
+    monkeypatch.setattr(numerics, "_blocks", broken)  # every tile's first step
+    with pytest.raises(FloatingPointError, match="a tile failed"):
+        emulate_gemm(a, b, variant)
