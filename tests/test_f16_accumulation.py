@@ -9,15 +9,28 @@ FP64 and rounded by numpy's float64 -> float16 cast (one RNE rounding, subnormal
 """
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
 from luminal_num.dtypes import F16, GEMM_VARIANTS
-from luminal_num.runtime import numerics
+from luminal_num.runtime import blas_f16, numerics
 from luminal_num.runtime.numerics import emulate_gemm
 
 VARIANT = GEMM_VARIANTS["f16acc16"]
 GROUP = VARIANT.mma_k  # 16
+PATHS = ["blas_f16", "numpy"]  # numpy's BLAS called with alpha/beta in the scaled domain, or numpy alone
+
+
+@pytest.fixture(autouse=True, params=PATHS)
+def path(request, monkeypatch):
+    """Every test runs on both F16 step implementations (blas_f16 where numpy's BLAS was found)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(blas_f16, "DGEMM", None)
+    elif blas_f16.DGEMM is None:
+        pytest.skip("numpy's bundled OpenBLAS was not found: only the numpy path runs here")
+    return request.param
 
 
 def slow_f16_accumulation(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -90,8 +103,7 @@ def test_the_sign_of_a_zero_at_the_last_step_and_mid_way():
     row 2: a value that cancels to an exact +0 at the last step; row 3: x - x then a tiny negative."""
     k = 3 * GROUP
     a = np.zeros((4, k), np.float32)
-    b = np.zeros((k, 1), np.float32)
-    b[:, 0] = -2.0 ** -14
+    b = np.full((k, 2), -2.0 ** -14, np.float32)  # two equal columns: a GEMM-shaped tile
     a[0, ::GROUP] = 2.0 ** -12  # -2^-26 per group: below half the smallest subnormal
     a[1, 0] = 2.0 ** -12  # -0 after the first group, then only zero products
     a[2, 0], a[2, 2 * GROUP] = 1.0, -1.0  # -2^-14, held, then +2^-14: exact zero
@@ -150,3 +162,16 @@ def test_tiles_on_threads_give_the_same_bits(name, monkeypatch):
     monkeypatch.setattr(numerics, "_blocks", broken)  # every tile's first step
     with pytest.raises(FloatingPointError, match="a tile failed"):
         emulate_gemm(a, b, variant)
+
+
+def test_the_blas_self_check_rejects_another_summation_order(path):
+    """blas_f16 uses numpy's BLAS only if it reproduces np.matmul's bits: a GEMM summing K backwards
+    (the same values, other roundings) is refused."""
+    def backwards(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        view = lambda ptr, rows, cols, ld: np.lib.stride_tricks.as_strided(
+            np.ctypeslib.as_array((ctypes.c_double * (rows * ld)).from_address(ptr)), (rows, cols), (8 * ld, 8))
+        x, y, out = view(a, m, k, lda), view(b, k, n, ldb), view(c, m, n, ldc)
+        out[...] = alpha * (x[:, ::-1] @ y[::-1, :]) + beta * out
+    assert not blas_f16._same_as_matmul(backwards)
+    if blas_f16.DGEMM is not None:
+        assert blas_f16._same_as_matmul(blas_f16.DGEMM)

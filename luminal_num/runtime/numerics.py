@@ -36,6 +36,7 @@ from ..dtypes.formats import BF16, F16, F32, INT32, Format, get
 from ..dtypes.rounding import Overflow, round_to
 from ..dtypes.variants import ElementwisePrecision, GemmPrecision, ScaleSpec
 from ..quant import QuantOverflow, convert, expand_scales, quantize_tensor, resolved_block
+from . import blas_f16
 
 
 @dataclass(frozen=True, eq=False)
@@ -292,7 +293,7 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
     chunk: out = term or fl32(out + term), term = fl32(acc) [* fl32(sa * sb)]. With every partial
     sum provably in acc's normal range the rounding is done in place (_round_acc_inplace; for F16
     with no overflow possible, _round_f16_magic_inplace, and _round_f16_magic at a chunk's last
-    step), else by round_to. Tiles hold their outputs as
+    step; for one matrix, blas_f16's steps where numpy's BLAS is callable), else by round_to. Tiles hold their outputs as
     (..., items, rows, item_cols): elementwise steps do not care.
     """
     k = qa.values.shape[-1]
@@ -304,6 +305,8 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
     m, n = qa64.shape[-2], qb64.shape[-1]
     out = np.empty(lead + (m, n), np.float32)
     tile_rows, item_cols, items = _tiling(math.prod(lead), m, n, group)
+    use_cblas = magic16 and blas_f16.DGEMM is not None and math.prod(lead) == 1  # one matrix: blas_f16's steps
+    a2, b2 = (qa64.reshape(m, k), qb64.reshape(k, n)) if use_cblas else (None, None)
 
     def run_tile(row: int, col: int) -> None:
         rows = slice(row, row + tile_rows)
@@ -312,6 +315,9 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
         width = min(n, col + items * item_cols) - col
         parts = max(1, width // item_cols) if width % item_cols == 0 else 1
         b_blocks, target = _blocks(qb64[..., :, cols], parts), _blocks(out[..., rows, cols], parts)
+        cblas = use_cblas and min(target.shape[-2:]) > 1  # where np.matmul would call GEMM, not GEMV
+        if cblas:  # the scaled accumulator and its two scratch arrays, (parts, R, c)
+            scaled, spare, sign = (np.empty(target.shape[-3:]) for _ in range(3))
         tile, group_sum = np.empty(target.shape), np.empty(target.shape)
         narrow = np.empty(target.shape, np.float32) if per_product else None
         tmp = np.empty(target.shape, np.float64 if magic16 else np.float16 if acc is F16 else np.uint64)
@@ -324,7 +330,9 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
             return scales[block]
         for start in range(0, k, chunk):
             stop = min(start + chunk, k)
-            for g in range(start, stop, group):
+            if cblas:
+                blas_f16.f16_chunk(a2, b2, row, col, start, stop, group, scaled, spare, sign)
+            for g in range(start, stop, group) if not cblas else ():
                 np.matmul(a_rows[..., g:g + group], b_blocks[..., g:g + group, :], out=group_sum)
                 if per_product:  # fl32(fl32(group) * s), widened again so acc + term stays exact
                     np.copyto(narrow, group_sum, casting="same_kind")
@@ -342,7 +350,8 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
                     tile, group_sum = group_sum, tile
                 else:
                     tile[...] = round_to(group_sum, acc, Overflow.INF)
-            partial = tile.astype(np.float32)
+            partial = (scaled * blas_f16.UNSCALE).astype(np.float32).reshape(target.shape) if cblas \
+                else tile.astype(np.float32)
             chunk_scale = None if per_product else scale(start // k_block)
             term = partial if chunk_scale is None else partial * chunk_scale
             target[...] = term if start == 0 else target + term
