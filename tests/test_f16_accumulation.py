@@ -81,6 +81,16 @@ def test_near_the_max_normal(shape):
     assert same_bits(got, slow_f16_accumulation(a, b))
 
 
+def test_operands_in_any_memory_layout():
+    """Transposed views (a Linear weight read as W^T) give the bits of C-ordered copies."""
+    rng = np.random.default_rng(5)
+    a, b = f16_values(rng, (50, 96), (-3, 2)), f16_values(rng, (96, 70), (-5, 0))
+    want = emulate_gemm(a, b, VARIANT)
+    assert same_bits(want, slow_f16_accumulation(a, b))
+    assert same_bits(emulate_gemm(np.asfortranarray(a), np.asfortranarray(b), VARIANT), want)
+    assert same_bits(emulate_gemm(np.ascontiguousarray(a.T).T, np.ascontiguousarray(b.T).T, VARIANT), want)
+
+
 @pytest.mark.parametrize("shape", [((33, 160), (160, 41)), ((1, 160), (160, 400)), ((400, 160), (160, 1)),
                                    ((60, 1, 64), (60, 64, 7))])
 def test_near_the_min_normal_with_zeros_and_negative_zeros(shape):

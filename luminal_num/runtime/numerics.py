@@ -306,7 +306,8 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
     out = np.empty(lead + (m, n), np.float32)
     tile_rows, item_cols, items = _tiling(math.prod(lead), m, n, group)
     use_cblas = magic16 and blas_f16.DGEMM is not None and math.prod(lead) == 1  # one matrix: blas_f16's steps
-    a2, b2 = (qa64.reshape(m, k), qb64.reshape(k, n)) if use_cblas else (None, None)
+    a2, b2 = (np.ascontiguousarray(qa64.reshape(m, k)), np.ascontiguousarray(qb64.reshape(k, n))) if use_cblas \
+        else (None, None)  # row-major, as blas_f16 passes them (astype keeps a transposed view's layout)
 
     def run_tile(row: int, col: int) -> None:
         rows = slice(row, row + tile_rows)
