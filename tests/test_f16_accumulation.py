@@ -185,3 +185,8 @@ def test_the_blas_self_check_rejects_another_summation_order(path):
     assert not blas_f16._same_as_matmul(backwards)
     if blas_f16.DGEMM is not None:
         assert blas_f16._same_as_matmul(blas_f16.DGEMM)
+
+
+def test_this_process_keeps_subnormals(path):
+    """The scaled domain relies on FP64 subnormals (blas_f16 checks per tile and falls back if not)."""
+    assert blas_f16.subnormals_kept()

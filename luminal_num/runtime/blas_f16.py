@@ -18,7 +18,8 @@ numpy's BLAS is found as the bundled OpenBLAS (numpy.libs/libscipy_openblas64_*)
 it reproduces np.matmul's bits on sums that round (_same_as_matmul); otherwise (another numpy build)
 DGEMM is None and numerics keeps its numpy path. np.matmul calls GEMM only for matrices of at least
 2 x 2 outputs (GEMV or a dot product otherwise, which sum in another order): numerics uses f16_chunk
-only for tiles of at least 2 rows and 2 columns.
+only for tiles of at least 2 rows and 2 columns, and only while the thread keeps FP64 subnormals
+(subnormals_kept: a flush-to-zero mode would silently break the scaled domain).
 """
 from __future__ import annotations
 
@@ -70,6 +71,13 @@ def _same_as_matmul(fn: Callable) -> bool:
 
 
 DGEMM = _load()
+
+
+def subnormals_kept() -> bool:
+    """Whether this thread's arithmetic keeps FP64 subnormals (no flush-to-zero / denormals-are-zero
+    mode, which a library built with fast-math may switch on): the scaled domain needs them."""
+    x = np.array([2.0 ** -1060, 2.0 ** -1073])
+    return bool(((x * 4.0) / 4.0 == x).all() and x[0] + x[1] > x[0])
 
 
 def round_scaled_f16(x: np.ndarray, tmp: np.ndarray) -> None:

@@ -316,7 +316,7 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
         width = min(n, col + items * item_cols) - col
         parts = max(1, width // item_cols) if width % item_cols == 0 else 1
         b_blocks, target = _blocks(qb64[..., :, cols], parts), _blocks(out[..., rows, cols], parts)
-        cblas = use_cblas and min(target.shape[-2:]) > 1  # where np.matmul would call GEMM, not GEMV
+        cblas = use_cblas and min(target.shape[-2:]) > 1 and blas_f16.subnormals_kept()  # GEMM, not GEMV
         if cblas:  # the scaled accumulator and its two scratch arrays, (parts, R, c)
             scaled, spare, sign = (np.empty(target.shape[-3:]) for _ in range(3))
         tile, group_sum = np.empty(target.shape), np.empty(target.shape)
