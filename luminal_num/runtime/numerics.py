@@ -333,24 +333,25 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
             stop = min(start + chunk, k)
             if cblas:
                 blas_f16.f16_chunk(a2, b2, row, col, start, stop, group, scaled, spare, sign)
-            for g in range(start, stop, group) if not cblas else ():
-                np.matmul(a_rows[..., g:g + group], b_blocks[..., g:g + group, :], out=group_sum)
-                if per_product:  # fl32(fl32(group) * s), widened again so acc + term stays exact
-                    np.copyto(narrow, group_sum, casting="same_kind")
-                    np.multiply(narrow, scale(g // k_block), out=narrow)
-                    np.copyto(group_sum, narrow)
-                if g > start:
-                    group_sum += tile
-                if magic16 and g + group < stop:  # not the chunk's last step: the sign of a zero can go
-                    _round_f16_magic_inplace(group_sum, tmp)
-                    tile, group_sum = group_sum, tile
-                elif magic16:
-                    _round_f16_magic(group_sum, tile, tmp)
-                elif in_place:
-                    _round_acc_inplace(group_sum, acc, tmp)
-                    tile, group_sum = group_sum, tile
-                else:
-                    tile[...] = round_to(group_sum, acc, Overflow.INF)
+            else:
+                for g in range(start, stop, group):
+                    np.matmul(a_rows[..., g:g + group], b_blocks[..., g:g + group, :], out=group_sum)
+                    if per_product:  # fl32(fl32(group) * s), widened again so acc + term stays exact
+                        np.copyto(narrow, group_sum, casting="same_kind")
+                        np.multiply(narrow, scale(g // k_block), out=narrow)
+                        np.copyto(group_sum, narrow)
+                    if g > start:
+                        group_sum += tile
+                    if magic16 and g + group < stop:  # not the chunk's last step: the sign of a zero can go
+                        _round_f16_magic_inplace(group_sum, tmp)
+                        tile, group_sum = group_sum, tile
+                    elif magic16:
+                        _round_f16_magic(group_sum, tile, tmp)
+                    elif in_place:
+                        _round_acc_inplace(group_sum, acc, tmp)
+                        tile, group_sum = group_sum, tile
+                    else:
+                        tile[...] = round_to(group_sum, acc, Overflow.INF)
             partial = (scaled * blas_f16.UNSCALE).astype(np.float32).reshape(target.shape) if cblas \
                 else tile.astype(np.float32)
             chunk_scale = None if per_product else scale(start // k_block)
