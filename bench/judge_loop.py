@@ -6,11 +6,13 @@ SmolLM2-135M's shapes (30 layers, hidden 576, 9 heads / 3 KV heads, FFN 1536, vo
 embeddings, rope_theta 1e5) with seeded random weights: the timings depend on shapes, not values.
 The script only uses APIs that predate issue 18, so the same file times an older tree
 (`PYTHONPATH=<old tree> python -m bench.judge_loop --label before`); each run appends its rows,
-labelled, to reports/bench/judge_loop.csv.
+labelled, to reports/bench/judge_loop.csv, with the 1-minute load average at start and end (the
+machine is shared: seconds taken at different loads are not comparable).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import warnings
 from pathlib import Path
@@ -120,6 +122,7 @@ def candidate_rows(name: str, graph: Graph, calibration, budget: str, rounds: in
 def run(label: str, rounds: int = 2, prompt: int = 5, max_cache: int = 64, with_minilm: bool = True,
         tags=CANDIDATE_TAGS) -> pd.DataFrame:
     warnings.filterwarnings("ignore", category=RuntimeWarning)
+    load_start = os.getloadavg()[0]
     models = smollm2_models(prompt, max_cache)
     rows = reference_rows(models, rounds)
     graph, inputs = models["smollm2_prefill"]
@@ -130,6 +133,7 @@ def run(label: str, rounds: int = 2, prompt: int = 5, max_cache: int = 64, with_
         rows += candidate_rows("minilm", job.graph, job.calibration[:1], job.default_budget, rounds, tags)
     df = pd.DataFrame(rows)
     df.insert(0, "tree", label)
+    df["load_1min_start"], df["load_1min_end"] = load_start, os.getloadavg()[0]  # the shared machine's load
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / CSV
     old = pd.read_csv(path) if path.exists() else pd.DataFrame()

@@ -25,7 +25,7 @@ from luminal_num.search.extract import BASE
 from luminal_num.search.space import SearchSpace
 
 DIGESTS = Path(__file__).parent / "data" / "cpu_digests.json"
-MINILM_QUICK = ("f32", "gemm:f8e4m3_tensor", "gemm:int8_channel", "ew:bf16")
+MINILM_QUICK = ("f32", "gemm:f8e4m3_tensor", "gemm:int8_channel", "gemm:f16acc16", "ew:bf16")
 
 
 # The tags the digests were recorded for. Later choices (weight storage, prologue FP8) have no previous

@@ -8,16 +8,19 @@ an embedding Gather reading it is a dequantizing gather, and the value every rea
 
 The tensor is quantized as written in the graph, (rows, K) with groups along its last axis: for
 Hugging Face Linear weights (out, in) and embedding tables that is the Gemm's K axis. The compiler
-converts weights once (`convert`); the widened values are cached per (format, source array).
+converts weights once (`convert`); the widened values are cached per (format, weight content) within a
+byte budget (ConvertedWeights).
 """
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections import OrderedDict
 from typing import Mapping
 
 import numpy as np
 
+from ..hlir.weightcache import DEFAULT_BUDGET_BYTES
 from ..models.gguf import kept_source
 from .gguf import GGUF_TYPE_NAMES
 from .storage import STORAGE_FORMATS, Quantized, StorageFormat, StoredTensor, from_gguf, storage_format
@@ -28,10 +31,6 @@ GGUF_KEPT: tuple[str, ...] = ("gguf_q4_1", "gguf_q8_0")  # offered only for weig
 SEARCHED_STORAGE: tuple[str, ...] = ("bf16", "f16", "f8e4m3_channel", "int8_channel", "int4_g128", "int4_g32_asym",
                                      "mxfp4", "nvfp4")
 _GGUF_FORMAT = {GGUF_TYPE_NAMES[f.scheme]: f.name for f in STORAGE_FORMATS.values() if f.scheme in GGUF_TYPE_NAMES}
-_CACHE_SIZE = 64
-_CACHE: "OrderedDict[tuple, tuple[np.ndarray, Quantized, np.ndarray]]" = OrderedDict()
-
-
 def source_format(w) -> str | None:
     """The storage format of the GGUF blocks `w` was loaded from (models.gguf.keep_source), else None:
     storing `w` in it keeps those blocks, with zero added error (they dequantize to exactly `w`)."""
@@ -61,24 +60,60 @@ def convert(w, fmt: str | StorageFormat) -> Quantized:
     return kept if kept is not None else fmt.quantize(w)
 
 
+class ConvertedWeights:
+    """(quantized, widened) per (format, weight content), kept least-recently-used within a byte budget.
+
+    One entry per (format, content), whatever the number of weights: a model with hundreds of matrix
+    weights does not thrash it (the old 64-entry LRU held 32 weights, so callers other than the CPU
+    backend, which keeps its own copies, re-quantized every weight of a larger model every time).
+    A live source array finds its entry by identity (no hashing; the id memo dies with the array),
+    a fresh copy (a float64 weight's FP32 rounding) by its content's digest.
+    """
+
+    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[tuple, tuple[Quantized, np.ndarray, int]] = OrderedDict()
+        self._ids: dict[tuple[str, int], tuple[weakref.ref, tuple]] = {}
+        self.bytes = 0
+        self.conversions = 0
+
+    def _content_key(self, w: np.ndarray, fmt: StorageFormat) -> tuple:
+        ident = (fmt.name, id(w))
+        known = self._ids.get(ident)
+        if known is not None and known[0]() is w:
+            return known[1]
+        key = (fmt.name, w.shape, hashlib.blake2b(np.ascontiguousarray(w).tobytes(), digest_size=16).digest())
+        self._ids[ident] = (weakref.ref(w, lambda _, i=ident: self._ids.pop(i, None)), key)
+        return key
+
+    def get(self, w: np.ndarray, fmt: StorageFormat) -> tuple[Quantized, np.ndarray]:
+        key = self._content_key(w, fmt)
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+            return hit[0], hit[1]
+        q = convert(w, fmt)
+        widened = q.dequantize().astype(np.float32)
+        self.conversions += 1
+        size = widened.nbytes + sum(v.nbytes for v in q.values.values())
+        if size <= self.budget_bytes:
+            self._entries[key] = (q, widened, size)
+            self.bytes += size
+            while self.bytes > self.budget_bytes:
+                self.bytes -= self._entries.popitem(last=False)[1][2]
+        return q, widened
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._ids.clear()
+        self.bytes = 0
+
+
+CONVERTED = ConvertedWeights()  # the process-wide conversions of weights to their storage formats
+
+
 def _converted(w: np.ndarray, fmt: StorageFormat) -> tuple[Quantized, np.ndarray]:
-    """Cached by the source array's identity, then by its content (static bounds pass fresh copies)."""
-    key = (fmt.name, id(w))
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] is w:
-        _CACHE.move_to_end(key)
-        return hit[1], hit[2]
-    content = (fmt.name, w.shape, hashlib.blake2b(np.ascontiguousarray(w).tobytes(), digest_size=16).digest())
-    hit = _CACHE.get(content)
-    if hit is not None and np.array_equal(hit[0], w):
-        _CACHE.move_to_end(content)
-        return hit[1], hit[2]
-    q = convert(w, fmt)
-    widened = q.dequantize().astype(np.float32)
-    _CACHE[key] = _CACHE[content] = (w, q, widened)
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return q, widened
+    return CONVERTED.get(w, fmt)
 
 
 def widened(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor | None = None) -> np.ndarray:
@@ -98,7 +133,8 @@ def storage_error(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor 
     """|widened - w| per element in float64 (exact for FP32 weights; a float64 weight also carries its
     FP32 rounding): the static bound's input error."""
     w64 = np.asarray(w, dtype=np.float64)  # the graph's value; the stored one starts from its FP32 rounding
-    diff = np.abs(widened(w64.astype(np.float32), fmt, stored).astype(np.float64) - w64)
+    w32 = w if isinstance(w, np.ndarray) and w.dtype == np.float32 else w64.astype(np.float32)  # the live array: its entry by identity
+    diff = np.abs(widened(w32, fmt, stored).astype(np.float64) - w64)
     return diff * (1.0 + 2.0 ** -52)  # the float64 subtraction may round (a float64 weight): never undercut
 
 

@@ -25,7 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import contextvars
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -33,6 +36,7 @@ from ..dtypes.formats import BF16, F16, F32, INT32, Format, get
 from ..dtypes.rounding import Overflow, round_to
 from ..dtypes.variants import ElementwisePrecision, GemmPrecision, ScaleSpec
 from ..quant import QuantOverflow, convert, expand_scales, quantize_tensor, resolved_block
+from . import blas_f16
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,14 +172,31 @@ def _round_f16_magic(x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
     np.copysign(out, x, out=out)
 
 
+def _round_f16_magic_inplace(x: np.ndarray, tmp: np.ndarray) -> None:
+    """x <- RN_f16(x) as _round_f16_magic computes it, in place and without the copysign, so a result
+    that rounds to zero is +0 whatever the sign of x (twice as fast: in-place passes, no copysign).
+    Exact for every MMA step but a chunk's last: the next step adds a group sum g to it, and
+    (+0) + g == (-0) + g unless g is -0, which the FP64 matmul never returns (BLAS and numpy's own
+    loops start their sums at +0, so a sum of zero products is +0; tests/test_f16_accumulation.py
+    checks the matmul shapes used). The chunk's last step keeps the sign (_round_f16_magic)."""
+    np.bitwise_and(x.view(np.uint64), _EXPONENT_BITS, out=tmp.view(np.uint64))
+    np.maximum(tmp, 2.0 ** -14, out=tmp)
+    tmp *= _F16_MAGIC
+    x += tmp
+    x -= tmp
+
+
 def _f16_in_range(qa: _Operand, qb: _Operand, k: int, groups: int) -> bool:
     """Whether every partial sum of an F16 accumulation provably stays at most F16's max_finite:
     |partials| <= sum_k |a_mk| |b_kn| <= min(k max|a| max|b|, max_m |a_m|_1 max|b|, max|a| max_n |b_n|_1),
     grown by (1 + 2^-10) per rounding."""
     if qa.values.shape[-1] > 1 << 20:
         return False
-    dot = min(k * qa.amax() * qb.amax(), qa.l1max(-1) * qb.amax(), qa.amax() * qb.l1max(-2))
-    return dot * (1 + 2.0 ** -10) ** groups <= F16.max_finite
+    growth = (1 + 2.0 ** -10) ** groups
+    if k * qa.amax() * qb.amax() * growth <= F16.max_finite:  # enough alone: no pass over A for its L1 norms
+        return True
+    dot = min(qa.l1max(-1) * qb.amax(), qa.amax() * qb.l1max(-2))
+    return dot * growth <= F16.max_finite
 
 
 def _fast_accumulation(qa: _Operand, qb: _Operand, acc: Format, k: int, groups: int) -> bool:
@@ -240,6 +261,27 @@ def _blocks(x: np.ndarray, items: int) -> np.ndarray:
     return x.reshape(x.shape[:-1] + (items, x.shape[-1] // items)).transpose(lead + (x.ndim - 1, x.ndim - 2, x.ndim))
 
 
+_PARALLEL_MNK = 1 << 24  # a grouped Gemm with at least this much work spreads its tiles over threads
+_TILE_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def _for_each_tile(run_tile: Callable[[int, int], None], rows: range, cols: range, lead: tuple, m: int, n: int,
+                   k: int) -> None:
+    """run_tile(row, col) for every output tile: tiles are independent (disjoint outputs, read-only
+    operands; numpy and single-threaded BLAS calls release the GIL), so a large Gemm runs them on
+    _TILE_THREADS threads, started and joined within the call (no thread outlives it, so a later
+    fork of the process is safe), each task in a copy of the caller's context (numpy's errstate).
+    The bits do not depend on the order or the thread."""
+    tiles = [(row, col) for row in rows for col in cols]
+    if _TILE_THREADS <= 1 or len(tiles) < 2 or math.prod(lead) * m * n * k < _PARALLEL_MNK:
+        for tile in tiles:
+            run_tile(*tile)
+        return
+    with ThreadPoolExecutor(min(_TILE_THREADS, len(tiles))) as pool:  # each task in the caller's context
+        for done in [pool.submit(contextvars.copy_context().run, run_tile, *tile) for tile in tiles]:
+            done.result()  # re-raises a tile's exception
+
+
 def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: int, k_block: int,
                   per_product: bool) -> np.ndarray:
     """acc = RN_acc(acc + group sum), one rounding per MMA group of mma_k products along K (module
@@ -250,7 +292,8 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
     (one FP64 matmul call per group), adds, roundings and promotions stay in cache. Per promotion
     chunk: out = term or fl32(out + term), term = fl32(acc) [* fl32(sa * sb)]. With every partial
     sum provably in acc's normal range the rounding is done in place (_round_acc_inplace; for F16
-    with no overflow possible, _round_f16_magic), else by round_to. Tiles hold their outputs as
+    with no overflow possible, _round_f16_magic_inplace, and _round_f16_magic at a chunk's last
+    step; for one matrix, blas_f16's steps where numpy's BLAS is callable), else by round_to. Tiles hold their outputs as
     (..., items, rows, item_cols): elementwise steps do not care.
     """
     k = qa.values.shape[-1]
@@ -262,26 +305,36 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
     m, n = qa64.shape[-2], qb64.shape[-1]
     out = np.empty(lead + (m, n), np.float32)
     tile_rows, item_cols, items = _tiling(math.prod(lead), m, n, group)
-    for row in range(0, m, tile_rows):
+    use_cblas = magic16 and blas_f16.DGEMM is not None and math.prod(lead) == 1  # one matrix: blas_f16's steps
+    a2, b2 = (np.ascontiguousarray(qa64.reshape(m, k)), np.ascontiguousarray(qb64.reshape(k, n))) if use_cblas \
+        else (None, None)  # row-major, as blas_f16 passes them (astype keeps a transposed view's layout)
+
+    def run_tile(row: int, col: int) -> None:
         rows = slice(row, row + tile_rows)
         a_rows = qa64[..., None, rows, :]  # (..., 1, R, K): broadcast over the column blocks
-        for col in range(0, n, items * item_cols):
-            cols = slice(col, col + items * item_cols)
-            width = min(n, col + items * item_cols) - col
-            parts = max(1, width // item_cols) if width % item_cols == 0 else 1
-            b_blocks, target = _blocks(qb64[..., :, cols], parts), _blocks(out[..., rows, cols], parts)
-            tile, group_sum = np.empty(target.shape), np.empty(target.shape)
-            narrow = np.empty(target.shape, np.float32) if per_product else None
-            tmp = np.empty(target.shape, np.float64 if magic16 else np.float16 if acc is F16 else np.uint64)
-            scales: dict[int, np.ndarray | None] = {}
+        cols = slice(col, col + items * item_cols)
+        width = min(n, col + items * item_cols) - col
+        parts = max(1, width // item_cols) if width % item_cols == 0 else 1
+        b_blocks, target = _blocks(qb64[..., :, cols], parts), _blocks(out[..., rows, cols], parts)
+        cblas = use_cblas and min(target.shape[-2:]) > 1 and blas_f16.subnormals_kept()  # GEMM, not GEMV
+        if cblas:  # the scaled accumulator and its two scratch arrays, (parts, R, c)
+            scaled, spare, sign = (np.empty(target.shape[-3:]) for _ in range(3))
+        tile, group_sum = np.empty(target.shape), np.empty(target.shape)
+        narrow = np.empty(target.shape, np.float32) if per_product else None
+        tmp = np.empty(target.shape, np.float64 if magic16 else np.float16 if acc is F16 else np.uint64)
+        scales: dict[int, np.ndarray | None] = {}
 
-            def scale(block: int) -> np.ndarray | None:
-                if block not in scales:
-                    s = _chunk_scale(qa, qb, block, rows, cols)
-                    scales[block] = None if s is None else _blocks(s, parts)
-                return scales[block]
-            for start in range(0, k, chunk):
-                for g in range(start, min(start + chunk, k), group):
+        def scale(block: int) -> np.ndarray | None:
+            if block not in scales:
+                s = _chunk_scale(qa, qb, block, rows, cols)
+                scales[block] = None if s is None else _blocks(s, parts)
+            return scales[block]
+        for start in range(0, k, chunk):
+            stop = min(start + chunk, k)
+            if cblas:
+                blas_f16.f16_chunk(a2, b2, row, col, start, stop, group, scaled, spare, sign)
+            else:
+                for g in range(start, stop, group):
                     np.matmul(a_rows[..., g:g + group], b_blocks[..., g:g + group, :], out=group_sum)
                     if per_product:  # fl32(fl32(group) * s), widened again so acc + term stays exact
                         np.copyto(narrow, group_sum, casting="same_kind")
@@ -289,17 +342,23 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
                         np.copyto(group_sum, narrow)
                     if g > start:
                         group_sum += tile
-                    if magic16:
+                    if magic16 and g + group < stop:  # not the chunk's last step: the sign of a zero can go
+                        _round_f16_magic_inplace(group_sum, tmp)
+                        tile, group_sum = group_sum, tile
+                    elif magic16:
                         _round_f16_magic(group_sum, tile, tmp)
                     elif in_place:
                         _round_acc_inplace(group_sum, acc, tmp)
                         tile, group_sum = group_sum, tile
                     else:
                         tile[...] = round_to(group_sum, acc, Overflow.INF)
-                partial = tile.astype(np.float32)
-                chunk_scale = None if per_product else scale(start // k_block)
-                term = partial if chunk_scale is None else partial * chunk_scale
-                target[...] = term if start == 0 else target + term
+            partial = (scaled * blas_f16.UNSCALE).astype(np.float32).reshape(target.shape) if cblas \
+                else tile.astype(np.float32)
+            chunk_scale = None if per_product else scale(start // k_block)
+            term = partial if chunk_scale is None else partial * chunk_scale
+            target[...] = term if start == 0 else target + term
+
+    _for_each_tile(run_tile, range(0, m, tile_rows), range(0, n, items * item_cols), lead, m, n, k)
     return out
 
 

@@ -1,0 +1,77 @@
+"""The conversions of weights to their storage formats are cached per (format, content) within a byte
+budget: a model with more matrix weights than the old 64-entry LRU held (32 weights) converts each
+weight once, a fresh copy finds the original's entry, and the budget bounds the memory."""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from luminal_num.quant import stored
+from luminal_num.quant.storage import storage_format
+from luminal_num.quant.stored import ConvertedWeights, storage_error, widened
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    cache = ConvertedWeights()
+    monkeypatch.setattr(stored, "CONVERTED", cache)
+    return cache
+
+
+def weights(n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((8, 64)).astype(np.float32) for _ in range(n)]
+
+
+def test_a_model_with_many_weights_converts_each_once(fresh):
+    ws = weights(150)  # SmolLM2-135M has 210 matrix weights
+    first = [widened(w, "int4_g32_asym") for w in ws]
+    for _ in range(2):  # every later reader (static bounds, CUDA uploads) finds them
+        again = [widened(w, "int4_g32_asym") for w in ws]
+        assert all(a is b for a, b in zip(first, again))
+        for w in ws:
+            storage_error(w, "int4_g32_asym")
+    assert fresh.conversions == 150
+    fmt = storage_format("int4_g32_asym")
+    assert all(np.array_equal(a, fmt.quantize(w).dequantize().astype(np.float32)) for a, w in zip(first, ws))
+
+
+def test_formats_and_copies(fresh):
+    w = weights(1)[0]
+    a, b = widened(w, "int8_channel"), widened(w, "bf16")
+    assert fresh.conversions == 2 and not np.array_equal(a, b)
+    assert widened(w.copy(), "int8_channel") is a and fresh.conversions == 2  # same content: same entry
+    w64 = w.astype(np.float64)
+    storage_error(w64, "int8_channel")  # a float64 weight: its FP32 rounding (here w itself) by content
+    assert fresh.conversions == 2
+    other = w.copy()
+    other[0, 0] += 1
+    assert not np.array_equal(widened(other, "int8_channel"), a) and fresh.conversions == 3
+
+
+def test_the_byte_budget_evicts_least_recently_used(fresh):
+    ws = weights(6, seed=1)
+    widened(ws[0], "bf16")
+    entry = fresh.bytes
+    fresh.budget_bytes = 3 * entry
+    for w in ws[:3]:
+        widened(w, "bf16")
+    assert fresh.conversions == 3 and fresh.bytes == 3 * entry
+    widened(ws[0], "bf16")  # most recent now; ws[1] is the oldest
+    widened(ws[3], "bf16")
+    assert fresh.bytes == 3 * entry and fresh.conversions == 4
+    widened(ws[0], "bf16")
+    assert fresh.conversions == 4
+    widened(ws[1], "bf16")  # evicted: converted again
+    assert fresh.conversions == 5
+
+
+def test_identity_memo_dies_with_the_array(fresh):
+    w = weights(1, seed=2)[0]
+    widened(w, "f16")
+    assert len(fresh._ids) == 1
+    del w
+    gc.collect()
+    assert not fresh._ids and fresh.bytes > 0  # the converted values stay: a copy may come back
