@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import luminal_num.search.search as search_module
+from luminal_num.codegen.llir import Program
 from luminal_num.search import egraph as E
 from luminal_num.compiler import BudgetUnreachable, compile as compile_plan
 from luminal_num.error.budget import Budget
@@ -175,8 +176,14 @@ def test_every_candidate_is_gated_before_its_latency_is_taken(job, space, monkey
     real_judge, real_latency = Judge.judge, search_module.program_latency
 
     def spy_judge(self, program, *args, **kwargs):
-        verdict = real_judge(self, program, *args, **kwargs)
-        judged[program_key(program)] = verdict
+        lowered = []  # the judge may lower a candidate on demand (never, when its chunks reject it)
+
+        def lower():
+            lowered.append(program())
+            return lowered[-1]
+        verdict = real_judge(self, program if isinstance(program, Program) else lower, *args, **kwargs)
+        for p in [program] if isinstance(program, Program) else lowered:
+            judged[program_key(p)] = verdict
         return verdict
 
     def spy_latency(program, *args, **kwargs):

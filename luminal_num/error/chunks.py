@@ -11,6 +11,10 @@ checks the budget on them and calibrates the composition against end-to-end runs
 
 Everything is cached by (group structure, chunk index, chunk candidate key, batch), so a genome that
 changes one layer costs one chunk run, and per-layer mixtures of known chunk choices cost nothing.
+A chunk choice of several knobs whose single knobs were each run on that chunk is not run at all: its
+local deviation is the FP32 chunk's plus the sum of the singles' deviations from it (independent
+roundings add, to first order), once LOCAL_CHECKS such compositions matched their own runs within
+LOCAL_TOL; every LOCAL_SPOT-th composable choice is still run as a check, and a miss turns it off.
 """
 from __future__ import annotations
 
@@ -29,6 +33,11 @@ from .reference import Fp64Reference
 from .tasks import RunTask, TaskPool, run_task
 
 Outputs = dict[str, np.ndarray]
+Devs = list[dict[int, np.ndarray]]  # per batch: export node -> deviation from FP64
+
+LOCAL_CHECKS = 3   # composed local errors checked against their runs before the composition decides
+LOCAL_TOL = 1.3    # a composed local error further than this factor from its run turns composition off
+LOCAL_SPOT = 8     # every LOCAL_SPOT-th composable chunk choice is run anyway, as a check
 
 
 class Propagation(enum.Enum):
@@ -64,9 +73,13 @@ class ChunkEffects:
     base: Mapping[int, ChunkChoice]
     propagation: Propagation = Propagation.SCALED
     pool: TaskPool | None = None                # runs the chunk programs a genome needs in parallel
+    # the (e-class, tag) knobs a chunk choice sets (None: unknown, always run): enables local composition
+    changes_of: Callable[[ChunkChoice], frozenset | None] | None = None
     cache: dict = field(default_factory=dict)  # (structure, chunk, choice key, propagation) -> ChunkEffect
     runs: int = 0                               # chunk programs run (each on every batch)
     injections: int = 0                         # FP64 runs of the rest of the model
+    composed: int = 0                           # chunk choices whose local deviation was composed, not run
+    local_checks: list = field(default_factory=list)  # (composed, run) local errors of checked compositions
 
     def __post_init__(self):
         if not self.references:
@@ -74,6 +87,12 @@ class ChunkEffects:
         self.structure = {c.index: chunk_key(self.graph, c) for c in self.part.chunks}
         self.chunks = {c.index: c for c in self.part.chunks}
         self._ran: dict[tuple[int, str], object] = {}  # (chunk, choice key) -> outputs run on the pool
+        self._singles: dict[tuple[int, tuple], Devs] = {}  # (chunk, knob) or (chunk, ()) -> deviations run
+        self._plan: dict[tuple[int, str], bool] = {}  # (chunk, choice key) -> composed (True) or run
+        self._composable = 0
+        self.compose_off = ""  # why composition was turned off ("" while it is on)
+        self._base_total: list[Outputs] | None = None  # compose(base) for the refs in _base_refs
+        self._base_refs = None
 
     def _key(self, chunk_index: int, choice: ChunkChoice) -> tuple:
         mode = self.propagation
@@ -90,7 +109,7 @@ class ChunkEffects:
 
     def _effect(self, chunk: Chunk, choice: ChunkChoice, mode: Propagation) -> ChunkEffect:
         try:
-            devs = self._local(chunk, choice)
+            devs = self._devs(chunk, choice)
         except (ValueError, FloatingPointError):  # e.g. a REJECT overflow policy: the chunk cannot run
             return ChunkEffect(float("inf"), tuple({k: np.full(np.shape(ref.values[nid]), np.inf)
                                                     for k, nid in self.graph.outputs.items()} for ref in self.references))
@@ -108,6 +127,59 @@ class ChunkEffects:
                        tuple({f"%{n}": np.asarray(ref.values[n]) for n in chunk.external} for ref in self.references),
                        tuple(ref.bindings for ref in self.references))
 
+    def _knobs(self, choice: ChunkChoice) -> frozenset | None:
+        return None if self.changes_of is None else self.changes_of(choice)
+
+    def _composes(self, i: int, choice: ChunkChoice) -> bool:
+        """Whether this chunk choice's deviation is composed from its single knobs (decided once)."""
+        key = (i, choice.key)
+        if key not in self._plan:
+            knobs = self._knobs(choice)
+            ok = (knobs is not None and len(knobs) >= 2 and (i, ()) in self._singles
+                  and all((i, k) in self._singles for k in knobs))
+            if ok:
+                self._composable += 1
+                ok = (not self.compose_off and len(self.local_checks) >= LOCAL_CHECKS
+                      and self._composable % LOCAL_SPOT != 0)
+            self._plan[key] = ok
+        return self._plan[key]
+
+    def _composed_devs(self, i: int, knobs: frozenset) -> Devs:
+        """The FP32 chunk's deviation plus each single knob's deviation from it (first order)."""
+        base = self._singles[(i, ())]
+        out = []
+        for b, d0 in enumerate(base):
+            out.append({n: np.asarray(v, np.float64) + sum(np.asarray(self._singles[(i, k)][b][n], np.float64) - v
+                                                          for k in sorted(knobs)) for n, v in d0.items()})
+        return out
+
+    def _devs(self, chunk: Chunk, choice: ChunkChoice) -> Devs:
+        """The chunk choice's deviations: composed from its singles, or run (and then kept when it is
+        the FP32 chunk or a single knob, and checked against the composition when one exists)."""
+        knobs = self._knobs(choice)
+        if self._composes(chunk.index, choice):
+            self.composed += 1
+            return self._composed_devs(chunk.index, knobs)
+        devs = self._local(chunk, choice)
+        if knobs is not None and len(knobs) <= 1:
+            self._singles[(chunk.index, tuple(knobs)[0] if knobs else ())] = \
+                [{n: v.astype(np.float32) for n, v in d.items()} for d in devs]
+        elif knobs is not None and (chunk.index, ()) in self._singles and \
+                all((chunk.index, k) in self._singles for k in knobs):
+            self._check(_rel(self._composed_devs(chunk.index, knobs), self.references, chunk),
+                        _rel(devs, self.references, chunk))
+        return devs
+
+    def _check(self, composed: float, run: float) -> None:
+        self.local_checks.append((composed, run))
+        if composed > 0 and run > 0 and np.isfinite(composed) and np.isfinite(run):
+            q = max(composed / run, run / composed)
+        else:
+            q = 1.0 if composed == run else np.inf
+        if q > LOCAL_TOL and not self.compose_off:
+            self.compose_off = (f"a composed local error was {q:.3g}x its run (tolerance {LOCAL_TOL}): "
+                                f"chunk choices of several knobs are run")
+
     def prefetch(self, candidates: Mapping[int, ChunkChoice]) -> None:
         """Run, on the pool, every chunk program the candidates' effects still need (and their bases)."""
         if self.pool is None:
@@ -115,7 +187,7 @@ class ChunkEffects:
         todo = {}
         for i, choice in candidates.items():
             for ch in (choice, self.base[i]) if self.propagation is Propagation.SCALED else (choice,):
-                if self._key(i, ch) not in self.cache and (i, ch.key) not in self._ran:
+                if self._key(i, ch) not in self.cache and (i, ch.key) not in self._ran and not self._composes(i, ch):
                     todo.setdefault((i, ch.key), (self.chunks[i], ch))
         results = self.pool.map([self._task(c, ch) for c, ch in todo.values()])
         self.runs += len(todo)
@@ -151,8 +223,27 @@ class ChunkEffects:
         """Predicted outputs per batch: FP64 plus the sum of the chunks' effects (`only`: those chunks)."""
         idx = sorted(candidates) if only is None else list(only)
         effects = [self.effect(i, candidates[i]) for i in idx]
-        return [{k: np.asarray(r, np.float64) + sum(e.scale * e.basis[b][k] for e in effects) for k, r in ref.items()}
-                for b, ref in enumerate(refs)]
+        return [{k: _accumulate(np.array(r, np.float64), ((e.scale, e.basis[b][k]) for e in effects))
+                 for k, r in ref.items()} for b, ref in enumerate(refs)]
+
+    def alone(self, i: int, choice: ChunkChoice, refs: Sequence[Mapping[str, np.ndarray]]) -> list[Outputs]:
+        """compose() of the FP32 genome with chunk i's choice swapped in, from the FP32 genome's composed
+        outputs (kept): one effect read, not one per chunk."""
+        if self._base_refs is not refs:
+            self._base_total, self._base_refs = self.compose(self.base, refs), refs
+        e, e0 = self.effect(i, choice), self.effect(i, self.base[i])
+        return [{k: _accumulate(np.array(v), ((e.scale, e.basis[b][k]), (-e0.scale, e0.basis[b][k])))
+                 for k, v in tot.items()} for b, tot in enumerate(self._base_total)]
+
+
+def _accumulate(out: np.ndarray, terms) -> np.ndarray:
+    """out += sum of scale x array, in place (no temporaries per term beyond one product)."""
+    for scale, arr in terms:
+        if scale == 1.0:
+            out += arr
+        else:
+            out += scale * np.asarray(arr, np.float64)
+    return out
 
 
 def _rel(devs: list[dict[int, np.ndarray]], refs: Sequence[Fp64Reference], chunk: Chunk) -> float:

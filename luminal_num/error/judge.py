@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -117,23 +117,28 @@ class Judge:
         self.chunk_band = DeltaPredictor(self.gate, self.budget, self.refs) if self.chunks is not None else None
         self.chunk_pending: dict[str, Prediction] = {}
 
-    def judge(self, program: Program, changes: frozenset[Change] = frozenset(), candidates=None,
-              predict: bool = True) -> Verdict:
-        key = program_key(program)
-        if key in self.cache:
-            self.stats.cache += 1
-            src = self.key_change.get(key)
-            if len(changes) == 1 and src is not None:  # the same program as a measured single change
-                self.predictor.deltas.setdefault(next(iter(changes)), self.predictor.deltas[src])
-            return self.cache[key]
+    def judge(self, program: Program | Callable[[], Program], changes: frozenset[Change] = frozenset(),
+              candidates=None, predict: bool = True) -> Verdict:
+        """`program` may be a callable that lowers it: then a candidate the chunks reject is never
+        lowered (the composition needs only its chunk choices); the program is lowered otherwise."""
+        lazy = not isinstance(program, Program)
+        key = None if lazy else program_key(program)
+        if key is not None and key in self.cache:
+            return self._cached(key, changes)
         bad = sorted(c for c in changes if c in self.bad_changes)
         if bad:
             self.stats.cache += 1
             self.stats.pruned += 1
             v = Verdict(False, "cache", np.inf, np.nan, None,
                         f"contains a change that alone breaks the budget: {bad[0][2]} ({self.bad_changes[bad[0]]})", np.inf)
-            self.cache[key] = v
+            if key is not None:
+                self.cache[key] = v
             return v
+        if lazy and self.use_static:
+            program, lazy = program(), False
+            key = program_key(program)
+            if key in self.cache:
+                return self._cached(key, changes)
         v = self._static(program) if self.use_static else None
         if self.use_static == "auto":
             # The first candidate (the FP32 baseline) decides: a static stage that cannot certify FP32
@@ -142,8 +147,19 @@ class Judge:
             self.use_static = certified
             self.static_note = ("static bounds certify the FP32 baseline: static stage on" if certified else
                                 "static bounds do not certify the FP32 baseline: measurement decides")
+        pending = None
         if v is None and predict and self.chunks is not None and candidates is not None:
-            v = self._chunk_verdict(key, candidates)
+            v, pending = self._chunk_verdict(candidates)
+            if lazy and v is not None and not v.passed:
+                return v  # rejected from its chunks: never lowered
+        if lazy:
+            program = program()
+            key = program_key(program)
+            if key in self.cache:
+                self.stats.chunks -= v is not None  # a known program: the cache decides, as it would have
+                return self._cached(key, changes)
+        if pending is not None:
+            self.chunk_pending[key] = pending  # a later measurement of this program checks the composition
         if v is None and predict and self.predictor is not None and len(changes) >= 2:
             v = self._predict(key, changes)
         if v is None and self.estimator is not None and candidates is not None:
@@ -161,6 +177,13 @@ class Judge:
             self._observe(key, v)
         self.cache[key] = v
         return v
+
+    def _cached(self, key: str, changes) -> Verdict:
+        self.stats.cache += 1
+        src = self.key_change.get(key)
+        if len(changes) == 1 and src is not None:  # the same program as a measured single change
+            self.predictor.deltas.setdefault(next(iter(changes)), self.predictor.deltas[src])
+        return self.cache[key]
 
     def _persist(self, key: str, v: Verdict) -> None:
         if self.store is not None:
@@ -182,9 +205,10 @@ class Judge:
                 band.observe(pending[key].ratio, measured.ratio)
                 self.stats.mismatches += band.mismatches - before
 
-    def _chunk_verdict(self, key: str, candidates) -> Verdict | None:
+    def _chunk_verdict(self, candidates) -> tuple[Verdict | None, Prediction | None]:
         """Decide from the chunks' effects composed (error/chunks.py) when outside the band; a chunk
-        choice whose effect alone (the other chunks FP32) breaks it prunes every genome containing it."""
+        choice whose effect alone (the other chunks FP32) breaks it prunes every genome containing it.
+        Also returns the composed prediction, which a later measurement of the program checks."""
         ce, band = self.chunks, self.chunk_band
         changed = [i for i in sorted(candidates) if candidates[i].key != ce.base[i].key]
         ids = {i: (ce.structure[i], i, candidates[i].key) for i in changed}
@@ -193,25 +217,24 @@ class Judge:
                 self.stats.cache += 1
                 self.stats.pruned += 1
                 return Verdict(False, "cache", np.inf, np.nan, None,
-                               f"chunk {i}'s choice alone breaks the budget ({self.bad_chunks[ids[i]]})", np.inf)
+                               f"chunk {i}'s choice alone breaks the budget ({self.bad_chunks[ids[i]]})", np.inf), None
         ce.prefetch(candidates)
         for i in changed:
-            alone = band.check(ce.compose({**ce.base, i: candidates[i]}, self.refs))
+            alone = band.check(ce.alone(i, candidates[i], self.refs))
             if band.decides(alone) is False:
                 self.bad_chunks[ids[i]] = f"predicted {alone.ratio:.3g}x the budget: {alone.reason}"
                 self.stats.chunks += 1
                 return Verdict(False, "chunks", alone.allclose, np.nan, None,
                                f"chunk {i}'s choice alone is predicted {alone.ratio:.3g}x the budget "
-                               f"(margin {band.margin:.3g}): {alone.reason}", alone.user, alone.ratio)
+                               f"(margin {band.margin:.3g}): {alone.reason}", alone.user, alone.ratio), None
         p = band.check(ce.compose(candidates, self.refs))
-        self.chunk_pending[key] = p  # a later measurement of this program checks the composition
         decided = band.decides(p)
         if decided is None:
-            return None
+            return None, p
         self.stats.chunks += 1
         return Verdict(decided, "chunks", p.allclose, np.nan, None,
                        f"composed from {len(candidates)} chunks judged alone on FP64 inputs "
-                       f"(margin {band.margin:.3g}): {p.reason}", p.user, p.ratio)
+                       f"(margin {band.margin:.3g}): {p.reason}", p.user, p.ratio), p
 
     def _predict(self, key: str, changes) -> Verdict | None:
         p = self.predictor.predict(changes)

@@ -112,14 +112,20 @@ class Searcher:
     def evaluate(self, genome: Genome, stage: str, label: str = "", force_latency: bool = False) -> Evaluated:
         if genome in self.seen:
             return self.seen[genome]
-        program = self.space.program(genome)
+        lowered: list[Program] = []
+
+        def program() -> Program:  # lowered on demand: a candidate its chunks reject never is
+            if not lowered:
+                lowered.append(self.space.program(genome))
+            return lowered[0]
         # baselines are reference points: always measured end to end, never screened by the estimate
         screen = None if stage == "baseline" else self.space.candidates(genome)
-        verdict = self.judge.judge(program, genome, screen, predict=stage != "baseline")
-        lat = self.latency(program) if (verdict.passed or force_latency) else None
+        verdict = self.judge.judge(program if screen is not None else program(), genome, screen,
+                                   predict=stage != "baseline")
+        lat = self.latency(program()) if (verdict.passed or force_latency) else None
         if verdict.passed and lat is None:  # the target cannot run this variant (FP8 on an A100)
             verdict = dataclasses.replace(verdict, passed=False, reason=f"not supported on target {self.target}")
-        e = Evaluated(len(self.evaluated), genome, verdict, lat, label, stage, program)
+        e = Evaluated(len(self.evaluated), genome, verdict, lat, label, stage, lowered[0] if lowered else None)
         self.evaluated.append(e)
         self.seen[genome] = e
         if stage != "baseline":
@@ -153,7 +159,11 @@ class Searcher:
         if self.judge.predictor is not None:
             stats["prediction_margin"] = self.judge.predictor.margin
         if self.judge.chunk_band is not None:
-            stats["chunk_margin"] = self.judge.chunk_band.margin
+            ce = self.judge.chunks
+            stats.update(chunk_margin=self.judge.chunk_band.margin, chunk_runs=ce.runs, chunk_composed=ce.composed,
+                         chunk_local_checks=len(ce.local_checks), chunk_injections=ce.injections)
+            if ce.compose_off:
+                stats["chunk_compose_off"] = ce.compose_off
         if interrupted:
             stats["interrupted"] = True
         return SearchResult(self.evaluated, baselines, chosen, stats)

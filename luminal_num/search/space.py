@@ -65,6 +65,7 @@ class SearchSpace:
     groups: dict[str, GroupSpace]
     knobs: dict[str, tuple[Knob, ...]]
     _extracted: dict[tuple, Candidate] = field(default_factory=dict, repr=False)
+    _knobs_of: dict[str, frozenset | None] = field(default_factory=dict, repr=False)  # candidate key -> knobs
 
     @staticmethod
     def build(graph: Graph, with_precision: bool = True, fusion: bool = True) -> "SearchSpace":
@@ -106,9 +107,17 @@ class SearchSpace:
                 choice = {**per_group[g.key], **per_chunk.get(c.index, {})}
                 key = (g.key, frozenset((k, t) for k, t in choice.items() if t != BASE))
                 if key not in self._extracted:
-                    self._extracted[key] = extract(self.groups[g.key].space, dict(key[1]))
+                    cand = self._extracted[key] = extract(self.groups[g.key].space, dict(key[1]))
+                    # two knob sets extracting the same candidate: which knobs it is made of is ambiguous
+                    known = self._knobs_of.setdefault(cand.key, key[1])
+                    if known is not None and known != key[1]:
+                        self._knobs_of[cand.key] = None
                 out[c.index] = self._extracted[key]
         return out
+
+    def knobs_of(self, cand: Candidate) -> frozenset | None:
+        """The (e-class, tag) changes a chunk candidate was extracted from (None: unknown or ambiguous)."""
+        return self._knobs_of.get(cand.key)
 
     def program(self, genome: Iterable[Change]) -> Program:
         return lower_program(self.graph, self.part, self.groups, self.candidates(genome))
