@@ -29,7 +29,7 @@ from .summary import write_csv
 TARGET = "h200"
 # the gate's stages, in the order it tries them; `pruned` and `stored` (read from the on-disk cache) are
 # subsets of the cache's verdicts
-VERDICT_STAGES = tuple(f.name for f in fields(GateStats) if f.name not in ("pruned", "stored"))
+VERDICT_STAGES = tuple(f.name for f in fields(GateStats) if f.name not in ("pruned", "stored", "tentative"))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from luminal_num.error.reference import references
 from luminal_num.models.registry import transformer_job
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.plan import Plan
-from luminal_num.search.search import SearchOptions
+from luminal_num.search.search import SearchOptions, front as search_front
 from luminal_num.search.space import ChunkSite, SearchSpace
 
 
@@ -158,14 +158,7 @@ def test_compile_decides_by_chunks_and_confirms_the_front_and_the_plan(job3, spa
 
 
 def _front(evaluated):
-    passing = sorted((e for e in evaluated if e.verdict.passed and e.latency is not None),
-                     key=lambda e: (e.latency_s, e.verdict.error, e.id))
-    out, best = [], np.inf
-    for e in passing:
-        if e.verdict.error < best:
-            out.append(e)
-            best = e.verdict.error
-    return out
+    return search_front(evaluated)  # the front the search confirms (latency ties merged)
 
 
 def test_plan_round_trips_a_per_chunk_genome(job3, space3, refs3, tmp_path):

@@ -55,12 +55,13 @@ class GateStats:
     confirmed: int = 0   # predicted verdicts re-measured end to end (front and chosen plan)
     mismatches: int = 0  # measurements outside the prediction's band (each widened the margin)
     stored: int = 0      # verdicts read from the on-disk cache (counted among the cache's verdicts)
+    tentative: int = 0   # chunk verdicts inside the band that pass on the bias-corrected estimate (among chunks)
 
     def as_dict(self) -> dict[str, int]:
         return dict(cache=self.cache, static=self.static, chunks=self.chunks, groups=self.groups,
                     predicted=self.predicted,
                     measured=self.measured, pruned=self.pruned, confirmed=self.confirmed,
-                    mismatches=self.mismatches, stored=self.stored)
+                    mismatches=self.mismatches, stored=self.stored, tentative=self.tentative)
 
 
 SCREEN_FACTOR = 4.0  # the group estimate runs ~1-2x above the true error: 4x over budget is a sure failure
@@ -114,7 +115,8 @@ class Judge:
         self.pending: dict[str, Prediction] = {}  # program key -> the prediction a measurement checks
         self.key_change: dict[str, Change] = {}   # program key -> the single change whose errors it holds
         # the per-chunk composition's own band (its margin, calibrated by the end-to-end runs it predicted)
-        self.chunk_band = DeltaPredictor(self.gate, self.budget, self.refs) if self.chunks is not None else None
+        self.chunk_band = DeltaPredictor(self.gate, self.budget, self.refs, centred=True) \
+            if self.chunks is not None else None
         self.chunk_pending: dict[str, Prediction] = {}
 
     def judge(self, program: Program | Callable[[], Program], changes: frozenset[Change] = frozenset(),
@@ -149,14 +151,19 @@ class Judge:
                                 "static bounds do not certify the FP32 baseline: measurement decides")
         pending = None
         if v is None and predict and self.chunks is not None and candidates is not None:
-            v, pending = self._chunk_verdict(candidates)
+            v, pending, tentative = self._chunk_verdict(candidates)
+            if v is not None and v.source == "chunks":
+                self.stats.chunks += 1
+                self.stats.tentative += tentative
             if lazy and v is not None and not v.passed:
                 return v  # rejected from its chunks: never lowered
         if lazy:
             program = program()
             key = program_key(program)
             if key in self.cache:
-                self.stats.chunks -= v is not None  # a known program: the cache decides, as it would have
+                if v is not None and v.source == "chunks":  # a known program: the cache decides
+                    self.stats.chunks -= 1
+                    self.stats.tentative -= tentative
                 return self._cached(key, changes)
         if pending is not None:
             self.chunk_pending[key] = pending  # a later measurement of this program checks the composition
@@ -205,10 +212,11 @@ class Judge:
                 band.observe(pending[key].ratio, measured.ratio)
                 self.stats.mismatches += band.mismatches - before
 
-    def _chunk_verdict(self, candidates) -> tuple[Verdict | None, Prediction | None]:
+    def _chunk_verdict(self, candidates) -> tuple[Verdict | None, Prediction | None, bool]:
         """Decide from the chunks' effects composed (error/chunks.py) when outside the band; a chunk
         choice whose effect alone (the other chunks FP32) breaks it prunes every genome containing it.
-        Also returns the composed prediction, which a later measurement of the program checks."""
+        Also returns the composed prediction (a later measurement of the program checks it) and whether
+        the verdict is a tentative pass. The caller counts the "chunks" verdicts it keeps."""
         ce, band = self.chunks, self.chunk_band
         changed = [i for i in sorted(candidates) if candidates[i].key != ce.base[i].key]
         ids = {i: (ce.structure[i], i, candidates[i].key) for i in changed}
@@ -217,24 +225,26 @@ class Judge:
                 self.stats.cache += 1
                 self.stats.pruned += 1
                 return Verdict(False, "cache", np.inf, np.nan, None,
-                               f"chunk {i}'s choice alone breaks the budget ({self.bad_chunks[ids[i]]})", np.inf), None
+                               f"chunk {i}'s choice alone breaks the budget ({self.bad_chunks[ids[i]]})", np.inf), None, False
         ce.prefetch(candidates)
         for i in changed:
             alone = band.check(ce.alone(i, candidates[i], self.refs))
             if band.decides(alone) is False:
                 self.bad_chunks[ids[i]] = f"predicted {alone.ratio:.3g}x the budget: {alone.reason}"
-                self.stats.chunks += 1
                 return Verdict(False, "chunks", alone.allclose, np.nan, None,
                                f"chunk {i}'s choice alone is predicted {alone.ratio:.3g}x the budget "
-                               f"(margin {band.margin:.3g}): {alone.reason}", alone.user, alone.ratio), None
+                               f"(margin {band.margin:.3g}): {alone.reason}", alone.user, alone.ratio), None, False
         p = band.check(ce.compose(candidates, self.refs))
         decided = band.decides(p)
+        how, tentative = f"margin {band.margin:.3g}, bias {band.bias:.3g}", decided is None
         if decided is None:
-            return None, p
-        self.stats.chunks += 1
+            if band.expected(p) > 1.0:
+                return None, p, False  # likely to fail, not by the margin: measured
+            # likely to pass: a tentative pass, re-measured end to end if it reaches the front or is chosen
+            decided, how = True, f"inside the band ({how}), expected {band.expected(p):.3g} of the budget: tentative"
         return Verdict(decided, "chunks", p.allclose, np.nan, None,
                        f"composed from {len(candidates)} chunks judged alone on FP64 inputs "
-                       f"(margin {band.margin:.3g}): {p.reason}", p.user, p.ratio), p
+                       f"({how}): {p.reason}", p.user, p.ratio), p, tentative
 
     def _predict(self, key: str, changes) -> Verdict | None:
         p = self.predictor.predict(changes)
