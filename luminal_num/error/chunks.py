@@ -11,7 +11,11 @@ checks the budget on them and calibrates the composition against end-to-end runs
 
 Everything is cached by (group structure, chunk index, chunk candidate key, batch), so a genome that
 changes one layer costs one chunk run, and per-layer mixtures of known chunk choices cost nothing.
-A chunk choice of several knobs whose single knobs were each run on that chunk is not run at all: its
+SCALED needs only the ratio of a choice's local error to the FP32 chunk's, so a choice runs on the first
+batch only (the basis, injected exactly, covers every batch); and in a group of many structurally equal
+chunks (the layers) a choice's ratio, measured on SHARE_SAMPLES chunks spread over the group, is shared by
+the others when the samples agree within SHARE_SPREAD (a layer that differs shows up as disagreement,
+and then every chunk is run). A chunk choice of several knobs whose single knobs were each run on that chunk is not run at all: its
 local deviation is the FP32 chunk's plus the sum of the singles' deviations from it (independent
 roundings add, to first order), once LOCAL_CHECKS such compositions matched their own runs within
 LOCAL_TOL; every LOCAL_SPOT-th composable choice is still run as a check, and a miss turns it off.
@@ -38,6 +42,9 @@ Devs = list[dict[int, np.ndarray]]  # per batch: export node -> deviation from F
 LOCAL_CHECKS = 3   # composed local errors checked against their runs before the composition decides
 LOCAL_TOL = 1.3    # a composed local error further than this factor from its run turns composition off
 LOCAL_SPOT = 8     # every LOCAL_SPOT-th composable chunk choice is run anyway, as a check
+SHARE_MIN = 4      # groups of at least this many chunks share a choice's local-error ratio across chunks ...
+SHARE_SAMPLES = 3  # ... once it was measured on this many of them (spread over the group) ...
+SHARE_SPREAD = 2.0  # ... and the samples' ratios agree within this factor (else every chunk is run)
 
 
 class Propagation(enum.Enum):
@@ -79,6 +86,8 @@ class ChunkEffects:
     runs: int = 0                               # chunk programs run (each on every batch)
     injections: int = 0                         # FP64 runs of the rest of the model
     composed: int = 0                           # chunk choices whose local deviation was composed, not run
+    shared: int = 0                             # chunk choices whose local ratio came from the group's samples
+    local_batches: int | None = 1               # SCALED: batches a non-FP32 choice runs on (None: all)
     local_checks: list = field(default_factory=list)  # (composed, run) local errors of checked compositions
 
     def __post_init__(self):
@@ -93,6 +102,10 @@ class ChunkEffects:
         self.compose_off = ""  # why composition was turned off ("" while it is on)
         self._base_total: list[Outputs] | None = None  # compose(base) for the refs in _base_refs
         self._base_refs = None
+        self._group = {c.index: g for g in self.part.groups for c in g.chunks}
+        self._ratios: dict[tuple[str, str], dict[int, float]] = {}  # (group, choice key) -> chunk -> ratio
+        self._nb = len(self.references) if self.propagation is Propagation.EXACT or self.local_batches is None \
+            else min(self.local_batches, len(self.references))
 
     def _key(self, chunk_index: int, choice: ChunkChoice) -> tuple:
         mode = self.propagation
@@ -108,24 +121,45 @@ class ChunkEffects:
         return self.cache[key]
 
     def _effect(self, chunk: Chunk, choice: ChunkChoice, mode: Propagation) -> ChunkEffect:
+        if mode is Propagation.SCALED:
+            r = self._shared_ratio(chunk.index, choice)
+            if r is not None:
+                basis = self.effect(chunk.index, self.base[chunk.index])
+                self.shared += 1
+                return ChunkEffect(r * basis.local, basis.basis, r * basis.scale)
         try:
             devs = self._devs(chunk, choice)
         except (ValueError, FloatingPointError):  # e.g. a REJECT overflow policy: the chunk cannot run
             return ChunkEffect(float("inf"), tuple({k: np.full(np.shape(ref.values[nid]), np.inf)
                                                     for k, nid in self.graph.outputs.items()} for ref in self.references))
-        local = _rel(devs, self.references, chunk)
+        local = _rel(devs[:self._nb], self.references[:self._nb], chunk)
         if mode is Propagation.SCALED:
             basis = self.effect(chunk.index, self.base[chunk.index])
             if basis.local > 0 and np.isfinite(local):
                 s = local / basis.local
+                self._ratios.setdefault((self._group[chunk.index].key, choice.key), {})[chunk.index] = s
                 return ChunkEffect(local, basis.basis, s * basis.scale)
         return ChunkEffect(local, tuple(self._inject(chunk, ref, dev) for ref, dev in zip(self.references, devs)))
 
+    def _shared_ratio(self, i: int, choice: ChunkChoice) -> float | None:
+        """The group's shared local-error ratio for this choice (geometric mean of its samples), or None
+        when the group is small, the samples are too few, or they disagree."""
+        g = self._group[i]
+        if len(g.chunks) < SHARE_MIN:
+            return None
+        got = self._ratios.get((g.key, choice.key), {})
+        rs = np.array([r for c, r in got.items() if c != i])
+        if len(rs) < SHARE_SAMPLES or not np.all(np.isfinite(rs)) or np.any(rs <= 0) \
+                or rs.max() > SHARE_SPREAD * rs.min():
+            return None
+        return float(np.exp(np.mean(np.log(rs))))
+
     def _task(self, chunk: Chunk, choice: ChunkChoice) -> RunTask:
-        """The chunk alone on its exact FP64 inputs, every batch: a pure task (error/tasks.py)."""
+        """The chunk alone on its exact FP64 inputs (every batch the effect needs): a pure task (error/tasks.py)."""
+        refs = self.references if self._key(chunk.index, choice)[3] is Propagation.EXACT else self.references[:self._nb]
         return RunTask(self.lower_chunk(chunk, choice),
-                       tuple({f"%{n}": np.asarray(ref.values[n]) for n in chunk.external} for ref in self.references),
-                       tuple(ref.bindings for ref in self.references))
+                       tuple({f"%{n}": np.asarray(ref.values[n]) for n in chunk.external} for ref in refs),
+                       tuple(ref.bindings for ref in refs))
 
     def _knobs(self, choice: ChunkChoice) -> frozenset | None:
         return None if self.changes_of is None else self.changes_of(choice)
@@ -148,7 +182,7 @@ class ChunkEffects:
         """The FP32 chunk's deviation plus each single knob's deviation from it (first order)."""
         base = self._singles[(i, ())]
         out = []
-        for b, d0 in enumerate(base):
+        for b, d0 in enumerate(base[:min(len(self._singles[(i, k)]) for k in knobs)]):
             out.append({n: np.asarray(v, np.float64) + sum(np.asarray(self._singles[(i, k)][b][n], np.float64) - v
                                                           for k in sorted(knobs)) for n, v in d0.items()})
         return out
@@ -166,8 +200,8 @@ class ChunkEffects:
                 [{n: v.astype(np.float32) for n, v in d.items()} for d in devs]
         elif knobs is not None and (chunk.index, ()) in self._singles and \
                 all((chunk.index, k) in self._singles for k in knobs):
-            self._check(_rel(self._composed_devs(chunk.index, knobs), self.references, chunk),
-                        _rel(devs, self.references, chunk))
+            composed = self._composed_devs(chunk.index, knobs)
+            self._check(_rel(composed, self.references, chunk), _rel(devs[:len(composed)], self.references, chunk))
         return devs
 
     def _check(self, composed: float, run: float) -> None:
@@ -181,14 +215,40 @@ class ChunkEffects:
                                 f"chunk choices of several knobs are run")
 
     def prefetch(self, candidates: Mapping[int, ChunkChoice]) -> None:
-        """Run, on the pool, every chunk program the candidates' effects still need (and their bases)."""
+        """Run, on the pool, every chunk program the candidates' effects still need (and their bases):
+        first the samples of choices a large group will share (and the rest of a small group), then the
+        chunks whose samples disagree."""
         if self.pool is None:
             return
+        wanted = [(i, ch) for i, choice in candidates.items()
+                  for ch in ((choice, self.base[i]) if self.propagation is Propagation.SCALED else (choice,))]
+        later = []
+        if self.propagation is Propagation.SCALED:
+            by_group: dict[tuple[str, str], list[int]] = {}
+            for i, ch in wanted:
+                if ch.key != self.base[i].key and len(self._group[i].chunks) >= SHARE_MIN:
+                    by_group.setdefault((self._group[i].key, ch.key), []).append(i)
+            for (gk, ck), idx in by_group.items():
+                have = len(self._ratios.get((gk, ck), {}))
+                idx = sorted(idx)
+                need = max(SHARE_SAMPLES - have, 0)
+                picks = {idx[round(j * (len(idx) - 1) / max(need - 1, 1))] for j in range(need)} if need else set()
+                later += [i for i in idx if i not in picks]
+        hold = set(later)
+        first = [(i, ch) for i, ch in wanted if not (i in hold and ch.key != self.base[i].key)]
+        self._run_on_pool(first)
+        if later:
+            for i, ch in first:  # the samples' ratios: what the others may share
+                if ch.key != self.base[i].key:
+                    self.effect(i, ch)
+            self._run_on_pool([(i, candidates[i]) for i in sorted(hold)
+                               if self._shared_ratio(i, candidates[i]) is None])
+
+    def _run_on_pool(self, wanted) -> None:
         todo = {}
-        for i, choice in candidates.items():
-            for ch in (choice, self.base[i]) if self.propagation is Propagation.SCALED else (choice,):
-                if self._key(i, ch) not in self.cache and (i, ch.key) not in self._ran and not self._composes(i, ch):
-                    todo.setdefault((i, ch.key), (self.chunks[i], ch))
+        for i, ch in wanted:
+            if self._key(i, ch) not in self.cache and (i, ch.key) not in self._ran and not self._composes(i, ch):
+                todo.setdefault((i, ch.key), (self.chunks[i], ch))
         results = self.pool.map([self._task(c, ch) for c, ch in todo.values()])
         self.runs += len(todo)
         self._ran.update(zip(todo, results))
