@@ -130,6 +130,8 @@ def efficiency_row(c: CompiledJob) -> dict:
                 headroom=c.result.search.stats["headroom"], chosen_error=c.budget_ratio(chosen), chosen_latency_s=chosen.latency_s,
                 chunk_margin=search.stats.get("chunk_margin"), chosen_chunks_differing=layers_differ(c),
                 chunk_runs=search.stats.get("chunk_runs"), chunk_composed=search.stats.get("chunk_composed"),
+                chunk_shared=search.stats.get("chunk_shared"), chunk_local_checks=search.stats.get("chunk_local_checks"),
+                chunk_compose_off=search.stats.get("chunk_compose_off", ""), chunk_bias=search.stats.get("chunk_bias"),
                 tentative=search.stats.get("tentative"),
                 peak_rss_gb=c.peak_rss_gb[0], peak_rss_worker_gb=c.peak_rss_gb[1],
                 load_before=c.load[0], load_after=c.load[1])

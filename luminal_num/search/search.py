@@ -160,7 +160,8 @@ class Searcher:
             stats["prediction_margin"] = self.judge.predictor.margin
         if self.judge.chunk_band is not None:
             ce = self.judge.chunks
-            stats.update(chunk_margin=self.judge.chunk_band.margin, chunk_runs=ce.runs, chunk_composed=ce.composed,
+            stats.update(chunk_margin=self.judge.chunk_band.margin, chunk_bias=self.judge.chunk_band.bias,
+                         chunk_runs=ce.runs, chunk_composed=ce.composed, chunk_shared=ce.shared,
                          chunk_local_checks=len(ce.local_checks), chunk_injections=ce.injections)
             if ce.compose_off:
                 stats["chunk_compose_off"] = ce.compose_off

@@ -65,7 +65,7 @@ class SearchSpace:
     groups: dict[str, GroupSpace]
     knobs: dict[str, tuple[Knob, ...]]
     _extracted: dict[tuple, Candidate] = field(default_factory=dict, repr=False)
-    _knobs_of: dict[str, frozenset | None] = field(default_factory=dict, repr=False)  # candidate key -> knobs
+    _knobs_of: dict[str, frozenset] = field(default_factory=dict, repr=False)  # candidate key -> knobs
 
     @staticmethod
     def build(graph: Graph, with_precision: bool = True, fusion: bool = True) -> "SearchSpace":
@@ -108,15 +108,16 @@ class SearchSpace:
                 key = (g.key, frozenset((k, t) for k, t in choice.items() if t != BASE))
                 if key not in self._extracted:
                     cand = self._extracted[key] = extract(self.groups[g.key].space, dict(key[1]))
-                    # two knob sets extracting the same candidate: which knobs it is made of is ambiguous
-                    known = self._knobs_of.setdefault(cand.key, key[1])
-                    if known is not None and known != key[1]:
-                        self._knobs_of[cand.key] = None
+                    # knob sets extracting the same candidate: the smallest stands for it (a knob that
+                    # changes nothing there is left out)
+                    known = self._knobs_of.get(cand.key)
+                    if known is None or (len(key[1]), sorted(key[1])) < (len(known), sorted(known)):
+                        self._knobs_of[cand.key] = key[1]
                 out[c.index] = self._extracted[key]
         return out
 
     def knobs_of(self, cand: Candidate) -> frozenset | None:
-        """The (e-class, tag) changes a chunk candidate was extracted from (None: unknown or ambiguous)."""
+        """The fewest (e-class, tag) changes a chunk candidate was extracted from (None: never extracted)."""
         return self._knobs_of.get(cand.key)
 
     def program(self, genome: Iterable[Change]) -> Program:
