@@ -137,11 +137,20 @@ def efficiency_row(c: CompiledJob) -> dict:
                 load_before=c.load[0], load_after=c.load[1])
 
 
+def candidate_row(c: CompiledJob, e: Evaluated) -> dict:
+    """One evaluated candidate: its phase, what decided it (after confirmation), error and latency."""
+    return dict(job=c.name, id=e.id, stage=e.stage, label=e.label, changes=len(e.genome), source=e.verdict.source,
+                passed=bool(e.verdict.passed), error=float(e.verdict.error), ratio=float(e.verdict.ratio),
+                latency_s=e.latency_s, reason=e.verdict.reason[:160])
+
+
 def run(compiled: dict[str, CompiledJob] | None = None, quick: bool = False,
         only: tuple[str, ...] | None = None) -> dict:
     compiled = compiled if compiled is not None else compile_jobs(quick, only)
     df = pd.DataFrame([efficiency_row(c) for c in compiled.values()])
     write_csv(df, "search_efficiency.csv")
+    write_csv(pd.DataFrame([candidate_row(c, e) for c in compiled.values() for e in c.result.search.evaluated]),
+              "search_candidates.csv")
     figures = {}
     for r in df.itertuples():
         gate = ", ".join(f"{c.removeprefix('decided_by_')} {getattr(r, c)}" for c in df.columns

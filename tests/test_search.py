@@ -362,3 +362,25 @@ def test_prediction_band_follows_observed_accuracy():
     for _ in range(SETTLE):
         q.observe(1.0, 1.02)
     assert q.margin == pytest.approx(max(MIN_MARGIN, WIDEN * 1.02)) and q.mismatches == 0
+
+
+def test_a_centred_band_learns_the_bias_and_narrows_to_the_spread_around_it():
+    """Hand-derived: predictions that are always 1.2x (+-5%) too low give a bias of the geometric mean and
+    a band of WIDEN x the worst ratio around it; an uncentred band keeps the whole 1.26x as its width."""
+    from luminal_num.error.predict import MIN_MARGIN, SETTLE, WIDEN, DeltaPredictor, Prediction
+    qs = [1.2 * 1.05, 1.2 / 1.05, 1.2, 1.2 * 1.05, 1.2 / 1.05][:SETTLE]
+    centred = DeltaPredictor(Budget(1e-3, 0.0), Budget(1e-3, 0.0), [], centred=True)
+    plain = DeltaPredictor(Budget(1e-3, 0.0), Budget(1e-3, 0.0), [])
+    for q in qs:
+        centred.observe(0.5, 0.5 * q)
+        plain.observe(0.5, 0.5 * q)
+    bias = float(np.exp(np.mean(np.log(qs))))
+    assert centred.bias == pytest.approx(bias) and plain.bias == 1.0
+    assert centred.margin == pytest.approx(max(MIN_MARGIN, WIDEN * max(max(q / bias, bias / q) for q in qs)))
+    assert plain.margin == pytest.approx(max(MIN_MARGIN, WIDEN * max(qs)))
+    # 0.7 predicted: 0.84 expected, inside both bands; 1.2 predicted: 1.44 expected, out of the centred band
+    # (about 1.31 wide) but inside the plain one (1.575): only the centred band rejects it
+    p = Prediction(0.7, 0.7, 0.7, "")
+    assert centred.expected(p) == pytest.approx(0.7 * bias) and centred.decides(p) is None and plain.decides(p) is None
+    far = Prediction(1.2, 1.2, 1.2, "")
+    assert centred.decides(far) is False and plain.decides(far) is None
