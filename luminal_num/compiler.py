@@ -87,7 +87,7 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     if len(space.part.chunks) > 1:
         with TaskPool(graph.weights, options.workers) as pool:
             chunks = ChunkEffects(graph, space.part, refs, space.lower_chunk, space.candidates(frozenset()),
-                                  pool=pool, changes_of=space.knobs_of)
+                                  pool=pool, changes_of=space.knobs_of, outputs=budget.outputs)
             return _search(graph, budget, target, calibration, options, space, use_static, cache_dir, refs, chunks)
     return _search(graph, budget, target, calibration, options, space, use_static, cache_dir, refs, None)
 

@@ -88,6 +88,7 @@ class ChunkEffects:
     composed: int = 0                           # chunk choices whose local deviation was composed, not run
     shared: int = 0                             # chunk choices whose local ratio came from the group's samples
     local_batches: int | None = 1               # SCALED: batches a non-FP32 choice runs on (None: all)
+    outputs: Sequence[str] | None = None        # the final outputs effects are kept for (None: all)
     local_checks: list = field(default_factory=list)  # (composed, run) local errors of checked compositions
 
     def __post_init__(self):
@@ -103,6 +104,7 @@ class ChunkEffects:
         self._base_total: list[Outputs] | None = None  # compose(base) for the refs in _base_refs
         self._base_refs = None
         self._group = {c.index: g for g in self.part.groups for c in g.chunks}
+        self._outputs = {k: v for k, v in self.graph.outputs.items() if self.outputs is None or k in self.outputs}
         self._ratios: dict[tuple[str, str], dict[int, float]] = {}  # (group, choice key) -> chunk -> ratio
         self._nb = len(self.references) if self.propagation is Propagation.EXACT or self.local_batches is None \
             else min(self.local_batches, len(self.references))
@@ -131,7 +133,7 @@ class ChunkEffects:
             devs = self._devs(chunk, choice)
         except (ValueError, FloatingPointError):  # e.g. a REJECT overflow policy: the chunk cannot run
             return ChunkEffect(float("inf"), tuple({k: np.full(np.shape(ref.values[nid]), np.inf)
-                                                    for k, nid in self.graph.outputs.items()} for ref in self.references))
+                                                    for k, nid in self._outputs.items()} for ref in self.references))
         local = _rel(devs[:self._nb], self.references[:self._nb], chunk)
         if mode is Propagation.SCALED:
             basis = self.effect(chunk.index, self.base[chunk.index])
@@ -276,7 +278,7 @@ class ChunkEffects:
             vals = evaluate_chunk(self.graph, c.nodes, ext, ref.bindings)
             changed.update({n: np.asarray(vals[n], np.float64) for n in c.exported})
         return {name: (changed[nid] - np.asarray(ref.values[nid], np.float64)) if nid in changed
-                else np.zeros(np.shape(ref.values[nid])) for name, nid in self.graph.outputs.items()}
+                else np.zeros(np.shape(ref.values[nid])) for name, nid in self._outputs.items()}
 
     def compose(self, candidates: Mapping[int, ChunkChoice], refs: Sequence[Mapping[str, np.ndarray]],
                 only: Sequence[int] | None = None) -> list[Outputs]:

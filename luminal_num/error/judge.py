@@ -111,6 +111,8 @@ class Judge:
         if len(self.references) != len(self.calibration):
             raise ValueError(f"{len(self.references)} FP64 references for {len(self.calibration)} calibration batches")
         self.refs = [r.outputs(self.graph) for r in self.references]
+        # the outputs the budget gates (the per-chunk composition predicts only those)
+        self.gated_refs = [{k: r[k] for k in self.gate.outputs or r} for r in self.refs]
         self.ranges = [{k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in inp.items()}
                        for inp in self.calibration]
         self.bindings = [r.bindings for r in self.references]
@@ -231,18 +233,21 @@ class Judge:
                 return Verdict(False, "cache", np.inf, np.nan, None,
                                f"chunk {i}'s choice alone breaks the budget ({self.bad_chunks[ids[i]]})", np.inf), None, False
         ce.prefetch(candidates)
-        for i in changed:
-            if ids[i] in self.chunks_alone_ok:
-                continue
-            alone = band.check(ce.alone(i, candidates[i], self.refs))
-            if band.decides(alone) is not False:
-                self.chunks_alone_ok.add(ids[i])  # checked once: the metrics of a 49152-wide logit row cost
-            else:
+        p = band.check(ce.compose(candidates, self.gated_refs))
+        if band.decides(p) is not True:
+            # not a clear pass: does one chunk's choice alone break it? (then it prunes every genome with
+            # it). With one chunk changed the composition is that chunk alone.
+            for i in changed:
+                if ids[i] in self.chunks_alone_ok:
+                    continue
+                alone = p if len(changed) == 1 else band.check(ce.alone(i, candidates[i], self.gated_refs))
+                if band.decides(alone) is not False:
+                    self.chunks_alone_ok.add(ids[i])  # checked once: the metrics of a 49152-wide row cost
+                    continue
                 self.bad_chunks[ids[i]] = f"predicted {alone.ratio:.3g}x the budget: {alone.reason}"
                 return Verdict(False, "chunks", alone.allclose, np.nan, None,
                                f"chunk {i}'s choice alone is predicted {alone.ratio:.3g}x the budget "
-                               f"(margin {band.margin:.3g}): {alone.reason}", alone.user, alone.ratio), None, False
-        p = band.check(ce.compose(candidates, self.refs))
+                               f"(margin {band.margin:.3g}): {alone.reason}", alone.user, alone.ratio), p, False
         decided = band.decides(p)
         how, tentative = f"margin {band.margin:.3g}, bias {band.bias:.3g}", decided is None
         if decided is None:
