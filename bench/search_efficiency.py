@@ -25,7 +25,7 @@ from luminal_num.models.registry import ModelJob, llm_job, minilm_job, transform
 from luminal_num.report.pareto import pareto_front
 from luminal_num.search.search import Evaluated, SearchOptions
 
-from .summary import write_csv
+from .summary import OUT, write_csv
 
 TARGET = "h200"
 # the gate's stages, in the order it tries them; `pruned` and `stored` (read from the on-disk cache) are
@@ -144,13 +144,22 @@ def candidate_row(c: CompiledJob, e: Evaluated) -> dict:
                 latency_s=e.latency_s, reason=e.verdict.reason[:160])
 
 
+def _merged(df: pd.DataFrame, name: str, only: tuple[str, ...] | None) -> pd.DataFrame:
+    """`--jobs` re-measures those jobs: the other jobs' rows already in the table are kept."""
+    path = OUT / name
+    if only is None or not path.exists():
+        return df
+    old = pd.read_csv(path)
+    return pd.concat([old[~old.job.isin(df.job)], df], ignore_index=True) if "job" in old else df
+
+
 def run(compiled: dict[str, CompiledJob] | None = None, quick: bool = False,
         only: tuple[str, ...] | None = None) -> dict:
     compiled = compiled if compiled is not None else compile_jobs(quick, only)
     df = pd.DataFrame([efficiency_row(c) for c in compiled.values()])
-    write_csv(df, "search_efficiency.csv")
-    write_csv(pd.DataFrame([candidate_row(c, e) for c in compiled.values() for e in c.result.search.evaluated]),
-              "search_candidates.csv")
+    write_csv(_merged(df, "search_efficiency.csv", only), "search_efficiency.csv")
+    cands = pd.DataFrame([candidate_row(c, e) for c in compiled.values() for e in c.result.search.evaluated])
+    write_csv(_merged(cands, "search_candidates.csv", only), "search_candidates.csv")
     figures = {}
     for r in df.itertuples():
         gate = ", ".join(f"{c.removeprefix('decided_by_')} {getattr(r, c)}" for c in df.columns
