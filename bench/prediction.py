@@ -51,9 +51,12 @@ def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...
     space = SearchSpace.build(job.graph)
     refs = references(job.graph, job.calibration)
     base = space.candidates(frozenset())
-    effects = {m: ChunkEffects(job.graph, space.part, refs, space.lower_chunk, base, m)
+    budget = Budget.parse(job.default_budget)
+    # as the compiler builds them: knob composition, group-shared ratios, effects of the gated outputs only
+    effects = {m: ChunkEffects(job.graph, space.part, refs, space.lower_chunk, base, m, changes_of=space.knobs_of,
+                               outputs=budget.outputs)
                for m in (Propagation.SCALED, *modes)}
-    judge = Judge(job.graph, Budget.parse(job.default_budget), list(job.calibration), use_static=False,
+    judge = Judge(job.graph, budget, list(job.calibration), use_static=False,
                   references=refs, chunks=effects[Propagation.SCALED], use_prediction=False)
     rng = np.random.default_rng(seed)
     rows = []
@@ -63,7 +66,7 @@ def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...
         row = dict(job=name, genome_index=i, formats=formats)
         for m, ce in effects.items():
             t0 = time.perf_counter()
-            row[f"predicted_{m.value}"] = judge.chunk_band.check(ce.compose(cands, judge.refs)).ratio
+            row[f"predicted_{m.value}"] = judge.chunk_band.check(ce.compose(cands, judge.gated_refs)).ratio
             row[f"predict_{m.value}_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         measured, _ = judge._measure(space.program(genome))
@@ -71,6 +74,8 @@ def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...
         for m in effects:
             p = row[f"predicted_{m.value}"]
             row[f"within_2x_{m.value}"] = bool(0.5 <= measured.ratio / p <= 2.0) if p > 0 else False
+        row.update({f"chunk_runs_{m.value}": ce.runs for m, ce in effects.items()})
+        row.update({f"chunk_shared_{m.value}": ce.shared for m, ce in effects.items()})
         rows.append(row)
         print(f"[prediction] {name} {i}: predicted {row['predicted_scaled']:.3g} (exact "
               f"{row.get('predicted_exact', float('nan')):.3g}) measured {measured.ratio:.3g}", flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 import warnings
 from dataclasses import dataclass, fields
@@ -24,12 +25,12 @@ from luminal_num.models.registry import ModelJob, llm_job, minilm_job, transform
 from luminal_num.report.pareto import pareto_front
 from luminal_num.search.search import Evaluated, SearchOptions
 
-from .summary import write_csv
+from .summary import OUT, write_csv
 
 TARGET = "h200"
 # the gate's stages, in the order it tries them; `pruned` and `stored` (read from the on-disk cache) are
 # subsets of the cache's verdicts
-VERDICT_STAGES = tuple(f.name for f in fields(GateStats) if f.name not in ("pruned", "stored"))
+VERDICT_STAGES = tuple(f.name for f in fields(GateStats) if f.name not in ("pruned", "stored", "tentative"))
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class CompiledJob:
     result: CompileResult
     compile_s: float  # wall time of compile(), including the FP64 references and saturation
     load: tuple[float, float]  # the machine's 1-minute load average before and after the compile
+    peak_rss_gb: tuple[float, float] = (float("nan"), float("nan"))  # this process, its largest child (so far)
 
     def budget_ratio(self, e: Evaluated) -> float:
         """A candidate's error as an allclose ratio of the user's budget (<= 1 fits it): the search
@@ -80,10 +82,16 @@ def compile_jobs(quick: bool = False, only: tuple[str, ...] | None = None) -> di
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
         result = compile(job.graph, budget, TARGET, job.calibration, options)
         out[spec.name] = CompiledJob(spec.name, job, budget, options, result, time.perf_counter() - t0,
-                                     (load0, os.getloadavg()[0]))
+                                     (load0, os.getloadavg()[0]), peak_rss())
         print(f"[search_efficiency] {spec.name}: {len(result.search.evaluated)} candidates in "
               f"{out[spec.name].compile_s!r} s: {efficiency_row(out[spec.name])}", flush=True)
     return out
+
+
+def peak_rss() -> tuple[float, float]:
+    """Peak resident memory so far (GB) of this process and of its largest finished child (the verdict
+    pool's workers share the weights with this process by fork: their sum over-counts those pages)."""
+    return tuple(resource.getrusage(who).ru_maxrss / 2 ** 20 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 
 
 def final_front(evaluated: list[Evaluated]) -> list[Evaluated]:
@@ -121,14 +129,37 @@ def efficiency_row(c: CompiledJob) -> dict:
                 front_size=len(front), front_complete_index=max(e.id for e in front),
                 headroom=c.result.search.stats["headroom"], chosen_error=c.budget_ratio(chosen), chosen_latency_s=chosen.latency_s,
                 chunk_margin=search.stats.get("chunk_margin"), chosen_chunks_differing=layers_differ(c),
+                chunk_runs=search.stats.get("chunk_runs"), chunk_composed=search.stats.get("chunk_composed"),
+                chunk_shared=search.stats.get("chunk_shared"), chunk_local_checks=search.stats.get("chunk_local_checks"),
+                chunk_compose_off=search.stats.get("chunk_compose_off", ""), chunk_bias=search.stats.get("chunk_bias"),
+                tentative=search.stats.get("tentative"),
+                peak_rss_gb=c.peak_rss_gb[0], peak_rss_worker_gb=c.peak_rss_gb[1],
                 load_before=c.load[0], load_after=c.load[1])
+
+
+def candidate_row(c: CompiledJob, e: Evaluated) -> dict:
+    """One evaluated candidate: its phase, what decided it (after confirmation), error and latency."""
+    return dict(job=c.name, id=e.id, stage=e.stage, label=e.label, changes=len(e.genome), source=e.verdict.source,
+                passed=bool(e.verdict.passed), error=float(e.verdict.error), ratio=float(e.verdict.ratio),
+                latency_s=e.latency_s, reason=e.verdict.reason[:160])
+
+
+def _merged(df: pd.DataFrame, name: str, only: tuple[str, ...] | None) -> pd.DataFrame:
+    """`--jobs` re-measures those jobs: the other jobs' rows already in the table are kept."""
+    path = OUT / name
+    if only is None or not path.exists():
+        return df
+    old = pd.read_csv(path)
+    return pd.concat([old[~old.job.isin(df.job)], df], ignore_index=True) if "job" in old else df
 
 
 def run(compiled: dict[str, CompiledJob] | None = None, quick: bool = False,
         only: tuple[str, ...] | None = None) -> dict:
     compiled = compiled if compiled is not None else compile_jobs(quick, only)
     df = pd.DataFrame([efficiency_row(c) for c in compiled.values()])
-    write_csv(df, "search_efficiency.csv")
+    write_csv(_merged(df, "search_efficiency.csv", only), "search_efficiency.csv")
+    cands = pd.DataFrame([candidate_row(c, e) for c in compiled.values() for e in c.result.search.evaluated])
+    write_csv(_merged(cands, "search_candidates.csv", only), "search_candidates.csv")
     figures = {}
     for r in df.itertuples():
         gate = ", ".join(f"{c.removeprefix('decided_by_')} {getattr(r, c)}" for c in df.columns
@@ -140,6 +171,7 @@ def run(compiled: dict[str, CompiledJob] | None = None, quick: bool = False,
         figures[f"{r.job}: profiled (latency taken)"] = int(r.profiled)
         figures[f"{r.job}: search wall seconds"] = float(r.search_s)
         figures[f"{r.job}: compile wall seconds (load {r.load_before:.1f} -> {r.load_after:.1f})"] = float(r.compile_s)
+        figures[f"{r.job}: peak RSS GB (compiler, largest worker)"] = f"{r.peak_rss_gb:.2f}, {r.peak_rss_worker_gb:.2f}"
         figures[f"{r.job}: chunks whose choices differ from their group's first"] = int(r.chosen_chunks_differing)
         figures[f"{r.job}: chosen plan found at evaluation"] = f"{r.chosen_index} of {r.candidates} ({r.chosen_stage})"
         figures[f"{r.job}: final front complete at evaluation"] = int(r.front_complete_index)

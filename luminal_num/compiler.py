@@ -87,7 +87,7 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     if len(space.part.chunks) > 1:
         with TaskPool(graph.weights, options.workers) as pool:
             chunks = ChunkEffects(graph, space.part, refs, space.lower_chunk, space.candidates(frozenset()),
-                                  pool=pool)
+                                  pool=pool, changes_of=space.knobs_of, outputs=budget.outputs)
             return _search(graph, budget, target, calibration, options, space, use_static, cache_dir, refs, chunks)
     return _search(graph, budget, target, calibration, options, space, use_static, cache_dir, refs, None)
 
@@ -96,12 +96,14 @@ def _search(graph: Graph, budget: Budget, target: str, calibration, options: Sea
             use_static, cache_dir, refs, chunks: ChunkEffects | None) -> CompileResult:
     # per-chunk verdicts (error/chunks.py) replace the per-group screen (error/groups.py): they decide
     # from measured local errors before the screen's 4x-over-budget rule could
-    head = choose_headroom(graph, budget, calibration, refs, space, options.headroom)
+    ran: dict[str, list] = {}  # the headroom probes' outputs: the same programs are baselines of the search
+    head = choose_headroom(graph, budget, calibration, refs, space, options.headroom, ran)
     # candidates are judged against the budget scaled by the headroom; every verdict also carries its
     # ratio against the user's budget, which is what plans and errors report
     gate = budget if head.headroom == 1.0 else budget.tightened(head.headroom)
     store = VerdictStore.open(cache_dir, context_key(graph, calibration, gate, budget)) if cache_dir else None
-    judge = Judge(graph, budget, list(calibration), use_static=use_static, headroom=head.headroom, references=refs, chunks=chunks, store=store)
+    judge = Judge(graph, budget, list(calibration), use_static=use_static, headroom=head.headroom, references=refs, chunks=chunks, store=store,
+                  outputs_cache=ran)
     result = search(space, judge, options, latency_inputs=calibration[0], target=target)
     result.stats.update(head.as_dict())
     options = dataclasses.replace(options, headroom=head.headroom)
@@ -121,14 +123,15 @@ PROBES = ("FP32 everywhere", "TF32 flag", "BF16 autocast", "FP16 autocast")  # t
 
 
 def choose_headroom(graph: Graph, budget: Budget, calibration, refs, space: SearchSpace,
-                    override: float | None) -> HeadroomEstimate:
+                    override: float | None, ran: dict[str, list] | None = None) -> HeadroomEstimate:
     """The override when given, else the margin measured on split calibration batches (error/headroom.py)
-    with the peer baselines as probes."""
+    with the peer baselines as probes (their outputs are kept in `ran`, by program key)."""
     if override is not None:
         return HeadroomEstimate(override, "override")
     if len(calibration) < 2:
         return estimate_headroom([])
-    probe = Judge(graph, budget, list(calibration), use_static=False, references=refs, use_prediction=False)
+    probe = Judge(graph, budget, list(calibration), use_static=False, references=refs, use_prediction=False,
+                  outputs_cache=ran)
     genomes = _baseline_genomes(space)
     return estimate_headroom([probe.batch_ratios(space.program(genomes[n])) for n in PROBES if n in genomes])
 

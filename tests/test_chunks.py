@@ -18,7 +18,7 @@ from luminal_num.error.reference import references
 from luminal_num.models.registry import transformer_job
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.plan import Plan
-from luminal_num.search.search import SearchOptions
+from luminal_num.search.search import SearchOptions, front as search_front
 from luminal_num.search.space import ChunkSite, SearchSpace
 
 
@@ -158,14 +158,7 @@ def test_compile_decides_by_chunks_and_confirms_the_front_and_the_plan(job3, spa
 
 
 def _front(evaluated):
-    passing = sorted((e for e in evaluated if e.verdict.passed and e.latency is not None),
-                     key=lambda e: (e.latency_s, e.verdict.error, e.id))
-    out, best = [], np.inf
-    for e in passing:
-        if e.verdict.error < best:
-            out.append(e)
-            best = e.verdict.error
-    return out
+    return search_front(evaluated)  # the front the search confirms (latency ties merged)
 
 
 def test_plan_round_trips_a_per_chunk_genome(job3, space3, refs3, tmp_path):
@@ -215,3 +208,53 @@ def test_the_per_layer_phase_tries_single_chunks_and_decides_them_by_chunks(job3
     assert all(any(isinstance(site, ChunkSite) for site, _, _ in e.genome) for e in layer)
     assert sum(e.verdict.source in ("chunks", "cache") for e in layer) >= len(layer) // 2
     assert any(e.verdict.passed for e in layer)
+
+
+def test_a_large_group_shares_a_choice_ratio_measured_on_spread_samples():
+    """Five layers, BF16 Gemms group-wide: SHARE_SAMPLES chunks are run, the others take the samples'
+    geometric-mean ratio; differential: each shared chunk run alone gives a ratio within SHARE_SPREAD."""
+    from luminal_num.error.chunks import SHARE_SAMPLES, SHARE_SPREAD, _rel
+    job = transformer_job(5)
+    space = SearchSpace.build(job.graph)
+    refs = references(job.graph, job.calibration)
+    g = layers(space)
+    assert len(g.chunks) == 5
+    ce = effects(job, space, refs, Propagation.SCALED)
+    cands = space.candidates(frozenset((g.key, cls, t) for cls, t in bf16_gemms(space, g).items()))
+    ce.compose(cands, [r.outputs(job.graph) for r in refs])
+    assert ce.shared == len(g.chunks) - SHARE_SAMPLES
+    assert ce.runs == SHARE_SAMPLES + len(space.part.chunks)  # the samples and every FP32 basis
+    for c in g.chunks[SHARE_SAMPLES:]:
+        shared = ce.effect(c.index, cands[c.index])
+        basis = ce.effect(c.index, ce.base[c.index])
+        run = _rel(ce._local(c, cands[c.index])[:1], refs[:1], c) / basis.local
+        assert 1 / SHARE_SPREAD <= (shared.local / basis.local) / run <= SHARE_SPREAD, (c.index, shared.local, run)
+
+
+def test_a_multi_knob_chunk_choice_is_composed_from_its_single_knobs(job3, space3, refs3):
+    """Differential: the chunk run with two BF16 Gemms vs FP32's deviation plus each single's deviation
+    from it; once LOCAL_CHECKS such checks agreed, a composable choice costs no run."""
+    from luminal_num.error.chunks import LOCAL_CHECKS, LOCAL_TOL
+    g = layers(space3)
+    ce = ChunkEffects(job3.graph, space3.part, refs3, space3.lower_chunk, space3.candidates(frozenset()),
+                      Propagation.SCALED, changes_of=space3.knobs_of)
+    gemms = sorted(bf16_gemms(space3, g))
+    assert len(gemms) >= 3
+    for cls in gemms:  # each single knob on every layer
+        cands = space3.candidates([(g.key, cls, "gemm:bf16")])
+        for c in g.chunks:
+            ce.effect(c.index, cands[c.index])
+    pairs = [(a, b) for j, a in enumerate(gemms) for b in gemms[j + 1:]]
+    for a, b in pairs:  # (a pair that extracts like one of its singles is a single: no check)
+        cands = space3.candidates([(g.key, a, "gemm:bf16"), (g.key, b, "gemm:bf16")])
+        ce.effect(g.chunks[0].index, cands[g.chunks[0].index])
+        if len(ce.local_checks) == LOCAL_CHECKS:
+            break
+    assert len(ce.local_checks) == LOCAL_CHECKS and not ce.compose_off, ce.local_checks
+    for composed, run in ce.local_checks:
+        assert 1 / LOCAL_TOL <= composed / run <= LOCAL_TOL
+    runs = ce.runs
+    cands = space3.candidates([(g.key, cls, "gemm:bf16") for cls in gemms])
+    ce.effect(g.chunks[1].index, cands[g.chunks[1].index])
+    assert len(space3.knobs_of(cands[g.chunks[1].index])) >= 2
+    assert ce.runs == runs and ce.composed == 1

@@ -11,6 +11,14 @@ checks the budget on them and calibrates the composition against end-to-end runs
 
 Everything is cached by (group structure, chunk index, chunk candidate key, batch), so a genome that
 changes one layer costs one chunk run, and per-layer mixtures of known chunk choices cost nothing.
+SCALED needs only the ratio of a choice's local error to the FP32 chunk's, so a choice runs on the first
+batch only (the basis, injected exactly, covers every batch); and in a group of many structurally equal
+chunks (the layers) a choice's ratio, measured on SHARE_SAMPLES chunks spread over the group, is shared by
+the others when the samples agree within SHARE_SPREAD (a layer that differs shows up as disagreement,
+and then every chunk is run). A chunk choice of several knobs whose single knobs were each run on that chunk is not run at all: its
+local deviation is the FP32 chunk's plus the sum of the singles' deviations from it (independent
+roundings add, to first order), once LOCAL_CHECKS such compositions matched their own runs within
+LOCAL_TOL; every LOCAL_SPOT-th composable choice is still run as a check, and a miss turns it off.
 """
 from __future__ import annotations
 
@@ -29,6 +37,14 @@ from .reference import Fp64Reference
 from .tasks import RunTask, TaskPool, run_task
 
 Outputs = dict[str, np.ndarray]
+Devs = list[dict[int, np.ndarray]]  # per batch: export node -> deviation from FP64
+
+LOCAL_CHECKS = 3   # composed local errors checked against their runs before the composition decides
+LOCAL_TOL = 1.3    # a composed local error further than this factor from its run turns composition off
+LOCAL_SPOT = 8     # every LOCAL_SPOT-th composable chunk choice is run anyway, as a check
+SHARE_MIN = 4      # groups of at least this many chunks share a choice's local-error ratio across chunks ...
+SHARE_SAMPLES = 3  # ... once it was measured on this many of them (spread over the group) ...
+SHARE_SPREAD = 2.0  # ... and the samples' ratios agree within this factor (else every chunk is run)
 
 
 class Propagation(enum.Enum):
@@ -64,9 +80,16 @@ class ChunkEffects:
     base: Mapping[int, ChunkChoice]
     propagation: Propagation = Propagation.SCALED
     pool: TaskPool | None = None                # runs the chunk programs a genome needs in parallel
+    # the (e-class, tag) knobs a chunk choice sets (None: unknown, always run): enables local composition
+    changes_of: Callable[[ChunkChoice], frozenset | None] | None = None
     cache: dict = field(default_factory=dict)  # (structure, chunk, choice key, propagation) -> ChunkEffect
     runs: int = 0                               # chunk programs run (each on every batch)
     injections: int = 0                         # FP64 runs of the rest of the model
+    composed: int = 0                           # chunk choices whose local deviation was composed, not run
+    shared: int = 0                             # chunk choices whose local ratio came from the group's samples
+    local_batches: int | None = 1               # SCALED: batches a non-FP32 choice runs on (None: all)
+    outputs: Sequence[str] | None = None        # the final outputs effects are kept for (None: all)
+    local_checks: list = field(default_factory=list)  # (composed, run) local errors of checked compositions
 
     def __post_init__(self):
         if not self.references:
@@ -74,6 +97,17 @@ class ChunkEffects:
         self.structure = {c.index: chunk_key(self.graph, c) for c in self.part.chunks}
         self.chunks = {c.index: c for c in self.part.chunks}
         self._ran: dict[tuple[int, str], object] = {}  # (chunk, choice key) -> outputs run on the pool
+        self._singles: dict[tuple[int, tuple], Devs] = {}  # (chunk, knob) or (chunk, ()) -> deviations run
+        self._plan: dict[tuple[int, str], bool] = {}  # (chunk, choice key) -> composed (True) or run
+        self._composable = 0
+        self.compose_off = ""  # why composition was turned off ("" while it is on)
+        self._base_total: list[Outputs] | None = None  # compose(base) for the refs in _base_refs
+        self._base_refs = None
+        self._group = {c.index: g for g in self.part.groups for c in g.chunks}
+        self._outputs = {k: v for k, v in self.graph.outputs.items() if self.outputs is None or k in self.outputs}
+        self._ratios: dict[tuple[str, str], dict[int, float]] = {}  # (group, choice key) -> chunk -> ratio
+        self._nb = len(self.references) if self.propagation is Propagation.EXACT or self.local_batches is None \
+            else min(self.local_batches, len(self.references))
 
     def _key(self, chunk_index: int, choice: ChunkChoice) -> tuple:
         mode = self.propagation
@@ -89,34 +123,134 @@ class ChunkEffects:
         return self.cache[key]
 
     def _effect(self, chunk: Chunk, choice: ChunkChoice, mode: Propagation) -> ChunkEffect:
+        if mode is Propagation.SCALED:
+            r = self._shared_ratio(chunk.index, choice)
+            if r is not None:
+                basis = self.effect(chunk.index, self.base[chunk.index])
+                self.shared += 1
+                return ChunkEffect(r * basis.local, basis.basis, r * basis.scale)
         try:
-            devs = self._local(chunk, choice)
+            devs = self._devs(chunk, choice)
         except (ValueError, FloatingPointError):  # e.g. a REJECT overflow policy: the chunk cannot run
             return ChunkEffect(float("inf"), tuple({k: np.full(np.shape(ref.values[nid]), np.inf)
-                                                    for k, nid in self.graph.outputs.items()} for ref in self.references))
-        local = _rel(devs, self.references, chunk)
+                                                    for k, nid in self._outputs.items()} for ref in self.references))
+        local = _rel(devs[:self._nb], self.references[:self._nb], chunk)
         if mode is Propagation.SCALED:
             basis = self.effect(chunk.index, self.base[chunk.index])
             if basis.local > 0 and np.isfinite(local):
                 s = local / basis.local
+                self._ratios.setdefault((self._group[chunk.index].key, choice.key), {})[chunk.index] = s
                 return ChunkEffect(local, basis.basis, s * basis.scale)
         return ChunkEffect(local, tuple(self._inject(chunk, ref, dev) for ref, dev in zip(self.references, devs)))
 
+    def _shared_ratio(self, i: int, choice: ChunkChoice) -> float | None:
+        """The group's shared local-error ratio for this choice (geometric mean of its samples), or None
+        when the group is small, the samples are too few, or they disagree."""
+        g = self._group[i]
+        if len(g.chunks) < SHARE_MIN:
+            return None
+        got = self._ratios.get((g.key, choice.key), {})
+        rs = np.array([r for c, r in got.items() if c != i])
+        if len(rs) < SHARE_SAMPLES or not np.all(np.isfinite(rs)) or np.any(rs <= 0) \
+                or rs.max() > SHARE_SPREAD * rs.min():
+            return None
+        return float(np.exp(np.mean(np.log(rs))))
+
     def _task(self, chunk: Chunk, choice: ChunkChoice) -> RunTask:
-        """The chunk alone on its exact FP64 inputs, every batch: a pure task (error/tasks.py)."""
+        """The chunk alone on its exact FP64 inputs (every batch the effect needs): a pure task (error/tasks.py)."""
+        refs = self.references if self._key(chunk.index, choice)[3] is Propagation.EXACT else self.references[:self._nb]
         return RunTask(self.lower_chunk(chunk, choice),
-                       tuple({f"%{n}": np.asarray(ref.values[n]) for n in chunk.external} for ref in self.references),
-                       tuple(ref.bindings for ref in self.references))
+                       tuple({f"%{n}": np.asarray(ref.values[n]) for n in chunk.external} for ref in refs),
+                       tuple(ref.bindings for ref in refs))
+
+    def _knobs(self, choice: ChunkChoice) -> frozenset | None:
+        return None if self.changes_of is None else self.changes_of(choice)
+
+    def _composes(self, i: int, choice: ChunkChoice) -> bool:
+        """Whether this chunk choice's deviation is composed from its single knobs (decided once)."""
+        key = (i, choice.key)
+        if key not in self._plan:
+            knobs = self._knobs(choice)
+            ok = (knobs is not None and len(knobs) >= 2 and (i, ()) in self._singles
+                  and all((i, k) in self._singles for k in knobs))
+            if ok:
+                self._composable += 1
+                ok = (not self.compose_off and len(self.local_checks) >= LOCAL_CHECKS
+                      and self._composable % LOCAL_SPOT != 0)
+            self._plan[key] = ok
+        return self._plan[key]
+
+    def _composed_devs(self, i: int, knobs: frozenset) -> Devs:
+        """The FP32 chunk's deviation plus each single knob's deviation from it (first order)."""
+        base = self._singles[(i, ())]
+        out = []
+        for b, d0 in enumerate(base[:min(len(self._singles[(i, k)]) for k in knobs)]):
+            out.append({n: np.asarray(v, np.float64) + sum(np.asarray(self._singles[(i, k)][b][n], np.float64) - v
+                                                          for k in sorted(knobs)) for n, v in d0.items()})
+        return out
+
+    def _devs(self, chunk: Chunk, choice: ChunkChoice) -> Devs:
+        """The chunk choice's deviations: composed from its singles, or run (and then kept when it is
+        the FP32 chunk or a single knob, and checked against the composition when one exists)."""
+        knobs = self._knobs(choice)
+        if self._composes(chunk.index, choice):
+            self.composed += 1
+            return self._composed_devs(chunk.index, knobs)
+        devs = self._local(chunk, choice)
+        if knobs is not None and len(knobs) <= 1:
+            self._singles[(chunk.index, tuple(knobs)[0] if knobs else ())] = \
+                [{n: v.astype(np.float32) for n, v in d.items()} for d in devs]
+        elif knobs is not None and (chunk.index, ()) in self._singles and \
+                all((chunk.index, k) in self._singles for k in knobs):
+            composed = self._composed_devs(chunk.index, knobs)
+            self._check(_rel(composed, self.references, chunk), _rel(devs[:len(composed)], self.references, chunk))
+        return devs
+
+    def _check(self, composed: float, run: float) -> None:
+        self.local_checks.append((composed, run))
+        if composed > 0 and run > 0 and np.isfinite(composed) and np.isfinite(run):
+            q = max(composed / run, run / composed)
+        else:
+            q = 1.0 if composed == run else np.inf
+        if q > LOCAL_TOL and not self.compose_off:
+            self.compose_off = (f"a composed local error was {q:.3g}x its run (tolerance {LOCAL_TOL}): "
+                                f"chunk choices of several knobs are run")
 
     def prefetch(self, candidates: Mapping[int, ChunkChoice]) -> None:
-        """Run, on the pool, every chunk program the candidates' effects still need (and their bases)."""
+        """Run, on the pool, every chunk program the candidates' effects still need (and their bases):
+        first the samples of choices a large group will share (and the rest of a small group), then the
+        chunks whose samples disagree."""
         if self.pool is None:
             return
+        wanted = [(i, ch) for i, choice in candidates.items()
+                  for ch in ((choice, self.base[i]) if self.propagation is Propagation.SCALED else (choice,))]
+        later = []
+        if self.propagation is Propagation.SCALED:
+            by_group: dict[tuple[str, str], list[int]] = {}
+            for i, ch in wanted:
+                if ch.key != self.base[i].key and len(self._group[i].chunks) >= SHARE_MIN:
+                    by_group.setdefault((self._group[i].key, ch.key), []).append(i)
+            for (gk, ck), idx in by_group.items():
+                have = len(self._ratios.get((gk, ck), {}))
+                idx = sorted(idx)
+                need = max(SHARE_SAMPLES - have, 0)
+                picks = {idx[round(j * (len(idx) - 1) / max(need - 1, 1))] for j in range(need)} if need else set()
+                later += [i for i in idx if i not in picks]
+        hold = set(later)
+        first = [(i, ch) for i, ch in wanted if not (i in hold and ch.key != self.base[i].key)]
+        self._run_on_pool(first)
+        if later:
+            for i, ch in first:  # the samples' ratios: what the others may share
+                if ch.key != self.base[i].key:
+                    self.effect(i, ch)
+            self._run_on_pool([(i, candidates[i]) for i in sorted(hold)
+                               if self._shared_ratio(i, candidates[i]) is None])
+
+    def _run_on_pool(self, wanted) -> None:
         todo = {}
-        for i, choice in candidates.items():
-            for ch in (choice, self.base[i]) if self.propagation is Propagation.SCALED else (choice,):
-                if self._key(i, ch) not in self.cache and (i, ch.key) not in self._ran:
-                    todo.setdefault((i, ch.key), (self.chunks[i], ch))
+        for i, ch in wanted:
+            if self._key(i, ch) not in self.cache and (i, ch.key) not in self._ran and not self._composes(i, ch):
+                todo.setdefault((i, ch.key), (self.chunks[i], ch))
         results = self.pool.map([self._task(c, ch) for c, ch in todo.values()])
         self.runs += len(todo)
         self._ran.update(zip(todo, results))
@@ -144,15 +278,34 @@ class ChunkEffects:
             vals = evaluate_chunk(self.graph, c.nodes, ext, ref.bindings)
             changed.update({n: np.asarray(vals[n], np.float64) for n in c.exported})
         return {name: (changed[nid] - np.asarray(ref.values[nid], np.float64)) if nid in changed
-                else np.zeros(np.shape(ref.values[nid])) for name, nid in self.graph.outputs.items()}
+                else np.zeros(np.shape(ref.values[nid])) for name, nid in self._outputs.items()}
 
     def compose(self, candidates: Mapping[int, ChunkChoice], refs: Sequence[Mapping[str, np.ndarray]],
                 only: Sequence[int] | None = None) -> list[Outputs]:
         """Predicted outputs per batch: FP64 plus the sum of the chunks' effects (`only`: those chunks)."""
         idx = sorted(candidates) if only is None else list(only)
         effects = [self.effect(i, candidates[i]) for i in idx]
-        return [{k: np.asarray(r, np.float64) + sum(e.scale * e.basis[b][k] for e in effects) for k, r in ref.items()}
-                for b, ref in enumerate(refs)]
+        return [{k: _accumulate(np.array(r, np.float64), ((e.scale, e.basis[b][k]) for e in effects))
+                 for k, r in ref.items()} for b, ref in enumerate(refs)]
+
+    def alone(self, i: int, choice: ChunkChoice, refs: Sequence[Mapping[str, np.ndarray]]) -> list[Outputs]:
+        """compose() of the FP32 genome with chunk i's choice swapped in, from the FP32 genome's composed
+        outputs (kept): one effect read, not one per chunk."""
+        if self._base_refs is not refs:
+            self._base_total, self._base_refs = self.compose(self.base, refs), refs
+        e, e0 = self.effect(i, choice), self.effect(i, self.base[i])
+        return [{k: _accumulate(np.array(v), ((e.scale, e.basis[b][k]), (-e0.scale, e0.basis[b][k])))
+                 for k, v in tot.items()} for b, tot in enumerate(self._base_total)]
+
+
+def _accumulate(out: np.ndarray, terms) -> np.ndarray:
+    """out += sum of scale x array, in place (no temporaries per term beyond one product)."""
+    for scale, arr in terms:
+        if scale == 1.0:
+            out += arr
+        else:
+            out += scale * np.asarray(arr, np.float64)
+    return out
 
 
 def _rel(devs: list[dict[int, np.ndarray]], refs: Sequence[Fp64Reference], chunk: Chunk) -> float:

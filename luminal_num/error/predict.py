@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from .budget import Budget, BudgetVerdict
-from .metrics import METRICS, Direction
+from .metrics import METRICS, Direction, allclose_violation
 
 Change = tuple[str, str, str]
 Outputs = Mapping[str, np.ndarray]
@@ -58,6 +58,10 @@ class DeltaPredictor:
     deltas: dict[Change, tuple[dict[str, np.ndarray], ...]] = field(default_factory=dict)
     observed: list[tuple[float, float]] = field(default_factory=list)  # (predicted, measured) ratios
     mismatches: int = 0
+    # centred: after SETTLE checks a prediction is first multiplied by the observed bias (the geometric
+    # mean of measured / predicted) and the band is WIDEN x the worst ratio around that bias
+    centred: bool = False
+    bias: float = 1.0
 
     def record(self, change: Change, outputs: Sequence[Outputs]) -> None:
         """A single change's measured outputs on every calibration batch."""
@@ -84,16 +88,23 @@ class DeltaPredictor:
             if r >= ratio:
                 ratio, reason = r, v.reason
             allclose = max(allclose, v.worst_allclose)
-            user = max(user, self.budget.check(pred, ref).worst_allclose)
+            # the user's allclose only (its metrics are the gate's, loosened: not needed for the ratio)
+            user = max([user] + [allclose_violation(pred[n], ref[n], self.budget.atol, self.budget.rtol)
+                                 for n in self.budget.outputs or ref])
         return Prediction(ratio, allclose, user, reason)
 
     def decides(self, p: Prediction) -> bool | None:
         """True: passes with margin; False: fails with margin; None: too close to call (measure it)."""
-        if p.ratio > self.margin:
+        r = p.ratio * self.bias
+        if r > self.margin:
             return False
-        if p.ratio * self.margin < 1.0:
+        if r * self.margin < 1.0:
             return True
         return None
+
+    def expected(self, p: Prediction) -> float:
+        """The prediction corrected by the observed bias: the best single guess of the measurement."""
+        return p.ratio * self.bias
 
     def observe(self, predicted: float, measured: float) -> None:
         """Check the composition against a measurement: a ratio outside the band is a mismatch and widens
@@ -101,10 +112,14 @@ class DeltaPredictor:
         candidates that are returned or on the front must be right, and those are all measured."""
         self.observed.append((predicted, measured))
         if predicted > 0 and measured > 0 and np.isfinite(predicted) and np.isfinite(measured):
-            q = max(measured / predicted, predicted / measured)
+            e = predicted * self.bias  # what the band expected
+            q = max(measured / e, e / measured)
             if q > self.margin:
                 self.mismatches += 1
                 self.margin = q * WIDEN
-        qs = [max(m / p, p / m) for p, m in self.observed if p > 0 and m > 0 and np.isfinite(p) and np.isfinite(m)]
-        if len(qs) >= SETTLE:
-            self.margin = max(MIN_MARGIN, WIDEN * max(qs))
+        logs = np.array([np.log(m / p) for p, m in self.observed
+                         if p > 0 and m > 0 and np.isfinite(p) and np.isfinite(m)])
+        if len(logs) >= SETTLE:
+            centre = float(np.mean(logs)) if self.centred else 0.0
+            self.bias = float(np.exp(centre))
+            self.margin = max(MIN_MARGIN, WIDEN * float(np.exp(np.max(np.abs(logs - centre)))))

@@ -8,6 +8,7 @@ declared dtype first.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Mapping
 
 import numpy as np
@@ -172,13 +173,27 @@ def _operand_view(full: np.ndarray, lay, side: int) -> np.ndarray:
     return x.reshape(shape)  # a view when the axes merge, else numpy copies
 
 
+_CONSUMERS: dict[int, tuple[weakref.ref, int, dict[int, list[int]]]] = {}
+
+
+def _consumers(graph: Graph) -> dict[int, list[int]]:
+    """graph.consumers(), kept per graph while it lives and has the same nodes (a chunk evaluated alone
+    is a few hundred nodes of a graph of thousands: recomputing the whole map per chunk dominated)."""
+    hit = _CONSUMERS.get(id(graph))
+    if hit is None or hit[0]() is not graph or hit[1] != len(graph.nodes):
+        hit = (weakref.ref(graph, lambda _, k=id(graph): _CONSUMERS.pop(k, None)), len(graph.nodes), graph.consumers())
+        _CONSUMERS[id(graph)] = hit
+    return hit[2]
+
+
 def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision: str) -> None:
     """Evaluate nodes in order; Mul+SumReduce matmuls go through BLAS instead of (m, n, k) products."""
-    consumers = graph.consumers()
+    consumers = _consumers(graph)
     fused = {}
+    members = set(node_ids)
     for nid in node_ids:
         hit = _matmul_layout(graph, graph.nodes[nid], consumers)
-        if hit is not None and hit[0].id in node_ids:
+        if hit is not None and hit[0].id in members:
             fused[hit[0].id] = (nid, hit[1])
     by_reduce = {r: (m, lay) for m, (r, lay) in fused.items()}
     for nid in node_ids:

@@ -112,14 +112,20 @@ class Searcher:
     def evaluate(self, genome: Genome, stage: str, label: str = "", force_latency: bool = False) -> Evaluated:
         if genome in self.seen:
             return self.seen[genome]
-        program = self.space.program(genome)
+        lowered: list[Program] = []
+
+        def program() -> Program:  # lowered on demand: a candidate its chunks reject never is
+            if not lowered:
+                lowered.append(self.space.program(genome))
+            return lowered[0]
         # baselines are reference points: always measured end to end, never screened by the estimate
         screen = None if stage == "baseline" else self.space.candidates(genome)
-        verdict = self.judge.judge(program, genome, screen, predict=stage != "baseline")
-        lat = self.latency(program) if (verdict.passed or force_latency) else None
+        verdict = self.judge.judge(program if screen is not None else program(), genome, screen,
+                                   predict=stage != "baseline")
+        lat = self.latency(program()) if (verdict.passed or force_latency) else None
         if verdict.passed and lat is None:  # the target cannot run this variant (FP8 on an A100)
             verdict = dataclasses.replace(verdict, passed=False, reason=f"not supported on target {self.target}")
-        e = Evaluated(len(self.evaluated), genome, verdict, lat, label, stage, program)
+        e = Evaluated(len(self.evaluated), genome, verdict, lat, label, stage, lowered[0] if lowered else None)
         self.evaluated.append(e)
         self.seen[genome] = e
         if stage != "baseline":
@@ -153,7 +159,12 @@ class Searcher:
         if self.judge.predictor is not None:
             stats["prediction_margin"] = self.judge.predictor.margin
         if self.judge.chunk_band is not None:
-            stats["chunk_margin"] = self.judge.chunk_band.margin
+            ce = self.judge.chunks
+            stats.update(chunk_margin=self.judge.chunk_band.margin, chunk_bias=self.judge.chunk_band.bias,
+                         chunk_runs=ce.runs, chunk_composed=ce.composed, chunk_shared=ce.shared,
+                         chunk_local_checks=len(ce.local_checks), chunk_injections=ce.injections)
+            if ce.compose_off:
+                stats["chunk_compose_off"] = ce.compose_off
         if interrupted:
             stats["interrupted"] = True
         return SearchResult(self.evaluated, baselines, chosen, stats)
@@ -315,14 +326,28 @@ class Searcher:
             self.evaluate(genome, "mutation")
 
     def front(self) -> list[Evaluated]:
-        passing = [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
-        passing.sort(key=lambda e: (e.latency_s, e.verdict.error, e.id))
-        out, best_err = [], np.inf
-        for e in passing:
-            if e.verdict.error < best_err:
-                out.append(e)
-                best_err = e.verdict.error
-        return out
+        return front(self.evaluated)
+
+
+def front(evaluated: list[Evaluated]) -> list[Evaluated]:
+    """The (latency, error) Pareto front of the passing candidates, latency ties merged: candidates
+    within LATENCY_TIE of a bucket's fastest are one point, the one choose() would take (every front
+    member is confirmed end to end, so a point that buys nothing measurable would cost a run)."""
+    passing = [e for e in evaluated if e.verdict.passed and e.latency is not None]
+    passing.sort(key=lambda e: (e.latency_s, e.verdict.error, e.id))
+    buckets: list[list[Evaluated]] = []
+    for e in passing:
+        if buckets and e.latency_s <= buckets[-1][0].latency_s * (1 + LATENCY_TIE):
+            buckets[-1].append(e)
+        else:
+            buckets.append([e])
+    out, best_err = [], np.inf
+    for b in buckets:
+        pick = min(b, key=_choice_key)
+        if pick.verdict.error < best_err:
+            out.append(pick)
+            best_err = pick.verdict.error
+    return out
 
 
 def _share(e: Evaluated) -> float:
@@ -339,7 +364,12 @@ def choose(passing: list[Evaluated]) -> Evaluated | None:
         return None
     fastest = min(e.latency_s for e in passing)
     near = [e for e in passing if e.latency_s <= fastest * (1 + LATENCY_TIE)]
-    return min(near, key=lambda e: (e.verdict.error, len(e.genome), e.latency_s, e.id))  # then fewest changes
+    return min(near, key=_choice_key)
+
+
+def _choice_key(e: Evaluated) -> tuple:
+    """Among tied latencies: the most accurate, then the fewest changes."""
+    return (e.verdict.error, len(e.genome), e.latency_s, e.id)
 
 
 def variant_classes(tags, target: str) -> list[list[str]]:

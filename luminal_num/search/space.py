@@ -65,6 +65,7 @@ class SearchSpace:
     groups: dict[str, GroupSpace]
     knobs: dict[str, tuple[Knob, ...]]
     _extracted: dict[tuple, Candidate] = field(default_factory=dict, repr=False)
+    _knobs_of: dict[str, frozenset] = field(default_factory=dict, repr=False)  # candidate key -> knobs
 
     @staticmethod
     def build(graph: Graph, with_precision: bool = True, fusion: bool = True) -> "SearchSpace":
@@ -106,9 +107,18 @@ class SearchSpace:
                 choice = {**per_group[g.key], **per_chunk.get(c.index, {})}
                 key = (g.key, frozenset((k, t) for k, t in choice.items() if t != BASE))
                 if key not in self._extracted:
-                    self._extracted[key] = extract(self.groups[g.key].space, dict(key[1]))
+                    cand = self._extracted[key] = extract(self.groups[g.key].space, dict(key[1]))
+                    # knob sets extracting the same candidate: the smallest stands for it (a knob that
+                    # changes nothing there is left out)
+                    known = self._knobs_of.get(cand.key)
+                    if known is None or (len(key[1]), sorted(key[1])) < (len(known), sorted(known)):
+                        self._knobs_of[cand.key] = key[1]
                 out[c.index] = self._extracted[key]
         return out
+
+    def knobs_of(self, cand: Candidate) -> frozenset | None:
+        """The fewest (e-class, tag) changes a chunk candidate was extracted from (None: never extracted)."""
+        return self._knobs_of.get(cand.key)
 
     def program(self, genome: Iterable[Change]) -> Program:
         return lower_program(self.graph, self.part, self.groups, self.candidates(genome))
