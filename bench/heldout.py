@@ -94,7 +94,10 @@ def layer_map_row(name: str, result: CompileResult) -> dict:
     groups = [[c.index for c in g.chunks] for g in result.space.part.groups]
     table = layer_table(result.program, groups)
     files = write_layer_map(result.program, groups, OUT / "layer_maps" / name)
-    return {"job": name, "layers_differ": bool(differing_groups(table)), "layer_map": str(files["layer_map_png"])}
+    stats = result.search.stats
+    return {"job": name, "layers_differ": bool(differing_groups(table)), "layer_map": str(files["layer_map_png"]),
+            "layer_candidates": sum(e.stage == "layer" for e in result.search.evaluated),
+            "allocation_winner": stats.get("allocation_winner", "not run")}
 
 
 def compile_job(spec: HeldoutJob) -> tuple[ModelJob, Budget, CompileResult, float]:
@@ -117,8 +120,8 @@ def run(names: Sequence[str] = ("transformer", "minilm", "smollm2"), **kw) -> di
         rows += [{**r, "compile_s": seconds} for r in audit_returned(name, job, result, budget)]
         maps[name] = layer_map_row(name, result)
     df = pd.DataFrame(rows)
-    df = df.assign(layers_differ=df.job.map(lambda j: maps[j]["layers_differ"]),
-                   layer_map=df.job.map(lambda j: maps[j]["layer_map"]))
+    for column in ("layers_differ", "layer_map", "layer_candidates", "allocation_winner"):
+        df[column] = df.job.map(lambda j: maps[j][column])
     path = write_csv(df, CSV)
     print(df[["job", "role", "candidate", "latency_s", "calibration_share", "heldout_share", "broken"]].to_string())
     print(f"wrote {path}")

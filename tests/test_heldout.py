@@ -97,3 +97,14 @@ def test_adding_group_changes_replaces_the_chunks_own_choices():
     got = with_changes(mixed, [(g.key, k.cls, "gemm:bf16")])
     assert got == frozenset({(g.key, k.cls, "gemm:bf16")})
     assert not any(isinstance(s, ChunkSite) for s, _, _ in got)
+
+
+def test_the_layer_map_row_names_its_picture_and_the_allocation(compiled, tmp_path, monkeypatch):
+    monkeypatch.setattr(heldout, "OUT", tmp_path)
+    _, _, result = compiled
+    row = heldout.layer_map_row("transformer", result)
+    assert (tmp_path / "layer_maps" / "transformer" / "layer_map.png").is_file()
+    groups = [[c.index for c in g.chunks] for g in result.space.part.groups]
+    assert row["layers_differ"] == bool(differing_groups(layer_table(result.program, groups)))
+    assert row["layer_candidates"] == sum(e.stage == "layer" for e in result.search.evaluated)
+    assert row["allocation_winner"] == result.search.stats.get("allocation_winner", "not run")
