@@ -18,6 +18,7 @@ import pandas as pd
 
 from luminal_num.error.budget import Budget
 from luminal_num.error.judge import Judge
+from luminal_num.runtime.cost import UnsupportedOnTarget
 from luminal_num.runtime.latency import program_latency
 from luminal_num.search.search import LATENCY_TIE
 from luminal_num.search.space import group_of
@@ -73,8 +74,9 @@ def run(batch: int = 4, candidates: int = 60) -> dict:
     chosen, auto = search.chosen, search.baselines[AUTOCAST]
     held = {r["candidate"]: r for r in audit_returned("minilm", job, result, budget)}
     rows = []
-    for role, e in [("chosen", chosen)] + [("baseline", b) for b in search.baselines.values()]:
-        rows.append({"section": "plan", "role": role, "label": e.label or f"candidate {e.id}", "stage": e.stage,
+    for role, label, e in [("chosen", chosen.label or f"candidate {chosen.id}", chosen)] + \
+            [("baseline", name, b) for name, b in search.baselines.items()]:
+        rows.append({"section": "plan", "role": role, "label": label, "stage": e.stage,
                      "latency_s": e.latency_s, "passes_gate": e.verdict.passed, "gate_share": e.verdict.ratio,
                      "user_allclose": e.verdict.budget_error, "verdict_source": e.verdict.source,
                      "heldout_broken": held[e.id]["broken"] if e.id in held else None,
@@ -82,6 +84,8 @@ def run(batch: int = 4, candidates: int = 60) -> dict:
     below = bool(chosen.latency_s < auto.latency_s)
     found = [] if below else blockers(job, result, budget)
     rows += [{"section": "missing", "role": "chosen + autocast's " + r["kind"], **r} for r in found]
+    faster = faster_than(job, result, auto.latency_s)
+    rows += faster
     layers = layer_map_row("minilm_strict", result)
     df = pd.DataFrame(rows).assign(budget=STRICT, chosen_below_autocast=below,
                                    layers_differ=layers["layers_differ"], layer_map=layers["layer_map"])
@@ -93,7 +97,41 @@ def run(batch: int = 4, candidates: int = 60) -> dict:
            "chosen plan's layers differ": layers["layers_differ"]}
     for r in found:
         out[f"chosen + autocast's {r['kind']} changes"] = r["finding"]
+    out["candidates evaluated faster than autocast (passing)"] = f"{len(faster)} ({sum(r['passes_gate'] for r in faster)})"
+    if faster and not below:
+        best = min(faster, key=lambda r: r["gate_share"])
+        out["most accurate candidate faster than autocast"] = (f"{best['label']} ({best['stage']}): "
+                                                              f"{best['gate_share']:.3g}x the gate")
+    stages = pd.Series([e.stage for e in search.evaluated]).value_counts()
+    out["candidates per stage"] = ", ".join(f"{k} {v}" for k, v in stages.items())
+    out.update({k: v for k, v in search.stats.items() if k.startswith("allocation_")})
     return out
+
+
+def faster_than(job, result, latency_s: float) -> list[dict]:
+    """Every evaluated non-baseline candidate whose modelled latency is below `latency_s` (one the gate
+    rejected was never timed: it is modelled here), with its verdict: what would beat the baseline."""
+    rows = []
+    bindings = job.graph.bind_symbols(job.calibration[0])  # what the search modelled latencies with
+    for e in result.search.evaluated:
+        if e.stage == "baseline" or e.program is None:
+            continue
+        lat = e.latency_s if e.latency is not None else _modelled(job, e.program, bindings)
+        if lat < latency_s * (1 - LATENCY_TIE):
+            rows.append({"section": "faster", "role": f"{e.stage} candidate {e.id}", "label": e.label or
+                         ", ".join(sorted({t for _, _, t in e.genome})), "stage": e.stage, "latency_s": lat,
+                         "passes_gate": e.verdict.passed, "gate_share": e.verdict.ratio if e.verdict.ratio == e.verdict.ratio
+                         else e.verdict.error, "user_allclose": e.verdict.budget_error,
+                         "verdict_source": e.verdict.source, "finding": "passes" if e.verdict.passed else
+                         f"breaks the gate: {e.verdict.reason[:120]}"})
+    return sorted(rows, key=lambda r: (r["gate_share"], r["latency_s"]))
+
+
+def _modelled(job, program, bindings) -> float:
+    try:
+        return program_latency(program, TARGET, bindings, job.graph.weights, job.calibration[0]).total_s
+    except UnsupportedOnTarget:
+        return float("inf")
 
 
 def main(argv=None) -> dict:
