@@ -13,6 +13,7 @@ import pandas as pd
 
 from . import (compile_time, emulation, fusion, judge_loop, numerics, onnx_minilm, prediction, render_reports, runtime,
                search_efficiency, smollm2, storage, storage_decode)
+from . import heldout, strict_budget
 from .summary import OUT, write_summary
 
 
@@ -106,7 +107,11 @@ def main(argv=None) -> str:
     headlines["prediction"] = prediction_figures(quick)
     print("== fusion: kernels per layer, bytes and modelled H200 latency, fusion rules off vs on")
     headlines["fusion"] = fusion.run(layers=2, with_minilm=False) if quick else fusion.run()
+    print("== held-out audit of every returned plan against the user's budget")
+    headlines["heldout"] = heldout.run(("transformer",) if quick else ("transformer", "minilm", "smollm2"))
     if not quick:
+        print("== MiniLM at the strict budget: chosen plan vs the faithful BF16-autocast baseline")
+        headlines["strict_budget"] = strict_budget.run()
         print("== ONNX import (MiniLM from an ONNX file)")
         headlines["onnx_minilm"] = onnx_minilm.run()
         print("== model-scale checks (pytest -m slow)")

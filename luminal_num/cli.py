@@ -2,7 +2,9 @@
 
 Every command validates its input and its output folder first, holds a lock on that folder, writes
 its files into a temporary folder beside it and moves them in only when all were written, so a
-failure leaves --out exactly as it was. Exit codes: 0 ok, 1 contract broken / budget unreachable,
+failure leaves --out's reports exactly as they were. The one exception is the verdict cache of a
+compile (default <out>/verdicts, rewritten atomically after each end-to-end measurement): a failed or
+interrupted compile keeps the measurements it made there, so running it again resumes. Exit codes: 0 ok, 1 contract broken / budget unreachable,
 2 bad input, 3 another command is writing into --out, 130 interrupted (Ctrl-C: a compile keeps the
 best plan found so far, marked partial), 141 stdout closed early (e.g. piped into head).
 """
@@ -254,6 +256,7 @@ def cmd_compile(args) -> int:
     budget = _budget(args.budget if args.budget is not None else job.default_budget)
     out = Path(args.out or f"reports/{job.name}")
     _check_out(out, COMPILE_FILES)
+    args.cache_dir = _verdict_cache(args, out)
     with output_lock(out):
         return _compile_locked(args, job, budget, out, oj)
 
@@ -268,7 +271,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
                          target=args.target, progress=not args.quiet,
                          headroom=getattr(args, "headroom", None))
     try:
-        result = compile(job.graph, budget, args.target, job.calibration, opts)
+        result = compile(job.graph, budget, args.target, job.calibration, opts, cache_dir=args.cache_dir)
     except BudgetUnreachable as exc:
         if exc.result.stats.get("interrupted"):
             raise Interrupted("interrupted before any plan passed the budget: nothing written") from None
@@ -295,6 +298,9 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     front = _front(rows[rows.passes & rows.latency_s.notna()])
     print(f"[luminal-num] {result.search.stats['candidates']} candidates; gate: "
           + ", ".join(f"{k}={v}" for k, v in result.search.stats.items() if k in ("cache", "static", "measured", "pruned")))
+    if args.cache_dir is not None:
+        print(f"[luminal-num] verdict cache {args.cache_dir}: {stats.get('stored', 0)} verdicts reused, "
+              f"{stats.get('measured', 0)} measured end to end now")
     headroom = float(stats.get("headroom", 1.0))
     print(f"\nPareto front of passing plans (allclose ratio <= {fmt_num(headroom)} = headroom x budget; "
           "fastest first):")
@@ -308,6 +314,22 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     _summary(plan)
     print("\nwrote " + ", ".join(str(p) for p in files.values()))
     return EXIT_OK
+
+
+def _verdict_cache(args, out: Path) -> Path | None:
+    """Where measured verdicts persist (error/verdict_store.py): --verdict-cache, else <out>/verdicts;
+    None with --no-verdict-cache. A path that exists and is not a folder is refused now, not mid-search."""
+    if args.no_verdict_cache:
+        if args.verdict_cache is not None:
+            raise InputError("give --verdict-cache or --no-verdict-cache, not both")
+        return None
+    path = Path(args.verdict_cache) if args.verdict_cache is not None else out / VERDICT_CACHE
+    if path.exists() and not path.is_dir():
+        raise InputError(f"--verdict-cache {path} exists and is not a folder")
+    return path
+
+
+VERDICT_CACHE = "verdicts"  # the default verdict cache folder inside --out
 
 
 def _front(rows):
@@ -461,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--quiet", action="store_true", default=False, help="no progress bar")
         p.add_argument("--headroom", type=_headroom_arg, default=None,
                        help="share of the budget a plan may use on calibration (default: measured on split batches)")
+        p.add_argument("--verdict-cache", default=None, metavar="PATH",
+                       help="folder where measured verdicts persist, reused by a later compile of the same model, "
+                            "inputs and budget (default: <out>/verdicts)")
+        p.add_argument("--no-verdict-cache", action="store_true", default=False,
+                       help="neither read nor write a verdict cache")
 
     def llm_args(p):
         p.add_argument("--workload", help=f"LLMs: prefill:SEQ | prefill:BATCHxSEQ | decode:BATCH@CONTEXT (default {LLM_WORKLOAD})")

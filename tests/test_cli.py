@@ -152,12 +152,14 @@ def test_unreachable_budget_exits_1(report, tmp_path):
     run = cli(*unreachable, "--out", "NEW", cwd=tmp_path)
     assert run.returncode == 1, run.stderr
     assert run.stderr.startswith("error: no plan meets the budget") and "best error reachable" in run.stderr
-    assert not (tmp_path / "NEW").exists()
+    # no report is written; only the verdict cache keeps the measurements made (a rerun resumes from them)
+    assert {p.relative_to(tmp_path / "NEW").parts[0] for p in files_under(tmp_path / "NEW")} <= {"verdicts"}
 
 
 HELP = {
     (): ("compile", "demo", "audit", "inspect", "pareto"),
-    ("compile",): ("--model", "--budget", "--target", "--candidates", "--time-limit", "--seed", "--out", "--quiet"),
+    ("compile",): ("--model", "--budget", "--target", "--candidates", "--time-limit", "--seed", "--out", "--quiet",
+                   "--verdict-cache", "--no-verdict-cache"),
     ("demo",): ("--model", "--budget", "--target", "--candidates", "--seed", "--out", "--quiet"),
     ("audit",): ("--plan", "--model", "--inputs", "--out"),
     ("inspect",): ("--plan",),
@@ -253,7 +255,8 @@ def test_failed_replace_of_plan_json_leaves_out_as_it_was(tmp_path, monkeypatch,
     monkeypatch.setattr("luminal_num.report.files.os.replace", failing)
     assert main([*COMPILE, "--out", "OUT"]) == 2
     assert "could not write into OUT (Permission denied); it holds what it held before" in one_line(capsys.readouterr().err)
-    assert snapshot(tmp_path) == before
+    # the reports are as they were; the verdict cache keeps the measurements made (a rerun resumes)
+    assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("OUT/verdicts")} == before
     assert (out / "plan.json").read_text() == "old plan"
 
 
@@ -350,7 +353,7 @@ def test_sigint_to_a_running_compile_exits_130_with_one_line(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     one_line(err, "interrupted: ")
-    if (tmp_path / "OUT").exists():
+    if (tmp_path / "OUT").exists() and {p.name for p in (tmp_path / "OUT").iterdir()} != {"verdicts"}:
         assert Plan.load(tmp_path / "OUT" / "plan.json").data["interrupted"]
 
 
@@ -413,3 +416,42 @@ def test_audit_html_is_for_people(report, tmp_path):
     page = (tmp_path / "AUD" / "audit.html").read_text()
     assert_page_is_for_people(page)
     assert "Audit: PASSED" in page and "<td>y</td>" in page
+
+
+def _stored_and_plan(out: Path) -> tuple[int, dict]:
+    data = Plan.load(out / "plan.json").data
+    return data["search"]["stored"], {k: v for k, v in data.items() if k != "search"}
+
+
+def test_a_second_compile_reuses_the_verdict_cache_and_returns_the_same_plan(tmp_path, monkeypatch, capsys):
+    """The default cache is <out>/verdicts: the second compile reads measurements from it (stored > 0,
+    fewer measured) and returns the same plan, kernel for kernel, with the same verdict."""
+    monkeypatch.chdir(tmp_path)
+    assert main([*COMPILE, "--out", "OUT"]) == 0
+    first_out = capsys.readouterr().out
+    stored1, plan1 = _stored_and_plan(tmp_path / "OUT")
+    assert stored1 == 0 and list((tmp_path / "OUT" / "verdicts").glob("verdicts-*.json"))
+    assert main([*COMPILE, "--out", "OUT"]) == 0
+    second_out = capsys.readouterr().out
+    stored2, plan2 = _stored_and_plan(tmp_path / "OUT")
+    assert stored2 > 0 and plan2 == plan1
+    measured = [int(line.split(", ")[1].split()[0]) for line in (first_out, second_out)
+                for line in line.splitlines() if "verdict cache" in line]
+    assert measured[1] < measured[0], (first_out, second_out)
+
+
+def test_an_explicit_verdict_cache_is_shared_and_no_verdict_cache_writes_none(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main([*COMPILE, "--out", "A", "--verdict-cache", "CACHE"]) == 0
+    assert main([*COMPILE, "--out", "B", "--verdict-cache", "CACHE"]) == 0
+    assert _stored_and_plan(tmp_path / "B")[0] > 0 and not (tmp_path / "A" / "verdicts").exists()
+    assert main([*COMPILE, "--out", "C", "--no-verdict-cache"]) == 0
+    assert _stored_and_plan(tmp_path / "C")[0] == 0 and not (tmp_path / "C" / "verdicts").exists()
+
+
+def test_a_verdict_cache_that_is_a_file_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cache").write_text("not a folder")
+    assert main([*COMPILE, "--out", "OUT", "--verdict-cache", "cache"]) == 2
+    assert "--verdict-cache cache exists and is not a folder" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "OUT").exists()

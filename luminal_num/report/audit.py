@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from ..error.metrics import max_abs, rel_l2
+from ..error.predict import budget_ratio
 from ..hlir.evaluate import evaluate_nodes
 from ..hlir.graph import Graph
 from ..runtime.cpu import CpuRuntime
@@ -32,6 +33,7 @@ class AuditResult:
     drift: pd.DataFrame        # per batch, chunk and exported value: max_abs, rel_l2, outside calibration range
     plan_error: float
     audit_error: float
+    budget_share: float = float("nan")  # worst share of the budget used over allclose and every metric (<= 1 passes)
 
     @property
     def outside_range(self) -> int:
@@ -52,13 +54,14 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
     ranges = plan.data.get("calibration_ranges", {})
     out_names = {nid: name for name, nid in graph.outputs.items()}
     chunk_of = {nid: c.index for c in part.chunks for nid in c.exported}
-    out_rows, drift_rows, passed, reason, worst = [], [], True, "", 0.0
+    out_rows, drift_rows, passed, reason, worst, share = [], [], True, "", 0.0, 0.0
     for b, inp in enumerate(batches):
         ref_nodes = evaluate_nodes(graph, inp)
         res = rt.run(inp, keep_exports=True)
         refs = {name: ref_nodes[nid] for name, nid in graph.outputs.items()}
         verdict = budget.check(res.outputs, refs)
         worst = max(worst, verdict.worst_allclose)
+        share = max(share, budget_ratio(budget, verdict))
         if not verdict.passed and passed:
             passed, reason = False, f"batch {b}: {verdict.reason}"
         for ov in verdict.outputs:
@@ -77,7 +80,7 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
         recorded = fmt_num(plan_err) if not isinstance(plan_err, str) else plan_err
         reason = f"within budget {budget}: worst allclose ratio {fmt_num(worst)} (plan recorded {recorded})"
     return AuditResult(passed, reason, pd.DataFrame(out_rows), pd.DataFrame(drift_rows),
-                       float(plan_err) if not isinstance(plan_err, str) else float("nan"), worst)
+                       float(plan_err) if not isinstance(plan_err, str) else float("nan"), worst, share)
 
 
 AUDIT_FILES = ("audit.csv", "audit_drift.csv", "audit.html")

@@ -41,6 +41,16 @@ def layer_table(program: Program, groups: list[list[int]]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["group", "chunk", "eclass", "kind", "op", "format"])
 
 
+def differing_groups(table: pd.DataFrame) -> list[int]:
+    """The multi-chunk groups whose chunks do not all run every e-class in the same format."""
+    out = []
+    for g, part in table.groupby("group"):
+        per_chunk = {c: tuple(sorted(zip(p["eclass"], p["format"]))) for c, p in part.groupby("chunk")}
+        if len(set(per_chunk.values())) > 1:
+            out.append(int(g))
+    return out
+
+
 def write_layer_map(program: Program, groups: list[list[int]], out_dir: str | Path) -> dict[str, Path]:
     """layer_map.csv (every placed kernel) and layer_map.png (one panel per multi-chunk group)."""
     out_dir = Path(out_dir)

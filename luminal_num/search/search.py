@@ -21,6 +21,7 @@ from ..error.judge import PREDICTED_SOURCES, Judge, Verdict
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
 from ..runtime.targets import OPERAND_MATH, gemm_math, get_target
+from . import allocate
 from .recipes import AUTOCASTS, STORAGE_SOURCES, TF32_SOURCE, autocast_recipe, pick, recipe_genomes, tf32_recipe
 from .space import Change, ChunkSite, Genome, SearchSpace
 
@@ -91,6 +92,7 @@ class Searcher:
         self.evaluated: list[Evaluated] = []
         self.seen: dict[Genome, Evaluated] = {}
         self.latency_inputs = latency_inputs
+        self.allocation: dict = {}  # per_layer: the Lagrangian vs greedy allocation, which won
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=options.max_candidates, desc="search", unit="cand", disable=not options.progress,
                         leave=False)
@@ -165,6 +167,7 @@ class Searcher:
                          chunk_local_checks=len(ce.local_checks), chunk_injections=ce.injections)
             if ce.compose_off:
                 stats["chunk_compose_off"] = ce.compose_off
+        stats.update(self.allocation)
         if interrupted:
             stats["interrupted"] = True
         return SearchResult(self.evaluated, baselines, chosen, stats)
@@ -258,9 +261,11 @@ class Searcher:
 
     def per_layer(self, share: float = 0.25) -> None:
         """Precision per chunk: from the fastest passing genome, give one chunk of a multi-chunk group the
-        choices a faster genome makes for that group (a uniform recipe, passing or not), each chunk alone
-        first, then chunk by chunk in order of latency gain per unit of error while the whole stays in
-        budget. Layers differ in sensitivity: the budget goes where it buys the most latency."""
+        choices a faster genome makes for that group (a uniform recipe, passing or not), each chunk alone;
+        then allocate the budget across chunks (search/allocate.py) by latency gain and the composed
+        predicted error of the chunks' effects, with the Lagrangian and the greedy allocation on the same
+        options, each judged; `self.allocation` says which won. Layers differ in sensitivity: the budget
+        goes where it buys the most latency."""
         current = choose(self.passing())
         if current is None or self.judge.chunks is None:  # per-chunk genomes need per-chunk verdicts
             return
@@ -270,7 +275,7 @@ class Searcher:
         # never timed) and passing greedy genomes, each only if not known to be slower than `current`
         donors = [e for e in self.evaluated if e.stage in ("uniform", "greedy") and e.genome != current.genome
                   and (e.latency is None or e.latency_s < current.latency_s)]
-        steps: list[tuple[float, int, Genome]] = []  # (-gain per error, id, per-chunk genome) that passed alone
+        trials: dict[int, list[Evaluated]] = {}  # chunk -> its single-chunk trials that passed and gained
         for donor in donors:
             for g in multi:
                 over = {(c, t) for site, c, t in donor.genome if site == g.key}
@@ -282,20 +287,55 @@ class Searcher:
                     trial = self.evaluate(self.space.per_chunk(current.genome, chunk.index, over), "layer",
                                           f"chunk {chunk.index} as {donor.label or f'candidate {donor.id}'}")
                     if trial.verdict.passed and trial.latency is not None and trial.latency_s < current.latency_s:
-                        gain = current.latency_s - trial.latency_s
-                        cost = max(_share(trial) - _share(current), 1e-12)
-                        steps.append((-gain / cost, trial.id, trial.genome - current.genome))
-        best, best_lat = current.genome, current.latency_s
-        for _, _, extra in sorted(steps, key=lambda s_: s_[:2]):
-            if not self.budget_left() or self._count("layer") >= cap:
-                return
-            sites = {(site, c) for site, c, _ in extra}
-            trial_genome = frozenset([ch for ch in best if (ch[0], ch[1]) not in sites] + list(extra))
-            if trial_genome in self.seen:
-                continue
-            trial = self.evaluate(trial_genome, "layer", "per-layer combination")
-            if trial.verdict.passed and trial.latency is not None and trial.latency_s < best_lat:
-                best, best_lat = trial.genome, trial.latency_s
+                        trials.setdefault(chunk.index, []).append(trial)
+        if trials:
+            self._allocate(current, trials)
+
+    def _allocate(self, current: Evaluated, trials: dict[int, list[Evaluated]], tries: int = 3) -> None:
+        """Combine the single-chunk trials by allocate_lagrangian and allocate_greedy (gain: the trial's
+        latency saving; error: its composed predicted share over `current`'s); judge both. A combination
+        the judge rejects (the composition is first order) is retried with the budget tightened."""
+        chunks = sorted(trials)
+        extras = [[t.genome - current.genome for t in trials[c]] for c in chunks]
+        def genome(sel):
+            return allocate.apply(sel, extras, current.genome, lambda ch: (ch[0], ch[1]))
+        composed = {}
+        def total(sel):
+            g = genome(sel)
+            if g not in composed:
+                composed[g] = self._composed(g)
+            return composed[g]
+        base = total((allocate.NONE,) * len(chunks))
+        options = [[allocate.Option(current.latency_s - t.latency_s, max(total(tuple(
+            j if k == i else allocate.NONE for k in range(len(chunks)))) - base, 0.0))
+            for j, t in enumerate(trials[c])] for i, c in enumerate(chunks)]
+        limit, won = 1.0, {}
+        for attempt in range(tries):
+            for solve in (allocate.allocate_lagrangian, allocate.allocate_greedy):
+                a = solve(options, limit, total)
+                if all(j == allocate.NONE for j in a.selection) or not self.budget_left():
+                    continue
+                e = self.evaluate(genome(a.selection), "layer", f"per-layer {a.method} allocation")
+                self.allocation.setdefault(f"allocation_{a.method}_predicted", a.total)
+                if e.verdict.passed and e.latency is not None:
+                    won.setdefault(a.method, e)
+                    if a.method == "lagrangian":
+                        self.allocation["allocation_lambda"] = a.lam
+            if won:
+                break
+            limit *= 0.5
+        for method, e in won.items():
+            self.allocation[f"allocation_{method}_s"] = e.latency_s
+        self.allocation["allocation_options"] = sum(len(o) for o in options)
+        self.allocation["allocation_winner"] = (min(won, key=lambda m: (won[m].latency_s, m != "lagrangian"))
+                                                if won else "none")
+
+    def _composed(self, genome: Genome) -> float:
+        """The share of the gate a genome uses, predicted from its chunks' effects composed."""
+        ce = self.judge.chunks
+        cands = self.space.candidates(genome)
+        ce.prefetch(cands)
+        return self.judge.chunk_band.check(ce.compose(cands, self.judge.refs)).ratio
 
     def mutate(self, singles: list[Evaluated]) -> None:
         """Luminal-style generations: mutate members of the current front, dedupe, gate, keep the front.
