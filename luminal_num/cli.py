@@ -28,6 +28,7 @@ from .hlir.symbolic import is_const
 from .files import read_npz
 from .report.files import OutputDirError, OutputLocked, check_output_dir, output_lock
 from .report.numbers import fmt_latency, fmt_num
+from .runtime.targets import get_target
 
 EXIT_OK, EXIT_CONTRACT, EXIT_INPUT, EXIT_BUSY, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 3, 130, 141
 
@@ -271,14 +272,16 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
                          target=args.target, progress=not args.quiet,
                          headroom=getattr(args, "headroom", None))
     try:
+        get_target(args.target)
+    except KeyError as exc:  # unknown target: refused before any work (an internal KeyError is a bug, not bad input)
+        raise InputError(str(exc.args[0])) from None
+    try:
         result = compile(job.graph, budget, args.target, job.calibration, opts, cache_dir=args.cache_dir)
     except BudgetUnreachable as exc:
         if exc.result.stats.get("interrupted"):
             raise Interrupted("interrupted before any plan passed the budget: nothing written") from None
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONTRACT
-    except KeyError as exc:  # unknown target
-        raise InputError(str(exc.args[0])) from None
     except ValueError as exc:  # budget outputs the model lacks, bad options, bad inputs
         raise InputError(str(exc)) from None
     stats = result.search.stats

@@ -335,7 +335,7 @@ class Searcher:
         ce = self.judge.chunks
         cands = self.space.candidates(genome)
         ce.prefetch(cands)
-        return self.judge.chunk_band.check(ce.compose(cands, self.judge.refs)).ratio
+        return self.judge.chunk_band.check(ce.compose(cands, self.judge.gated_refs)).ratio
 
     def mutate(self, singles: list[Evaluated]) -> None:
         """Luminal-style generations: mutate members of the current front, dedupe, gate, keep the front.
