@@ -258,3 +258,37 @@ def test_a_multi_knob_chunk_choice_is_composed_from_its_single_knobs(job3, space
     ce.effect(g.chunks[1].index, cands[g.chunks[1].index])
     assert len(space3.knobs_of(cands[g.chunks[1].index])) >= 2
     assert ce.runs == runs and ce.composed == 1
+
+
+def _uniform(space, tag):
+    return frozenset((gk, k.cls, tag) for gk, ks in space.knobs.items() for k in ks if tag in k.tags)
+
+
+@pytest.mark.parametrize("model", ["transformer", "llama-tiny"])
+def test_a_chunk_run_alone_reads_its_weights_as_the_whole_program_does(model):
+    """A chunk alone on the inputs the whole program gave it computes the whole program's exports bit
+    for bit, under every weight storage format. Regression: the chunk took its weights as values handed
+    in, which the runtime reads as a KV cache when they have a storage format: a weight in a format no
+    KV cache has (int8, int4, FP4) raised, the chunk's effect became inf, and every genome with that
+    chunk choice was pruned (SmolLM2: every per-layer W8A16 trial)."""
+    from luminal_num.models.registry import load_job
+    job = load_job(model)
+    space = SearchSpace.build(job.graph)
+    batch = dict(job.calibration[0])
+    tags = sorted({t for ks in space.knobs.values() for k in ks for t in k.tags if t.startswith("store:")})
+    assert {"store:int8_channel", "store:f8e4m3_channel", "store:int4_g128"} <= set(tags), tags
+    for tag in tags:
+        genome = _uniform(space, tag)
+        whole = CpuRuntime(space.program(genome), job.graph.weights).run(batch, keep_exports=True)
+        values = {**whole.exports, **{info.node: batch[n] for n, info in job.graph.inputs.items() if n in batch}}
+        cands = space.candidates(genome)
+        for chunk in space.part.chunks:
+            if not any(job.graph.weight_name(n) for n in chunk.external):
+                continue
+            prog = space.lower_chunk(chunk, cands[chunk.index])
+            # every source by node id, weights too (as the chunk tasks fed them): the program decides what it reads
+            feed = {f"%{n}": job.graph.weights[job.graph.weight_name(n)] if job.graph.weight_name(n) else values[n]
+                    for n in chunk.external}
+            got = CpuRuntime(prog, job.graph.weights).run(feed).outputs
+            for nid in chunk.exported:
+                np.testing.assert_array_equal(got[f"%{nid}"], whole.exports[nid], err_msg=f"{tag}, chunk {chunk.index}")

@@ -70,7 +70,7 @@ class ChunkEffect:
 
 @dataclass
 class ChunkEffects:
-    """`lower_chunk(chunk, choice)` is the chunk alone as a Program (inputs "%<node>", exports as
+    """`lower_chunk(chunk, choice)` is the chunk alone as a Program (inputs "%<node>" and the weights by name, exports as
     outputs), supplied by the search; `base` is each chunk's FP32 candidate (the SCALED basis)."""
 
     graph: Graph
@@ -160,7 +160,8 @@ class ChunkEffects:
         """The chunk alone on its exact FP64 inputs (every batch the effect needs): a pure task (error/tasks.py)."""
         refs = self.references if self._key(chunk.index, choice)[3] is Propagation.EXACT else self.references[:self._nb]
         return RunTask(self.lower_chunk(chunk, choice),
-                       tuple({f"%{n}": np.asarray(ref.values[n]) for n in chunk.external} for ref in refs),
+                       tuple({f"%{n}": np.asarray(ref.values[n]) for n in chunk.external
+                              if self.graph.weight_name(n) is None} for ref in refs),  # weights: the runtime's
                        tuple(ref.bindings for ref in refs))
 
     def _knobs(self, choice: ChunkChoice) -> frozenset | None:

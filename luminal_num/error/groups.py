@@ -31,7 +31,7 @@ class ChunkChoice(Protocol):
 
 @dataclass
 class GroupEstimator:
-    """`lower_chunk(chunk, choice)` is the chunk alone as a Program (inputs "%<node>", exports as
+    """`lower_chunk(chunk, choice)` is the chunk alone as a Program (inputs "%<node>" and the weights by name, exports as
     outputs): the search supplies it, so the error stage judges programs without importing search."""
 
     graph: Graph
@@ -87,7 +87,7 @@ class GroupEstimator:
         key = (chunk.index, candidate.key)
         if key not in self.local_cache:
             prog = self.lower_chunk(chunk, candidate)
-            feed = {f"%{n}": v for n, v in self._ext_values(chunk).items()}
+            feed = {f"%{n}": v for n, v in self._ext_values(chunk).items() if self.graph.weight_name(n) is None}
             # weights as the runtime's weights (not inputs), so their converted/prepared forms are cached
             out = CpuRuntime(prog, self.graph.weights).run(feed, self.bindings).outputs
             errs = [float(rel_l2(out[f"%{nid}"], self.values[nid])) for nid in chunk.exported]

@@ -90,6 +90,14 @@ class Graph:
     def __len__(self) -> int:
         return len(self.nodes)
 
+    def weight_name(self, nid: int) -> str | None:
+        """The weight node `nid` reads (its name in `weights`), or None for any other node."""
+        node = self.nodes[nid]
+        if node.op is not Op.INPUT:
+            return None
+        name = node.attr("name")
+        return name if self.inputs[name].is_weight else None
+
     def consumers(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {n.id: [] for n in self.nodes}
         for n in self.nodes:

@@ -356,7 +356,10 @@ def lower_program(graph: Graph, part: Partition, spaces: Mapping[str, GroupSpace
 
 
 def lower_chunk_program(graph: Graph, chunk, gs: GroupSpace, cand: Candidate) -> Program:
-    """One chunk alone: its external sources become inputs named "%<node id>", its exports outputs.
+    """One chunk alone: its external sources become inputs named "%<node id>", its exports outputs;
+    a weight keeps its name, so the chunk reads it as the whole program does (the runtime's weights:
+    held in its storage format, converted once per process), never as a value handed in, which the
+    runtime would take for a KV cache when it has a storage format.
 
     Used to judge a group in isolation from exact (FP64) inputs, and to measure its amplification.
     """
@@ -364,10 +367,11 @@ def lower_chunk_program(graph: Graph, chunk, gs: GroupSpace, cand: Candidate) ->
     slots, inputs = [], []
     for nid in chunk.external:
         node = graph.nodes[nid]
-        kid = b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=node.shape, dtype=node.dtype, external=f"%{nid}",
-                    label=f"external %{nid}")
+        name = graph.weight_name(nid) or f"%{nid}"
+        kid = b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=node.shape, dtype=node.dtype, external=name,
+                    label=f"external {name}")
         slots.append(kid)
-        inputs.append((f"%{nid}", kid))
+        inputs.append((name, kid))
     low = _ChunkLowering(b, gs, cand, slots, chunk.index)
     outputs = tuple((f"%{chunk.nodes[local]}", low.tensor(cid)) for local, cid in gs.space.roots)
     return verify(Program(tuple(b.kernels), tuple(inputs), outputs))
