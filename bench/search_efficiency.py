@@ -114,7 +114,9 @@ def efficiency_row(c: CompiledJob) -> dict:
     front = final_front(evaluated)
     chosen = search.chosen
     searched = [e for e in evaluated if e.stage != "baseline"]
-    no_e2e = sum(e.verdict.source in ("cache", "static", "chunks", "groups", "predicted") for e in searched)
+    # a candidate decided without an end-to-end run cost none (a cache hit on a program measured for an
+    # earlier genome carries that genome's "measured" verdict, so the verdict's source cannot tell)
+    no_e2e = sum(e.end_to_end_runs == 0 for e in searched)
     return dict(job=c.name, budget=str(c.budget), candidates=len(evaluated),
                 decided_without_e2e=no_e2e / max(len(searched), 1), confirmed=search.stats["confirmed"],
                 mismatches=search.stats["mismatches"], prediction_margin=search.stats.get("prediction_margin"),

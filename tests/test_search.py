@@ -384,3 +384,23 @@ def test_a_centred_band_learns_the_bias_and_narrows_to_the_spread_around_it():
     assert centred.expected(p) == pytest.approx(0.7 * bias) and centred.decides(p) is None and plain.decides(p) is None
     far = Prediction(1.2, 1.2, 1.2, "")
     assert centred.decides(far) is False and plain.decides(far) is None
+
+
+def test_each_candidate_counts_the_end_to_end_runs_it_cost(job, space, compiled):
+    """The runs per candidate add up to the judge's measurements, and a genome whose program another
+    genome already measured (a cache hit that carries that genome's "measured" verdict) cost none, so
+    "decided without an end-to-end run" is read from the runs, not from the verdict's source."""
+    evaluated, stats = compiled.search.evaluated, compiled.search.stats
+    assert sum(e.end_to_end_runs for e in evaluated) == stats["measured"]
+    firsts: dict[str, int] = {}
+    hits = 0
+    for e in evaluated:
+        if e.program is None:
+            continue
+        key = program_key(e.program)
+        if key in firsts and e.verdict.source == "measured":
+            hits += 1
+            assert e.end_to_end_runs == 0, (e.id, firsts[key])
+        firsts.setdefault(key, e.id)
+    assert all(e.end_to_end_runs == 0 for e in evaluated if e.verdict.source in ("chunks", "predicted", "static"))
+    assert hits > 0, "no genome reused another's measured program: the case this test is for did not occur"

@@ -49,6 +49,9 @@ class Evaluated:
     label: str = ""
     stage: str = ""           # baseline | uniform | sensitivity | greedy | layer | mutation
     program: Program | None = field(default=None, repr=False, compare=False)  # what was judged (lowered once)
+    # end-to-end measurements this candidate cost (its own and its confirmation's); 0 when a cache hit
+    # (the same program measured for another genome), the static bound, its chunks or a prediction decided
+    end_to_end_runs: int = 0
 
     @property
     def latency_s(self) -> float:
@@ -122,12 +125,14 @@ class Searcher:
             return lowered[0]
         # baselines are reference points: always measured end to end, never screened by the estimate
         screen = None if stage == "baseline" else self.space.candidates(genome)
+        runs_before = self.judge.stats.measured
         verdict = self.judge.judge(program if screen is not None else program(), genome, screen,
                                    predict=stage != "baseline")
         lat = self.latency(program()) if (verdict.passed or force_latency) else None
         if verdict.passed and lat is None:  # the target cannot run this variant (FP8 on an A100)
             verdict = dataclasses.replace(verdict, passed=False, reason=f"not supported on target {self.target}")
-        e = Evaluated(len(self.evaluated), genome, verdict, lat, label, stage, lowered[0] if lowered else None)
+        e = Evaluated(len(self.evaluated), genome, verdict, lat, label, stage, lowered[0] if lowered else None,
+                      self.judge.stats.measured - runs_before)
         self.evaluated.append(e)
         self.seen[genome] = e
         if stage != "baseline":
@@ -194,8 +199,10 @@ class Searcher:
             if not todo:
                 return chosen
             for e in todo.values():
+                runs_before = self.judge.stats.measured
                 v = self.judge.confirm(e.program)
-                new = dataclasses.replace(e, verdict=v, latency=e.latency if v.passed else None)
+                new = dataclasses.replace(e, verdict=v, latency=e.latency if v.passed else None,
+                                          end_to_end_runs=e.end_to_end_runs + self.judge.stats.measured - runs_before)
                 self.evaluated[e.id] = new
                 self.seen[e.genome] = new
 
