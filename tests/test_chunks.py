@@ -292,3 +292,29 @@ def test_a_chunk_run_alone_reads_its_weights_as_the_whole_program_does(model):
             got = CpuRuntime(prog, job.graph.weights).run(feed).outputs
             for nid in chunk.exported:
                 np.testing.assert_array_equal(got[f"%{nid}"], whole.exports[nid], err_msg=f"{tag}, chunk {chunk.index}")
+
+
+def test_a_choice_on_an_exact_fp32_chunk_has_an_effect_on_every_batch():
+    """SCALED runs a choice on the first batch and scales the FP32 chunk's effect; where the FP32 chunk
+    is exact (llama-tiny's embedding gather: local error 0, no ratio) the choice is run on every batch
+    and injected exactly, so its effect equals EXACT propagation's on every batch. Regression: the
+    effect held the first batch only and composing a genome raised IndexError (SmolLM2 compile)."""
+    from luminal_num.models.registry import load_job
+    job = load_job("llama-tiny")
+    assert len(job.calibration) >= 2
+    space = SearchSpace.build(job.graph)
+    refs = references(job.graph, job.calibration)
+    base = space.candidates(frozenset())
+    cands = space.candidates(_uniform(space, "store:int8_channel"))
+    scaled = ChunkEffects(job.graph, space.part, refs, space.lower_chunk, base, Propagation.SCALED, local_batches=1)
+    exact = ChunkEffects(job.graph, space.part, refs, space.lower_chunk, base, Propagation.EXACT)
+    zero = [i for i in cands if cands[i].key != base[i].key and scaled.effect(i, base[i]).local == 0]
+    assert zero, "no exact FP32 chunk with a storage choice: the case this test is for did not occur"
+    for i in zero:
+        got, want = scaled.effect(i, cands[i]), exact.effect(i, cands[i])
+        assert len(got.basis) == len(refs)
+        for g, w in zip(got.outputs, want.outputs):
+            for k in w:
+                np.testing.assert_array_equal(g[k], w[k])
+    predicted = scaled.compose(cands, [r.outputs(job.graph) for r in refs])  # raised IndexError before
+    assert len(predicted) == len(refs)

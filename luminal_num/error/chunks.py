@@ -141,6 +141,10 @@ class ChunkEffects:
                 s = local / basis.local
                 self._ratios.setdefault((self._group[chunk.index].key, choice.key), {})[chunk.index] = s
                 return ChunkEffect(local, basis.basis, s * basis.scale)
+        if len(devs) < len(self.references):
+            # no scaled shortcut (the FP32 chunk is exact, e.g. an embedding gather, so there is no ratio):
+            # the choice was run on the first batches only; its effect needs every batch, injected exactly
+            devs = self._local(chunk, choice, every_batch=True)
         return ChunkEffect(local, tuple(self._inject(chunk, ref, dev) for ref, dev in zip(self.references, devs)))
 
     def _shared_ratio(self, i: int, choice: ChunkChoice) -> float | None:
@@ -156,9 +160,10 @@ class ChunkEffects:
             return None
         return float(np.exp(np.mean(np.log(rs))))
 
-    def _task(self, chunk: Chunk, choice: ChunkChoice) -> RunTask:
+    def _task(self, chunk: Chunk, choice: ChunkChoice, every_batch: bool = False) -> RunTask:
         """The chunk alone on its exact FP64 inputs (every batch the effect needs): a pure task (error/tasks.py)."""
-        refs = self.references if self._key(chunk.index, choice)[3] is Propagation.EXACT else self.references[:self._nb]
+        exact = every_batch or self._key(chunk.index, choice)[3] is Propagation.EXACT
+        refs = self.references if exact else self.references[:self._nb]
         return RunTask(self.lower_chunk(chunk, choice),
                        tuple({f"%{n}": np.asarray(ref.values[n]) for n in chunk.external
                               if self.graph.weight_name(n) is None} for ref in refs),  # weights: the runtime's
@@ -256,12 +261,13 @@ class ChunkEffects:
         self.runs += len(todo)
         self._ran.update(zip(todo, results))
 
-    def _local(self, chunk: Chunk, choice: ChunkChoice) -> list[dict[int, np.ndarray]]:
-        """Per batch: the chunk's exports minus FP64, run alone on the exact FP64 inputs."""
-        got = self._ran.pop((chunk.index, choice.key), None)
+    def _local(self, chunk: Chunk, choice: ChunkChoice, every_batch: bool = False) -> list[dict[int, np.ndarray]]:
+        """Per batch: the chunk's exports minus FP64, run alone on the exact FP64 inputs (every_batch:
+        on all of them, whatever the propagation mode would run)."""
+        got = None if every_batch else self._ran.pop((chunk.index, choice.key), None)
         if got is None:
             self.runs += 1
-            got = run_task(self._task(chunk, choice), self.graph.weights)
+            got = run_task(self._task(chunk, choice, every_batch), self.graph.weights)
         if isinstance(got, Exception):
             raise got
         return [{n: np.asarray(o[f"%{n}"], np.float64) - np.asarray(ref.values[n], np.float64) for n in chunk.exported}
