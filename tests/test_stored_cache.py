@@ -75,3 +75,30 @@ def test_identity_memo_dies_with_the_array(fresh):
     del w
     gc.collect()
     assert not fresh._ids and fresh.bytes > 0  # the converted values stay: a copy may come back
+
+
+def test_a_pool_worker_shrinks_both_weight_caches_to_its_budget(fresh, monkeypatch):
+    """A worker keeps at most WORKER_CACHE_BYTES per cache, evicting least recently used entries
+    (inherited from the parent included); the rest stay and are still hits."""
+    from luminal_num.error import tasks
+    from luminal_num.hlir.weightcache import WeightCache
+    cache = WeightCache()
+    monkeypatch.setattr(tasks, "WEIGHTS", cache)
+    monkeypatch.setattr(tasks, "CONVERTED", fresh)
+    ws = weights(4, seed=2)
+    for w in ws:
+        widened(w, "bf16")
+        cache.get(w, "copy", lambda w=w: w.astype(np.float64))
+    per_conv, per_copy = fresh.bytes // 4, cache.bytes // 4
+    assert per_conv == per_copy  # a bf16 conversion (values + widened FP32) weighs what a float64 copy does
+    monkeypatch.setattr(tasks, "WORKER_CACHE_BYTES", 2 * per_copy)
+    tasks._worker_init({})
+    assert cache.budget_bytes == fresh.budget_bytes == 2 * per_copy
+    assert cache.bytes == fresh.bytes == 2 * per_copy
+    kept = [cache.get(w, "copy", lambda: None) is not None for w in ws]
+    assert kept == [False, False, True, True]  # the two least recently used were evicted
+    before = fresh.conversions
+    widened(ws[3], "bf16")
+    assert fresh.conversions == before  # kept
+    widened(ws[0], "bf16")
+    assert fresh.conversions == before + 1  # evicted: converted again

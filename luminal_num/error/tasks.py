@@ -15,11 +15,17 @@ import numpy as np
 
 from ..codegen.llir import Program
 from ..codegen.serialize import program_from_data, program_to_data
+from ..hlir.weightcache import WEIGHTS
+from ..quant.stored import CONVERTED
 from ..runtime.cpu import CpuRuntime
 
 Batch = Mapping[str, np.ndarray]
 
 _WEIGHTS: Mapping[str, np.ndarray] = {}
+# A worker runs one chunk at a time, which reads one layer's weights (SmolLM2's largest, the embedding,
+# is 113 MB widened): its caches of converted weights need far less than the whole process's budget,
+# and each worker holding its own 2 x 4 GiB ran a 30-layer compile out of memory on 24 GB.
+WORKER_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,8 @@ def run_task(task: RunTask, weights: Mapping[str, np.ndarray] | None = None) -> 
 def _worker_init(weights) -> None:
     global _WEIGHTS
     _WEIGHTS = weights
+    for cache in (WEIGHTS, CONVERTED):  # entries inherited from the parent count until evicted
+        cache.resize(min(cache.budget_bytes, WORKER_CACHE_BYTES))
 
 
 def _run_data(args):

@@ -56,6 +56,12 @@ class WeightCache:
                 self._drop(next(iter(self._items)))
         return value
 
+    def resize(self, budget_bytes: int) -> None:
+        """A new byte budget, least-recently-used entries evicted down to it."""
+        self.budget_bytes = budget_bytes
+        while self._bytes > self.budget_bytes:
+            self._drop(next(iter(self._items)))
+
     def _drop(self, k: tuple) -> None:
         entry = self._items.pop(k, None)
         if entry is not None:

@@ -103,6 +103,12 @@ class ConvertedWeights:
                 self.bytes -= self._entries.popitem(last=False)[1][2]
         return q, widened
 
+    def resize(self, budget_bytes: int) -> None:
+        """A new byte budget, least-recently-used entries evicted down to it."""
+        self.budget_bytes = budget_bytes
+        while self.bytes > self.budget_bytes:
+            self.bytes -= self._entries.popitem(last=False)[1][2]
+
     def clear(self) -> None:
         self._entries.clear()
         self._ids.clear()
