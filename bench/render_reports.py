@@ -33,12 +33,18 @@ PAGES = ("pareto.html", "audit.html")
 WINDOW = (1280, 1800)
 
 
+NO_BROWSER = "headless Chromium not found: apt-get update && apt-get install -y chromium"
+
+
+def find_browser() -> str | None:
+    return next((path for path in map(shutil.which, BROWSERS) if path), None)
+
+
 def browser() -> str:
-    for name in BROWSERS:
-        path = shutil.which(name)
-        if path:
-            return path
-    raise SystemExit("headless Chromium not found: apt-get update && apt-get install -y chromium")
+    exe = find_browser()
+    if exe is None:
+        raise SystemExit(NO_BROWSER)
+    return exe
 
 
 def _chromium(exe: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
