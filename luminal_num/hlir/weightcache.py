@@ -27,11 +27,49 @@ def nbytes(value) -> int:
     return sum(v.nbytes for v in items if isinstance(v, np.ndarray))
 
 
+class ByteLRU:
+    """Values by key, least recently used evicted beyond a byte budget (each value's size given)."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._items: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()
+        self.bytes = 0
+
+    def get(self, key: Hashable):
+        """The value (now the most recently used), or None."""
+        hit = self._items.get(key)
+        if hit is None:
+            return None
+        self._items.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: Hashable, value, size: int) -> None:
+        """Keep `value` (replacing the key's entry) unless it alone exceeds the budget."""
+        self.drop(key)
+        if size <= self.budget_bytes:
+            self._items[key] = (value, size)
+            self.bytes += size
+            self.resize(self.budget_bytes)
+
+    def drop(self, key: Hashable) -> None:
+        entry = self._items.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry[1]
+
+    def resize(self, budget_bytes: int) -> None:
+        """A new byte budget, least-recently-used entries evicted down to it."""
+        self.budget_bytes = budget_bytes
+        while self.bytes > self.budget_bytes:
+            self.drop(next(iter(self._items)))
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.bytes = 0
+
+
 class WeightCache:
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
-        self.budget_bytes = budget_bytes
-        self._items: OrderedDict[tuple, tuple[weakref.ref, object, int]] = OrderedDict()
-        self._bytes = 0
+        self._lru = ByteLRU(budget_bytes)  # (id(source), key) -> (weak ref to source, value)
         self.hits = self.misses = 0
 
     def get(self, source: np.ndarray, key: Hashable, make: Callable[[], T]) -> T:
@@ -39,41 +77,28 @@ class WeightCache:
         if not isinstance(source, np.ndarray):
             return make()  # only arrays can be weakly referenced (and are immutable by contract)
         k = (id(source), key)
-        hit = self._items.get(k)
+        hit = self._lru.get(k)
         if hit is not None and hit[0]() is source:
-            self._items.move_to_end(k)
             self.hits += 1
             return hit[1]
         self.misses += 1
         value = make()
-        if hit is not None:
-            self._drop(k)
-        size = nbytes(value)
-        if size <= self.budget_bytes:
-            self._items[k] = (weakref.ref(source, lambda _, k=k: self._drop(k)), value, size)
-            self._bytes += size
-            while self._bytes > self.budget_bytes:
-                self._drop(next(iter(self._items)))
+        self._lru.put(k, (weakref.ref(source, lambda _, k=k: self._lru.drop(k)), value), nbytes(value))
         return value
 
-    def resize(self, budget_bytes: int) -> None:
-        """A new byte budget, least-recently-used entries evicted down to it."""
-        self.budget_bytes = budget_bytes
-        while self._bytes > self.budget_bytes:
-            self._drop(next(iter(self._items)))
+    @property
+    def budget_bytes(self) -> int:
+        return self._lru.budget_bytes
 
-    def _drop(self, k: tuple) -> None:
-        entry = self._items.pop(k, None)
-        if entry is not None:
-            self._bytes -= entry[2]
+    def resize(self, budget_bytes: int) -> None:
+        self._lru.resize(budget_bytes)
 
     def clear(self) -> None:
-        self._items.clear()
-        self._bytes = 0
+        self._lru.clear()
 
     @property
     def bytes(self) -> int:
-        return self._bytes
+        return self._lru.bytes
 
 
 WEIGHTS = WeightCache()  # the process-wide cache the CPU backend and the FP64 reference share

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from collections import OrderedDict
 from typing import Mapping
 
 import numpy as np
 
-from ..hlir.weightcache import DEFAULT_BUDGET_BYTES
+from ..hlir.weightcache import DEFAULT_BUDGET_BYTES, ByteLRU
 from ..models.gguf import kept_source
 from .gguf import GGUF_TYPE_NAMES
 from .storage import STORAGE_FORMATS, Quantized, StorageFormat, StoredTensor, from_gguf, storage_format
@@ -71,10 +70,8 @@ class ConvertedWeights:
     """
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
-        self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[tuple, tuple[Quantized, np.ndarray, int]] = OrderedDict()
+        self._entries = ByteLRU(budget_bytes)  # content key -> (quantized, widened)
         self._ids: dict[tuple[str, int], tuple[weakref.ref, tuple]] = {}
-        self.bytes = 0
         self.conversions = 0
 
     def _content_key(self, w: np.ndarray, fmt: StorageFormat) -> tuple:
@@ -90,29 +87,31 @@ class ConvertedWeights:
         key = self._content_key(w, fmt)
         hit = self._entries.get(key)
         if hit is not None:
-            self._entries.move_to_end(key)
-            return hit[0], hit[1]
+            return hit
         q = convert(w, fmt)
         widened = q.dequantize().astype(np.float32)
         self.conversions += 1
-        size = widened.nbytes + sum(v.nbytes for v in q.values.values())
-        if size <= self.budget_bytes:
-            self._entries[key] = (q, widened, size)
-            self.bytes += size
-            while self.bytes > self.budget_bytes:
-                self.bytes -= self._entries.popitem(last=False)[1][2]
+        self._entries.put(key, (q, widened), widened.nbytes + sum(v.nbytes for v in q.values.values()))
         return q, widened
 
+    @property
+    def budget_bytes(self) -> int:
+        return self._entries.budget_bytes
+
+    @budget_bytes.setter
+    def budget_bytes(self, value: int) -> None:
+        self._entries.resize(value)
+
+    @property
+    def bytes(self) -> int:
+        return self._entries.bytes
+
     def resize(self, budget_bytes: int) -> None:
-        """A new byte budget, least-recently-used entries evicted down to it."""
-        self.budget_bytes = budget_bytes
-        while self.bytes > self.budget_bytes:
-            self.bytes -= self._entries.popitem(last=False)[1][2]
+        self._entries.resize(budget_bytes)
 
     def clear(self) -> None:
         self._entries.clear()
         self._ids.clear()
-        self.bytes = 0
 
 
 CONVERTED = ConvertedWeights()  # the process-wide conversions of weights to their storage formats
