@@ -70,8 +70,9 @@ class ChunkEffect:
 
 @dataclass
 class ChunkEffects:
-    """`lower_chunk(chunk, choice)` is the chunk alone as a Program (inputs "%<node>" and the weights by name, exports as
-    outputs), supplied by the search; `base` is each chunk's FP32 candidate (the SCALED basis)."""
+    """`lower_chunk(chunk, choice)` is the chunk alone as a Program (inputs "%<node>", weights by their
+    names, exports as outputs), supplied by the search; `base` is each chunk's FP32 candidate (the
+    SCALED basis)."""
 
     graph: Graph
     part: Partition

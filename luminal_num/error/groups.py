@@ -15,7 +15,6 @@ import numpy as np
 from ..codegen.llir import Program
 from ..hlir.evaluate import evaluate_chunk
 from ..hlir.graph import Graph
-from ..hlir.ops import Op
 from ..hlir.partition import Chunk, Partition
 from ..runtime.cpu import CpuRuntime
 from .metrics import rel_l2
@@ -31,8 +30,9 @@ class ChunkChoice(Protocol):
 
 @dataclass
 class GroupEstimator:
-    """`lower_chunk(chunk, choice)` is the chunk alone as a Program (inputs "%<node>" and the weights by name, exports as
-    outputs): the search supplies it, so the error stage judges programs without importing search."""
+    """`lower_chunk(chunk, choice)` is the chunk alone as a Program (inputs "%<node>", weights by their
+    names, exports as outputs): the search supplies it, so the error stage judges programs without
+    importing search."""
 
     graph: Graph
     part: Partition
@@ -80,8 +80,7 @@ class GroupEstimator:
         return worst
 
     def _is_activation(self, nid: int) -> bool:
-        node = self.graph.nodes[nid]
-        return not (node.op is Op.INPUT and self.graph.inputs[node.attr("name")].is_weight)
+        return self.graph.weight_name(nid) is None
 
     def local_error(self, chunk: Chunk, candidate: ChunkChoice) -> float:
         key = (chunk.index, candidate.key)

@@ -131,7 +131,7 @@ class Graph:
                     ref = ("local", local[s.node])
                 else:
                     src = self.nodes[s.node]
-                    is_weight = src.op is Op.INPUT and self.inputs[src.attr("name")].is_weight
+                    is_weight = self.weight_name(s.node) is not None
                     ref = ("ext", external.setdefault(s.node, len(external)),
                            tuple(encode(d) for d in src.shape), src.dtype.name, is_weight)
                 srcs.append((ref, s.view.encode()))

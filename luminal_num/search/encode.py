@@ -93,7 +93,7 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
         terms[nid] = term
         ext_dtypes.append(node.dtype.name)
         ext_shapes.append(node.shape)
-        is_w = node.op is Op.INPUT and graph.inputs[node.attr("name")].is_weight
+        is_w = graph.weight_name(nid) is not None
         ext_weight.append(is_w)
         facts.append(set_(E.identity_view(term)).to(view_id(ShapeTracker.contiguous(node.shape))))
         if is_w:

@@ -73,7 +73,7 @@ def fusion_groups(graph: Graph, chunks: Sequence[Chunk], consumers: Mapping[int,
         mul = graph.nodes[node.srcs[0].node]
         a, b = mul.srcs
         w = graph.nodes[b.node]
-        if b.node not in slot_of or w.op is not Op.INPUT or not graph.inputs[w.attr("name")].is_weight \
+        if b.node not in slot_of or graph.weight_name(w.id) is None \
                 or len(w.shape) != 2 or w.dtype.name != "f32":
             continue
         if len(a.view.views) != 1 or len(b.view.views) != 1 or a.view.views[0].mask or b.view.views[0].mask:

@@ -90,7 +90,7 @@ def user_ops(graph: Graph) -> dict[int, tuple[str, int]]:
         if n.op is Op.ADD and n.id not in graph.op_scopes and len(n.srcs) == 2:
             a, b = (graph.nodes[s.node] for s in n.srcs)
             for mm, bias in ((a, b), (b, a)):
-                if out[mm.id][0] == "matmul" and bias.op is Op.INPUT and graph.inputs[bias.attr("name")].is_weight:
+                if out[mm.id][0] == "matmul" and graph.weight_name(bias.id) is not None:
                     inst = ("linear", out[mm.id][1])
                     for k, v in list(out.items()):
                         if v == out[mm.id]:
