@@ -27,7 +27,7 @@ from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.shape import ShapeTracker
 from ..hlir.symbolic import Dim, Poly, is_const
 from . import ctypes_map
-from .llir import FApply, FConstV, FExpr, FLoad, FRoundTo
+from .llir import FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum
 
 IndexExpr = Union[int, str]
 
@@ -80,6 +80,10 @@ def body_symbols(e: FExpr | None) -> set[str]:
         return body_symbols(e.x)
     if isinstance(e, FConstV):
         return dims_symbols((e.value,))
+    if isinstance(e, FRowSum):  # a ROWS kernel's row reduction
+        return body_symbols(e.body) | dims_symbols(e.shape)
+    if isinstance(e, FAt):  # a ROWS kernel's read of an earlier row value through a view
+        return body_symbols(e.x) | view_symbols(e.view) | dims_symbols(e.src_shape)
     return set()
 
 

@@ -15,29 +15,15 @@ from ..dtypes.formats import F32, F64, Format
 from ..hlir.symbolic import Dim, is_const, prod
 from ..quant.storage import STORAGE_FORMATS
 from .ctypes_map import cuda_type
-from .cuda_body import (BodyWriter, IndexExpr, SymbolTable, c_index, dims_symbols, dot, load_float, load_index,
-                        round_expr, row_major_strides, store, unravel, view_index, view_symbols)
+from .cuda_body import (BodyWriter, IndexExpr, SymbolTable, body_symbols, c_index, dims_symbols, dot, load_float,
+                        load_index, round_expr, row_major_strides, store, unravel, view_index, view_symbols)
 from .cuda_source import (ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, Arg, KernelSource, Launch, finish_source, indent,
                           per, source_header)
 from .rows import is_row_view
-from .llir import FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel
+from .llir import FApply, FAt, FExpr, FLoad, FRoundTo, FRowSum, Kernel
 
 ROW_THREADS_MAX = 256
 _PSEUDO = 1 << 20  # slots from here on name values computed earlier in the row (not kernel inputs)
-
-
-def _symbols(e: FExpr) -> set[str]:
-    if isinstance(e, FApply):
-        return set().union(*(_symbols(a) for a in e.args))
-    if isinstance(e, FRoundTo):
-        return _symbols(e.x)
-    if isinstance(e, FConstV):
-        return dims_symbols((e.value,))
-    if isinstance(e, FRowSum):
-        return _symbols(e.body) | dims_symbols(e.shape)
-    if isinstance(e, FAt):
-        return _symbols(e.x) | view_symbols(e.view) | dims_symbols(e.src_shape)
-    return set()
 
 
 def _lengths(e: FExpr) -> list[Dim]:
@@ -53,7 +39,7 @@ def _lengths(e: FExpr) -> list[Dim]:
 class _RowWriter:
     def __init__(self, k: Kernel, formats: tuple[Format, ...]):
         self.k, self.formats = k, formats
-        names = dims_symbols((*k.shape, *k.body_shape)) | _symbols(k.body)
+        names = dims_symbols((*k.shape, *k.body_shape)) | body_symbols(k.body)
         for inp in k.inputs:
             names |= view_symbols(inp.view)
         self.table = SymbolTable.of(names)
