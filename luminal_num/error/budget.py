@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from luminal_num.error.metrics import METRICS, Direction, allclose_violation, get_metric
+from luminal_num.error.metrics import METRICS, Compared, Direction, allclose_of, get_metric
 
 
 class BudgetSyntaxError(ValueError):
@@ -246,7 +246,8 @@ class Budget:
     # ---- judging ----
 
     def check(self, outputs: Mapping[str, object], refs: Mapping[str, object]) -> BudgetVerdict:
-        """Judge outputs against their FP64 references; the reason names the first failure."""
+        """Judge outputs against their FP64 references; the reason names the first failure. An output may
+        be given as its metrics.Compared against the reference (shared by the budgets that judge it)."""
         names = tuple(refs) if self.outputs is None else self.outputs
         for name in names:
             for where, table in (("reference", refs), ("candidate outputs", outputs)):
@@ -263,13 +264,14 @@ class Budget:
         return BudgetVerdict(not failed, verdicts, worst, reason)
 
     def _judge(self, name: str, y, ref) -> OutputVerdict:
-        ratio = allclose_violation(y, ref, self.atol, self.rtol)
+        compared = y if isinstance(y, Compared) else Compared(y, ref)  # one pair for allclose and every metric
+        ratio = allclose_of(compared, self.atol, self.rtol)
         failures = []
         if not ratio <= 1.0:
             failures.append(f"allclose ratio {_shown(ratio)} > 1 (atol={_exact(self.atol)}, rtol={_exact(self.rtol)})")
         values = []
         for limit in self.metrics:
-            value = float(METRICS[limit.name](y, ref))
+            value = float(METRICS[limit.name].of(compared))
             values.append((limit.name, value))
             if not limit.passes(value):
                 failures.append(f"{limit.name}={_shown(value)} violates {limit}")

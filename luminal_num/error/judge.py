@@ -19,7 +19,7 @@ from .budget import Budget
 from .chunks import ChunkEffects
 from .groups import GroupEstimator
 from .interval import Interval
-from .metrics import max_abs
+from .metrics import METRICS, Compared
 from .predict import DeltaPredictor, Prediction, budget_ratio
 from .reference import Fp64Reference, references
 from .static import static_bound
@@ -352,11 +352,12 @@ class Judge:
                 return Verdict(False, "measured", np.inf, np.inf, None, f"run failed: {exc}", np.inf, np.inf), None
             if outs is not None:
                 outs.append(out)
-            verdict = self.gate.check(out, ref)
-            ratio = max(ratio, budget_ratio(self.gate, verdict))
-            user = max(user, self.budget.check(out, ref).worst_allclose)
             names = self.gate.outputs or tuple(ref)
-            worst_abs = max([worst_abs] + [float(max_abs(out[n], ref[n])) for n in names])
+            compared = {n: Compared(out[n], ref[n]) for n in names}  # one pair per output for both budgets
+            verdict = self.gate.check(compared, ref)
+            ratio = max(ratio, budget_ratio(self.gate, verdict))
+            user = max(user, self.budget.check(compared, ref).worst_allclose)
+            worst_abs = max([worst_abs] + [float(METRICS["max_abs"].of(c)) for c in compared.values()])
             if verdict.worst_allclose >= worst:
                 worst, reason = verdict.worst_allclose, verdict.reason
             if not verdict.passed:

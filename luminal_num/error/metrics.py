@@ -15,11 +15,13 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import numpy as np
 
 from luminal_num.dtypes.formats import FLOAT_FORMATS, Format
+from luminal_num.hlir.weightcache import WeightCache
 
 TINY = float(np.finfo(np.float64).tiny)  # max_rel's default floor: 2^-1022, the smallest normal double
 
@@ -41,7 +43,7 @@ class Direction(enum.Enum):
 @dataclass(frozen=True)
 class Metric:
     name: str
-    fn: Callable[[np.ndarray, np.ndarray], float]
+    fn: Callable[["Compared"], float]  # of one output against its reference (Compared shares the work)
     direction: Direction
     description: str
     aliases: tuple[str, ...] = ()
@@ -52,48 +54,119 @@ class Metric:
         return bool(value <= limit) if self.direction is Direction.LOWER else bool(value >= limit)
 
     def __call__(self, y, ref) -> float:
-        return self.fn(y, ref)
+        return self.fn(Compared(y, ref))
+
+    def of(self, compared: "Compared") -> float:
+        return self.fn(compared)
+
+
+class Compared:
+    """y against its FP64 reference, with what several metrics share computed once: a budget checks
+    allclose and every metric limit on one pair, and the judge checks hundreds of predicted outputs
+    against the same few references (their facts and log-softmax rows are kept per reference array,
+    hlir.weightcache: keyed by identity, dropped with the array). Every value equals the one computed
+    from scratch: the same operations on the same arrays."""
+
+    def __init__(self, y, ref):
+        self._ref_source = ref if isinstance(ref, np.ndarray) else None
+        self.y = np.asarray(y, dtype=np.float64)
+        self.ref = np.asarray(ref, dtype=np.float64)
+        if self.y.shape != self.ref.shape:
+            raise ValueError(f"output shape {self.y.shape} != reference shape {self.ref.shape}")
+        nan, finite = self._derived("facts", lambda: (bool(np.isnan(self.ref).any()), bool(np.isfinite(self.ref).all())))
+        if nan:
+            raise ValueError("the FP64 reference contains NaN: the judge is undefined there")
+        self._ref_finite = finite
+
+    def _derived(self, key: str, make):
+        """A value that depends on the reference alone, kept while the caller's reference array lives."""
+        if self._ref_source is None:
+            return make()
+        return _REFERENCE_DERIVED.get(self._ref_source, key, make)
+
+    @cached_property
+    def pair(self) -> "_Pair":
+        """y and ref with non-finite elements set to 0 in both, and where they blew up."""
+        if self._ref_finite and np.isfinite(self.y).all():  # the common case: nothing to mask, no copies
+            return _Pair(self.y, self.ref, np.zeros(self.y.shape, bool))
+        finite = np.isfinite(self.y) & np.isfinite(self.ref)
+        blown = ~finite & ~(self.y == self.ref)
+        return _Pair(np.where(finite, self.y, 0.0), np.where(finite, self.ref, 0.0), blown)
+
+    @cached_property
+    def blown_any(self) -> bool:
+        return bool(self.pair.blown.any())
+
+    @cached_property
+    def logit_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows of logits with matching -inf kept (masked tokens: probability 0 in both) and blown rows."""
+        bad = self._derived("logits_bad", lambda: bool((_rows(self.ref) == np.inf).any()
+                                                       or (_rows(self.ref) == -np.inf).all(axis=-1).any()))
+        if bad:
+            raise ValueError("reference logits with +inf or an all -inf row have no softmax")
+        y2, r2 = _rows(self.y), _rows(self.ref)
+        blown = _rows(self.pair.blown).any(axis=-1)
+        if not blown.any():
+            return y2, r2, blown
+        keep = ~blown[:, None]
+        return np.where(keep, y2, 0.0), np.where(keep, r2, 0.0), blown
+
+    @cached_property
+    def kl_rows(self) -> np.ndarray:
+        """KL(softmax(ref) || softmax(y)) per row; inf on a blown row. The reference's log-softmax is
+        its own rows' (a blown row's value is replaced by inf, so masking it first changes nothing)."""
+        y2, _, blown = self.logit_rows
+        if not y2.size:
+            return np.zeros(0)
+        log_p, log_q = self._derived("log_softmax", lambda: _log_softmax(_rows(self.ref))), _log_softmax(y2)
+        with np.errstate(invalid="ignore"):
+            terms = np.where(log_p == -np.inf, 0.0, np.exp(log_p) * (log_p - log_q))
+        return np.where(blown, np.inf, np.maximum(terms.sum(axis=-1), 0.0))  # KL >= 0; rounding can dip below
+
+    @cached_property
+    def top1_agrees(self) -> np.ndarray:
+        """Per row: the argmax (first on ties) agrees and the row did not blow up."""
+        y2, _, blown = self.logit_rows
+        ref_top = self._derived("argmax", lambda: np.argmax(_rows(self.ref), -1))
+        return (np.argmax(y2, -1) == ref_top) & ~blown
+
+
+_REFERENCE_DERIVED = WeightCache(256 << 20)  # facts and log-softmax rows of the references being judged against
 
 
 @dataclass(frozen=True)
 class _Pair:
-    """y and ref as FP64 with non-finite elements set to 0 in both, and where they blew up."""
-
     y: np.ndarray
     ref: np.ndarray
     blown: np.ndarray
-
-
-def _pair(y, ref) -> _Pair:
-    y = np.asarray(y).astype(np.float64)
-    ref = np.asarray(ref).astype(np.float64)
-    if y.shape != ref.shape:
-        raise ValueError(f"output shape {y.shape} != reference shape {ref.shape}")
-    if np.isnan(ref).any():
-        raise ValueError("the FP64 reference contains NaN: the judge is undefined there")
-    finite = np.isfinite(y) & np.isfinite(ref)
-    blown = ~finite & ~(y == ref)
-    return _Pair(np.where(finite, y, 0.0), np.where(finite, ref, 0.0), blown)
 
 
 def _max(values: np.ndarray) -> float:
     return float(values.max()) if values.size else 0.0
 
 
+def _max_abs(c: Compared) -> float:
+    p = c.pair
+    return np.inf if c.blown_any else _max(np.abs(p.y - p.ref))
+
+
 def max_abs(y, ref) -> float:
     """max |y - ref|."""
-    p = _pair(y, ref)
-    return np.inf if p.blown.any() else _max(np.abs(p.y - p.ref))
+    return _max_abs(Compared(y, ref))
+
+
+def _max_rel(c: Compared, floor: float = TINY) -> float:
+    p = c.pair
+    if c.blown_any:
+        return np.inf
+    with np.errstate(over="ignore"):
+        return _max(np.abs(p.y - p.ref) / np.maximum(np.abs(p.ref), floor))
 
 
 def max_rel(y, ref, floor: float = TINY) -> float:
     """max |y - ref| / max(|ref|, floor). The floor only avoids 0/0: where ref is 0 any error is
     'infinitely' relative, so this metric is for outputs away from zero (use atol near zero)."""
-    p = _pair(y, ref)
-    if p.blown.any():
-        return np.inf
-    with np.errstate(over="ignore"):
-        return _max(np.abs(p.y - p.ref) / np.maximum(np.abs(p.ref), floor))
+    return _max_rel(Compared(y, ref), floor)
 
 
 def _norm(x: np.ndarray, axis=None) -> np.ndarray:
@@ -103,10 +176,9 @@ def _norm(x: np.ndarray, axis=None) -> np.ndarray:
     return (np.sqrt(np.sum((x / safe) ** 2, axis=axis, keepdims=True)) * scale).squeeze(axis=axis)
 
 
-def rel_l2(y, ref) -> float:
-    """||y - ref||_2 / ||ref||_2 over all elements (0 if both are 0, inf if only ref is 0)."""
-    p = _pair(y, ref)
-    if p.blown.any():
+def _rel_l2(c: Compared) -> float:
+    p = c.pair
+    if c.blown_any:
         return np.inf
     err, size = float(_norm(p.y - p.ref)), float(_norm(p.ref))
     if size == 0:
@@ -114,14 +186,18 @@ def rel_l2(y, ref) -> float:
     return err / size
 
 
+def rel_l2(y, ref) -> float:
+    """||y - ref||_2 / ||ref||_2 over all elements (0 if both are 0, inf if only ref is 0)."""
+    return _rel_l2(Compared(y, ref))
+
+
 def _rows(x: np.ndarray) -> np.ndarray:
     """View as (rows, last axis); a 0-d array is one row of one element."""
     return np.atleast_1d(x).reshape(-1, np.atleast_1d(x).shape[-1])
 
 
-def cosine(y, ref) -> float:
-    """min over rows (last axis) of <y, ref> / (|y| |ref|); 1 when both rows are 0, 0 when one is."""
-    p = _pair(y, ref)
+def _cosine(c: Compared) -> float:
+    p = c.pair
     y2, r2, blown = _rows(p.y), _rows(p.ref), _rows(p.blown).any(axis=-1)
     if not y2.size:
         return 1.0
@@ -135,15 +211,9 @@ def cosine(y, ref) -> float:
     return float(np.where(blown, -np.inf, cos).min())
 
 
-def _logit_rows(y, ref) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of logits with matching -inf kept (masked tokens: probability 0 in both) and blown rows."""
-    p = _pair(y, ref)
-    y2, r2 = _rows(np.asarray(y).astype(np.float64)), _rows(np.asarray(ref).astype(np.float64))
-    if (r2 == np.inf).any() or (r2 == -np.inf).all(axis=-1).any():
-        raise ValueError("reference logits with +inf or an all -inf row have no softmax")
-    blown = _rows(p.blown).any(axis=-1)
-    keep = ~blown[:, None]
-    return np.where(keep, y2, 0.0), np.where(keep, r2, 0.0), blown
+def cosine(y, ref) -> float:
+    """min over rows (last axis) of <y, ref> / (|y| |ref|); 1 when both rows are 0, 0 when one is."""
+    return _cosine(Compared(y, ref))
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -153,47 +223,58 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def kl_rows(y, ref) -> np.ndarray:
     """KL(softmax(ref) || softmax(y)) = sum p (log p - log q) per row, stable log-softmax; inf on a blown row."""
-    y2, r2, blown = _logit_rows(y, ref)
-    if not r2.size:
-        return np.zeros(0)
-    log_p, log_q = _log_softmax(r2), _log_softmax(y2)
-    with np.errstate(invalid="ignore"):
-        terms = np.where(log_p == -np.inf, 0.0, np.exp(log_p) * (log_p - log_q))
-    return np.where(blown, np.inf, np.maximum(terms.sum(axis=-1), 0.0))  # KL >= 0; rounding can dip below
+    return Compared(y, ref).kl_rows
+
+
+def _kl_logits(c: Compared) -> float:
+    rows = c.kl_rows
+    return float(rows.mean()) if rows.size else 0.0
 
 
 def kl_logits(y, ref) -> float:
     """mean over rows of KL(softmax(ref) || softmax(y))."""
-    rows = kl_rows(y, ref)
-    return float(rows.mean()) if rows.size else 0.0
+    return _kl_logits(Compared(y, ref))
+
+
+def _kl_max(c: Compared) -> float:
+    return _max(c.kl_rows)
 
 
 def kl_max(y, ref) -> float:
     """max over rows of KL(softmax(ref) || softmax(y)): the worst next-token distribution."""
-    return _max(kl_rows(y, ref))
+    return _kl_max(Compared(y, ref))
+
+
+def _greedy_agreement_length(c: Compared) -> int:
+    agree = c.top1_agrees
+    return int(agree.size if agree.all() else np.argmin(agree))
 
 
 def greedy_agreement_length(y, ref) -> int:
     """Leading rows (positions, in order) whose argmax agrees before the first that does not; a blown row
     disagrees. On logits teacher-forced along the reference's own greedy continuation this is how many
     generated tokens the plan reproduces."""
-    y2, r2, blown = _logit_rows(y, ref)
-    agree = (np.argmax(y2, -1) == np.argmax(r2, -1)) & ~blown
-    return int(agree.size if agree.all() else np.argmin(agree))
+    return _greedy_agreement_length(Compared(y, ref))
+
+
+def _greedy_agreement(c: Compared) -> float:
+    rows = _rows(c.y).shape[0] if c.y.size else 0
+    return 1.0 if rows == 0 else _greedy_agreement_length(c) / rows
 
 
 def greedy_agreement(y, ref) -> float:
     """greedy_agreement_length as a fraction of the rows (1 = every position agrees)."""
-    rows = _rows(np.asarray(y)).shape[0] if np.asarray(y).size else 0
-    return 1.0 if rows == 0 else greedy_agreement_length(y, ref) / rows
+    return _greedy_agreement(Compared(y, ref))
+
+
+def _top1_agreement(c: Compared) -> float:
+    agree = c.top1_agrees
+    return float(np.mean(agree)) if agree.size else 1.0
 
 
 def top1_agreement(y, ref) -> float:
     """Fraction of rows whose argmax (first on ties) agrees; a blown row disagrees."""
-    y2, r2, blown = _logit_rows(y, ref)
-    if not r2.size:
-        return 1.0
-    return float(np.mean((np.argmax(y2, -1) == np.argmax(r2, -1)) & ~blown))
+    return _top1_agreement(Compared(y, ref))
 
 
 # ---- ULP distance ----------------------------------------------------------------------------------
@@ -229,8 +310,12 @@ def max_ulp(y, ref, fmt: Format) -> float:
     A value beyond fmt's largest finite number counts as inf (one step past it) in formats that have
     inf, and as a blow-up (inf) in formats that do not (FP8 E4M3).
     """
-    p = _pair(y, ref)
-    if p.blown.any():
+    return _max_ulp(Compared(y, ref), fmt)
+
+
+def _max_ulp(c: Compared, fmt: Format) -> float:
+    p = c.pair
+    if c.blown_any:
         return np.inf
     largest = int(_ordinal(np.array(fmt.max_finite), fmt)[1])
     (y_neg, y_idx), (r_neg, r_idx) = _ordinal(p.y, fmt), _ordinal(p.ref, fmt)
@@ -250,9 +335,16 @@ def allclose_violation(y, ref, atol: float, rtol: float) -> float:
     An exact element scores 0 even with atol = rtol = 0; an inexact one with a zero tolerance scores inf;
     a blow-up (NaN, overflow) scores inf.
     """
-    p = _pair(y, ref)
-    if p.blown.any():
+    return allclose_of(Compared(y, ref), atol, rtol)
+
+
+def allclose_of(c: Compared, atol: float, rtol: float) -> float:
+    """allclose_violation of a Compared pair; atol = inf (allclose off) needs no pass over the values."""
+    p = c.pair
+    if c.blown_any:
         return np.inf
+    if atol == np.inf:  # every finite error is within an infinite tolerance: ratio 0
+        return 0.0
     err = np.abs(p.y - p.ref)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         tolerance = atol + np.where(p.ref == 0, 0.0, rtol * np.abs(p.ref))  # rtol=inf at ref=0 is 0, not NaN
@@ -261,22 +353,22 @@ def allclose_violation(y, ref, atol: float, rtol: float) -> float:
 
 
 def _ulp_metric(fmt: Format) -> Metric:
-    return Metric(f"max_ulp_{fmt.name}", lambda y, ref: max_ulp(y, ref, fmt), Direction.LOWER,
+    return Metric(f"max_ulp_{fmt.name}", lambda c: _max_ulp(c, fmt), Direction.LOWER,
                   f"max distance in {fmt.name} ulps after rounding both to {fmt.name} (0 = correctly rounded)",
                   (f"ulp_{fmt.name}",))
 
 
 METRICS: dict[str, Metric] = {m.name: m for m in (
-    Metric("max_abs", max_abs, Direction.LOWER, "max |y - ref|", ("abs",)),
-    Metric("max_rel", max_rel, Direction.LOWER, "max |y - ref| / max(|ref|, 2^-1022)", ("rel",)),
-    Metric("rel_l2", rel_l2, Direction.LOWER, "||y - ref||_2 / ||ref||_2", ("l2",)),
-    Metric("cosine", cosine, Direction.HIGHER, "min over rows of the cosine similarity (last axis)", ("cos",),
+    Metric("max_abs", _max_abs, Direction.LOWER, "max |y - ref|", ("abs",)),
+    Metric("max_rel", _max_rel, Direction.LOWER, "max |y - ref| / max(|ref|, 2^-1022)", ("rel",)),
+    Metric("rel_l2", _rel_l2, Direction.LOWER, "||y - ref||_2 / ||ref||_2", ("l2",)),
+    Metric("cosine", _cosine, Direction.HIGHER, "min over rows of the cosine similarity (last axis)", ("cos",),
            (-1.0, 1.0)),
-    Metric("kl_logits", kl_logits, Direction.LOWER, "mean over rows of KL(softmax(ref) || softmax(y))", ("kl",)),
-    Metric("top1_agreement", top1_agreement, Direction.HIGHER, "fraction of rows with the same argmax",
+    Metric("kl_logits", _kl_logits, Direction.LOWER, "mean over rows of KL(softmax(ref) || softmax(y))", ("kl",)),
+    Metric("top1_agreement", _top1_agreement, Direction.HIGHER, "fraction of rows with the same argmax",
            ("top1",), (0.0, 1.0)),
-    Metric("kl_max", kl_max, Direction.LOWER, "max over rows of KL(softmax(ref) || softmax(y))", ()),
-    Metric("greedy_agreement", greedy_agreement, Direction.HIGHER,
+    Metric("kl_max", _kl_max, Direction.LOWER, "max over rows of KL(softmax(ref) || softmax(y))", ()),
+    Metric("greedy_agreement", _greedy_agreement, Direction.HIGHER,
            "leading rows with the same argmax before the first that differs, as a fraction of the rows",
            ("greedy",), (0.0, 1.0)),
     *(_ulp_metric(f) for f in ulp_formats()),

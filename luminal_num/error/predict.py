@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from .budget import Budget, BudgetVerdict
-from .metrics import METRICS, Direction, allclose_violation
+from .metrics import METRICS, Compared, Direction, allclose_of
 
 Change = tuple[str, str, str]
 Outputs = Mapping[str, np.ndarray]
@@ -83,14 +83,14 @@ class DeltaPredictor:
         ratio = allclose = user = 0.0
         reason = ""
         for pred, ref in zip(predicted, self.refs):
-            v = self.gate.check(pred, ref)
+            compared = {n: Compared(pred[n], ref[n]) for n in self.budget.outputs or ref}
+            v = self.gate.check(compared, ref)
             r = budget_ratio(self.gate, v)
             if r >= ratio:
                 ratio, reason = r, v.reason
             allclose = max(allclose, v.worst_allclose)
             # the user's allclose only (its metrics are the gate's, loosened: not needed for the ratio)
-            user = max([user] + [allclose_violation(pred[n], ref[n], self.budget.atol, self.budget.rtol)
-                                 for n in self.budget.outputs or ref])
+            user = max([user] + [allclose_of(c, self.budget.atol, self.budget.rtol) for c in compared.values()])
         return Prediction(ratio, allclose, user, reason)
 
     def decides(self, p: Prediction) -> bool | None:
