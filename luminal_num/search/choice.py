@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable, Union
 
 import numpy as np
@@ -65,6 +66,11 @@ class ChoiceSpace:
     def n_nodes(self) -> int:
         return sum(len(v) for v in self.classes.values())
 
+    @cached_property
+    def extractable_classes(self) -> frozenset[str]:
+        """extractable(), computed once per space (every candidate's extractor asks)."""
+        return self.extractable()
+
     def extractable(self) -> frozenset[str]:
         ok: set[str] = set()
         changed = True
@@ -86,8 +92,8 @@ class Candidate:
     def as_dict(self) -> dict[str, int]:
         return dict(self.choices)
 
-    @property
-    def key(self) -> str:
+    @cached_property
+    def key(self) -> str:  # cached: the judge asks for it per chunk per candidate (a hash of every choice)
         return hashlib.sha256(json.dumps(self.choices).encode()).hexdigest()[:16]
 
 
@@ -141,7 +147,7 @@ class _Picker:
     def __init__(self, space: ChoiceSpace, rng: np.random.Generator | None, fixed: dict[str, int] | None = None,
                  order=None):
         self.space, self.rng = space, rng
-        self.ok = space.extractable()
+        self.ok = space.extractable_classes
         self.fixed = fixed or {}
         self.order = order  # optional (class id, picker) -> preferred alternative order (deterministic)
         self.chosen: dict[str, int] = {}
