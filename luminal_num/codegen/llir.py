@@ -23,6 +23,7 @@ import numpy as np
 from ..dtypes.formats import F32, Format
 from ..dtypes.variants import GEMM_VARIANTS, ScaleSpec
 from ..hlir.gemm import GemmLayout
+from ..hlir.weightcache import WEIGHTS
 from ..hlir.ops import Op
 from ..hlir.shape import ShapeTracker, View, contiguous_strides
 from ..hlir.symbolic import Dim, evaluate, prod
@@ -505,10 +506,17 @@ def _check_quantize(k: Kernel) -> str:
     return _views_shaped(k, k.layout.full_shape, 1)
 
 
+def _read_only(x: np.ndarray) -> np.ndarray:
+    x.setflags(write=False)  # shared by every runtime: a write into it would be a bug, raised where it happens
+    return x
+
+
 def external_value(k: Kernel, feed: Mapping[str, object]) -> np.ndarray:
     """An EXTERNAL kernel's value from graph inputs by name: the input, or its weights concatenated."""
-    if k.concat:
-        return np.concatenate([np.asarray(feed[n]) for n in k.concat], axis=k.concat_axis)
+    if k.concat:  # the same parts give the same array, kept process-wide: what is derived from it (its Gemm
+        # operand per variant, hlir.weightcache) is then kept too, not rebuilt by every runtime
+        parts = [np.asarray(feed[n]) for n in k.concat]
+        return WEIGHTS.get_joint(parts, ("concat", k.concat_axis), lambda: _read_only(np.concatenate(parts, axis=k.concat_axis)))
     return np.asarray(feed[k.external])
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from typing import Callable, Hashable, TypeVar
+from typing import Callable, Hashable, Sequence, TypeVar
 
 import numpy as np
 
@@ -85,6 +85,18 @@ class WeightCache:
         value = make()
         self._lru.put(k, (weakref.ref(source, lambda _, k=k: self._lru.drop(k)), value), nbytes(value))
         return value
+
+    def get_joint(self, sources: Sequence[np.ndarray], key: Hashable, make: Callable[[], T]) -> T:
+        """get() for a value derived from several arrays (a concatenation of weights): kept under the
+        first, and returned only while the others are the very arrays it was made from (an id reused
+        by a new array after one part was freed makes it again)."""
+        first, rest = sources[0], tuple(sources[1:])
+        k = (key, tuple(id(s) for s in rest))
+        made, value = self.get(first, k, lambda: (tuple(weakref.ref(s) for s in rest), make()))
+        if all(r() is s for r, s in zip(made, rest)):
+            return value
+        self._lru.drop((id(first), k))
+        return self.get(first, k, lambda: (tuple(weakref.ref(s) for s in rest), make()))[1]
 
     @property
     def budget_bytes(self) -> int:
