@@ -28,6 +28,7 @@ from .hlir.symbolic import is_const
 from .files import read_npz
 from .report.files import OutputDirError, OutputLocked, check_output_dir, output_lock
 from .report.numbers import fmt_latency, fmt_num
+from .report.pareto import ERROR_COLUMN
 from .runtime.targets import get_target
 
 EXIT_OK, EXIT_CONTRACT, EXIT_INPUT, EXIT_BUSY, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 3, 130, 141
@@ -305,15 +306,16 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
         print(f"[luminal-num] verdict cache {args.cache_dir}: {stats.get('stored', 0)} verdicts reused, "
               f"{stats.get('measured', 0)} measured end to end now")
     headroom = float(stats.get("headroom", 1.0))
-    print(f"\nPareto front of passing plans (allclose ratio <= {fmt_num(headroom)} = headroom x budget; "
-          "fastest first):")
-    _print_table(front, ["candidate", "allclose_ratio", "latency_s", "verdict_source", "variants"])
+    print(f"\nPareto front of passing plans ({ERROR_COLUMN}: the share of the budget used over allclose and "
+          f"every metric, <= {fmt_num(headroom)} = headroom x budget; fastest first):")
+    _print_table(front, ["candidate", ERROR_COLUMN, "latency_s", "verdict_source", "variants"])
     print("\nBaselines:")
-    _print_table(rows[rows.stage == "baseline"], ["label", "allclose_ratio", "latency_s", "passes"])
+    _print_table(rows[rows.stage == "baseline"], ["label", ERROR_COLUMN, "latency_s", "passes"])
     plan = result.plan.data
-    print(f"\nChosen plan: allclose ratio {fmt_num(plan['verdict']['error'])} ({plan['verdict']['source']}; "
-          f"budget 1, judged against {fmt_num(headroom)}), latency {fmt_latency(plan['latency']['total_s'])} "
-          f"({plan['latency']['source']})")
+    share = rows.loc[rows.candidate == result.search.chosen.id, ERROR_COLUMN].iloc[0]
+    print(f"\nChosen plan: budget share {fmt_num(share)}, allclose ratio {fmt_num(plan['verdict']['error'])} "
+          f"({plan['verdict']['source']}; budget 1, judged against {fmt_num(headroom)}), latency "
+          f"{fmt_latency(plan['latency']['total_s'])} ({plan['latency']['source']})")
     _summary(plan)
     print("\nwrote " + ", ".join(str(p) for p in files.values()))
     return EXIT_OK
@@ -336,18 +338,18 @@ VERDICT_CACHE = "verdicts"  # the default verdict cache folder inside --out
 
 
 def _front(rows):
-    """Rows not dominated in (latency, error), fastest first."""
+    """Rows not dominated in (latency, budget share), fastest first (search.front's rule, on the table)."""
     from .search.search import LATENCY_TIE
-    rows = rows.sort_values(["latency_s", "allclose_ratio", "candidate"])
+    rows = rows.sort_values(["latency_s", ERROR_COLUMN, "candidate"])
     keep, best, last_latency = [], float("inf"), None
     for i, r in rows.iterrows():
-        if r.allclose_ratio < best:
+        if r[ERROR_COLUMN] < best:
             if keep and r.latency_s <= last_latency * (1 + LATENCY_TIE):
                 keep[-1] = i  # a tie in latency: the more accurate one stands for it
             else:
                 keep.append(i)
                 last_latency = r.latency_s
-            best = r.allclose_ratio
+            best = r[ERROR_COLUMN]
     return rows.loc[keep]
 
 
@@ -440,7 +442,7 @@ def cmd_pareto(args) -> int:
         df = pd.read_csv(p)
     except Exception as exc:  # noqa: BLE001
         raise InputError(f"cannot read {p}: {exc}") from None
-    columns = ["candidate", "allclose_ratio", "latency_s", "latency_source", "verdict_source", "label"]
+    columns = ["candidate", ERROR_COLUMN, "latency_s", "latency_source", "verdict_source", "label"]
     if "on_front" not in df.columns or "passes" not in df.columns or not set(columns) <= set(df.columns):
         raise InputError(f"{p} is not a luminal_num Pareto table (of this version)")
     front = df[df.on_front & df.passes].sort_values("latency_s", kind="stable")  # the front of passing plans

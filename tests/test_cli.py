@@ -69,7 +69,7 @@ def test_pareto_prints_the_front(report, workdir):
     run = cli("pareto", str(report), cwd=workdir)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
-    assert lines[0].split()[:3] == ["candidate", "allclose_ratio", "latency"]
+    assert lines[0].split()[:3] == ["candidate", "budget_share", "latency"]
     table = pd.read_csv(report / "pareto.csv")
     assert not (table["on_front"] & ~table["passes"]).any()  # the front is over passing plans only
     front = table[table["on_front"]].sort_values("latency_s", kind="stable")

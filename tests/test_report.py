@@ -56,7 +56,7 @@ def test_pareto_front_hand_cases():
 def passing_front(rows):
     """The front of passing rows only (brute force): a failing plan is never on it and dominates nothing."""
     points = [(e, lat) if ok else (math.nan, math.nan)
-              for e, lat, ok in zip(rows["allclose_ratio"], rows["latency_s"], rows["passes"])]
+              for e, lat, ok in zip(rows["budget_share"], rows["latency_s"], rows["passes"])]
     return brute_force_front(points)
 
 
@@ -64,7 +64,7 @@ def sample_rows(n=12, seed=0):
     rng = np.random.default_rng(seed)
     rows = pd.DataFrame({
         "candidate": [f"cand{i:03d}" for i in range(n)],
-        "allclose_ratio": rng.lognormal(-9, 3, n),
+        "budget_share": rng.lognormal(-9, 3, n),
         "latency_s": rng.lognormal(-8, 1, n),
         "latency_source": ["modelled"] * n,
         "verdict_source": rng.choice(["cache", "static", "measured"], n),
@@ -108,11 +108,11 @@ def test_csv_round_trips_floats_exactly(tmp_path):
     rows = sample_rows()
     hard = [0.1 + 0.2, 1 / 3, 5e-324, 2.2250738585072014e-308, 1e200, 123456789.12345678,
             float.fromhex("0x1.fffffffffffffp-1"), 0.0, 3e-17, 6.02214076e23, 1e-300, 0.5]
-    rows["allclose_ratio"] = hard
+    rows["budget_share"] = hard
     files = write_pareto_report(tmp_path, rows, budget_error=1e-3, title="t", error_label="err")
     with files.csv.open(newline="") as stream:
         records = list(csv.DictReader(stream))
-    assert [float(r["allclose_ratio"]).hex() for r in records] == [x.hex() for x in hard]
+    assert [float(r["budget_share"]).hex() for r in records] == [x.hex() for x in hard]
     latencies = [float(r["latency_s"]) if r["latency_s"] else math.nan for r in records]
     np.testing.assert_array_equal(np.array(latencies), rows["latency_s"].to_numpy())
 
@@ -149,7 +149,7 @@ def test_failure_keeps_the_previous_report_and_sibling_files(tmp_path, monkeypat
     (tmp_path / "plan.json").write_text("{}")
     old = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     bad = sample_rows(seed=2)
-    bad["allclose_ratio"] = [*bad["allclose_ratio"][:3], "not a number", *bad["allclose_ratio"][4:]]
+    bad["budget_share"] = [*bad["budget_share"][:3], "not a number", *bad["budget_share"][4:]]
     with pytest.raises(ValueError):
         write_pareto_report(tmp_path, bad, 1e-3, "t", "err")
 
@@ -167,7 +167,7 @@ def test_failure_keeps_the_previous_report_and_sibling_files(tmp_path, monkeypat
     (lambda r: r.assign(passes="yes"), "booleans"),
     (lambda r: r.assign(candidate="same"), "duplicate"),
     (lambda r: r.assign(label="chosen"), "more than one"),
-    (lambda r: r.assign(allclose_ratio=-1.0), "negative"),
+    (lambda r: r.assign(budget_share=-1.0), "negative"),
 ])
 def test_malformed_rows_are_rejected(tmp_path, mutate, message):
     with pytest.raises(ValueError, match=message):
@@ -240,24 +240,24 @@ def assert_page_is_for_people(page: str) -> None:
 
 def test_html_numbers_are_for_people_and_show_threshold_and_chosen(tmp_path):
     rows = sample_rows()
-    rows["allclose_ratio"] = [np.float64(x) for x in rows["allclose_ratio"]]  # what the search hands in
+    rows["budget_share"] = [np.float64(x) for x in rows["budget_share"]]  # what the search hands in
     rows["max_abs"] = [np.float64(0.034234567890123456)] * len(rows)
     chosen = rows.index[rows["label"] == "chosen"][0]
-    rows.loc[chosen, ["allclose_ratio", "latency_s", "passes"]] = [0.0342345678901234, 1.23456789e-4, True]
+    rows.loc[chosen, ["budget_share", "latency_s", "passes"]] = [0.0342345678901234, 1.23456789e-4, True]
     files = write_pareto_report(tmp_path, rows, 1.0, "t", "allclose ratio", threshold=0.5)
     page = files.html.read_text()
     assert_page_is_for_people(page)
-    assert "threshold 0.5 (headroom 0.5 x budget)" in page and "allclose ratio &le; 1" in page
-    assert "chosen plan: candidate cand004 (allclose ratio 0.0342, latency 123 us)" in page
+    assert "threshold 0.5 (headroom 0.5 x budget)" in page and "error &le; 1" in page
+    assert "chosen plan: candidate cand004 (error 0.0342, latency 123 us)" in page
     assert "<th>latency</th>" in page and "<th>allclose ratio</th>" in page
     # the CSV stays the exact record
     table = pd.read_csv(files.csv)
-    assert table.loc[chosen, "allclose_ratio"] == 0.0342345678901234
+    assert table.loc[chosen, "budget_share"] == 0.0342345678901234
 
 
 def test_front_is_over_passing_plans_only(tmp_path):
     rows = sample_rows().assign(latency_s=1e-3)
-    rows.loc[0, ["allclose_ratio", "latency_s", "passes"]] = [1e-9, 1e-6, False]  # fastest, most accurate, fails
+    rows.loc[0, ["budget_share", "latency_s", "passes"]] = [1e-9, 1e-6, False]  # fastest, most accurate, fails
     files = write_pareto_report(tmp_path, rows, 1.0, "t", "err")
     table = pd.read_csv(files.csv)
     assert not table.loc[0, "on_front"]

@@ -404,3 +404,19 @@ def test_each_candidate_counts_the_end_to_end_runs_it_cost(job, space, compiled)
         firsts.setdefault(key, e.id)
     assert all(e.end_to_end_runs == 0 for e in evaluated if e.verdict.source in ("chunks", "predicted", "static"))
     assert hits > 0, "no genome reused another's measured program: the case this test is for did not occur"
+
+
+def test_the_front_ranks_by_the_share_of_every_metric_not_allclose_alone():
+    """An LLM budget (atol=inf, KL and top-1 limits) gives every plan an allclose ratio of 0: the front
+    and the choice among latency ties must use the share of the budget over every metric, or the front
+    collapses to the fastest plan and the most accurate of a tie is not the one kept."""
+    from luminal_num.error.judge import Verdict
+    from luminal_num.search.search import Evaluated, choose, front
+
+    def cand(i, latency, ratio):
+        v = Verdict(True, "measured", 0.0, float("nan"), None, "", 0.0, ratio)
+        lat = type("Lat", (), {"total_s": latency})()
+        return Evaluated(i, frozenset({("g", f"c{i}", "t")}), v, lat, "", "mutation", None, 1)
+    plans = [cand(0, 1e-4, 0.8), cand(1, 2e-4, 0.3), cand(2, 3e-4, 0.1), cand(3, 1e-4, 0.5)]
+    assert [e.id for e in front(plans)] == [3, 1, 2]
+    assert choose(plans).id == 3

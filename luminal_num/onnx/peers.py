@@ -18,7 +18,8 @@ import pandas as pd
 
 from ..error.budget import Budget
 from ..report.numbers import fmt_latency
-from ..report.pareto import ERROR_COLUMN
+from ..error.predict import budget_ratio
+from ..report.pareto import ALLCLOSE_COLUMN, ERROR_COLUMN
 
 PEER_FP32, PEER_FP16 = "ORT FP32", "ORT FP16 (fp32 I/O)"
 PEER_LATENCY_SOURCE = "measured (onnxruntime, CPU)"
@@ -27,10 +28,11 @@ PEER_LATENCY_SOURCE = "measured (onnxruntime, CPU)"
 @dataclass(frozen=True)
 class PeerResult:
     label: str
-    error: float        # worst allclose ratio over the batches (<= 1 is within budget)
+    error: float        # worst share of the budget over the batches, allclose and every metric (<= 1 fits)
     passes: bool
     latency_s: float    # median wall time of one batch on this machine's CPU
     reason: str
+    allclose: float = float("nan")  # worst allclose ratio alone
 
 
 def ort_available() -> bool:
@@ -72,10 +74,10 @@ def run_peers(model: onnx.ModelProto, batches: Sequence[Mapping[str, np.ndarray]
                                   f"onnxruntime could not run it: {' '.join(str(exc).split())[:200]}"))
             continue
         verdicts = [budget.check({k: np.asarray(v, np.float64) for k, v in o.items()}, r) for o, r in zip(outs, refs)]
-        worst = max(verdicts, key=lambda v: v.worst_allclose)
+        worst = max(verdicts, key=lambda v: budget_ratio(budget, v))
         failed = next((v for v in verdicts if not v.passed), None)
-        out.append(PeerResult(label, float(worst.worst_allclose), failed is None, latency,
-                              (failed or worst).reason))
+        out.append(PeerResult(label, budget_ratio(budget, worst), failed is None, latency, (failed or worst).reason,
+                              max(v.worst_allclose for v in verdicts)))
     return out
 
 
@@ -84,7 +86,7 @@ def peer_rows(peers: Sequence[PeerResult], target: str) -> pd.DataFrame:
     CPU, so it is placed on the latency axis only for target 'cpu'; other targets are modelled."""
     rows = []
     for i, p in enumerate(peers):
-        rows.append({"candidate": -(i + 1), ERROR_COLUMN: p.error,
+        rows.append({"candidate": -(i + 1), ERROR_COLUMN: p.error, ALLCLOSE_COLUMN: p.allclose,
                      "latency_s": p.latency_s if target == "cpu" else float("nan"),
                      "latency_source": PEER_LATENCY_SOURCE + ("" if target == "cpu" else
                                                               f": {fmt_latency(p.latency_s)} on this CPU, not comparable to {target}"),

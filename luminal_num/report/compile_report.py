@@ -1,6 +1,7 @@
 """Reports of a compile: reports/<name>/{pareto.csv, pareto.html, pareto.png, plan_ops.csv, plan.json}."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,7 @@ import pandas as pd
 from ..search.plan import scales_path, weights_path
 from .files import atomic_files
 from .layer_map import write_layer_map
-from .pareto import CSV_NAME, ERROR_COLUMN, HTML_NAME, PNG_NAME, write_op_table, write_pareto_report
+from .pareto import ALLCLOSE_COLUMN, CSV_NAME, ERROR_COLUMN, HTML_NAME, PNG_NAME, write_op_table, write_pareto_report
 
 PLAN_NAME, OPS_NAME = "plan.json", "plan_ops.csv"
 LAYER_CSV, LAYER_PNG = "layer_map.csv", "layer_map.png"
@@ -23,6 +24,7 @@ def candidate_rows(result) -> pd.DataFrame:
     """One row per evaluated candidate (baselines labelled, the chosen plan marked)."""
     chosen_id = result.search.chosen.id if result.search.chosen is not None else -1
     sources = result.search.stats.get("baseline_sources", {})  # what each labelled baseline follows
+    headroom = float(result.search.stats.get("headroom", 1.0))
     rows = []
     for e in result.search.evaluated:
         label = e.label if e.stage == "baseline" else ""
@@ -30,13 +32,22 @@ def candidate_rows(result) -> pd.DataFrame:
             label = "chosen"
         tags = sorted(t for _, _, t in e.genome)
         rows.append({"candidate": e.id,
-                     ERROR_COLUMN: float(e.verdict.budget_error),  # against the user's budget
+                     ERROR_COLUMN: user_share(e.verdict, headroom),
+                     ALLCLOSE_COLUMN: float(e.verdict.budget_error),  # against the user's budget
                      "latency_s": e.latency_s, "latency_source": e.latency.source if e.latency else "not profiled",
                      "verdict_source": e.verdict.source, "passes": bool(e.verdict.passed), "label": label,
                      "stage": e.stage, "changes": len(tags), "max_abs": e.verdict.max_abs,
                      "variants": " ".join(sorted(set(tags))) or "fp32", "reason": e.verdict.reason,
                      "source": sources.get(e.label, "") if e.stage == "baseline" else ""})
     return pd.DataFrame(rows)
+
+
+def user_share(verdict, headroom: float) -> float:
+    """The share of the user's budget a verdict uses over allclose and every metric: its share of the gate
+    (the budget tightened by `headroom`, which scales every allowance) times the headroom; the allclose
+    ratio alone where no share was recorded."""
+    ratio = float(verdict.ratio)
+    return ratio * headroom if math.isfinite(ratio) else float(verdict.budget_error)
 
 
 def kernels_per_chunk(ops: pd.DataFrame, groups: list[list[int]]) -> pd.DataFrame:
@@ -67,7 +78,7 @@ def write_compile_report(result, out_dir: str | Path, title: str, interrupted: s
         title = f"{title} [PARTIAL: {interrupted}]"
     with atomic_files(out_dir) as staging:
         write_pareto_report(staging, rows, budget_error=1.0, title=title, threshold=headroom,
-                            error_label="allclose ratio vs FP64 (<= 1 is within the budget)")
+                            error_label="share of the budget vs FP64, allclose and every metric (<= 1 is within it)")
         ops = pd.DataFrame(result.plan.data["kernels"])
         write_op_table(staging / OPS_NAME, ops)
         groups = [[c.index for c in g.chunks] for g in result.space.part.groups]

@@ -24,7 +24,11 @@ from matplotlib.figure import Figure
 from luminal_num.report.files import atomic_files, atomic_write_text
 from luminal_num.report.numbers import fmt_latency, fmt_num
 
-ERROR_COLUMN = "allclose_ratio"  # the error a plan is judged by: max |y - ref| / (atol + rtol |ref|)
+# the error a plan is judged by: the share of the user's budget it uses, over allclose (max |y - ref| /
+# (atol + rtol |ref|)) and every metric limit (1 - cosine, KL, 1 - top-1 ... over their limits); <= 1 fits.
+# With atol=inf (an LLM budget of KL and top-1 limits) allclose alone would put every plan at 0.
+ERROR_COLUMN = "budget_share"
+ALLCLOSE_COLUMN = "allclose_ratio"  # allclose alone, kept beside it
 REQUIRED_COLUMNS = ("candidate", ERROR_COLUMN, "latency_s", "latency_source", "verdict_source", "passes", "label")
 NUMERIC_COLUMNS = (ERROR_COLUMN, "latency_s")
 CHOSEN_LABEL = "chosen"
@@ -194,7 +198,7 @@ def _cell(value: object, column: str = "") -> str:
     return f"<td>{html.escape(str(value))}</td>"
 
 
-HEADERS = {"latency_s": "latency", FRONT_COLUMN: "on front (of passing plans)"}
+HEADERS = {"latency_s": "latency", FRONT_COLUMN: "on front (of passing plans)", ALLCLOSE_COLUMN: "allclose ratio"}
 
 
 def _render_html(table: pd.DataFrame, png: bytes, budget_error: float, threshold: float | None, title: str,
@@ -209,11 +213,11 @@ def _render_html(table: pd.DataFrame, png: bytes, budget_error: float, threshold
         body_rows.append(f'<tr class="{classes}">{cells}</tr>')
     chosen_rows = table[is_chosen]
     chosen_text = ("no plan chosen" if chosen_rows.empty else
-                   f"chosen plan: candidate {chosen_rows['candidate'].iloc[0]} (allclose ratio "
+                   f"chosen plan: candidate {chosen_rows['candidate'].iloc[0]} (error "
                    f"{fmt_num(chosen_rows[ERROR_COLUMN].iloc[0])}, latency {fmt_latency(chosen_rows['latency_s'].iloc[0])})")
     judged = budget_error if threshold is None else threshold
-    limit = (f"the budget is an allclose ratio &le; {fmt_num(budget_error)}" if threshold is None else
-             f"the budget is an allclose ratio &le; {fmt_num(budget_error)}; plans were judged against the "
+    limit = (f"the budget is an error &le; {fmt_num(budget_error)}" if threshold is None else
+             f"the budget is an error &le; {fmt_num(budget_error)}; plans were judged against the "
              f"threshold {fmt_num(threshold)} (headroom {fmt_num(threshold / budget_error)} x budget) on the "
              f"calibration inputs, keeping the rest for unseen inputs")
     summary = (f"{len(table)} candidates, {int(table['passes'].sum())} pass the gate (judged against "

@@ -244,11 +244,11 @@ class Searcher:
         """Add passing changes in order of latency gain per unit of error while the whole stays in budget."""
         if base.latency is None:
             return
-        base_err = base.verdict.error if np.isfinite(base.verdict.error) else 0.0
+        base_err = _share(base) if np.isfinite(_share(base)) else 0.0
 
         def score(e: Evaluated) -> float:
             gain = base.latency_s - e.latency_s
-            return gain / max(e.verdict.error - base_err, 1e-12)
+            return gain / max(_share(e) - base_err, 1e-12)
         useful = [e for e in singles if e.verdict.passed and e.latency is not None and e.latency_s < base.latency_s]
         useful.sort(key=lambda e: (-score(e), e.id))
         # start from the fastest passing uniform recipe or single change (or FP32): singles then refine it
@@ -377,11 +377,11 @@ class Searcher:
 
 
 def front(evaluated: list[Evaluated]) -> list[Evaluated]:
-    """The (latency, error) Pareto front of the passing candidates, latency ties merged: candidates
+    """The (latency, budget share) Pareto front of the passing candidates, latency ties merged: candidates
     within LATENCY_TIE of a bucket's fastest are one point, the one choose() would take (every front
     member is confirmed end to end, so a point that buys nothing measurable would cost a run)."""
     passing = [e for e in evaluated if e.verdict.passed and e.latency is not None]
-    passing.sort(key=lambda e: (e.latency_s, e.verdict.error, e.id))
+    passing.sort(key=lambda e: (e.latency_s, _share(e), e.id))
     buckets: list[list[Evaluated]] = []
     for e in passing:
         if buckets and e.latency_s <= buckets[-1][0].latency_s * (1 + LATENCY_TIE):
@@ -391,9 +391,9 @@ def front(evaluated: list[Evaluated]) -> list[Evaluated]:
     out, best_err = [], np.inf
     for b in buckets:
         pick = min(b, key=_choice_key)
-        if pick.verdict.error < best_err:
+        if _share(pick) < best_err:
             out.append(pick)
-            best_err = pick.verdict.error
+            best_err = _share(pick)
     return out
 
 
@@ -415,8 +415,8 @@ def choose(passing: list[Evaluated]) -> Evaluated | None:
 
 
 def _choice_key(e: Evaluated) -> tuple:
-    """Among tied latencies: the most accurate, then the fewest changes."""
-    return (e.verdict.error, len(e.genome), e.latency_s, e.id)
+    """Among tied latencies: the most accurate (share of the budget over every metric), then the fewest changes."""
+    return (_share(e), len(e.genome), e.latency_s, e.id)
 
 
 def variant_classes(tags, target: str) -> list[list[str]]:
