@@ -52,3 +52,22 @@ def test_the_context_changes_with_weights_and_inputs(job):
     moved = [{k: (v + 1 if np.asarray(v).dtype.kind == "f" else v) for k, v in b.items()} for b in job.calibration]
     assert context_key(job.graph, moved, budget, budget) != base
     assert context_key(job.graph, job.calibration, budget.tightened(0.5), budget) != base
+
+
+def test_pool_workers_run_blas_on_one_thread_each():
+    """One worker per core: a worker's BLAS must not start threads of its own on top (error/tasks.py)."""
+    import pytest
+    from luminal_num.error import tasks
+    from luminal_num.runtime.blas_threads import blas_threads
+    if blas_threads() is None:
+        pytest.skip("numpy is not using its bundled OpenBLAS: its own threading stands")
+    with tasks.TaskPool({}, 2) as pool:
+        if pool._pool is None:
+            pytest.skip("no fork start method: the pool runs tasks in this process")
+        got = pool._pool.map(_threads, range(4))
+    assert got == [1, 1, 1, 1]
+
+
+def _threads(_):
+    from luminal_num.runtime.blas_threads import blas_threads
+    return blas_threads()

@@ -17,6 +17,7 @@ from ..codegen.llir import Program
 from ..codegen.serialize import program_from_data, program_to_data
 from ..hlir.weightcache import WEIGHTS
 from ..quant.stored import CONVERTED
+from ..runtime.blas_threads import set_blas_threads
 from ..runtime.cpu import CpuRuntime
 
 Batch = Mapping[str, np.ndarray]
@@ -46,6 +47,7 @@ def _worker_init(weights) -> None:
     _WEIGHTS = weights
     for cache in (WEIGHTS, CONVERTED):  # entries inherited from the parent count until evicted
         cache.resize(min(cache.budget_bytes, WORKER_CACHE_BYTES))
+    set_blas_threads(1)  # one worker per core: BLAS threads on top only oversubscribe (runtime/blas_threads.py)
 
 
 def _run_data(args):
