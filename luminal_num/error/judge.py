@@ -329,6 +329,10 @@ class Judge:
         self.stats.static += 1
         return Verdict(True, "static", worst, np.nan, bound, f"certified: static bound ratio {worst!r} <= 1", user)
 
+    def has_outputs(self, program: Program) -> bool:
+        """Whether this program's outputs on every calibration batch were kept (batch_ratios ran it)."""
+        return self.outputs_cache is not None and program_key(program) in self.outputs_cache
+
     def batch_ratios(self, program: Program) -> list[float]:
         """The share of the user's budget the program uses on each calibration batch (all metrics)."""
         rt = CpuRuntime(program, self.graph.weights)

@@ -123,11 +123,14 @@ class Searcher:
             if not lowered:
                 lowered.append(self.space.program(genome))
             return lowered[0]
-        # baselines are reference points: always measured end to end, never screened by the estimate
-        screen = None if stage == "baseline" else self.space.candidates(genome)
+        # the FP32 baseline (every single change's reference point) and a baseline already run end to end
+        # (a headroom probe: its outputs are kept) are measured; the other baselines are judged like any
+        # candidate (the front and the chosen plan are confirmed end to end anyway)
+        measured = stage == "baseline" and (not genome or self.judge.has_outputs(program()))
+        screen = None if measured else self.space.candidates(genome)
         runs_before = self.judge.stats.measured
-        verdict = self.judge.judge(program if screen is not None else program(), genome, screen,
-                                   predict=stage != "baseline")
+        verdict = self.judge.judge(program() if stage == "baseline" else program, genome, screen,
+                                   predict=not measured)  # a baseline is timed whatever its verdict: lowered now
         lat = self.latency(program()) if (verdict.passed or force_latency) else None
         if verdict.passed and lat is None:  # the target cannot run this variant (FP8 on an A100)
             verdict = dataclasses.replace(verdict, passed=False, reason=f"not supported on target {self.target}")
