@@ -24,6 +24,7 @@ import pandas as pd  # noqa: E402
 from luminal_num.error.budget import Budget  # noqa: E402
 from luminal_num.error.chunks import ChunkEffects, Propagation  # noqa: E402
 from luminal_num.error.judge import Judge  # noqa: E402
+from luminal_num.error.predict import budget_ratio  # noqa: E402
 from luminal_num.error.reference import references  # noqa: E402
 from luminal_num.models.registry import llm_job, minilm_job, transformer_job  # noqa: E402
 from luminal_num.search.space import ChunkSite, SearchSpace  # noqa: E402
@@ -46,6 +47,22 @@ def random_per_layer_genome(space: SearchSpace, rng: np.random.Generator) -> tup
     return frozenset(genome), " ".join(names)
 
 
+def metric_shares(gate: Budget, outputs, refs) -> dict[str, float]:
+    """The share of the gate each part of it uses (allclose, each metric limit), worst over batches:
+    predict.budget_ratio's terms one by one."""
+    out: dict[str, float] = {}
+    for o, r in zip(outputs, refs):
+        v = gate.check(o, r)
+        parts = {"allclose": v.worst_allclose}
+        for ov in v.outputs:
+            for name, value in ov.metric_values:
+                one = Budget(np.inf, np.inf, gate.outputs, tuple(m for m in gate.metrics if m.name == name))
+                parts[name] = max(parts.get(name, 0.0), budget_ratio(one, one.check(o, r)))
+        for k, x in parts.items():
+            out[k] = max(out.get(k, 0.0), float(x))
+    return out
+
+
 def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...] = tuple(Propagation)) -> list[dict]:
     job = JOBS[name]()
     space = SearchSpace.build(job.graph)
@@ -64,13 +81,24 @@ def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...
         genome, formats = random_per_layer_genome(space, rng)
         cands = space.candidates(genome)
         row = dict(job=name, genome_index=i, formats=formats)
+        composed = {}
         for m, ce in effects.items():
             t0 = time.perf_counter()
-            row[f"predicted_{m.value}"] = judge.chunk_band.check(ce.compose(cands, judge.gated_refs)).ratio
+            composed[m] = ce.compose(cands, judge.gated_refs)
+            row[f"predicted_{m.value}"] = judge.chunk_band.check(composed[m]).ratio
             row[f"predict_{m.value}_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        measured, _ = judge._measure(space.program(genome))
+        measured, outs = judge._measure(space.program(genome), keep_outputs=True)
         row.update(measured=measured.ratio, measure_s=time.perf_counter() - t0)
+        # each part of the share alone: a count (top-1 over a batch of 8 rows) is discrete where KL is not
+        for part, share in metric_shares(judge.gate, composed[Propagation.SCALED], judge.refs).items():
+            row[f"predicted_scaled_{part}"] = share
+        for part, share in metric_shares(judge.gate, outs, judge.refs).items():
+            row[f"measured_{part}"] = share
+            p = row.get(f"predicted_scaled_{part}", float("nan"))
+            row[f"within_2x_scaled_{part}"] = bool(0.5 <= share / p <= 2.0) if p > 0 else share == p == 0
+        if "measured_top1_agreement" in row:  # top-1 flips predicted where they happen (a share > 0 is a flip)
+            row["same_top1_flips"] = (row["measured_top1_agreement"] > 0) == (row["predicted_scaled_top1_agreement"] > 0)
         for m in effects:
             p = row[f"predicted_{m.value}"]
             row[f"within_2x_{m.value}"] = bool(0.5 <= measured.ratio / p <= 2.0) if p > 0 else False
@@ -118,7 +146,7 @@ def main(argv=None) -> None:
                        for r in scatter_rows(name, args.n, modes=(Propagation.EXACT,) if name in exact else ())])
     write_csv(df, "prediction.csv")
     plot(df)
-    cols = [c for c in ("within_2x_scaled", "within_2x_exact", "predict_scaled_s", "measure_s") if c in df]
+    cols = [c for c in df if c.startswith("within_2x") or c in ("same_top1_flips", "predict_scaled_s", "measure_s")]
     print(df.groupby("job")[cols].mean())
 
 
