@@ -1,0 +1,268 @@
+"""The narrow-accumulator Gemm (numerics._grouped_gemm's semantics, module doc of runtime.numerics) as one
+numba kernel: same bits, 3-5x faster, because numpy spends each of K / mma_k steps on a small BLAS call
+and several elementwise passes over the tile, while here one register tile of MR x NR outputs stays in
+registers for a whole group and its accumulators in L1 for all of K.
+
+Why these bits are numerics' bits:
+- Group sums: MR vectors of NR FP64 sums over the group's products, k in order from +0 (llvm.fma:
+  products of float32 values are exact in FP64, so fma(a, b, s) = fl64(a * b + s) = fl64(fl64(a * b) + s)).
+  The group sum is then exact wherever numerics' is (its module doc), and independent of the order.
+  A zero sum is +0 (never -0), as numerics._round_f16_magic_inplace relies on for np.matmul.
+- acc = RN_acc(fl64(acc + group)): RNE to acc.p bits on the FP64 bits in the normal range (the
+  half-ulp trick of dtypes.rounding.round_significand), below acc.min_normal at the fixed subnormal
+  quantum by adding and subtracting 1.5 * 2^52 * min_subnormal (with the sign kept), past max_finite
+  +-inf: exactly round_to(x, acc, Overflow.INF) and numpy's float64 -> float16 cast. A NaN stays NaN
+  (its payload and sign may differ from numpy's, as across BLAS builds).
+- Scales and promotion in float32, each operation rounded once (fastmath off: LLVM contracts nothing),
+  in numerics' order: term = fl32(fl32(acc) * fl32(sa * sb)); out = term, then fl32(out + term).
+  Per product: fl64(fl32(fl32(group) * fl32(sa * sb))) enters the accumulator.
+
+Without numba (or with LUMINAL_NUM_JIT=0, or for a case takes() refuses) numerics runs its numpy path,
+which tests/test_jit_gemm.py fuzzes this kernel against. First use in a process costs numba's import
+(~0.7 s) and the compile (several seconds, once: numba caches the machine code on disk; a cached load
+is ~1 s); a process forked after that inherits the compiled kernel. The kernel is single-threaded and
+nogil: numerics' _for_each_tile runs tiles on its own threads (numba's parallel layer is not fork-safe,
+and the compiler forks workers).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+import numpy as np
+
+from ..dtypes.formats import Format
+
+MR, NR = 4, 16  # register tile: 4 rows x 16 FP64 columns (8 zmm / 16 ymm accumulators)
+ROW_BLOCK = 64  # rows per task: 64 x K FP64 of A stays in L2 while every B panel passes by
+ENABLED = os.environ.get("LUMINAL_NUM_JIT", "1") != "0"  # LUMINAL_NUM_JIT=0 forces numerics' numpy path
+
+try:
+    import numba
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+except ImportError:  # the numpy path of numerics runs instead
+    numba = None
+
+
+def kernel() -> Callable | None:
+    """The kernel (compiled at its first call), or None without numba or with LUMINAL_NUM_JIT=0."""
+    return grouped_tile if ENABLED and numba is not None else None
+
+
+def takes(acc: Format, *scales: np.ndarray | None) -> bool:
+    """Whether the kernel computes this accumulator and these scales (float32 ones) exactly."""
+    return (acc.p < 53 and acc.has_inf and acc.min_normal >= 2.0 ** -1022 and acc.max_finite < 2.0 ** 1023
+            and all(s is None or s.dtype == np.float32 for s in scales))
+
+
+def pack_a(a: np.ndarray, lead: tuple, m_pad: int) -> np.ndarray:
+    """A (..., M, K) -> FP64 (L, M_pad, K), rows zero-padded to a multiple of MR (padding outputs are dropped)."""
+    m, k = a.shape[-2:]
+    out = np.zeros((math.prod(lead), m_pad, k))
+    out[:, :m] = np.broadcast_to(a, lead + (m, k)).reshape(out.shape[0], m, k)
+    return out
+
+
+def pack_b(b: np.ndarray, lead: tuple) -> np.ndarray:
+    """B (..., K, N) -> FP64 panels (L, N_pad / NR, K, NR), each panel NR columns contiguous per k."""
+    k, n = b.shape[-2:]
+    b3 = np.broadcast_to(b, lead + (k, n)).reshape(-1, k, n)
+    full, rest = divmod(n, NR)
+    out = np.zeros((b3.shape[0], full + (rest > 0), k, NR))
+    out[:, :full] = b3[:, :, :full * NR].reshape(b3.shape[0], k, full, NR).transpose(0, 2, 1, 3)
+    if rest:
+        out[:, full, :, :rest] = b3[:, :, full * NR:]
+    return out
+
+
+def _scales(op, lead: tuple, blocks: int, k_axis: int, extent: int, padded: int) -> np.ndarray | None:
+    """fl32 scales of one operand per K-block, (L, blocks, padded) float32 (ones past `extent`), or None."""
+    from .numerics import _scale_vector
+    vectors = [_scale_vector(op, blk, k_axis, extent) for blk in range(blocks)]
+    if all(v is None for v in vectors):
+        return None
+    out = np.ones((math.prod(lead), blocks, padded), np.float32)
+    for blk, v in enumerate(vectors):
+        out[:, blk, :extent] = np.broadcast_to(v, lead + (extent,)).reshape(out.shape[0], extent)
+    return out
+
+
+def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_product: bool) -> np.ndarray | None:
+    """numerics._grouped_gemm's result (same arguments), or None where the kernel does not apply."""
+    run = kernel()
+    if run is None or not takes(acc, qa.scales, qb.scales):
+        return None
+    from .numerics import _for_each_tile
+    (m, k), n = qa.values.shape[-2:], qb.values.shape[-1]
+    lead = np.broadcast_shapes(qa.values.shape[:-2], qb.values.shape[:-2])
+    m_pad, panels = -(-m // MR) * MR, -(-n // NR)
+    blocks = -(-k // k_block)
+    sa = _scales(qa, lead, blocks, -1, m, m_pad)
+    sb = _scales(qb, lead, blocks, -2, n, panels * NR)
+    mode = 0 if sa is None and sb is None else 2 if per_product else 1
+    if per_product and mode == 0:
+        return None  # per-product scaling without scales: not a variant numerics computes either
+    ones = np.ones((1, blocks, 1), np.float32)
+    sa = np.broadcast_to(ones, (1, blocks, m_pad)) if sa is None else sa
+    sb = np.broadcast_to(ones, (1, blocks, panels * NR)) if sb is None else sb
+    sa, sb = np.ascontiguousarray(sa), np.ascontiguousarray(sb)
+    ap, bp = pack_a(qa.values, lead, m_pad), pack_b(qb.values, lead)
+    out = np.empty(lead + (m, n), np.float32)
+    flat = out.reshape(-1, m, n)
+    drop, min_normal, min_sub, max_finite = 53 - acc.p, acc.min_normal, acc.min_subnormal, acc.max_finite
+
+    def run_tile(index: int, row: int) -> None:
+        run(ap, bp, flat, sa, sb, index, row, min(row + ROW_BLOCK, m_pad), group, chunk, k_block, mode, drop,
+            min_normal, min_sub, max_finite)
+    _for_each_tile(run_tile, range(math.prod(lead)), range(0, m_pad, ROW_BLOCK), lead, m, n, k)
+    return out
+
+
+if numba is not None:
+    def _splat(builder, value, vec):
+        lanes0 = ir.Constant(ir.VectorType(ir.IntType(32), vec.count), [0] * vec.count)
+        first = builder.insert_element(ir.Constant(vec, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(first, ir.Constant(vec, ir.Undefined), lanes0)
+
+    def _vector_round(builder, x, drop, min_normal, magic, max_finite):
+        """RN_acc of each lane of x (<NR x double>) in explicit vector IR (module doc): the half-ulp trick,
+        the subnormal quantum below min_normal, +-inf past max_finite, NaN kept; selects, no branches."""
+        vec, ivec = x.type, ir.VectorType(ir.IntType(64), NR)
+        i64 = ir.IntType(64)
+        one = ir.Constant(i64, 1)
+        half = builder.sub(builder.shl(one, builder.sub(drop, one)), one)
+        mask = builder.not_(builder.sub(builder.shl(one, drop), one))
+        module = builder.module
+        fabs = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec]), f"llvm.fabs.v{NR}f64")
+        copysign = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec, vec]), f"llvm.copysign.v{NR}f64")
+        bits = builder.bitcast(x, ivec)
+        lsb = builder.and_(builder.lshr(bits, _splat(builder, drop, ivec)), ir.Constant(ivec, [1] * NR))
+        normal = builder.bitcast(builder.and_(builder.add(builder.add(bits, _splat(builder, half, ivec)), lsb),
+                                              _splat(builder, mask, ivec)), vec)
+        magic_v = _splat(builder, magic, vec)
+        tiny = builder.call(copysign, [builder.fsub(builder.fadd(x, magic_v), magic_v), x])
+        r = builder.select(builder.fcmp_ordered("<", builder.call(fabs, [x]), _splat(builder, min_normal, vec)),
+                           tiny, normal)
+        over = builder.fcmp_ordered(">", builder.call(fabs, [r]), _splat(builder, max_finite, vec))
+        r = builder.select(over, builder.call(copysign, [ir.Constant(vec, [math.inf] * NR), x]), r)
+        return builder.select(builder.fcmp_unordered("uno", x, x), x, r)
+
+    @intrinsic
+    def _group_step(typingctx, a, a_off, lda, b, b_off, kcount, acc, first, scale, scaled, drop, min_normal, magic,
+                    max_finite):
+        """One MMA group on the MR x NR register tile: sums[i, j] = sum_{t < kcount} a[a_off + i * lda + t] *
+        b[b_off + t * NR + j] (one <NR x double> per row, k in order from +0, by llvm.fma: products are
+        exact); if scaled, sums = fl64(fl32(fl32(sums) * scale)); then acc = RN_acc(sums if first else
+        fl64(acc + sums)). a, b, acc: 1-D FP64 (A's padded rows, one packed panel of B, the tile's
+        accumulators); scale: the tile's fl32(sa * sb), float32 (MR * NR)."""
+        sig = types.void(a, a_off, lda, b, b_off, kcount, acc, first, scale, scaled, drop, min_normal, magic,
+                         max_finite)
+
+        def codegen(context, builder, signature, args):
+            def data(index):
+                return context.make_array(signature.args[index])(context, builder, args[index]).data
+            pa, pb, pacc, pscale = data(0), data(3), data(6), data(8)
+            a_off_, lda_, b_off_, kc = args[1], args[2], args[4], args[5]
+            i64, f64 = ir.IntType(64), ir.DoubleType()
+            vec, fvec = ir.VectorType(f64, NR), ir.VectorType(ir.FloatType(), NR)
+            pa, pb = builder.gep(pa, [a_off_]), builder.gep(pb, [b_off_])
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{NR}f64")
+            zero = ir.Constant(vec, [0.0] * NR)
+            entry = builder.block
+            loop, done = builder.append_basic_block("tile_k"), builder.append_basic_block("tile_done")
+            builder.cbranch(builder.icmp_signed(">", kc, ir.Constant(i64, 0)), loop, done)
+            builder.position_at_end(loop)
+            t = builder.phi(i64)
+            t.add_incoming(ir.Constant(i64, 0), entry)
+            sums = [builder.phi(vec) for _ in range(MR)]
+            for phi in sums:
+                phi.add_incoming(zero, entry)
+            row = builder.gep(pb, [builder.mul(t, ir.Constant(i64, NR))])
+            bv = builder.load(builder.bitcast(row, vec.as_pointer()), align=8)
+            new = []
+            for i in range(MR):
+                ai = builder.load(builder.gep(pa, [builder.add(builder.mul(ir.Constant(i64, i), lda_), t)]))
+                new.append(builder.call(fma, [_splat(builder, ai, vec), bv, sums[i]]))
+            t_next = builder.add(t, ir.Constant(i64, 1))
+            body_end = builder.block
+            t.add_incoming(t_next, body_end)
+            for phi, value in zip(sums, new):
+                phi.add_incoming(value, body_end)
+            builder.cbranch(builder.icmp_signed("<", t_next, kc), loop, done)
+            builder.position_at_end(done)
+            results = [builder.phi(vec) for _ in range(MR)]  # phis first, at the top of the block
+            for i, result in enumerate(results):
+                result.add_incoming(zero, entry)
+                result.add_incoming(new[i], body_end)
+            is_scaled = builder.icmp_signed("!=", args[9], ir.Constant(args[9].type, 0))
+            is_first = builder.icmp_signed("!=", args[7], ir.Constant(args[7].type, 0))
+            for i, total in enumerate(results):
+                with builder.if_else(is_scaled) as (then, otherwise):
+                    with then:
+                        sc = builder.load(builder.bitcast(builder.gep(pscale, [ir.Constant(i64, i * NR)]),
+                                                          fvec.as_pointer()), align=4)
+                        product = builder.fpext(builder.fmul(builder.fptrunc(total, fvec), sc), vec)
+                        scaled_block = builder.block
+                    with otherwise:
+                        plain_block = builder.block
+                total_in = builder.phi(vec)
+                total_in.add_incoming(product, scaled_block)
+                total_in.add_incoming(total, plain_block)
+                slot = builder.bitcast(builder.gep(pacc, [ir.Constant(i64, i * NR)]), vec.as_pointer())
+                running = builder.select(is_first, total_in, builder.fadd(builder.load(slot, align=8), total_in))
+                builder.store(_vector_round(builder, running, args[10], args[11], args[12], args[13]), slot, align=8)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @numba.njit(inline="always")
+    def _tile_scale(sa2, sb2, blk, i0, j0, scale):
+        """scale[i * NR + j] = fl32(sa[blk, i0 + i] * sb[blk, j0 + j]) for the register tile."""
+        for i in range(MR):
+            s_a = sa2[blk, i0 + i]
+            for j in range(NR):
+                scale[i * NR + j] = s_a * sb2[blk, j0 + j]
+
+    @numba.njit(nogil=True, cache=True)
+    def grouped_tile(ap, bp, out, sa, sb, lead, i_lo, i_hi, group, chunk, k_block, mode, drop, min_normal, min_sub,
+                     max_finite):
+        """Outputs rows i_lo..i_hi (multiples of MR, in A's padded rows) x all columns of matrix `lead`:
+        ap (L, M_pad, K), bp (L, panels, K, NR) as pack_a / pack_b make them, out (L, M, N) float32;
+        sa (1 or L, K-blocks, M_pad), sb (1 or L, K-blocks, N_pad) float32 scales (ones for an
+        unscaled side), used by mode 1 (per promotion chunk) and 2 (per product); 0: no scales."""
+        k, m, n = ap.shape[2], out.shape[1], out.shape[2]
+        magic = 1.5 * 2.0 ** 52 * min_sub
+        a = ap[lead].reshape(-1)
+        sa2 = sa[lead if sa.shape[0] > 1 else 0]
+        sb2 = sb[lead if sb.shape[0] > 1 else 0]
+        size = MR * NR
+        acc = np.empty(size)
+        total, scale = np.empty(size, np.float32), np.empty(size, np.float32)
+        for p in range(bp.shape[1]):
+            b = bp[lead, p].reshape(-1)
+            j0 = p * NR
+            for i0 in range(i_lo, i_hi, MR):
+                blk_now = -1
+                for start in range(0, k, chunk):
+                    stop = min(start + chunk, k)
+                    for g in range(start, stop, group):
+                        if mode == 2 and g // k_block != blk_now:
+                            blk_now = g // k_block
+                            _tile_scale(sa2, sb2, blk_now, i0, j0, scale)
+                        _group_step(a, i0 * k + g, k, b, g * NR, min(group, stop - g), acc, g == start, scale,
+                                    mode == 2, drop, min_normal, magic, max_finite)
+                    if mode == 1:
+                        _tile_scale(sa2, sb2, start // k_block, i0, j0, scale)
+                        for t in range(size):
+                            term = np.float32(acc[t]) * scale[t]
+                            total[t] = term if start == 0 else total[t] + term
+                    else:
+                        for t in range(size):
+                            term = np.float32(acc[t])
+                            total[t] = term if start == 0 else total[t] + term
+                for i in range(min(MR, m - i0)):
+                    for j in range(min(NR, n - j0)):
+                        out[lead, i0 + i, j0 + j] = total[i * NR + j]
