@@ -35,7 +35,8 @@ import numpy as np
 from ..dtypes.formats import Format
 
 MR, NR = 4, 16  # register tile: 4 rows x 16 FP64 columns (8 zmm / 16 ymm accumulators)
-ROW_BLOCK = 64  # rows per task: 64 x K FP64 of A stays in L2 while every B panel passes by
+ROW_BLOCK = 64  # rows per task (a multiple of MR): 64 x K FP64 of A stays in L2 while every B panel passes by
+K_STEP = 128  # K per pass of a row block's tiles over a panel: 128 x NR FP64 of B (16 KB) stays in L1
 ENABLED = os.environ.get("LUMINAL_NUM_JIT", "1") != "0"  # LUMINAL_NUM_JIT=0 forces numerics' numpy path
 
 try:
@@ -232,37 +233,50 @@ if numba is not None:
         """Outputs rows i_lo..i_hi (multiples of MR, in A's padded rows) x all columns of matrix `lead`:
         ap (L, M_pad, K), bp (L, panels, K, NR) as pack_a / pack_b make them, out (L, M, N) float32;
         sa (1 or L, K-blocks, M_pad), sb (1 or L, K-blocks, N_pad) float32 scales (ones for an
-        unscaled side), used by mode 1 (per promotion chunk) and 2 (per product); 0: no scales."""
+        unscaled side), used by mode 1 (per promotion chunk) and 2 (per product); 0: no scales.
+
+        Loop order: per panel of NR columns, per K_STEP slice of K, every register tile of the rows in
+        turn (each tile's accumulators wait in `acc` / `total` between slices), so that the slice of
+        the B panel (K_STEP x NR FP64) stays in L1 while the rows' tiles pass over it."""
         k, m, n = ap.shape[2], out.shape[1], out.shape[2]
         magic = 1.5 * 2.0 ** 52 * min_sub
         a = ap[lead].reshape(-1)
         sa2 = sa[lead if sa.shape[0] > 1 else 0]
         sb2 = sb[lead if sb.shape[0] > 1 else 0]
         size = MR * NR
-        acc = np.empty(size)
-        total, scale = np.empty(size, np.float32), np.empty(size, np.float32)
+        tiles = (i_hi - i_lo) // MR
+        acc = np.empty((tiles, size))
+        total = np.empty((tiles, size), np.float32)
+        scale = np.empty(size, np.float32)
+        step = max(group, K_STEP // group * group)
         for p in range(bp.shape[1]):
             b = bp[lead, p].reshape(-1)
             j0 = p * NR
-            for i0 in range(i_lo, i_hi, MR):
-                blk_now = -1
-                for start in range(0, k, chunk):
-                    stop = min(start + chunk, k)
-                    for g in range(start, stop, group):
+            for k0 in range(0, k, step):
+                for tile in range(tiles):
+                    i0 = i_lo + tile * MR
+                    tile_acc, tile_total = acc[tile], total[tile]
+                    blk_now = -1
+                    for g in range(k0, min(k0 + step, k), group):
+                        start = g // chunk * chunk
+                        stop = min(start + chunk, k)
                         if mode == 2 and g // k_block != blk_now:
                             blk_now = g // k_block
                             _tile_scale(sa2, sb2, blk_now, i0, j0, scale)
-                        _group_step(a, i0 * k + g, k, b, g * NR, min(group, stop - g), acc, g == start, scale,
+                        _group_step(a, i0 * k + g, k, b, g * NR, min(group, stop - g), tile_acc, g == start, scale,
                                     mode == 2, drop, min_normal, magic, max_finite)
-                    if mode == 1:
-                        _tile_scale(sa2, sb2, start // k_block, i0, j0, scale)
-                        for t in range(size):
-                            term = np.float32(acc[t]) * scale[t]
-                            total[t] = term if start == 0 else total[t] + term
-                    else:
-                        for t in range(size):
-                            term = np.float32(acc[t])
-                            total[t] = term if start == 0 else total[t] + term
+                        if g + group >= stop:  # the chunk's last group: promote
+                            if mode == 1:
+                                _tile_scale(sa2, sb2, start // k_block, i0, j0, scale)
+                                for t in range(size):
+                                    term = np.float32(tile_acc[t]) * scale[t]
+                                    tile_total[t] = term if start == 0 else tile_total[t] + term
+                            else:
+                                for t in range(size):
+                                    term = np.float32(tile_acc[t])
+                                    tile_total[t] = term if start == 0 else tile_total[t] + term
+            for tile in range(tiles):
+                i0 = i_lo + tile * MR
                 for i in range(min(MR, m - i0)):
                     for j in range(min(NR, n - j0)):
-                        out[lead, i0 + i, j0 + j] = total[i * NR + j]
+                        out[lead, i0 + i, j0 + j] = total[tile, i * NR + j]
