@@ -436,8 +436,9 @@ def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = Non
     for start in range(0, k, chunk):
         partial = _chunk_sum(qa.values[..., start:start + chunk], qb.values[..., start:start + chunk, :], variant)
         scale = _chunk_scale(qa, qb, start // k_block)
-        term = partial if scale is None else partial * scale
-        out = term if out is None else out + term
+        in_place = scale is not None and np.broadcast_shapes(partial.shape, scale.shape) == partial.shape
+        term = np.multiply(partial, scale, out=partial) if in_place else partial if scale is None else partial * scale
+        out = term if out is None else np.add(out, term, out=out)  # partial is fresh from the matmul: no copies
     return out
 
 
