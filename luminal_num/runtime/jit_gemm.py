@@ -1,18 +1,19 @@
 """The narrow-accumulator Gemm (numerics._grouped_gemm's semantics, module doc of runtime.numerics) as one
-numba kernel: same bits, 3-5x faster, because numpy spends each of K / mma_k steps on a small BLAS call
-and several elementwise passes over the tile, while here one register tile of MR x NR outputs stays in
-registers for a whole group and its accumulators in L1 for all of K.
+numba kernel, same bits: numpy spends each of K / mma_k steps on a small BLAS call and several
+elementwise passes over the tile; here an MR x NR register tile of outputs keeps its group sums and
+its accumulator in registers over a whole slice of K (explicit <NR x double> LLVM IR: numba's own
+loops did not keep them in registers, 2-3 GMAC/s instead of 10-18 per thread on MiniLM's shapes).
 
 Why these bits are numerics' bits:
-- Group sums: MR vectors of NR FP64 sums over the group's products, k in order from +0 (llvm.fma:
-  products of float32 values are exact in FP64, so fma(a, b, s) = fl64(a * b + s) = fl64(fl64(a * b) + s)).
-  The group sum is then exact wherever numerics' is (its module doc), and independent of the order.
-  A zero sum is +0 (never -0), as numerics._round_f16_magic_inplace relies on for np.matmul.
-- acc = RN_acc(fl64(acc + group)): RNE to acc.p bits on the FP64 bits in the normal range (the
-  half-ulp trick of dtypes.rounding.round_significand), below acc.min_normal at the fixed subnormal
-  quantum by adding and subtracting 1.5 * 2^52 * min_subnormal (with the sign kept), past max_finite
-  +-inf: exactly round_to(x, acc, Overflow.INF) and numpy's float64 -> float16 cast. A NaN stays NaN
-  (its payload and sign may differ from numpy's, as across BLAS builds).
+- Group sums: one <NR x double> per row of the tile, k in order from +0, by llvm.fma (products of
+  float32 values are exact in FP64, so fma(a, b, s) = fl64(a * b + s) = fl64(fl64(a * b) + s)). The
+  group sum is then exact wherever numerics' is (its module doc), so the order does not matter; a
+  zero sum is +0 (never -0), as for np.matmul.
+- acc = RN_acc(fl64(acc + group)), or the group alone at a chunk's first: the magic-number rounding
+  of _vector_round, exact RNE to acc.p bits with acc's subnormal quantum and +-inf past max_finite,
+  i.e. round_to(x, acc, Overflow.INF) and numpy's float64 -> float16 cast. A NaN stays NaN (its
+  payload and sign may differ from numpy's, as they do across BLAS builds). Where numerics' range
+  proofs hold (_bounded) the inf / NaN selects are skipped.
 - Scales and promotion in float32, each operation rounded once (fastmath off: LLVM contracts nothing),
   in numerics' order: term = fl32(fl32(acc) * fl32(sa * sb)); out = term, then fl32(out + term).
   Per product: fl64(fl32(fl32(group) * fl32(sa * sb))) enters the accumulator.
@@ -32,9 +33,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..dtypes.formats import Format
+from ..dtypes.formats import F16, F32, Format
 
-MR, NR = 4, 16  # register tile: 4 rows x 16 FP64 columns (8 zmm / 16 ymm accumulators)
+MR, NR = 8, 16  # register tile: 8 rows x 16 FP64 columns (16 zmm of group sums; 4 x 16 ran 10-30% slower)
 ROW_BLOCK = 64  # rows per task (a multiple of MR): 64 x K FP64 of A stays in L2 while every B panel passes by
 K_STEP = 128  # K per pass of a row block's tiles over a panel: 128 x NR FP64 of B (16 KB) stays in L1
 ENABLED = os.environ.get("LUMINAL_NUM_JIT", "1") != "0"  # LUMINAL_NUM_JIT=0 forces numerics' numpy path
@@ -92,6 +93,16 @@ def _scales(op, lead: tuple, blocks: int, k_axis: int, extent: int, padded: int)
     return out
 
 
+def _bounded(qa, qb, acc: Format, chunk: int, groups: int, per_product: bool) -> bool:
+    """Whether numerics' range proofs show every running sum finite and within acc.max_finite (they
+    show more: FP32-range ones also keep it normal; they refuse NaN / inf operands)."""
+    from . import numerics
+    if acc is F16:
+        return not per_product and numerics._f16_in_range(qa, qb, chunk, groups)
+    proof = numerics._fast_scaled_accumulation if per_product else numerics._fast_accumulation
+    return acc.min_normal == F32.min_normal and proof(qa, qb, acc, chunk, groups)
+
+
 def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_product: bool) -> np.ndarray | None:
     """numerics._grouped_gemm's result (same arguments), or None where the kernel does not apply."""
     run = kernel()
@@ -114,11 +125,11 @@ def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_
     ap, bp = pack_a(qa.values, lead, m_pad), pack_b(qb.values, lead)
     out = np.empty(lead + (m, n), np.float32)
     flat = out.reshape(-1, m, n)
-    drop, min_normal, min_sub, max_finite = 53 - acc.p, acc.min_normal, acc.min_subnormal, acc.max_finite
+    bounded = _bounded(qa, qb, acc, chunk, -(-chunk // group), per_product)
 
     def run_tile(index: int, row: int) -> None:
-        run(ap, bp, flat, sa, sb, index, row, min(row + ROW_BLOCK, m_pad), group, chunk, k_block, mode, drop,
-            min_normal, min_sub, max_finite)
+        run(ap, bp, flat, sa, sb, index, row, min(row + ROW_BLOCK, m_pad), group, chunk, k_block, mode, bounded,
+            53 - acc.p, acc.min_normal, acc.max_finite)
     _for_each_tile(run_tile, range(math.prod(lead)), range(0, m_pad, ROW_BLOCK), lead, m, n, k)
     return out
 
@@ -129,79 +140,96 @@ if numba is not None:
         first = builder.insert_element(ir.Constant(vec, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
         return builder.shuffle_vector(first, ir.Constant(vec, ir.Undefined), lanes0)
 
-    def _vector_round(builder, x, drop, min_normal, magic, max_finite):
-        """RN_acc of each lane of x (<NR x double>) in explicit vector IR (module doc): the half-ulp trick,
-        the subnormal quantum below min_normal, +-inf past max_finite, NaN kept; selects, no branches."""
+    def _vector_round(builder, x, drop, min_normal, magic, max_finite, bounded):
+        """RN_acc of each lane of x (<NR x double>) in explicit vector IR, with selects and no branches:
+        C = max(2^e(x), min_normal) * 1.5 * 2^drop has an ulp equal to acc's quantum at x (the fixed
+        subnormal quantum below min_normal) and fl64(x + C) stays in C's binade, so fl64(x + C) - C is x
+        rounded there, ties to even (C / ulp is even), exactly (numerics._round_f16_magic, for any p);
+        copysign restores a zero's sign; past max_finite (or for an inf x, where C - C is NaN) +-inf;
+        a NaN x stays itself. `magic` is 1.5 * 2^drop. bounded: the caller proved every x finite and
+        its rounding at most max_finite, so the last two selects go (half the operations)."""
         vec, ivec = x.type, ir.VectorType(ir.IntType(64), NR)
-        i64 = ir.IntType(64)
-        one = ir.Constant(i64, 1)
-        half = builder.sub(builder.shl(one, builder.sub(drop, one)), one)
-        mask = builder.not_(builder.sub(builder.shl(one, drop), one))
         module = builder.module
         fabs = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec]), f"llvm.fabs.v{NR}f64")
         copysign = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec, vec]), f"llvm.copysign.v{NR}f64")
-        bits = builder.bitcast(x, ivec)
-        lsb = builder.and_(builder.lshr(bits, _splat(builder, drop, ivec)), ir.Constant(ivec, [1] * NR))
-        normal = builder.bitcast(builder.and_(builder.add(builder.add(bits, _splat(builder, half, ivec)), lsb),
-                                              _splat(builder, mask, ivec)), vec)
-        magic_v = _splat(builder, magic, vec)
-        tiny = builder.call(copysign, [builder.fsub(builder.fadd(x, magic_v), magic_v), x])
-        r = builder.select(builder.fcmp_ordered("<", builder.call(fabs, [x]), _splat(builder, min_normal, vec)),
-                           tiny, normal)
-        over = builder.fcmp_ordered(">", builder.call(fabs, [r]), _splat(builder, max_finite, vec))
+        maxnum = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec, vec]), f"llvm.maxnum.v{NR}f64")
+        binade = builder.bitcast(builder.and_(builder.bitcast(x, ivec), ir.Constant(ivec, [0x7FF0000000000000] * NR)), vec)
+        c = builder.fmul(builder.call(maxnum, [binade, _splat(builder, min_normal, vec)]), _splat(builder, magic, vec))
+        r = builder.call(copysign, [builder.fsub(builder.fadd(x, c), c), x])
+        if bounded:
+            return r
+        over = builder.fcmp_unordered(">", builder.call(fabs, [r]), _splat(builder, max_finite, vec))
         r = builder.select(over, builder.call(copysign, [ir.Constant(vec, [math.inf] * NR), x]), r)
         return builder.select(builder.fcmp_unordered("uno", x, x), x, r)
 
-    @intrinsic
-    def _group_step(typingctx, a, a_off, lda, b, b_off, kcount, acc, first, scale, scaled, drop, min_normal, magic,
-                    max_finite):
-        """One MMA group on the MR x NR register tile: sums[i, j] = sum_{t < kcount} a[a_off + i * lda + t] *
-        b[b_off + t * NR + j] (one <NR x double> per row, k in order from +0, by llvm.fma: products are
-        exact); if scaled, sums = fl64(fl32(fl32(sums) * scale)); then acc = RN_acc(sums if first else
-        fl64(acc + sums)). a, b, acc: 1-D FP64 (A's padded rows, one packed panel of B, the tile's
-        accumulators); scale: the tile's fl32(sa * sb), float32 (MR * NR)."""
-        sig = types.void(a, a_off, lda, b, b_off, kcount, acc, first, scale, scaled, drop, min_normal, magic,
+    def _make_groups(bounded: bool):
+        """_groups, with the rounding of _vector_round(bounded)."""
+        def groups(typingctx, a, a_off, lda, b, b_off, kcount, group, acc, first, scale, scaled, drop, min_normal,
+                   magic, max_finite):
+            return _groups_typed(bounded, a, a_off, lda, b, b_off, kcount, group, acc, first, scale, scaled, drop,
+                                 min_normal, magic, max_finite)
+        groups.__name__ = "_groups_bounded" if bounded else "_groups"
+        return intrinsic(groups)
+
+    def _groups_typed(bounded, a, a_off, lda, b, b_off, kcount, group, acc, first, scale, scaled, drop, min_normal,
+                      magic, max_finite):
+        """The MMA groups of kcount products along K (group by group, the last one short) on the MR x NR
+        register tile, its accumulators in registers throughout: per group, sums[i, j] = sum_t
+        a[a_off + i * lda + t] * b[b_off + t * NR + j] (one <NR x double> per row, t in order from +0, by
+        llvm.fma: products are exact); if scaled, sums = fl64(fl32(fl32(sums) * scale)); then acc =
+        RN_acc(sums if first and it is the first group else fl64(acc + sums)). a, b, acc: 1-D FP64 (A's
+        padded rows, one packed panel of B, the tile's accumulators, read and written once); scale: the
+        tile's fl32(sa * sb), float32 (MR * NR). kcount >= 1."""
+        sig = types.void(a, a_off, lda, b, b_off, kcount, group, acc, first, scale, scaled, drop, min_normal, magic,
                          max_finite)
 
         def codegen(context, builder, signature, args):
             def data(index):
                 return context.make_array(signature.args[index])(context, builder, args[index]).data
-            pa, pb, pacc, pscale = data(0), data(3), data(6), data(8)
-            a_off_, lda_, b_off_, kc = args[1], args[2], args[4], args[5]
+            pa, pb, pacc, pscale = data(0), data(3), data(7), data(9)
+            a_off_, lda_, b_off_, kc, group_ = args[1], args[2], args[4], args[5], args[6]
             i64, f64 = ir.IntType(64), ir.DoubleType()
             vec, fvec = ir.VectorType(f64, NR), ir.VectorType(ir.FloatType(), NR)
             pa, pb = builder.gep(pa, [a_off_]), builder.gep(pb, [b_off_])
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{NR}f64")
-            zero = ir.Constant(vec, [0.0] * NR)
+            zero, izero = ir.Constant(vec, [0.0] * NR), ir.Constant(i64, 0)
+            is_scaled = builder.icmp_signed("!=", args[10], ir.Constant(args[10].type, 0))
+            is_first = builder.icmp_signed("!=", args[8], ir.Constant(args[8].type, 0))
+            slots = [builder.bitcast(builder.gep(pacc, [ir.Constant(i64, i * NR)]), vec.as_pointer()) for i in range(MR)]
+            acc_in = [builder.load(slot, align=8) for slot in slots]  # unused (selected away) when first
             entry = builder.block
-            loop, done = builder.append_basic_block("tile_k"), builder.append_basic_block("tile_done")
-            builder.cbranch(builder.icmp_signed(">", kc, ir.Constant(i64, 0)), loop, done)
-            builder.position_at_end(loop)
+            outer, inner, done = (builder.append_basic_block(name) for name in ("groups", "group_k", "groups_done"))
+            builder.branch(outer)
+            builder.position_at_end(outer)
+            g = builder.phi(i64)
+            g.add_incoming(izero, entry)
+            accs = [builder.phi(vec) for _ in range(MR)]
+            for phi, value in zip(accs, acc_in):
+                phi.add_incoming(value, entry)
+            rest = builder.sub(kc, g)
+            width = builder.select(builder.icmp_signed("<", rest, group_), rest, group_)
+            builder.branch(inner)
+            builder.position_at_end(inner)
             t = builder.phi(i64)
-            t.add_incoming(ir.Constant(i64, 0), entry)
+            t.add_incoming(izero, outer)
             sums = [builder.phi(vec) for _ in range(MR)]
             for phi in sums:
-                phi.add_incoming(zero, entry)
-            row = builder.gep(pb, [builder.mul(t, ir.Constant(i64, NR))])
-            bv = builder.load(builder.bitcast(row, vec.as_pointer()), align=8)
-            new = []
-            for i in range(MR):
-                ai = builder.load(builder.gep(pa, [builder.add(builder.mul(ir.Constant(i64, i), lda_), t)]))
-                new.append(builder.call(fma, [_splat(builder, ai, vec), bv, sums[i]]))
+                phi.add_incoming(zero, outer)
+            k_at = builder.add(g, t)
+            bv = builder.load(builder.bitcast(builder.gep(pb, [builder.mul(k_at, ir.Constant(i64, NR))]), vec.as_pointer()),
+                              align=8)
+            new = [builder.call(fma, [_splat(builder, builder.load(builder.gep(
+                pa, [builder.add(builder.mul(ir.Constant(i64, i), lda_), k_at)])), vec), bv, sums[i]]) for i in range(MR)]
             t_next = builder.add(t, ir.Constant(i64, 1))
-            body_end = builder.block
-            t.add_incoming(t_next, body_end)
+            t.add_incoming(t_next, inner)
             for phi, value in zip(sums, new):
-                phi.add_incoming(value, body_end)
-            builder.cbranch(builder.icmp_signed("<", t_next, kc), loop, done)
-            builder.position_at_end(done)
-            results = [builder.phi(vec) for _ in range(MR)]  # phis first, at the top of the block
-            for i, result in enumerate(results):
-                result.add_incoming(zero, entry)
-                result.add_incoming(new[i], body_end)
-            is_scaled = builder.icmp_signed("!=", args[9], ir.Constant(args[9].type, 0))
-            is_first = builder.icmp_signed("!=", args[7], ir.Constant(args[7].type, 0))
-            for i, total in enumerate(results):
+                phi.add_incoming(value, inner)
+            after = builder.append_basic_block("group_round")
+            builder.cbranch(builder.icmp_signed("<", t_next, width), inner, after)
+            builder.position_at_end(after)
+            fresh = builder.and_(is_first, builder.icmp_signed("==", g, izero))
+            rounded = []
+            for i, total in enumerate(new):
                 with builder.if_else(is_scaled) as (then, otherwise):
                     with then:
                         sc = builder.load(builder.bitcast(builder.gep(pscale, [ir.Constant(i64, i * NR)]),
@@ -210,14 +238,25 @@ if numba is not None:
                         scaled_block = builder.block
                     with otherwise:
                         plain_block = builder.block
-                total_in = builder.phi(vec)
-                total_in.add_incoming(product, scaled_block)
-                total_in.add_incoming(total, plain_block)
-                slot = builder.bitcast(builder.gep(pacc, [ir.Constant(i64, i * NR)]), vec.as_pointer())
-                running = builder.select(is_first, total_in, builder.fadd(builder.load(slot, align=8), total_in))
-                builder.store(_vector_round(builder, running, args[10], args[11], args[12], args[13]), slot, align=8)
+                term = builder.phi(vec)
+                term.add_incoming(product, scaled_block)
+                term.add_incoming(total, plain_block)
+                running = builder.select(fresh, term, builder.fadd(accs[i], term))
+                rounded.append(_vector_round(builder, running, args[11], args[12], args[13], args[14], bounded))
+            g_next = builder.add(g, group_)
+            latch = builder.block
+            g.add_incoming(g_next, latch)
+            for phi, value in zip(accs, rounded):
+                phi.add_incoming(value, latch)
+            builder.cbranch(builder.icmp_signed("<", g_next, kc), outer, done)
+            builder.position_at_end(done)
+            for slot, value in zip(slots, rounded):
+                builder.store(value, slot, align=8)
             return context.get_dummy_value()
         return sig, codegen
+
+    _groups = _make_groups(False)
+    _groups_bounded = _make_groups(True)
 
     @numba.njit(inline="always")
     def _tile_scale(sa2, sb2, blk, i0, j0, scale):
@@ -228,18 +267,19 @@ if numba is not None:
                 scale[i * NR + j] = s_a * sb2[blk, j0 + j]
 
     @numba.njit(nogil=True, cache=True)
-    def grouped_tile(ap, bp, out, sa, sb, lead, i_lo, i_hi, group, chunk, k_block, mode, drop, min_normal, min_sub,
+    def grouped_tile(ap, bp, out, sa, sb, lead, i_lo, i_hi, group, chunk, k_block, mode, bounded, drop, min_normal,
                      max_finite):
         """Outputs rows i_lo..i_hi (multiples of MR, in A's padded rows) x all columns of matrix `lead`:
         ap (L, M_pad, K), bp (L, panels, K, NR) as pack_a / pack_b make them, out (L, M, N) float32;
         sa (1 or L, K-blocks, M_pad), sb (1 or L, K-blocks, N_pad) float32 scales (ones for an
         unscaled side), used by mode 1 (per promotion chunk) and 2 (per product); 0: no scales.
+        bounded: every running sum is proved finite and within max_finite (_vector_round).
 
         Loop order: per panel of NR columns, per K_STEP slice of K, every register tile of the rows in
         turn (each tile's accumulators wait in `acc` / `total` between slices), so that the slice of
         the B panel (K_STEP x NR FP64) stays in L1 while the rows' tiles pass over it."""
         k, m, n = ap.shape[2], out.shape[1], out.shape[2]
-        magic = 1.5 * 2.0 ** 52 * min_sub
+        magic = 1.5 * 2.0 ** drop
         a = ap[lead].reshape(-1)
         sa2 = sa[lead if sa.shape[0] > 1 else 0]
         sb2 = sb[lead if sb.shape[0] > 1 else 0]
@@ -256,16 +296,23 @@ if numba is not None:
                 for tile in range(tiles):
                     i0 = i_lo + tile * MR
                     tile_acc, tile_total = acc[tile], total[tile]
-                    blk_now = -1
-                    for g in range(k0, min(k0 + step, k), group):
+                    g = k0
+                    end = min(k0 + step, k)
+                    while g < end:  # segments of whole groups within one chunk (and, per product, one K-block)
                         start = g // chunk * chunk
                         stop = min(start + chunk, k)
-                        if mode == 2 and g // k_block != blk_now:
-                            blk_now = g // k_block
-                            _tile_scale(sa2, sb2, blk_now, i0, j0, scale)
-                        _group_step(a, i0 * k + g, k, b, g * NR, min(group, stop - g), tile_acc, g == start, scale,
+                        seg_end = min(end, stop)
+                        if mode == 2:
+                            seg_end = min(seg_end, (g // k_block + 1) * k_block)
+                            _tile_scale(sa2, sb2, g // k_block, i0, j0, scale)
+                        if bounded:
+                            _groups_bounded(a, i0 * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start,
+                                            scale, mode == 2, drop, min_normal, magic, max_finite)
+                        else:
+                            _groups(a, i0 * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start, scale,
                                     mode == 2, drop, min_normal, magic, max_finite)
-                        if g + group >= stop:  # the chunk's last group: promote
+                        g = seg_end
+                        if g == stop:  # the chunk is complete: promote
                             if mode == 1:
                                 _tile_scale(sa2, sb2, start // k_block, i0, j0, scale)
                                 for t in range(size):
