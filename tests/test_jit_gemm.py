@@ -10,6 +10,11 @@ crossing 2^128 and below 2^-126), signed zeros, and NaN / inf operands.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -20,7 +25,7 @@ from luminal_num.dtypes.variants import limited_accumulator
 from luminal_num.runtime import jit_gemm, numerics
 from luminal_num.runtime.numerics import emulate_gemm
 
-pytestmark = pytest.mark.skipif(jit_gemm.kernel() is None, reason="numba is not installed: nothing to compare")
+needs_numba = pytest.mark.skipif(jit_gemm.kernel() is None, reason="numba is not installed: nothing to compare")
 
 VARIANTS = [GEMM_VARIANTS[name] for name in ("f16acc16", "f8e4m3_block", "f8e4m3_block_nopromote", "f8e5m2_block")] + [
     GemmPrecision("e4m3_small_blocks", F8E4M3, F8E4M3, F32, ScaleSpec(Granularity.BLOCK, (1, 32), F32, False),
@@ -73,6 +78,7 @@ def layout(rng, x: np.ndarray) -> np.ndarray:
     return x
 
 
+@needs_numba
 @settings(deadline=None, max_examples=80)
 @given(st.integers(0, 2 ** 32 - 1), st.sampled_from(VARIANTS), st.integers(1, 9), st.integers(1, 300),
        st.integers(1, 40), st.sampled_from(["2d", "batched", "broadcast_b"]), st.integers(-20, 12))
@@ -91,6 +97,7 @@ def test_emulate_gemm_matches_the_numpy_path(seed, variant, m, k, n, lead, low):
 ACCUMULATORS = [(F16, 16, 11), (limited_accumulator(13), 32, 4), (limited_accumulator(10), 16, 8)]  # acc, group, bits
 
 
+@needs_numba
 @settings(deadline=None, max_examples=120)
 @given(st.integers(0, 2 ** 32 - 1), st.sampled_from(ACCUMULATORS), st.integers(1, 9), st.integers(1, 200),
        st.integers(1, 40), st.sampled_from(["top", "bottom", "middle"]), st.booleans(), st.booleans(),
@@ -119,6 +126,7 @@ def test_the_accumulator_at_its_limits(seed, accumulator, m, k, n, where, promot
     assert_same(got, want)
 
 
+@needs_numba
 @pytest.mark.parametrize("acc", [F16, limited_accumulator(13)], ids=lambda f: f.name)
 def test_the_limits_are_reached(acc):
     """The fuzz's "top" and "bottom" operands do reach inf and the accumulator's subnormals (both paths agree)."""
@@ -133,6 +141,7 @@ def test_the_limits_are_reached(acc):
         assert reached(want)
 
 
+@needs_numba
 def test_a_tiny_negative_sum_rounds_to_negative_zero():
     """A product below half acc_m13's smallest subnormal (2^-139) rounds to -0 when negative, and keeps
     that sign to the output; a sum of zero products is +0."""
@@ -142,3 +151,28 @@ def test_a_tiny_negative_sum_rounds_to_negative_zero():
     got, want = both_paths(lambda: numerics._grouped_gemm(qa, qb, limited_accumulator(13), 32, 32, 32, False))
     assert_same(got, want)
     assert (want == 0).all() and np.signbit(want).tolist() == [[False, False], [False, True]]
+
+
+def test_without_numba_the_numpy_path_runs():
+    """A process where numba cannot be imported computes the grouped Gemms on numerics' numpy path, with
+    the bits this process gets on it."""
+    code = ("import sys; sys.modules['numba'] = None\n"
+            "import numpy as np\n"
+            "from luminal_num.dtypes import GEMM_VARIANTS\n"
+            "from luminal_num.runtime import jit_gemm\n"
+            "from luminal_num.runtime.numerics import emulate_gemm\n"
+            "assert jit_gemm.kernel() is None\n"
+            "rng = np.random.default_rng(3)\n"
+            "a, b = rng.standard_normal((5, 70)).astype(np.float32), rng.standard_normal((70, 9)).astype(np.float32)\n"
+            "sys.stdout.write(emulate_gemm(a, b, GEMM_VARIANTS['f8e4m3_block']).tobytes().hex())\n")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((5, 70)).astype(np.float32), rng.standard_normal((70, 9)).astype(np.float32)
+    saved, jit_gemm.ENABLED = jit_gemm.ENABLED, False
+    try:
+        want = emulate_gemm(a, b, GEMM_VARIANTS["f8e4m3_block"])
+    finally:
+        jit_gemm.ENABLED = saved
+    assert done.stdout == want.tobytes().hex()
