@@ -127,10 +127,13 @@ def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_
     flat = out.reshape(-1, m, n)
     bounded = _bounded(qa, qb, acc, chunk, -(-chunk // group), per_product)
 
-    def run_tile(index: int, row: int) -> None:
-        run(ap, bp, flat, sa, sb, index, row, min(row + ROW_BLOCK, m_pad), group, chunk, k_block, mode, bounded,
-            53 - acc.p, acc.min_normal, acc.max_finite)
-    _for_each_tile(run_tile, range(math.prod(lead)), range(0, m_pad, ROW_BLOCK), lead, m, n, k)
+    matrices = math.prod(lead)
+    per_task = 1 if m_pad > ROW_BLOCK else -(-matrices // 8)  # small matrices (attention heads): several per call
+
+    def run_tile(first: int, row: int) -> None:
+        run(ap, bp, flat, sa, sb, first, min(first + per_task, matrices), row, min(row + ROW_BLOCK, m_pad), group,
+            chunk, k_block, mode, bounded, 53 - acc.p, acc.min_normal, acc.max_finite)
+    _for_each_tile(run_tile, range(0, matrices, per_task), range(0, m_pad, ROW_BLOCK), lead, m, n, k)
     return out
 
 
@@ -267,9 +270,9 @@ if numba is not None:
                 scale[i * NR + j] = s_a * sb2[blk, j0 + j]
 
     @numba.njit(nogil=True, cache=True)
-    def grouped_tile(ap, bp, out, sa, sb, lead, i_lo, i_hi, group, chunk, k_block, mode, bounded, drop, min_normal,
-                     max_finite):
-        """Outputs rows i_lo..i_hi (multiples of MR, in A's padded rows) x all columns of matrix `lead`:
+    def grouped_tile(ap, bp, out, sa, sb, l_lo, l_hi, i_lo, i_hi, group, chunk, k_block, mode, bounded, drop,
+                     min_normal, max_finite):
+        """Outputs rows i_lo..i_hi (multiples of MR, in A's padded rows) x all columns of matrices l_lo..l_hi:
         ap (L, M_pad, K), bp (L, panels, K, NR) as pack_a / pack_b make them, out (L, M, N) float32;
         sa (1 or L, K-blocks, M_pad), sb (1 or L, K-blocks, N_pad) float32 scales (ones for an
         unscaled side), used by mode 1 (per promotion chunk) and 2 (per product); 0: no scales.
@@ -280,50 +283,51 @@ if numba is not None:
         the B panel (K_STEP x NR FP64) stays in L1 while the rows' tiles pass over it."""
         k, m, n = ap.shape[2], out.shape[1], out.shape[2]
         magic = 1.5 * 2.0 ** drop
-        a = ap[lead].reshape(-1)
-        sa2 = sa[lead if sa.shape[0] > 1 else 0]
-        sb2 = sb[lead if sb.shape[0] > 1 else 0]
         size = MR * NR
         tiles = (i_hi - i_lo) // MR
         acc = np.empty((tiles, size))
         total = np.empty((tiles, size), np.float32)
         scale = np.empty(size, np.float32)
-        step = max(group, K_STEP // group * group)
-        for p in range(bp.shape[1]):
-            b = bp[lead, p].reshape(-1)
-            j0 = p * NR
-            for k0 in range(0, k, step):
+        for lead in range(l_lo, l_hi):
+            a = ap[lead].reshape(-1)
+            sa2 = sa[lead if sa.shape[0] > 1 else 0]
+            sb2 = sb[lead if sb.shape[0] > 1 else 0]
+            step = max(group, K_STEP // group * group)
+            for p in range(bp.shape[1]):
+                b = bp[lead, p].reshape(-1)
+                j0 = p * NR
+                for k0 in range(0, k, step):
+                    for tile in range(tiles):
+                        i0 = i_lo + tile * MR
+                        tile_acc, tile_total = acc[tile], total[tile]
+                        g = k0
+                        end = min(k0 + step, k)
+                        while g < end:  # segments of whole groups within one chunk (and, per product, one K-block)
+                            start = g // chunk * chunk
+                            stop = min(start + chunk, k)
+                            seg_end = min(end, stop)
+                            if mode == 2:
+                                seg_end = min(seg_end, (g // k_block + 1) * k_block)
+                                _tile_scale(sa2, sb2, g // k_block, i0, j0, scale)
+                            if bounded:
+                                _groups_bounded(a, i0 * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start,
+                                                scale, mode == 2, drop, min_normal, magic, max_finite)
+                            else:
+                                _groups(a, i0 * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start, scale,
+                                        mode == 2, drop, min_normal, magic, max_finite)
+                            g = seg_end
+                            if g == stop:  # the chunk is complete: promote
+                                if mode == 1:
+                                    _tile_scale(sa2, sb2, start // k_block, i0, j0, scale)
+                                    for t in range(size):
+                                        term = np.float32(tile_acc[t]) * scale[t]
+                                        tile_total[t] = term if start == 0 else tile_total[t] + term
+                                else:
+                                    for t in range(size):
+                                        term = np.float32(tile_acc[t])
+                                        tile_total[t] = term if start == 0 else tile_total[t] + term
                 for tile in range(tiles):
                     i0 = i_lo + tile * MR
-                    tile_acc, tile_total = acc[tile], total[tile]
-                    g = k0
-                    end = min(k0 + step, k)
-                    while g < end:  # segments of whole groups within one chunk (and, per product, one K-block)
-                        start = g // chunk * chunk
-                        stop = min(start + chunk, k)
-                        seg_end = min(end, stop)
-                        if mode == 2:
-                            seg_end = min(seg_end, (g // k_block + 1) * k_block)
-                            _tile_scale(sa2, sb2, g // k_block, i0, j0, scale)
-                        if bounded:
-                            _groups_bounded(a, i0 * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start,
-                                            scale, mode == 2, drop, min_normal, magic, max_finite)
-                        else:
-                            _groups(a, i0 * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start, scale,
-                                    mode == 2, drop, min_normal, magic, max_finite)
-                        g = seg_end
-                        if g == stop:  # the chunk is complete: promote
-                            if mode == 1:
-                                _tile_scale(sa2, sb2, start // k_block, i0, j0, scale)
-                                for t in range(size):
-                                    term = np.float32(tile_acc[t]) * scale[t]
-                                    tile_total[t] = term if start == 0 else tile_total[t] + term
-                            else:
-                                for t in range(size):
-                                    term = np.float32(tile_acc[t])
-                                    tile_total[t] = term if start == 0 else tile_total[t] + term
-            for tile in range(tiles):
-                i0 = i_lo + tile * MR
-                for i in range(min(MR, m - i0)):
-                    for j in range(min(NR, n - j0)):
-                        out[lead, i0 + i, j0 + j] = total[tile, i * NR + j]
+                    for i in range(min(MR, m - i0)):
+                        for j in range(min(NR, n - j0)):
+                            out[lead, i0 + i, j0 + j] = total[tile, i * NR + j]
