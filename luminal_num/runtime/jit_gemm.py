@@ -1,11 +1,11 @@
 """The narrow-accumulator Gemm (numerics._grouped_gemm's semantics, module doc of runtime.numerics) as one
 numba kernel, same bits: numpy spends each of K / mma_k steps on a small BLAS call and several
 elementwise passes over the tile; here an MR x NR register tile of outputs keeps its group sums and
-its accumulator in registers over a whole slice of K (explicit <NR x double> LLVM IR: numba's own
+its accumulator in registers over a whole slice of K (explicit <8 x double> LLVM IR: numba's own
 loops did not keep them in registers, 2-3 GMAC/s instead of 10-18 per thread on MiniLM's shapes).
 
 Why these bits are numerics' bits:
-- Group sums: one <NR x double> per row of the tile, k in order from +0, by llvm.fma (products of
+- Group sums: NR / VW <8 x double> per row of the tile, k in order from +0, by llvm.fma (products of
   float32 values are exact in FP64, so fma(a, b, s) = fl64(a * b + s) = fl64(fl64(a * b) + s)). The
   group sum is then exact wherever numerics' is (its module doc), so the order does not matter; a
   zero sum is +0 (never -0), as for np.matmul.
@@ -35,19 +35,23 @@ import numpy as np
 
 from ..dtypes.formats import F16, F32, Format
 
-MR, NR = 8, 16  # register tile: 8 rows x 16 FP64 columns (16 zmm of group sums; 4 x 16 ran 10-30% slower)
-ROW_BLOCK = 64  # rows per task (a multiple of MR): 64 x K FP64 of A stays in L2 while every B panel passes by
-K_STEP = 128  # K per pass of a row block's tiles over a panel: 128 x NR FP64 of B (16 KB) stays in L1
 ENABLED = os.environ.get("LUMINAL_NUM_JIT", "1") != "0"  # LUMINAL_NUM_JIT=0 forces numerics' numpy path
 
 try:
     import numba
-    from llvmlite import ir
+    from llvmlite import binding, ir
     from numba import types
     from numba.core import cgutils
     from numba.extending import intrinsic
 except ImportError:  # the numpy path of numerics runs instead
     numba = None
+
+VW = 8  # FP64 lanes of one vector (a zmm; two ymm without AVX-512)
+# register tile: with AVX-512's 32 zmm, 8 rows x 24 FP64 columns (24 zmm of group sums; 8 x 16 ran 5-20%
+# slower on MiniLM's shapes, 4 x 16 25%); with AVX2's 16 ymm, 4 x 8 (8 ymm)
+MR, NR = (8, 24) if numba is None or binding.get_host_cpu_features().get("avx512f", False) else (4, 8)
+ROW_BLOCK = 64  # rows per task (a multiple of MR): 64 x K FP64 of A stays in L2 while every B panel passes by
+K_STEP = 128  # K per pass of a row block's tiles over a panel: 128 x NR FP64 of B (24 KB) stays in L1
 
 
 def kernel() -> Callable | None:
@@ -144,25 +148,27 @@ if numba is not None:
         return builder.shuffle_vector(first, ir.Constant(vec, ir.Undefined), lanes0)
 
     def _vector_round(builder, x, drop, min_normal, magic, max_finite, bounded):
-        """RN_acc of each lane of x (<NR x double>) in explicit vector IR, with selects and no branches:
+        """RN_acc of each lane of x (<VW x double>) in explicit vector IR, with selects and no branches:
         C = max(2^e(x), min_normal) * 1.5 * 2^drop has an ulp equal to acc's quantum at x (the fixed
         subnormal quantum below min_normal) and fl64(x + C) stays in C's binade, so fl64(x + C) - C is x
         rounded there, ties to even (C / ulp is even), exactly (numerics._round_f16_magic, for any p);
         copysign restores a zero's sign; past max_finite (or for an inf x, where C - C is NaN) +-inf;
         a NaN x stays itself. `magic` is 1.5 * 2^drop. bounded: the caller proved every x finite and
         its rounding at most max_finite, so the last two selects go (half the operations)."""
-        vec, ivec = x.type, ir.VectorType(ir.IntType(64), NR)
+        vec, lanes = x.type, x.type.count
+        ivec = ir.VectorType(ir.IntType(64), lanes)
         module = builder.module
-        fabs = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec]), f"llvm.fabs.v{NR}f64")
-        copysign = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec, vec]), f"llvm.copysign.v{NR}f64")
-        maxnum = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec, vec]), f"llvm.maxnum.v{NR}f64")
-        binade = builder.bitcast(builder.and_(builder.bitcast(x, ivec), ir.Constant(ivec, [0x7FF0000000000000] * NR)), vec)
+        fabs = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec]), f"llvm.fabs.v{lanes}f64")
+        copysign = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec, vec]), f"llvm.copysign.v{lanes}f64")
+        maxnum = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec, vec]), f"llvm.maxnum.v{lanes}f64")
+        binade = builder.bitcast(builder.and_(builder.bitcast(x, ivec), ir.Constant(ivec, [0x7FF0000000000000] * lanes)),
+                                 vec)
         c = builder.fmul(builder.call(maxnum, [binade, _splat(builder, min_normal, vec)]), _splat(builder, magic, vec))
         r = builder.call(copysign, [builder.fsub(builder.fadd(x, c), c), x])
         if bounded:
             return r
         over = builder.fcmp_unordered(">", builder.call(fabs, [r]), _splat(builder, max_finite, vec))
-        r = builder.select(over, builder.call(copysign, [ir.Constant(vec, [math.inf] * NR), x]), r)
+        r = builder.select(over, builder.call(copysign, [ir.Constant(vec, [math.inf] * lanes), x]), r)
         return builder.select(builder.fcmp_unordered("uno", x, x), x, r)
 
     def _make_groups(bounded: bool):
@@ -178,7 +184,7 @@ if numba is not None:
                       magic, max_finite):
         """The MMA groups of kcount products along K (group by group, the last one short) on the MR x NR
         register tile, its accumulators in registers throughout: per group, sums[i, j] = sum_t
-        a[a_off + i * lda + t] * b[b_off + t * NR + j] (one <NR x double> per row, t in order from +0, by
+        a[a_off + i * lda + t] * b[b_off + t * NR + j] (NR / VW <VW x double> per row, t in order from +0, by
         llvm.fma: products are exact); if scaled, sums = fl64(fl32(fl32(sums) * scale)); then acc =
         RN_acc(sums if first and it is the first group else fl64(acc + sums)). a, b, acc: 1-D FP64 (A's
         padded rows, one packed panel of B, the tile's accumulators, read and written once); scale: the
@@ -192,13 +198,15 @@ if numba is not None:
             pa, pb, pacc, pscale = data(0), data(3), data(7), data(9)
             a_off_, lda_, b_off_, kc, group_ = args[1], args[2], args[4], args[5], args[6]
             i64, f64 = ir.IntType(64), ir.DoubleType()
-            vec, fvec = ir.VectorType(f64, NR), ir.VectorType(ir.FloatType(), NR)
+            vec, fvec = ir.VectorType(f64, VW), ir.VectorType(ir.FloatType(), VW)
+            parts = [(i, v) for i in range(MR) for v in range(NR // VW)]  # row i, columns v * VW .. (v + 1) * VW
             pa, pb = builder.gep(pa, [a_off_]), builder.gep(pb, [b_off_])
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{NR}f64")
-            zero, izero = ir.Constant(vec, [0.0] * NR), ir.Constant(i64, 0)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{VW}f64")
+            zero, izero = ir.Constant(vec, [0.0] * VW), ir.Constant(i64, 0)
             is_scaled = builder.icmp_signed("!=", args[10], ir.Constant(args[10].type, 0))
             is_first = builder.icmp_signed("!=", args[8], ir.Constant(args[8].type, 0))
-            slots = [builder.bitcast(builder.gep(pacc, [ir.Constant(i64, i * NR)]), vec.as_pointer()) for i in range(MR)]
+            slots = [builder.bitcast(builder.gep(pacc, [ir.Constant(i64, i * NR + v * VW)]), vec.as_pointer())
+                     for i, v in parts]
             acc_in = [builder.load(slot, align=8) for slot in slots]  # unused (selected away) when first
             entry = builder.block
             outer, inner, done = (builder.append_basic_block(name) for name in ("groups", "group_k", "groups_done"))
@@ -206,7 +214,7 @@ if numba is not None:
             builder.position_at_end(outer)
             g = builder.phi(i64)
             g.add_incoming(izero, entry)
-            accs = [builder.phi(vec) for _ in range(MR)]
+            accs = [builder.phi(vec) for _ in parts]
             for phi, value in zip(accs, acc_in):
                 phi.add_incoming(value, entry)
             rest = builder.sub(kc, g)
@@ -215,14 +223,16 @@ if numba is not None:
             builder.position_at_end(inner)
             t = builder.phi(i64)
             t.add_incoming(izero, outer)
-            sums = [builder.phi(vec) for _ in range(MR)]
+            sums = [builder.phi(vec) for _ in parts]
             for phi in sums:
                 phi.add_incoming(zero, outer)
             k_at = builder.add(g, t)
-            bv = builder.load(builder.bitcast(builder.gep(pb, [builder.mul(k_at, ir.Constant(i64, NR))]), vec.as_pointer()),
-                              align=8)
-            new = [builder.call(fma, [_splat(builder, builder.load(builder.gep(
-                pa, [builder.add(builder.mul(ir.Constant(i64, i), lda_), k_at)])), vec), bv, sums[i]]) for i in range(MR)]
+            row = builder.gep(pb, [builder.mul(k_at, ir.Constant(i64, NR))])
+            bvs = [builder.load(builder.bitcast(builder.gep(row, [ir.Constant(i64, v * VW)]), vec.as_pointer()), align=8)
+                   for v in range(NR // VW)]
+            splats = [_splat(builder, builder.load(builder.gep(pa, [builder.add(builder.mul(ir.Constant(i64, i), lda_),
+                                                                                 k_at)])), vec) for i in range(MR)]
+            new = [builder.call(fma, [splats[i], bvs[v], s]) for (i, v), s in zip(parts, sums)]
             t_next = builder.add(t, ir.Constant(i64, 1))
             t.add_incoming(t_next, inner)
             for phi, value in zip(sums, new):
@@ -231,20 +241,21 @@ if numba is not None:
             builder.cbranch(builder.icmp_signed("<", t_next, width), inner, after)
             builder.position_at_end(after)
             fresh = builder.and_(is_first, builder.icmp_signed("==", g, izero))
-            rounded = []
-            for i, total in enumerate(new):
-                with builder.if_else(is_scaled) as (then, otherwise):
-                    with then:
-                        sc = builder.load(builder.bitcast(builder.gep(pscale, [ir.Constant(i64, i * NR)]),
-                                                          fvec.as_pointer()), align=4)
-                        product = builder.fpext(builder.fmul(builder.fptrunc(total, fvec), sc), vec)
-                        scaled_block = builder.block
-                    with otherwise:
-                        plain_block = builder.block
-                term = builder.phi(vec)
+            with builder.if_else(is_scaled) as (then, otherwise):  # one branch per group, for the whole tile
+                with then:
+                    products = [builder.fpext(builder.fmul(builder.fptrunc(total, fvec), builder.load(
+                        builder.bitcast(builder.gep(pscale, [ir.Constant(i64, i * NR + v * VW)]), fvec.as_pointer()),
+                        align=4)), vec) for (i, v), total in zip(parts, new)]
+                    scaled_block = builder.block
+                with otherwise:
+                    plain_block = builder.block
+            terms = [builder.phi(vec) for _ in parts]  # phis first, at the top of the merge block
+            for term, total, product in zip(terms, new, products):
                 term.add_incoming(product, scaled_block)
                 term.add_incoming(total, plain_block)
-                running = builder.select(fresh, term, builder.fadd(accs[i], term))
+            rounded = []
+            for term, acc_now in zip(terms, accs):
+                running = builder.select(fresh, term, builder.fadd(acc_now, term))
                 rounded.append(_vector_round(builder, running, args[11], args[12], args[13], args[14], bounded))
             g_next = builder.add(g, group_)
             latch = builder.block
