@@ -159,10 +159,11 @@ if numba is not None:
         ivec = ir.VectorType(ir.IntType(64), lanes)
         module = builder.module
         fabs = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec]), f"llvm.fabs.v{lanes}f64")
-        copysign = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec, vec]), f"llvm.copysign.v{lanes}f64")
-        maxnum = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec, vec]), f"llvm.maxnum.v{lanes}f64")
-        binade = builder.bitcast(builder.and_(builder.bitcast(x, ivec), ir.Constant(ivec, [0x7FF0000000000000] * lanes)),
-                                 vec)
+        binary = ir.FunctionType(vec, [vec, vec])
+        copysign = cgutils.get_or_insert_function(module, binary, f"llvm.copysign.v{lanes}f64")
+        maxnum = cgutils.get_or_insert_function(module, binary, f"llvm.maxnum.v{lanes}f64")
+        exponent = ir.Constant(ivec, [0x7FF0000000000000] * lanes)
+        binade = builder.bitcast(builder.and_(builder.bitcast(x, ivec), exponent), vec)
         c = builder.fmul(builder.call(maxnum, [binade, _splat(builder, min_normal, vec)]), _splat(builder, magic, vec))
         r = builder.call(copysign, [builder.fsub(builder.fadd(x, c), c), x])
         if bounded:
@@ -186,9 +187,9 @@ if numba is not None:
         register tile, its accumulators in registers throughout: per group, sums[i, j] = sum_t
         a[a_off + i * lda + t] * b[b_off + t * NR + j] (NR / VW <VW x double> per row, t in order from +0, by
         llvm.fma: products are exact); if scaled, sums = fl64(fl32(fl32(sums) * scale)); then acc =
-        RN_acc(sums if first and it is the first group else fl64(acc + sums)). a, b, acc: 1-D FP64 (A's
-        padded rows, one packed panel of B, the tile's accumulators, read and written once); scale: the
-        tile's fl32(sa * sb), float32 (MR * NR). kcount >= 1."""
+        RN_acc(fl64(acc + sums)), acc starting at -0 if first (so the first group enters as it is).
+        a, b, acc: 1-D FP64 (A's padded rows, one packed panel of B, the tile's accumulators, read and
+        written once); scale: the tile's fl32(sa * sb), float32 (MR * NR). kcount >= 1."""
         sig = types.void(a, a_off, lda, b, b_off, kcount, group, acc, first, scale, scaled, drop, min_normal, magic,
                          max_finite)
 
@@ -207,7 +208,10 @@ if numba is not None:
             is_first = builder.icmp_signed("!=", args[8], ir.Constant(args[8].type, 0))
             slots = [builder.bitcast(builder.gep(pacc, [ir.Constant(i64, i * NR + v * VW)]), vec.as_pointer())
                      for i, v in parts]
-            acc_in = [builder.load(slot, align=8) for slot in slots]  # unused (selected away) when first
+            # a chunk's first group enters as it is: -0 + x = x for every x (signed zeros and NaN included),
+            # so starting from -0 spares a select per group
+            acc_in = [builder.select(is_first, ir.Constant(vec, [-0.0] * VW), builder.load(slot, align=8))
+                      for slot in slots]
             entry = builder.block
             outer, inner, done = (builder.append_basic_block(name) for name in ("groups", "group_k", "groups_done"))
             builder.branch(outer)
@@ -228,8 +232,8 @@ if numba is not None:
                 phi.add_incoming(zero, outer)
             k_at = builder.add(g, t)
             row = builder.gep(pb, [builder.mul(k_at, ir.Constant(i64, NR))])
-            bvs = [builder.load(builder.bitcast(builder.gep(row, [ir.Constant(i64, v * VW)]), vec.as_pointer()), align=8)
-                   for v in range(NR // VW)]
+            bvs = [builder.load(builder.bitcast(builder.gep(row, [ir.Constant(i64, v * VW)]), vec.as_pointer()),
+                                align=8) for v in range(NR // VW)]
             splats = [_splat(builder, builder.load(builder.gep(pa, [builder.add(builder.mul(ir.Constant(i64, i), lda_),
                                                                                  k_at)])), vec) for i in range(MR)]
             new = [builder.call(fma, [splats[i], bvs[v], s]) for (i, v), s in zip(parts, sums)]
@@ -240,7 +244,6 @@ if numba is not None:
             after = builder.append_basic_block("group_round")
             builder.cbranch(builder.icmp_signed("<", t_next, width), inner, after)
             builder.position_at_end(after)
-            fresh = builder.and_(is_first, builder.icmp_signed("==", g, izero))
             with builder.if_else(is_scaled) as (then, otherwise):  # one branch per group, for the whole tile
                 with then:
                     products = [builder.fpext(builder.fmul(builder.fptrunc(total, fvec), builder.load(
@@ -255,7 +258,7 @@ if numba is not None:
                 term.add_incoming(total, plain_block)
             rounded = []
             for term, acc_now in zip(terms, accs):
-                running = builder.select(fresh, term, builder.fadd(acc_now, term))
+                running = builder.fadd(acc_now, term)
                 rounded.append(_vector_round(builder, running, args[11], args[12], args[13], args[14], bounded))
             g_next = builder.add(g, group_)
             latch = builder.block
