@@ -161,10 +161,12 @@ if numba is not None:
         fabs = cgutils.get_or_insert_function(module, ir.FunctionType(vec, [vec]), f"llvm.fabs.v{lanes}f64")
         binary = ir.FunctionType(vec, [vec, vec])
         copysign = cgutils.get_or_insert_function(module, binary, f"llvm.copysign.v{lanes}f64")
-        maxnum = cgutils.get_or_insert_function(module, binary, f"llvm.maxnum.v{lanes}f64")
         exponent = ir.Constant(ivec, [0x7FF0000000000000] * lanes)
         binade = builder.bitcast(builder.and_(builder.bitcast(x, ivec), exponent), vec)
-        c = builder.fmul(builder.call(maxnum, [binade, _splat(builder, min_normal, vec)]), _splat(builder, magic, vec))
+        floor = _splat(builder, min_normal, vec)
+        # max(binade, min_normal) as a select, one vmaxpd (llvm.maxnum adds NaN handling; binade is never NaN)
+        c = builder.fmul(builder.select(builder.fcmp_ordered("<", binade, floor), floor, binade),
+                         _splat(builder, magic, vec))
         r = builder.call(copysign, [builder.fsub(builder.fadd(x, c), c), x])
         if bounded:
             return r
