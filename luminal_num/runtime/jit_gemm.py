@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..dtypes.formats import F16, F32, Format
+from ..dtypes.formats import F16, Format
 
 ENABLED = os.environ.get("LUMINAL_NUM_JIT", "1") != "0"  # LUMINAL_NUM_JIT=0 forces numerics' numpy path
 
@@ -98,13 +98,22 @@ def _scales(op, lead: tuple, blocks: int, k_axis: int, extent: int, padded: int)
 
 
 def _bounded(qa, qb, acc: Format, chunk: int, groups: int, per_product: bool) -> bool:
-    """Whether numerics' range proofs show every running sum finite and within acc.max_finite (they
-    show more: FP32-range ones also keep it normal; they refuse NaN / inf operands)."""
+    """Whether every running sum is provably finite and within acc.max_finite (subnormals need no proof:
+    _vector_round handles them). F16: numerics._f16_in_range (with its L1-norm refinement). Otherwise
+    |partials| <= chunk max|a| max|b| [max|sa| max|sb| (1 + 2^-22) per product: two fl32 roundings]
+    grown by (1 + 2^(1 - p)) per rounding; NaN / inf magnitudes fail the comparison. Only maxima: no
+    pass over the operands for their least magnitude, which numerics' normal-range proofs need."""
     from . import numerics
-    if acc is F16:
-        return not per_product and numerics._f16_in_range(qa, qb, chunk, groups)
-    proof = numerics._fast_scaled_accumulation if per_product else numerics._fast_accumulation
-    return acc.min_normal == F32.min_normal and proof(qa, qb, acc, chunk, groups)
+    if acc is F16 and not per_product:
+        return numerics._f16_in_range(qa, qb, chunk, groups)
+    scale = 1.0
+    if per_product:
+        if qa.scales is None or qb.scales is None:
+            return False
+        scale = math.prod(op.derived("scale_amax", lambda op=op: float(np.max(np.abs(op.scales), initial=0.0)))
+                          for op in (qa, qb)) * (1 + 2.0 ** -22)
+    bound = chunk * qa.amax() * qb.amax() * scale * (1 + 2.0 ** (1 - acc.p)) ** groups
+    return bound <= acc.max_finite / 2
 
 
 def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_product: bool) -> np.ndarray | None:
@@ -126,7 +135,8 @@ def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_
     sa = np.broadcast_to(ones, (1, blocks, m_pad)) if sa is None else sa
     sb = np.broadcast_to(ones, (1, blocks, panels * NR)) if sb is None else sb
     sa, sb = np.ascontiguousarray(sa), np.ascontiguousarray(sb)
-    ap, bp = pack_a(qa.values, lead, m_pad), pack_b(qb.values, lead)
+    ap = pack_a(qa.values, lead, m_pad)
+    bp = qb.derived(f"jit_panels{lead}", lambda: pack_b(qb.values, lead))  # a weight's: packed once per process
     out = np.empty(lead + (m, n), np.float32)
     flat = out.reshape(-1, m, n)
     bounded = _bounded(qa, qb, acc, chunk, -(-chunk // group), per_product)
