@@ -176,3 +176,25 @@ def test_without_numba_the_numpy_path_runs():
     finally:
         jit_gemm.ENABLED = saved
     assert done.stdout == want.tobytes().hex()
+
+
+@needs_numba
+@pytest.mark.parametrize("name", ["f8e4m3_block_nopromote", "f8e4m3_block"])
+def test_scales_that_overflow_the_accumulator(name):
+    """Per-product and per-chunk scaling with scales near FP32's top (one K-block's 2^62 * 2^62 overflows
+    acc_m13 to inf mid-way, per product; or only at the FP32 promotion) and a NaN scale: the unproved paths."""
+    v = GEMM_VARIANTS[name]
+    rng = np.random.default_rng(9)
+    m, k, n = 9, 384, 30
+    a = values(rng, (m, k), -3, 6, 4, 0.1)
+    b = values(rng, (k, n), -3, 6, 4, 0.1)
+    sa = np.ones((m, k // 128), np.float32)
+    sb = np.ones((k // 128, 1), np.float32)
+    sa[2:5, 1], sb[1, 0] = 2.0 ** 62, 2.0 ** 62
+    sa[7, 2] = np.nan
+    qa, qb = numerics._Operand(a, sa, v.a_scale), numerics._Operand(b, sb, v.b_scale)
+    chunk = k if v.scales_per_product else v.promote_every
+    got, want = both_paths(lambda: numerics._grouped_gemm(qa, qb, v.accumulator, v.mma_k, chunk, 128,
+                                                          v.scales_per_product))
+    assert_same(got, want)
+    assert np.isinf(want).any() and np.isnan(want[7]).all()
