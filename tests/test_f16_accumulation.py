@@ -30,7 +30,7 @@ def path(request, monkeypatch):
     numpy's BLAS was found)."""
     if request.param == "jit":
         if jit_gemm.kernel() is None:
-            pytest.skip("numba is not installed: the numpy paths run here")
+            pytest.skip("the kernel is off (numba missing or LUMINAL_NUM_JIT=0): the numpy paths run here")
         return request.param
     monkeypatch.setattr(jit_gemm, "ENABLED", False)
     if request.param == "numpy":

@@ -25,7 +25,8 @@ from luminal_num.dtypes.variants import limited_accumulator
 from luminal_num.runtime import jit_gemm, numerics
 from luminal_num.runtime.numerics import emulate_gemm
 
-needs_numba = pytest.mark.skipif(jit_gemm.kernel() is None, reason="numba is not installed: nothing to compare")
+needs_numba = pytest.mark.skipif(jit_gemm.kernel() is None,
+                                 reason="the kernel is off (numba missing or LUMINAL_NUM_JIT=0): nothing to compare")
 
 VARIANTS = [GEMM_VARIANTS[name] for name in ("f16acc16", "f8e4m3_block", "f8e4m3_block_nopromote", "f8e5m2_block")] + [
     GemmPrecision("e4m3_small_blocks", F8E4M3, F8E4M3, F32, ScaleSpec(Granularity.BLOCK, (1, 32), F32, False),

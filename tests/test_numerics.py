@@ -35,7 +35,7 @@ def grouped_path(request, monkeypatch):
     if request.param == "numpy":
         monkeypatch.setattr(jit_gemm, "ENABLED", False)
     elif jit_gemm.kernel() is None:
-        pytest.skip("numba is not installed: the numpy path runs here")
+        pytest.skip("the kernel is off (numba missing or LUMINAL_NUM_JIT=0): the numpy path runs here")
 
 
 # ---------------------------------------------------------------- the independent reference
