@@ -15,17 +15,24 @@ import numpy as np
 import pytest
 
 from luminal_num.dtypes import F16, GEMM_VARIANTS
-from luminal_num.runtime import blas_f16, numerics
+from luminal_num.runtime import blas_f16, jit_gemm, numerics
 from luminal_num.runtime.numerics import emulate_gemm
 
 VARIANT = GEMM_VARIANTS["f16acc16"]
 GROUP = VARIANT.mma_k  # 16
-PATHS = ["blas_f16", "numpy"]  # numpy's BLAS called with alpha/beta in the scaled domain, or numpy alone
+# the numba kernel (runtime.jit_gemm), numpy's BLAS called with alpha/beta in the scaled domain, numpy alone
+PATHS = ["jit", "blas_f16", "numpy"]
 
 
 @pytest.fixture(autouse=True, params=PATHS)
 def path(request, monkeypatch):
-    """Every test runs on both F16 step implementations (blas_f16 where numpy's BLAS was found)."""
+    """Every test runs on each F16 step implementation (jit where numba is installed, blas_f16 where
+    numpy's BLAS was found)."""
+    if request.param == "jit":
+        if jit_gemm.kernel() is None:
+            pytest.skip("the kernel is off (numba missing or LUMINAL_NUM_JIT=0): the numpy paths run here")
+        return request.param
+    monkeypatch.setattr(jit_gemm, "ENABLED", False)
     if request.param == "numpy":
         monkeypatch.setattr(blas_f16, "DGEMM", None)
     elif blas_f16.DGEMM is None:
@@ -153,7 +160,7 @@ def test_a_float64_matmul_of_zero_products_is_plus_zero(shape):
 
 
 @pytest.mark.parametrize("name", ["f16acc16", "f8e4m3_block", "f8e5m2_block", "f8e4m3_block_nopromote"])
-def test_tiles_on_threads_give_the_same_bits(name, monkeypatch):
+def test_tiles_on_threads_give_the_same_bits(name, monkeypatch, path):
     """A large grouped Gemm spreads its output tiles over threads: the bits are those of one thread, and
     an error in a tile reaches the caller."""
     variant = GEMM_VARIANTS[name]
@@ -161,6 +168,7 @@ def test_tiles_on_threads_give_the_same_bits(name, monkeypatch):
     a = (rng.standard_normal((2, 70, 300)) * 2.0 ** rng.integers(-6, 3, (2, 70, 300))).astype(np.float32)
     b = rng.standard_normal((300, 90)).astype(np.float32)
     monkeypatch.setattr(numerics, "_TILE_ELEMENTS", 600)  # many small tiles
+    monkeypatch.setattr(jit_gemm, "ROW_BLOCK", 2 * jit_gemm.MR)
     monkeypatch.setattr(numerics, "_TILE_THREADS", 1)
     alone = emulate_gemm(a, b, variant)
     monkeypatch.setattr(numerics, "_TILE_THREADS", 3)
@@ -169,7 +177,7 @@ def test_tiles_on_threads_give_the_same_bits(name, monkeypatch):
 
     def broken(*args):
         raise FloatingPointError("a tile failed")
-    monkeypatch.setattr(numerics, "_blocks", broken)  # every tile's first step
+    monkeypatch.setattr(*(jit_gemm, "grouped_tile") if path == "jit" else (numerics, "_blocks"), broken)  # every tile
     with pytest.raises(FloatingPointError, match="a tile failed"):
         emulate_gemm(a, b, variant)
 

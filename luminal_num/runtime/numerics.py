@@ -212,6 +212,8 @@ def _fast_accumulation(qa: _Operand, qb: _Operand, acc: Format, k: int, groups: 
     mags = qa.magnitudes(), qb.magnitudes()
     if mags[0] is None or mags[1] is None:
         return True
+    if not all(map(math.isfinite, mags[0] + mags[1])):
+        return False  # NaN / inf operands: round_to's path handles them
     quantum = math.prod(2.0 ** (math.floor(math.log2(lo)) - 23) for lo, _ in mags)
     huge = k * mags[0][1] * mags[1][1] * (1 + 2.0 ** (1 - acc.p)) ** groups
     return quantum >= acc.min_normal and huge <= acc.max_finite / 2
@@ -227,6 +229,8 @@ def _fast_scaled_accumulation(qa: _Operand, qb: _Operand, acc: Format, k: int, g
     mags = qa.magnitudes(), qb.magnitudes()
     if mags[0] is None or mags[1] is None:
         return True
+    if not all(map(math.isfinite, mags[0] + mags[1])):
+        return False  # NaN / inf operands: round_to's path handles them
     scales = [np.abs(op.scales[op.scales != 0]) for op in (qa, qb)]
     if any(x.size == 0 for x in scales):
         return True
@@ -296,6 +300,10 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
     step; for one matrix, blas_f16's steps where numpy's BLAS is callable), else by round_to. Tiles hold their outputs as
     (..., items, rows, item_cols): elementwise steps do not care.
     """
+    from . import jit_gemm  # imported here: numba's import costs ~0.5 s, paid only where a grouped Gemm runs
+    jit = jit_gemm.grouped_gemm(qa, qb, acc, group, chunk, k_block, per_product)
+    if jit is not None:
+        return jit
     k = qa.values.shape[-1]
     groups = -(-chunk // group)
     in_place = (_fast_scaled_accumulation if per_product else _fast_accumulation)(qa, qb, acc, chunk, groups)
@@ -428,8 +436,9 @@ def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = Non
     for start in range(0, k, chunk):
         partial = _chunk_sum(qa.values[..., start:start + chunk], qb.values[..., start:start + chunk, :], variant)
         scale = _chunk_scale(qa, qb, start // k_block)
-        term = partial if scale is None else partial * scale
-        out = term if out is None else out + term
+        in_place = scale is not None and np.broadcast_shapes(partial.shape, scale.shape) == partial.shape
+        term = np.multiply(partial, scale, out=partial) if in_place else partial if scale is None else partial * scale
+        out = term if out is None else np.add(out, term, out=out)  # partial is fresh from the matmul: no copies
     return out
 
 
