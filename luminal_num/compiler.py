@@ -97,7 +97,8 @@ def _search(graph: Graph, budget: Budget, target: str, calibration, options: Sea
     # per-chunk verdicts (error/chunks.py) replace the per-group screen (error/groups.py): they decide
     # from measured local errors before the screen's 4x-over-budget rule could
     ran: dict[str, list] = {}  # the headroom probes' outputs: the same programs are baselines of the search
-    head = choose_headroom(graph, budget, calibration, refs, space, options.headroom, ran)
+    head = choose_headroom(graph, budget, calibration, refs, space, options.headroom, ran,
+                           chunks.pool if chunks is not None else None)
     # candidates are judged against the budget scaled by the headroom; every verdict also carries its
     # ratio against the user's budget, which is what plans and errors report
     gate = budget if head.headroom == 1.0 else budget.tightened(head.headroom)
@@ -123,9 +124,10 @@ PROBES = ("FP32 everywhere", "TF32 flag", "BF16 autocast", "FP16 autocast")  # t
 
 
 def choose_headroom(graph: Graph, budget: Budget, calibration, refs, space: SearchSpace,
-                    override: float | None, ran: dict[str, list] | None = None) -> HeadroomEstimate:
+                    override: float | None, ran: dict[str, list] | None = None,
+                    pool: TaskPool | None = None) -> HeadroomEstimate:
     """The override when given, else the margin measured on split calibration batches (error/headroom.py)
-    with the peer baselines as probes (their outputs are kept in `ran`, by program key)."""
+    with the peer baselines as probes (their outputs are kept in `ran`, by program key; run on `pool`)."""
     if override is not None:
         return HeadroomEstimate(override, "override")
     if len(calibration) < 2:
@@ -133,7 +135,7 @@ def choose_headroom(graph: Graph, budget: Budget, calibration, refs, space: Sear
     probe = Judge(graph, budget, list(calibration), use_static=False, references=refs, use_prediction=False,
                   outputs_cache=ran)
     genomes = _baseline_genomes(space)
-    return estimate_headroom([probe.batch_ratios(space.program(genomes[n])) for n in PROBES if n in genomes])
+    return estimate_headroom(probe.batch_ratios([space.program(genomes[n]) for n in PROBES if n in genomes], pool))
 
 
 def _stable_stats(stats: dict) -> dict:

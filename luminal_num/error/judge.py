@@ -22,6 +22,7 @@ from .interval import Interval
 from .metrics import METRICS, Compared
 from .predict import DeltaPredictor, Prediction, budget_ratio
 from .reference import Fp64Reference, references
+from .tasks import RunTask, TaskPool
 from .static import static_bound
 from .verdict_store import VerdictStore
 
@@ -333,25 +334,42 @@ class Judge:
         """Whether this program's outputs on every calibration batch were kept (batch_ratios ran it)."""
         return self.outputs_cache is not None and program_key(program) in self.outputs_cache
 
-    def batch_ratios(self, program: Program) -> list[float]:
-        """The share of the user's budget the program uses on each calibration batch (all metrics)."""
-        rt = CpuRuntime(program, self.graph.weights)
-        outs = [rt.run(inp).outputs for inp in self.calibration]
-        if self.outputs_cache is not None:
-            self.outputs_cache[program_key(program)] = outs
-        return [budget_ratio(self.budget, self.budget.check(out, ref)) for out, ref in zip(outs, self.refs)]
+    def batch_ratios(self, programs: Sequence[Program], pool: TaskPool | None = None) -> list[list[float]]:
+        """For each program, the share of the user's budget it uses on each calibration batch (all
+        metrics). With a pool every (program, batch) is a task, so the programs and batches run in
+        parallel (the headroom's probes: four end-to-end runs of the model each)."""
+        tasks = [RunTask(p, (inp,), (bind,)) for p in programs for inp, bind in zip(self.calibration, self.bindings)]
+        results = (pool or TaskPool(self.graph.weights, workers=1)).map(tasks)
+        nb, out = len(self.calibration), []
+        for i, program in enumerate(programs):
+            runs = results[i * nb:(i + 1) * nb]
+            for r in runs:
+                if isinstance(r, Exception):
+                    raise r
+            outs = [r[0] for r in runs]
+            if self.outputs_cache is not None:
+                self.outputs_cache[program_key(program)] = outs
+            out.append([budget_ratio(self.budget, self.budget.check(o, ref)) for o, ref in zip(outs, self.refs)])
+        return out
 
     def _measure(self, program: Program, keep_outputs: bool = False) -> tuple[Verdict, list | None]:
-        """End to end on every batch (stopping at the first failing one unless `keep_outputs`); the
-        outputs of all batches come back when kept and complete."""
+        """End to end on every batch (stopping at the first failing one unless `keep_outputs`; with the
+        chunks' pool, all batches run at once, in parallel); the outputs of all batches come back when
+        kept and complete."""
         self.stats.measured += 1
         rt = CpuRuntime(program, self.graph.weights)
         worst, user, worst_abs, reason, passed, ratio = 0.0, 0.0, 0.0, "", True, 0.0
         outs: list | None = [] if keep_outputs else None
         ran = self.outputs_cache.pop(program_key(program), None) if self.outputs_cache is not None else None
+        pool = self.chunks.pool if self.chunks is not None else None
+        if ran is None and pool is not None and len(self.calibration) > 1:
+            ran = [r if isinstance(r, Exception) else r[0] for r in pool.map(
+                [RunTask(program, (inp,), (bind,)) for inp, bind in zip(self.calibration, self.bindings)])]
         for b, (inp, ref) in enumerate(zip(self.calibration, self.refs)):
             try:
                 out = ran[b] if ran is not None else rt.run(inp).outputs
+                if isinstance(out, Exception):
+                    raise out
             except (ValueError, FloatingPointError) as exc:  # e.g. a REJECT overflow policy
                 return Verdict(False, "measured", np.inf, np.inf, None, f"run failed: {exc}", np.inf, np.inf), None
             if outs is not None:
