@@ -6,55 +6,38 @@ format; Gemm and reduction variants are emulated bit-exactly by runtime/numerics
 kernel stores q in its format and keeps the scales beside it (per run, keyed by its kernel id); a
 Gemm reading its buffer multiplies q with those scales, as the GPU does.
 
-Speed without changing a bit (issue 18): add, mul, recip, sqrt, fmod and compare are computed in
-numpy float32, which IEEE makes correctly rounded (the same value as float64 then one rounding);
-exp2/log2/sin/erf/tanh are not correctly rounded in float32, so they stay float64 + one rounding.
-A body whose loads are wider than FP32 (int64 indices, f64) takes the float64 path. Weights are
-stored once per process (hlir.weightcache), and so are the Gemm B operands read from them.
-Each kernel kind is one function in KERNELS.
+Speed without changing a bit (issue 18): fused bodies are evaluated in float32 where that gives
+the float64-then-round values (runtime/cpu_bodies.py), a kernel's last op writes straight into its
+output buffer where it can. Weights are stored once per process (hlir.weightcache), and so are the
+Gemm B operands read from them. Each kernel kind is one function in KERNELS.
 """
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import numpy as np
 
-from ..codegen.llir import (FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel, KernelKind, Program,
-                            epilogue_as_elementwise, external_value, load_slots)
-from ..dtypes.formats import F32, Format, Kind, get as get_format
-from ..dtypes.rounding import Overflow, round_to, store
+from ..codegen.llir import Kernel, KernelKind, Program, epilogue_as_elementwise, external_value
+from ..dtypes.formats import F32, Kind, get as get_format
+from ..dtypes.rounding import store
 from ..dtypes.variants import GEMM_VARIANTS
 from ..hlir.evaluate import softmax
 from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result
-from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
-from ..hlir.weightcache import WEIGHTS
+from ..hlir.weightcache import WEIGHTS, ByteLRU
 from ..quant import quantize_tensor
 from ..quant.concat import concat_widened
 from ..quant.kv import cache_values
 from ..quant.stored import stored_key, widened
 from .buffers import BufferPlan, plan_buffers
 from .cpu_attention import run_attention
-from .numerics import emulate_gemm, emulate_reduce_sum, prepare_b
-
-# Ops whose float32 numpy result equals the float64 result rounded once to FP32 (IEEE: correctly
-# rounded, and double rounding through float64 is innocuous for p' >= 2p + 2); the rest are computed
-# in float64 and rounded once. Keyed by every elementwise Op (a test checks the coverage).
-CORRECTLY_ROUNDED_F32: dict[Op, bool] = {
-    Op.EXP2: False, Op.LOG2: False, Op.SIN: False,  # libm-style approximations, not correctly rounded
-    Op.RECIP: True, Op.SQRT: True, Op.ADD: True, Op.MUL: True,
-    Op.MOD: True,        # fmod is exact
-    Op.LESS_THAN: True,  # exact 0 / 1
-    Op.CUSTOM: False,    # decided per kind by F32_EXACT_CUSTOM
-}
-# Custom kinds whose float32 loop gives exactly float32(fn(float64(x))) on all 2^32 float32 inputs.
-# erf: scipy's float32 loop is xsf::erf(float) = erf(static_cast<double>(x)) rounded on return, the
-# identity by construction; bench/erf_f32.py checked every input (reports/bench/erf_f32.csv). tanh:
-# numpy's float32 tanh is its own SIMD approximation and differs on many inputs, so float64 it stays.
-F32_EXACT_CUSTOM: dict[str, bool] = {"erf": True, "tanh": False}
+# the tables and body evaluators are named here too, where the tests and other stages look for them
+from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, BodyCache, body32 as _body32,  # noqa: F401
+                         body64 as _body64, body_into_out, body_values, read64, read_input, realize, reduce_sum,
+                         rows_values, store32)
+from .numerics import emulate_gemm, prepare_b
 
 
 @dataclass(frozen=True)
@@ -75,19 +58,6 @@ def bind_program(program: Program, inputs: Mapping[str, np.ndarray]) -> dict[str
     return bind_shapes(declared, {n: np.shape(a) for n, a in inputs.items()})
 
 
-def store32(x, fmt: Format) -> np.ndarray:
-    """store(x, fmt) kept in float32 where fmt fits it (same values; float64 stays float64, except that
-    an FP32 store of it is numpy's one IEEE conversion to float32, as store itself does it)."""
-    x = np.asarray(x)
-    if fmt is F32 and x.dtype == np.float64:
-        return x.astype(np.float32)
-    if fmt.kind is not Kind.FLOAT or fmt.name == "f64" or x.dtype != np.float32:
-        return store(x, fmt)
-    if fmt is F32:
-        return x
-    return round_to(x, fmt, Overflow.SATURATE if fmt.bits <= 8 else Overflow.INF)  # store's policy, from float32
-
-
 @dataclass
 class _Run:
     """The state of one run: stored buffers, QUANTIZE scales, the feed and the shape bindings."""
@@ -96,10 +66,11 @@ class _Run:
     feed: Mapping[str, np.ndarray]
     bindings: Mapping[str, int]
     weight_names: frozenset[str]  # feed entries that are the runtime's (immutable) weights
+    bodies: BodyCache             # the runtime's compiled fused bodies
     out: np.ndarray | None = None  # the running kernel's output buffer (a kernel may write into it)
     # fused-body values by what they compute (structure, loads as (buffer, view)), for the next
     # kernels: fusion recomputes a layer norm's input in its mean, variance and output kernels
-    shared: OrderedDict = field(default_factory=OrderedDict)
+    shared: ByteLRU = field(default_factory=lambda: ByteLRU(SHARED_BYTES))
 
 
 class CpuRuntime:
@@ -115,6 +86,8 @@ class CpuRuntime:
         self.stored_weights = dict(stored_weights or {})  # stored_key -> StoredTensor (a plan's weights file)
         self._widened: dict[str, np.ndarray] = {}  # stored_key -> its widened values (read-only)
         self._concats: dict[str, np.ndarray] = {}  # concatenated weights (immutable: built once per runtime)
+        self._epilogues: dict[int, Kernel] = {}  # Gemm epilogue kernel id -> its body as an ELEMENTWISE kernel
+        self._bodies = BodyCache()
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
@@ -130,7 +103,7 @@ class CpuRuntime:
         plan = self._plans[key]
         slots = [np.empty(n, dtype=np.uint8) for n in plan.slot_bytes]
         state = _Run({}, {}, feed, bindings, frozenset(n for n in self.weights if n not in inputs)
-                     | frozenset(self._concats))
+                     | frozenset(self._concats), self._bodies)
         timings = []
         wanted = {kid for _, kid in self.program.exports} if keep_exports else set()
         exports: dict[int, np.ndarray] = {}
@@ -175,108 +148,11 @@ class CpuRuntime:
     def static_b_scales(self, kid: int) -> np.ndarray | None:
         return self.static_scales.get(kid)
 
-
-# -- reading inputs ---------------------------------------------------------------------------------
-def realize(view, buffer: np.ndarray, bindings) -> np.ndarray:
-    """view.realize(buffer); one-byte ml_dtypes floats (fp8) are read through their bytes, because
-    numpy's strided views cannot describe those dtypes (their array interface says '<f1')."""
-    if buffer.dtype.itemsize == 1 and buffer.dtype.kind not in "biu":
-        return view.realize(buffer.view(np.uint8), bindings).view(buffer.dtype)
-    return view.realize(buffer, bindings)
-
-
-def _raw(k: Kernel, i: int, state: _Run) -> np.ndarray:
-    """Input i over the kernel's iteration space, in its storage dtype (a strided view where possible)."""
-    inp = k.inputs[i]
-    return realize(inp.view, state.stored[inp.buffer], state.bindings)
-
-
-def _read64(k: Kernel, i: int, state: _Run) -> np.ndarray:
-    return _raw(k, i, state).astype(np.float64)
-
-
-def _fits_f32(buffer: np.ndarray) -> bool:
-    """Whether every value of the buffer is exactly a float32 (narrow floats widen exactly)."""
-    return buffer.dtype.itemsize <= 4 and buffer.dtype.kind not in "biu" or buffer.dtype.itemsize <= 2
-
-
-# -- fused bodies -----------------------------------------------------------------------------------
-def _apply(e: FApply, args):
-    return CUSTOM_KINDS[e.kind].fn(*args) if e.op is Op.CUSTOM else e.op.decl.fn(*args)
-
-
-def _const(e: FConstV, bindings) -> float:
-    return e.value if isinstance(e.value, float) else float(eval_dim(e.value, bindings))
-
-
-def _body64(e: FExpr, k: Kernel, state: _Run) -> np.ndarray:
-    """A fused body exactly: each op in float64, rounded once to FP32 (kept as float64)."""
-    if isinstance(e, FLoad):
-        return _read64(k, e.slot, state)
-    if isinstance(e, FConstV):
-        return store(np.asarray(_const(e, state.bindings)), F32)
-    if isinstance(e, FRoundTo):
-        return store(_body64(e.x, k, state), e.fmt)
-    return store(_apply(e, [_body64(a, k, state) for a in e.args]), F32)
-
-
-def _exact_in_f32(e: FApply) -> bool:
-    return F32_EXACT_CUSTOM[e.kind] if e.op is Op.CUSTOM else CORRECTLY_ROUNDED_F32[e.op]
-
-
-_SHARED_VALUES = 16  # fused-body values a run keeps for later kernels (least recently used dropped)
-
-
-def _body32(e: FExpr, k: Kernel, state: _Run, memo: dict | None = None):
-    """The same values as _body64, in float32: correctly rounded ops natively, the others via float64.
-    A subexpression is computed once per run: twice in one body (GELU's bias add; memo) or again in
-    a later kernel over the same buffers (state.shared). Values are shared, so never mutated."""
-    memo = {} if memo is None else memo
-    if e not in memo:
-        memo[e] = _eval32(e, k, state, memo)
-    return memo[e][0]
-
-
-def _eval32(e: FExpr, k: Kernel, state: _Run, memo: dict) -> tuple[object, tuple]:
-    """(value, key): the key names the value within the run (loads resolved to buffer and view)."""
-    if isinstance(e, FLoad):
-        inp = k.inputs[e.slot]
-        x = _raw(k, e.slot, state)
-        return (x if x.dtype == np.float32 else x.astype(np.float32)), ("load", inp.buffer, inp.view.encode())
-    if isinstance(e, FConstV):
-        value = _const(e, state.bindings)
-        return np.float32(value), ("const", value)
-    if isinstance(e, FRoundTo):
-        x = _body32(e.x, k, state, memo)
-        key = ("round", e.fmt.name, memo[e.x][1])
-    else:
-        args = [_body32(a, k, state, memo) for a in e.args]
-        key = (e.op, e.kind, tuple(memo[a][1] for a in e.args))
-    if key in state.shared:
-        state.shared.move_to_end(key)
-        return state.shared[key], key
-    if isinstance(e, FRoundTo):
-        out = store32(np.asarray(x, dtype=np.float32), e.fmt)
-    else:
-        if not _exact_in_f32(e):
-            args = [np.asarray(a, dtype=np.float64) for a in args]
-        out = np.asarray(_apply(e, args))
-        out = out if out.dtype == np.float32 else out.astype(np.float32)
-    state.shared[key] = out
-    if len(state.shared) > _SHARED_VALUES:
-        state.shared.popitem(last=False)
-    return out, key
-
-
-def _fits_body(k: Kernel, state: _Run) -> bool:
-    return all(_fits_f32(state.stored[k.inputs[i].buffer]) for i in load_slots(k.body))
-
-
-def body_values(k: Kernel, state: _Run) -> np.ndarray:
-    """The body over its iteration space: float32 when every load fits FP32, else float64 (same values)."""
-    if _fits_body(k, state):
-        return np.asarray(_body32(k.body, k, state), dtype=np.float32)
-    return _body64(k.body, k, state)
+    def epilogue_body(self, k: Kernel) -> Kernel:
+        """A Gemm epilogue's body over its accumulator (_accumulator_id), built once per runtime."""
+        if k.id not in self._epilogues:
+            self._epilogues[k.id] = epilogue_as_elementwise(k, _accumulator_id(k))
+        return self._epilogues[k.id]
 
 
 # -- one function per kernel kind -------------------------------------------------------------------
@@ -340,12 +216,7 @@ def _iota(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _elementwise(rt, k: Kernel, state: _Run) -> np.ndarray:
-    """An FP32 body whose last op is a correctly rounded ufunc writes straight into its output buffer."""
-    e = k.body
-    if k.dtype is F32 and isinstance(e, FApply) and e.op is not Op.CUSTOM and CORRECTLY_ROUNDED_F32[e.op] \
-            and isinstance(e.op.decl.fn, np.ufunc) and _fits_body(k, state):
-        memo: dict = {}
-        e.op.decl.fn(*(_body32(a, k, state, memo) for a in e.args), out=state.out)
+    if body_into_out(k, state):
         return state.out
     return store32(body_values(k, state), k.dtype)
 
@@ -390,7 +261,10 @@ def _gemm_epilogue(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
     acc = _accumulator_id(k)
     state.stored[acc] = gemm_accumulator(rt, k, state)
     try:
-        return store32(body_values(epilogue_as_elementwise(k, acc), state), k.dtype)
+        body = rt.epilogue_body(k)
+        if body_into_out(body, state):
+            return state.out
+        return store32(body_values(body, state), k.dtype)
     finally:
         del state.stored[acc]
 
@@ -411,7 +285,7 @@ def gemm_accumulator(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:
-    table = _raw(k, 0, state)
+    table = read_input(k, 0, state)
     idx = k.inputs[1].view.realize(state.stored[k.inputs[1].buffer], state.bindings).astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= table.shape[0]):
         raise IndexError(f"gather: index out of range [0, {table.shape[0]})")
@@ -420,7 +294,7 @@ def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _scatter(rt, k: Kernel, state: _Run) -> np.ndarray:
-    return _scatter_rows(k, _read64(k, 0, state), _read64(k, 1, state), state, index_slot=2)
+    return _scatter_rows(k, read64(k, 0, state), read64(k, 1, state), state, index_slot=2)
 
 
 def _scatter_rows(k: Kernel, dest: np.ndarray, src: np.ndarray, state: _Run, index_slot: int = 1) -> np.ndarray:
@@ -432,49 +306,22 @@ def _scatter_rows(k: Kernel, dest: np.ndarray, src: np.ndarray, state: _Run, ind
 
 
 def _attention(rt, k: Kernel, state: _Run) -> np.ndarray:
-    return store32(run_attention(k, tuple(_raw(k, i, state) for i in range(len(k.inputs))), state.bindings), k.dtype)
-
-
-def _rows_body(e: FExpr, k: Kernel, state: _Run, wide: bool) -> np.ndarray:
-    """A ROWS body (codegen/llir.py FRowSum, FAt): exactly the values of the unfused kernels. A row sum
-    is the SUM kernel's (its body, accumulator, stored rounding); FAt reads a value as a load reads the
-    buffer it would have been stored in. `wide`: the float64 path of _body64, else _body32's."""
-    if isinstance(e, FRowSum):
-        shape = tuple(eval_dim(d, state.bindings) for d in e.shape)
-        vals = np.broadcast_to(_rows_body(e.body, k, state, wide), shape)
-        out = store32(reduce_sum(vals, len(shape) - 1, e.acc), e.dt)
-        return out.astype(np.float64) if wide else np.asarray(out, dtype=np.float32)
-    if isinstance(e, FAt):
-        src = tuple(eval_dim(d, state.bindings) for d in e.src_shape)
-        return e.view.realize(np.ascontiguousarray(np.broadcast_to(_rows_body(e.x, k, state, wide), src)),
-                              state.bindings)
-    if isinstance(e, FLoad):
-        return _read64(k, e.slot, state) if wide else _body32(e, k, state)
-    if isinstance(e, FConstV):
-        return _body64(e, k, state) if wide else _body32(e, k, state)
-    if isinstance(e, FRoundTo):
-        x = _rows_body(e.x, k, state, wide)
-        return store(x, e.fmt) if wide else store32(np.asarray(x, dtype=np.float32), e.fmt)
-    args = [_rows_body(a, k, state, wide) for a in e.args]
-    if wide:
-        return store(_apply(e, args), F32)
-    if not CORRECTLY_ROUNDED_F32[e.op]:
-        args = [np.asarray(a, dtype=np.float64) for a in args]
-    out = np.asarray(_apply(e, args))
-    return out if out.dtype == np.float32 else out.astype(np.float32)
+    return store32(run_attention(k, tuple(read_input(k, i, state) for i in range(len(k.inputs))), state.bindings), k.dtype)
 
 
 def _rows(rt, k: Kernel, state: _Run) -> np.ndarray:
     """A row kernel: per row its sums, then the elementwise tail per element, one store."""
     shape = tuple(eval_dim(d, state.bindings) for d in k.shape)
-    return store32(np.broadcast_to(_rows_body(k.body, k, state, not _fits_body(k, state)), shape), k.dtype)
+    if body_into_out(k, state):
+        return state.out
+    return store32(np.broadcast_to(rows_values(k, state), shape), k.dtype)
 
 
 def _scatter_ew(rt, k: Kernel, state: _Run) -> np.ndarray:
     """An in-place scatter of rows its body computes: the copy of the source it replaces wrote the same."""
     shape = tuple(eval_dim(d, state.bindings) for d in k.body_shape)
-    src = np.broadcast_to(_rows_body(k.body, k, state, not _fits_body(k, state)), shape).astype(np.float64)
-    return _scatter_rows(k, _read64(k, 0, state), src, state)
+    src = np.broadcast_to(rows_values(k, state), shape).astype(np.float64)
+    return _scatter_rows(k, read64(k, 0, state), src, state)
 
 
 KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
@@ -486,15 +333,6 @@ KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
     KernelKind.ATTENTION: _attention,
     KernelKind.ROWS: _rows, KernelKind.SCATTER_EW: _scatter_ew,
 }
-
-
-def reduce_sum(vals: np.ndarray, axis: int, acc: Format | None) -> np.ndarray:
-    """Sum with the accumulator's rounding: FP32 -> numpy float32 (pairwise), others emulated."""
-    if acc is None or acc is F32:
-        return np.sum(vals.astype(np.float32), axis=axis)  # a fresh copy: pairwise blocks follow its layout
-    if acc.name == "f64":
-        return np.sum(np.asarray(vals, dtype=np.float64), axis=axis)
-    return np.asarray(emulate_reduce_sum(vals, axis, acc), dtype=np.float32)
 
 
 def _operand(k: Kernel, i: int, stored, bindings) -> np.ndarray:
