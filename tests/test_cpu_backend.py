@@ -15,6 +15,7 @@ from luminal_num.hlir.weightcache import WEIGHTS, ByteLRU, WeightCache
 from luminal_num.models.testnets import matmul_chain, mlp
 from luminal_num.quant import QuantOverflow, compute_scales
 from luminal_num.runtime import cpu, numerics
+from luminal_num.runtime.cpu_compiled import KernelCache
 from luminal_num.runtime.numerics import emulate_gemm, prepare_b
 
 
@@ -48,7 +49,7 @@ class _State:
         self.stored = dict(enumerate(arrays))
         self.bindings = {}
         self.shared = ByteLRU(cpu.SHARED_BYTES)  # values shared between the kernels of a run (cpu._Run.shared)
-        self.bodies = cpu.BodyCache()
+        self.compiled = KernelCache()
 
 
 class _Kernel:

@@ -34,9 +34,10 @@ from ..quant.stored import stored_key, widened
 from .buffers import BufferPlan, plan_buffers
 from .cpu_attention import run_attention
 # the tables and body evaluators are named here too, where the tests and other stages look for them
-from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, BodyCache, body32 as _body32,  # noqa: F401
+from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, body32 as _body32,  # noqa: F401
                          body64 as _body64, body_into_out, body_values, read64, read_input, realize, reduce_sum,
                          rows_values, store32)
+from .cpu_compiled import KernelCache, read_view
 from .numerics import emulate_gemm, prepare_b
 
 
@@ -66,7 +67,7 @@ class _Run:
     feed: Mapping[str, np.ndarray]
     bindings: Mapping[str, int]
     weight_names: frozenset[str]  # feed entries that are the runtime's (immutable) weights
-    bodies: BodyCache             # the runtime's compiled fused bodies
+    compiled: KernelCache         # the runtime's compiled reads and fused bodies
     out: np.ndarray | None = None  # the running kernel's output buffer (a kernel may write into it)
     # fused-body values by what they compute (structure, loads as (buffer, view)), for the next
     # kernels: fusion recomputes a layer norm's input in its mean, variance and output kernels
@@ -87,7 +88,7 @@ class CpuRuntime:
         self._widened: dict[str, np.ndarray] = {}  # stored_key -> its widened values (read-only)
         self._concats: dict[str, np.ndarray] = {}  # concatenated weights (immutable: built once per runtime)
         self._epilogues: dict[int, Kernel] = {}  # Gemm epilogue kernel id -> its body as an ELEMENTWISE kernel
-        self._bodies = BodyCache()
+        self._compiled = KernelCache()
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
@@ -103,7 +104,7 @@ class CpuRuntime:
         plan = self._plans[key]
         slots = [np.empty(n, dtype=np.uint8) for n in plan.slot_bytes]
         state = _Run({}, {}, feed, bindings, frozenset(n for n in self.weights if n not in inputs)
-                     | frozenset(self._concats), self._bodies)
+                     | frozenset(self._concats), self._compiled)
         timings = []
         wanted = {kid for _, kid in self.program.exports} if keep_exports else set()
         exports: dict[int, np.ndarray] = {}
@@ -230,11 +231,29 @@ def _max(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _softmax(rt, k: Kernel, state: _Run) -> np.ndarray:
-    x = body_values(k, state).astype(np.float64)  # a fused op: float64 throughout, one rounding
+    x = body_values(k, state)
+    if k.precision in (None, "f32") and k.dtype is F32 and x.dtype == np.float32:
+        return softmax_f64_into(x, k.axis, state.out)
+    x = x.astype(np.float64)  # a fused op: float64 throughout, one rounding
     if k.precision in (None, "f32"):
         return store32(softmax(x, k.axis, out=x), k.dtype)  # x is a fresh copy: computed in place
     compute = get_format(k.precision)  # a low-precision softmax: inputs and result rounded to it
     return store(store(softmax(store(x, compute), k.axis), compute), k.dtype)
+
+
+def softmax_f64_into(x: np.ndarray, axis: int, out: np.ndarray) -> np.ndarray:
+    """hlir.evaluate.softmax of float32 x computed in float64 and rounded once into float32 `out`, as
+    softmax(x.astype(float64)).astype(float32) does it, less a pass: the division's float64 quotients
+    are cast into out. The row max is exact in any order, so it is taken with the softmax axis
+    outermost (numpy reduces a short contiguous axis one row per call: half the time of a 41-key
+    attention softmax went there)."""
+    rows_outer = np.ascontiguousarray(np.moveaxis(x, axis, 0))
+    m = np.expand_dims(np.max(rows_outer, axis=0), axis)
+    m = np.where(np.isfinite(m), m, np.float32(0.0)).astype(np.float64)
+    e = x.astype(np.float64)
+    np.subtract(e, m, out=e)
+    np.exp(e, out=e)
+    return np.divide(e, np.sum(e, axis=axis, keepdims=True), out=out, casting="unsafe")
 
 
 def _quantize(rt, k: Kernel, state: _Run) -> np.ndarray:
@@ -276,12 +295,14 @@ def gemm_accumulator(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
     weight = b_source.external if b_source.kind is KernelKind.EXTERNAL else None
     b_key = None
     if weight in state.weight_names:
-        scales = rt.static_b_scales(k.id)
-        b_key = ("gemm_b", k.inputs[1].view.encode(), k.layout.encode(), k.precision, b_source.dtype.name,
-                 b_source.storage,  # the same weight held in two formats prepares two operands
-                 tuple(sorted(state.bindings.items())), None if scales is None else scales.tobytes())
-        b_key = (state.feed[weight], b_key)
-    return run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key)
+        def operand_key() -> tuple:
+            scales = rt.static_b_scales(k.id)
+            return ("gemm_b", k.inputs[1].view.encode(), k.layout.encode(), k.precision, b_source.dtype.name,
+                    b_source.storage,  # the same weight held in two formats prepares two operands
+                    tuple(sorted(state.bindings.items())), None if scales is None else scales.tobytes())
+        b_key = (state.feed[weight], state.compiled.get(k, "gemm_b_key", state.bindings, operand_key))
+    reads = tuple(state.compiled.read(k, i, state.bindings) for i in (0, 1))
+    return run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key, reads)
 
 
 def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:
@@ -335,10 +356,10 @@ KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
 }
 
 
-def _operand(k: Kernel, i: int, stored, bindings) -> np.ndarray:
+def _operand(k: Kernel, i: int, stored, bindings, reads=(None, None)) -> np.ndarray:
     """A Gemm operand over the full Mul shape as a strided view of its buffer (no broadcast copies)."""
     inp = k.inputs[i]
-    return realize(inp.view, stored[inp.buffer], bindings)
+    return read_view(inp.view, reads[i], stored[inp.buffer], bindings)
 
 
 def run_quantize(k: Kernel, stored, bindings):
@@ -352,20 +373,21 @@ def _f32(x: np.ndarray) -> np.ndarray:
 
 
 def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None,
-             a_scales: np.ndarray | None = None, b_cache_key: tuple | None = None) -> np.ndarray:
+             a_scales: np.ndarray | None = None, b_cache_key: tuple | None = None, reads=(None, None)) -> np.ndarray:
     """C as float32 (batch, M, N) in the output's axis order; one BLAS call per batch matrix.
 
     a_scales: given when input 0 is a QUANTIZE kernel's q (its side output); else A is raw.
     b_cache_key: (weight array, key) when B reads a weight: its (batch, K, N) operand, and its
     quantized form for a variant, are then computed once per process (hlir.weightcache).
+    reads: the operands' compiled views (cpu_compiled.StridedRead), if any.
     """
-    a_full = _operand(k, 0, stored, bindings)
+    a_full = _operand(k, 0, stored, bindings, reads)
     lay = k.layout
     a = gemm_operand_a(a_full, lay)
     variant = None if k.precision in (None, "f32") else GEMM_VARIANTS[k.precision]
 
     def b_operand():
-        b = _f32(gemm_operand_b(_operand(k, 1, stored, bindings), lay))
+        b = _f32(gemm_operand_b(_operand(k, 1, stored, bindings, reads), lay))
         return b if variant is None else prepare_b(b, variant, b_scales)
     b = b_operand() if b_cache_key is None else WEIGHTS.get(b_cache_key[0], b_cache_key[1], b_operand)
     if variant is None:

@@ -12,15 +12,14 @@ what it computes (loads as buffer and view).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from ..codegen.llir import FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel, load_slots
+from ..codegen.llir import FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.rounding import Overflow, round_to, store
 from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import evaluate as eval_dim
+from .cpu_compiled import Step, body_constant, read_view
 from .numerics import emulate_reduce_sum
 
 # Ops whose float32 numpy result equals the float64 result rounded once to FP32 (IEEE: correctly
@@ -71,17 +70,14 @@ def reduce_sum(vals: np.ndarray, axis: int, acc: Format | None) -> np.ndarray:
 
 # -- reading inputs ---------------------------------------------------------------------------------
 def realize(view, buffer: np.ndarray, bindings) -> np.ndarray:
-    """view.realize(buffer); one-byte ml_dtypes floats (fp8) are read through their bytes, because
-    numpy's strided views cannot describe those dtypes (their array interface says '<f1')."""
-    if buffer.dtype.itemsize == 1 and buffer.dtype.kind not in "biu":
-        return view.realize(buffer.view(np.uint8), bindings).view(buffer.dtype)
-    return view.realize(buffer, bindings)
+    """view.realize(buffer), uncompiled (for reads that happen once)."""
+    return read_view(view, None, buffer, bindings)
 
 
 def read_input(k: Kernel, i: int, state) -> np.ndarray:
     """Input i over the kernel's iteration space, in its storage dtype (a strided view where possible)."""
     inp = k.inputs[i]
-    return realize(inp.view, state.stored[inp.buffer], state.bindings)
+    return read_view(inp.view, state.compiled.read(k, i, state.bindings), state.stored[inp.buffer], state.bindings)
 
 
 def read64(k: Kernel, i: int, state) -> np.ndarray:
@@ -94,7 +90,8 @@ def _fits_f32(buffer: np.ndarray) -> bool:
 
 
 def fits_body(k: Kernel, state) -> bool:
-    return all(_fits_f32(state.stored[k.inputs[i].buffer]) for i in load_slots(k.body))
+    loads = state.compiled.body(k.body, k, state.bindings).loads
+    return all(_fits_f32(state.stored[k.inputs[i].buffer]) for i in loads)
 
 
 # -- the float64 path -------------------------------------------------------------------------------
@@ -102,16 +99,12 @@ def _apply(e: FApply, args):
     return CUSTOM_KINDS[e.kind].fn(*args) if e.op is Op.CUSTOM else e.op.decl.fn(*args)
 
 
-def _const(e: FConstV, bindings) -> float:
-    return e.value if isinstance(e.value, float) else float(eval_dim(e.value, bindings))
-
-
 def body64(e: FExpr, k: Kernel, state) -> np.ndarray:
     """A fused body exactly: each op in float64, rounded once to FP32 (kept as float64)."""
     if isinstance(e, FLoad):
         return read64(k, e.slot, state)
     if isinstance(e, FConstV):
-        return store(np.asarray(_const(e, state.bindings)), F32)
+        return store(np.asarray(body_constant(e, state.bindings)), F32)
     if isinstance(e, FRoundTo):
         return store(body64(e.x, k, state), e.fmt)
     return store(_apply(e, [body64(a, k, state) for a in e.args]), F32)
@@ -140,84 +133,18 @@ def _exact_in_f32(e: FApply) -> bool:
     return F32_EXACT_CUSTOM[e.kind] if e.op is Op.CUSTOM else CORRECTLY_ROUNDED_F32[e.op]
 
 
-@dataclass(frozen=True)
-class _Step:
-    """One value of a compiled body: `node` says what it computes from the values at `args`."""
-    node: FExpr
-    args: tuple[int, ...]
-    key: int                    # the value's id within a runtime (BodyCache.keys)
-    shape: tuple[int, ...] = ()  # a row sum's space, FAt's source shape (bound)
-    const: object = None        # a constant's float32 value
-
-
-class BodyCache:
-    """A runtime's compiled bodies, and the ids of the values they compute: two steps of any kernels
-    computing the same thing (structure, loads as buffer and view) get one id, under which a run
-    shares the value. Compiled once per (kernel, body, shape bindings), so a run does no tree walks."""
-
-    def __init__(self):
-        self.keys: dict[tuple, int] = {}
-        self._bodies: dict[tuple, tuple] = {}
-
-    def steps(self, e: FExpr, k: Kernel, bindings) -> tuple[_Step, ...]:
-        key = (id(k), id(e), tuple(sorted(bindings.items())))
-        hit = self._bodies.get(key)
-        if hit is None or hit[0] is not k or hit[1] is not e:  # (k, e) are held, so their ids stay theirs
-            hit = self._bodies[key] = (k, e, _compile(e, k, bindings, self.keys))
-        return hit[2]
-
-
-def _compile(e: FExpr, k: Kernel, bindings, keys: dict[tuple, int]) -> tuple[_Step, ...]:
-    """The body's distinct values in evaluation order, each once (the last one is the body's)."""
-    steps: list[_Step] = []
-    at: dict[tuple, int] = {}  # structural key -> position
-    seen: dict[int, int] = {}  # id of an expression node -> position (a subtree reached twice)
-
-    def visit(e: FExpr) -> int:
-        if id(e) in seen:
-            return seen[id(e)]
-        args, shape, const = (), (), None
-        if isinstance(e, FLoad):
-            inp = k.inputs[e.slot]
-            skey = ("load", inp.buffer, inp.view.encode())
-        elif isinstance(e, FConstV):
-            const = np.float32(_const(e, bindings))
-            skey = ("const", float(_const(e, bindings)).hex())
-        else:
-            if isinstance(e, FApply):
-                args = tuple(visit(a) for a in e.args)
-                what = (e.op, e.kind)
-            elif isinstance(e, FRoundTo):
-                args, what = (visit(e.x),), ("round", e.fmt.name)
-            elif isinstance(e, FRowSum):
-                shape = tuple(eval_dim(d, bindings) for d in e.shape)
-                args, what = (visit(e.body),), ("rowsum", e.acc.name, e.dt.name, shape)
-            elif isinstance(e, FAt):
-                shape = tuple(eval_dim(d, bindings) for d in e.src_shape)
-                args, what = (visit(e.x),), ("at", e.view.encode(), shape)
-            else:
-                raise TypeError(f"not a body expression: {e!r}")
-            skey = (what, tuple(steps[a].key for a in args))
-        if skey not in at:
-            steps.append(_Step(e, args, keys.setdefault(skey, len(keys)), shape, const))
-            at[skey] = len(steps) - 1
-        seen[id(e)] = at[skey]
-        return at[skey]
-    visit(e)
-    return tuple(steps)
-
-
 def body32(e: FExpr, k: Kernel, state, out: np.ndarray | None = None):
     """The same values as body64 (rows64 for row sums and FAt), in float32: correctly rounded ops
     natively, the others via float64. Values are shared within the run (state.shared), so never
     mutated. `out`: where the body's last op (an exact ufunc, see body_into_out) writes its value."""
-    steps = state.bodies.steps(e, k, state.bindings)
+    steps = state.compiled.body(e, k, state.bindings).steps
     vals: list = [None] * len(steps)
     last = len(steps) - 1
     for i, st in enumerate(steps):
         node = st.node
         if isinstance(node, FLoad):
-            x = read_input(k, node.slot, state)
+            inp = k.inputs[node.slot]
+            x = read_view(inp.view, st.read, state.stored[inp.buffer], state.bindings)
             vals[i] = x if x.dtype == np.float32 else x.astype(np.float32)
             continue
         if isinstance(node, FConstV):
@@ -238,7 +165,7 @@ def body32(e: FExpr, k: Kernel, state, out: np.ndarray | None = None):
     return vals[last]
 
 
-def _compute32(st: _Step, args: list, bindings):
+def _compute32(st: Step, args: list, bindings):
     e = st.node
     if isinstance(e, FRoundTo):
         return store32(np.asarray(args[0], dtype=np.float32), e.fmt)
@@ -246,7 +173,7 @@ def _compute32(st: _Step, args: list, bindings):
         summed = store32(reduce_sum(np.broadcast_to(args[0], st.shape), len(st.shape) - 1, e.acc), e.dt)
         return np.asarray(summed, dtype=np.float32)
     if isinstance(e, FAt):
-        return e.view.realize(np.ascontiguousarray(np.broadcast_to(args[0], st.shape)), bindings)
+        return read_view(e.view, st.read, np.ascontiguousarray(np.broadcast_to(args[0], st.shape)), bindings)
     if not _exact_in_f32(e):
         args = [np.asarray(a, dtype=np.float64) for a in args]
     out = np.asarray(_apply(e, args))
