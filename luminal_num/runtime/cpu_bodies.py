@@ -136,8 +136,11 @@ def _exact_in_f32(e: FApply) -> bool:
 def body32(e: FExpr, k: Kernel, state, out: np.ndarray | None = None):
     """The same values as body64 (rows64 for row sums and FAt), in float32: correctly rounded ops
     natively, the others via float64. Values are shared within the run (state.shared), so never
-    mutated. `out`: where the body's last op (an exact ufunc, see body_into_out) writes its value."""
+    mutated. `out`: the kernel's FP32 output buffer, where the body's last op (an exact ufunc, see
+    body_into_out) writes its value (noted as the buffer's value for the kernels reading it)."""
     steps = state.compiled.body(e, k, state.bindings).steps
+    if out is not None:
+        state.compiled.note_stored(k.id, steps[-1].key, out.shape, state.bindings)
     vals: list = [None] * len(steps)
     last = len(steps) - 1
     for i, st in enumerate(steps):

@@ -88,12 +88,24 @@ def body_constant(e: FConstV, bindings) -> float:
 class KernelCache:
     """A runtime's compiled reads and bodies, and the ids of the values bodies compute: two steps of
     any kernels computing the same thing (structure, loads as buffer and view) get one id, under
-    which a run shares the value. Entries hold their kernel, so an id() in a key stays its own."""
+    which a run shares the value. Entries hold their kernel, so an id() in a key stays its own.
+
+    A load of a buffer into which a body kernel wrote its FP32 value is the value FAt would read
+    from it, and gets FAt's id: fusion recomputes a layer norm from its stored mean and rstd in the
+    next Gemm's epilogue, and those values are then the norm's own (shared, not computed again)."""
 
     def __init__(self):
         self.keys: dict[tuple, int] = {}
         self._entries: dict[tuple, tuple] = {}
         self._bindings: tuple[object, tuple] = (None, ())
+        self._stored: dict[tuple, tuple[int, tuple[int, ...]]] = {}  # (bindings, buffer) -> (value id, shape)
+
+    def note_stored(self, buffer: int, key: int, shape: tuple[int, ...], bindings) -> None:
+        """Buffer `buffer` holds the value `key` (broadcast to `shape`, row-major) in FP32."""
+        self._stored[(self._bound(bindings), buffer)] = (key, tuple(shape))
+
+    def _stored_value(self, buffer: int, bindings) -> tuple[int, tuple[int, ...]] | None:
+        return self._stored.get((self._bound(bindings), buffer))
 
     def _bound(self, bindings: Mapping[str, int]) -> tuple:
         if self._bindings[0] is not bindings:
@@ -112,14 +124,15 @@ class KernelCache:
         return self.get(k, ("read", i), bindings, lambda: StridedRead.of(k.inputs[i].view, bindings))
 
     def body(self, e: FExpr, k: Kernel, bindings) -> CompiledBody:
-        entry = self.get(k, ("body", id(e)), bindings, lambda: (e, _compile(e, k, bindings, self.keys)))
+        entry = self.get(k, ("body", id(e)), bindings, lambda: (e, _compile(e, k, bindings, self)))
         if entry[0] is not e:  # another body object under a reused id: compile it afresh
-            entry = (e, _compile(e, k, bindings, self.keys))
+            entry = (e, _compile(e, k, bindings, self))
             self._entries[(id(k), ("body", id(e)), self._bound(bindings))] = (k, entry)
         return entry[1]
 
 
-def _compile(e: FExpr, k: Kernel, bindings, keys: dict[tuple, int]) -> CompiledBody:
+def _compile(e: FExpr, k: Kernel, bindings, cache: KernelCache) -> CompiledBody:
+    keys = cache.keys
     steps: list[Step] = []
     at: dict[tuple, int] = {}  # structural key -> position
     seen: dict[int, int] = {}  # id of an expression node -> position (a subtree reached twice)
@@ -130,7 +143,9 @@ def _compile(e: FExpr, k: Kernel, bindings, keys: dict[tuple, int]) -> CompiledB
         args, shape, const, read = (), (), None, None
         if isinstance(e, FLoad):
             inp = k.inputs[e.slot]
-            skey = ("load", inp.buffer, inp.view.encode())
+            stored = cache._stored_value(inp.buffer, bindings)
+            skey = ("load", inp.buffer, inp.view.encode()) if stored is None else \
+                (("at", inp.view.encode(), stored[1]), (stored[0],))  # what FAt of the stored value reads
             read = StridedRead.of(inp.view, bindings)
         elif isinstance(e, FConstV):
             value = body_constant(e, bindings)
