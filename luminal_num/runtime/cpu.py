@@ -22,12 +22,9 @@ import numpy as np
 from ..codegen.llir import Kernel, KernelKind, Program, epilogue_as_elementwise, external_value
 from ..dtypes.formats import F32, Kind, get as get_format
 from ..dtypes.rounding import store
-from ..dtypes.variants import GEMM_VARIANTS
 from ..hlir.evaluate import softmax
-from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
 from ..hlir.weightcache import WEIGHTS, ByteLRU
-from ..quant import quantize_tensor
 from ..quant.concat import concat_widened
 from ..quant.kv import cache_values
 from ..quant.stored import stored_key, widened
@@ -37,8 +34,8 @@ from .cpu_attention import run_attention
 from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, body32 as _body32,  # noqa: F401
                          body64 as _body64, body_into_out, body_values, read64, read_input, realize, reduce_sum,
                          rows_values, store32)
-from .cpu_compiled import KernelCache, read_view
-from .numerics import emulate_gemm, prepare_b
+from .cpu_compiled import KernelCache
+from .cpu_gemm import run_gemm, run_quantize  # noqa: F401 (run_quantize: named here for the tests)
 
 
 @dataclass(frozen=True)
@@ -276,6 +273,8 @@ def _quantize(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _gemm(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
+    if k.dtype is F32:
+        return gemm_accumulator(rt, k, state, out=state.out)
     return store32(gemm_accumulator(rt, k, state), k.dtype)
 
 
@@ -301,8 +300,9 @@ def _gemm_epilogue(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
         del state.stored[acc]
 
 
-def gemm_accumulator(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
-    """A Gemm kernel's C as float32, before its store (the variant's arithmetic, scales applied)."""
+def gemm_accumulator(rt: CpuRuntime, k: Kernel, state: _Run, out: np.ndarray | None = None) -> np.ndarray:
+    """A Gemm kernel's C as float32, before its store (the variant's arithmetic, scales applied); an
+    FP32 Gemm may compute it into `out` (float32, the output's shape), and then returns `out`."""
     a_scales = state.scales[k.inputs[0].buffer] if rt.program.quantized_inputs(k)[0] else None
     b_source = rt.program.kernel(k.inputs[1].buffer)
     weight = b_source.external if b_source.kind is KernelKind.EXTERNAL else None
@@ -315,7 +315,7 @@ def gemm_accumulator(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
                     tuple(sorted(state.bindings.items())), None if scales is None else scales.tobytes())
         b_key = (state.feed[weight], state.compiled.get(k, "gemm_b_key", state.bindings, operand_key))
     reads = tuple(state.compiled.read(k, i, state.bindings) for i in (0, 1))
-    return run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key, reads)
+    return run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key, reads, out)
 
 
 def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:
@@ -367,46 +367,3 @@ KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
     KernelKind.ATTENTION: _attention,
     KernelKind.ROWS: _rows, KernelKind.SCATTER_EW: _scatter_ew,
 }
-
-
-def _operand(k: Kernel, i: int, stored, bindings, reads=(None, None)) -> np.ndarray:
-    """A Gemm operand over the full Mul shape as a strided view of its buffer (no broadcast copies)."""
-    inp = k.inputs[i]
-    return read_view(inp.view, reads[i], stored[inp.buffer], bindings)
-
-
-def run_quantize(k: Kernel, stored, bindings):
-    """A QUANTIZE kernel: its Gemm's A operand as (batch, M, K), quantized with scales from itself."""
-    a = gemm_operand_a(_operand(k, 0, stored, bindings), k.layout).astype(np.float32)
-    return quantize_tensor(a, k.dtype, k.scale_spec)
-
-
-def _f32(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float32, copy=False)
-
-
-def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None,
-             a_scales: np.ndarray | None = None, b_cache_key: tuple | None = None, reads=(None, None)) -> np.ndarray:
-    """C as float32 (batch, M, N) in the output's axis order; one BLAS call per batch matrix.
-
-    a_scales: given when input 0 is a QUANTIZE kernel's q (its side output); else A is raw.
-    b_cache_key: (weight array, key) when B reads a weight: its (batch, K, N) operand, and its
-    quantized form for a variant, are then computed once per process (hlir.weightcache).
-    reads: the operands' compiled views (cpu_compiled.StridedRead), if any.
-    """
-    a_full = _operand(k, 0, stored, bindings, reads)
-    lay = k.layout
-    a = gemm_operand_a(a_full, lay)
-    variant = None if k.precision in (None, "f32") else GEMM_VARIANTS[k.precision]
-
-    def b_operand():
-        b = _f32(gemm_operand_b(_operand(k, 1, stored, bindings, reads), lay))
-        return b if variant is None else prepare_b(b, variant, b_scales)
-    b = b_operand() if b_cache_key is None else WEIGHTS.get(b_cache_key[0], b_cache_key[1], b_operand)
-    if variant is None:
-        c = np.matmul(_f32(a), b)
-    elif a_scales is not None:
-        c = emulate_gemm(None, None, variant, a_quantized=(a, a_scales), b_prepared=b)
-    else:
-        c = emulate_gemm(_f32(a), None, variant, b_prepared=b)
-    return gemm_result(c, lay, a_full.shape)
