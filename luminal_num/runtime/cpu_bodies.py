@@ -143,24 +143,25 @@ def body32(e: FExpr, k: Kernel, state, out: np.ndarray | None = None):
         state.compiled.note_stored(k.id, steps[-1].key, out.shape, state.bindings)
     vals: list = [None] * len(steps)
     last = len(steps) - 1
+    stored, bindings, shared = state.stored, state.bindings, state.shared
     for i, st in enumerate(steps):
         node = st.node
         if isinstance(node, FLoad):
             inp = k.inputs[node.slot]
-            x = read_view(inp.view, st.read, state.stored[inp.buffer], state.bindings)
+            x = read_view(inp.view, st.read, stored[inp.buffer], bindings)
             vals[i] = x if x.dtype == np.float32 else x.astype(np.float32)
             continue
         if isinstance(node, FConstV):
             vals[i] = st.const
             continue
-        v = state.shared.get(st.key)
+        v = shared.get(st.key)
         if v is None:
             args = [vals[a] for a in st.args]
             if i == last and out is not None:
                 _ufunc(node)(*args, out=out)
                 return out
-            v = _compute32(st, args, state.bindings)
-            state.shared.put(st.key, v, v.nbytes)
+            v = _compute32(st, args, bindings)
+            shared.put(st.key, v, v.nbytes)
         vals[i] = v
     if out is not None:
         np.copyto(out, vals[last])
@@ -173,14 +174,19 @@ def _compute32(st: Step, args: list, bindings):
     if isinstance(e, FRoundTo):
         return store32(np.asarray(args[0], dtype=np.float32), e.fmt)
     if isinstance(e, FRowSum):
-        summed = store32(reduce_sum(np.broadcast_to(args[0], st.shape), len(st.shape) - 1, e.acc), e.dt)
+        summed = store32(reduce_sum(_spread(args[0], st.shape), len(st.shape) - 1, e.acc), e.dt)
         return np.asarray(summed, dtype=np.float32)
     if isinstance(e, FAt):
-        return read_view(e.view, st.read, np.ascontiguousarray(np.broadcast_to(args[0], st.shape)), bindings)
+        return read_view(e.view, st.read, np.ascontiguousarray(_spread(args[0], st.shape)), bindings)
     if not _exact_in_f32(e):
         args = [np.asarray(a, dtype=np.float64) for a in args]
     out = np.asarray(_apply(e, args))
     return out if out.dtype == np.float32 else out.astype(np.float32)
+
+
+def _spread(x, shape: tuple[int, ...]):
+    """x broadcast to shape (np.broadcast_to costs ~10 us; an array already of that shape is itself)."""
+    return x if isinstance(x, np.ndarray) and x.shape == shape else np.broadcast_to(x, shape)
 
 
 def _ufunc(e: FApply):
