@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..codegen.llir import Kernel, KernelKind, Program, epilogue_as_elementwise, external_value
+from ..codegen.llir import FApply, FConstV, FLoad, Kernel, KernelKind, Program, epilogue_as_elementwise, external_value
 from ..dtypes.formats import F32, Kind, get as get_format
 from ..dtypes.rounding import store
 from ..hlir.evaluate import softmax
@@ -290,14 +290,24 @@ def _gemm_epilogue(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
     """The Gemm's FP32 accumulator, the epilogue body on it (each op one FP32 rounding, as the unfused
     elementwise kernel computes it), one store in the kernel's dtype."""
     acc = _accumulator_id(k)
-    state.stored[acc] = gemm_accumulator(rt, k, state)
+    body = rt.epilogue_body(k)
+    in_out = k.dtype is F32 and _only_new_values(body.body)
+    state.stored[acc] = gemm_accumulator(rt, k, state, out=state.out if in_out else None)
     try:
-        body = rt.epilogue_body(k)
         if body_into_out(body, state):
             return state.out
         return store32(body_values(body, state), k.dtype)
     finally:
         del state.stored[acc]
+
+
+def _only_new_values(e) -> bool:
+    """Whether every value a body derives is a new array (ops on loads and constants: no FAt or
+    rounding, which may give a view of their operand). Then an FP32 epilogue's accumulator may live
+    in the output buffer: the last op overwrites it, and no shared value is a view of it."""
+    if isinstance(e, FApply):
+        return all(_only_new_values(a) for a in e.args)
+    return isinstance(e, (FLoad, FConstV))
 
 
 def gemm_accumulator(rt: CpuRuntime, k: Kernel, state: _Run, out: np.ndarray | None = None) -> np.ndarray:

@@ -111,8 +111,9 @@ def _fp32_gemm(k: Kernel, a_full, stored, bindings, b_cache_key, reads, out) -> 
             b = b_copy()
     b = b.reshape(*batch, full[lay.k_axis], _size(full, lay.n_axes))
     order = (*lay.batch_axes, *lay.m_axes, *lay.n_axes)
-    in_order = [ax for ax in range(len(full)) if ax != lay.k_axis] == list(order)
-    if out is not None and in_order:  # C in the output's own axis order: computed where it is stored
+    out_axes = [ax for ax in range(len(full)) if ax != lay.k_axis]
+    if out is not None and out_axes == list(order) and out.shape == tuple(full[ax] for ax in out_axes) \
+            and out.dtype == np.float32 and out.flags.c_contiguous:  # C in the output's axis order: computed there
         np.matmul(a, b, out=out.reshape(*batch, a.shape[-2], b.shape[-1]))
         return out
     return gemm_result(np.matmul(a, b), lay, full)
