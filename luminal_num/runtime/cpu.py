@@ -7,9 +7,12 @@ kernel stores q in its format and keeps the scales beside it (per run, keyed by 
 Gemm reading its buffer multiplies q with those scales, as the GPU does.
 
 Speed without changing a bit (issue 18): fused bodies are evaluated in float32 where that gives
-the float64-then-round values (runtime/cpu_bodies.py), a kernel's last op writes straight into its
-output buffer where it can. Weights are stored once per process (hlir.weightcache), and so are the
-Gemm B operands read from them. Each kernel kind is one function in KERNELS.
+the float64-then-round values, each value once per run (runtime/cpu_bodies.py); reads and bodies are
+compiled once per runtime (runtime/cpu_compiled.py); a kernel's last op, an FP32 Gemm's C, writes
+straight into its output buffer where it can, and the buffers are kept for the next run; FP32 Gemm
+operands go to BLAS uncopied where numpy would treat the copy alike (runtime/cpu_gemm.py). Weights
+are stored once per process (hlir.weightcache), and so are the Gemm B operands read from them.
+Each kernel kind is one function in KERNELS.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from .buffers import BufferPlan, plan_buffers
 from .cpu_attention import run_attention
 # the tables and body evaluators are named here too, where the tests and other stages look for them
 from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, body32 as _body32,  # noqa: F401
-                         body64 as _body64, body_into_out, body_values, read64, read_input, realize, reduce_sum,
+                         body64 as _body64, body_into_out, body_values, read64, read_input, reduce_sum,
                          rows_values, store32)
 from .cpu_compiled import KernelCache
 from .cpu_gemm import run_gemm, run_quantize  # noqa: F401 (run_quantize: named here for the tests)

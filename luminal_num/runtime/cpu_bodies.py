@@ -69,11 +69,6 @@ def reduce_sum(vals: np.ndarray, axis: int, acc: Format | None) -> np.ndarray:
 
 
 # -- reading inputs ---------------------------------------------------------------------------------
-def realize(view, buffer: np.ndarray, bindings) -> np.ndarray:
-    """view.realize(buffer), uncompiled (for reads that happen once)."""
-    return read_view(view, None, buffer, bindings)
-
-
 def read_input(k: Kernel, i: int, state) -> np.ndarray:
     """Input i over the kernel's iteration space, in its storage dtype (a strided view where possible)."""
     inp = k.inputs[i]
