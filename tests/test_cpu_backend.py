@@ -2,8 +2,6 @@
 the float32 evaluation against the float64-then-round semantics it replaces, fuzzed near FP32 limits."""
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 import pytest
 
@@ -13,10 +11,11 @@ from luminal_num.dtypes.rounding import Overflow, round_to
 from luminal_num.dtypes.variants import GEMM_VARIANTS
 from luminal_num.hlir.evaluate import EVALUATORS, evaluate
 from luminal_num.hlir.ops import CUSTOM_KINDS, ELEMENTWISE_OPS, Op
-from luminal_num.hlir.weightcache import WEIGHTS, WeightCache
+from luminal_num.hlir.weightcache import WEIGHTS, ByteLRU, WeightCache
 from luminal_num.models.testnets import matmul_chain, mlp
 from luminal_num.quant import QuantOverflow, compute_scales
 from luminal_num.runtime import cpu, numerics
+from luminal_num.runtime.cpu_compiled import KernelCache
 from luminal_num.runtime.numerics import emulate_gemm, prepare_b
 
 
@@ -49,7 +48,8 @@ class _State:
     def __init__(self, arrays):
         self.stored = dict(enumerate(arrays))
         self.bindings = {}
-        self.shared = OrderedDict()  # values shared between the kernels of a run (cpu._Run.shared)
+        self.shared = ByteLRU(cpu.SHARED_BYTES)  # values shared between the kernels of a run (cpu._Run.shared)
+        self.compiled = KernelCache()
 
 
 class _Kernel:

@@ -6,55 +6,39 @@ format; Gemm and reduction variants are emulated bit-exactly by runtime/numerics
 kernel stores q in its format and keeps the scales beside it (per run, keyed by its kernel id); a
 Gemm reading its buffer multiplies q with those scales, as the GPU does.
 
-Speed without changing a bit (issue 18): add, mul, recip, sqrt, fmod and compare are computed in
-numpy float32, which IEEE makes correctly rounded (the same value as float64 then one rounding);
-exp2/log2/sin/erf/tanh are not correctly rounded in float32, so they stay float64 + one rounding.
-A body whose loads are wider than FP32 (int64 indices, f64) takes the float64 path. Weights are
-stored once per process (hlir.weightcache), and so are the Gemm B operands read from them.
+Speed without changing a bit (issue 18): fused bodies are evaluated in float32 where that gives
+the float64-then-round values, each value once per run (runtime/cpu_bodies.py); reads and bodies are
+compiled once per runtime (runtime/cpu_compiled.py); a kernel's last op, an FP32 Gemm's C, writes
+straight into its output buffer where it can, and the buffers are kept for the next run; FP32 Gemm
+operands go to BLAS uncopied where numpy would treat the copy alike (runtime/cpu_gemm.py). Weights
+are stored once per process (hlir.weightcache), and so are the Gemm B operands read from them.
 Each kernel kind is one function in KERNELS.
 """
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import numpy as np
 
-from ..codegen.llir import (FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel, KernelKind, Program,
-                            epilogue_as_elementwise, external_value, load_slots)
-from ..dtypes.formats import F32, Format, Kind, get as get_format
-from ..dtypes.rounding import Overflow, round_to, store
-from ..dtypes.variants import GEMM_VARIANTS
+from ..codegen.llir import FApply, FConstV, FLoad, Kernel, KernelKind, Program, epilogue_as_elementwise, external_value
+from ..dtypes.formats import F32, Kind, get as get_format
+from ..dtypes.rounding import store
 from ..hlir.evaluate import softmax
-from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result
-from ..hlir.ops import CUSTOM_KINDS, Op
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
-from ..hlir.weightcache import WEIGHTS
-from ..quant import quantize_tensor
+from ..hlir.weightcache import WEIGHTS, ByteLRU
 from ..quant.concat import concat_widened
 from ..quant.kv import cache_values
 from ..quant.stored import stored_key, widened
 from .buffers import BufferPlan, plan_buffers
 from .cpu_attention import run_attention
-from .numerics import emulate_gemm, emulate_reduce_sum, prepare_b
-
-# Ops whose float32 numpy result equals the float64 result rounded once to FP32 (IEEE: correctly
-# rounded, and double rounding through float64 is innocuous for p' >= 2p + 2); the rest are computed
-# in float64 and rounded once. Keyed by every elementwise Op (a test checks the coverage).
-CORRECTLY_ROUNDED_F32: dict[Op, bool] = {
-    Op.EXP2: False, Op.LOG2: False, Op.SIN: False,  # libm-style approximations, not correctly rounded
-    Op.RECIP: True, Op.SQRT: True, Op.ADD: True, Op.MUL: True,
-    Op.MOD: True,        # fmod is exact
-    Op.LESS_THAN: True,  # exact 0 / 1
-    Op.CUSTOM: False,    # decided per kind by F32_EXACT_CUSTOM
-}
-# Custom kinds whose float32 loop gives exactly float32(fn(float64(x))) on all 2^32 float32 inputs.
-# erf: scipy's float32 loop is xsf::erf(float) = erf(static_cast<double>(x)) rounded on return, the
-# identity by construction; bench/erf_f32.py checked every input (reports/bench/erf_f32.csv). tanh:
-# numpy's float32 tanh is its own SIMD approximation and differs on many inputs, so float64 it stays.
-F32_EXACT_CUSTOM: dict[str, bool] = {"erf": True, "tanh": False}
+# the tables and body evaluators are named here too, where the tests and other stages look for them
+from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, body32 as _body32,  # noqa: F401
+                         body64 as _body64, body_into_out, body_values, read64, read_input, reduce_sum,
+                         rows_values, store32)
+from .cpu_compiled import KernelCache
+from .cpu_gemm import run_gemm, run_quantize  # noqa: F401 (run_quantize: named here for the tests)
 
 
 @dataclass(frozen=True)
@@ -75,19 +59,6 @@ def bind_program(program: Program, inputs: Mapping[str, np.ndarray]) -> dict[str
     return bind_shapes(declared, {n: np.shape(a) for n, a in inputs.items()})
 
 
-def store32(x, fmt: Format) -> np.ndarray:
-    """store(x, fmt) kept in float32 where fmt fits it (same values; float64 stays float64, except that
-    an FP32 store of it is numpy's one IEEE conversion to float32, as store itself does it)."""
-    x = np.asarray(x)
-    if fmt is F32 and x.dtype == np.float64:
-        return x.astype(np.float32)
-    if fmt.kind is not Kind.FLOAT or fmt.name == "f64" or x.dtype != np.float32:
-        return store(x, fmt)
-    if fmt is F32:
-        return x
-    return round_to(x, fmt, Overflow.SATURATE if fmt.bits <= 8 else Overflow.INF)  # store's policy, from float32
-
-
 @dataclass
 class _Run:
     """The state of one run: stored buffers, QUANTIZE scales, the feed and the shape bindings."""
@@ -96,10 +67,11 @@ class _Run:
     feed: Mapping[str, np.ndarray]
     bindings: Mapping[str, int]
     weight_names: frozenset[str]  # feed entries that are the runtime's (immutable) weights
+    compiled: KernelCache         # the runtime's compiled reads and fused bodies
     out: np.ndarray | None = None  # the running kernel's output buffer (a kernel may write into it)
     # fused-body values by what they compute (structure, loads as (buffer, view)), for the next
     # kernels: fusion recomputes a layer norm's input in its mean, variance and output kernels
-    shared: OrderedDict = field(default_factory=OrderedDict)
+    shared: ByteLRU = field(default_factory=lambda: ByteLRU(SHARED_BYTES))
 
 
 class CpuRuntime:
@@ -115,6 +87,11 @@ class CpuRuntime:
         self.stored_weights = dict(stored_weights or {})  # stored_key -> StoredTensor (a plan's weights file)
         self._widened: dict[str, np.ndarray] = {}  # stored_key -> its widened values (read-only)
         self._concats: dict[str, np.ndarray] = {}  # concatenated weights (immutable: built once per runtime)
+        self._epilogues: dict[int, Kernel] = {}  # Gemm epilogue kernel id -> its body as an ELEMENTWISE kernel
+        self._compiled = KernelCache()
+        # the last run's output buffers (bindings key -> kernel id -> its view of a slot), for the next
+        # run of the same shapes: no fresh pages to fault in, the same arrays for compiled reads
+        self._outputs: tuple[tuple, dict[int, np.ndarray]] | None = None
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
@@ -128,9 +105,10 @@ class CpuRuntime:
         if key not in self._plans:
             self._plans[key] = plan_buffers(self.program, bindings)
         plan = self._plans[key]
-        slots = [np.empty(n, dtype=np.uint8) for n in plan.slot_bytes]
+        held, self._outputs = self._outputs, None  # a run that starts meanwhile allocates its own
+        outs = held[1] if held is not None and held[0] == key else self._output_views(plan, bindings)
         state = _Run({}, {}, feed, bindings, frozenset(n for n in self.weights if n not in inputs)
-                     | frozenset(self._concats))
+                     | frozenset(self._concats), self._compiled)
         timings = []
         wanted = {kid for _, kid in self.program.exports} if keep_exports else set()
         exports: dict[int, np.ndarray] = {}
@@ -140,9 +118,7 @@ class CpuRuntime:
                 if k.kind is KernelKind.EXTERNAL and k.external in state.weight_names:
                     state.stored[k.id] = _external(self, k, state)  # the cached stored weight (never written)
                 else:
-                    shape = tuple(eval_dim(d, bindings) for d in k.shape)
-                    nbytes = max(int(np.prod(shape, dtype=np.int64)) * k.dtype.storage.itemsize, 0)
-                    state.out = slots[plan.slot_of[k.id]][:nbytes].view(k.dtype.storage).reshape(shape)
+                    state.out = outs[k.id]
                     value = KERNELS[k.kind](self, k, state)
                     if value is not state.out:
                         np.copyto(state.out, value, casting="unsafe")
@@ -154,7 +130,18 @@ class CpuRuntime:
                 if k.kind.launches:
                     timings.append((k.id, time.perf_counter() - t0))
         outputs = {name: state.stored[kid].astype(np.float64) for name, kid in self.program.outputs}
+        self._outputs = (key, outs)
         return RunResult(outputs, tuple(timings), plan, exports if keep_exports else None)
+
+    def _output_views(self, plan: BufferPlan, bindings) -> dict[int, np.ndarray]:
+        """Every computed kernel's output: its shape and storage dtype over its slot of the plan."""
+        slots = [np.empty(n, dtype=np.uint8) for n in plan.slot_bytes]
+        outs = {}
+        for k in self.program.kernels:
+            shape = tuple(eval_dim(d, bindings) for d in k.shape)
+            nbytes = max(int(np.prod(shape, dtype=np.int64)) * k.dtype.storage.itemsize, 0)
+            outs[k.id] = slots[plan.slot_of[k.id]][:nbytes].view(k.dtype.storage).reshape(shape)
+        return outs
 
     def _concatenated(self, feed, inputs) -> dict[str, np.ndarray]:
         """The value of every concatenated-weights EXTERNAL (a horizontally fused Gemm's B): built once
@@ -175,108 +162,11 @@ class CpuRuntime:
     def static_b_scales(self, kid: int) -> np.ndarray | None:
         return self.static_scales.get(kid)
 
-
-# -- reading inputs ---------------------------------------------------------------------------------
-def realize(view, buffer: np.ndarray, bindings) -> np.ndarray:
-    """view.realize(buffer); one-byte ml_dtypes floats (fp8) are read through their bytes, because
-    numpy's strided views cannot describe those dtypes (their array interface says '<f1')."""
-    if buffer.dtype.itemsize == 1 and buffer.dtype.kind not in "biu":
-        return view.realize(buffer.view(np.uint8), bindings).view(buffer.dtype)
-    return view.realize(buffer, bindings)
-
-
-def _raw(k: Kernel, i: int, state: _Run) -> np.ndarray:
-    """Input i over the kernel's iteration space, in its storage dtype (a strided view where possible)."""
-    inp = k.inputs[i]
-    return realize(inp.view, state.stored[inp.buffer], state.bindings)
-
-
-def _read64(k: Kernel, i: int, state: _Run) -> np.ndarray:
-    return _raw(k, i, state).astype(np.float64)
-
-
-def _fits_f32(buffer: np.ndarray) -> bool:
-    """Whether every value of the buffer is exactly a float32 (narrow floats widen exactly)."""
-    return buffer.dtype.itemsize <= 4 and buffer.dtype.kind not in "biu" or buffer.dtype.itemsize <= 2
-
-
-# -- fused bodies -----------------------------------------------------------------------------------
-def _apply(e: FApply, args):
-    return CUSTOM_KINDS[e.kind].fn(*args) if e.op is Op.CUSTOM else e.op.decl.fn(*args)
-
-
-def _const(e: FConstV, bindings) -> float:
-    return e.value if isinstance(e.value, float) else float(eval_dim(e.value, bindings))
-
-
-def _body64(e: FExpr, k: Kernel, state: _Run) -> np.ndarray:
-    """A fused body exactly: each op in float64, rounded once to FP32 (kept as float64)."""
-    if isinstance(e, FLoad):
-        return _read64(k, e.slot, state)
-    if isinstance(e, FConstV):
-        return store(np.asarray(_const(e, state.bindings)), F32)
-    if isinstance(e, FRoundTo):
-        return store(_body64(e.x, k, state), e.fmt)
-    return store(_apply(e, [_body64(a, k, state) for a in e.args]), F32)
-
-
-def _exact_in_f32(e: FApply) -> bool:
-    return F32_EXACT_CUSTOM[e.kind] if e.op is Op.CUSTOM else CORRECTLY_ROUNDED_F32[e.op]
-
-
-_SHARED_VALUES = 16  # fused-body values a run keeps for later kernels (least recently used dropped)
-
-
-def _body32(e: FExpr, k: Kernel, state: _Run, memo: dict | None = None):
-    """The same values as _body64, in float32: correctly rounded ops natively, the others via float64.
-    A subexpression is computed once per run: twice in one body (GELU's bias add; memo) or again in
-    a later kernel over the same buffers (state.shared). Values are shared, so never mutated."""
-    memo = {} if memo is None else memo
-    if e not in memo:
-        memo[e] = _eval32(e, k, state, memo)
-    return memo[e][0]
-
-
-def _eval32(e: FExpr, k: Kernel, state: _Run, memo: dict) -> tuple[object, tuple]:
-    """(value, key): the key names the value within the run (loads resolved to buffer and view)."""
-    if isinstance(e, FLoad):
-        inp = k.inputs[e.slot]
-        x = _raw(k, e.slot, state)
-        return (x if x.dtype == np.float32 else x.astype(np.float32)), ("load", inp.buffer, inp.view.encode())
-    if isinstance(e, FConstV):
-        value = _const(e, state.bindings)
-        return np.float32(value), ("const", value)
-    if isinstance(e, FRoundTo):
-        x = _body32(e.x, k, state, memo)
-        key = ("round", e.fmt.name, memo[e.x][1])
-    else:
-        args = [_body32(a, k, state, memo) for a in e.args]
-        key = (e.op, e.kind, tuple(memo[a][1] for a in e.args))
-    if key in state.shared:
-        state.shared.move_to_end(key)
-        return state.shared[key], key
-    if isinstance(e, FRoundTo):
-        out = store32(np.asarray(x, dtype=np.float32), e.fmt)
-    else:
-        if not _exact_in_f32(e):
-            args = [np.asarray(a, dtype=np.float64) for a in args]
-        out = np.asarray(_apply(e, args))
-        out = out if out.dtype == np.float32 else out.astype(np.float32)
-    state.shared[key] = out
-    if len(state.shared) > _SHARED_VALUES:
-        state.shared.popitem(last=False)
-    return out, key
-
-
-def _fits_body(k: Kernel, state: _Run) -> bool:
-    return all(_fits_f32(state.stored[k.inputs[i].buffer]) for i in load_slots(k.body))
-
-
-def body_values(k: Kernel, state: _Run) -> np.ndarray:
-    """The body over its iteration space: float32 when every load fits FP32, else float64 (same values)."""
-    if _fits_body(k, state):
-        return np.asarray(_body32(k.body, k, state), dtype=np.float32)
-    return _body64(k.body, k, state)
+    def epilogue_body(self, k: Kernel) -> Kernel:
+        """A Gemm epilogue's body over its accumulator (_accumulator_id), built once per runtime."""
+        if k.id not in self._epilogues:
+            self._epilogues[k.id] = epilogue_as_elementwise(k, _accumulator_id(k))
+        return self._epilogues[k.id]
 
 
 # -- one function per kernel kind -------------------------------------------------------------------
@@ -340,12 +230,7 @@ def _iota(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _elementwise(rt, k: Kernel, state: _Run) -> np.ndarray:
-    """An FP32 body whose last op is a correctly rounded ufunc writes straight into its output buffer."""
-    e = k.body
-    if k.dtype is F32 and isinstance(e, FApply) and e.op is not Op.CUSTOM and CORRECTLY_ROUNDED_F32[e.op] \
-            and isinstance(e.op.decl.fn, np.ufunc) and _fits_body(k, state):
-        memo: dict = {}
-        e.op.decl.fn(*(_body32(a, k, state, memo) for a in e.args), out=state.out)
+    if body_into_out(k, state):
         return state.out
     return store32(body_values(k, state), k.dtype)
 
@@ -359,11 +244,29 @@ def _max(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _softmax(rt, k: Kernel, state: _Run) -> np.ndarray:
-    x = body_values(k, state).astype(np.float64)  # a fused op: float64 throughout, one rounding
+    x = body_values(k, state)
+    if k.precision in (None, "f32") and k.dtype is F32 and x.dtype == np.float32:
+        return softmax_f64_into(x, k.axis, state.out)
+    x = x.astype(np.float64)  # a fused op: float64 throughout, one rounding
     if k.precision in (None, "f32"):
         return store32(softmax(x, k.axis, out=x), k.dtype)  # x is a fresh copy: computed in place
     compute = get_format(k.precision)  # a low-precision softmax: inputs and result rounded to it
     return store(store(softmax(store(x, compute), k.axis), compute), k.dtype)
+
+
+def softmax_f64_into(x: np.ndarray, axis: int, out: np.ndarray) -> np.ndarray:
+    """hlir.evaluate.softmax of float32 x computed in float64 and rounded once into float32 `out`, as
+    softmax(x.astype(float64)).astype(float32) does it, less a pass: the division's float64 quotients
+    are cast into out. The row max is exact in any order, so it is taken with the softmax axis
+    outermost (numpy reduces a short contiguous axis one row per call: half the time of a 41-key
+    attention softmax went there)."""
+    rows_outer = np.ascontiguousarray(np.moveaxis(x, axis, 0))
+    m = np.expand_dims(np.max(rows_outer, axis=0), axis)
+    m = np.where(np.isfinite(m), m, np.float32(0.0)).astype(np.float64)
+    e = x.astype(np.float64)
+    np.subtract(e, m, out=e)
+    np.exp(e, out=e)
+    return np.divide(e, np.sum(e, axis=axis, keepdims=True), out=out, casting="unsafe")
 
 
 def _quantize(rt, k: Kernel, state: _Run) -> np.ndarray:
@@ -373,6 +276,8 @@ def _quantize(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _gemm(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
+    if k.dtype is F32:
+        return gemm_accumulator(rt, k, state, out=state.out)
     return store32(gemm_accumulator(rt, k, state), k.dtype)
 
 
@@ -388,30 +293,46 @@ def _gemm_epilogue(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
     """The Gemm's FP32 accumulator, the epilogue body on it (each op one FP32 rounding, as the unfused
     elementwise kernel computes it), one store in the kernel's dtype."""
     acc = _accumulator_id(k)
-    state.stored[acc] = gemm_accumulator(rt, k, state)
+    body = rt.epilogue_body(k)
+    in_out = k.dtype is F32 and _only_new_values(body.body)
+    state.stored[acc] = gemm_accumulator(rt, k, state, out=state.out if in_out else None)
     try:
-        return store32(body_values(epilogue_as_elementwise(k, acc), state), k.dtype)
+        if body_into_out(body, state):
+            return state.out
+        return store32(body_values(body, state), k.dtype)
     finally:
         del state.stored[acc]
 
 
-def gemm_accumulator(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
-    """A Gemm kernel's C as float32, before its store (the variant's arithmetic, scales applied)."""
+def _only_new_values(e) -> bool:
+    """Whether every value a body derives is a new array (ops on loads and constants: no FAt or
+    rounding, which may give a view of their operand). Then an FP32 epilogue's accumulator may live
+    in the output buffer: the last op overwrites it, and no shared value is a view of it."""
+    if isinstance(e, FApply):
+        return all(_only_new_values(a) for a in e.args)
+    return isinstance(e, (FLoad, FConstV))
+
+
+def gemm_accumulator(rt: CpuRuntime, k: Kernel, state: _Run, out: np.ndarray | None = None) -> np.ndarray:
+    """A Gemm kernel's C as float32, before its store (the variant's arithmetic, scales applied); an
+    FP32 Gemm may compute it into `out` (float32, the output's shape), and then returns `out`."""
     a_scales = state.scales[k.inputs[0].buffer] if rt.program.quantized_inputs(k)[0] else None
     b_source = rt.program.kernel(k.inputs[1].buffer)
     weight = b_source.external if b_source.kind is KernelKind.EXTERNAL else None
     b_key = None
     if weight in state.weight_names:
-        scales = rt.static_b_scales(k.id)
-        b_key = ("gemm_b", k.inputs[1].view.encode(), k.layout.encode(), k.precision, b_source.dtype.name,
-                 b_source.storage,  # the same weight held in two formats prepares two operands
-                 tuple(sorted(state.bindings.items())), None if scales is None else scales.tobytes())
-        b_key = (state.feed[weight], b_key)
-    return run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key)
+        def operand_key() -> tuple:
+            scales = rt.static_b_scales(k.id)
+            return ("gemm_b", k.inputs[1].view.encode(), k.layout.encode(), k.precision, b_source.dtype.name,
+                    b_source.storage,  # the same weight held in two formats prepares two operands
+                    tuple(sorted(state.bindings.items())), None if scales is None else scales.tobytes())
+        b_key = (state.feed[weight], state.compiled.get(k, "gemm_b_key", state.bindings, operand_key))
+    reads = tuple(state.compiled.read(k, i, state.bindings) for i in (0, 1))
+    return run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key, reads, out)
 
 
 def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:
-    table = _raw(k, 0, state)
+    table = read_input(k, 0, state)
     idx = k.inputs[1].view.realize(state.stored[k.inputs[1].buffer], state.bindings).astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= table.shape[0]):
         raise IndexError(f"gather: index out of range [0, {table.shape[0]})")
@@ -420,7 +341,7 @@ def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _scatter(rt, k: Kernel, state: _Run) -> np.ndarray:
-    return _scatter_rows(k, _read64(k, 0, state), _read64(k, 1, state), state, index_slot=2)
+    return _scatter_rows(k, read64(k, 0, state), read64(k, 1, state), state, index_slot=2)
 
 
 def _scatter_rows(k: Kernel, dest: np.ndarray, src: np.ndarray, state: _Run, index_slot: int = 1) -> np.ndarray:
@@ -432,49 +353,22 @@ def _scatter_rows(k: Kernel, dest: np.ndarray, src: np.ndarray, state: _Run, ind
 
 
 def _attention(rt, k: Kernel, state: _Run) -> np.ndarray:
-    return store32(run_attention(k, tuple(_raw(k, i, state) for i in range(len(k.inputs))), state.bindings), k.dtype)
-
-
-def _rows_body(e: FExpr, k: Kernel, state: _Run, wide: bool) -> np.ndarray:
-    """A ROWS body (codegen/llir.py FRowSum, FAt): exactly the values of the unfused kernels. A row sum
-    is the SUM kernel's (its body, accumulator, stored rounding); FAt reads a value as a load reads the
-    buffer it would have been stored in. `wide`: the float64 path of _body64, else _body32's."""
-    if isinstance(e, FRowSum):
-        shape = tuple(eval_dim(d, state.bindings) for d in e.shape)
-        vals = np.broadcast_to(_rows_body(e.body, k, state, wide), shape)
-        out = store32(reduce_sum(vals, len(shape) - 1, e.acc), e.dt)
-        return out.astype(np.float64) if wide else np.asarray(out, dtype=np.float32)
-    if isinstance(e, FAt):
-        src = tuple(eval_dim(d, state.bindings) for d in e.src_shape)
-        return e.view.realize(np.ascontiguousarray(np.broadcast_to(_rows_body(e.x, k, state, wide), src)),
-                              state.bindings)
-    if isinstance(e, FLoad):
-        return _read64(k, e.slot, state) if wide else _body32(e, k, state)
-    if isinstance(e, FConstV):
-        return _body64(e, k, state) if wide else _body32(e, k, state)
-    if isinstance(e, FRoundTo):
-        x = _rows_body(e.x, k, state, wide)
-        return store(x, e.fmt) if wide else store32(np.asarray(x, dtype=np.float32), e.fmt)
-    args = [_rows_body(a, k, state, wide) for a in e.args]
-    if wide:
-        return store(_apply(e, args), F32)
-    if not CORRECTLY_ROUNDED_F32[e.op]:
-        args = [np.asarray(a, dtype=np.float64) for a in args]
-    out = np.asarray(_apply(e, args))
-    return out if out.dtype == np.float32 else out.astype(np.float32)
+    return store32(run_attention(k, tuple(read_input(k, i, state) for i in range(len(k.inputs))), state.bindings), k.dtype)
 
 
 def _rows(rt, k: Kernel, state: _Run) -> np.ndarray:
     """A row kernel: per row its sums, then the elementwise tail per element, one store."""
     shape = tuple(eval_dim(d, state.bindings) for d in k.shape)
-    return store32(np.broadcast_to(_rows_body(k.body, k, state, not _fits_body(k, state)), shape), k.dtype)
+    if body_into_out(k, state):
+        return state.out
+    return store32(np.broadcast_to(rows_values(k, state), shape), k.dtype)
 
 
 def _scatter_ew(rt, k: Kernel, state: _Run) -> np.ndarray:
     """An in-place scatter of rows its body computes: the copy of the source it replaces wrote the same."""
     shape = tuple(eval_dim(d, state.bindings) for d in k.body_shape)
-    src = np.broadcast_to(_rows_body(k.body, k, state, not _fits_body(k, state)), shape).astype(np.float64)
-    return _scatter_rows(k, _read64(k, 0, state), src, state)
+    src = np.broadcast_to(rows_values(k, state), shape).astype(np.float64)
+    return _scatter_rows(k, read64(k, 0, state), src, state)
 
 
 KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
@@ -486,54 +380,3 @@ KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
     KernelKind.ATTENTION: _attention,
     KernelKind.ROWS: _rows, KernelKind.SCATTER_EW: _scatter_ew,
 }
-
-
-def reduce_sum(vals: np.ndarray, axis: int, acc: Format | None) -> np.ndarray:
-    """Sum with the accumulator's rounding: FP32 -> numpy float32 (pairwise), others emulated."""
-    if acc is None or acc is F32:
-        return np.sum(vals.astype(np.float32), axis=axis)  # a fresh copy: pairwise blocks follow its layout
-    if acc.name == "f64":
-        return np.sum(np.asarray(vals, dtype=np.float64), axis=axis)
-    return np.asarray(emulate_reduce_sum(vals, axis, acc), dtype=np.float32)
-
-
-def _operand(k: Kernel, i: int, stored, bindings) -> np.ndarray:
-    """A Gemm operand over the full Mul shape as a strided view of its buffer (no broadcast copies)."""
-    inp = k.inputs[i]
-    return realize(inp.view, stored[inp.buffer], bindings)
-
-
-def run_quantize(k: Kernel, stored, bindings):
-    """A QUANTIZE kernel: its Gemm's A operand as (batch, M, K), quantized with scales from itself."""
-    a = gemm_operand_a(_operand(k, 0, stored, bindings), k.layout).astype(np.float32)
-    return quantize_tensor(a, k.dtype, k.scale_spec)
-
-
-def _f32(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float32, copy=False)
-
-
-def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None,
-             a_scales: np.ndarray | None = None, b_cache_key: tuple | None = None) -> np.ndarray:
-    """C as float32 (batch, M, N) in the output's axis order; one BLAS call per batch matrix.
-
-    a_scales: given when input 0 is a QUANTIZE kernel's q (its side output); else A is raw.
-    b_cache_key: (weight array, key) when B reads a weight: its (batch, K, N) operand, and its
-    quantized form for a variant, are then computed once per process (hlir.weightcache).
-    """
-    a_full = _operand(k, 0, stored, bindings)
-    lay = k.layout
-    a = gemm_operand_a(a_full, lay)
-    variant = None if k.precision in (None, "f32") else GEMM_VARIANTS[k.precision]
-
-    def b_operand():
-        b = _f32(gemm_operand_b(_operand(k, 1, stored, bindings), lay))
-        return b if variant is None else prepare_b(b, variant, b_scales)
-    b = b_operand() if b_cache_key is None else WEIGHTS.get(b_cache_key[0], b_cache_key[1], b_operand)
-    if variant is None:
-        c = np.matmul(_f32(a), b)
-    elif a_scales is not None:
-        c = emulate_gemm(None, None, variant, a_quantized=(a, a_scales), b_prepared=b)
-    else:
-        c = emulate_gemm(_f32(a), None, variant, b_prepared=b)
-    return gemm_result(c, lay, a_full.shape)

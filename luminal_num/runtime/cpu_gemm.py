@@ -1,0 +1,119 @@
+"""The CPU backend's Gemm: C = A @ B over a Gemm layout, FP32 by numpy's matmul (BLAS), the other
+variants emulated bit-exactly by runtime/numerics.py.
+
+An FP32 operand that numpy can hand to BLAS as it lies is not copied (attention reads its heads
+through strided views, each copy a pass over the activations): numpy passes the contiguous copy
+and such a view to the same BLAS routine with the same transpose flags, only the leading dimension
+differs, which changes no value. A view that would take another route (a transposed operand: other
+flags; a vector: numpy's gemv path; an unaccepted row stride: numpy's own loop) is copied as before.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..codegen.llir import Kernel
+from ..dtypes.variants import GEMM_VARIANTS
+from ..hlir.gemm import GemmLayout, gemm_operand_a, gemm_operand_b, gemm_result
+from ..hlir.weightcache import WEIGHTS
+from ..quant import quantize_tensor
+from .cpu_compiled import read_view
+from .numerics import emulate_gemm, prepare_b
+
+
+def _operand(k: Kernel, i: int, stored, bindings, reads=(None, None)) -> np.ndarray:
+    """A Gemm operand over the full Mul shape as a strided view of its buffer (no broadcast copies)."""
+    inp = k.inputs[i]
+    return read_view(inp.view, reads[i], stored[inp.buffer], bindings)
+
+
+def run_quantize(k: Kernel, stored, bindings):
+    """A QUANTIZE kernel: its Gemm's A operand as (batch, M, K), quantized with scales from itself."""
+    a = gemm_operand_a(_operand(k, 0, stored, bindings), k.layout).astype(np.float32)
+    return quantize_tensor(a, k.dtype, k.scale_spec)
+
+
+def _f32(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32, copy=False)
+
+
+def _size(full, axes) -> int:
+    return math.prod(int(full[ax]) for ax in axes)  # np.prod of a short list costs ~10 us
+
+
+def blas_view(full: np.ndarray, lay: GemmLayout, is_a: bool) -> np.ndarray | None:
+    """A float32 operand over the Mul shape as (*batch, M, K) for A or (*batch, K, N) for B, a view that
+    numpy's matmul hands to BLAS as it would hand its contiguous copy; None where a copy is needed."""
+    if full.dtype != np.float32 or _size(full.shape, lay.m_axes) <= 1 or _size(full.shape, lay.n_axes) <= 1:
+        return None  # M or N of 1: numpy's vector paths, which read strides differently
+    drop = lay.n_axes if is_a else lay.m_axes
+    order = (*lay.batch_axes, *lay.m_axes, lay.k_axis) if is_a else (*lay.batch_axes, lay.k_axis, *lay.n_axes)
+    x = full[tuple(0 if ax in drop else slice(None) for ax in range(full.ndim))]
+    keep = [ax for ax in range(full.ndim) if ax not in drop]
+    x = np.transpose(x, [keep.index(ax) for ax in order])
+    rows, cols = (_size(full.shape, lay.m_axes), full.shape[lay.k_axis]) if is_a else \
+        (full.shape[lay.k_axis], _size(full.shape, lay.n_axes))
+    try:
+        x = x.reshape(*(full.shape[ax] for ax in lay.batch_axes), rows, cols, copy=False)
+    except ValueError:
+        return None
+    size = x.itemsize
+    row = x.strides[-2]
+    if x.strides[-1] != size or row % size or row // size < cols:
+        return None  # numpy's test for a matrix BLAS reads without transposing it
+    return x
+
+
+def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None,
+             a_scales: np.ndarray | None = None, b_cache_key: tuple | None = None, reads=(None, None),
+             out: np.ndarray | None = None) -> np.ndarray:
+    """C as float32 in the output's axis order; one BLAS call per batch matrix.
+
+    a_scales: given when input 0 is a QUANTIZE kernel's q (its side output); else A is raw.
+    b_cache_key: (weight array, key) when B reads a weight: its (batch, K, N) operand, and its
+    quantized form for a variant, are then computed once per process (hlir.weightcache).
+    reads: the operands' compiled views (cpu_compiled.StridedRead), if any.
+    out: the kernel's FP32 output buffer, which an FP32 Gemm may write C into (then C is `out`).
+    """
+    a_full = _operand(k, 0, stored, bindings, reads)
+    lay = k.layout
+    variant = None if k.precision in (None, "f32") else GEMM_VARIANTS[k.precision]
+    if variant is None:
+        return _fp32_gemm(k, a_full, stored, bindings, b_cache_key, reads, out)
+    a = gemm_operand_a(a_full, lay)
+
+    def b_operand():
+        return prepare_b(_f32(gemm_operand_b(_operand(k, 1, stored, bindings, reads), lay)), variant, b_scales)
+    b = b_operand() if b_cache_key is None else WEIGHTS.get(b_cache_key[0], b_cache_key[1], b_operand)
+    if a_scales is not None:
+        c = emulate_gemm(None, None, variant, a_quantized=(a, a_scales), b_prepared=b)
+    else:
+        c = emulate_gemm(_f32(a), None, variant, b_prepared=b)
+    return gemm_result(c, lay, a_full.shape)
+
+
+def _fp32_gemm(k: Kernel, a_full, stored, bindings, b_cache_key, reads, out) -> np.ndarray:
+    lay = k.layout
+    full = a_full.shape
+    batch = tuple(full[ax] for ax in lay.batch_axes)
+    a = blas_view(a_full, lay, True)
+    if a is None:
+        a = _f32(gemm_operand_a(a_full, lay)).reshape(*batch, _size(full, lay.m_axes), full[lay.k_axis])
+
+    def b_copy():
+        return _f32(gemm_operand_b(_operand(k, 1, stored, bindings, reads), lay))
+    if b_cache_key is not None:
+        b = WEIGHTS.get(b_cache_key[0], b_cache_key[1], b_copy)
+    else:
+        b = blas_view(_operand(k, 1, stored, bindings, reads), lay, False)
+        if b is None or np.may_share_memory(a, b):  # one array read twice: numpy may take another route
+            b = b_copy()
+    b = b.reshape(*batch, full[lay.k_axis], _size(full, lay.n_axes))
+    order = (*lay.batch_axes, *lay.m_axes, *lay.n_axes)
+    out_axes = [ax for ax in range(len(full)) if ax != lay.k_axis]
+    if out is not None and out_axes == list(order) and out.shape == tuple(full[ax] for ax in out_axes) \
+            and out.dtype == np.float32 and out.flags.c_contiguous:  # C in the output's axis order: computed there
+        np.matmul(a, b, out=out.reshape(*batch, a.shape[-2], b.shape[-1]))
+        return out
+    return gemm_result(np.matmul(a, b), lay, full)
