@@ -22,8 +22,8 @@ from luminal_num.compiler import CompileResult, compile
 from luminal_num.error.budget import Budget
 from luminal_num.error.judge import GateStats
 from luminal_num.models.registry import ModelJob, llm_job, minilm_job, transformer_job
-from luminal_num.report.pareto import pareto_front
-from luminal_num.search.search import Evaluated, SearchOptions
+
+from luminal_num.search.search import Evaluated, SearchOptions, front as search_front
 
 from .summary import OUT, write_csv
 
@@ -95,10 +95,9 @@ def peak_rss() -> tuple[float, float]:
 
 
 def final_front(evaluated: list[Evaluated]) -> list[Evaluated]:
-    """The passing, profiled candidates on the (error, latency) Pareto front at the end of the search."""
-    passing = [e for e in evaluated if e.verdict.passed and e.latency is not None]
-    marks = pareto_front([(float(e.verdict.error), e.latency_s) for e in passing])
-    return [e for e, on in zip(passing, marks) if on]
+    """The passing, profiled candidates on the (budget share, latency) Pareto front at the end of the
+    search: the front the search confirms (search.front; allclose alone is 0 for every LLM plan)."""
+    return search_front(evaluated)
 
 
 def layers_differ(c: CompiledJob) -> int:
@@ -129,7 +128,8 @@ def efficiency_row(c: CompiledJob) -> dict:
                 search_s_per_candidate=search.stats["seconds"] / len(evaluated),
                 chosen_index=chosen.id, chosen_stage=chosen.stage, chosen_source=chosen.verdict.source,
                 front_size=len(front), front_complete_index=max(e.id for e in front),
-                headroom=c.result.search.stats["headroom"], chosen_error=c.budget_ratio(chosen), chosen_latency_s=chosen.latency_s,
+                headroom=c.result.search.stats["headroom"], chosen_error=c.budget_ratio(chosen),
+                chosen_share=float(chosen.verdict.ratio) * c.result.search.stats["headroom"], chosen_latency_s=chosen.latency_s,
                 chunk_margin=search.stats.get("chunk_margin"), chosen_chunks_differing=layers_differ(c),
                 chunk_runs=search.stats.get("chunk_runs"), chunk_composed=search.stats.get("chunk_composed"),
                 chunk_shared=search.stats.get("chunk_shared"), chunk_local_checks=search.stats.get("chunk_local_checks"),

@@ -72,7 +72,9 @@ def _job(name: str, args=None):
 
 
 LLM_WORKLOAD = "decode:8@64"
-LLM_CANDIDATES = 6  # an LLM candidate is judged on every calibration batch through all layers
+# an LLM candidate costs about one layer's run per changed layer (per-chunk verdicts, error/chunks.py), not
+# a forward pass: SmolLM2's decode search of 200 takes minutes (reports/bench/search_efficiency.csv)
+LLM_CANDIDATES = 200
 
 
 def _is_llm(name: str) -> bool:
@@ -500,8 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     compile_args(sub.add_parser("compile", help="search the fastest plan within a budget; write plan + reports"),
                  "minilm", 120)
-    demo = sub.add_parser("demo", help="compile the bundled model, print the Pareto table, audit on held-out data")
-    compile_args(demo, "minilm", 60)
+    demo = sub.add_parser("demo", help="compile the bundled model (SmolLM2-135M decode), print the Pareto table, "
+                                       "audit on held-out prompts")
+    compile_args(demo, "smollm2", 60)
     au = sub.add_parser("audit", help="re-check a saved plan against FP64 on new inputs (exit 1 if broken)")
     au.add_argument("--plan", required=True)
     au.add_argument("--model", default=None, help="default: the model recorded in the plan, else minilm; "

@@ -1,5 +1,6 @@
 """The models through the compiler: MiniLM's FP32 plan against an independent FP64 implementation,
 and the demo jobs end to end (the MiniLM demo is model-scale: marked slow, run by bench/)."""
+import json
 import subprocess
 import sys
 import warnings
@@ -50,8 +51,20 @@ def test_llama_tiny_demo_runs_and_passes_audit(tmp_path):
 
 @pytest.mark.slow
 def test_minilm_demo_end_to_end(tmp_path):
-    """The README's first command's job: compile MiniLM on real sentences, report, audit held-out."""
-    proc = subprocess.run([sys.executable, "-m", "luminal_num.cli", "demo", "--quiet", "--out", str(tmp_path / "m")],
+    """`demo --model minilm`: compile MiniLM on real sentences, report, audit held-out."""
+    proc = subprocess.run([sys.executable, "-m", "luminal_num.cli", "demo", "--model", "minilm", "--quiet", "--out",
+                           str(tmp_path / "m")],
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr
     assert "audit: PASSED" in proc.stdout and "Chosen plan" in proc.stdout
+
+
+@pytest.mark.slow
+def test_smollm2_demo_end_to_end(tmp_path):
+    """The README's first command's job: SmolLM2-135M decode, 200 candidates, report, audit held-out prompts."""
+    proc = subprocess.run([sys.executable, "-m", "luminal_num.cli", "demo", "--quiet", "--out", str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr
+    assert "audit: PASSED" in proc.stdout and "Chosen plan" in proc.stdout
+    plan = json.loads((tmp_path / "s" / "plan.json").read_text())
+    assert plan["job"]["model"] == "smollm2" and plan["search"]["candidates"] >= 200
