@@ -71,3 +71,23 @@ def test_pool_workers_run_blas_on_one_thread_each():
 def _threads(_):
     from luminal_num.runtime.blas_threads import blas_threads
     return blas_threads()
+
+
+def test_a_pool_forks_with_sigint_held_and_restores_the_parents_mask():
+    """A Ctrl-C during the fork is held and delivered after it (os.fork's after-fork handlers swallow
+    one); the workers keep SIGINT blocked, the parent gets its own mask back."""
+    import signal
+
+    import pytest
+    from luminal_num.error import tasks
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    with tasks.TaskPool({}, 2) as pool:
+        if pool._pool is None:
+            pytest.skip("no fork start method: the pool runs tasks in this process")
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+        assert all(pool._pool.map(_sigint_blocked, range(2)))
+
+
+def _sigint_blocked(_):
+    import signal
+    return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set())

@@ -8,6 +8,7 @@ copied per task), so a distributed engine could take the same tasks with the wei
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -67,7 +68,14 @@ class TaskPool:
         self.weights, self.workers = weights, workers
         self._pool = None
         if workers > 1 and "fork" in mp.get_all_start_methods():
-            self._pool = mp.get_context("fork").Pool(workers, initializer=_worker_init, initargs=(weights,))
+            # Ctrl-C held back while forking: a SIGINT inside os.fork's after-fork handlers is swallowed
+            # ("Exception ignored"), and the compile it should stop runs to the end. Delivered right after;
+            # the workers keep it blocked (the parent handles an interrupt and closes the pool).
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                self._pool = mp.get_context("fork").Pool(workers, initializer=_worker_init, initargs=(weights,))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def map(self, tasks: Sequence[RunTask]) -> list:
         if self._pool is None or len(tasks) < 2:

@@ -85,10 +85,10 @@ def pack_b(b: np.ndarray, lead: tuple) -> np.ndarray:
     return out
 
 
-def _scales(op, lead: tuple, blocks: int, k_axis: int, extent: int, padded: int) -> np.ndarray | None:
+def _scales(op, lead: tuple, blocks: int, k_axis: int, extent: int, padded: int,
+            scale_vector: Callable) -> np.ndarray | None:
     """fl32 scales of one operand per K-block, (L, blocks, padded) float32 (ones past `extent`), or None."""
-    from .numerics import _scale_vector
-    vectors = [_scale_vector(op, blk, k_axis, extent) for blk in range(blocks)]
+    vectors = [scale_vector(op, blk, k_axis, extent) for blk in range(blocks)]
     if all(v is None for v in vectors):
         return None
     out = np.ones((math.prod(lead), blocks, padded), np.float32)
@@ -97,15 +97,14 @@ def _scales(op, lead: tuple, blocks: int, k_axis: int, extent: int, padded: int)
     return out
 
 
-def _bounded(qa, qb, acc: Format, chunk: int, groups: int, per_product: bool) -> bool:
+def _bounded(qa, qb, acc: Format, chunk: int, groups: int, per_product: bool, f16_in_range: Callable) -> bool:
     """Whether every running sum is provably finite and within acc.max_finite (subnormals need no proof:
     _vector_round handles them). F16: numerics._f16_in_range (with its L1-norm refinement). Otherwise
     |partials| <= chunk max|a| max|b| [max|sa| max|sb| (1 + 2^-22) per product: two fl32 roundings]
     grown by (1 + 2^(1 - p)) per rounding; NaN / inf magnitudes fail the comparison. Only maxima: no
     pass over the operands for their least magnitude, which numerics' normal-range proofs need."""
-    from . import numerics
     if acc is F16 and not per_product:
-        return numerics._f16_in_range(qa, qb, chunk, groups)
+        return f16_in_range(qa, qb, chunk, groups)
     scale = 1.0
     if per_product:
         if qa.scales is None or qb.scales is None:
@@ -116,18 +115,19 @@ def _bounded(qa, qb, acc: Format, chunk: int, groups: int, per_product: bool) ->
     return bound <= acc.max_finite / 2
 
 
-def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_product: bool) -> np.ndarray | None:
-    """numerics._grouped_gemm's result (same arguments), or None where the kernel does not apply."""
+def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_product: bool, *,
+                 scale_vector: Callable, f16_in_range: Callable, for_each_tile: Callable) -> np.ndarray | None:
+    """numerics._grouped_gemm's result (same arguments), or None where the kernel does not apply. numerics
+    hands in its own scale vectors, F16 range proof and tile runner (this module never imports it)."""
     run = kernel()
     if run is None or not takes(acc, qa.scales, qb.scales):
         return None
-    from .numerics import _for_each_tile
     (m, k), n = qa.values.shape[-2:], qb.values.shape[-1]
     lead = np.broadcast_shapes(qa.values.shape[:-2], qb.values.shape[:-2])
     m_pad, panels = -(-m // MR) * MR, -(-n // NR)
     blocks = -(-k // k_block)
-    sa = _scales(qa, lead, blocks, -1, m, m_pad)
-    sb = _scales(qb, lead, blocks, -2, n, panels * NR)
+    sa = _scales(qa, lead, blocks, -1, m, m_pad, scale_vector)
+    sb = _scales(qb, lead, blocks, -2, n, panels * NR, scale_vector)
     mode = 0 if sa is None and sb is None else 2 if per_product else 1
     if per_product and mode == 0:
         return None  # per-product scaling without scales: not a variant numerics computes either
@@ -139,7 +139,7 @@ def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_
     bp = qb.derived(f"jit_panels{lead}", lambda: pack_b(qb.values, lead))  # a weight's: packed once per process
     out = np.empty(lead + (m, n), np.float32)
     flat = out.reshape(-1, m, n)
-    bounded = _bounded(qa, qb, acc, chunk, -(-chunk // group), per_product)
+    bounded = _bounded(qa, qb, acc, chunk, -(-chunk // group), per_product, f16_in_range)
 
     matrices = math.prod(lead)
     per_task = 1 if m_pad > ROW_BLOCK else -(-matrices // 8)  # small matrices (attention heads): several per call
@@ -147,7 +147,7 @@ def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_
     def run_tile(first: int, row: int) -> None:
         run(ap, bp, flat, sa, sb, first, min(first + per_task, matrices), row, min(row + ROW_BLOCK, m_pad), group,
             chunk, k_block, mode, bounded, 53 - acc.p, acc.min_normal, acc.max_finite)
-    _for_each_tile(run_tile, range(0, matrices, per_task), range(0, m_pad, ROW_BLOCK), lead, m, n, k)
+    for_each_tile(run_tile, range(0, matrices, per_task), range(0, m_pad, ROW_BLOCK), lead, m, n, k)
     return out
 
 
