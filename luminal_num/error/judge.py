@@ -357,7 +357,6 @@ class Judge:
         chunks' pool, all batches run at once, in parallel); the outputs of all batches come back when
         kept and complete."""
         self.stats.measured += 1
-        rt = CpuRuntime(program, self.graph.weights)
         worst, user, worst_abs, reason, passed, ratio = 0.0, 0.0, 0.0, "", True, 0.0
         outs: list | None = [] if keep_outputs else None
         ran = self.outputs_cache.pop(program_key(program), None) if self.outputs_cache is not None else None
@@ -365,6 +364,7 @@ class Judge:
         if ran is None and pool is not None and len(self.calibration) > 1:
             ran = [r if isinstance(r, Exception) else r[0] for r in pool.map(
                 [RunTask(program, (inp,), (bind,)) for inp, bind in zip(self.calibration, self.bindings)])]
+        rt = CpuRuntime(program, self.graph.weights) if ran is None else None  # runs here, batch by batch
         for b, (inp, ref) in enumerate(zip(self.calibration, self.refs)):
             try:
                 out = ran[b] if ran is not None else rt.run(inp).outputs
