@@ -98,24 +98,21 @@ class Compared:
         return bool(self.pair.blown.any())
 
     @cached_property
-    def logit_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rows of logits with matching -inf kept (masked tokens: probability 0 in both) and blown rows."""
+    def logit_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """y's rows of logits with matching -inf kept (masked tokens: probability 0 in both), blown rows
+        zeroed, and which rows blew up (the reference's rows are read per reference: _derived)."""
         bad = self._derived("logits_bad", lambda: bool((_rows(self.ref) == np.inf).any()
                                                        or (_rows(self.ref) == -np.inf).all(axis=-1).any()))
         if bad:
             raise ValueError("reference logits with +inf or an all -inf row have no softmax")
-        y2, r2 = _rows(self.y), _rows(self.ref)
-        blown = _rows(self.pair.blown).any(axis=-1)
-        if not blown.any():
-            return y2, r2, blown
-        keep = ~blown[:, None]
-        return np.where(keep, y2, 0.0), np.where(keep, r2, 0.0), blown
+        y2, blown = _rows(self.y), _rows(self.pair.blown).any(axis=-1)
+        return (np.where(~blown[:, None], y2, 0.0) if blown.any() else y2), blown
 
     @cached_property
     def kl_rows(self) -> np.ndarray:
         """KL(softmax(ref) || softmax(y)) per row; inf on a blown row. The reference's log-softmax is
         its own rows' (a blown row's value is replaced by inf, so masking it first changes nothing)."""
-        y2, _, blown = self.logit_rows
+        y2, blown = self.logit_rows
         if not y2.size:
             return np.zeros(0)
         log_p, log_q = self._derived("log_softmax", lambda: _log_softmax(_rows(self.ref))), _log_softmax(y2)
@@ -126,7 +123,7 @@ class Compared:
     @cached_property
     def top1_agrees(self) -> np.ndarray:
         """Per row: the argmax (first on ties) agrees and the row did not blow up."""
-        y2, _, blown = self.logit_rows
+        y2, blown = self.logit_rows
         ref_top = self._derived("argmax", lambda: np.argmax(_rows(self.ref), -1))
         return (np.argmax(y2, -1) == ref_top) & ~blown
 

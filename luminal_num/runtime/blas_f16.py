@@ -24,10 +24,11 @@ only for tiles of at least 2 rows and 2 columns, and only while the thread keeps
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from .blas_threads import bundled_openblas
 
 SCALE = 2.0 ** -1009  # F16's min normal 2^-14 -> 2^-1023, just under FP64's: F16's 2^-24 -> 2^-1033
 UNSCALE = 2.0 ** 1009
@@ -38,12 +39,9 @@ _SYMBOL = "scipy_cblas_dgemm64_"  # cblas_dgemm in numpy's bundled ILP64 OpenBLA
 
 
 def _load() -> Callable | None:
-    libs = Path(np.__file__).resolve().parent.parent / "numpy.libs"
-    for path in sorted(libs.glob("libscipy_openblas64_*.so")):
-        try:
-            fn = getattr(ctypes.CDLL(str(path)), _SYMBOL)
-        except (OSError, AttributeError):
-            continue
+    lib = bundled_openblas(_SYMBOL)
+    if lib is not None:
+        fn = getattr(lib, _SYMBOL)
         fn.restype = None
         fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_double, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,

@@ -14,19 +14,22 @@ import numpy as np
 _SET, _GET = "scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"
 
 
-def _library() -> ctypes.CDLL | None:
+def bundled_openblas(*symbols: str) -> ctypes.CDLL | None:
+    """numpy's bundled OpenBLAS (numpy.libs/libscipy_openblas64_*), the first that loads and has
+    every one of `symbols`; None with another numpy build."""
     libs = Path(np.__file__).resolve().parent.parent / "numpy.libs"
     for path in sorted(libs.glob("libscipy_openblas64_*.so")):
         try:
             lib = ctypes.CDLL(str(path))
-            getattr(lib, _SET), getattr(lib, _GET)
+            for name in symbols:
+                getattr(lib, name)
             return lib
         except (OSError, AttributeError):
             continue
     return None
 
 
-_LIB = _library()
+_LIB = bundled_openblas(_SET, _GET)
 
 
 def blas_threads() -> int | None:
