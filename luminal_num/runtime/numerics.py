@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ..dtypes.codec import to_float32
 from ..dtypes.formats import BF16, F16, F32, INT32, Format, get
 from ..dtypes.rounding import Overflow, round_to
 from ..dtypes.variants import ElementwisePrecision, GemmPrecision, ScaleSpec
@@ -387,7 +388,7 @@ def _prequantized(a_quantized, variant: GemmPrecision) -> _Operand:
     """A as a QUANTIZE kernel left it: q (values in the A format) and the scales beside it."""
     if variant.a_scale is None:
         raise ValueError(f"{variant.name}: A is not scaled, so it cannot arrive quantized")
-    q, scales = (np.asarray(x, dtype=np.float32) for x in a_quantized)
+    q, scales = (to_float32(x) for x in a_quantized)  # float8 codes widened by dtypes.codec's table
     expand_scales(scales, q.shape, variant.a_scale)  # raises unless the scales fit q
     return _Operand(q, scales, variant.a_scale)
 
