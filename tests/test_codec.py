@@ -76,3 +76,23 @@ def test_without_the_kernels_the_casts_run(monkeypatch):
     codes = _all_codes(codec.CODED[0])
     assert not codec.encode_into(np.zeros(256, np.float32), np.empty(256, codec.CODED[0]))
     assert np.array_equal(codec.to_float32(codes), codes.astype(np.float32), equal_nan=True)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_encode_accepts_exactly_the_formats_values(dtype):
+    """Over a sweep of float32 bit patterns (every sign and binade) and each finite code's value with its
+    neighbours (one float32 ulp off, and each of the next bits above the kept mantissa): a value is
+    encoded iff ml_dtypes' cast gives it back exactly, and then to ml_dtypes' code."""
+    finite = _all_codes(dtype).astype(np.float32)
+    finite = finite[np.isfinite(finite)]
+    near = finite.view(np.uint32)[:, None].astype(np.int64) + np.array([-1, 1, 1 << 18, 1 << 19, 1 << 20])
+    candidates = np.concatenate([np.arange(0, 2 ** 32, 40009, dtype=np.int64), near.ravel() % 2 ** 32])
+    for x in candidates.astype(np.uint32).view(np.float32):
+        one = np.array([x], np.float32)
+        out = np.empty(1, dtype)
+        cast = _cast(one, dtype)
+        exact = bool(np.isfinite(x)) and cast.astype(np.float32).view(np.uint32)[0] == one.view(np.uint32)[0]
+        assert codec.encode_into(one, out) == exact, x
+        if exact:
+            assert out.view(np.uint8)[0] == cast.view(np.uint8)[0], x

@@ -5,10 +5,10 @@ manipulation, yet ml_dtypes' float32 <-> float8 casts cost ~10 ns per element he
 dynamically quantized MiniLM Gemm's time went to them); the numba loops of codec_jit take ~1 ns.
 
 Same bits as ml_dtypes by construction: decoding is a 256-entry table built from ml_dtypes' own
-decode of every code; encoding computes a candidate code from the float32 bits and keeps it only if
-the table maps it back to exactly those bits (signed zeros included), else the whole array goes
-through ml_dtypes' cast (NaN, infinities and inexact values take that path: a quantizer never
-writes the latter). Without numba, or with LUMINAL_NUM_JIT=0, the ml_dtypes casts run.
+decode of every code; encoding computes each code from the float32 bits, checking that the value
+is one of the format's finite values (tests/test_codec.py: every one of them gives ml_dtypes' code,
+and values between them are refused), else the whole array goes through ml_dtypes' cast (NaN,
+infinities and inexact values take that path: a quantizer never writes the latter). Without numba, or with LUMINAL_NUM_JIT=0, the ml_dtypes casts run.
 """
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ ENABLED = os.environ.get("LUMINAL_NUM_JIT", "1") != "0"  # the same switch as ru
 CODED = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 
 
-def _layout(dtype: np.dtype) -> tuple[int, int, float, np.ndarray]:
-    """(stored mantissa bits, exponent bias, 1 / min subnormal, the float32 bits of every code)."""
+def _layout(dtype: np.dtype) -> tuple[int, int, float, int, np.ndarray]:
+    """(stored mantissa bits, exponent bias, 1 / min subnormal, the largest finite value's code, the
+    float32 bits of every code)."""
     info = ml_dtypes.finfo(dtype)
     table = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32).view(np.uint32)
-    return int(info.nmant), 1 - int(info.minexp), 2.0 ** -math.log2(float(info.smallest_subnormal)), table
+    max_code = int(np.array(info.max, dtype).view(np.uint8))
+    return int(info.nmant), 1 - int(info.minexp), 2.0 ** -math.log2(float(info.smallest_subnormal)), max_code, table
 
 
 _LAYOUTS = {dt: _layout(dt) for dt in CODED}
@@ -50,9 +52,9 @@ def encode_into(values: np.ndarray, out: np.ndarray) -> bool:
     if jit is None or out.dtype not in _LAYOUTS or values.dtype != np.float32 or values.size != out.size \
             or not out.flags.c_contiguous or not _same_order(values.shape, out.shape):
         return False
-    mant, bias, inv_sub, table = _LAYOUTS[out.dtype]
+    mant, bias, inv_sub, max_code, _ = _LAYOUTS[out.dtype]
     flat = np.ascontiguousarray(values).reshape(-1)
-    return jit.encode(flat, flat.view(np.uint32), out.reshape(-1).view(np.uint8), table, mant, bias, inv_sub)
+    return jit.encode(flat, flat.view(np.uint32), out.reshape(-1).view(np.uint8), mant, bias, inv_sub, max_code)
 
 
 def _same_order(shape: tuple, target: tuple) -> bool:
@@ -70,4 +72,4 @@ def to_float32(x: np.ndarray) -> np.ndarray:
     if jit is None or x.dtype not in _LAYOUTS:
         return np.asarray(x, dtype=np.float32)
     codes = np.ascontiguousarray(x.view(np.uint8)).reshape(-1)
-    return jit.decode(codes, _LAYOUTS[x.dtype][3]).view(np.float32).reshape(x.shape)
+    return jit.decode(codes, _LAYOUTS[x.dtype][4]).view(np.float32).reshape(x.shape)
