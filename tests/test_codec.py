@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from luminal_num.dtypes import codec
+from luminal_num.dtypes import codec, jit
 
-needs_numba = pytest.mark.skipif(codec._jit() is None, reason="numba missing or LUMINAL_NUM_JIT=0: casts run")
+needs_numba = pytest.mark.skipif(jit.loops() is None, reason="numba missing or LUMINAL_NUM_JIT=0: casts run")
 FORMATS = [pytest.param(dt, id=dt.name) for dt in codec.CODED]
 
 
@@ -72,7 +72,7 @@ def test_encode_refuses_other_buffers():
 
 
 def test_without_the_kernels_the_casts_run(monkeypatch):
-    monkeypatch.setattr(codec, "ENABLED", False)
+    monkeypatch.setattr(jit, "ENABLED", False)
     codes = _all_codes(codec.CODED[0])
     assert not codec.encode_into(np.zeros(256, np.float32), np.empty(256, codec.CODED[0]))
     assert np.array_equal(codec.to_float32(codes), codes.astype(np.float32), equal_nan=True)

@@ -2,23 +2,24 @@
 
 Why: a QUANTIZE kernel's values are exactly representable in its format, so storing them is pure bit
 manipulation, yet ml_dtypes' float32 <-> float8 casts cost ~10 ns per element here (a third of a
-dynamically quantized MiniLM Gemm's time went to them); the numba loops of codec_jit take ~1 ns.
+dynamically quantized MiniLM Gemm's time went to them); the numba loops of jit_loops take ~1.5 ns.
 
 Same bits as ml_dtypes by construction: decoding is a 256-entry table built from ml_dtypes' own
 decode of every code; encoding computes each code from the float32 bits, checking that the value
 is one of the format's finite values (tests/test_codec.py: every one of them gives ml_dtypes' code,
 and values between them are refused), else the whole array goes through ml_dtypes' cast (NaN,
-infinities and inexact values take that path: a quantizer never writes the latter). Without numba, or with LUMINAL_NUM_JIT=0, the ml_dtypes casts run.
+infinities and inexact values take that path: a quantizer never writes the latter). Without numba,
+or with LUMINAL_NUM_JIT=0 (dtypes.jit), the ml_dtypes casts run.
 """
 from __future__ import annotations
 
 import math
-import os
 
 import ml_dtypes
 import numpy as np
 
-ENABLED = os.environ.get("LUMINAL_NUM_JIT", "1") != "0"  # the same switch as runtime.jit_gemm
+from .jit import loops
+
 CODED = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 
 
@@ -34,21 +35,10 @@ def _layout(dtype: np.dtype) -> tuple[int, int, float, int, np.ndarray]:
 _LAYOUTS = {dt: _layout(dt) for dt in CODED}
 
 
-def _jit():
-    """The numba loops, or None (imported at first use: numba's import costs ~0.7 s)."""
-    if not ENABLED:
-        return None
-    try:
-        from . import codec_jit
-    except ImportError:
-        return None
-    return codec_jit
-
-
 def encode_into(values: np.ndarray, out: np.ndarray) -> bool:
     """out[...] = values (float32, exactly representable in out's float8 format), by codes; False
     (out untouched or partly written) where the fast path does not apply: the caller then casts."""
-    jit = _jit()
+    jit = loops()
     if jit is None or out.dtype not in _LAYOUTS or values.dtype != np.float32 or values.size != out.size \
             or not out.flags.c_contiguous or not _same_order(values.shape, out.shape):
         return False
@@ -68,7 +58,7 @@ def _same_order(shape: tuple, target: tuple) -> bool:
 def to_float32(x: np.ndarray) -> np.ndarray:
     """x as float32 (exact): float8 arrays by their codes, others by numpy's cast."""
     x = np.asarray(x)
-    jit = _jit()
+    jit = loops()
     if jit is None or x.dtype not in _LAYOUTS:
         return np.asarray(x, dtype=np.float32)
     codes = np.ascontiguousarray(x.view(np.uint8)).reshape(-1)

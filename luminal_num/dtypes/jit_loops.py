@@ -1,4 +1,5 @@
-"""The numba loops of dtypes.codec (why and the bit-exactness argument: its module doc)."""
+"""The numba loops of dtypes (loaded by dtypes.jit): float8 codes (dtypes.codec says why and why the same
+bits) and the rounding of float32 arrays (dtypes.rounding.round_to)."""
 from __future__ import annotations
 
 import numba
