@@ -37,3 +37,34 @@ def decode(codes, table):
     for i in range(codes.size):
         out[i] = table[codes[i]]
     return out
+
+
+@numba.njit(nogil=True, cache=True)
+def round_f32(x, out, drop, min_normal, magic, high, low, saturate, overflow_nan, has_inf):
+    """out = rounding.round_to(x, fmt, policy) for float32 x (1-D), element by element: the same steps
+    as round_significand then _apply_overflow. Normal range: the half-ulp bit trick on the uint32 bits
+    (wrapping mod 2^32 as numpy's uint32 does); below min_normal (0 where the format's subnormals are
+    float32's): fl32(fl32(x + magic) - magic) with x's sign. Then NaN -> the float32 NaN numpy assigns;
+    an infinite x or a rounded value past [low, high] -> the policy (saturate: clamp by x's sign;
+    else inf of x's sign, where the format has infinities and the policy is not overflow_nan, else NaN)."""
+    bits, out_bits = x.view(np.uint32), out.view(np.uint32)  # out_bits: the same memory as out
+    half = (1 << (drop - 1)) - 1
+    keep = ~((1 << drop) - 1) & 0xFFFFFFFF
+    nan = np.float32(np.nan)
+    for i in range(x.size):
+        b = np.int64(bits[i])
+        out_bits[i] = np.uint32(((b + ((b >> drop) & 1) + half) & keep) & 0xFFFFFFFF)
+        v = x[i]
+        r = out[i]
+        if abs(v) < min_normal:
+            r = np.float32(np.copysign(np.float32(np.float32(v + magic) - magic), v))
+        if np.isnan(v):
+            r = nan
+        elif np.isinf(v):
+            r = (np.float32(high) if v > 0 else np.float32(low)) if saturate else v if has_inf else nan
+        elif r > high or r < low:
+            if saturate:
+                r = np.float32(high) if v > 0 else np.float32(low)
+            else:
+                r = np.float32(np.copysign(np.inf, v)) if has_inf and not overflow_nan else nan
+        out[i] = r
