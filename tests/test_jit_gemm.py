@@ -199,3 +199,25 @@ def test_scales_that_overflow_the_accumulator(name):
                                                           v.scales_per_product))
     assert_same(got, want)
     assert np.isinf(want).any() and np.isnan(want[7]).all()
+
+
+@needs_numba
+@pytest.mark.parametrize("special", [None, np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("k", [1, 7, 8, 61])
+def test_packing_a_measures_it(special, k):
+    """pack_operand_a packs A as pack_a does and hands the range proofs numpy's max |a| (exactly) and a max
+    row L1 norm within _Operand.l1max's margin of numpy's (NaN where A holds one, inf where inf)."""
+    rng = np.random.default_rng(k)
+    a = (rng.standard_normal((3, 13, k)) * 2.0 ** rng.integers(-20, 20, (3, 13, k))).astype(np.float32)[:, ::2]
+    if special is not None:
+        a[1, 2, k // 2] = special
+    fresh = numerics._Operand(a, None, None)
+    packed = numerics._Operand(a, None, None)
+    got = jit_gemm.pack_operand_a(packed, (3,), 8)
+    assert np.array_equal(got, jit_gemm.pack_a(a, (3,), 8), equal_nan=True)
+    want_amax, want_l1 = fresh.amax(), fresh.l1max(-1)
+    assert packed.amax() == want_amax or (np.isnan(want_amax) and np.isnan(packed.amax()))
+    if np.isfinite(want_l1):
+        assert abs(packed.l1max(-1) - want_l1) <= want_l1 * 2.0 ** -31
+    else:
+        assert np.array_equal(packed.l1max(-1), want_l1, equal_nan=True)

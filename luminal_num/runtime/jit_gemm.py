@@ -73,6 +73,22 @@ def pack_a(a: np.ndarray, lead: tuple, m_pad: int) -> np.ndarray:
     return out
 
 
+def pack_operand_a(qa, lead: tuple, m_pad: int) -> np.ndarray:
+    """pack_a(qa.values, ...), and where A is not broadcast along `lead` (one pass of the kernel's
+    pack_rows over it) its max |a| and max row L1 norm on the way, handed to qa's cache for the range
+    proofs of _bounded (which would make two more passes over A). The L1 norm is summed in another
+    order than numpy's, within _Operand.l1max's margin (1 + 2^-32): a bound either way."""
+    a = qa.values
+    m, k = a.shape[-2:]
+    if kernel() is None or a.dtype != np.float32 or math.prod(a.shape[:-2]) != math.prod(lead):
+        return pack_a(a, lead, m_pad)
+    out = np.empty((math.prod(lead), m_pad, k))
+    amax, l1 = pack_rows(a.reshape(-1, m, k), out)
+    qa.derived("amax", lambda: amax)
+    qa.derived("l1max-1", lambda: l1 * (1 + 2.0 ** -32))  # as _Operand.l1max(-1) scales its sum
+    return out
+
+
 def pack_b(b: np.ndarray, lead: tuple) -> np.ndarray:
     """B (..., K, N) -> FP64 panels (L, N_pad / NR, K, NR), each panel NR columns contiguous per k."""
     k, n = b.shape[-2:]
@@ -135,7 +151,7 @@ def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_
     sa = np.broadcast_to(ones, (1, blocks, m_pad)) if sa is None else sa
     sb = np.broadcast_to(ones, (1, blocks, panels * NR)) if sb is None else sb
     sa, sb = np.ascontiguousarray(sa), np.ascontiguousarray(sb)
-    ap = pack_a(qa.values, lead, m_pad)
+    ap = pack_operand_a(qa, lead, m_pad)
     bp = qb.derived(f"jit_panels{lead}", lambda: pack_b(qb.values, lead))  # a weight's: packed once per process
     out = np.empty(lead + (m, n), np.float32)
     flat = out.reshape(-1, m, n)
@@ -357,3 +373,32 @@ if numba is not None:
                     for i in range(min(MR, m - i0)):
                         for j in range(min(NR, n - j0)):
                             out[lead, i0 + i, j0 + j] = total[tile, i * NR + j]
+
+    @numba.njit(nogil=True, cache=True)
+    def pack_rows(a, out):
+        """out[l, i] = a[l, i] in FP64, rows past a's zero; returns (max |a|, max_i sum_k |a[l, i, k]|), NaN
+        for both if A holds a NaN (as numpy's max gives it). 8 partial sums and maxima per row, so that
+        the loop vectorizes without fastmath."""
+        amax, l1 = 0.0, 0.0
+        k = a.shape[2]
+        lanes, tops = np.zeros(8), np.zeros(8)
+        for lead in range(a.shape[0]):
+            for i in range(a.shape[1]):
+                row, o = a[lead, i], out[lead, i]
+                lanes[:] = 0.0
+                for k0 in range(0, k - 7, 8):
+                    for j in range(8):
+                        v = np.float64(row[k0 + j])
+                        o[k0 + j] = v
+                        x = abs(v)
+                        lanes[j] += x
+                        tops[j] = x if x > tops[j] else tops[j]
+                for kk in range(k - k % 8, k):
+                    v = np.float64(row[kk])
+                    o[kk] = v
+                    lanes[0] += abs(v)
+                    tops[0] = abs(v) if abs(v) > tops[0] else tops[0]
+                total = lanes.sum()
+                l1 = total if total != total or total > l1 else l1  # a NaN stays
+            out[lead, a.shape[1]:] = 0.0
+        return (np.nan if l1 != l1 else tops.max()), l1
