@@ -379,9 +379,7 @@ def _grouped_sum(qa: np.ndarray, qb: np.ndarray, acc: Format, group: int) -> np.
 
 
 def _chunk_sum(qa: np.ndarray, qb: np.ndarray, variant: GemmPrecision) -> np.ndarray:
-    if variant.acc_format is INT32:
-        return _exact_integer_sum(qa, qb)
-    return np.matmul(qa, qb)
+    return _exact_integer_sum(qa, qb) if variant.acc_format is INT32 else np.matmul(qa, qb)
 
 
 def _prequantized(a_quantized, variant: GemmPrecision) -> _Operand:
@@ -445,9 +443,10 @@ def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = Non
 
 
 def _per_product_scaled(qa: _Operand, qb: _Operand) -> np.ndarray:
-    # power-of-two scales (checked by GemmPrecision): q * 2^e is exact in FP32, so is every product
-    operands = [op.values if op.scales is None else op.values * expand_scales(op.scales, op.values.shape, op.spec)
-                for op in (qa, qb)]
+    # power-of-two scales (checked by GemmPrecision): q * 2^e is exact in FP32, so is every product; a
+    # prepared weight's scaled values are made once (derived), not per run
+    operands = [op.values if op.scales is None else op.derived("scaled", lambda op=op: op.values * expand_scales(
+        op.scales, op.values.shape, op.spec)) for op in (qa, qb)]
     return np.matmul(*operands)
 
 
