@@ -311,6 +311,23 @@ if numba is not None:
             for j in range(NR):
                 scale[i * NR + j] = s_a * sb2[blk, j0 + j]
 
+    @numba.njit(inline="always")
+    def _promote(acc, total, scale, scaled, first):
+        """total = term, or fl32(total + term) after the first chunk: term = fl32(acc) [* scale]. Four
+        loops without a select or a branch inside, so that each vectorizes."""
+        if scaled and first:
+            for t in range(acc.size):
+                total[t] = np.float32(acc[t]) * scale[t]
+        elif scaled:
+            for t in range(acc.size):
+                total[t] = total[t] + np.float32(acc[t]) * scale[t]
+        elif first:
+            for t in range(acc.size):
+                total[t] = np.float32(acc[t])
+        else:
+            for t in range(acc.size):
+                total[t] = total[t] + np.float32(acc[t])
+
     @numba.njit(nogil=True, cache=True)
     def grouped_tile(ap, bp, out, sa, sb, l_lo, l_hi, i_lo, i_hi, group, chunk, k_block, mode, bounded, drop,
                      min_normal, max_finite):
@@ -324,6 +341,7 @@ if numba is not None:
         turn (each tile's accumulators wait in `acc` / `total` between slices), so that the slice of
         the B panel (K_STEP x NR FP64) stays in L1 while the rows' tiles pass over it."""
         k, m, n = ap.shape[2], out.shape[1], out.shape[2]
+        single = mode != 1 and chunk >= k  # one chunk and no per-chunk scale: the outputs are fl32(acc)
         magic = 1.5 * 2.0 ** drop
         size = MR * NR
         tiles = (i_hi - i_lo) // MR
@@ -358,21 +376,16 @@ if numba is not None:
                                 _groups(a, i0 * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start, scale,
                                         mode == 2, drop, min_normal, magic, max_finite)
                             g = seg_end
-                            if g == stop:  # the chunk is complete: promote
+                            if g == stop and not single:  # the chunk is complete: promote
                                 if mode == 1:
                                     _tile_scale(sa2, sb2, start // k_block, i0, j0, scale)
-                                    for t in range(size):
-                                        term = np.float32(tile_acc[t]) * scale[t]
-                                        tile_total[t] = term if start == 0 else tile_total[t] + term
-                                else:
-                                    for t in range(size):
-                                        term = np.float32(tile_acc[t])
-                                        tile_total[t] = term if start == 0 else tile_total[t] + term
+                                _promote(tile_acc, tile_total, scale, mode == 1, start == 0)
                 for tile in range(tiles):
                     i0 = i_lo + tile * MR
                     for i in range(min(MR, m - i0)):
-                        for j in range(min(NR, n - j0)):
-                            out[lead, i0 + i, j0 + j] = total[tile, i * NR + j]
+                        for j in range(min(NR, n - j0)):  # one unscaled chunk: out = fl32(acc), as promoted
+                            out[lead, i0 + i, j0 + j] = np.float32(acc[tile, i * NR + j]) if single else \
+                                total[tile, i * NR + j]
 
     @numba.njit(nogil=True, cache=True)
     def pack_rows(a, out):
