@@ -22,7 +22,7 @@ Without numba (or with LUMINAL_NUM_JIT=0, or for a case takes() refuses) numeric
 which tests/test_jit_gemm.py fuzzes this kernel against. First use in a process costs numba's import
 (~0.7 s) and the compile (several seconds, once: numba caches the machine code on disk; a cached load
 is ~1 s); a process forked after that inherits the compiled kernel. The kernel is single-threaded and
-nogil: numerics' _for_each_tile runs tiles on its own threads (numba's parallel layer is not fork-safe,
+nogil: tile_threads.for_each_tile runs tiles on threads of the call (numba's parallel layer is not fork-safe,
 and the compiler forks workers).
 """
 from __future__ import annotations

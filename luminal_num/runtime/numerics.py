@@ -25,10 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import contextvars
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -38,6 +35,7 @@ from ..dtypes.rounding import Overflow, round_to
 from ..dtypes.variants import ElementwisePrecision, GemmPrecision, ScaleSpec
 from ..quant import QuantOverflow, convert, expand_scales, quantize_tensor, resolved_block
 from . import blas_f16
+from .tile_threads import for_each_tile
 
 
 @dataclass(frozen=True, eq=False)
@@ -266,27 +264,6 @@ def _blocks(x: np.ndarray, items: int) -> np.ndarray:
     return x.reshape(x.shape[:-1] + (items, x.shape[-1] // items)).transpose(lead + (x.ndim - 1, x.ndim - 2, x.ndim))
 
 
-_PARALLEL_MNK = 1 << 24  # a grouped Gemm with at least this much work spreads its tiles over threads
-_TILE_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-
-
-def _for_each_tile(run_tile: Callable[[int, int], None], rows: range, cols: range, lead: tuple, m: int, n: int,
-                   k: int) -> None:
-    """run_tile(row, col) for every output tile: tiles are independent (disjoint outputs, read-only
-    operands; numpy and single-threaded BLAS calls release the GIL), so a large Gemm runs them on
-    _TILE_THREADS threads, started and joined within the call (no thread outlives it, so a later
-    fork of the process is safe), each task in a copy of the caller's context (numpy's errstate).
-    The bits do not depend on the order or the thread."""
-    tiles = [(row, col) for row in rows for col in cols]
-    if _TILE_THREADS <= 1 or len(tiles) < 2 or math.prod(lead) * m * n * k < _PARALLEL_MNK:
-        for tile in tiles:
-            run_tile(*tile)
-        return
-    with ThreadPoolExecutor(min(_TILE_THREADS, len(tiles))) as pool:  # each task in the caller's context
-        for done in [pool.submit(contextvars.copy_context().run, run_tile, *tile) for tile in tiles]:
-            done.result()  # re-raises a tile's exception
-
-
 def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: int, k_block: int,
                   per_product: bool) -> np.ndarray:
     """acc = RN_acc(acc + group sum), one rounding per MMA group of mma_k products along K (module
@@ -303,7 +280,7 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
     """
     from . import jit_gemm  # imported here: numba's import costs ~0.5 s, paid only where a grouped Gemm runs
     jit = jit_gemm.grouped_gemm(qa, qb, acc, group, chunk, k_block, per_product, scale_vector=_scale_vector,
-                                f16_in_range=_f16_in_range, for_each_tile=_for_each_tile)
+                                f16_in_range=_f16_in_range, for_each_tile=for_each_tile)
     if jit is not None:
         return jit
     k = qa.values.shape[-1]
@@ -368,7 +345,7 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
             term = partial if chunk_scale is None else partial * chunk_scale
             target[...] = term if start == 0 else target + term
 
-    _for_each_tile(run_tile, range(0, m, tile_rows), range(0, n, items * item_cols), lead, m, n, k)
+    for_each_tile(run_tile, range(0, m, tile_rows), range(0, n, items * item_cols), lead, m, n, k)
     return out
 
 
