@@ -202,22 +202,24 @@ def test_scales_that_overflow_the_accumulator(name):
 
 
 @needs_numba
-@pytest.mark.parametrize("special", [None, np.nan, np.inf, -np.inf])
-@pytest.mark.parametrize("k", [1, 7, 8, 61])
-def test_packing_a_measures_it(special, k):
-    """pack_operand_a packs A as pack_a does and hands the range proofs numpy's max |a| (exactly) and a max
-    row L1 norm within _Operand.l1max's margin of numpy's (NaN where A holds one, inf where inf)."""
-    rng = np.random.default_rng(k)
-    a = (rng.standard_normal((3, 13, k)) * 2.0 ** rng.integers(-20, 20, (3, 13, k))).astype(np.float32)[:, ::2]
-    if special is not None:
-        a[1, 2, k // 2] = special
-    fresh = numerics._Operand(a, None, None)
-    packed = numerics._Operand(a, None, None)
-    got = jit_gemm.pack_operand_a(packed, (3,), 8)
-    assert np.array_equal(got, jit_gemm.pack_a(a, (3,), 8), equal_nan=True)
-    want_amax, want_l1 = fresh.amax(), fresh.l1max(-1)
-    assert packed.amax() == want_amax or (np.isnan(want_amax) and np.isnan(packed.amax()))
-    if np.isfinite(want_l1):
-        assert abs(packed.l1max(-1) - want_l1) <= want_l1 * 2.0 ** -31
-    else:
-        assert np.array_equal(packed.l1max(-1), want_l1, equal_nan=True)
+@pytest.mark.parametrize("shapes", [((9, 40), (3, 40, 30)), ((2, 1, 9, 40), (1, 3, 40, 30)), ((1, 9, 40), (4, 40, 30))])
+def test_a_broadcast_over_the_batch(shapes):
+    """A shared by every matrix of a batched B (one matrix of A read by each task, or broadcast copies)."""
+    rng = np.random.default_rng(11)
+    a = values(rng, shapes[0], -6, 6, 11, 0.1)
+    b = values(rng, shapes[1], -6, 6, 11, 0.1)
+    for name in ("f16acc16", "f8e4m3_block"):
+        got, want = both_paths(lambda: emulate_gemm(a, b, GEMM_VARIANTS[name]))
+        assert_same(got, want)
+
+
+@needs_numba
+@pytest.mark.parametrize("special", [None, np.nan, -np.nan, np.inf, -np.inf, -0.0, 2.0 ** -149, -3.4e38])
+@pytest.mark.parametrize("size", [0, 1, 7, 1000])
+def test_abs_max_is_numpys(special, size):
+    """abs_max (an integer max over the bits) gives float(np.max(np.abs(x), initial=0.0)), NaN where x has one."""
+    x = (np.random.default_rng(size).standard_normal(size) * 1e3).astype(np.float32)
+    if special is not None and size:
+        x[size // 2] = special
+    got, want = jit_gemm.abs_max(x.view(np.uint32)), float(np.max(np.abs(x), initial=0.0))
+    assert got == want or (np.isnan(got) and np.isnan(want))

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from typing import Callable
 
 import numpy as np
@@ -66,47 +65,17 @@ def takes(acc: Format, *scales: np.ndarray | None) -> bool:
             and all(s is None or s.dtype == np.float32 for s in scales))
 
 
-def pack_a(a: np.ndarray, lead: tuple, m_pad: int) -> np.ndarray:
-    """A (..., M, K) -> FP64 (L, M_pad, K), rows zero-padded to a multiple of MR (padding outputs are dropped)."""
-    m, k = a.shape[-2:]
-    out = np.zeros((math.prod(lead), m_pad, k))
-    out[:, :m] = np.broadcast_to(a, lead + (m, k)).reshape(out.shape[0], m, k)
-    return out
-
-
-_SCRATCH = threading.local()  # per thread: packed-A buffers of its last Gemms, by shape
-_SCRATCH_KEPT, _SCRATCH_BYTES = 4, 1 << 26  # at most 4 buffers of at most 64 MB each
-
-
-def _scratch(shape: tuple) -> np.ndarray:
-    """An FP64 array of `shape` that this thread used for an earlier Gemm's packed A, or a new one: the
-    call overwrites all of it, and a fresh array's pages cost a fault each on first touch (~1 ns per
-    byte here: a third of the packing). A thread runs one grouped Gemm at a time, its tile threads
-    only within the call, so a buffer is never in use twice."""
-    kept = _SCRATCH.__dict__.setdefault("buffers", {})
-    buffer = kept.pop(shape, None)
-    buffer = np.empty(shape) if buffer is None else buffer
-    if buffer.nbytes <= _SCRATCH_BYTES:  # most recently used last
-        kept[shape] = buffer
-    while len(kept) > _SCRATCH_KEPT:
-        kept.pop(next(iter(kept)))
-    return buffer
-
-
-def pack_operand_a(qa, lead: tuple, m_pad: int) -> np.ndarray:
-    """pack_a(qa.values, ...), and where A is not broadcast along `lead` (one pass of the kernel's
-    pack_rows over it) its max |a| and max row L1 norm on the way, handed to qa's cache for the range
-    proofs of _bounded (which would make two more passes over A). The L1 norm is summed in another
-    order than numpy's, within _Operand.l1max's margin (1 + 2^-32): a bound either way."""
+def operand_a(qa, lead: tuple) -> np.ndarray:
+    """A's values as float32 (L or 1, M, K) for grouped_tile, which packs each task's rows to FP64 itself,
+    in cache and on the task's thread (a whole FP64 copy of A was a pass over memory per Gemm)."""
     a = qa.values
     m, k = a.shape[-2:]
-    if kernel() is None or a.dtype != np.float32 or math.prod(a.shape[:-2]) != math.prod(lead):
-        return pack_a(a, lead, m_pad)
-    out = _scratch((math.prod(lead), m_pad, k))
-    amax, l1 = pack_rows(a.reshape(-1, m, k), out)
-    qa.derived("amax", lambda: amax)
-    qa.derived("l1max-1", lambda: l1 * (1 + 2.0 ** -32))  # as _Operand.l1max(-1) scales its sum
-    return out
+    if a.dtype == np.float32 and a.flags.c_contiguous:  # its max |a| for _bounded, in one integer pass
+        qa.derived("amax", lambda: abs_max(a.reshape(-1).view(np.uint32)))
+    lead_a = math.prod(a.shape[:-2])
+    if lead_a in (1, math.prod(lead)):
+        return a.astype(np.float32, copy=False).reshape(lead_a, m, k)
+    return np.ascontiguousarray(np.broadcast_to(a, lead + (m, k)), np.float32).reshape(-1, m, k)
 
 
 def pack_b(b: np.ndarray, lead: tuple) -> np.ndarray:
@@ -171,7 +140,7 @@ def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_
     sa = np.broadcast_to(ones, (1, blocks, m_pad)) if sa is None else sa
     sb = np.broadcast_to(ones, (1, blocks, panels * NR)) if sb is None else sb
     sa, sb = np.ascontiguousarray(sa), np.ascontiguousarray(sb)
-    ap = pack_operand_a(qa, lead, m_pad)
+    a3 = operand_a(qa, lead)
     bp = qb.derived(f"jit_panels{lead}", lambda: pack_b(qb.values, lead))  # a weight's: packed once per process
     out = np.empty(lead + (m, n), np.float32)
     flat = out.reshape(-1, m, n)
@@ -181,7 +150,7 @@ def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_
     per_task = 1 if m_pad > ROW_BLOCK else -(-matrices // 8)  # small matrices (attention heads): several per call
 
     def run_tile(first: int, row: int) -> None:
-        run(ap, bp, flat, sa, sb, first, min(first + per_task, matrices), row, min(row + ROW_BLOCK, m_pad), group,
+        run(a3, bp, flat, sa, sb, first, min(first + per_task, matrices), row, min(row + ROW_BLOCK, m_pad), group,
             chunk, k_block, mode, bounded, 53 - acc.p, acc.min_normal, acc.max_finite)
     for_each_tile(run_tile, range(0, matrices, per_task), range(0, m_pad, ROW_BLOCK), lead, m, n, k)
     return out
@@ -349,10 +318,34 @@ if numba is not None:
                 total[t] = total[t] + np.float32(acc[t])
 
     @numba.njit(nogil=True, cache=True)
-    def grouped_tile(ap, bp, out, sa, sb, l_lo, l_hi, i_lo, i_hi, group, chunk, k_block, mode, bounded, drop,
+    def abs_max(bits):
+        """max |x| over float32 values given as their bits (uint32), as float(np.max(np.abs(x), initial=0)):
+        with the sign bit cleared the bits order like the magnitudes and every NaN is above inf, so an
+        integer max (which vectorizes without fastmath) finds it; NaN if there is one."""
+        top = np.uint32(0)
+        for i in range(bits.size):
+            top = np.uint32(max(top, bits[i] & np.uint32(0x7FFFFFFF)))
+        word = np.empty(1, np.uint32)
+        word[0] = top
+        return np.nan if top > np.uint32(0x7F800000) else np.float64(word.view(np.float32)[0])
+
+    @numba.njit(inline="always")
+    def _pack_rows(a2, i_lo, i_hi, packed):
+        """packed = rows i_lo..i_hi of a2 (M, K) in FP64, rows past M zero."""
+        k = a2.shape[1]
+        for r in range(i_hi - i_lo):
+            if i_lo + r < a2.shape[0]:
+                for kk in range(k):
+                    packed[r * k + kk] = a2[i_lo + r, kk]
+            else:
+                packed[r * k:(r + 1) * k] = 0.0
+
+    @numba.njit(nogil=True, cache=True)
+    def grouped_tile(a3, bp, out, sa, sb, l_lo, l_hi, i_lo, i_hi, group, chunk, k_block, mode, bounded, drop,
                      min_normal, max_finite):
         """Outputs rows i_lo..i_hi (multiples of MR, in A's padded rows) x all columns of matrices l_lo..l_hi:
-        ap (L, M_pad, K), bp (L, panels, K, NR) as pack_a / pack_b make them, out (L, M, N) float32;
+        a3 (1 or L, M, K) float32 as operand_a gives it (each matrix's rows i_lo..i_hi are packed to FP64
+        here, zero past M), bp (L, panels, K, NR) as pack_b makes it, out (L, M, N) float32;
         sa (1 or L, K-blocks, M_pad), sb (1 or L, K-blocks, N_pad) float32 scales (ones for an
         unscaled side), used by mode 1 (per promotion chunk) and 2 (per product); 0: no scales.
         bounded: every running sum is proved finite and within max_finite (_vector_round).
@@ -360,16 +353,17 @@ if numba is not None:
         Loop order: per panel of NR columns, per K_STEP slice of K, every register tile of the rows in
         turn (each tile's accumulators wait in `acc` / `total` between slices), so that the slice of
         the B panel (K_STEP x NR FP64) stays in L1 while the rows' tiles pass over it."""
-        k, m, n = ap.shape[2], out.shape[1], out.shape[2]
+        k, m, n = a3.shape[2], out.shape[1], out.shape[2]
         single = mode != 1 and chunk >= k  # one chunk and no per-chunk scale: the outputs are fl32(acc)
         magic = 1.5 * 2.0 ** drop
         size = MR * NR
         tiles = (i_hi - i_lo) // MR
+        a = np.empty((i_hi - i_lo) * k)  # the task's rows of A in FP64 (padding rows zero), per matrix
         acc = np.empty((tiles, size))
         total = np.empty((tiles, size), np.float32)
         scale = np.empty(size, np.float32)
         for lead in range(l_lo, l_hi):
-            a = ap[lead].reshape(-1)
+            _pack_rows(a3[lead if a3.shape[0] > 1 else 0], i_lo, i_hi, a)
             sa2 = sa[lead if sa.shape[0] > 1 else 0]
             sb2 = sb[lead if sb.shape[0] > 1 else 0]
             step = max(group, K_STEP // group * group)
@@ -390,10 +384,10 @@ if numba is not None:
                                 seg_end = min(seg_end, (g // k_block + 1) * k_block)
                                 _tile_scale(sa2, sb2, g // k_block, i0, j0, scale)
                             if bounded:
-                                _groups_bounded(a, i0 * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start,
+                                _groups_bounded(a, (i0 - i_lo) * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start,
                                                 scale, mode == 2, drop, min_normal, magic, max_finite)
                             else:
-                                _groups(a, i0 * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start, scale,
+                                _groups(a, (i0 - i_lo) * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start, scale,
                                         mode == 2, drop, min_normal, magic, max_finite)
                             g = seg_end
                             if g == stop and not single:  # the chunk is complete: promote
@@ -407,31 +401,3 @@ if numba is not None:
                             out[lead, i0 + i, j0 + j] = np.float32(acc[tile, i * NR + j]) if single else \
                                 total[tile, i * NR + j]
 
-    @numba.njit(nogil=True, cache=True)
-    def pack_rows(a, out):
-        """out[l, i] = a[l, i] in FP64, rows past a's zero; returns (max |a|, max_i sum_k |a[l, i, k]|), NaN
-        for both if A holds a NaN (as numpy's max gives it). 8 partial sums and maxima per row, so that
-        the loop vectorizes without fastmath."""
-        amax, l1 = 0.0, 0.0
-        k = a.shape[2]
-        lanes, tops = np.zeros(8), np.zeros(8)
-        for lead in range(a.shape[0]):
-            for i in range(a.shape[1]):
-                row, o = a[lead, i], out[lead, i]
-                lanes[:] = 0.0
-                for k0 in range(0, k - 7, 8):
-                    for j in range(8):
-                        v = np.float64(row[k0 + j])
-                        o[k0 + j] = v
-                        x = abs(v)
-                        lanes[j] += x
-                        tops[j] = x if x > tops[j] else tops[j]
-                for kk in range(k - k % 8, k):
-                    v = np.float64(row[kk])
-                    o[kk] = v
-                    lanes[0] += abs(v)
-                    tops[0] = abs(v) if abs(v) > tops[0] else tops[0]
-                total = lanes.sum()
-                l1 = total if total != total or total > l1 else l1  # a NaN stays
-            out[lead, a.shape[1]:] = 0.0
-        return (np.nan if l1 != l1 else tops.max()), l1

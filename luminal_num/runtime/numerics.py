@@ -194,8 +194,8 @@ def _f16_in_range(qa: _Operand, qb: _Operand, k: int, groups: int) -> bool:
     growth = (1 + 2.0 ** -10) ** groups
     if k * qa.amax() * qb.amax() * growth <= F16.max_finite:  # enough alone: no pass over A for its L1 norms
         return True
-    dot = min(qa.l1max(-1) * qb.amax(), qa.amax() * qb.l1max(-2))
-    return dot * growth <= F16.max_finite
+    bounds = (lambda: qa.amax() * qb.l1max(-2), lambda: qa.l1max(-1) * qb.amax())  # either; B's first: cached
+    return any(dot() * growth <= F16.max_finite for dot in bounds)  # for a weight, A's would cost a pass
 
 
 def _fast_accumulation(qa: _Operand, qb: _Operand, acc: Format, k: int, groups: int) -> bool:
