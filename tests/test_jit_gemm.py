@@ -223,3 +223,17 @@ def test_abs_max_is_numpys(special, size):
         x[size // 2] = special
     got, want = jit_gemm.abs_max(x.view(np.uint32)), float(np.max(np.abs(x), initial=0.0))
     assert got == want or (np.isnan(got) and np.isnan(want))
+
+
+@needs_numba
+@pytest.mark.parametrize("name", ["f8e4m3_channel", "f8e4m3_channel_dynamic", "f8e4m3_tensor", "f8e5m2_tensor",
+                                  "int8_channel", "f8e4m3_channel_prologue"])
+@pytest.mark.parametrize("shapes", [((7, 50), (50, 33)), ((3, 7, 50), (50, 33)), ((2, 7, 50), (2, 50, 33))])
+def test_vector_scales_in_one_pass(name, shapes):
+    """numerics._outer_scaled (partial * fl32(sa * sb) in one numba pass) gives the bits of the numpy
+    product of the (M, N) scale matrix, per-tensor and per-channel scales, batched and broadcast."""
+    rng = np.random.default_rng(len(name))
+    a = (rng.standard_normal(shapes[0]) * 2.0 ** rng.integers(-10, 10, shapes[0])).astype(np.float32)
+    b = (rng.standard_normal(shapes[1]) * 2.0 ** rng.integers(-10, 10, shapes[1])).astype(np.float32)
+    got, want = both_paths(lambda: emulate_gemm(a, b, GEMM_VARIANTS[name]))
+    assert_same(got, want)

@@ -318,6 +318,15 @@ if numba is not None:
                 total[t] = total[t] + np.float32(acc[t])
 
     @numba.njit(nogil=True, cache=True)
+    def scale_outer(p, sa, sb):
+        """p[l, i, j] = fl32(p[l, i, j] * fl32(sa[l, i] * sb[l, j])), float32 throughout (numerics._outer_scaled)."""
+        for lead in range(p.shape[0]):
+            for i in range(p.shape[1]):
+                a = sa[lead, i]
+                for j in range(p.shape[2]):
+                    p[lead, i, j] = p[lead, i, j] * (a * sb[lead, j])
+
+    @numba.njit(nogil=True, cache=True)
     def abs_max(bits):
         """max |x| over float32 values given as their bits (uint32), as float(np.max(np.abs(x), initial=0)):
         with the sign bit cleared the bits order like the magnitudes and every NaN is above inf, so an

@@ -412,11 +412,29 @@ def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = Non
     out = None
     for start in range(0, k, chunk):
         partial = _chunk_sum(qa.values[..., start:start + chunk], qb.values[..., start:start + chunk, :], variant)
-        scale = _chunk_scale(qa, qb, start // k_block)
+        scale = None if _outer_scaled(partial, qa, qb, start // k_block) else _chunk_scale(qa, qb, start // k_block)
         in_place = scale is not None and np.broadcast_shapes(partial.shape, scale.shape) == partial.shape
         term = np.multiply(partial, scale, out=partial) if in_place else partial if scale is None else partial * scale
         out = term if out is None else np.add(out, term, out=out)  # partial is fresh from the matmul: no copies
     return out
+
+
+def _outer_scaled(partial: np.ndarray, qa: _Operand, qb: _Operand, k_block_index: int) -> bool:
+    """partial *= fl32(sa * sb), the scales of _chunk_scale applied as emulate_gemm's multiply does, in one
+    numba pass where both operands have vector scales (jit_gemm.scale_outer: no (M, N) scale matrix
+    built, then multiplied); False, and partial untouched, elsewhere."""
+    from . import jit_gemm  # imported here: numba's import costs ~0.5 s, paid only where it runs
+    m, n = partial.shape[-2:]
+    sa, sb = _scale_vector(qa, k_block_index, -1, m), _scale_vector(qb, k_block_index, -2, n)
+    if jit_gemm.kernel() is None or sa is None or sb is None or partial.dtype != np.float32 \
+            or sa.dtype != np.float32 or sb.dtype != np.float32 or not partial.flags.c_contiguous \
+            or np.broadcast_shapes(partial.shape, sa.shape[:-1] + (m, 1), sb.shape[:-1] + (1, n)) != partial.shape:
+        return False
+    lead = partial.shape[:-2]
+    sa = np.broadcast_to(sa, lead + (m,)).reshape(-1, m)  # a per-tensor scale (shape (..., 1)) widens here
+    sb = np.broadcast_to(sb, lead + (n,)).reshape(-1, n)
+    jit_gemm.scale_outer(partial.reshape(-1, m, n), sa, sb)
+    return True
 
 
 def _per_product_scaled(qa: _Operand, qb: _Operand) -> np.ndarray:
