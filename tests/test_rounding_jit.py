@@ -49,4 +49,5 @@ def test_jit_rounding_of_views_and_shapes(monkeypatch):
     fmt = FLOAT_FORMATS[[f.name for f in FLOAT_FORMATS].index("f16")]
     got = round_to(x, fmt, Overflow.INF)
     assert got.shape == x.shape
-    assert np.array_equal(got.view(np.uint32), _numpy(np.ascontiguousarray(x), fmt, Overflow.INF, monkeypatch).view(np.uint32))
+    want = _numpy(np.ascontiguousarray(x), fmt, Overflow.INF, monkeypatch)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -392,12 +392,13 @@ if numba is not None:
                             if mode == 2:
                                 seg_end = min(seg_end, (g // k_block + 1) * k_block)
                                 _tile_scale(sa2, sb2, g // k_block, i0, j0, scale)
+                            at, count, first = (i0 - i_lo) * k + g, seg_end - g, g == start
                             if bounded:
-                                _groups_bounded(a, (i0 - i_lo) * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start,
-                                                scale, mode == 2, drop, min_normal, magic, max_finite)
+                                _groups_bounded(a, at, k, b, g * NR, count, group, tile_acc, first, scale, mode == 2,
+                                                drop, min_normal, magic, max_finite)
                             else:
-                                _groups(a, (i0 - i_lo) * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start, scale,
-                                        mode == 2, drop, min_normal, magic, max_finite)
+                                _groups(a, at, k, b, g * NR, count, group, tile_acc, first, scale, mode == 2, drop,
+                                        min_normal, magic, max_finite)
                             g = seg_end
                             if g == stop and not single:  # the chunk is complete: promote
                                 if mode == 1:
