@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from ..dtypes.formats import F16, Format
+from ..quant import resolved_block
 
 ENABLED = os.environ.get("LUMINAL_NUM_JIT", "1") != "0"  # LUMINAL_NUM_JIT=0 forces numerics' numpy path
 
@@ -90,15 +91,26 @@ def pack_b(b: np.ndarray, lead: tuple) -> np.ndarray:
     return out
 
 
-def _scales(op, lead: tuple, blocks: int, k_axis: int, extent: int, padded: int,
-            scale_vector: Callable) -> np.ndarray | None:
-    """fl32 scales of one operand per K-block, (L, blocks, padded) float32 (ones past `extent`), or None."""
-    vectors = [scale_vector(op, blk, k_axis, extent) for blk in range(blocks)]
-    if all(v is None for v in vectors):
+def _scales(op, lead: tuple, blocks: int, k_axis: int, extent: int, padded: int) -> np.ndarray | None:
+    """fl32 scales of one operand per K-block, (L, blocks, padded) float32 (ones past `extent`), or None:
+    numerics._scale_vector of every K-block (its take, repeat and crop) at once, for all blocks in
+    three numpy calls instead of three per block; a weight's once per process (derived)."""
+    if op.scales is None:
         return None
+    return op.derived(f"jit_scales{lead},{blocks},{k_axis},{extent},{padded}",
+                      lambda: _all_block_scales(op, lead, blocks, k_axis, extent, padded))
+
+
+def _all_block_scales(op, lead: tuple, blocks: int, k_axis: int, extent: int, padded: int) -> np.ndarray:
+    index = np.minimum(np.arange(blocks), op.scales.shape[k_axis] - 1)  # one K-block of scales serves all
+    vectors = np.take(op.scales, index, axis=k_axis)  # A: (..., M-blocks, blocks); B: (..., blocks, N-blocks)
+    if k_axis == -1:
+        vectors = np.swapaxes(vectors, -1, -2)
+    if vectors.shape[-1] > 1:  # per block of rows (A) or columns (B): repeated over them, cropped
+        block = resolved_block(op.spec, op.values.shape)[1 + k_axis]
+        vectors = np.repeat(vectors, block, axis=-1)[..., :extent]
     out = np.ones((math.prod(lead), blocks, padded), np.float32)
-    for blk, v in enumerate(vectors):
-        out[:, blk, :extent] = np.broadcast_to(v, lead + (extent,)).reshape(out.shape[0], extent)
+    out[:, :, :extent] = np.broadcast_to(vectors, lead + (blocks, extent)).reshape(out.shape[0], blocks, extent)
     return out
 
 
@@ -121,9 +133,9 @@ def _bounded(qa, qb, acc: Format, chunk: int, groups: int, per_product: bool, f1
 
 
 def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_product: bool, *,
-                 scale_vector: Callable, f16_in_range: Callable, for_each_tile: Callable) -> np.ndarray | None:
+                 f16_in_range: Callable, for_each_tile: Callable) -> np.ndarray | None:
     """numerics._grouped_gemm's result (same arguments), or None where the kernel does not apply. numerics
-    hands in its own scale vectors, F16 range proof and tile runner (this module never imports it)."""
+    hands in its F16 range proof and tile runner (this module never imports it)."""
     run = kernel()
     if run is None or not takes(acc, qa.scales, qb.scales):
         return None
@@ -131,8 +143,8 @@ def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_
     lead = np.broadcast_shapes(qa.values.shape[:-2], qb.values.shape[:-2])
     m_pad, panels = -(-m // MR) * MR, -(-n // NR)
     blocks = -(-k // k_block)
-    sa = _scales(qa, lead, blocks, -1, m, m_pad, scale_vector)
-    sb = _scales(qb, lead, blocks, -2, n, panels * NR, scale_vector)
+    sa = _scales(qa, lead, blocks, -1, m, m_pad)
+    sb = _scales(qb, lead, blocks, -2, n, panels * NR)
     mode = 0 if sa is None and sb is None else 2 if per_product else 1
     if per_product and mode == 0:
         return None  # per-product scaling without scales: not a variant numerics computes either

@@ -279,8 +279,8 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
     (..., items, rows, item_cols): elementwise steps do not care.
     """
     from . import jit_gemm  # imported here: numba's import costs ~0.5 s, paid only where a grouped Gemm runs
-    jit = jit_gemm.grouped_gemm(qa, qb, acc, group, chunk, k_block, per_product, scale_vector=_scale_vector,
-                                f16_in_range=_f16_in_range, for_each_tile=for_each_tile)
+    jit = jit_gemm.grouped_gemm(qa, qb, acc, group, chunk, k_block, per_product, f16_in_range=_f16_in_range,
+                                for_each_tile=for_each_tile)
     if jit is not None:
         return jit
     k = qa.values.shape[-1]
