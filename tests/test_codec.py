@@ -96,21 +96,3 @@ def test_encode_accepts_exactly_the_formats_values(dtype):
         assert codec.encode_into(one, out) == exact, x
         if exact:
             assert out.view(np.uint8)[0] == cast.view(np.uint8)[0], x
-
-
-@needs_numba
-def test_large_arrays_split_in_halves_give_the_same_bits(monkeypatch):
-    """Above SPLIT_SIZE the loops run as two halves on two threads (an odd size: uneven halves)."""
-    values = _all_codes(codec.CODED[0]).astype(np.float32)
-    x = np.random.default_rng(5).choice(values[np.isfinite(values)], size=100_001).astype(np.float32)
-    whole, split = np.empty(x.shape, codec.CODED[0]), np.empty(x.shape, codec.CODED[0])
-    monkeypatch.setattr(jit, "SPLIT_SIZE", 1 << 62)
-    assert codec.encode_into(x, whole)
-    decoded = codec.to_float32(whole)
-    monkeypatch.setattr(jit, "SPLIT_SIZE", 1000)
-    monkeypatch.setattr(jit, "THREADS", 2)
-    assert codec.encode_into(x, split)
-    assert np.array_equal(split.view(np.uint8), whole.view(np.uint8))
-    assert np.array_equal(codec.to_float32(split).view(np.uint32), decoded.view(np.uint32))
-    x[70_000] = np.nan  # in the second half: refused
-    assert not codec.encode_into(x, split)

@@ -51,15 +51,3 @@ def test_jit_rounding_of_views_and_shapes(monkeypatch):
     assert got.shape == x.shape
     want = _numpy(np.ascontiguousarray(x), fmt, Overflow.INF, monkeypatch)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-
-
-@needs_numba
-def test_jit_rounding_in_halves(monkeypatch):
-    """Above jit.SPLIT_SIZE the rounding runs as two halves on two threads: the same bits."""
-    x = _inputs(FLOAT_FORMATS[[f.name for f in FLOAT_FORMATS].index("f8e4m3")])
-    fmt = FLOAT_FORMATS[[f.name for f in FLOAT_FORMATS].index("f8e4m3")]
-    monkeypatch.setattr(jit, "SPLIT_SIZE", 1 << 62)
-    whole = round_to(x, fmt, Overflow.SATURATE)
-    monkeypatch.setattr(jit, "SPLIT_SIZE", 1001)
-    monkeypatch.setattr(jit, "THREADS", 2)
-    assert np.array_equal(round_to(x, fmt, Overflow.SATURATE).view(np.uint32), whole.view(np.uint32))

@@ -18,7 +18,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from .jit import halves, loops
+from .jit import loops
 
 CODED = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 
@@ -44,8 +44,7 @@ def encode_into(values: np.ndarray, out: np.ndarray) -> bool:
         return False
     mant, bias, inv_sub, max_code, _ = _LAYOUTS[out.dtype]
     flat = np.ascontiguousarray(values).reshape(-1)
-    return all(halves(jit.encode, (flat, flat.view(np.uint32), out.reshape(-1).view(np.uint8)), mant, bias, inv_sub,
-                      max_code))
+    return jit.encode(flat, flat.view(np.uint32), out.reshape(-1).view(np.uint8), mant, bias, inv_sub, max_code)
 
 
 def _same_order(shape: tuple, target: tuple) -> bool:
@@ -63,6 +62,4 @@ def to_float32(x: np.ndarray) -> np.ndarray:
     if jit is None or x.dtype not in _LAYOUTS:
         return np.asarray(x, dtype=np.float32)
     codes = np.ascontiguousarray(x.view(np.uint8)).reshape(-1)
-    out = np.empty(codes.size, np.uint32)
-    halves(jit.decode, (codes, out), _LAYOUTS[x.dtype][4])
-    return out.view(np.float32).reshape(x.shape)
+    return jit.decode(codes, _LAYOUTS[x.dtype][4]).view(np.float32).reshape(x.shape)

@@ -31,10 +31,12 @@ def encode(values, bits, codes, mant, bias, inv_sub, max_code):
 
 
 @numba.njit(nogil=True, cache=True)
-def decode(codes, out, table):
-    """out = the float32 bits of every code (uint32)."""
+def decode(codes, table):
+    """The float32 bits of every code (uint32)."""
+    out = np.empty(codes.size, np.uint32)
     for i in range(codes.size):
         out[i] = table[codes[i]]
+    return out
 
 
 @numba.njit(nogil=True, cache=True)

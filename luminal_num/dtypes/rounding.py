@@ -18,7 +18,7 @@ from functools import lru_cache
 import numpy as np
 
 from .formats import F64, Format, Kind, get
-from .jit import halves, loops
+from .jit import loops
 
 
 class Overflow(enum.Enum):
@@ -113,8 +113,8 @@ _JIT_MIN_SIZE = 4096  # smaller arrays keep the numpy steps: numba's call costs 
 
 def _round_f32_jit(x: np.ndarray, fmt: Format, overflow: Overflow) -> np.ndarray | None:
     """round_significand then _apply_overflow in one numba pass over float32 x (dtypes.jit_loops: ~1 ns
-    per element, in two halves on two threads for a large x; numpy's ~8 passes cost 2-3 ns per element,
-    with an operand conversion or quantization before most emulated Gemms), or None where numpy runs."""
+    per element; numpy's ~8 passes cost 2-3 ns per element, with an operand conversion or quantization
+    before most emulated Gemms), or None where the numpy steps run."""
     jit = loops() if x.dtype == np.float32 and fmt.p < 24 and x.size >= _JIT_MIN_SIZE else None
     if jit is None:
         return None
@@ -124,8 +124,8 @@ def _round_f32_jit(x: np.ndarray, fmt: Format, overflow: Overflow) -> np.ndarray
     low, high = _clamp_bounds(fmt)
     flat = np.ascontiguousarray(x).reshape(-1)
     out = np.empty(flat.shape, np.float32)
-    halves(jit.round_f32, (flat, out), drop, fmt.min_normal if sub else 0.0, magic, high, low,
-           overflow is Overflow.SATURATE, overflow is Overflow.NAN, fmt.has_inf)
+    jit.round_f32(flat, out, drop, fmt.min_normal if sub else 0.0, magic, high, low, overflow is Overflow.SATURATE,
+                  overflow is Overflow.NAN, fmt.has_inf)
     return out.reshape(x.shape)
 
 
