@@ -71,12 +71,12 @@ def operand_a(qa, lead: tuple) -> np.ndarray:
     in cache and on the task's thread (a whole FP64 copy of A was a pass over memory per Gemm)."""
     a = qa.values
     m, k = a.shape[-2:]
-    if a.dtype == np.float32 and a.flags.c_contiguous:  # its max |a| for _bounded, in one integer pass
+    if a.flags.c_contiguous:  # its max |a| for _bounded, in one integer pass
         qa.derived("amax", lambda: abs_max(a.reshape(-1).view(np.uint32)))
     lead_a = math.prod(a.shape[:-2])
     if lead_a in (1, math.prod(lead)):
-        return a.astype(np.float32, copy=False).reshape(lead_a, m, k)
-    return np.ascontiguousarray(np.broadcast_to(a, lead + (m, k)), np.float32).reshape(-1, m, k)
+        return a.reshape(lead_a, m, k)
+    return np.ascontiguousarray(np.broadcast_to(a, lead + (m, k))).reshape(-1, m, k)
 
 
 def pack_b(b: np.ndarray, lead: tuple) -> np.ndarray:
@@ -137,8 +137,8 @@ def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_
     """numerics._grouped_gemm's result (same arguments), or None where the kernel does not apply. numerics
     hands in its F16 range proof and tile runner (this module never imports it)."""
     run = kernel()
-    if run is None or not takes(acc, qa.scales, qb.scales):
-        return None
+    if run is None or not takes(acc, qa.scales, qb.scales) or qa.values.dtype != np.float32:
+        return None  # (grouped_tile reads A as float32: the operand's values always are)
     (m, k), n = qa.values.shape[-2:], qb.values.shape[-1]
     lead = np.broadcast_shapes(qa.values.shape[:-2], qb.values.shape[:-2])
     m_pad, panels = -(-m // MR) * MR, -(-n // NR)
