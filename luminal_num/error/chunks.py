@@ -5,11 +5,7 @@ chunk's candidate runs alone on its exact inputs: its local error is the deviati
 FP64. Its effect on the final outputs is the FP64 run of the rest of the model with that deviation
 injected at the chunk's exports (EXACT), or, cheaper, the injected effect of the chunk's FP32 local
 error scaled by the ratio of the two local errors' L2 norms (SCALED: first order, the rest of the model
-is linear in a small error and rounding errors of one chunk share a pattern). A chunk that no later chunk
-reads (the LM head) is always EXACT: its deviation is the outputs' own, so injecting costs nothing, and
-scaling misjudges it most (KL weighs a logit's error by its token's probability; FP32's relative
-roundings sit on the large, likely logits, a quantized weight's errors spread over the vocabulary:
-SCALED over-predicted the KL of SmolLM2's INT8 / FP8 LM head 3.8x / 3.0x). A genome's predicted
+is linear in a small error and rounding errors of one chunk share a pattern). A genome's predicted
 outputs are FP64 plus the sum of its chunks' effects (first-order additivity across chunks); the judge
 checks the budget on them and calibrates the composition against end-to-end runs.
 
@@ -109,9 +105,6 @@ class ChunkEffects:
         self._base_total: list[Outputs] | None = None  # compose(base) for the refs in _base_refs
         self._base_refs = None
         self._group = {c.index: g for g in self.part.groups for c in g.chunks}
-        # chunks whose exports no later chunk reads: their injection is their own deviation (free)
-        self._last = frozenset(c.index for c in self.part.chunks
-                               if not any(n in later.external for later in self.part.chunks[c.index + 1:] for n in c.exported))
         self._outputs = {k: v for k, v in self.graph.outputs.items() if self.outputs is None or k in self.outputs}
         self._ratios: dict[tuple[str, str], dict[int, float]] = {}  # (group, choice key) -> chunk -> ratio
         self._nb = len(self.references) if self.propagation is Propagation.EXACT or self.local_batches is None \
@@ -119,8 +112,8 @@ class ChunkEffects:
 
     def _key(self, chunk_index: int, choice: ChunkChoice) -> tuple:
         mode = self.propagation
-        if mode is Propagation.SCALED and (choice.key == self.base[chunk_index].key or chunk_index in self._last):
-            mode = Propagation.EXACT  # the basis itself, and a chunk nothing reads after, are injected exactly
+        if mode is Propagation.SCALED and choice.key == self.base[chunk_index].key:
+            mode = Propagation.EXACT  # the basis itself is injected exactly
         return (self.structure[chunk_index], chunk_index, choice.key, mode)
 
     def effect(self, chunk_index: int, choice: ChunkChoice) -> ChunkEffect:
