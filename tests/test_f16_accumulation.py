@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from luminal_num.dtypes import F16, GEMM_VARIANTS
-from luminal_num.runtime import blas_f16, jit_gemm, numerics
+from luminal_num.runtime import blas_f16, jit_gemm, numerics, tile_threads
 from luminal_num.runtime.numerics import emulate_gemm
 
 VARIANT = GEMM_VARIANTS["f16acc16"]
@@ -169,10 +169,10 @@ def test_tiles_on_threads_give_the_same_bits(name, monkeypatch, path):
     b = rng.standard_normal((300, 90)).astype(np.float32)
     monkeypatch.setattr(numerics, "_TILE_ELEMENTS", 600)  # many small tiles
     monkeypatch.setattr(jit_gemm, "ROW_BLOCK", 2 * jit_gemm.MR)
-    monkeypatch.setattr(numerics, "_TILE_THREADS", 1)
+    monkeypatch.setattr(tile_threads, "TILE_THREADS", 1)
     alone = emulate_gemm(a, b, variant)
-    monkeypatch.setattr(numerics, "_TILE_THREADS", 3)
-    monkeypatch.setattr(numerics, "_PARALLEL_MNK", 0)
+    monkeypatch.setattr(tile_threads, "TILE_THREADS", 3)
+    monkeypatch.setattr(tile_threads, "PARALLEL_MNK", 0)
     assert same_bits(emulate_gemm(a, b, variant), alone)
 
     def broken(*args):

@@ -199,3 +199,41 @@ def test_scales_that_overflow_the_accumulator(name):
                                                           v.scales_per_product))
     assert_same(got, want)
     assert np.isinf(want).any() and np.isnan(want[7]).all()
+
+
+@needs_numba
+@pytest.mark.parametrize("shapes", [((9, 40), (3, 40, 30)), ((2, 1, 9, 40), (1, 3, 40, 30)), ((1, 9, 40), (4, 40, 30))])
+def test_a_broadcast_over_the_batch(shapes):
+    """A shared by every matrix of a batched B (one matrix of A read by each task, or broadcast copies)."""
+    rng = np.random.default_rng(11)
+    a = values(rng, shapes[0], -6, 6, 11, 0.1)
+    b = values(rng, shapes[1], -6, 6, 11, 0.1)
+    for name in ("f16acc16", "f8e4m3_block"):
+        got, want = both_paths(lambda: emulate_gemm(a, b, GEMM_VARIANTS[name]))
+        assert_same(got, want)
+
+
+@needs_numba
+@pytest.mark.parametrize("special", [None, np.nan, -np.nan, np.inf, -np.inf, -0.0, 2.0 ** -149, -3.4e38])
+@pytest.mark.parametrize("size", [0, 1, 7, 1000])
+def test_abs_max_is_numpys(special, size):
+    """abs_max (an integer max over the bits) gives float(np.max(np.abs(x), initial=0.0)), NaN where x has one."""
+    x = (np.random.default_rng(size).standard_normal(size) * 1e3).astype(np.float32)
+    if special is not None and size:
+        x[size // 2] = special
+    got, want = jit_gemm.abs_max(x.view(np.uint32)), float(np.max(np.abs(x), initial=0.0))
+    assert got == want or (np.isnan(got) and np.isnan(want))
+
+
+@needs_numba
+@pytest.mark.parametrize("name", ["f8e4m3_channel", "f8e4m3_channel_dynamic", "f8e4m3_tensor", "f8e5m2_tensor",
+                                  "int8_channel", "f8e4m3_channel_prologue"])
+@pytest.mark.parametrize("shapes", [((7, 50), (50, 33)), ((3, 7, 50), (50, 33)), ((2, 7, 50), (2, 50, 33))])
+def test_vector_scales_in_one_pass(name, shapes):
+    """numerics._outer_scaled (partial * fl32(sa * sb) in one numba pass) gives the bits of the numpy
+    product of the (M, N) scale matrix, per-tensor and per-channel scales, batched and broadcast."""
+    rng = np.random.default_rng(len(name))
+    a = (rng.standard_normal(shapes[0]) * 2.0 ** rng.integers(-10, 10, shapes[0])).astype(np.float32)
+    b = (rng.standard_normal(shapes[1]) * 2.0 ** rng.integers(-10, 10, shapes[1])).astype(np.float32)
+    got, want = both_paths(lambda: emulate_gemm(a, b, GEMM_VARIANTS[name]))
+    assert_same(got, want)

@@ -22,7 +22,7 @@ Without numba (or with LUMINAL_NUM_JIT=0, or for a case takes() refuses) numeric
 which tests/test_jit_gemm.py fuzzes this kernel against. First use in a process costs numba's import
 (~0.7 s) and the compile (several seconds, once: numba caches the machine code on disk; a cached load
 is ~1 s); a process forked after that inherits the compiled kernel. The kernel is single-threaded and
-nogil: numerics' _for_each_tile runs tiles on its own threads (numba's parallel layer is not fork-safe,
+nogil: tile_threads.for_each_tile runs tiles on threads of the call (numba's parallel layer is not fork-safe,
 and the compiler forks workers).
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from ..dtypes.formats import F16, Format
+from ..quant import resolved_block
 
 ENABLED = os.environ.get("LUMINAL_NUM_JIT", "1") != "0"  # LUMINAL_NUM_JIT=0 forces numerics' numpy path
 
@@ -65,12 +66,17 @@ def takes(acc: Format, *scales: np.ndarray | None) -> bool:
             and all(s is None or s.dtype == np.float32 for s in scales))
 
 
-def pack_a(a: np.ndarray, lead: tuple, m_pad: int) -> np.ndarray:
-    """A (..., M, K) -> FP64 (L, M_pad, K), rows zero-padded to a multiple of MR (padding outputs are dropped)."""
+def operand_a(qa, lead: tuple) -> np.ndarray:
+    """A's values as float32 (L or 1, M, K) for grouped_tile, which packs each task's rows to FP64 itself,
+    in cache and on the task's thread (a whole FP64 copy of A was a pass over memory per Gemm)."""
+    a = qa.values
     m, k = a.shape[-2:]
-    out = np.zeros((math.prod(lead), m_pad, k))
-    out[:, :m] = np.broadcast_to(a, lead + (m, k)).reshape(out.shape[0], m, k)
-    return out
+    if a.flags.c_contiguous:  # its max |a| for _bounded, in one integer pass
+        qa.derived("amax", lambda: abs_max(a.reshape(-1).view(np.uint32)))
+    lead_a = math.prod(a.shape[:-2])
+    if lead_a in (1, math.prod(lead)):
+        return a.reshape(lead_a, m, k)
+    return np.ascontiguousarray(np.broadcast_to(a, lead + (m, k))).reshape(-1, m, k)
 
 
 def pack_b(b: np.ndarray, lead: tuple) -> np.ndarray:
@@ -85,15 +91,26 @@ def pack_b(b: np.ndarray, lead: tuple) -> np.ndarray:
     return out
 
 
-def _scales(op, lead: tuple, blocks: int, k_axis: int, extent: int, padded: int,
-            scale_vector: Callable) -> np.ndarray | None:
-    """fl32 scales of one operand per K-block, (L, blocks, padded) float32 (ones past `extent`), or None."""
-    vectors = [scale_vector(op, blk, k_axis, extent) for blk in range(blocks)]
-    if all(v is None for v in vectors):
+def _scales(op, lead: tuple, blocks: int, k_axis: int, extent: int, padded: int) -> np.ndarray | None:
+    """fl32 scales of one operand per K-block, (L, blocks, padded) float32 (ones past `extent`), or None:
+    numerics._scale_vector of every K-block (its take, repeat and crop) at once, for all blocks in
+    three numpy calls instead of three per block; a weight's once per process (derived)."""
+    if op.scales is None:
         return None
+    return op.derived(f"jit_scales{lead},{blocks},{k_axis},{extent},{padded}",
+                      lambda: _all_block_scales(op, lead, blocks, k_axis, extent, padded))
+
+
+def _all_block_scales(op, lead: tuple, blocks: int, k_axis: int, extent: int, padded: int) -> np.ndarray:
+    index = np.minimum(np.arange(blocks), op.scales.shape[k_axis] - 1)  # one K-block of scales serves all
+    vectors = np.take(op.scales, index, axis=k_axis)  # A: (..., M-blocks, blocks); B: (..., blocks, N-blocks)
+    if k_axis == -1:
+        vectors = np.swapaxes(vectors, -1, -2)
+    if vectors.shape[-1] > 1:  # per block of rows (A) or columns (B): repeated over them, cropped
+        block = resolved_block(op.spec, op.values.shape)[1 + k_axis]
+        vectors = np.repeat(vectors, block, axis=-1)[..., :extent]
     out = np.ones((math.prod(lead), blocks, padded), np.float32)
-    for blk, v in enumerate(vectors):
-        out[:, blk, :extent] = np.broadcast_to(v, lead + (extent,)).reshape(out.shape[0], extent)
+    out[:, :, :extent] = np.broadcast_to(vectors, lead + (blocks, extent)).reshape(out.shape[0], blocks, extent)
     return out
 
 
@@ -116,18 +133,18 @@ def _bounded(qa, qb, acc: Format, chunk: int, groups: int, per_product: bool, f1
 
 
 def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_product: bool, *,
-                 scale_vector: Callable, f16_in_range: Callable, for_each_tile: Callable) -> np.ndarray | None:
+                 f16_in_range: Callable, for_each_tile: Callable) -> np.ndarray | None:
     """numerics._grouped_gemm's result (same arguments), or None where the kernel does not apply. numerics
-    hands in its own scale vectors, F16 range proof and tile runner (this module never imports it)."""
+    hands in its F16 range proof and tile runner (this module never imports it)."""
     run = kernel()
-    if run is None or not takes(acc, qa.scales, qb.scales):
-        return None
+    if run is None or not takes(acc, qa.scales, qb.scales) or qa.values.dtype != np.float32:
+        return None  # (grouped_tile reads A as float32: the operand's values always are)
     (m, k), n = qa.values.shape[-2:], qb.values.shape[-1]
     lead = np.broadcast_shapes(qa.values.shape[:-2], qb.values.shape[:-2])
     m_pad, panels = -(-m // MR) * MR, -(-n // NR)
     blocks = -(-k // k_block)
-    sa = _scales(qa, lead, blocks, -1, m, m_pad, scale_vector)
-    sb = _scales(qb, lead, blocks, -2, n, panels * NR, scale_vector)
+    sa = _scales(qa, lead, blocks, -1, m, m_pad)
+    sb = _scales(qb, lead, blocks, -2, n, panels * NR)
     mode = 0 if sa is None and sb is None else 2 if per_product else 1
     if per_product and mode == 0:
         return None  # per-product scaling without scales: not a variant numerics computes either
@@ -135,7 +152,7 @@ def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_
     sa = np.broadcast_to(ones, (1, blocks, m_pad)) if sa is None else sa
     sb = np.broadcast_to(ones, (1, blocks, panels * NR)) if sb is None else sb
     sa, sb = np.ascontiguousarray(sa), np.ascontiguousarray(sb)
-    ap = pack_a(qa.values, lead, m_pad)
+    a3 = operand_a(qa, lead)
     bp = qb.derived(f"jit_panels{lead}", lambda: pack_b(qb.values, lead))  # a weight's: packed once per process
     out = np.empty(lead + (m, n), np.float32)
     flat = out.reshape(-1, m, n)
@@ -145,7 +162,7 @@ def grouped_gemm(qa, qb, acc: Format, group: int, chunk: int, k_block: int, per_
     per_task = 1 if m_pad > ROW_BLOCK else -(-matrices // 8)  # small matrices (attention heads): several per call
 
     def run_tile(first: int, row: int) -> None:
-        run(ap, bp, flat, sa, sb, first, min(first + per_task, matrices), row, min(row + ROW_BLOCK, m_pad), group,
+        run(a3, bp, flat, sa, sb, first, min(first + per_task, matrices), row, min(row + ROW_BLOCK, m_pad), group,
             chunk, k_block, mode, bounded, 53 - acc.p, acc.min_normal, acc.max_finite)
     for_each_tile(run_tile, range(0, matrices, per_task), range(0, m_pad, ROW_BLOCK), lead, m, n, k)
     return out
@@ -295,11 +312,61 @@ if numba is not None:
             for j in range(NR):
                 scale[i * NR + j] = s_a * sb2[blk, j0 + j]
 
+    @numba.njit(inline="always")
+    def _promote(acc, total, scale, scaled, first):
+        """total = term, or fl32(total + term) after the first chunk: term = fl32(acc) [* scale]. Four
+        loops without a select or a branch inside, so that each vectorizes."""
+        if scaled and first:
+            for t in range(acc.size):
+                total[t] = np.float32(acc[t]) * scale[t]
+        elif scaled:
+            for t in range(acc.size):
+                total[t] = total[t] + np.float32(acc[t]) * scale[t]
+        elif first:
+            for t in range(acc.size):
+                total[t] = np.float32(acc[t])
+        else:
+            for t in range(acc.size):
+                total[t] = total[t] + np.float32(acc[t])
+
     @numba.njit(nogil=True, cache=True)
-    def grouped_tile(ap, bp, out, sa, sb, l_lo, l_hi, i_lo, i_hi, group, chunk, k_block, mode, bounded, drop,
+    def scale_outer(p, sa, sb):
+        """p[l, i, j] = fl32(p[l, i, j] * fl32(sa[l, i] * sb[l, j])), float32 throughout (numerics._outer_scaled)."""
+        for lead in range(p.shape[0]):
+            for i in range(p.shape[1]):
+                a = sa[lead, i]
+                for j in range(p.shape[2]):
+                    p[lead, i, j] = p[lead, i, j] * (a * sb[lead, j])
+
+    @numba.njit(nogil=True, cache=True)
+    def abs_max(bits):
+        """max |x| over float32 values given as their bits (uint32), as float(np.max(np.abs(x), initial=0)):
+        with the sign bit cleared the bits order like the magnitudes and every NaN is above inf, so an
+        integer max (which vectorizes without fastmath) finds it; NaN if there is one."""
+        top = np.uint32(0)
+        for i in range(bits.size):
+            top = np.uint32(max(top, bits[i] & np.uint32(0x7FFFFFFF)))
+        word = np.empty(1, np.uint32)
+        word[0] = top
+        return np.nan if top > np.uint32(0x7F800000) else np.float64(word.view(np.float32)[0])
+
+    @numba.njit(inline="always")
+    def _pack_rows(a2, i_lo, i_hi, packed):
+        """packed = rows i_lo..i_hi of a2 (M, K) in FP64, rows past M zero."""
+        k = a2.shape[1]
+        for r in range(i_hi - i_lo):
+            if i_lo + r < a2.shape[0]:
+                for kk in range(k):
+                    packed[r * k + kk] = a2[i_lo + r, kk]
+            else:
+                packed[r * k:(r + 1) * k] = 0.0
+
+    @numba.njit(nogil=True, cache=True)
+    def grouped_tile(a3, bp, out, sa, sb, l_lo, l_hi, i_lo, i_hi, group, chunk, k_block, mode, bounded, drop,
                      min_normal, max_finite):
         """Outputs rows i_lo..i_hi (multiples of MR, in A's padded rows) x all columns of matrices l_lo..l_hi:
-        ap (L, M_pad, K), bp (L, panels, K, NR) as pack_a / pack_b make them, out (L, M, N) float32;
+        a3 (1 or L, M, K) float32 as operand_a gives it (each matrix's rows i_lo..i_hi are packed to FP64
+        here, zero past M), bp (L, panels, K, NR) as pack_b makes it, out (L, M, N) float32;
         sa (1 or L, K-blocks, M_pad), sb (1 or L, K-blocks, N_pad) float32 scales (ones for an
         unscaled side), used by mode 1 (per promotion chunk) and 2 (per product); 0: no scales.
         bounded: every running sum is proved finite and within max_finite (_vector_round).
@@ -307,15 +374,17 @@ if numba is not None:
         Loop order: per panel of NR columns, per K_STEP slice of K, every register tile of the rows in
         turn (each tile's accumulators wait in `acc` / `total` between slices), so that the slice of
         the B panel (K_STEP x NR FP64) stays in L1 while the rows' tiles pass over it."""
-        k, m, n = ap.shape[2], out.shape[1], out.shape[2]
+        k, m, n = a3.shape[2], out.shape[1], out.shape[2]
+        single = mode != 1 and chunk >= k  # one chunk and no per-chunk scale: the outputs are fl32(acc)
         magic = 1.5 * 2.0 ** drop
         size = MR * NR
         tiles = (i_hi - i_lo) // MR
+        a = np.empty((i_hi - i_lo) * k)  # the task's rows of A in FP64 (padding rows zero), per matrix
         acc = np.empty((tiles, size))
         total = np.empty((tiles, size), np.float32)
         scale = np.empty(size, np.float32)
         for lead in range(l_lo, l_hi):
-            a = ap[lead].reshape(-1)
+            _pack_rows(a3[lead if a3.shape[0] > 1 else 0], i_lo, i_hi, a)
             sa2 = sa[lead if sa.shape[0] > 1 else 0]
             sb2 = sb[lead if sb.shape[0] > 1 else 0]
             step = max(group, K_STEP // group * group)
@@ -335,25 +404,22 @@ if numba is not None:
                             if mode == 2:
                                 seg_end = min(seg_end, (g // k_block + 1) * k_block)
                                 _tile_scale(sa2, sb2, g // k_block, i0, j0, scale)
+                            at, count, first = (i0 - i_lo) * k + g, seg_end - g, g == start
                             if bounded:
-                                _groups_bounded(a, i0 * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start,
-                                                scale, mode == 2, drop, min_normal, magic, max_finite)
+                                _groups_bounded(a, at, k, b, g * NR, count, group, tile_acc, first, scale, mode == 2,
+                                                drop, min_normal, magic, max_finite)
                             else:
-                                _groups(a, i0 * k + g, k, b, g * NR, seg_end - g, group, tile_acc, g == start, scale,
-                                        mode == 2, drop, min_normal, magic, max_finite)
+                                _groups(a, at, k, b, g * NR, count, group, tile_acc, first, scale, mode == 2, drop,
+                                        min_normal, magic, max_finite)
                             g = seg_end
-                            if g == stop:  # the chunk is complete: promote
+                            if g == stop and not single:  # the chunk is complete: promote
                                 if mode == 1:
                                     _tile_scale(sa2, sb2, start // k_block, i0, j0, scale)
-                                    for t in range(size):
-                                        term = np.float32(tile_acc[t]) * scale[t]
-                                        tile_total[t] = term if start == 0 else tile_total[t] + term
-                                else:
-                                    for t in range(size):
-                                        term = np.float32(tile_acc[t])
-                                        tile_total[t] = term if start == 0 else tile_total[t] + term
+                                _promote(tile_acc, tile_total, scale, mode == 1, start == 0)
                 for tile in range(tiles):
                     i0 = i_lo + tile * MR
                     for i in range(min(MR, m - i0)):
-                        for j in range(min(NR, n - j0)):
-                            out[lead, i0 + i, j0 + j] = total[tile, i * NR + j]
+                        for j in range(min(NR, n - j0)):  # one unscaled chunk: out = fl32(acc), as promoted
+                            out[lead, i0 + i, j0 + j] = np.float32(acc[tile, i * NR + j]) if single else \
+                                total[tile, i * NR + j]
+

@@ -25,18 +25,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import contextvars
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ..dtypes.codec import to_float32
 from ..dtypes.formats import BF16, F16, F32, INT32, Format, get
 from ..dtypes.rounding import Overflow, round_to
 from ..dtypes.variants import ElementwisePrecision, GemmPrecision, ScaleSpec
 from ..quant import QuantOverflow, convert, expand_scales, quantize_tensor, resolved_block
 from . import blas_f16
+from .tile_threads import for_each_tile
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,8 +194,8 @@ def _f16_in_range(qa: _Operand, qb: _Operand, k: int, groups: int) -> bool:
     growth = (1 + 2.0 ** -10) ** groups
     if k * qa.amax() * qb.amax() * growth <= F16.max_finite:  # enough alone: no pass over A for its L1 norms
         return True
-    dot = min(qa.l1max(-1) * qb.amax(), qa.amax() * qb.l1max(-2))
-    return dot * growth <= F16.max_finite
+    bounds = (lambda: qa.amax() * qb.l1max(-2), lambda: qa.l1max(-1) * qb.amax())  # either; B's first: cached
+    return any(dot() * growth <= F16.max_finite for dot in bounds)  # for a weight, A's would cost a pass
 
 
 def _fast_accumulation(qa: _Operand, qb: _Operand, acc: Format, k: int, groups: int) -> bool:
@@ -265,27 +264,6 @@ def _blocks(x: np.ndarray, items: int) -> np.ndarray:
     return x.reshape(x.shape[:-1] + (items, x.shape[-1] // items)).transpose(lead + (x.ndim - 1, x.ndim - 2, x.ndim))
 
 
-_PARALLEL_MNK = 1 << 24  # a grouped Gemm with at least this much work spreads its tiles over threads
-_TILE_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-
-
-def _for_each_tile(run_tile: Callable[[int, int], None], rows: range, cols: range, lead: tuple, m: int, n: int,
-                   k: int) -> None:
-    """run_tile(row, col) for every output tile: tiles are independent (disjoint outputs, read-only
-    operands; numpy and single-threaded BLAS calls release the GIL), so a large Gemm runs them on
-    _TILE_THREADS threads, started and joined within the call (no thread outlives it, so a later
-    fork of the process is safe), each task in a copy of the caller's context (numpy's errstate).
-    The bits do not depend on the order or the thread."""
-    tiles = [(row, col) for row in rows for col in cols]
-    if _TILE_THREADS <= 1 or len(tiles) < 2 or math.prod(lead) * m * n * k < _PARALLEL_MNK:
-        for tile in tiles:
-            run_tile(*tile)
-        return
-    with ThreadPoolExecutor(min(_TILE_THREADS, len(tiles))) as pool:  # each task in the caller's context
-        for done in [pool.submit(contextvars.copy_context().run, run_tile, *tile) for tile in tiles]:
-            done.result()  # re-raises a tile's exception
-
-
 def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: int, k_block: int,
                   per_product: bool) -> np.ndarray:
     """acc = RN_acc(acc + group sum), one rounding per MMA group of mma_k products along K (module
@@ -301,8 +279,8 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
     (..., items, rows, item_cols): elementwise steps do not care.
     """
     from . import jit_gemm  # imported here: numba's import costs ~0.5 s, paid only where a grouped Gemm runs
-    jit = jit_gemm.grouped_gemm(qa, qb, acc, group, chunk, k_block, per_product, scale_vector=_scale_vector,
-                                f16_in_range=_f16_in_range, for_each_tile=_for_each_tile)
+    jit = jit_gemm.grouped_gemm(qa, qb, acc, group, chunk, k_block, per_product, f16_in_range=_f16_in_range,
+                                for_each_tile=for_each_tile)
     if jit is not None:
         return jit
     k = qa.values.shape[-1]
@@ -367,7 +345,7 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
             term = partial if chunk_scale is None else partial * chunk_scale
             target[...] = term if start == 0 else target + term
 
-    _for_each_tile(run_tile, range(0, m, tile_rows), range(0, n, items * item_cols), lead, m, n, k)
+    for_each_tile(run_tile, range(0, m, tile_rows), range(0, n, items * item_cols), lead, m, n, k)
     return out
 
 
@@ -378,16 +356,14 @@ def _grouped_sum(qa: np.ndarray, qb: np.ndarray, acc: Format, group: int) -> np.
 
 
 def _chunk_sum(qa: np.ndarray, qb: np.ndarray, variant: GemmPrecision) -> np.ndarray:
-    if variant.acc_format is INT32:
-        return _exact_integer_sum(qa, qb)
-    return np.matmul(qa, qb)
+    return _exact_integer_sum(qa, qb) if variant.acc_format is INT32 else np.matmul(qa, qb)
 
 
 def _prequantized(a_quantized, variant: GemmPrecision) -> _Operand:
     """A as a QUANTIZE kernel left it: q (values in the A format) and the scales beside it."""
     if variant.a_scale is None:
         raise ValueError(f"{variant.name}: A is not scaled, so it cannot arrive quantized")
-    q, scales = (np.asarray(x, dtype=np.float32) for x in a_quantized)
+    q, scales = (to_float32(x) for x in a_quantized)  # float8 codes widened by dtypes.codec's table
     expand_scales(scales, q.shape, variant.a_scale)  # raises unless the scales fit q
     return _Operand(q, scales, variant.a_scale)
 
@@ -436,17 +412,36 @@ def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = Non
     out = None
     for start in range(0, k, chunk):
         partial = _chunk_sum(qa.values[..., start:start + chunk], qb.values[..., start:start + chunk, :], variant)
-        scale = _chunk_scale(qa, qb, start // k_block)
+        scale = None if _outer_scaled(partial, qa, qb, start // k_block) else _chunk_scale(qa, qb, start // k_block)
         in_place = scale is not None and np.broadcast_shapes(partial.shape, scale.shape) == partial.shape
         term = np.multiply(partial, scale, out=partial) if in_place else partial if scale is None else partial * scale
         out = term if out is None else np.add(out, term, out=out)  # partial is fresh from the matmul: no copies
     return out
 
 
+def _outer_scaled(partial: np.ndarray, qa: _Operand, qb: _Operand, k_block_index: int) -> bool:
+    """partial *= fl32(sa * sb), the scales of _chunk_scale applied as emulate_gemm's multiply does, in one
+    numba pass where both operands have vector scales (jit_gemm.scale_outer: no (M, N) scale matrix
+    built, then multiplied); False, and partial untouched, elsewhere."""
+    from . import jit_gemm  # imported here: numba's import costs ~0.5 s, paid only where it runs
+    m, n = partial.shape[-2:]
+    sa, sb = _scale_vector(qa, k_block_index, -1, m), _scale_vector(qb, k_block_index, -2, n)
+    if jit_gemm.kernel() is None or sa is None or sb is None or partial.dtype != np.float32 \
+            or sa.dtype != np.float32 or sb.dtype != np.float32 or not partial.flags.c_contiguous \
+            or np.broadcast_shapes(partial.shape, sa.shape[:-1] + (m, 1), sb.shape[:-1] + (1, n)) != partial.shape:
+        return False
+    lead = partial.shape[:-2]
+    sa = np.broadcast_to(sa, lead + (m,)).reshape(-1, m)  # a per-tensor scale (shape (..., 1)) widens here
+    sb = np.broadcast_to(sb, lead + (n,)).reshape(-1, n)
+    jit_gemm.scale_outer(partial.reshape(-1, m, n), sa, sb)
+    return True
+
+
 def _per_product_scaled(qa: _Operand, qb: _Operand) -> np.ndarray:
-    # power-of-two scales (checked by GemmPrecision): q * 2^e is exact in FP32, so is every product
-    operands = [op.values if op.scales is None else op.values * expand_scales(op.scales, op.values.shape, op.spec)
-                for op in (qa, qb)]
+    # power-of-two scales (checked by GemmPrecision): q * 2^e is exact in FP32, so is every product; a
+    # prepared weight's scaled values are made once (derived), not per run
+    operands = [op.values if op.scales is None else op.derived("scaled", lambda op=op: op.values * expand_scales(
+        op.scales, op.values.shape, op.spec)) for op in (qa, qb)]
     return np.matmul(*operands)
 
 
