@@ -338,20 +338,32 @@ def test_ctrl_c_before_any_plan_passes_writes_nothing(tmp_path, monkeypatch, cap
     assert snapshot(tmp_path) == before and (out / "plan.json").read_text() == "old plan"
 
 
+def _as_from_a_terminal() -> None:
+    """The child's signal state as a shell in a terminal starts it (SIGINT deliverable, default action),
+    not as this test process may have it: a blocked mask and SIG_IGN are inherited through exec, and a
+    pytest-xdist worker's may differ from a terminal's."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_to_a_running_compile_exits_130_with_one_line(tmp_path):
     """A real Ctrl-C (SIGINT) at an arbitrary moment: one line, exit 130, no traceback; --out holds
     either nothing or a plan marked partial."""
     env = {**os.environ, "PYTHONHASHSEED": HASH_SEED, "MPLBACKEND": "Agg"}
     proc = subprocess.Popen([sys.executable, "-m", "luminal_num.cli", "compile", "--model", "transformer",
                              "--candidates", "200", "--quiet", "--out", "OUT"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_from_a_terminal)
+    t0 = time.monotonic()
     for _ in range(300):  # the first output line comes once the job is loaded and the search starts
         if proc.stdout.readline().startswith("[luminal-num] budget"):
             break
+    seen = time.monotonic() - t0
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (f"budget line after {seen:.1f} s, SIGINT 1 s later, ended after "
+                                    f"{time.monotonic() - t0:.1f} s; stderr {err!r}; stdout tail {out[-300:]!r}")
     one_line(err, "interrupted: ")
     if (tmp_path / "OUT").exists() and {p.name for p in (tmp_path / "OUT").iterdir()} != {"verdicts"}:
         assert Plan.load(tmp_path / "OUT" / "plan.json").data["interrupted"]
