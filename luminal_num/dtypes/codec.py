@@ -35,6 +35,13 @@ def _layout(dtype: np.dtype) -> tuple[int, int, float, int, np.ndarray]:
 _LAYOUTS = {dt: _layout(dt) for dt in CODED}
 
 
+def code_layout(dtype: np.dtype) -> tuple[int, int, float, int] | None:
+    """(stored mantissa bits, exponent bias, 1 / min subnormal, largest finite code) of a coded float8
+    dtype, as jit_loops' encoders take them; None for any other dtype."""
+    layout = _LAYOUTS.get(np.dtype(dtype))
+    return None if layout is None else layout[:4]
+
+
 def encode_into(values: np.ndarray, out: np.ndarray) -> bool:
     """out[...] = values (float32, exactly representable in out's float8 format), by codes; False
     (out untouched or partly written) where the fast path does not apply: the caller then casts."""
@@ -42,7 +49,7 @@ def encode_into(values: np.ndarray, out: np.ndarray) -> bool:
     if jit is None or out.dtype not in _LAYOUTS or values.dtype != np.float32 or values.size != out.size \
             or not out.flags.c_contiguous or not _same_order(values.shape, out.shape):
         return False
-    mant, bias, inv_sub, max_code, _ = _LAYOUTS[out.dtype]
+    mant, bias, inv_sub, max_code = code_layout(out.dtype)
     flat = np.ascontiguousarray(values).reshape(-1)
     return jit.encode(flat, flat.view(np.uint32), out.reshape(-1).view(np.uint8), mant, bias, inv_sub, max_code)
 

@@ -29,8 +29,10 @@ from ..dtypes.rounding import store
 from ..hlir.evaluate import softmax
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
 from ..hlir.weightcache import WEIGHTS, ByteLRU
+from ..quant.codes import quantize_into_codes
 from ..quant.concat import concat_widened
 from ..quant.kv import cache_values
+from ..quant.quantize import quantize_tensor
 from ..quant.stored import stored_key, widened
 from .buffers import BufferPlan, plan_buffers
 from .cpu_attention import run_attention
@@ -39,7 +41,7 @@ from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, 
                          body64 as _body64, body_into_out, body_values, read64, read_input, reduce_sum,
                          rows_values, store32)
 from .cpu_compiled import KernelCache
-from .cpu_gemm import run_gemm, run_quantize  # noqa: F401 (run_quantize: named here for the tests)
+from .cpu_gemm import quantize_input, run_gemm, run_quantize  # noqa: F401 (run_quantize: named here for the tests)
 
 
 @dataclass(frozen=True)
@@ -271,9 +273,15 @@ def softmax_f64_into(x: np.ndarray, axis: int, out: np.ndarray) -> np.ndarray:
 
 
 def _quantize(rt, k: Kernel, state: _Run) -> np.ndarray:
-    """q into its format's buffer by its codes where dtypes.codec can (the values are exact in it), else
-    by the run loop's cast: the same bits, ~10x faster than ml_dtypes' float8 cast."""
-    quantized = run_quantize(k, state.stored, state.bindings)
+    """q into its float8 buffer straight as codes (quant.codes: two numba passes), else quantized by
+    numpy and stored by its codes where dtypes.codec can (the values are exact in it), else by the run
+    loop's cast: the same bits each way, the first ~10x faster than numpy's passes."""
+    a = quantize_input(k, state.stored, state.bindings)
+    scales = quantize_into_codes(a, k.dtype, k.scale_spec, state.out)
+    if scales is not None:
+        state.scales[k.id] = scales
+        return state.out
+    quantized = quantize_tensor(a, k.dtype, k.scale_spec)
     state.scales[k.id] = quantized.scales
     return state.out if encode_into(quantized.values, state.out) else quantized.values
 

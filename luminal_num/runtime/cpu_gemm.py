@@ -28,10 +28,14 @@ def _operand(k: Kernel, i: int, stored, bindings, reads=(None, None)) -> np.ndar
     return read_view(inp.view, reads[i], stored[inp.buffer], bindings)
 
 
+def quantize_input(k: Kernel, stored, bindings) -> np.ndarray:
+    """A QUANTIZE kernel's input: its Gemm's A operand as (batch, M, K) float32."""
+    return np.asarray(gemm_operand_a(_operand(k, 0, stored, bindings), k.layout), dtype=np.float32)
+
+
 def run_quantize(k: Kernel, stored, bindings):
     """A QUANTIZE kernel: its Gemm's A operand as (batch, M, K), quantized with scales from itself."""
-    a = gemm_operand_a(_operand(k, 0, stored, bindings), k.layout).astype(np.float32)
-    return quantize_tensor(a, k.dtype, k.scale_spec)
+    return quantize_tensor(quantize_input(k, stored, bindings), k.dtype, k.scale_spec)
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
