@@ -27,6 +27,7 @@ class StridedRead:
     offset: int
     lo: int                   # the lowest and highest element read
     hi: int
+    f32_strides: tuple[int, ...] = ()  # in bytes for 4-byte elements (most reads): no tuple built per read
 
     @classmethod
     def of(cls, st: ShapeTracker, bindings: Mapping[str, int]) -> StridedRead | None:
@@ -41,7 +42,7 @@ class StridedRead:
             return None
         lo = offset + sum((d - 1) * s for d, s in zip(shape, strides) if s < 0)
         hi = offset + sum((d - 1) * s for d, s in zip(shape, strides) if s > 0)
-        return cls(st, shape, strides, offset, lo, hi)
+        return cls(st, shape, strides, offset, lo, hi, tuple(4 * s for s in strides))
 
     def read(self, buffer: np.ndarray) -> np.ndarray:
         if not buffer.flags.c_contiguous:
@@ -49,7 +50,8 @@ class StridedRead:
         if self.lo < 0 or self.hi >= buffer.size:
             raise IndexError(f"view {self.view} reads outside a buffer of {buffer.size} elements")
         size = buffer.itemsize
-        out = np.ndarray(self.shape, buffer.dtype, buffer, self.offset * size, tuple(s * size for s in self.strides))
+        strides = self.f32_strides if size == 4 else tuple(s * size for s in self.strides)
+        out = np.ndarray(self.shape, buffer.dtype, buffer, self.offset * size, strides)
         out.flags.writeable = False
         return out
 
