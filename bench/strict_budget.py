@@ -102,19 +102,36 @@ def run(batch: int = 4, candidates: int = 60) -> dict:
         best = min(faster, key=lambda r: r["gate_share"])
         out["most accurate candidate faster than autocast"] = (f"{best['label']} ({best['stage']}): "
                                                               f"{best['gate_share']:.3g}x the gate")
+    if not below:
+        out["what blocks a plan below autocast"] = blocking(faster, auto.latency_s)
     stages = pd.Series([e.stage for e in search.evaluated]).value_counts()
     out["candidates per stage"] = ", ".join(f"{k} {v}" for k, v in stages.items())
     out.update({k: v for k, v in search.stats.items() if k.startswith("allocation_")})
     return out
 
 
+def blocking(faster: list[dict], latency_s: float) -> str:
+    """One line: which choices would beat `latency_s` by more than a latency tie, and why none is taken
+    (the most accurate of them breaks the gate by its share; none at all: every faster plan is a tie)."""
+    if not faster:
+        return (f"no evaluated plan (baselines included) is modelled more than {LATENCY_TIE:.0%} faster than "
+                f"{AUTOCAST}: the faster choices gain within the latency tie")
+    if any(r["passes_gate"] for r in faster):
+        return "a faster plan passes the gate: the search's choice is the blocker (see the 'faster' rows)"
+    best = min(faster, key=lambda r: r["gate_share"])
+    return (f"only {len(faster)} plans are modelled faster than {AUTOCAST} beyond the {LATENCY_TIE:.0%} tie and "
+            f"each breaks the gate; the most accurate, {best['label']} ({best['latency_s'] / latency_s:.3g}x its "
+            f"latency), uses {best['gate_share']:.3g}x the gate")
+
+
 def faster_than(job, result, latency_s: float) -> list[dict]:
-    """Every evaluated non-baseline candidate whose modelled latency is below `latency_s` (one the gate
-    rejected was never timed: it is modelled here), with its verdict: what would beat the baseline."""
+    """Every evaluated candidate (baselines too) whose modelled latency is below `latency_s` by more than a
+    latency tie (one the gate rejected was never timed: it is modelled here), with its verdict: what would
+    beat the baseline, and what it costs in error."""
     rows = []
     bindings = job.graph.bind_symbols(job.calibration[0])  # what the search modelled latencies with
     for e in result.search.evaluated:
-        if e.stage == "baseline" or e.program is None:
+        if e.program is None:
             continue
         lat = e.latency_s if e.latency is not None else _modelled(job, e.program, bindings)
         if lat < latency_s * (1 - LATENCY_TIE):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bench import heldout
-from bench.strict_budget import with_changes
+from bench.strict_budget import blocking, with_changes
 from luminal_num.error.budget import Budget
 from luminal_num.error.predict import budget_ratio
 from luminal_num.hlir.evaluate import evaluate_nodes
@@ -108,3 +108,15 @@ def test_the_layer_map_row_names_its_picture_and_the_allocation(compiled, tmp_pa
     assert row["layers_differ"] == bool(differing_groups(layer_table(result.program, groups)))
     assert row["layer_candidates"] == sum(e.stage == "layer" for e in result.search.evaluated)
     assert row["allocation_winner"] == result.search.stats.get("allocation_winner", "not run")
+
+
+def test_strict_budget_names_what_blocks_a_plan_below_autocast():
+    """bench.strict_budget's one-line answer, on hand-made rows: a tie, a blocker by the budget (the most
+    accurate faster plan and its share), or a search that missed a passing faster plan."""
+    assert "within the latency tie" in blocking([], 1e-4)
+    rows = [{"passes_gate": False, "gate_share": 70.0, "label": "FP8", "latency_s": 0.98e-4},
+            {"passes_gate": False, "gate_share": 11.5, "label": "W8A16", "latency_s": 0.95e-4}]
+    line = blocking(rows, 1e-4)
+    assert "W8A16 (0.95x its latency), uses 11.5x the gate" in line and line.startswith("only 2 plans")
+    rows[1]["passes_gate"] = True
+    assert "the search's choice is the blocker" in blocking(rows, 1e-4)
