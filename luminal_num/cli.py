@@ -13,19 +13,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import warnings
 from pathlib import Path
 
-import numpy as np
-
 from . import __version__
-from .dtypes.formats import Kind
-from .hlir.ops import Op
-from .hlir.symbolic import is_const
-from .files import read_npz
+from .cli_jobs import (LLM_CANDIDATES, LLM_WORKLOAD, InputError, fill_job_args, input_batches, is_llm, llm_job_of,
+                       onnx_job_of, onnx_peer_rows, parse_budget, record_llm_job, registry_job)
 from .report.files import OutputDirError, OutputLocked, check_output_dir, output_lock
 from .report.numbers import fmt_latency, fmt_num
 from .report.pareto import ERROR_COLUMN
@@ -34,185 +29,8 @@ from .runtime.targets import get_target
 EXIT_OK, EXIT_CONTRACT, EXIT_INPUT, EXIT_BUSY, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 3, 130, 141
 
 
-class InputError(Exception):
-    pass
-
-
 class Interrupted(Exception):
     """Ctrl-C, after whatever could be kept was written; the message says what."""
-
-
-def _budget(text: str):
-    from .error.budget import Budget, BudgetSyntaxError
-    try:
-        return Budget.parse(text)
-    except BudgetSyntaxError as exc:
-        raise InputError(f"bad --budget {text!r}: {exc}") from None
-
-
-def _job(name: str, args=None):
-    """A registry job by name; with the command's args, also an LLM (name, .gguf, HF folder) under
-    --workload, and --calibration replacing the calibration inputs."""
-    from .models.registry import JOBS, load_job
-    if args is not None and _is_llm(name):
-        return _llm_job(args)
-    if args is not None and getattr(args, "workload", None):
-        raise InputError(f"--workload applies to LLMs (smollm2, a .gguf file, a HF folder), not {name!r}")
-    try:
-        job = load_job(name)
-    except KeyError:
-        raise InputError(f"unknown model {name!r}; known: {', '.join(JOBS)}, or a .gguf file or "
-                         f"Hugging Face folder of a Llama-family model") from None
-    calibration = getattr(args, "calibration", None) if args is not None else None
-    if calibration is not None:
-        if Path(calibration).suffix != ".npz":
-            raise InputError(f"--calibration {calibration}: a prompt file applies to LLMs; give {name!r} an .npz")
-        job = dataclasses.replace(job, calibration=tuple(_inputs(calibration, job)))
-    return job
-
-
-LLM_WORKLOAD = "decode:8@64"
-# an LLM candidate costs about one layer's run per changed layer (per-chunk verdicts, error/chunks.py), not
-# a forward pass: SmolLM2's decode search of 200 takes minutes (reports/bench/search_efficiency.csv)
-LLM_CANDIDATES = 200
-
-
-def _is_llm(name: str) -> bool:
-    from .models.registry import JOBS
-    return name == "smollm2" or (name not in JOBS and (name.endswith(".gguf") or Path(name).is_dir()))
-
-
-_LLM_JOBS: dict = {}
-
-
-def _llm_job(args):
-    """The LLM job of --model/--workload/--layers, calibrated on --calibration prompts (or an npz batch)."""
-    from .models.gguf import GGUFError
-    from .models.llm import parse_prompts
-    from .models.registry import llm_job
-    from .models.tokenizer import TokenizerError
-    workload = getattr(args, "workload", None) or LLM_WORKLOAD
-    calibration = getattr(args, "calibration", None)
-    layers = getattr(args, "layers", None)
-    key = (args.model, workload, calibration, layers)
-    if key in _LLM_JOBS:
-        return _LLM_JOBS[key]
-    prompts = None
-    if calibration is not None and Path(calibration).suffix != ".npz":
-        p = Path(calibration)
-        if not p.is_file():
-            raise InputError(f"calibration file {p} does not exist")
-        prompts = parse_prompts(p.read_text("utf-8"))
-        if not prompts:
-            raise InputError(f"calibration file {p} holds no prompts (one per line; '#' lines are comments)")
-    try:
-        job = llm_job(args.model, workload, calibration=prompts, layers=layers)
-    except (GGUFError, TokenizerError, FileNotFoundError, KeyError, ValueError) as exc:
-        raise InputError(f"model {args.model!r}: {exc}") from None
-    if calibration is not None and prompts is None:
-        job = dataclasses.replace(job, calibration=tuple(_inputs(calibration, job)))
-    _LLM_JOBS[key] = job
-    return job
-
-
-def _record_llm_job(plan, job, args) -> None:
-    """An LLM plan remembers its model and workload, so audit and generate rebuild the same graph."""
-    if job.llm is not None:
-        plan.data["job"] = {"model": args.model, "workload": str(job.llm.workload),
-                            "layers": getattr(args, "layers", None)}
-
-
-def _plan_job_args(args, plan) -> None:
-    """Fill --model/--workload/--layers left unset from the plan's recorded job (minilm otherwise)."""
-    recorded = plan.data.get("job") or {}
-    if args.model is None:
-        args.model = recorded.get("model", "minilm")
-        if getattr(args, "workload", None) is None:
-            args.workload = recorded.get("workload")
-        if getattr(args, "layers", None) is None:
-            args.layers = recorded.get("layers")
-
-
-def _onnx_job(args):
-    """The ONNX job when --model names a .onnx file (else None); refusals become one-line input errors."""
-    from .onnx.job import is_onnx_path, onnx_job
-    from .onnx.loader import OnnxImportError
-    if not is_onnx_path(args.model):
-        if getattr(args, "shape", None):
-            raise InputError("--shape applies to ONNX models (--model model.onnx) only")
-        return None
-    try:
-        return onnx_job(args.model, args.shape, getattr(args, "inputs", None) or args.calibration)
-    except OnnxImportError as exc:
-        raise InputError(str(exc)) from None
-
-
-def _onnx_peers(oj, budget, target: str):
-    """ONNX Runtime FP32 / FP16 rows judged on the same FP64 reference (empty without onnxruntime)."""
-    from .onnx.peers import peer_rows, run_peers
-    peers = run_peers(oj.loaded.proto, oj.onnx_batches, oj.fp64_references(), budget)
-    for p in peers:
-        print(f"[luminal-num] peer {p.label}: error {p.error!r} ({'passes' if p.passes else 'fails'}), "
-              f"{p.latency_s!r} s per batch on this CPU")
-    return peer_rows(peers, target)
-
-
-def _inputs(path: str | None, job) -> list[dict]:
-    """Held-out batches of the job, or one batch from an .npz file (arrays named like the inputs)."""
-    if path is None:
-        return list(job.heldout)
-    p = Path(path)
-    try:
-        batch = read_npz(p, "inputs")
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    _check_batch(job.graph, batch, p)
-    return [batch]
-
-
-_INDEXED = {Op.GATHER: (0, 1), Op.SCATTER: (0, 2)}  # op -> (slot of the table / destination, slot of the ids)
-
-
-def _index_ranges(graph) -> dict[str, tuple[float, float]]:
-    """Ranges implied by the graph: an input used as the ids of a Gather/Scatter must index a row of
-    its table (0 <= id < rows), whether or not the model declared a value_range for it."""
-    by_node = {info.node: name for name, info in graph.inputs.items()}
-    out: dict[str, tuple[float, float]] = {}
-    for node in graph.nodes:
-        slots = _INDEXED.get(node.op)
-        if slots is None:
-            continue
-        table, ids = (node.srcs[i] for i in slots)
-        rows = table.view.shape[0]
-        name = by_node.get(ids.node)
-        if name is not None and is_const(rows):
-            out[name] = (0.0, min(float(int(rows) - 1), out.get(name, (0.0, math.inf))[1]))
-    return out
-
-
-def _check_batch(graph, batch: dict, source) -> None:
-    """Arrays by the model's declared inputs: no unknown names, integer inputs (token ids) given as
-    integers, every value inside its declared range and every id inside its table; NaN/Inf refused."""
-    declared = {n: info for n, info in graph.inputs.items() if not info.is_weight}
-    implied = _index_ranges(graph)
-    unknown = sorted(set(batch) - set(declared))
-    if unknown:
-        raise InputError(f"{source} holds arrays the model does not take: {unknown} (inputs: {', '.join(declared)})")
-    for name, arr in batch.items():
-        info = declared[name]
-        if arr.dtype.kind not in "iufb":
-            raise InputError(f"input {name!r} in {source} is not numeric (dtype {arr.dtype})")
-        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
-            raise InputError(f"input {name!r} in {source} contains NaN or Inf")
-        if info.dtype.kind is Kind.INT and arr.dtype.kind not in "iu":
-            raise InputError(f"input {name!r} in {source} holds integer ids ({info.dtype.name}); got {arr.dtype} values")
-        limits = [r for r in (info.value_range, implied.get(name)) if r is not None]
-        if limits and arr.size:
-            lo, hi = max(r[0] for r in limits), min(r[1] for r in limits)
-            if float(arr.min()) < lo or float(arr.max()) > hi:
-                raise InputError(f"input {name!r} in {source} has values in [{fmt_num(arr.min(), 6)}, "
-                                 f"{fmt_num(arr.max(), 6)}], outside its declared range [{fmt_num(lo, 6)}, "
-                                 f"{fmt_num(hi, 6)}]")
 
 
 def _print_table(df, columns, n=12):
@@ -253,11 +71,11 @@ def _headroom_arg(text: str) -> float:
 
 def cmd_compile(args) -> int:
     from .report.compile_report import COMPILE_FILES
-    oj = _onnx_job(args)
-    job = oj.job if oj is not None else _job(args.model, args)
+    oj = onnx_job_of(args)
+    job = oj.job if oj is not None else registry_job(args.model, args)
     if args.candidates is None:
         args.candidates = LLM_CANDIDATES if job.llm is not None else args.default_candidates
-    budget = _budget(args.budget if args.budget is not None else job.default_budget)
+    budget = parse_budget(args.budget if args.budget is not None else job.default_budget)
     out = Path(args.out or f"reports/{job.name}")
     _check_out(out, COMPILE_FILES)
     args.cache_dir = _verdict_cache(args, out)
@@ -293,8 +111,8 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     peers = None
     if oj is not None:
         result = dataclasses.replace(result, plan=result.plan.with_source(oj.source))
-        peers = _onnx_peers(oj, budget, args.target)
-    _record_llm_job(result.plan, job, args)
+        peers = onnx_peer_rows(oj, budget, args.target)
+    record_llm_job(result.plan, job, args)
     with _writing(out):
         files = write_compile_report(result, out, f"{job.name}: error vs latency ({args.target})", interrupted,
                                      extra_rows=peers)
@@ -382,18 +200,18 @@ def _load_plan(path: str):
 def cmd_audit(args) -> int:
     from .report.audit import AUDIT_FILES
     plan = _load_plan(args.plan)
-    _plan_job_args(args, plan)
+    fill_job_args(args, plan)
     if args.inputs and args.calibration:
         raise InputError("give --inputs or --calibration, not both")
-    oj = _onnx_job(args)
+    oj = onnx_job_of(args)
     if oj is not None:
         job, batches = oj.job, list(oj.job.calibration)  # the batches of --inputs / --calibration
-    elif args.calibration and _is_llm(args.model):
-        job = _llm_job(args)
+    elif args.calibration and is_llm(args.model):
+        job = llm_job_of(args)
         batches = list(job.calibration)  # audit on the given prompts
     else:
-        job = _job(args.model, args if _is_llm(args.model) else None)
-        batches = _inputs(args.inputs or args.calibration, job)
+        job = registry_job(args.model, args if is_llm(args.model) else None)
+        batches = input_batches(args.inputs or args.calibration, job)
     out = Path(args.out or Path(args.plan).parent)
     _check_out(out, AUDIT_FILES)
     with output_lock(out):
@@ -453,7 +271,7 @@ def cmd_pareto(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    args.out = args.out or f"reports/{Path(args.model).stem if _is_llm(args.model) else args.model}"
+    args.out = args.out or f"reports/{Path(args.model).stem if is_llm(args.model) else args.model}"
     rc = cmd_compile(args)
     if rc != EXIT_OK:
         return rc
@@ -535,8 +353,8 @@ def cmd_generate(args) -> int:
     from .runtime.cuda_device import CudaUnavailableError
     from .search.plan import PlanError
     plan = _load_plan(args.plan)
-    _plan_job_args(args, plan)
-    if not _is_llm(args.model):
+    fill_job_args(args, plan)
+    if not is_llm(args.model):
         raise InputError(f"generate runs LLM plans; {args.model!r} is not an LLM (smollm2, .gguf, HF folder)")
     try:
         print_generation(generate(plan, args.model, args.workload, args.layers, args.prompt, args.chat, args.tokens,
