@@ -140,8 +140,11 @@ def efficiency_row(c: CompiledJob) -> dict:
 
 
 def candidate_row(c: CompiledJob, e: Evaluated) -> dict:
-    """One evaluated candidate: its phase, what decided it (after confirmation), error and latency."""
+    """One evaluated candidate: its phase, what decided it (after confirmation), the end-to-end runs it cost
+    (0 for a cache hit, whose source is the cached verdict's: a program equal to FP32's says "measured"),
+    error and latency."""
     return dict(job=c.name, id=e.id, stage=e.stage, label=e.label, changes=len(e.genome), source=e.verdict.source,
+                end_to_end_runs=e.end_to_end_runs,
                 passed=bool(e.verdict.passed), error=float(e.verdict.error), ratio=float(e.verdict.ratio),
                 latency_s=e.latency_s, reason=e.verdict.reason[:160])
 
