@@ -47,15 +47,16 @@ def encode_into(values: np.ndarray, out: np.ndarray) -> bool:
     (out untouched or partly written) where the fast path does not apply: the caller then casts."""
     jit = loops()
     if jit is None or out.dtype not in _LAYOUTS or values.dtype != np.float32 or values.size != out.size \
-            or not out.flags.c_contiguous or not _same_order(values.shape, out.shape):
+            or not out.flags.c_contiguous or not same_order(values.shape, out.shape):
         return False
     mant, bias, inv_sub, max_code = code_layout(out.dtype)
     flat = np.ascontiguousarray(values).reshape(-1)
     return jit.encode(flat, flat.view(np.uint32), out.reshape(-1).view(np.uint8), mant, bias, inv_sub, max_code)
 
 
-def _same_order(shape: tuple, target: tuple) -> bool:
-    """Whether np.copyto(target, shape) pairs the elements in C order (equal sizes: only 1s differ)."""
+def same_order(shape: tuple, target: tuple) -> bool:
+    """Whether np.copyto(target, shape) pairs the elements in C order (equal sizes: only 1s differ), so
+    that writing codes in C order stores what the run loop's cast would (quant.codes asks the same)."""
     try:
         return np.broadcast_shapes(shape, target) == target
     except ValueError:

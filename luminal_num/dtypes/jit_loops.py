@@ -80,7 +80,6 @@ def block_amax(bits, rows_per, cols_per, out):
     leaves non-finite entries out), and only then do callers use it. The inner loop runs over a 1-D
     slice with a select for the max (numba's max() and 3-D indexing kept it scalar: 10x slower)."""
     worst = np.uint32(0)
-    width = bits.shape[2]
     for lead in range(bits.shape[0]):
         for i in range(bits.shape[1]):
             row = bits[lead, i]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes.codec import code_layout
+from ..dtypes.codec import code_layout, same_order
 from ..dtypes.formats import Format
 from ..dtypes.jit import loops
 from ..dtypes.variants import Granularity, ScaleSpec
@@ -30,7 +30,7 @@ def quantize_into_codes(x: np.ndarray, fmt: Format, spec: ScaleSpec, out: np.nda
     jit = loops()
     layout = code_layout(out.dtype)
     if jit is None or layout is None or x.ndim != 3 or x.size < _MIN_SIZE or not out.flags.c_contiguous \
-            or out.size != x.size or not _same_order(x.shape, out.shape):
+            or out.size != x.size or not same_order(x.shape, out.shape):
         return None
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows_per, cols_per = resolved_block(spec, x.shape)
@@ -55,8 +55,3 @@ def quantize_into_codes(x: np.ndarray, fmt: Format, spec: ScaleSpec, out: np.nda
 def _bits(value: float) -> int:
     """The float32 bits of a value float32 holds exactly (a format's min normal and max finite)."""
     return int(np.array(value, np.float32).view(np.uint32))
-
-
-def _same_order(shape: tuple, target: tuple) -> bool:
-    """Whether x's elements in C order are out's in C order (equal sizes: only 1s differ)."""
-    return tuple(d for d in shape if d != 1) == tuple(d for d in target if d != 1)
