@@ -30,7 +30,8 @@ from .summary import OUT, write_csv
 TARGET = "h200"
 # the gate's stages, in the order it tries them; `pruned` and `stored` (read from the on-disk cache) are
 # subsets of the cache's verdicts
-VERDICT_STAGES = tuple(f.name for f in fields(GateStats) if f.name not in ("pruned", "stored", "tentative"))
+VERDICT_STAGES = tuple(f.name for f in fields(GateStats)
+                       if f.name not in ("pruned", "stored", "tentative", "deferred", "deferred_measured"))
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ def efficiency_row(c: CompiledJob) -> dict:
                 chunk_runs=search.stats.get("chunk_runs"), chunk_composed=search.stats.get("chunk_composed"),
                 chunk_shared=search.stats.get("chunk_shared"), chunk_local_checks=search.stats.get("chunk_local_checks"),
                 chunk_compose_off=search.stats.get("chunk_compose_off", ""), chunk_bias=search.stats.get("chunk_bias"),
-                tentative=search.stats.get("tentative"),
+                tentative=search.stats.get("tentative"), deferred=search.stats.get("deferred"),
+                deferred_measured=search.stats.get("deferred_measured"),
                 peak_rss_gb=c.peak_rss_gb[0], peak_rss_worker_gb=c.peak_rss_gb[1],
                 load_before=c.load[0], load_after=c.load[1])
 

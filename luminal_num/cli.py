@@ -86,7 +86,7 @@ def cmd_compile(args) -> int:
 def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     from .compiler import BudgetUnreachable, compile
     from .report.compile_report import candidate_rows, write_compile_report
-    from .search.search import SearchOptions
+    from .search.search import SearchOptions, front as search_front
     print(f"[luminal-num] {job.description}")
     print(f"[luminal-num] budget {budget} on target {args.target}; {len(job.graph)} HLIR nodes")
     opts = SearchOptions(seed=args.seed, max_candidates=args.candidates, time_limit_s=args.time_limit,
@@ -119,7 +119,8 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     if interrupted:
         raise Interrupted(f"{interrupted} written to {files['plan']} (marked partial)")
     rows = candidate_rows(result)
-    front = _front(rows[rows.passes & rows.latency_s.notna()])
+    on_front = {e.id for e in search_front(result.search.evaluated)}  # the front the search confirmed
+    front = rows[rows.candidate.isin(on_front)].sort_values(["latency_s", "candidate"])
     print(f"[luminal-num] {result.search.stats['candidates']} candidates; gate: "
           + ", ".join(f"{k}={v}" for k, v in result.search.stats.items() if k in ("cache", "static", "measured", "pruned")))
     if args.cache_dir is not None:
@@ -155,22 +156,6 @@ def _verdict_cache(args, out: Path) -> Path | None:
 
 
 VERDICT_CACHE = "verdicts"  # the default verdict cache folder inside --out
-
-
-def _front(rows):
-    """Rows not dominated in (latency, budget share), fastest first (search.front's rule, on the table)."""
-    from .search.search import LATENCY_TIE
-    rows = rows.sort_values(["latency_s", ERROR_COLUMN, "candidate"])
-    keep, best, last_latency = [], float("inf"), None
-    for i, r in rows.iterrows():
-        if r[ERROR_COLUMN] < best:
-            if keep and r.latency_s <= last_latency * (1 + LATENCY_TIE):
-                keep[-1] = i  # a tie in latency: the more accurate one stands for it
-            else:
-                keep.append(i)
-                last_latency = r.latency_s
-            best = r[ERROR_COLUMN]
-    return rows.loc[keep]
 
 
 def _positive(text: str) -> int:

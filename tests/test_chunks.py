@@ -18,7 +18,7 @@ from luminal_num.error.reference import references
 from luminal_num.models.registry import transformer_job
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.plan import Plan
-from luminal_num.search.search import SearchOptions, front as search_front
+from luminal_num.search.search import Searcher, SearchOptions, front as search_front
 from luminal_num.search.space import ChunkSite, SearchSpace
 
 
@@ -318,3 +318,34 @@ def test_a_choice_on_an_exact_fp32_chunk_has_an_effect_on_every_batch():
                 np.testing.assert_array_equal(g[k], w[k])
     predicted = scaled.compose(cands, [r.outputs(job.graph) for r in refs])  # raised IndexError before
     assert len(predicted) == len(refs)
+
+
+@pytest.mark.parametrize("expect_fail", [False, True], ids=["bias-corrected", "every-estimate-fails"])
+def test_a_rejection_inside_the_band_never_costs_the_returned_plan(job3, space3, refs3, monkeypatch, expect_fail):
+    """Every chunk verdict forced inside the band (the band never sure; then also every estimate above the
+    budget): tentative passes are confirmed when they reach the front or are chosen, tentative rejects are
+    measured when they would be chosen. After the search the chosen plan is measured, no tentative reject
+    left is modelled faster than it, each one measured was measured end to end (truth: its own run), and
+    none pruned another genome."""
+    judge = Judge(job3.graph, Budget.parse(job3.default_budget), list(job3.calibration), use_static=False,
+                  references=refs3, chunks=effects(job3, space3, refs3))
+    monkeypatch.setattr(judge.chunk_band, "decides", lambda p: None)
+    if expect_fail:
+        monkeypatch.setattr(judge.chunk_band, "expected", lambda p: 2.0)
+    searcher = Searcher(space3, judge, SearchOptions(seed=0, max_candidates=40, progress=False), job3.calibration[0])
+    result = searcher.run()
+    assert judge.stats.deferred > 0 and (judge.stats.tentative == 0) == expect_fail
+    if expect_fail:  # nothing but baselines passes: the faster tentative rejects are measured, fastest first
+        assert judge.stats.deferred_measured > 0
+    chosen = result.chosen
+    assert chosen.verdict.source == "measured" or chosen.verdict.source == "cache"
+    still = [e for e in result.evaluated if e.verdict.tentative and not e.verdict.passed]
+    for e in still:
+        assert searcher.latency(space3.program(e.genome)).total_s >= chosen.latency_s, e.id
+    measured = [e for e in result.evaluated if e.id in searcher.deferred_latency and not e.verdict.tentative]
+    assert len(measured) == judge.stats.deferred_measured
+    for e in measured:
+        run = judge._measure(space3.program(e.genome))[0]
+        assert (run.passed, run.ratio) == (e.verdict.passed, e.verdict.ratio), e.id
+    singles = {next(iter(e.genome)) for e in still if len(e.genome) == 1}
+    assert singles and not singles & set(judge.bad_changes)

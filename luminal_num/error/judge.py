@@ -42,6 +42,9 @@ class Verdict:
     reason: str
     budget_error: float = float("nan")  # the same ratio against the user's budget (what plans report)
     ratio: float = float("nan")  # share of the gate used over allclose and every metric (predict.budget_ratio)
+    # decided from a composition inside its band (no margin): a tentative pass is confirmed if it reaches the
+    # front or is chosen, a tentative reject is measured if it would be chosen (search.confirm_finalists)
+    tentative: bool = False
 
 
 @dataclass
@@ -57,12 +60,15 @@ class GateStats:
     mismatches: int = 0  # measurements outside the prediction's band (each widened the margin)
     stored: int = 0      # verdicts read from the on-disk cache (counted among the cache's verdicts)
     tentative: int = 0   # chunk verdicts inside the band that pass on the bias-corrected estimate (among chunks)
+    deferred: int = 0    # chunk verdicts inside the band that fail on it: tentative rejects (among chunks)
+    deferred_measured: int = 0  # tentative rejects measured end to end because they would have been chosen
 
     def as_dict(self) -> dict[str, int]:
         return dict(cache=self.cache, static=self.static, chunks=self.chunks, groups=self.groups,
                     predicted=self.predicted,
                     measured=self.measured, pruned=self.pruned, confirmed=self.confirmed,
-                    mismatches=self.mismatches, stored=self.stored, tentative=self.tentative)
+                    mismatches=self.mismatches, stored=self.stored, tentative=self.tentative,
+                    deferred=self.deferred, deferred_measured=self.deferred_measured)
 
 
 SCREEN_FACTOR = 4.0  # the group estimate runs ~1-2x above the true error: 4x over budget is a sure failure
@@ -125,11 +131,13 @@ class Judge:
         self.chunk_band = DeltaPredictor(self.gate, self.budget, self.refs, centred=True) \
             if self.chunks is not None else None
         self.chunk_pending: dict[str, Prediction] = {}
+        self.deferred: dict[frozenset, Prediction] = {}  # tentative rejects (never lowered) -> their composition
 
     def judge(self, program: Program | Callable[[], Program], changes: frozenset[Change] = frozenset(),
-              candidates=None, predict: bool = True) -> Verdict:
+              candidates=None, predict: bool = True, tentative: bool = True) -> Verdict:
         """`program` may be a callable that lowers it: then a candidate the chunks reject is never
-        lowered (the composition needs only its chunk choices); the program is lowered otherwise."""
+        lowered (the composition needs only its chunk choices); the program is lowered otherwise.
+        `tentative=False`: a composition inside its band does not decide (the candidate is measured)."""
         lazy = not isinstance(program, Program)
         key = None if lazy else program_key(program)
         if key is not None and key in self.cache:
@@ -158,10 +166,14 @@ class Judge:
                                 "static bounds do not certify the FP32 baseline: measurement decides")
         pending = None
         if v is None and predict and self.chunks is not None and candidates is not None:
-            v, pending, tentative = self._chunk_verdict(candidates)
+            v, pending = self._chunk_verdict(candidates)
+            if v is not None and v.tentative and not tentative:
+                v = None
             if v is not None and v.source == "chunks":
                 self.stats.chunks += 1
-                self.stats.tentative += tentative
+                self._count_tentative(v, 1)
+            if v is not None and v.tentative and not v.passed:
+                self.deferred[changes] = pending  # checked if it is ever measured (confirm)
             if lazy and v is not None and not v.passed:
                 return v  # rejected from its chunks: never lowered
         if lazy:
@@ -170,7 +182,7 @@ class Judge:
             if key in self.cache:
                 if v is not None and v.source == "chunks":  # a known program: the cache decides
                     self.stats.chunks -= 1
-                    self.stats.tentative -= tentative
+                    self._count_tentative(v, -1)
                 return self._cached(key, changes)
         if pending is not None:
             self.chunk_pending[key] = pending  # a later measurement of this program checks the composition
@@ -191,6 +203,13 @@ class Judge:
             self._observe(key, v)
         self.cache[key] = v
         return v
+
+    def _count_tentative(self, v: Verdict, n: int) -> None:
+        if v.tentative:
+            if v.passed:
+                self.stats.tentative += n
+            else:
+                self.stats.deferred += n
 
     def _cached(self, key: str, changes) -> Verdict:
         self.stats.cache += 1
@@ -219,11 +238,13 @@ class Judge:
                 band.observe(pending[key].ratio, measured.ratio)
                 self.stats.mismatches += band.mismatches - before
 
-    def _chunk_verdict(self, candidates) -> tuple[Verdict | None, Prediction | None, bool]:
+    def _chunk_verdict(self, candidates) -> tuple[Verdict | None, Prediction | None]:
         """Decide from the chunks' effects composed (error/chunks.py) when outside the band; a chunk
         choice whose effect alone (the other chunks FP32) breaks it prunes every genome containing it.
-        Also returns the composed prediction (a later measurement of the program checks it) and whether
-        the verdict is a tentative pass. The caller counts the "chunks" verdicts it keeps."""
+        Inside the band the bias-corrected estimate decides tentatively (Verdict.tentative): measurement is
+        spent only where it can change the answer (search.confirm_finalists). Also returns the composed
+        prediction (a later measurement of the program checks it). The caller counts the "chunks" verdicts
+        it keeps."""
         ce, band = self.chunks, self.chunk_band
         changed = [i for i in sorted(candidates) if candidates[i].key != ce.base[i].key]
         ids = {i: (ce.structure[i], i, candidates[i].key) for i in changed}
@@ -232,7 +253,7 @@ class Judge:
                 self.stats.cache += 1
                 self.stats.pruned += 1
                 return Verdict(False, "cache", np.inf, np.nan, None,
-                               f"chunk {i}'s choice alone breaks the budget ({self.bad_chunks[ids[i]]})", np.inf), None, False
+                               f"chunk {i}'s choice alone breaks the budget ({self.bad_chunks[ids[i]]})", np.inf), None
         ce.prefetch(candidates)
         p = band.check(ce.compose(candidates, self.gated_refs))
         if band.decides(p) is not True:
@@ -248,20 +269,21 @@ class Judge:
                 self.bad_chunks[ids[i]] = f"predicted {alone.ratio:.3g}x the budget: {alone.reason}"
                 return Verdict(False, "chunks", alone.allclose, np.nan, None,
                                f"chunk {i}'s choice alone is predicted {alone.ratio:.3g}x the budget "
-                               f"(margin {band.margin:.3g}): {alone.reason}", alone.user, alone.ratio), p, False
+                               f"(margin {band.margin:.3g}): {alone.reason}", alone.user, alone.ratio), p
         decided = band.decides(p)
         how, tentative = f"margin {band.margin:.3g}, bias {band.bias:.3g}", decided is None
         if decided is None:
-            if band.expected(p) > 1.0:
-                return None, p, False  # likely to fail, not by the margin: measured
-            # likely to pass: a tentative pass, re-measured end to end if it reaches the front or is chosen
-            decided, how = True, f"inside the band ({how}), expected {band.expected(p):.3g} of the budget: tentative"
+            # likely to pass: re-measured end to end if it reaches the front or is chosen; likely to fail:
+            # measured only if it would be chosen were it to pass (the front omits it otherwise)
+            decided = band.expected(p) <= 1.0
+            how = (f"inside the band ({how}), expected {band.expected(p):.3g} of the budget: "
+                   f"tentative {'pass' if decided else 'reject'}")
         # its errors corrected by the observed bias: comparable with measured ones on the front (an
         # under-predicted point would look better than the measured ones and take their place)
         b = band.bias
         return Verdict(decided, "chunks", p.allclose * b, np.nan, None,
                        f"composed from {len(candidates)} chunks judged alone on FP64 inputs "
-                       f"({how}): {p.reason}", p.user * b, p.ratio * b), p, tentative
+                       f"({how}): {p.reason}", p.user * b, p.ratio * b, tentative), p
 
     def _predict(self, key: str, changes) -> Verdict | None:
         p = self.predictor.predict(changes)
@@ -277,14 +299,20 @@ class Judge:
                        f"predicted from the changes' measured errors (margin {self.predictor.margin:.3g}): {p.reason}",
                        p.user, p.ratio)
 
-    def confirm(self, program: Program) -> Verdict:
-        """Measure a predicted candidate end to end (finalists); the result replaces the prediction."""
+    def confirm(self, program: Program, changes: frozenset[Change] = frozenset()) -> Verdict:
+        """Measure a predicted candidate end to end (finalists, and tentative rejects that would be
+        chosen: `changes` names those); the result replaces the prediction."""
         key = program_key(program)
+        deferred = self.deferred.pop(changes, None)
+        if deferred is not None:
+            self.chunk_pending.setdefault(key, deferred)
+            self.stats.deferred_measured += 1
         v = self._stored(key)
         if v is None:
             v, _ = self._measure(program)
             self._persist(key, v)
-        self.stats.confirmed += 1
+        if deferred is None:
+            self.stats.confirmed += 1
         self._observe(key, v)
         self.cache[key] = v
         return v
@@ -308,8 +336,9 @@ class Judge:
                        f"output {name!r}: composed per-group error estimate is {worst:.3g}x the allclose budget", user)
 
     def note_isolated(self, change: Change, verdict: Verdict) -> None:
-        """Record a single change's verdict: a failure prunes every later candidate containing it."""
-        if not verdict.passed:
+        """Record a single change's verdict: a failure prunes every later candidate containing it (a
+        tentative reject does not: it failed on an estimate inside the band, not by the margin)."""
+        if not verdict.passed and not verdict.tentative:
             self.bad_changes[change] = verdict.reason
 
     def _static(self, program: Program) -> Verdict | None:

@@ -17,6 +17,7 @@ from ..codegen.attention import ATTENTION_VARIANTS
 from ..codegen.llir import Program
 from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ..quant.storage import STORAGE_FORMATS
+from ..error.headroom import FLOOR as HEADROOM_FLOOR
 from ..error.judge import PREDICTED_SOURCES, Judge, Verdict
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
@@ -96,6 +97,7 @@ class Searcher:
         self.seen: dict[Genome, Evaluated] = {}
         self.latency_inputs = latency_inputs
         self.allocation: dict = {}  # per_layer: the Lagrangian vs greedy allocation, which won
+        self.deferred_latency: dict[int, float] = {}  # tentative reject id -> modelled latency (confirm_finalists)
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=options.max_candidates, desc="search", unit="cand", disable=not options.progress,
                         leave=False)
@@ -129,8 +131,10 @@ class Searcher:
         measured = stage == "baseline" and (not genome or self.judge.has_outputs(program()))
         screen = None if measured else self.space.candidates(genome)
         runs_before = self.judge.stats.measured
+        # a baseline is timed whatever its verdict (lowered now), and reported next to the plan: one inside
+        # the band is measured, never decided tentatively
         verdict = self.judge.judge(program() if stage == "baseline" else program, genome, screen,
-                                   predict=not measured)  # a baseline is timed whatever its verdict: lowered now
+                                   predict=not measured, tentative=stage != "baseline")
         lat = self.latency(program()) if (verdict.passed or force_latency) else None
         if verdict.passed and lat is None:  # the target cannot run this variant (FP8 on an A100)
             verdict = dataclasses.replace(verdict, passed=False, reason=f"not supported on target {self.target}")
@@ -195,19 +199,47 @@ class Searcher:
 
     def confirm_finalists(self) -> Evaluated | None:
         """Measure end to end every predicted member of the front and the chosen plan, until the front
-        and the choice stand on measurements alone; returns the chosen plan."""
+        and the choice stand on measurements alone; then each tentative reject that would be chosen were
+        it to pass (faster than the chosen plan), fastest first, and confirm again if one passes: a
+        rejection without margin never costs the returned plan. Returns the chosen plan."""
         while True:
             chosen = choose(self.passing())
-            todo = {e.id: e for e in self.front() + ([chosen] if chosen else []) if e.verdict.source in PREDICTED_SOURCES}
+            todo = [e for e in self.front() + ([chosen] if chosen else []) if e.verdict.source in PREDICTED_SOURCES]
             if not todo:
-                return chosen
-            for e in todo.values():
-                runs_before = self.judge.stats.measured
-                v = self.judge.confirm(e.program)
-                new = dataclasses.replace(e, verdict=v, latency=e.latency if v.passed else None,
-                                          end_to_end_runs=e.end_to_end_runs + self.judge.stats.measured - runs_before)
-                self.evaluated[e.id] = new
-                self.seen[e.genome] = new
+                todo = self._deferred_faster_than(chosen)[:1]
+                if not todo:
+                    return chosen
+            for e in {e.id: e for e in todo}.values():
+                self._remeasure(e)
+
+    def _remeasure(self, e: Evaluated) -> None:
+        """An end-to-end run replaces a candidate's predicted verdict (a tentative reject is timed now:
+        its latency was never taken)."""
+        runs_before = self.judge.stats.measured
+        program = e.program if e.program is not None else self.space.program(e.genome)
+        v = self.judge.confirm(program, e.genome)
+        latency = (e.latency if e.latency is not None else self.latency(program)) if v.passed else None
+        new = dataclasses.replace(e, verdict=v, latency=latency, program=program,
+                                  end_to_end_runs=e.end_to_end_runs + self.judge.stats.measured - runs_before)
+        self.evaluated[e.id] = new
+        self.seen[e.genome] = new
+
+    def _deferred_faster_than(self, chosen: Evaluated | None) -> list[Evaluated]:
+        """Tentative rejects modelled faster than `chosen` (all of them when nothing passed), fastest first;
+        each is lowered and timed once (the latency model only: its error verdict stands until measured)."""
+        out = []
+        for e in self.evaluated:
+            if e.verdict.passed or not e.verdict.tentative or e.verdict.source not in PREDICTED_SOURCES:
+                continue
+            if e.id not in self.deferred_latency:
+                program = e.program if e.program is not None else self.space.program(e.genome)
+                self.evaluated[e.id] = e = dataclasses.replace(e, program=program)
+                self.seen[e.genome] = e
+                lat = self.latency(program)
+                self.deferred_latency[e.id] = lat.total_s if lat is not None else np.inf
+            if chosen is None or self.deferred_latency[e.id] < chosen.latency_s:
+                out.append(e)
+        return sorted(out, key=lambda e: (self.deferred_latency[e.id], e.id))
 
     def passing(self) -> list[Evaluated]:
         return [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
@@ -380,21 +412,28 @@ class Searcher:
 
 
 def front(evaluated: list[Evaluated]) -> list[Evaluated]:
-    """The (latency, budget share) Pareto front of the passing candidates, latency ties merged: candidates
-    within LATENCY_TIE of a bucket's fastest are one point, the one choose() would take (every front
-    member is confirmed end to end, so a point that buys nothing measurable would cost a run)."""
-    passing = [e for e in evaluated if e.verdict.passed and e.latency is not None]
-    passing.sort(key=lambda e: (e.latency_s, _share(e), e.id))
+    """The (latency, budget share) Pareto front of the passing candidates, ties merged (an epsilon-Pareto
+    front, Laumanns et al. 2002): the chosen plan first, then one point per FRONT_TIE bucket of latency,
+    kept only when its share is below every faster point's by more than ERROR_TIE. Every member is
+    confirmed end to end, so a point that buys nothing measurable would cost a run (and, measured a
+    little above its prediction, expose the next such point: a cascade of confirmations)."""
+    passing = sorted((e for e in evaluated if e.verdict.passed and e.latency is not None),
+                     key=lambda e: (e.latency_s, _share(e), e.id))
+    chosen = choose(passing)
+    if chosen is None:
+        return []
     buckets: list[list[Evaluated]] = []
     for e in passing:
-        if buckets and e.latency_s <= buckets[-1][0].latency_s * (1 + LATENCY_TIE):
+        if e.latency_s <= chosen.latency_s * (1 + LATENCY_TIE):
+            continue  # choose()'s tie: the chosen plan stands for it
+        if buckets and e.latency_s <= buckets[-1][0].latency_s * (1 + FRONT_TIE):
             buckets[-1].append(e)
         else:
             buckets.append([e])
-    out, best_err = [], np.inf
+    out, best_err = [chosen], _share(chosen)
     for b in buckets:
-        pick = min(b, key=_choice_key)
-        if _share(pick) < best_err:
+        pick = _tie_pick(b)
+        if _share(pick) * ERROR_TIE < best_err:
             out.append(pick)
             best_err = _share(pick)
     return out
@@ -405,16 +444,30 @@ def _share(e: Evaluated) -> float:
     return e.verdict.ratio if np.isfinite(e.verdict.ratio) else e.verdict.error
 
 
-LATENCY_TIE = 1e-3  # relative: latencies this close are a tie, broken by lower error
+LATENCY_TIE = 1e-3  # relative: latencies this close are a tie for the chosen plan, broken by lower error
+# the front's latency buckets beyond the chosen plan: a point under 1% faster than a more accurate one
+# buys nothing the cost model resolves
+FRONT_TIE = 1e-2
+# shares within this factor are a tie: the headroom's floor, the least spread between calibration splits
+# the gate assumes (MiniLM measures 1.29 at the 90% quantile): the data cannot rank plans closer than that
+ERROR_TIE = HEADROOM_FLOOR
 
 
 def choose(passing: list[Evaluated]) -> Evaluated | None:
-    """The fastest passing candidate; among those within LATENCY_TIE of it, the most accurate."""
+    """The fastest passing candidate; among those within LATENCY_TIE of it, the most accurate (up to
+    ERROR_TIE, where one already measured end to end is preferred: it needs no confirmation)."""
     if not passing:
         return None
     fastest = min(e.latency_s for e in passing)
-    near = [e for e in passing if e.latency_s <= fastest * (1 + LATENCY_TIE)]
-    return min(near, key=_choice_key)
+    return _tie_pick([e for e in passing if e.latency_s <= fastest * (1 + LATENCY_TIE)])
+
+
+def _tie_pick(tied: list[Evaluated]) -> Evaluated:
+    """Among candidates of one latency tie: those within ERROR_TIE of the most accurate, measured ones
+    first, then by _choice_key."""
+    best = min(_share(e) for e in tied)
+    near = [e for e in tied if _share(e) <= best * ERROR_TIE]
+    return min(near, key=lambda e: (e.verdict.source in PREDICTED_SOURCES, *_choice_key(e)))
 
 
 def _choice_key(e: Evaluated) -> tuple:
