@@ -14,7 +14,7 @@ import numpy as np
 
 from .codegen.llir import Program
 from .error.budget import Budget
-from .error.chunks import ChunkEffects
+from .error.chunks import ChunkEffects, Propagation
 from .error.headroom import HeadroomEstimate, estimate_headroom
 from .error.judge import Judge
 from .error.reference import Fp64Reference, references
@@ -86,14 +86,16 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     refs = references(graph, calibration)  # the one FP64 pass per calibration batch
     if len(space.part.chunks) > 1:
         with TaskPool(graph.weights, options.workers) as pool:
-            chunks = ChunkEffects(graph, space.part, refs, space.lower_chunk, space.candidates(frozenset()),
-                                  pool=pool, changes_of=space.knobs_of, outputs=budget.outputs)
-            return _search(graph, budget, target, calibration, options, space, use_static, cache_dir, refs, chunks)
-    return _search(graph, budget, target, calibration, options, space, use_static, cache_dir, refs, None)
+            chunks, exact = (ChunkEffects(graph, space.part, refs, space.lower_chunk, space.candidates(frozenset()),
+                                          mode, pool=pool, changes_of=space.knobs_of, outputs=budget.outputs)
+                             for mode in (Propagation.SCALED, Propagation.EXACT))
+            return _search(graph, budget, target, calibration, options, space, use_static, cache_dir, refs, chunks,
+                           exact)
+    return _search(graph, budget, target, calibration, options, space, use_static, cache_dir, refs, None, None)
 
 
 def _search(graph: Graph, budget: Budget, target: str, calibration, options: SearchOptions, space: SearchSpace,
-            use_static, cache_dir, refs, chunks: ChunkEffects | None) -> CompileResult:
+            use_static, cache_dir, refs, chunks: ChunkEffects | None, exact: ChunkEffects | None) -> CompileResult:
     # per-chunk verdicts (error/chunks.py) replace the per-group screen (error/groups.py): they decide
     # from measured local errors before the screen's 4x-over-budget rule could
     ran: dict[str, list] = {}  # the headroom probes' outputs: the same programs are baselines of the search
@@ -103,7 +105,8 @@ def _search(graph: Graph, budget: Budget, target: str, calibration, options: Sea
     # ratio against the user's budget, which is what plans and errors report
     gate = budget if head.headroom == 1.0 else budget.tightened(head.headroom)
     store = VerdictStore.open(cache_dir, context_key(graph, calibration, gate, budget)) if cache_dir else None
-    judge = Judge(graph, budget, list(calibration), use_static=use_static, headroom=head.headroom, references=refs, chunks=chunks, store=store,
+    judge = Judge(graph, budget, list(calibration), use_static=use_static, headroom=head.headroom, references=refs, chunks=chunks,
+                  exact_chunks=exact, store=store,
                   outputs_cache=ran)
     result = search(space, judge, options, latency_inputs=calibration[0], target=target)
     result.stats.update(head.as_dict())

@@ -349,3 +349,58 @@ def test_a_rejection_inside_the_band_never_costs_the_returned_plan(job3, space3,
         assert (run.passed, run.ratio) == (e.verdict.passed, e.verdict.ratio), e.id
     singles = {next(iter(e.genome)) for e in still if len(e.genome) == 1}
     assert singles and not singles & set(judge.bad_changes)
+
+
+def test_a_terminal_chunk_is_judged_by_its_own_deviation_in_either_mode(job3, space3, refs3):
+    """The last chunk feeds no later chunk, so SCALED has nothing to save there, and scaling the FP32
+    chunk's deviation would keep FP32's direction (KL and top-1 of logits depend on it). Its SCALED effect
+    is EXACT's, and points where the end-to-end change of that one chunk does."""
+    last = space3.part.chunks[-1]
+    g = next(g for g in space3.part.groups if last in g.chunks)
+    # BF16 on every op of it that has BF16 (its norm's sums and elementwise ops)
+    genome = frozenset((g.key, k.cls, t) for k in space3.knobs[g.key] for t in k.tags[:2] if t.endswith(":bf16"))
+    assert genome, "the last chunk has no BF16 choice"
+    choice = space3.candidates(genome)[last.index]
+    scaled, exact = effects(job3, space3, refs3, Propagation.SCALED), effects(job3, space3, refs3)
+    base_out = CpuRuntime(space3.program(frozenset()), job3.graph.weights).run(job3.calibration[0]).outputs
+    got = CpuRuntime(space3.program(genome), job3.graph.weights).run(job3.calibration[0]).outputs
+    for name in job3.graph.outputs:
+        s = scaled.effect(last.index, choice).outputs[0][name]
+        np.testing.assert_allclose(s, exact.effect(last.index, choice).outputs[0][name], rtol=1e-6, atol=0)
+        predicted = s - scaled.effect(last.index, scaled.base[last.index]).outputs[0][name]
+        measured = np.asarray(got[name], np.float64) - np.asarray(base_out[name], np.float64)
+        cos = float(np.dot(predicted.ravel(), measured.ravel()) / (np.linalg.norm(predicted) * np.linalg.norm(measured)))
+        assert cos > 0.9, (name, cos)
+
+
+def test_inside_the_scaled_band_the_exact_composition_decides_and_tracks_the_runs(job3, space3, refs3, monkeypatch):
+    """With an EXACT ChunkEffects beside the SCALED one, a composition SCALED cannot call (forced here: its
+    band is never sure) is decided by the exact one; each decided candidate later measured end to end
+    (front, chosen plan) lands within 2x of the exact prediction."""
+    judge = Judge(job3.graph, Budget.parse(job3.default_budget), list(job3.calibration), use_static=False,
+                  references=refs3, chunks=effects(job3, space3, refs3, Propagation.SCALED),
+                  exact_chunks=effects(job3, space3, refs3))
+    monkeypatch.setattr(judge.chunk_band, "decides", lambda p: None)
+    result = Searcher(space3, judge, SearchOptions(seed=0, max_candidates=40, progress=False),
+                      job3.calibration[0]).run()
+    composed = [e.verdict for e in result.evaluated if e.verdict.bias is not None]
+    assert judge.stats.exact > 0 and composed and all(v.exact for v in composed)
+    pairs = [(p, m) for p, m in judge.exact_band.observed if p > 0 and m > 0]
+    assert pairs and all(0.5 <= m / p <= 2.0 for p, m in pairs), pairs
+
+
+def test_a_composed_share_follows_the_bias_learnt_after_it(job3, space3, refs3):
+    """rebias: a composed verdict's errors scale with its band's bias now over the bias it was decided
+    with; a pass pushed over the gate becomes a tentative reject; measured verdicts never move."""
+    from luminal_num.error.judge import Verdict
+    judge = Judge(job3.graph, Budget.parse(job3.default_budget), list(job3.calibration), use_static=False,
+                  references=refs3, chunks=effects(job3, space3, refs3, Propagation.SCALED))
+    v = Verdict(True, "chunks", 0.4, float("nan"), None, "", 0.3, 0.6, False, 1.0)
+    judge.chunk_band.bias = 1.5
+    w = judge.rebias(v)
+    assert (w.passed, w.ratio, w.error, w.budget_error, w.bias) == (True, 0.6 * 1.5, 0.4 * 1.5, 0.3 * 1.5, 1.5)
+    judge.chunk_band.bias = 2.0
+    x = judge.rebias(w)
+    assert not x.passed and x.tentative and x.ratio == pytest.approx(1.2)
+    measured = Verdict(True, "measured", 0.4, 0.1, None, "", 0.3, 0.6)
+    assert judge.rebias(measured) is measured

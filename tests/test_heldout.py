@@ -118,5 +118,6 @@ def test_strict_budget_names_what_blocks_a_plan_below_autocast():
             {"passes_gate": False, "gate_share": 11.5, "label": "W8A16", "latency_s": 0.95e-4}]
     line = blocking(rows, 1e-4)
     assert "W8A16 (0.95x its latency), uses 11.5x the gate" in line and line.startswith("only 2 plans")
+    assert "missing choice is a variant as fast as those (FP8; W8A16) with under 1/11.5 of" in line
     rows[1]["passes_gate"] = True
     assert "the search's choice is the blocker" in blocking(rows, 1e-4)

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import luminal_num.search.search as search_module
+import luminal_num.search.front as front_module
 from luminal_num.codegen.llir import Program
 from luminal_num.search import egraph as E
 from luminal_num.compiler import BudgetUnreachable, compile as compile_plan
@@ -122,9 +123,9 @@ def covered(front, p) -> bool:
     """p is matched by a front member up to the front's ties: no more than FRONT_TIE slower and ERROR_TIE^2
     less accurate (a bucket's pick is within one ERROR_TIE of its best; a pick not kept is within another of
     a faster member: the epsilon-Pareto bound)."""
-    share = search_module._share
-    return any(q.latency_s <= p.latency_s * (1 + search_module.FRONT_TIE)
-               and share(q) <= share(p) * search_module.ERROR_TIE ** 2 for q in front)
+    share = front_module.share
+    return any(q.latency_s <= p.latency_s * (1 + front_module.FRONT_TIE)
+               and share(q) <= share(p) * front_module.ERROR_TIE ** 2 for q in front)
 
 
 def test_search_front_is_a_monotone_pareto_front(job, space):
@@ -133,7 +134,7 @@ def test_search_front_is_a_monotone_pareto_front(job, space):
     budget = Budget.parse(BUDGETS[-1])
     searcher = Searcher(space, Judge(job.graph, budget, list(job.calibration)), OPTIONS, job.calibration[0])
     result = searcher.run()
-    share, tie = search_module._share, search_module.ERROR_TIE
+    share, tie = front_module.share, front_module.ERROR_TIE
     passing = result.passing()
     front = searcher.front()
     assert len(passing) >= len(front) >= 1
@@ -142,7 +143,7 @@ def test_search_front_is_a_monotone_pareto_front(job, space):
     assert all(share(b) * tie < share(a) for a, b in zip(front, front[1:])), \
         "error must fall along the front, by more than the error tie, as latency rises"
     for p in front[1:]:  # nothing that passed beats a front member on both axes beyond the ties
-        assert not any(q.latency_s * (1 + search_module.FRONT_TIE) < p.latency_s and share(q) * tie < share(p)
+        assert not any(q.latency_s * (1 + front_module.FRONT_TIE) < p.latency_s and share(q) * tie < share(p)
                        for q in passing), p.id
     for p in passing:
         assert covered(front, p), p.id
@@ -441,7 +442,7 @@ def test_ties_prefer_a_measured_plan_and_the_front_keeps_only_real_gains():
     confirmation run); a predicted one more accurate beyond the tie is taken. Latencies within FRONT_TIE
     are one front point; a slower point joins only when more accurate than every faster one beyond the tie."""
     from luminal_num.error.judge import Verdict
-    from luminal_num.search.search import ERROR_TIE, FRONT_TIE, Evaluated, choose, front
+    from luminal_num.search.front import ERROR_TIE, FRONT_TIE, Evaluated, choose, front
 
     def cand(i, latency, ratio, source):
         v = Verdict(True, source, ratio, float("nan"), None, "", ratio, ratio)

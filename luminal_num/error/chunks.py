@@ -107,13 +107,18 @@ class ChunkEffects:
         self._group = {c.index: g for g in self.part.groups for c in g.chunks}
         self._outputs = {k: v for k, v in self.graph.outputs.items() if self.outputs is None or k in self.outputs}
         self._ratios: dict[tuple[str, str], dict[int, float]] = {}  # (group, choice key) -> chunk -> ratio
+        # chunks whose exports no later chunk reads (the LM head): their effect is their own deviation, so
+        # SCALED's shortcut would only lose its direction (KL and top-1 of 49152 logits depend on it); exact
+        # for the price of running them on every batch, with nothing to inject
+        self._terminal = {c.index for c in self.part.chunks
+                          if not any(n in later.external for later in self.part.chunks[c.index + 1:] for n in c.exported)}
         self._nb = len(self.references) if self.propagation is Propagation.EXACT or self.local_batches is None \
             else min(self.local_batches, len(self.references))
 
     def _key(self, chunk_index: int, choice: ChunkChoice) -> tuple:
         mode = self.propagation
-        if mode is Propagation.SCALED and choice.key == self.base[chunk_index].key:
-            mode = Propagation.EXACT  # the basis itself is injected exactly
+        if mode is Propagation.SCALED and (choice.key == self.base[chunk_index].key or chunk_index in self._terminal):
+            mode = Propagation.EXACT  # the basis itself is injected exactly; a terminal chunk needs no injection
         return (self.structure[chunk_index], chunk_index, choice.key, mode)
 
     def effect(self, chunk_index: int, choice: ChunkChoice) -> ChunkEffect:
@@ -146,7 +151,10 @@ class ChunkEffects:
             # no scaled shortcut (the FP32 chunk is exact, e.g. an embedding gather, so there is no ratio):
             # the choice was run on the first batches only; its effect needs every batch, injected exactly
             devs = self._local(chunk, choice, every_batch=True)
-        return ChunkEffect(local, tuple(self._inject(chunk, ref, dev) for ref, dev in zip(self.references, devs)))
+        # kept in float32 (a deviation to 7 digits of itself): an EXACT effect holds its own arrays, on
+        # SmolLM2 3 batches of 8 x 49152 logits per chunk choice
+        return ChunkEffect(local, tuple({k: v.astype(np.float32) for k, v in self._inject(chunk, ref, dev).items()}
+                                        for ref, dev in zip(self.references, devs)))
 
     def _shared_ratio(self, i: int, choice: ChunkChoice) -> float | None:
         """The group's shared local-error ratio for this choice (geometric mean of its samples), or None

@@ -6,6 +6,7 @@ candidate that contains it (monotone pruning), without running anything.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -45,6 +46,8 @@ class Verdict:
     # decided from a composition inside its band (no margin): a tentative pass is confirmed if it reaches the
     # front or is chosen, a tentative reject is measured if it would be chosen (search.confirm_finalists)
     tentative: bool = False
+    bias: float | None = None  # a composed verdict: the bias its errors were multiplied by (None: not composed)
+    exact: bool = False        # composed with EXACT propagation (its band is the judge's exact_band)
 
 
 @dataclass
@@ -61,6 +64,7 @@ class GateStats:
     stored: int = 0      # verdicts read from the on-disk cache (counted among the cache's verdicts)
     tentative: int = 0   # chunk verdicts inside the band that pass on the bias-corrected estimate (among chunks)
     deferred: int = 0    # chunk verdicts inside the band that fail on it: tentative rejects (among chunks)
+    exact: int = 0       # chunk verdicts from the exact composition (SCALED inside its band; among chunks)
     deferred_measured: int = 0  # tentative rejects measured end to end because they would have been chosen
 
     def as_dict(self) -> dict[str, int]:
@@ -68,7 +72,7 @@ class GateStats:
                     predicted=self.predicted,
                     measured=self.measured, pruned=self.pruned, confirmed=self.confirmed,
                     mismatches=self.mismatches, stored=self.stored, tentative=self.tentative,
-                    deferred=self.deferred, deferred_measured=self.deferred_measured)
+                    deferred=self.deferred, deferred_measured=self.deferred_measured, exact=self.exact)
 
 
 SCREEN_FACTOR = 4.0  # the group estimate runs ~1-2x above the true error: 4x over budget is a sure failure
@@ -99,6 +103,8 @@ class Judge:
     bad_changes: dict[Change, str] = field(default_factory=dict)
     use_prediction: bool = True  # decide multi-change candidates from their measured single changes
     chunks: ChunkEffects | None = None  # per-chunk verdicts (error/chunks.py), tried before any measurement
+    # the same, EXACT propagation: decides where `chunks` (SCALED, cheaper) falls inside its band
+    exact_chunks: ChunkEffects | None = None
     bad_chunks: dict[tuple, str] = field(default_factory=dict)  # (structure, chunk, choice key) -> why
     chunks_alone_ok: set = field(default_factory=set)  # chunk choices whose effect alone did not break it
     store: VerdictStore | None = None  # measured verdicts on disk (error/verdict_store.py), reused across compiles
@@ -131,7 +137,11 @@ class Judge:
         self.chunk_band = DeltaPredictor(self.gate, self.budget, self.refs, centred=True) \
             if self.chunks is not None else None
         self.chunk_pending: dict[str, Prediction] = {}
-        self.deferred: dict[frozenset, Prediction] = {}  # tentative rejects (never lowered) -> their composition
+        self.exact_band = DeltaPredictor(self.gate, self.budget, self.refs, centred=True) \
+            if self.exact_chunks is not None else None
+        self.exact_pending: dict[str, Prediction] = {}
+        # tentative rejects (never lowered) -> their compositions (SCALED, EXACT or None)
+        self.deferred: dict[frozenset, tuple[Prediction, Prediction | None]] = {}
 
     def judge(self, program: Program | Callable[[], Program], changes: frozenset[Change] = frozenset(),
               candidates=None, predict: bool = True, tentative: bool = True) -> Verdict:
@@ -164,16 +174,17 @@ class Judge:
             self.use_static = certified
             self.static_note = ("static bounds certify the FP32 baseline: static stage on" if certified else
                                 "static bounds do not certify the FP32 baseline: measurement decides")
-        pending = None
+        pending = None  # (SCALED, EXACT or None) compositions a later measurement checks
         if v is None and predict and self.chunks is not None and candidates is not None:
-            v, pending = self._chunk_verdict(candidates)
+            v, *pending = self._chunk_verdict(candidates)
             if v is not None and v.tentative and not tentative:
                 v = None
             if v is not None and v.source == "chunks":
                 self.stats.chunks += 1
+                self.stats.exact += pending[1] is not None
                 self._count_tentative(v, 1)
             if v is not None and v.tentative and not v.passed:
-                self.deferred[changes] = pending  # checked if it is ever measured (confirm)
+                self.deferred[changes] = tuple(pending)  # checked if it is ever measured (confirm)
             if lazy and v is not None and not v.passed:
                 return v  # rejected from its chunks: never lowered
         if lazy:
@@ -182,10 +193,11 @@ class Judge:
             if key in self.cache:
                 if v is not None and v.source == "chunks":  # a known program: the cache decides
                     self.stats.chunks -= 1
+                    self.stats.exact -= pending[1] is not None
                     self._count_tentative(v, -1)
                 return self._cached(key, changes)
         if pending is not None:
-            self.chunk_pending[key] = pending  # a later measurement of this program checks the composition
+            self._expect(key, *pending)  # a later measurement of this program checks the compositions
         if v is None and predict and self.predictor is not None and len(changes) >= 2:
             v = self._predict(key, changes)
         if v is None and self.estimator is not None and candidates is not None:
@@ -231,20 +243,28 @@ class Judge:
             self.stats.stored += 1
         return v
 
+    def _expect(self, key: str, scaled: Prediction | None, exact: Prediction | None) -> None:
+        for pending, p in ((self.chunk_pending, scaled), (self.exact_pending, exact)):
+            if p is not None:
+                pending.setdefault(key, p)
+
     def _observe(self, key: str, measured: Verdict) -> None:
-        for pending, band in ((self.pending, self.predictor), (self.chunk_pending, self.chunk_band)):
+        for pending, band in ((self.pending, self.predictor), (self.chunk_pending, self.chunk_band),
+                              (self.exact_pending, self.exact_band)):
             if key in pending:
                 before = band.mismatches
                 band.observe(pending[key].ratio, measured.ratio)
                 self.stats.mismatches += band.mismatches - before
 
-    def _chunk_verdict(self, candidates) -> tuple[Verdict | None, Prediction | None]:
+    def _chunk_verdict(self, candidates) -> tuple[Verdict | None, Prediction | None, Prediction | None]:
         """Decide from the chunks' effects composed (error/chunks.py) when outside the band; a chunk
         choice whose effect alone (the other chunks FP32) breaks it prunes every genome containing it.
         Inside the band the bias-corrected estimate decides tentatively (Verdict.tentative): measurement is
-        spent only where it can change the answer (search.confirm_finalists). Also returns the composed
-        prediction (a later measurement of the program checks it). The caller counts the "chunks" verdicts
-        it keeps."""
+        spent only where it can change the answer (search.confirm_finalists); with `exact_chunks`, the EXACT
+        composition (each chunk's own deviation injected into the FP64 rest: validated within 2x on SmolLM2
+        where SCALED is not, bench/prediction.py) decides instead, with its own band. Also returns the
+        SCALED and EXACT compositions (a later measurement of the program checks them). The caller counts
+        the "chunks" verdicts it keeps."""
         ce, band = self.chunks, self.chunk_band
         changed = [i for i in sorted(candidates) if candidates[i].key != ce.base[i].key]
         ids = {i: (ce.structure[i], i, candidates[i].key) for i in changed}
@@ -253,9 +273,9 @@ class Judge:
                 self.stats.cache += 1
                 self.stats.pruned += 1
                 return Verdict(False, "cache", np.inf, np.nan, None,
-                               f"chunk {i}'s choice alone breaks the budget ({self.bad_chunks[ids[i]]})", np.inf), None
+                               f"chunk {i}'s choice alone breaks the budget ({self.bad_chunks[ids[i]]})", np.inf), None, None
         ce.prefetch(candidates)
-        p = band.check(ce.compose(candidates, self.gated_refs))
+        p = scaled = band.check(ce.compose(candidates, self.gated_refs))
         if band.decides(p) is not True:
             # not a clear pass: does one chunk's choice alone break it? (then it prunes every genome with
             # it). With one chunk changed the composition is that chunk alone.
@@ -269,21 +289,41 @@ class Judge:
                 self.bad_chunks[ids[i]] = f"predicted {alone.ratio:.3g}x the budget: {alone.reason}"
                 return Verdict(False, "chunks", alone.allclose, np.nan, None,
                                f"chunk {i}'s choice alone is predicted {alone.ratio:.3g}x the budget "
-                               f"(margin {band.margin:.3g}): {alone.reason}", alone.user, alone.ratio), p
-        decided = band.decides(p)
-        how, tentative = f"margin {band.margin:.3g}, bias {band.bias:.3g}", decided is None
+                               f"(margin {band.margin:.3g}): {alone.reason}", alone.user, alone.ratio), p, None
+        decided, exact, how = band.decides(p), None, "composed from"
+        if decided is None and self.exact_chunks is not None:  # inside SCALED's band: the exact composition
+            self.exact_chunks.prefetch(candidates)
+            p = exact = self.exact_band.check(self.exact_chunks.compose(candidates, self.gated_refs))
+            band, how = self.exact_band, "composed exactly (each chunk's deviation injected into the FP64 rest) from"
+            decided = band.decides(p)
+        how, tentative = f"{how} {len(candidates)} chunks judged alone on FP64 inputs (margin {band.margin:.3g}, " \
+                         f"bias {band.bias:.3g}", decided is None
         if decided is None:
             # likely to pass: re-measured end to end if it reaches the front or is chosen; likely to fail:
             # measured only if it would be chosen were it to pass (the front omits it otherwise)
             decided = band.expected(p) <= 1.0
-            how = (f"inside the band ({how}), expected {band.expected(p):.3g} of the budget: "
-                   f"tentative {'pass' if decided else 'reject'}")
+            how += (f", inside the band: expected {band.expected(p):.3g} of the budget, "
+                    f"tentative {'pass' if decided else 'reject'}")
         # its errors corrected by the observed bias: comparable with measured ones on the front (an
         # under-predicted point would look better than the measured ones and take their place)
         b = band.bias
-        return Verdict(decided, "chunks", p.allclose * b, np.nan, None,
-                       f"composed from {len(candidates)} chunks judged alone on FP64 inputs "
-                       f"({how}): {p.reason}", p.user * b, p.ratio * b, tentative), p
+        return Verdict(decided, "chunks", p.allclose * b, np.nan, None, f"{how}): {p.reason}",
+                       p.user * b, p.ratio * b, tentative, b, exact is not None), scaled, exact
+
+    def rebias(self, v: Verdict) -> Verdict:
+        """A composed verdict re-corrected by its band's current bias (learnt from end-to-end runs made
+        since): ranked against measured plans on the front, a stale estimate would look better than they
+        do and cost a confirmation each. A pass whose estimate now exceeds the gate becomes a tentative
+        reject."""
+        if v.bias is None:
+            return v
+        band = self.exact_band if v.exact else self.chunk_band
+        f = band.bias / v.bias
+        if f == 1.0:
+            return v
+        passed = v.passed and v.ratio * f <= 1.0
+        return dataclasses.replace(v, passed=passed, error=v.error * f, budget_error=v.budget_error * f,
+                                   ratio=v.ratio * f, bias=band.bias, tentative=v.tentative or passed != v.passed)
 
     def _predict(self, key: str, changes) -> Verdict | None:
         p = self.predictor.predict(changes)
@@ -305,7 +345,7 @@ class Judge:
         key = program_key(program)
         deferred = self.deferred.pop(changes, None)
         if deferred is not None:
-            self.chunk_pending.setdefault(key, deferred)
+            self._expect(key, *deferred)
             self.stats.deferred_measured += 1
         v = self._stored(key)
         if v is None:

@@ -17,14 +17,14 @@ from ..codegen.attention import ATTENTION_VARIANTS
 from ..codegen.llir import Program
 from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ..quant.storage import STORAGE_FORMATS
-from ..error.headroom import FLOOR as HEADROOM_FLOOR
-from ..error.judge import PREDICTED_SOURCES, Judge, Verdict
+from ..error.judge import PREDICTED_SOURCES, Judge
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
 from ..runtime.targets import OPERAND_MATH, gemm_math, get_target
 from . import allocate
+from .front import Evaluated, choose, front, share
 from .recipes import AUTOCASTS, STORAGE_SOURCES, TF32_SOURCE, autocast_recipe, pick, recipe_genomes, tf32_recipe
-from .space import Change, ChunkSite, Genome, SearchSpace
+from .space import ChunkSite, Genome, SearchSpace
 
 
 @dataclass(frozen=True)
@@ -39,24 +39,6 @@ class SearchOptions:
     headroom: float | None = None  # share of the budget a plan may use on the calibration set (the rest
                                    # is kept for unseen inputs: audit judges against the full budget);
                                    # None: from data (error/headroom.py), a number overrides it
-
-
-@dataclass(frozen=True)
-class Evaluated:
-    id: int
-    genome: Genome
-    verdict: Verdict
-    latency: Latency | None   # None when the gate rejected it (latency is never spent on those)
-    label: str = ""
-    stage: str = ""           # baseline | uniform | sensitivity | greedy | layer | mutation
-    program: Program | None = field(default=None, repr=False, compare=False)  # what was judged (lowered once)
-    # end-to-end measurements this candidate cost (its own and its confirmation's); 0 when a cache hit
-    # (the same program measured for another genome), the static bound, its chunks or a prediction decided
-    end_to_end_runs: int = 0
-
-    @property
-    def latency_s(self) -> float:
-        return self.latency.total_s if self.latency is not None else float("nan")
 
 
 @dataclass
@@ -179,6 +161,10 @@ class Searcher:
                          chunk_local_checks=len(ce.local_checks), chunk_injections=ce.injections)
             if ce.compose_off:
                 stats["chunk_compose_off"] = ce.compose_off
+        if self.judge.exact_band is not None:
+            xe = self.judge.exact_chunks
+            stats.update(exact_margin=self.judge.exact_band.margin, exact_bias=self.judge.exact_band.bias,
+                         exact_runs=xe.runs, exact_injections=xe.injections)
         stats.update(self.allocation)
         if interrupted:
             stats["interrupted"] = True
@@ -223,6 +209,11 @@ class Searcher:
                                   end_to_end_runs=e.end_to_end_runs + self.judge.stats.measured - runs_before)
         self.evaluated[e.id] = new
         self.seen[e.genome] = new
+        for old in self.evaluated:  # the run moved the composition's bias: every composed share follows it
+            v = self.judge.rebias(old.verdict)
+            if v is not old.verdict:
+                self.evaluated[old.id] = self.seen[old.genome] = dataclasses.replace(
+                    old, verdict=v, latency=old.latency if v.passed else None)
 
     def _deferred_faster_than(self, chosen: Evaluated | None) -> list[Evaluated]:
         """Tentative rejects modelled faster than `chosen` (all of them when nothing passed), fastest first;
@@ -279,11 +270,11 @@ class Searcher:
         """Add passing changes in order of latency gain per unit of error while the whole stays in budget."""
         if base.latency is None:
             return
-        base_err = _share(base) if np.isfinite(_share(base)) else 0.0
+        base_err = share(base) if np.isfinite(share(base)) else 0.0
 
         def score(e: Evaluated) -> float:
             gain = base.latency_s - e.latency_s
-            return gain / max(_share(e) - base_err, 1e-12)
+            return gain / max(share(e) - base_err, 1e-12)
         useful = [e for e in singles if e.verdict.passed and e.latency is not None and e.latency_s < base.latency_s]
         useful.sort(key=lambda e: (-score(e), e.id))
         # start from the fastest passing uniform recipe or single change (or FP32): singles then refine it
@@ -409,70 +400,6 @@ class Searcher:
 
     def front(self) -> list[Evaluated]:
         return front(self.evaluated)
-
-
-def front(evaluated: list[Evaluated]) -> list[Evaluated]:
-    """The (latency, budget share) Pareto front of the passing candidates, ties merged (an epsilon-Pareto
-    front, Laumanns et al. 2002): the chosen plan first, then one point per FRONT_TIE bucket of latency,
-    kept only when its share is below every faster point's by more than ERROR_TIE. Every member is
-    confirmed end to end, so a point that buys nothing measurable would cost a run (and, measured a
-    little above its prediction, expose the next such point: a cascade of confirmations)."""
-    passing = sorted((e for e in evaluated if e.verdict.passed and e.latency is not None),
-                     key=lambda e: (e.latency_s, _share(e), e.id))
-    chosen = choose(passing)
-    if chosen is None:
-        return []
-    buckets: list[list[Evaluated]] = []
-    for e in passing:
-        if e.latency_s <= chosen.latency_s * (1 + LATENCY_TIE):
-            continue  # choose()'s tie: the chosen plan stands for it
-        if buckets and e.latency_s <= buckets[-1][0].latency_s * (1 + FRONT_TIE):
-            buckets[-1].append(e)
-        else:
-            buckets.append([e])
-    out, best_err = [chosen], _share(chosen)
-    for b in buckets:
-        pick = _tie_pick(b)
-        if _share(pick) * ERROR_TIE < best_err:
-            out.append(pick)
-            best_err = _share(pick)
-    return out
-
-
-def _share(e: Evaluated) -> float:
-    """The share of the gate a candidate uses over every metric (allclose alone when not recorded)."""
-    return e.verdict.ratio if np.isfinite(e.verdict.ratio) else e.verdict.error
-
-
-LATENCY_TIE = 1e-3  # relative: latencies this close are a tie for the chosen plan, broken by lower error
-# the front's latency buckets beyond the chosen plan: a point under 1% faster than a more accurate one
-# buys nothing the cost model resolves
-FRONT_TIE = 1e-2
-# shares within this factor are a tie: the headroom's floor, the least spread between calibration splits
-# the gate assumes (MiniLM measures 1.29 at the 90% quantile): the data cannot rank plans closer than that
-ERROR_TIE = HEADROOM_FLOOR
-
-
-def choose(passing: list[Evaluated]) -> Evaluated | None:
-    """The fastest passing candidate; among those within LATENCY_TIE of it, the most accurate (up to
-    ERROR_TIE, where one already measured end to end is preferred: it needs no confirmation)."""
-    if not passing:
-        return None
-    fastest = min(e.latency_s for e in passing)
-    return _tie_pick([e for e in passing if e.latency_s <= fastest * (1 + LATENCY_TIE)])
-
-
-def _tie_pick(tied: list[Evaluated]) -> Evaluated:
-    """Among candidates of one latency tie: those within ERROR_TIE of the most accurate, measured ones
-    first, then by _choice_key."""
-    best = min(_share(e) for e in tied)
-    near = [e for e in tied if _share(e) <= best * ERROR_TIE]
-    return min(near, key=lambda e: (e.verdict.source in PREDICTED_SOURCES, *_choice_key(e)))
-
-
-def _choice_key(e: Evaluated) -> tuple:
-    """Among tied latencies: the most accurate (share of the budget over every metric), then the fewest changes."""
-    return (_share(e), len(e.genome), e.latency_s, e.id)
 
 
 def variant_classes(tags, target: str) -> list[list[str]]:
