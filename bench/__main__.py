@@ -54,9 +54,7 @@ def prediction_figures(quick: bool) -> dict:
     """How often a genome's predicted error is within 2x of the measured one."""
     # quick: the test transformer only (MiniLM and SmolLM2 are full compiles-worth of chunk runs)
     prediction.main(["--n", "5", "--jobs", "transformer"] if quick else ["--n", "30"])
-    df = pd.read_csv(OUT / "prediction.csv")
-    return {f"{job}: predicted ({mode}) within 2x of measured": float(g[f"within_2x_{mode}"].mean())
-            for job, g in df.groupby("job") for mode in ("scaled", "exact")}
+    return prediction.figures(pd.read_csv(OUT / "prediction.csv"))
 
 
 def slow_tests() -> dict:

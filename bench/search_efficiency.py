@@ -31,7 +31,7 @@ TARGET = "h200"
 # the gate's stages, in the order it tries them; `pruned` and `stored` (read from the on-disk cache) are
 # subsets of the cache's verdicts
 VERDICT_STAGES = tuple(f.name for f in fields(GateStats)
-                       if f.name not in ("pruned", "stored", "tentative", "deferred", "deferred_measured"))
+                       if f.name not in ("pruned", "stored", "tentative", "deferred", "deferred_measured", "exact"))
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,8 @@ def efficiency_row(c: CompiledJob) -> dict:
                 chunk_compose_off=search.stats.get("chunk_compose_off", ""), chunk_bias=search.stats.get("chunk_bias"),
                 tentative=search.stats.get("tentative"), deferred=search.stats.get("deferred"),
                 deferred_measured=search.stats.get("deferred_measured"),
+                decided_exactly=search.stats.get("exact"), exact_margin=search.stats.get("exact_margin"),
+                exact_runs=search.stats.get("exact_runs"), exact_injections=search.stats.get("exact_injections"),
                 peak_rss_gb=c.peak_rss_gb[0], peak_rss_worker_gb=c.peak_rss_gb[1],
                 load_before=c.load[0], load_after=c.load[1])
 
@@ -167,6 +169,11 @@ def run(compiled: dict[str, CompiledJob] | None = None, quick: bool = False,
     write_csv(_merged(df, "search_efficiency.csv", only), "search_efficiency.csv")
     cands = pd.DataFrame([candidate_row(c, e) for c in compiled.values() for e in c.result.search.evaluated])
     write_csv(_merged(cands, "search_candidates.csv", only), "search_candidates.csv")
+    return figures(df)
+
+
+def figures(df: pd.DataFrame) -> dict:
+    """The headline figures of search_efficiency.csv rows (one job per row)."""
     figures = {}
     for r in df.itertuples():
         gate = ", ".join(f"{c.removeprefix('decided_by_')} {getattr(r, c)}" for c in df.columns

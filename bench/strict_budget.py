@@ -20,7 +20,7 @@ from luminal_num.error.budget import Budget
 from luminal_num.error.judge import Judge
 from luminal_num.runtime.cost import UnsupportedOnTarget
 from luminal_num.runtime.latency import program_latency
-from luminal_num.search.search import LATENCY_TIE
+from luminal_num.search.front import LATENCY_TIE
 from luminal_num.search.space import group_of
 
 from .heldout import TARGET, HeldoutJob, audit_returned, compile_job, jobs, layer_map_row
@@ -114,14 +114,16 @@ def blocking(faster: list[dict], latency_s: float) -> str:
     """One line: which choices would beat `latency_s` by more than a latency tie, and why none is taken
     (the most accurate of them breaks the gate by its share; none at all: every faster plan is a tie)."""
     if not faster:
-        return (f"no evaluated plan (baselines included) is modelled more than {LATENCY_TIE:.0%} faster than "
+        return (f"no evaluated plan (baselines included) is modelled more than {LATENCY_TIE:.1%} faster than "
                 f"{AUTOCAST}: the faster choices gain within the latency tie")
     if any(r["passes_gate"] for r in faster):
         return "a faster plan passes the gate: the search's choice is the blocker (see the 'faster' rows)"
     best = min(faster, key=lambda r: r["gate_share"])
-    return (f"only {len(faster)} plans are modelled faster than {AUTOCAST} beyond the {LATENCY_TIE:.0%} tie and "
+    return (f"only {len(faster)} plans are modelled faster than {AUTOCAST} beyond the {LATENCY_TIE:.1%} tie and "
             f"each breaks the gate; the most accurate, {best['label']} ({best['latency_s'] / latency_s:.3g}x its "
-            f"latency), uses {best['gate_share']:.3g}x the gate")
+            f"latency), uses {best['gate_share']:.3g}x the gate: the missing choice is a variant as fast as "
+            f"those ({'; '.join(sorted({r['label'] for r in faster}))}) with under 1/{best['gate_share']:.3g} "
+            f"of the most accurate one's error")
 
 
 def faster_than(job, result, latency_s: float) -> list[dict]:
