@@ -146,6 +146,8 @@ def test_compile_decides_by_chunks_and_confirms_the_front_and_the_plan(job3, spa
                        SearchOptions(seed=0, max_candidates=40, progress=False), space=space3)
     s = res.search
     assert s.stats["chunks"] > 0
+    # every confirmation checks the EXACT composition too (it decides inside SCALED's band)
+    assert s.stats["exact_checks"] >= s.stats["confirmed"] > 0
     assert s.chosen.verdict.source not in ("chunks", "predicted")
     front_sources = {e.verdict.source for e in s.evaluated if e.verdict.passed and e.latency is not None
                      and e in _front(s.evaluated)}

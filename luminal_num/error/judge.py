@@ -339,14 +339,19 @@ class Judge:
                        f"predicted from the changes' measured errors (margin {self.predictor.margin:.3g}): {p.reason}",
                        p.user, p.ratio)
 
-    def confirm(self, program: Program, changes: frozenset[Change] = frozenset()) -> Verdict:
+    def confirm(self, program: Program, changes: frozenset[Change] = frozenset(), candidates=None) -> Verdict:
         """Measure a predicted candidate end to end (finalists, and tentative rejects that would be
-        chosen: `changes` names those); the result replaces the prediction."""
+        chosen: `changes` names those); the result replaces the prediction. With `candidates` (its chunk
+        choices) the EXACT composition is checked against the run too, wherever SCALED decided: the
+        exact band is calibrated by every confirmation, not only by those it decided."""
         key = program_key(program)
         deferred = self.deferred.pop(changes, None)
         if deferred is not None:
             self._expect(key, *deferred)
             self.stats.deferred_measured += 1
+        if self.exact_chunks is not None and candidates is not None and key not in self.exact_pending:
+            self.exact_chunks.prefetch(candidates)
+            self._expect(key, None, self.exact_band.check(self.exact_chunks.compose(candidates, self.gated_refs)))
         v = self._stored(key)
         if v is None:
             v, _ = self._measure(program)

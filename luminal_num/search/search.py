@@ -164,7 +164,8 @@ class Searcher:
         if self.judge.exact_band is not None:
             xe = self.judge.exact_chunks
             stats.update(exact_margin=self.judge.exact_band.margin, exact_bias=self.judge.exact_band.bias,
-                         exact_runs=xe.runs, exact_injections=xe.injections)
+                         exact_checks=len(self.judge.exact_band.observed), exact_runs=xe.runs,
+                         exact_injections=xe.injections)
         stats.update(self.allocation)
         if interrupted:
             stats["interrupted"] = True
@@ -203,7 +204,7 @@ class Searcher:
         its latency was never taken)."""
         runs_before = self.judge.stats.measured
         program = e.program if e.program is not None else self.space.program(e.genome)
-        v = self.judge.confirm(program, e.genome)
+        v = self.judge.confirm(program, e.genome, self.space.candidates(e.genome))
         latency = (e.latency if e.latency is not None else self.latency(program)) if v.passed else None
         new = dataclasses.replace(e, verdict=v, latency=latency, program=program,
                                   end_to_end_runs=e.end_to_end_runs + self.judge.stats.measured - runs_before)
