@@ -138,6 +138,7 @@ def efficiency_row(c: CompiledJob) -> dict:
                 tentative=search.stats.get("tentative"), deferred=search.stats.get("deferred"),
                 deferred_measured=search.stats.get("deferred_measured"),
                 decided_exactly=search.stats.get("exact"), exact_margin=search.stats.get("exact_margin"),
+                exact_bias=search.stats.get("exact_bias"), exact_checks=search.stats.get("exact_checks"),
                 exact_runs=search.stats.get("exact_runs"), exact_injections=search.stats.get("exact_injections"),
                 peak_rss_gb=c.peak_rss_gb[0], peak_rss_worker_gb=c.peak_rss_gb[1],
                 load_before=c.load[0], load_after=c.load[1])
