@@ -79,7 +79,7 @@ class Searcher:
         self.seen: dict[Genome, Evaluated] = {}
         self.latency_inputs = latency_inputs
         self.allocation: dict = {}  # per_layer: the Lagrangian vs greedy allocation, which won
-        self.deferred_latency: dict[int, float] = {}  # tentative reject id -> modelled latency (confirm_finalists)
+        self.deferred_latency: dict[int, Latency | None] = {}  # tentative reject id -> its latency (None: target cannot run it)
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=options.max_candidates, desc="search", unit="cand", disable=not options.progress,
                         leave=False)
@@ -205,7 +205,9 @@ class Searcher:
         runs_before = self.judge.stats.measured
         program = e.program if e.program is not None else self.space.program(e.genome)
         v = self.judge.confirm(program, e.genome, self.space.candidates(e.genome))
-        latency = (e.latency if e.latency is not None else self.latency(program)) if v.passed else None
+        if e.latency is None and e.id not in self.deferred_latency:
+            self.deferred_latency[e.id] = self.latency(program)
+        latency = (e.latency or self.deferred_latency[e.id]) if v.passed else None
         new = dataclasses.replace(e, verdict=v, latency=latency, program=program,
                                   end_to_end_runs=e.end_to_end_runs + self.judge.stats.measured - runs_before)
         self.evaluated[e.id] = new
@@ -227,11 +229,14 @@ class Searcher:
                 program = e.program if e.program is not None else self.space.program(e.genome)
                 self.evaluated[e.id] = e = dataclasses.replace(e, program=program)
                 self.seen[e.genome] = e
-                lat = self.latency(program)
-                self.deferred_latency[e.id] = lat.total_s if lat is not None else np.inf
-            if chosen is None or self.deferred_latency[e.id] < chosen.latency_s:
+                self.deferred_latency[e.id] = self.latency(program)
+            if chosen is None or self._deferred_s(e) < chosen.latency_s:
                 out.append(e)
-        return sorted(out, key=lambda e: (self.deferred_latency[e.id], e.id))
+        return sorted(out, key=lambda e: (self._deferred_s(e), e.id))
+
+    def _deferred_s(self, e: Evaluated) -> float:
+        lat = self.deferred_latency[e.id]
+        return lat.total_s if lat is not None else np.inf
 
     def passing(self) -> list[Evaluated]:
         return [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
