@@ -11,6 +11,7 @@ from luminal_num.dtypes.rounding import Overflow, round_to
 from luminal_num.dtypes.variants import GEMM_VARIANTS
 from luminal_num.hlir.evaluate import EVALUATORS, evaluate
 from luminal_num.hlir.ops import CUSTOM_KINDS, ELEMENTWISE_OPS, Op
+from luminal_num.hlir.store import keyed
 from luminal_num.hlir.weightcache import WEIGHTS, ByteLRU, WeightCache
 from luminal_num.models.testnets import matmul_chain, mlp
 from luminal_num.quant import QuantOverflow, compute_scales
@@ -109,17 +110,17 @@ def test_prepared_b_gives_the_same_gemm(name):
         emulate_gemm(a, b, variant, b_prepared=prepare_b(b, variant, static))
 
 
-def test_weight_cache_is_keyed_by_the_live_array():
+def test_weight_cache_is_keyed_by_content_within_its_budget():
     cache = WeightCache(budget_bytes=1000)
-    w = np.ones(10)
+    w = keyed(np.ones(10))
     calls = []
     first = cache.get(w, "k", lambda: calls.append(1) or w * 2)
     assert cache.get(w, "k", lambda: calls.append(1) or w * 3) is first and len(calls) == 1
-    big = np.ones(200)
+    assert cache.get(keyed(np.ones(10)), "k", lambda: calls.append(1)) is first  # equal content, one entry
+    big = keyed(np.ones(200))
     cache.get(big, "k", lambda: big.copy())  # 1600 bytes: over budget, not kept
     assert cache.get(big, "k", lambda: calls.append(1) or big) is big and len(calls) == 2
-    del w
-    assert cache.bytes == 0  # the entry went with its array
+    assert cache.bytes == first.nbytes
 
 
 def test_reference_weights_are_converted_once_and_read_only():

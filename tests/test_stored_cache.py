@@ -68,13 +68,22 @@ def test_the_byte_budget_evicts_least_recently_used(fresh):
     assert fresh.conversions == 5
 
 
-def test_identity_memo_dies_with_the_array(fresh):
-    w = weights(1, seed=2)[0]
-    widened(w, "f16")
-    assert len(fresh._ids) == 1
+def test_a_weight_is_hashed_once_and_its_copy_finds_its_entry(fresh, monkeypatch):
+    """A weight (hlir/store.py WeightArray) computes its content key once, whatever the number of
+    readers; the conversion is kept by content, so an equal copy finds it after the weight is gone."""
+    from luminal_num.hlir import store
+    hashed = []
+    real = store.digest
+    monkeypatch.setattr(store, "digest", lambda a, *p: hashed.append(a.shape) or real(a, *p))
+    raw = weights(1, seed=2)[0]
+    w = store.keyed(raw)
+    first = widened(w, "f16")
+    for _ in range(3):
+        assert widened(w, "f16") is first
+    assert hashed == [w.shape]
     del w
     gc.collect()
-    assert not fresh._ids and fresh.bytes > 0  # the converted values stay: a copy may come back
+    assert widened(raw.copy(), "f16") is first and fresh.conversions == 1
 
 
 def test_a_pool_worker_shrinks_both_weight_caches_to_its_budget(fresh, monkeypatch):
@@ -85,7 +94,8 @@ def test_a_pool_worker_shrinks_both_weight_caches_to_its_budget(fresh, monkeypat
     cache = WeightCache()
     monkeypatch.setattr(tasks, "WEIGHTS", cache)
     monkeypatch.setattr(tasks, "CONVERTED", fresh)
-    ws = weights(4, seed=2)
+    from luminal_num.hlir.store import keyed
+    ws = [keyed(w) for w in weights(4, seed=2)]  # weights: the cache keeps values derived from weights only
     for w in ws:
         widened(w, "bf16")
         cache.get(w, "copy", lambda w=w: w.astype(np.float64))

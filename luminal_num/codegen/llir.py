@@ -23,6 +23,7 @@ import numpy as np
 from ..dtypes.formats import F32, Format
 from ..dtypes.variants import GEMM_VARIANTS, ScaleSpec
 from ..hlir.gemm import GemmLayout
+from ..hlir.store import WeightArray, digest, keyed
 from ..hlir.weightcache import WEIGHTS
 from ..hlir.ops import Op
 from ..hlir.shape import ShapeTracker, View, contiguous_strides
@@ -506,17 +507,21 @@ def _check_quantize(k: Kernel) -> str:
     return _views_shaped(k, k.layout.full_shape, 1)
 
 
-def _read_only(x: np.ndarray) -> np.ndarray:
-    x.setflags(write=False)  # shared by every runtime: a write into it would be a bug, raised where it happens
-    return x
+def _concatenated(parts, axis: int) -> np.ndarray:
+    """Weights side by side: itself a weight (read-only, shared by every runtime), keyed by its parts, so
+    what is derived from it (its Gemm operand per variant) is cached too; other inputs: a plain array."""
+    out = np.concatenate([np.asarray(p) for p in parts], axis=axis)
+    if all(isinstance(p, WeightArray) for p in parts):
+        return keyed(out, digest(np.zeros(0), "concat", axis, tuple(p.content_key for p in parts)))
+    return out
 
 
 def external_value(k: Kernel, feed: Mapping[str, object]) -> np.ndarray:
     """An EXTERNAL kernel's value from graph inputs by name: the input, or its weights concatenated."""
     if k.concat:  # the same parts give the same array, kept process-wide: what is derived from it (its Gemm
         # operand per variant, hlir.weightcache) is then kept too, not rebuilt by every runtime
-        parts = [np.asarray(feed[n]) for n in k.concat]
-        return WEIGHTS.get_joint(parts, ("concat", k.concat_axis), lambda: _read_only(np.concatenate(parts, axis=k.concat_axis)))
+        parts = [feed[n] for n in k.concat]
+        return WEIGHTS.get_joint(parts, ("concat", k.concat_axis), lambda: _concatenated(parts, k.concat_axis))
     return np.asarray(feed[k.external])
 
 

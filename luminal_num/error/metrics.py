@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from luminal_num.dtypes.formats import FLOAT_FORMATS, Format
+from luminal_num.hlir.store import WeightArray
 from luminal_num.hlir.weightcache import WeightCache
 
 TINY = float(np.finfo(np.float64).tiny)  # max_rel's default floor: 2^-1022, the smallest normal double
@@ -63,12 +64,12 @@ class Metric:
 class Compared:
     """y against its FP64 reference, with what several metrics share computed once: a budget checks
     allclose and every metric limit on one pair, and the judge checks hundreds of predicted outputs
-    against the same few references (their facts and log-softmax rows are kept per reference array,
-    hlir.weightcache: keyed by identity, dropped with the array). Every value equals the one computed
+    against the same few references (their facts and log-softmax rows are kept per reference, by its
+    content key: error/reference.py keys them, hlir/store.py). Every value equals the one computed
     from scratch: the same operations on the same arrays."""
 
     def __init__(self, y, ref):
-        self._ref_source = ref if isinstance(ref, np.ndarray) else None
+        self._ref_source = ref if isinstance(ref, WeightArray) else None
         self.y = np.asarray(y, dtype=np.float64)
         self.ref = np.asarray(ref, dtype=np.float64)
         if self.y.shape != self.ref.shape:
@@ -79,7 +80,7 @@ class Compared:
         self._ref_finite = finite
 
     def _derived(self, key: str, make):
-        """A value that depends on the reference alone, kept while the caller's reference array lives."""
+        """A value that depends on the reference alone, kept per reference content (a keyed reference)."""
         if self._ref_source is None:
             return make()
         return _REFERENCE_DERIVED.get(self._ref_source, key, make)

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..files import atomic_write_text
 from ..hlir.graph import Graph
+from ..hlir.store import content_key
 from .budget import Budget
 
 STORE_FORMAT = "luminal_num.verdicts"
@@ -28,10 +29,8 @@ STORE_VERSION = 1
 def context_key(graph: Graph, calibration: Sequence[Mapping[str, np.ndarray]], gate: Budget, budget: Budget) -> str:
     """What a verdict depends on besides the program: structure, weight values, inputs, both budgets."""
     h = hashlib.sha256(graph.structural_key().encode())
-    for name in sorted(graph.weights):
-        a = np.ascontiguousarray(graph.weights[name])
-        h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
-        h.update(a.tobytes())
+    for name in sorted(graph.weights):  # each weight by its content key (computed once, hlir/store.py)
+        h.update(f"{name}:{content_key(graph.weights[name])}".encode())
     for batch in calibration:
         for name in sorted(batch):
             a = np.ascontiguousarray(batch[name])

@@ -16,6 +16,7 @@ from ..dtypes.formats import F32, Format
 from .node import InputInfo, Node, Source
 from .ops import Op
 from .symbolic import Dim, bind_shapes, encode
+from .store import keyed
 from .tensor import GraphTensor
 
 
@@ -67,7 +68,7 @@ class Graph:
 
     def weight(self, name: str, value: np.ndarray, dtype: Format = F32):
         """A weight: an Input whose value is known at compile time (static scales come from it)."""
-        return GraphTensor._input(self, name, value.shape, dtype, None, weight=np.asarray(value))
+        return GraphTensor._input(self, name, value.shape, dtype, None, weight=keyed(value))
 
     def constant(self, value: float | Dim, dtype: Format = F32):
         return GraphTensor._constant(self, value, dtype)

@@ -1,19 +1,22 @@
-"""Values derived from weight arrays (stored copies, Gemm operands, float64 references), kept across runs.
+"""Values derived from weights (stored copies, Gemm operands, float64 references), kept across runs.
 
 The judge builds a new runtime per candidate, so a per-runtime cache would convert every weight
-again for every candidate; this one lives with the weight arrays themselves. Weights are immutable
-by contract (a plan's weights never change under it), so an entry is keyed by the array's identity
-and dropped when the array is garbage collected (a weak reference guards against a reused id).
-Entries are evicted least-recently-used beyond a byte budget. An entry that is a view of its source
-(an FP32 weight stored as is) keeps the source alive until it is evicted; its bytes count.
+again for every candidate; this one is process-wide, keyed by (the weight's content key, what was
+derived), hlir/store.py: equal weights share entries, and an entry is valid for as long as the key
+exists (weights are immutable by contract). Arrays that are not weights (no content key) are not
+cached: hashing them on every call would cost more than it saves. Entries are evicted
+least-recently-used beyond a byte budget (the compile sets it from its memory budget, compiler.py).
+An entry that is a view of its source (an FP32 weight stored as is) keeps the source alive until it
+is evicted; its bytes count.
 """
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 from typing import Callable, Hashable, Sequence, TypeVar
 
 import numpy as np
+
+from .store import WeightArray
 
 T = TypeVar("T")
 DEFAULT_BUDGET_BYTES = 4 << 30  # a 135M-parameter model's float64 weights plus its FP32 stored weights and Gemm operands
@@ -69,34 +72,31 @@ class ByteLRU:
 
 class WeightCache:
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
-        self._lru = ByteLRU(budget_bytes)  # (id(source), key) -> (weak ref to source, value)
+        self._lru = ByteLRU(budget_bytes)  # (content key(s), what) -> value
         self.hits = self.misses = 0
 
-    def get(self, source: np.ndarray, key: Hashable, make: Callable[[], T]) -> T:
-        """make() once per (source array, key) while `source` lives; the value must not be mutated."""
-        if not isinstance(source, np.ndarray):
-            return make()  # only arrays can be weakly referenced (and are immutable by contract)
-        k = (id(source), key)
+    def get(self, source, key: Hashable, make: Callable[[], T]) -> T:
+        """make() once per (weight content, key); the value must not be mutated. `source` is a weight
+        (a WeightArray) or a content key; any other value is not cached."""
+        ck = source if isinstance(source, str) else source.content_key if isinstance(source, WeightArray) else None
+        if ck is None:
+            return make()
+        k = (ck, key)
         hit = self._lru.get(k)
-        if hit is not None and hit[0]() is source:
+        if hit is not None:
             self.hits += 1
-            return hit[1]
+            return hit
         self.misses += 1
         value = make()
-        self._lru.put(k, (weakref.ref(source, lambda _, k=k: self._lru.drop(k)), value), nbytes(value))
+        self._lru.put(k, value, nbytes(value))
         return value
 
-    def get_joint(self, sources: Sequence[np.ndarray], key: Hashable, make: Callable[[], T]) -> T:
-        """get() for a value derived from several arrays (a concatenation of weights): kept under the
-        first, and returned only while the others are the very arrays it was made from (an id reused
-        by a new array after one part was freed makes it again)."""
-        first, rest = sources[0], tuple(sources[1:])
-        k = (key, tuple(id(s) for s in rest))
-        made, value = self.get(first, k, lambda: (tuple(weakref.ref(s) for s in rest), make()))
-        if all(r() is s for r, s in zip(made, rest)):
-            return value
-        self._lru.drop((id(first), k))
-        return self.get(first, k, lambda: (tuple(weakref.ref(s) for s in rest), make()))[1]
+    def get_joint(self, sources: Sequence, key: Hashable, make: Callable[[], T]) -> T:
+        """get() for a value derived from several weights (a concatenation): keyed by all their keys;
+        not cached unless every source is a weight."""
+        if not all(isinstance(s, WeightArray) for s in sources):
+            return make()
+        return self.get("+".join(s.content_key for s in sources), key, make)
 
     @property
     def budget_bytes(self) -> int:

@@ -15,7 +15,6 @@ Why each step:
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from ..hlir.store import content_key, keyed
 from .llama import EMBED, FINAL_NORM, LM_HEAD, LlamaConfig, check_weights, weight_shapes
 from .tokenizer import ChatTemplate, Tokenizer
 
@@ -81,14 +81,9 @@ class GGUFModel:
     path: Path
 
 
-# Matrices loaded from Q4_1 / Q8_0 blocks: (shape, content digest) of the dequantized weight -> its source.
-_KEPT: dict[tuple, TensorSource] = {}
-_KEPT_IDS: dict[int, tuple[np.ndarray, tuple]] = {}  # id(weight array) -> (it, its key): no rehash
-
-
-def _content_key(w) -> tuple:
-    w = np.ascontiguousarray(w, dtype=np.float32)
-    return w.shape, hashlib.blake2b(w.tobytes(), digest_size=16).digest()
+# Matrices loaded from Q4_1 / Q8_0 blocks: the weight's content key (hlir/store.py: a digest of its values,
+# so an equal copy finds its blocks too) -> its source.
+_KEPT: dict[str, TensorSource] = {}
 
 
 def keep_source(w: np.ndarray, source: TensorSource) -> None:
@@ -105,15 +100,13 @@ def keep_source(w: np.ndarray, source: TensorSource) -> None:
 
 
 def _record(w: np.ndarray, source: TensorSource) -> None:
-    key = _content_key(w)
-    _KEPT[key] = source
-    _KEPT_IDS[id(w)] = (w, key)
+    _KEPT[content_key(w)] = source
 
 
 def kept_source(w) -> TensorSource | None:
-    """The Q4_1 / Q8_0 source `w` was loaded from (keep_source), by identity or else by content."""
-    hit = _KEPT_IDS.get(id(w))
-    return _KEPT.get(hit[1] if hit is not None and hit[0] is w else _content_key(w))
+    """The Q4_1 / Q8_0 source `w` was loaded from (keep_source), by its content key (none is computed
+    while no GGUF block is kept: a model that did not come from GGUF pays nothing)."""
+    return _KEPT.get(content_key(w)) if _KEPT else None
 
 
 def smollm2_path() -> Path:
@@ -196,7 +189,8 @@ def _tensor(t, meta: Mapping[str, object], arch: str, name: str) -> tuple[np.nda
     if suffix in _ROPE_PERMUTED:
         heads = int(meta[f"{arch}.attention.{_ROPE_PERMUTED[suffix]}"])
         values, raw = unpermute_rope_rows(values, heads), unpermute_rope_rows(raw, heads)
-    return values, TensorSource(t.tensor_type.name, raw)
+    # keyed by its values (hashed once, when first asked), so a copy of it finds its blocks too
+    return keyed(values), TensorSource(t.tensor_type.name, raw)
 
 
 def load_gguf(path: str | Path, layers: int | None = None) -> GGUFModel:

@@ -13,12 +13,11 @@ byte budget (ConvertedWeights).
 """
 from __future__ import annotations
 
-import hashlib
-import weakref
 from typing import Mapping
 
 import numpy as np
 
+from ..hlir.store import content_key
 from ..hlir.weightcache import DEFAULT_BUDGET_BYTES, ByteLRU
 from ..models.gguf import kept_source
 from .gguf import GGUF_TYPE_NAMES
@@ -52,11 +51,10 @@ def convert(w, fmt: str | StorageFormat) -> Quantized:
     """The compile-time conversion of a weight to its storage format (deterministic): a weight loaded
     from GGUF blocks of this format keeps them (models.gguf.keep_source), any other is quantized."""
     fmt = storage_format(fmt)
-    w = np.asarray(w, dtype=np.float32)
-    if w.ndim != 2:
-        raise ValueError(f"storage format {fmt.name}: weights are (rows, K) matrices, got shape {list(w.shape)}")
-    kept = _kept(w, fmt)
-    return kept if kept is not None else fmt.quantize(w)
+    if np.ndim(w) != 2:
+        raise ValueError(f"storage format {fmt.name}: weights are (rows, K) matrices, got shape {list(np.shape(w))}")
+    kept = _kept(w, fmt)  # by the weight's own content key (np.asarray would give a copy without it)
+    return kept if kept is not None else fmt.quantize(np.asarray(w, dtype=np.float32))
 
 
 class ConvertedWeights:
@@ -65,26 +63,16 @@ class ConvertedWeights:
     One entry per (format, content), whatever the number of weights: a model with hundreds of matrix
     weights does not thrash it (the old 64-entry LRU held 32 weights, so callers other than the CPU
     backend, which keeps its own copies, re-quantized every weight of a larger model every time).
-    A live source array finds its entry by identity (no hashing; the id memo dies with the array),
-    a fresh copy (a float64 weight's FP32 rounding) by its content's digest.
+    A weight finds its entry by its content key (hlir/store.py, computed once), any other array (a
+    float64 weight's FP32 rounding) by its bytes' digest.
     """
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
-        self._entries = ByteLRU(budget_bytes)  # content key -> (quantized, widened)
-        self._ids: dict[tuple[str, int], tuple[weakref.ref, tuple]] = {}
+        self._entries = ByteLRU(budget_bytes)  # (format, content key) -> (quantized, widened)
         self.conversions = 0
 
-    def _content_key(self, w: np.ndarray, fmt: StorageFormat) -> tuple:
-        ident = (fmt.name, id(w))
-        known = self._ids.get(ident)
-        if known is not None and known[0]() is w:
-            return known[1]
-        key = (fmt.name, w.shape, hashlib.blake2b(np.ascontiguousarray(w).tobytes(), digest_size=16).digest())
-        self._ids[ident] = (weakref.ref(w, lambda _, i=ident: self._ids.pop(i, None)), key)
-        return key
-
     def get(self, w: np.ndarray, fmt: StorageFormat) -> tuple[Quantized, np.ndarray]:
-        key = self._content_key(w, fmt)
+        key = (fmt.name, content_key(w))
         hit = self._entries.get(key)
         if hit is not None:
             return hit
@@ -111,7 +99,6 @@ class ConvertedWeights:
 
     def clear(self) -> None:
         self._entries.clear()
-        self._ids.clear()
 
 
 CONVERTED = ConvertedWeights()  # the process-wide conversions of weights to their storage formats
@@ -130,8 +117,12 @@ def widened(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor | None
             raise ValueError(f"stored weight is {stored.fmt.name}, the plan reads {fmt.name}")
         q = stored if isinstance(stored, Quantized) else fmt.unpack(stored)
         return q.dequantize().astype(np.float32)
-    w = w if isinstance(w, np.ndarray) and w.dtype == np.float32 else np.asarray(w, dtype=np.float32)
-    return _converted(w, fmt)[1]
+    return _converted(_f32_weight(w), fmt)[1]
+
+
+def _f32_weight(w) -> np.ndarray:
+    """The FP32 weight itself (keeping its content key) or, for another dtype, its FP32 rounding."""
+    return w if isinstance(w, np.ndarray) and w.dtype == np.float32 else np.asarray(w, dtype=np.float32)
 
 
 def storage_error(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor | None = None) -> np.ndarray:
@@ -145,6 +136,5 @@ def storage_error(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor 
 
 def convert_all(weights: Mapping[str, np.ndarray], wanted: Mapping[str, tuple[str, str]]) -> dict[str, StoredTensor]:
     """Packed stored tensors for a weights file: wanted maps stored_key -> (weight name, format)."""
-    return {key: storage_format(fmt).pack(_converted(np.asarray(weights[name], dtype=np.float32),
-                                                     storage_format(fmt))[0])
+    return {key: storage_format(fmt).pack(_converted(_f32_weight(weights[name]), storage_format(fmt))[0])
             for key, (name, fmt) in sorted(wanted.items())}

@@ -28,6 +28,7 @@ from ..dtypes.formats import F32, Kind, get as get_format
 from ..dtypes.rounding import store
 from ..hlir.evaluate import softmax
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
+from ..hlir.store import keyed
 from ..hlir.weightcache import WEIGHTS, ByteLRU
 from ..quant.codes import quantize_into_codes
 from ..quant.concat import concat_widened
@@ -84,7 +85,7 @@ class CpuRuntime:
         them static scales are computed from the weights, which gives the same values.
         `weights` are treated as immutable: values derived from them are cached per process."""
         self.program = program
-        self.weights = dict(weights or {})
+        self.weights = {n: keyed(w) for n, w in (weights or {}).items()}  # what is derived: cached by content
         self.static_scales = dict(static_scales or {})
         self._plans: dict[tuple, BufferPlan] = {}
         self.stored_weights = dict(stored_weights or {})  # stored_key -> StoredTensor (a plan's weights file)
