@@ -21,6 +21,7 @@ from pathlib import Path
 from . import __version__
 from .cli_jobs import (LLM_CANDIDATES, LLM_WORKLOAD, InputError, fill_job_args, input_batches, is_llm, llm_job_of,
                        onnx_job_of, onnx_peer_rows, parse_budget, record_llm_job, registry_job)
+from .memory import MemoryBudgetError, parse_size, plan_memory
 from .report.files import OutputDirError, OutputLocked, check_output_dir, output_lock
 from .report.numbers import fmt_latency, fmt_num
 from .report.pareto import ERROR_COLUMN
@@ -69,6 +70,13 @@ def _headroom_arg(text: str) -> float:
     return value
 
 
+def _memory_size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def cmd_compile(args) -> int:
     from .report.compile_report import COMPILE_FILES
     oj = onnx_job_of(args)
@@ -89,6 +97,11 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     from .search.search import SearchOptions, front as search_front
     print(f"[luminal-num] {job.description}")
     print(f"[luminal-num] budget {budget} on target {args.target}; {len(job.graph)} HLIR nodes")
+    try:
+        memory = plan_memory(job.graph.weights, args.max_memory)
+    except MemoryBudgetError as exc:
+        raise InputError(str(exc)) from None
+    print(f"[luminal-num] {memory.describe()}")
     opts = SearchOptions(seed=args.seed, max_candidates=args.candidates, time_limit_s=args.time_limit,
                          target=args.target, progress=not args.quiet,
                          headroom=getattr(args, "headroom", None))
@@ -97,7 +110,8 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     except KeyError as exc:  # unknown target: refused before any work (an internal KeyError is a bug, not bad input)
         raise InputError(str(exc.args[0])) from None
     try:
-        result = compile(job.graph, budget, args.target, job.calibration, opts, cache_dir=args.cache_dir)
+        result = compile(job.graph, budget, args.target, job.calibration, opts, cache_dir=args.cache_dir,
+                         memory=memory)
     except BudgetUnreachable as exc:
         if exc.result.stats.get("interrupted"):
             raise Interrupted("interrupted before any plan passed the budget: nothing written") from None
@@ -298,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "inputs and budget (default: <out>/verdicts)")
         p.add_argument("--no-verdict-cache", action="store_true", default=False,
                        help="neither read nor write a verdict cache")
+        p.add_argument("--max-memory", type=_memory_size, default=None, metavar="SIZE",
+                       help="memory the compile and its workers may occupy, e.g. 16G; it plans its worker count "
+                            "and cache sizes from it (default: 80%% of the machine's available memory)")
 
     def llm_args(p):
         p.add_argument("--workload", help=f"LLMs: prefill:SEQ | prefill:BATCHxSEQ | decode:BATCH@CONTEXT (default {LLM_WORKLOAD})")

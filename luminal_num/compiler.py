@@ -22,6 +22,7 @@ from .error.tasks import TaskPool
 from .error.verdict_store import VerdictStore, context_key
 from .hlir.graph import Graph
 from .hlir.partition import Partition
+from .memory import MemoryPlan, plan_memory
 from .search.plan import Plan
 from .search.search import SearchOptions, SearchResult, _baseline_genomes, search
 from .search.space import SearchSpace
@@ -67,11 +68,15 @@ def calibration_ranges(graph: Graph, part: Partition, refs: Sequence[Fp64Referen
 def compile(graph: Graph, budget: Budget, target: str = "h200",
             calibration: Sequence[Mapping[str, np.ndarray]] = (), options: SearchOptions | None = None,
             space: SearchSpace | None = None, use_static: bool | str = "auto",
-            cache_dir: str | Path | None = None) -> CompileResult:
+            cache_dir: str | Path | None = None, memory: MemoryPlan | None = None) -> CompileResult:
     """The fastest plan found whose error vs FP64 on `calibration` is within `budget` on `target`
     (`target` wins over `options.target`). `cache_dir`: measured verdicts persist there (keyed by graph,
-    weights, inputs and budget), so a second or interrupted compile of the same job reuses them."""
+    weights, inputs and budget), so a second or interrupted compile of the same job reuses them.
+    `memory`: the worker count and cache sizes (memory.py; default: planned for 80% of the available
+    memory and `options.workers`)."""
     options = options or SearchOptions(target=target)
+    memory = memory or plan_memory(graph.weights, workers=options.workers)
+    memory.apply()
     if not calibration:
         raise ValueError("compile needs calibration inputs (a list of input dicts)")
     get_target(target)  # an unknown target fails now, not after the first candidate
@@ -83,9 +88,9 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
         raise ValueError(f"max_candidates must be >= 1, got {options.max_candidates}")
     _check_inputs(graph, calibration)
     space = space or SearchSpace.build(graph)
-    refs = references(graph, calibration)  # the one FP64 pass per calibration batch
+    refs = references(graph, calibration, space.part)  # the one FP64 pass per batch, chunk boundaries kept
     if len(space.part.chunks) > 1:
-        with TaskPool(graph.weights, options.workers) as pool:
+        with TaskPool(graph.weights, memory.workers, memory.worker_cache) as pool:
             chunks, exact = (ChunkEffects(graph, space.part, refs, space.lower_chunk, space.candidates(frozenset()),
                                           mode, pool=pool, changes_of=space.knobs_of, outputs=budget.outputs)
                              for mode in (Propagation.SCALED, Propagation.EXACT))

@@ -290,7 +290,8 @@ class ChunkEffects:
         for c in self.part.chunks[chunk.index + 1:]:
             if not any(n in changed for n in c.external):
                 continue
-            ext = {n: changed[n] if n in changed else np.asarray(ref.values[n]) for n in c.external}
+            ext = {n: changed[n] if n in changed else np.asarray(ref.values[n]) for n in c.external
+                   if self.graph.weight_name(n) is None}  # weights: evaluate_chunk reads the graph's
             vals = evaluate_chunk(self.graph, c.nodes, ext, ref.bindings)
             changed.update({n: np.asarray(vals[n], np.float64) for n in c.exported})
         return {name: (changed[nid] - np.asarray(ref.values[nid], np.float64)) if nid in changed

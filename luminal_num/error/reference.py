@@ -1,34 +1,53 @@
 """The FP64 reference of one calibration batch, computed once and handed to every stage that judges.
 
-Why one value: the judge (outputs), the per-group estimator (every chunk's exact inputs) and the
+Why one value: the judge (outputs), the per-chunk effects (every chunk's exact inputs) and the
 plan's calibration ranges (every export) all need the same FP64 evaluation and symbol bindings;
 computing it once per batch keeps them consistent and the compile cost to one reference pass.
+Only the values at chunk boundaries are kept (what those stages read: every chunk's external inputs
+and exports, and the outputs): the evaluation frees every other value after its last reader, so a
+reference holds boundary rows, not every intermediate of every layer. Values are keyed read-only
+arrays (hlir/store.py): what the metrics derive from a reference (its log-softmax rows) is cached by
+its content.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import numpy as np
 
 from ..hlir.evaluate import evaluate_nodes
 from ..hlir.graph import Graph
+from ..hlir.partition import Partition
+from ..hlir.store import keyed
 
 
 @dataclass(frozen=True)
 class Fp64Reference:
     batch: Mapping[str, np.ndarray]
-    values: Mapping[int, np.ndarray]    # FP64 value of every evaluated graph node
+    values: Mapping[int, np.ndarray]    # FP64 value of every kept graph node (chunk boundaries, outputs)
     bindings: Mapping[str, int]         # symbolic dims bound by this batch
 
     @staticmethod
-    def of(graph: Graph, batch: Mapping[str, np.ndarray]) -> "Fp64Reference":
-        return Fp64Reference(batch, evaluate_nodes(graph, batch), graph.bind_symbols(batch))
+    def of(graph: Graph, batch: Mapping[str, np.ndarray], keep: Collection[int] | None = None) -> "Fp64Reference":
+        """`keep`: the nodes whose values are kept (None: every node)."""
+        values = evaluate_nodes(graph, batch, keep=keep)
+        return Fp64Reference(batch, {n: keyed(v) for n, v in values.items()}, graph.bind_symbols(batch))
 
     def outputs(self, graph: Graph) -> dict[str, np.ndarray]:
         return {name: self.values[nid] for name, nid in graph.outputs.items()}
 
 
-def references(graph: Graph, calibration: Sequence[Mapping[str, np.ndarray]]) -> tuple[Fp64Reference, ...]:
-    """One FP64 evaluation per calibration batch."""
-    return tuple(Fp64Reference.of(graph, batch) for batch in calibration)
+def boundary_nodes(graph: Graph, part: Partition) -> frozenset[int]:
+    """The nodes whose FP64 values the judging stages read: chunk inputs and exports, graph outputs.
+    Weights are not among them: their FP64 values come from the weight cache when a chunk is evaluated
+    (a reference holding them would pin every weight's FP64 copy for the whole compile)."""
+    nodes = {n for c in part.chunks for n in (*c.external, *c.exported)} | set(graph.outputs.values())
+    return frozenset(n for n in nodes if graph.weight_name(n) is None)
+
+
+def references(graph: Graph, calibration: Sequence[Mapping[str, np.ndarray]],
+               part: Partition | None = None) -> tuple[Fp64Reference, ...]:
+    """One FP64 evaluation per calibration batch (with `part`: keeping its chunk boundaries only)."""
+    keep = None if part is None else boundary_nodes(graph, part)
+    return tuple(Fp64Reference.of(graph, batch, keep) for batch in calibration)

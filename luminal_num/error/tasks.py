@@ -43,11 +43,11 @@ def run_task(task: RunTask, weights: Mapping[str, np.ndarray] | None = None) -> 
     return [dict(rt.run(b, bind).outputs) for b, bind in zip(task.batches, task.bindings)]
 
 
-def _worker_init(weights) -> None:
+def _worker_init(weights, cache_bytes: int | None = None) -> None:
     global _WEIGHTS
     _WEIGHTS = weights
     for cache in (WEIGHTS, CONVERTED):  # entries inherited from the parent count until evicted
-        cache.resize(min(cache.budget_bytes, WORKER_CACHE_BYTES))
+        cache.resize(min(cache.budget_bytes, WORKER_CACHE_BYTES if cache_bytes is None else cache_bytes))
     set_blas_threads(1)  # one worker per core: BLAS threads on top only oversubscribe (runtime/blas_threads.py)
 
 
@@ -64,7 +64,8 @@ class TaskPool:
     tasks here, in order. Results come back in task order; a task's runtime error comes back as the
     exception it raised, for the caller to turn into a verdict."""
 
-    def __init__(self, weights: Mapping[str, np.ndarray], workers: int = 2):
+    def __init__(self, weights: Mapping[str, np.ndarray], workers: int = 2, cache_bytes: int | None = None):
+        """`cache_bytes`: each worker's budget for each weight cache (default WORKER_CACHE_BYTES)."""
         self.weights, self.workers = weights, workers
         self._pool = None
         if workers > 1 and "fork" in mp.get_all_start_methods():
@@ -73,7 +74,8 @@ class TaskPool:
             # the workers keep it blocked (the parent handles an interrupt and closes the pool).
             held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
-                self._pool = mp.get_context("fork").Pool(workers, initializer=_worker_init, initargs=(weights,))
+                self._pool = mp.get_context("fork").Pool(workers, initializer=_worker_init,
+                                                     initargs=(weights, cache_bytes))
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
 

@@ -9,7 +9,7 @@ declared dtype first.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 import numpy as np
 
@@ -49,12 +49,21 @@ def _input(node: Node, srcs, graph: Graph, inputs, bindings, precision: str) -> 
     return _input_value(inputs[name], node, precision)
 
 
+def fp64_weight(val: np.ndarray) -> np.ndarray:
+    """An FP32 weight's float64 value, converted once per process and shared with the graph's FP64
+    evaluation (the same cache entry as _input's): no caller holds a model's FP64 copy of its own."""
+    return WEIGHTS.get(val, ("reference", "f64", "F32"), lambda: _read_only(np.asarray(val, dtype=np.float64)))
+
+
+def _read_only(out: np.ndarray) -> np.ndarray:
+    out.flags.writeable = False  # shared between evaluations: nobody may write into it
+    return out
+
+
 def _input_value(val, node: Node, precision: str) -> np.ndarray:
     val = np.asarray(val)
     out = val.astype(np.int64) if node.dtype.kind is Kind.INT else _round(val.astype(np.float64), node.dtype, precision)
-    out = np.asarray(out)
-    out.flags.writeable = False  # shared between evaluations: nobody may write into it
-    return out
+    return _read_only(np.asarray(out))
 
 
 def _constant(node: Node, srcs, graph, inputs, bindings, precision) -> np.ndarray:
@@ -124,8 +133,10 @@ def _indices(idx: np.ndarray, n: int, what: str) -> np.ndarray:
 
 
 def evaluate_nodes(graph: Graph, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
-                   precision: str = "f64") -> dict[int, np.ndarray]:
-    """Values of every node (Mul nodes folded into a BLAS matmul are skipped: only their sum exists)."""
+                   precision: str = "f64", keep: Collection[int] | None = None) -> dict[int, np.ndarray]:
+    """Values of every node (Mul nodes folded into a BLAS matmul are skipped: only their sum exists);
+    with `keep`, only those (every other value is freed after its last reader: a large model's
+    evaluation holds a few layers' values at a time, not all of them)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     missing = [n for n, info in graph.inputs.items() if not info.is_weight and n not in inputs]
@@ -133,7 +144,10 @@ def evaluate_nodes(graph: Graph, inputs: Mapping[str, np.ndarray], bindings: Map
         raise KeyError(f"missing inputs: {missing}")
     bindings = graph.bind_symbols(inputs, bindings)
     values: dict[int, np.ndarray] = {}
-    _run_nodes(graph, [n.id for n in graph.nodes], values, inputs, bindings, precision)
+    _run_nodes(graph, [n.id for n in graph.nodes], values, inputs, bindings, precision, keep)
+    if keep is not None:
+        for nid in [n for n in values if n not in keep]:
+            del values[nid]
     return values
 
 
@@ -186,8 +200,24 @@ def _consumers(graph: Graph) -> dict[int, list[int]]:
     return hit[2]
 
 
-def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision: str) -> None:
-    """Evaluate nodes in order; Mul+SumReduce matmuls go through BLAS instead of (m, n, k) products."""
+def _last_reads(graph: Graph, node_ids, fused: Mapping[int, tuple]) -> dict[int, list[int]]:
+    """Position in `node_ids` -> the values last read there (a folded Mul's sources are read by its sum)."""
+    at = {nid: i for i, nid in enumerate(node_ids)}
+    last: dict[int, int] = {}
+    for i, nid in enumerate(node_ids):
+        reader = at[fused[nid][0]] if nid in fused else i
+        for s in graph.nodes[nid].srcs:
+            last[s.node] = max(last.get(s.node, -1), reader)
+    out: dict[int, list[int]] = {}
+    for src, i in last.items():
+        out.setdefault(i, []).append(src)
+    return out
+
+
+def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision: str,
+               keep: Collection[int] | None = None) -> None:
+    """Evaluate nodes in order; Mul+SumReduce matmuls go through BLAS instead of (m, n, k) products.
+    `keep`: only these values stay in `values` (each other value is dropped after its last reader)."""
     consumers = _consumers(graph)
     fused = {}
     members = set(node_ids)
@@ -196,8 +226,13 @@ def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision
         if hit is not None and hit[0].id in members:
             fused[hit[0].id] = (nid, hit[1])
     by_reduce = {r: (m, lay) for m, (r, lay) in fused.items()}
-    for nid in node_ids:
+    last_reads = _last_reads(graph, node_ids, fused) if keep is not None else {}
+    for i, nid in enumerate(node_ids):
         node = graph.nodes[nid]
+        if keep is not None and i > 0:
+            for done in last_reads.get(i - 1, ()):
+                if done not in keep:
+                    values.pop(done, None)
         if nid in fused:
             continue
         if nid in by_reduce:
@@ -228,5 +263,9 @@ def evaluate_chunk(graph: Graph, node_ids, external: Mapping[int, np.ndarray], b
     a chunk amplifies error in its inputs (finite differences).
     """
     values: dict[int, np.ndarray] = dict(external)
+    for nid in node_ids:  # weights not handed in: their cached value (the caller need not hold them)
+        for s in graph.nodes[nid].srcs:
+            if s.node not in values and graph.weight_name(s.node) is not None:
+                values[s.node] = eval_node(graph.nodes[s.node], [], graph, {}, bindings, precision)
     _run_nodes(graph, list(node_ids), values, {}, bindings, precision)
     return {nid: values[nid] for nid in node_ids if nid in values}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..hlir.store import keyed
 from .gguf import load_gguf, smollm2_path
 from .llama import LlamaConfig, LlamaModel, build_prefill, load_weights
 from .reference import Fp64Llama, Fp64State
@@ -124,7 +125,7 @@ def _hf_model(directory: Path, layers: int | None) -> LlmModel:
     tc = directory / "tokenizer_config.json"
     if tc.is_file():
         template = json.loads(tc.read_text("utf-8")).get("chat_template")
-    return LlmModel(directory.name, config, {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()},
+    return LlmModel(directory.name, config, {k: keyed(np.asarray(v, dtype=np.float32)) for k, v in weights.items()},
                     Tokenizer.from_file(tok_file), ChatTemplate(template) if isinstance(template, str) else None)
 
 

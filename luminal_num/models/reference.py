@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..hlir.evaluate import fp64_weight
+from ..hlir.store import keyed
 from .llama import EMBED, FINAL_NORM, LM_HEAD, LlamaConfig, check_weights, rope_tables
 
 
@@ -28,11 +30,33 @@ class Fp64State:
         return int(self.k[0].shape[0]) if self.k else 0
 
 
+class _Fp64Weights(Mapping[str, np.ndarray]):
+    """The weights' float64 values, each converted when read (hlir.evaluate.fp64_weight: a byte-budgeted
+    process cache shared with the FP64 graph), so the model holds no FP64 copy of every weight (1B
+    parameters would be 8 GB)."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray]):
+        self._weights = weights
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        w = self._weights[name]
+        return fp64_weight(w) if w.dtype == np.float32 else np.asarray(w, dtype=np.float64)
+
+    def __iter__(self):
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+    def __contains__(self, name) -> bool:
+        return name in self._weights
+
+
 class Fp64Llama:
     def __init__(self, config: LlamaConfig, weights: Mapping[str, np.ndarray]):
         check_weights(config, weights)
         self.config = config
-        self.w = {name: np.asarray(a, dtype=np.float64) for name, a in weights.items()}
+        self.w = _Fp64Weights({name: keyed(a) for name, a in weights.items()})
 
     def empty(self) -> Fp64State:
         c = self.config

@@ -115,18 +115,19 @@ def read_header(path: str | Path) -> SafetensorsHeader:
 
 
 def load_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Load every tensor of a safetensors file as a numpy array in its stored dtype.
+    """Every tensor of a safetensors file as a read-only numpy array in its stored dtype.
 
-    BF16 and F8 come back as ml_dtypes arrays. The arrays are writable views into one buffer
-    holding the file, so the load costs one read and no per-tensor copy.
+    BF16 and F8 come back as ml_dtypes arrays. The arrays are views of the file memory-mapped: a
+    tensor's pages are read when a stage first touches them and stay in the page cache, which the
+    kernel can drop under pressure, so a model larger than the free memory still loads (nothing is
+    copied up front).
     """
     _require_little_endian_host()
     path = Path(path)
-    buffer = bytearray(path.stat().st_size)
-    with open(path, "rb") as f:
-        if f.readinto(buffer) != len(buffer):
-            raise ValueError(f"{path}: short read")
-    header = parse_header(buffer)
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path}: not a safetensors file (empty)")
+    buffer = np.memmap(path, dtype=np.uint8, mode="r")
+    header = read_header(path)
     data_length = len(buffer) - header.data_start
     arrays: dict[str, np.ndarray] = {}
     for entry in header.tensors.values():
@@ -170,3 +171,48 @@ def save_safetensors(
         f.write(header_bytes)
         for payload in payloads:
             f.write(payload)
+
+
+def save_safetensors_streamed(
+    path: str | Path,
+    shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+    fill,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write a safetensors file tensor by tensor without holding them all: `shapes` maps each name to
+    (shape, dtype); `fill(name)` yields that tensor's C-order values in consecutive row blocks. The
+    file appears only when complete (written beside it, then renamed): an error leaves nothing."""
+    _require_little_endian_host()
+    path = Path(path)
+    header: dict[str, object] = {}
+    if metadata:
+        header[_METADATA_KEY] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name in sorted(shapes):
+        shape, dtype = shapes[name]
+        dtype = np.dtype(dtype)
+        if dtype not in _NAME_OF_DTYPE:
+            raise ValueError(f"tensor {name!r}: dtype {dtype} has no safetensors name")
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": _NAME_OF_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-(len(header_bytes) + _HEADER_LENGTH.size) % _DATA_ALIGNMENT)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        with open(partial, "wb") as f:
+            f.write(_HEADER_LENGTH.pack(len(header_bytes)))
+            f.write(header_bytes)
+            for name in sorted(shapes):
+                shape, dtype = shapes[name]
+                written = 0
+                for block in fill(name):
+                    block = np.ascontiguousarray(block, dtype=dtype)
+                    f.write(memoryview(block).cast("B"))
+                    written += block.nbytes
+                expected = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+                if written != expected:
+                    raise ValueError(f"tensor {name!r}: fill wrote {written} bytes, its shape needs {expected}")
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)

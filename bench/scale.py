@@ -1,0 +1,140 @@
+"""How the compile's memory and time grow with the model: peak memory and wall time per parameter count.
+
+Each shape is compiled in a fresh process (`--one`) while this one samples that process tree's memory
+(bench/memwatch.py: PSS summed over the compile and its workers, plus the largest single RSS), so one
+shape's caches never count against the next. The real SmolLM2-135M demo job (its GGUF, its prompts) is
+the first row; the larger shapes are random-weight checkpoints of real architectures written to disk
+in pieces (luminal_num/models/synthetic.py) and memory-mapped, judged on short byte-tokenized prompts.
+Writes reports/bench/scale.csv.
+
+    python -m bench.scale                      # every shape with its default candidates
+    python -m bench.scale --shapes smollm2 --candidates 40
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from luminal_num.models.llama import LlamaConfig
+
+from .memwatch import MemWatch
+from .summary import OUT, write_csv
+
+CHECKPOINTS = Path(os.environ.get("LUMINAL_SCALE_DIR", "/tmp/luminal_num_scale"))
+# short prompts: with a byte-level tokenizer each character is a token, and a decode step at context 64
+# needs the prompt and its next token to fit
+PROMPTS = ["The capital of France is", "Once upon a time, there", "def add(a, b):\n    return",
+           "The quick brown fox", "Water boils at", "In 1492, Columbus", "My favourite colour is",
+           "2 + 2 =", "The sun rises in the", "Paris is a city in", "import numpy as", "Hello, my name is",
+           "The largest planet is", "Cats and dogs are", "A triangle has three", "The opposite of hot is",
+           "Snow is usually", "She opened the door and", "One, two, three,", "The first month is",
+           "Light travels at", "Bread is made from", "Rain falls from the", "The alphabet starts with"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    config: LlamaConfig | None  # None: the bundled SmolLM2 GGUF (the demo job)
+    candidates: int
+    workload: str = "decode:8@64"
+
+
+def _llama(hidden, ffn, layers, heads, kv_heads, vocab, **kw) -> LlamaConfig:
+    return LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=5e5,
+                       max_position_embeddings=2048, **kw)
+
+
+SHAPES = {s.name: s for s in (
+    Shape("smollm2", None, 200),
+    # SmolLM2-360M's shape (hidden 960, 32 layers, 15/5 heads, vocab 49152)
+    Shape("llama-360m", _llama(960, 2560, 32, 15, 5, 49152, tie_word_embeddings=True), 100),
+    # Llama-3.2-1B's shape with 16 layers (hidden 2048, FFN 8192, 32/8 heads, vocab 128256)
+    Shape("llama-1b", _llama(2048, 8192, 16, 32, 8, 128256, tie_word_embeddings=True), 100),
+)}
+
+
+def one(shape: Shape, candidates: int, max_memory: str | None) -> dict:
+    """Compile one shape here (the child process); returns what the parent records."""
+    import warnings
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
+    from luminal_num.compiler import compile
+    from luminal_num.error.budget import Budget
+    from luminal_num.memory import parse_size, plan_memory
+    from luminal_num.models.llm import Prompt
+    from luminal_num.models.registry import llm_job
+    from luminal_num.models.synthetic import write_checkpoint
+    from luminal_num.search.search import SearchOptions
+    t0 = time.perf_counter()
+    if shape.config is None:
+        job = llm_job(workload=shape.workload)
+    else:
+        folder = write_checkpoint(CHECKPOINTS / shape.name, shape.config)
+        prompts = [Prompt(p, False) for p in PROMPTS]
+        job = llm_job(str(folder), shape.workload, calibration=prompts, heldout=prompts[:8])
+    t1 = time.perf_counter()
+    memory = plan_memory(job.graph.weights, None if max_memory is None else parse_size(max_memory))
+    result = compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration,
+                     SearchOptions(max_candidates=candidates, progress=False), memory=memory)
+    t2 = time.perf_counter()
+    chosen = result.search.chosen
+    params = sum(int(w.size) for w in job.graph.weights.values())
+    return {"shape": shape.name, "params_m": params / 1e6, "candidates": result.search.stats.get("candidates"),
+            "front_end_s": t1 - t0, "compile_s": t2 - t1, "memory_plan": memory.describe(),
+            "chosen": chosen.label or f"candidate {chosen.id}", "chosen_latency_us": chosen.latency.total_s * 1e6,
+            "plan_sha256": hashlib.sha256(result.plan.to_json().encode()).hexdigest()[:16]}
+
+
+def measure(name: str, candidates: int | None, max_memory: str | None) -> dict:
+    """Run `--one` in a child process and sample its memory."""
+    shape = SHAPES[name]
+    cmd = [sys.executable, "-m", "bench.scale", "--one", name, "--candidates", str(candidates or shape.candidates)]
+    if max_memory:
+        cmd += ["--max-memory", max_memory]
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    with MemWatch(pid=proc.pid, period=0.5) as watch:
+        out, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: the compile exited {proc.returncode}")
+    row = json.loads(out.strip().splitlines()[-1])
+    row.update(wall_s=time.perf_counter() - t0, peak_pss_gb=watch.peak_pss / 1e9, peak_rss_sum_gb=watch.peak_rss_sum / 1e9,
+               peak_rss_max_gb=watch.peak_rss_max / 1e9, load_before=load0, load_after=os.getloadavg()[0])
+    return row
+
+
+def main(argv=None) -> pd.DataFrame | None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--candidates", type=int, default=None, help="default: each shape's own")
+    ap.add_argument("--max-memory", default=None)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(one(SHAPES[args.one], args.candidates or SHAPES[args.one].candidates, args.max_memory)))
+        return None
+    rows = []
+    for name in args.shapes.split(","):
+        rows.append(measure(name, args.candidates, args.max_memory))
+        print(json.dumps(rows[-1]), flush=True)
+    df = pd.DataFrame(rows)
+    path = OUT / "scale.csv"
+    if path.is_file():  # keep the rows of shapes not run this time
+        old = pd.read_csv(path)
+        df = pd.concat([old[~old["shape"].isin(df["shape"])], df], ignore_index=True)
+    write_csv(df, "scale.csv")
+    return df
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The compile's memory budget: how many workers it runs and how much each cache of derived weights holds.
+
+Why a plan and not fixed sizes: what a compile occupies is the model's weights (once, shared with
+forked workers), each process's own baseline, and the caches of values derived from weights (FP64
+copies, storage formats, Gemm operands), which would otherwise grow until they hold every weight in
+every form. The plan gives each cache what the model can use of it (a few copies of its weights),
+bounded by a share of the budget, and fewer workers when the budget cannot hold two; a budget that
+cannot hold even one process with the model's largest weights is refused up front, with one line
+naming what it needed, instead of the compile being killed half way.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+GiB = 1 << 30
+PROCESS_BASE = int(1.2 * GiB)   # the compiling process without weights (Python, egglog, numba, the e-graphs)
+WORKER_BASE = int(0.45 * GiB)   # a forked worker's own pages (its runtime, one chunk's buffers)
+WORKER_CACHE_MAX = GiB          # a worker runs one chunk at a time: one layer's weights in a few forms
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}
+
+
+class MemoryBudgetError(RuntimeError):
+    """The budget cannot hold a stage; the message names the stage and the memory it needs."""
+
+
+def parse_size(text: str) -> int:
+    """'16G', '512M', '2.5G', '17179869184' -> bytes (powers of 1024)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", str(text), re.IGNORECASE)
+    if m is None:
+        raise ValueError(f"memory size {text!r}: expected a number with an optional K/M/G/T suffix, e.g. 16G")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if size <= 0:
+        raise ValueError(f"memory size {text!r} must be positive")
+    return size
+
+
+def available_bytes() -> int:
+    """The machine's available memory now (MemAvailable), or 8 GiB where /proc/meminfo is missing."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * GiB
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget: int             # bytes the compile (its process and workers) may occupy
+    weights: int            # the model's weights as FP32 (resident once: workers share the parent's pages)
+    largest: int            # the largest weight as FP32
+    workers: int            # pool processes running chunk tasks (1: none, tasks run in the compiling process)
+    weight_cache: int       # the compiling process's cache of values derived from weights (hlir.weightcache)
+    converted_cache: int    # its cache of weights in storage formats (quant.stored)
+    worker_cache: int       # each worker's budget for each of those two caches
+
+    def describe(self) -> str:
+        pool = f"{self.workers} workers" if self.workers > 1 else "no worker pool"
+        return (f"memory {_gb(self.budget)}: weights {_gb(self.weights)}, {pool}, caches {_gb(self.weight_cache)} "
+                f"(derived) + {_gb(self.converted_cache)} (stored formats)"
+                + (f", {_gb(self.worker_cache)} x 2 per worker" if self.workers > 1 else ""))
+
+    def apply(self) -> None:
+        """Resize this process's caches to the plan (workers resize theirs when they start)."""
+        from .hlir.weightcache import WEIGHTS
+        from .quant.stored import CONVERTED
+        WEIGHTS.resize(self.weight_cache)
+        CONVERTED.resize(self.converted_cache)
+
+
+def weight_bytes(weights: Mapping[str, np.ndarray]) -> tuple[int, int]:
+    """(all, largest) of the weights' sizes as FP32, without reading them."""
+    sizes = [int(np.prod(np.shape(w), dtype=np.int64)) * 4 for w in weights.values()]
+    return sum(sizes), max(sizes, default=0)
+
+
+def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, workers: int = 2) -> MemoryPlan:
+    """The plan for a compile of a model with these weights within `budget` bytes (default: 80% of the
+    machine's available memory). Each cache gets what the model can use (the derived cache: FP64 copies
+    of every weight plus one FP32 form of each; the stored-format cache: two formats of each), at most its
+    share of what the budget leaves after the processes and the weights."""
+    budget = int(0.8 * available_bytes()) if budget is None else budget
+    total, largest = weight_bytes(weights)
+    # one process must hold its baseline, the weights, and one weight in FP64 plus two FP32 forms
+    floor = PROCESS_BASE + total + 4 * largest
+    if budget < floor:
+        raise MemoryBudgetError(f"the compile needs at least {_gb(floor)} (process {_gb(PROCESS_BASE)}, weights "
+                                f"{_gb(total)}, working copies of the largest weight {_gb(4 * largest)}); the "
+                                f"memory budget is {_gb(budget)}: raise --max-memory or compile fewer layers")
+    worker_cache = min(WORKER_CACHE_MAX, max(2 * largest, 64 << 20))  # the largest weight in two forms
+    per_worker = WORKER_BASE + 2 * worker_cache
+    fit = workers
+    while fit > 1 and budget - PROCESS_BASE - total - fit * per_worker < 4 * largest:
+        fit -= 1
+    left = budget - PROCESS_BASE - total - (fit * per_worker if fit > 1 else 0)
+    derived = min(3 * total, int(0.6 * left))
+    converted = min(2 * total, left - derived)
+    return MemoryPlan(budget, total, largest, fit, derived, converted, worker_cache if fit > 1 else 0)

@@ -1,0 +1,76 @@
+"""The compile's memory plan (luminal_num/memory.py): sizes parsed as users write them, caches bounded by
+what the model can use and by the budget, fewer workers when two do not fit, and a budget that cannot
+hold the model refused up front with one line."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from luminal_num.cli import EXIT_INPUT, main
+from luminal_num.hlir.weightcache import WEIGHTS
+from luminal_num.memory import (GiB, PROCESS_BASE, WORKER_BASE, MemoryBudgetError, parse_size, plan_memory,
+                                weight_bytes)
+from luminal_num.quant.stored import CONVERTED
+
+
+class Shapes(dict):
+    """Weights known by shape only: the plan never reads a value."""
+
+    def __init__(self, **shapes):
+        super().__init__({n: np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), s, [0] * len(s))
+                          for n, s in shapes.items()})
+
+
+@pytest.mark.parametrize("text,value", [("16G", 16 * GiB), ("512M", 512 << 20), ("2.5G", int(2.5 * GiB)),
+                                        ("1024", 1024), ("3GiB", 3 * GiB), ("7t", 7 << 40)])
+def test_sizes(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "G", "-1G", "0", "12Q", "1e3G"])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_caches_hold_what_the_model_can_use_within_the_budget():
+    w = Shapes(embed=(50_000, 1000), a=(1000, 1000), b=(4000, 1000))  # 220 MB as FP32
+    total, largest = weight_bytes(w)
+    assert (total, largest) == (220_000_000, 200_000_000)
+    big = plan_memory(w, 64 * GiB)
+    assert big.workers == 2 and big.weight_cache == 3 * total and big.converted_cache == 2 * total
+    assert big.worker_cache == 2 * largest
+    tight = plan_memory(w, PROCESS_BASE + total + 2 * (WORKER_BASE + 2 * big.worker_cache) + 5 * largest)
+    assert tight.workers == 2 and tight.weight_cache + tight.converted_cache <= 5 * largest
+    assert PROCESS_BASE + total + 2 * (WORKER_BASE + 2 * tight.worker_cache) + tight.weight_cache \
+        + tight.converted_cache <= tight.budget  # the plan adds up within its budget
+    solo = plan_memory(w, PROCESS_BASE + total + 4 * largest + (1 << 20))
+    assert solo.workers == 1 and solo.worker_cache == 0 and "no worker pool" in solo.describe()
+
+
+def test_a_budget_below_the_model_is_refused_naming_what_it_needs():
+    w = Shapes(embed=(50_000, 1000))
+    with pytest.raises(MemoryBudgetError, match=r"needs at least .* GB .*the memory budget is 1\.0 GB"):
+        plan_memory(w, 10 ** 9)
+
+
+def test_apply_sizes_the_process_caches():
+    old = WEIGHTS.budget_bytes, CONVERTED.budget_bytes
+    try:
+        plan = plan_memory(Shapes(a=(1000, 1000)), 64 * GiB)
+        plan.apply()
+        assert (WEIGHTS.budget_bytes, CONVERTED.budget_bytes) == (plan.weight_cache, plan.converted_cache)
+    finally:
+        WEIGHTS.resize(old[0])
+        CONVERTED.resize(old[1])
+
+
+def test_the_cli_refuses_a_budget_that_cannot_hold_the_model_with_one_line(tmp_path, capsys):
+    rc = main(["compile", "--model", "transformer", "--max-memory", "10M", "--candidates", "1", "--quiet",
+               "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == EXIT_INPUT and "the compile needs at least" in err and err.count("\n") == 1
+    assert not (tmp_path / "r" / "plan.json").exists()
+    with pytest.raises(SystemExit) as usage:  # argparse's usage error, naming the expected form
+        main(["compile", "--model", "transformer", "--max-memory", "lots"])
+    assert usage.value.code == 2 and "e.g. 16G" in capsys.readouterr().err

@@ -1,0 +1,131 @@
+"""Weights by content key, read from their files when needed (issue: a streaming, memory-lean compile).
+
+- a weight changed in its file gets a new key, so the verdict cache of the old weights is not reused;
+- safetensors weights are memory-mapped views of the file (nothing copied up front), read-only;
+- the streamed writer produces the same bytes as the in-memory writer, and nothing on failure;
+- a synthetic checkpoint is deterministic and loads as a Llama folder;
+- the FP64 reference keeps chunk-boundary values only, equal to the full evaluation's;
+- the FP64 Llama holds no FP64 copy of its weights and computes what a plain float64 model does.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from luminal_num.error.budget import Budget
+from luminal_num.error.reference import Fp64Reference, boundary_nodes
+from luminal_num.error.verdict_store import context_key
+from luminal_num.hlir.evaluate import evaluate_nodes
+from luminal_num.hlir.partition import partition
+from luminal_num.hlir.store import WeightArray
+from luminal_num.hlir.weightcache import WEIGHTS
+from luminal_num.models.llama import LlamaConfig, build_prefill, load_weights, weight_shapes
+from luminal_num.models.reference import Fp64Llama
+from luminal_num.models.synthetic import write_checkpoint
+from luminal_num.models.weights import load_safetensors, save_safetensors, save_safetensors_streamed
+
+CONFIG = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-5, max_position_embeddings=32)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("synthetic") / "tiny", CONFIG, seed=3)
+
+
+def _memmapped(a: np.ndarray) -> bool:
+    while a is not None:
+        if isinstance(a, np.memmap):
+            return True
+        a = a.base
+    return False
+
+
+def test_safetensors_weights_are_read_only_views_of_the_file(checkpoint):
+    arrays = load_safetensors(checkpoint / "model.safetensors")
+    assert set(arrays) == set(weight_shapes(CONFIG))
+    for a in arrays.values():
+        assert _memmapped(a) and not a.flags.writeable
+
+
+def test_the_streamed_writer_writes_what_the_in_memory_writer_does(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {"b": rng.standard_normal((7, 5)).astype(np.float32), "a": rng.standard_normal(3).astype(np.float64),
+               "c": rng.integers(0, 9, (4, 2, 3)).astype(np.int32)}
+    save_safetensors(tmp_path / "ref.safetensors", tensors)
+    shapes = {n: (t.shape, t.dtype) for n, t in tensors.items()}
+    save_safetensors_streamed(tmp_path / "streamed.safetensors", shapes,
+                              lambda n: (tensors[n][i:i + 2] for i in range(0, len(tensors[n]), 2)))
+    assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+    def short(n):
+        yield tensors[n][:1]
+    with pytest.raises(ValueError, match="fill wrote"):
+        save_safetensors_streamed(tmp_path / "bad.safetensors", shapes, short)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.safetensors", "streamed.safetensors"]  # nothing left
+
+
+def test_a_synthetic_checkpoint_is_deterministic_and_loads_as_a_llama_folder(checkpoint, tmp_path):
+    again = write_checkpoint(tmp_path / "again", CONFIG, seed=3)
+    assert (again / "model.safetensors").read_bytes() == (checkpoint / "model.safetensors").read_bytes()
+    other = write_checkpoint(tmp_path / "other", CONFIG, seed=4)
+    assert (other / "model.safetensors").read_bytes() != (checkpoint / "model.safetensors").read_bytes()
+    config, weights = load_weights(checkpoint)
+    assert config == CONFIG and json.loads((checkpoint / "config.json").read_text())["synthetic_seed"] == 3
+    w = weights["model.layers.0.mlp.up_proj.weight"]
+    assert abs(float(np.std(w)) - 1 / np.sqrt(CONFIG.hidden_size)) < 0.02  # N(0, 1/fan_in) as written
+    with pytest.raises(ValueError, match="at least 256"):
+        write_checkpoint(tmp_path / "small", LlamaConfig(**{**CONFIG.__dict__, "vocab_size": 100}))
+
+
+def test_a_weight_changed_in_its_file_invalidates_the_verdict_cache(checkpoint, tmp_path):
+    def key_of(folder):
+        config, weights = load_weights(folder)
+        model = build_prefill(config, weights, 4, 4, 1)
+        batch = model.make_batch_inputs(np.zeros((1, 4), np.int64), np.arange(4)[None, :])
+        b = Budget.parse("atol=1e-3,rtol=0")
+        return context_key(model.graph, [batch], b, b)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in checkpoint.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    assert key_of(copy) == key_of(checkpoint)  # another file, the same contents: the same key
+    raw = bytearray((copy / "model.safetensors").read_bytes())
+    raw[-4:] = np.float32(0.123).tobytes()  # one value of the last tensor
+    (copy / "model.safetensors").write_bytes(bytes(raw))
+    assert key_of(copy) != key_of(checkpoint)
+
+
+def test_the_reference_keeps_chunk_boundaries_equal_to_the_full_evaluation(checkpoint):
+    config, weights = load_weights(checkpoint)
+    model = build_prefill(config, weights, 3, 6, 2)
+    rng = np.random.default_rng(1)
+    batch = model.make_batch_inputs(rng.integers(0, 256, (2, 3)), np.tile(np.arange(3), (2, 1)))
+    part = partition(model.graph)
+    keep = boundary_nodes(model.graph, part)
+    ref = Fp64Reference.of(model.graph, batch, keep)
+    full = evaluate_nodes(model.graph, batch)
+    assert set(ref.values) == {n for n in keep if n in full} and len(ref.values) < len(full) / 4
+    assert not any(model.graph.weight_name(n) for n in ref.values)  # weights are the cache's, not pinned here
+    for n, v in ref.values.items():
+        assert np.array_equal(v, full[n]) and isinstance(v, WeightArray)
+    for name, v in ref.outputs(model.graph).items():
+        assert np.array_equal(v, full[model.graph.outputs[name]])
+
+
+def test_the_fp64_llama_holds_no_fp64_copy_and_computes_the_float64_model(checkpoint):
+    config, weights = load_weights(checkpoint)
+    ids = [5, 17, 200, 3]
+    model = Fp64Llama(config, weights)
+    assert not any(isinstance(v, np.ndarray) and v.dtype == np.float64 for v in vars(model).values())
+    logits, state = model.forward(ids)
+    # an independent float64 model: every weight converted up front (what the class did before)
+    plain = Fp64Llama.__new__(Fp64Llama)
+    plain.config, plain.w = config, {n: np.asarray(a, dtype=np.float64) for n, a in weights.items()}
+    want, want_state = plain.forward(ids)
+    assert np.array_equal(logits, want) and all(np.array_equal(a, b) for a, b in zip(state.k, want_state.k))
+    before = WEIGHTS.misses
+    model.forward(ids)
+    assert WEIGHTS.misses == before  # converted once per process, then read from the weight cache
