@@ -17,6 +17,9 @@ from typing import Mapping
 
 import numpy as np
 
+from .hlir.weightcache import WEIGHTS
+from .quant.stored import CONVERTED
+
 GiB = 1 << 30
 PROCESS_BASE = int(1.2 * GiB)   # the compiling process without weights (Python, egglog, numba, the e-graphs)
 WORKER_BASE = int(0.45 * GiB)   # a forked worker's own pages (its runtime, one chunk's buffers)
@@ -72,8 +75,6 @@ class MemoryPlan:
 
     def apply(self) -> None:
         """Resize this process's caches to the plan (workers resize theirs when they start)."""
-        from .hlir.weightcache import WEIGHTS
-        from .quant.stored import CONVERTED
         WEIGHTS.resize(self.weight_cache)
         CONVERTED.resize(self.converted_cache)
 
