@@ -24,6 +24,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from .gguf_header import GGUFError, read_header
 from .llama import EMBED, FINAL_NORM, LM_HEAD, LlamaConfig, check_weights, weight_shapes
 from .tokenizer import ChatTemplate, Tokenizer
 
@@ -56,10 +57,6 @@ _ROPE_PERMUTED = {"self_attn.q_proj.weight": "head_count", "self_attn.k_proj.wei
 
 
 KEPT_TYPES = ("Q4_1", "Q8_0")  # GGML types a storage choice keeps bit for bit (luminal_num.quant.gguf)
-
-
-class GGUFError(ValueError):
-    """A GGUF file this graph cannot run exactly; the message names the setting."""
 
 
 @dataclass(frozen=True)
@@ -131,11 +128,16 @@ def _fields(reader: gguf.GGUFReader) -> dict[str, object]:
     return {key: field.contents() for key, field in reader.fields.items()}
 
 
+def check_architecture(arch: object) -> None:
+    """Refuse a GGUF architecture no graph here builds (called as soon as the header names it)."""
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+
+
 def config_from_metadata(meta: Mapping[str, object], tensor_names: set[str]) -> LlamaConfig:
     """LlamaConfig from GGUF metadata; settings the graph does not implement raise GGUFError."""
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    check_architecture(arch)
 
     def key(name: str, default=None):
         value = meta.get(f"{arch}.{name}", default)
@@ -207,6 +209,7 @@ def load_gguf(path: str | Path, layers: int | None = None) -> GGUFModel:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
+    read_header(path, on_architecture=check_architecture)  # refuses early; names a truncation
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError) as exc:
