@@ -56,7 +56,8 @@ _GLOBAL_NAMES = {"token_embd.weight": EMBED, "output_norm.weight": FINAL_NORM, "
 _ROPE_PERMUTED = {"self_attn.q_proj.weight": "head_count", "self_attn.k_proj.weight": "head_count_kv"}
 
 
-KEPT_TYPES = ("Q4_1", "Q8_0")  # GGML types a storage choice keeps bit for bit (luminal_num.quant.gguf)
+# GGML types a storage choice keeps bit for bit (luminal_num.quant.gguf and quant.gguf_blocks)
+KEPT_TYPES = ("Q4_1", "Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass(frozen=True)
