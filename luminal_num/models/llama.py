@@ -58,9 +58,11 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: q/k/v projections carry biases (o_proj and the MLP do not)
+    qk_norm: bool = False   # Qwen3: RMSNorm of each head's q and k over head_dim before RoPE
+    attention_head_dim: int = 0  # head size when not hidden / heads (Qwen3: 128 for hidden 1024, 16 heads)
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
+        if not self.attention_head_dim and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of {self.num_attention_heads} heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"{self.num_attention_heads} query heads cannot be shared evenly by "
@@ -70,7 +72,7 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.attention_head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def kv_dim(self) -> int:
@@ -108,6 +110,8 @@ class LlamaConfig:
     def to_dict(self) -> dict[str, Any]:
         """A Hugging Face config.json dict for this architecture (Qwen2 when q/k/v carry biases)."""
         fields = dataclasses.asdict(self)
+        if fields.pop("qk_norm") or fields.pop("attention_head_dim"):
+            raise ValueError("a Qwen3-style config (QK-norm, its own head_dim) has no Llama/Qwen2 config.json form")
         qwen2 = fields.pop("qkv_bias")
         return {"architectures": [ARCHITECTURES[qwen2]], "model_type": "qwen2" if qwen2 else "llama",
                 "hidden_act": "silu", **fields}
@@ -147,6 +151,7 @@ def _layer_weight_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
             "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
             "post_attention_layernorm.weight": (d,), "mlp.gate_proj.weight": (ff, d),
             "mlp.up_proj.weight": (ff, d), "mlp.down_proj.weight": (d, ff),
+            **({"self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)} if c.qk_norm else {}),
             **({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
                if c.qkv_bias else {})}
 
@@ -350,8 +355,11 @@ def _attention(g: Graph, c: LlamaConfig, layer: int, h: GraphTensor, weight, ste
                max_cache: int) -> GraphTensor:
     tokens, kv_heads, group, dh = h.shape[0], c.num_key_value_heads, c.queries_per_kv_head, c.head_dim
     b, s = step.batch, step.seq
-    q = _apply_rope(_projection(c, h, weight, "q_proj").reshape(tokens, c.num_attention_heads, dh), step)
-    k = _apply_rope(_projection(c, h, weight, "k_proj").reshape(tokens, kv_heads, dh), step)
+    q = _projection(c, h, weight, "q_proj").reshape(tokens, c.num_attention_heads, dh)
+    k = _projection(c, h, weight, "k_proj").reshape(tokens, kv_heads, dh)
+    if c.qk_norm:  # Qwen3: per-head RMSNorm over head_dim, before RoPE
+        q, k = q.rms_norm(weight("self_attn.q_norm.weight"), c.rms_norm_eps), k.rms_norm(weight("self_attn.k_norm.weight"), c.rms_norm_eps)
+    q, k = _apply_rope(q, step), _apply_rope(k, step)
     v = _projection(c, h, weight, "v_proj")
     cached = {}
     for kind, new_rows in zip(CACHE_KINDS, (k.reshape(tokens, c.kv_dim), v)):

@@ -87,8 +87,11 @@ class Fp64Llama:
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             h = self._norm(x, p + "input_layernorm.weight")
-            q = rope(self._proj(h, p + "self_attn.q_proj").reshape(n, c.num_attention_heads, dh))
-            k = rope(self._proj(h, p + "self_attn.k_proj").reshape(n, c.num_key_value_heads, dh))
+            q = self._proj(h, p + "self_attn.q_proj").reshape(n, c.num_attention_heads, dh)
+            k = self._proj(h, p + "self_attn.k_proj").reshape(n, c.num_key_value_heads, dh)
+            if c.qk_norm:
+                q, k = self._norm(q, p + "self_attn.q_norm.weight"), self._norm(k, p + "self_attn.k_norm.weight")
+            q, k = rope(q), rope(k)
             k_rows = np.concatenate([state.k[i], k.reshape(n, c.kv_dim)])
             v_rows = np.concatenate([state.v[i], self._proj(h, p + "self_attn.v_proj")])
             ks.append(k_rows)

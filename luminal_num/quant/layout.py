@@ -12,6 +12,7 @@ class Part(enum.Enum):
     ZERO = "zero"  # asymmetric int4: value = (q - zero) * scale
     MIN = "min"  # GGUF Q4_1: value = scale * q + min
     TENSOR_SCALE = "tensor_scale"  # NVFP4: one FP32 scale over the whole tensor
+    BLOCKS = "blocks"  # GGUF Q4_0/Q5_x/K-quants: the file's raw blocks, scales inside (quant/gguf_blocks.py)
 
 
 class Layout(enum.Enum):
@@ -19,6 +20,7 @@ class Layout(enum.Enum):
     CHANNEL = "channel"  # one scale per row
     TILE = "tile"  # one per block x block tile (DeepSeek-V3's 128 x 128 weight blocks)
     GROUP = "group"  # one per `block` consecutive elements of a row (along K); the last may be ragged
+    BLOCKS = "blocks"  # llama.cpp blocks of `block` elements along K, their scales inside the block bytes
 
 
 class Scheme(enum.Enum):
@@ -31,6 +33,7 @@ class Scheme(enum.Enum):
     NVFP4 = "nvfp4"  # E2M1 codes, E4M3 scale per 16, FP32 tensor scale
     GGUF_Q4_1 = "gguf_q4_1"  # llama.cpp Q4_1, bit for bit
     GGUF_Q8_0 = "gguf_q8_0"  # llama.cpp Q8_0, bit for bit
+    GGUF_BLOCKS = "gguf_blocks"  # llama.cpp Q4_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks, kept as stored
 
 
 def grouped(x: np.ndarray, group: int) -> np.ndarray:

@@ -21,8 +21,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..dtypes.formats import (BF16, E8M0, F4E2M1, F8E4M3, F8E5M2, F16, F32, INT4, INT8, UINT4, Format, Kind)
-from . import gguf, schemes
+from ..dtypes.formats import (BF16, E8M0, F4E2M1, F8E4M3, F8E5M2, F16, F32, INT4, INT8, UINT4, UINT8, Format, Kind)
+from . import gguf, gguf_blocks, schemes
 from .layout import Layout, Part, Scheme
 from .pack import FOUR_BIT_FORMATS, decode_4bit, encode_4bit, pack_nibbles, packed_length, unpack_nibbles
 
@@ -41,16 +41,20 @@ class StorageFormat:
     tensor_scale: Format | None = None
 
     def __post_init__(self):
-        if (self.layout is Layout.NONE) != (self.scale is None):
+        if (self.layout in (Layout.NONE, Layout.BLOCKS)) != (self.scale is None):
             raise ValueError(f"{self.name}: a scale format goes with a scale layout and only with one")
-        if (self.layout in (Layout.TILE, Layout.GROUP)) != (self.block > 0):
-            raise ValueError(f"{self.name}: TILE and GROUP layouts need block > 0, the others block = 0")
+        if (self.layout in (Layout.TILE, Layout.GROUP, Layout.BLOCKS)) != (self.block > 0):
+            raise ValueError(f"{self.name}: TILE, GROUP and BLOCKS layouts need block > 0, the others block = 0")
+        if (self.layout is Layout.BLOCKS) != (self.scheme is Scheme.GGUF_BLOCKS):
+            raise ValueError(f"{self.name}: kept GGUF blocks and only they have the BLOCKS layout")
         if self.element.compute_only:
             raise ValueError(f"{self.name}: {self.element} is a compute rounding, not a storage format")
 
     # -- structure derived from the declaration -------------------------------------------------
     @property
     def parts(self) -> tuple[Part, ...]:
+        if self.layout is Layout.BLOCKS:
+            return (Part.BLOCKS,)
         out = [Part.Q] + ([Part.SCALE] if self.scale is not None else [])
         if self.zero is not None:
             out.append(Part.MIN if self.scheme is Scheme.GGUF_Q4_1 else Part.ZERO)
@@ -60,18 +64,23 @@ class StorageFormat:
 
     def part_format(self, part: Part) -> Format:
         return {Part.Q: self.element, Part.SCALE: self.scale, Part.ZERO: self.zero, Part.MIN: self.zero,
-                Part.TENSOR_SCALE: self.tensor_scale}[part]
+                Part.TENSOR_SCALE: self.tensor_scale, Part.BLOCKS: UINT8}[part]
 
     @property
     def bits(self) -> int:
         """Bits per stored element code (scales not included: see stored_bytes)."""
-        return self.element.bits
+        return gguf_blocks.block_type(self.name).code_bits if self.layout is Layout.BLOCKS else self.element.bits
+
+    @property
+    def keeps_only(self) -> bool:
+        """True when the format only keeps a GGUF file's blocks (quantize refuses any other weight)."""
+        return self.layout is Layout.BLOCKS
 
     def check_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         shape = tuple(int(d) for d in shape)
         if self.layout is not Layout.NONE and len(shape) != 2:
             raise ValueError(f"{self.name} stores (rows, K) matrices; got shape {shape}")
-        if self.scheme in (Scheme.GGUF_Q4_1, Scheme.GGUF_Q8_0) and shape[-1] % self.block:
+        if self.scheme in (Scheme.GGUF_Q4_1, Scheme.GGUF_Q8_0, Scheme.GGUF_BLOCKS) and shape[-1] % self.block:
             raise ValueError(f"{self.name}: llama.cpp blocks are {self.block} wide; K = {shape[-1]} is not a multiple")
         return shape
 
@@ -83,6 +92,8 @@ class StorageFormat:
         if part is Part.TENSOR_SCALE:
             return ()
         rows, k = shape
+        if self.layout is Layout.BLOCKS:
+            return rows, k // self.block * gguf_blocks.block_type(self.name).block_bytes
         if self.layout is Layout.CHANNEL:
             return rows, 1
         if self.layout is Layout.TILE:
@@ -169,6 +180,7 @@ CODECS: Mapping[Scheme, Codec] = MappingProxyType({
     Scheme.NVFP4: Codec(schemes.nvfp4_quantize, schemes.nvfp4_dequantize, schemes.nvfp4_error),
     Scheme.GGUF_Q4_1: Codec(gguf.q4_1_quantize, gguf.q4_1_dequantize, gguf.q4_1_error),
     Scheme.GGUF_Q8_0: Codec(gguf.q8_0_quantize, gguf.q8_0_dequantize, gguf.q8_0_error),
+    Scheme.GGUF_BLOCKS: Codec(gguf_blocks.refuse_quantize, gguf_blocks.blocks_dequantize, gguf_blocks.kept_error),
 })
 
 
@@ -267,6 +279,8 @@ def _catalogue() -> dict[str, StorageFormat]:
                                  tensor_scale=F32))
     formats.append(StorageFormat("gguf_q4_1", Scheme.GGUF_Q4_1, UINT4, Layout.GROUP, GGUF_BLOCK, F16, F16))
     formats.append(StorageFormat("gguf_q8_0", Scheme.GGUF_Q8_0, INT8, Layout.GROUP, GGUF_BLOCK, F16))
+    for t in gguf_blocks.BLOCK_TYPES.values():  # kept as the file's bytes (decoded by quant/gguf_blocks.py)
+        formats.append(StorageFormat(gguf_blocks.format_name(t.ggml), Scheme.GGUF_BLOCKS, UINT8, Layout.BLOCKS, t.block))
     return {f.name: f for f in formats}
 
 
@@ -283,18 +297,33 @@ def storage_format(name: str | StorageFormat) -> StorageFormat:
         raise KeyError(f"unknown storage format {name!r}; known: {', '.join(STORAGE_FORMATS)}") from None
 
 
+def gguf_formats() -> dict[str, StorageFormat]:
+    """GGMLQuantizationType name -> the storage format keeping its blocks exactly."""
+    out = {gguf.GGUF_TYPE_NAMES[f.scheme]: f for f in STORAGE_FORMATS.values() if f.scheme in gguf.GGUF_TYPE_NAMES}
+    out.update({t: STORAGE_FORMATS[gguf_blocks.format_name(t)] for t in gguf_blocks.BLOCK_TYPES})
+    return out
+
+
 def from_gguf(raw: np.ndarray, type_name: str) -> Quantized:
     """A GGUF tensor's raw blocks (uint8 (rows, bytes per row), its GGMLQuantizationType name) kept exactly."""
-    by_type = {gguf.GGUF_TYPE_NAMES[f.scheme]: f for f in STORAGE_FORMATS.values() if f.scheme in gguf.GGUF_TYPE_NAMES}
+    by_type = gguf_formats()
     if type_name not in by_type:
         raise ValueError(f"GGUF type {type_name!r} is not kept exactly (kept: {', '.join(by_type)})")
     fmt = by_type[type_name]
+    if fmt.layout is Layout.BLOCKS:
+        t = gguf_blocks.BLOCK_TYPES[type_name]
+        blocks = gguf_blocks.as_blocks(t, raw)
+        rows = np.shape(raw)[0]
+        return Quantized(fmt, (rows, blocks.shape[0] // rows * t.block), {Part.BLOCKS: blocks.reshape(rows, -1)
+                                                                         .astype(np.float32)})
     shape, values = gguf.values_from_blocks(fmt.scheme, raw)
     return Quantized(fmt, shape, values)
 
 
 def to_gguf(q: Quantized) -> np.ndarray:
-    """The GGUF raw blocks of a Q4_1 / Q8_0 tensor (the inverse of from_gguf)."""
+    """The GGUF raw blocks of a kept GGUF tensor (the inverse of from_gguf)."""
+    if q.fmt.layout is Layout.BLOCKS:
+        return q.values[Part.BLOCKS].astype(np.uint8)
     if q.fmt.scheme not in gguf.GGUF_TYPE_NAMES:
         raise ValueError(f"{q.fmt.name} has no GGUF block layout")
     return gguf.blocks_from_values(q.fmt.scheme, q.values)

@@ -20,15 +20,14 @@ import numpy as np
 from ..hlir.store import content_key
 from ..hlir.weightcache import DEFAULT_BUDGET_BYTES, ByteLRU
 from ..models.gguf import kept_source
-from .gguf import GGUF_TYPE_NAMES
-from .storage import STORAGE_FORMATS, Quantized, StorageFormat, StoredTensor, from_gguf, storage_format
+from .storage import Quantized, StorageFormat, StoredTensor, from_gguf, gguf_formats, storage_format
 
 # Storage formats the precision rules offer for a 2-D weight: one per kind of recipe (the catalogue
 # has more; GGUF blocks are kept only where the source was GGUF, which needs the source's blocks).
-GGUF_KEPT: tuple[str, ...] = ("gguf_q4_1", "gguf_q8_0")  # offered only for weights loaded from such blocks
+_GGUF_FORMAT = {ggml: f.name for ggml, f in gguf_formats().items()}  # GGML type name -> format keeping it
+GGUF_KEPT: tuple[str, ...] = tuple(_GGUF_FORMAT.values())  # offered only for weights loaded from such blocks
 SEARCHED_STORAGE: tuple[str, ...] = ("bf16", "f16", "f8e4m3_channel", "int8_channel", "int4_g128", "int4_g32_asym",
                                      "mxfp4", "nvfp4")
-_GGUF_FORMAT = {GGUF_TYPE_NAMES[f.scheme]: f.name for f in STORAGE_FORMATS.values() if f.scheme in GGUF_TYPE_NAMES}
 def source_format(w) -> str | None:
     """The storage format of the GGUF blocks `w` was loaded from (models.gguf.keep_source), else None:
     storing `w` in it keeps those blocks, with zero added error (they dequantize to exactly `w`)."""
