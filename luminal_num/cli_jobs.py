@@ -123,10 +123,14 @@ def onnx_job_of(args):
         if getattr(args, "shape", None):
             raise InputError("--shape applies to ONNX models (--model model.onnx) only")
         return None
+    source = getattr(args, "inputs", None) or args.calibration
     try:
-        return onnx_job(args.model, args.shape, getattr(args, "inputs", None) or args.calibration)
+        oj = onnx_job(args.model, args.shape, source)
     except OnnxImportError as exc:
         raise InputError(str(exc)) from None
+    for batch in oj.job.calibration:  # ids a Gather reads must index its table (-1, which ONNX allows, too)
+        check_batch(oj.job.graph, batch, source)
+    return oj
 
 
 def onnx_peer_rows(oj, budget, target: str):
