@@ -64,3 +64,58 @@ def test_onnx_audit_refuses_bad_token_ids(gather_model):
                    "--out", str(audit_out), cwd=gather_model)
         _one_line_refusal(proc, "'ids'", *words)
         assert not audit_out.exists()
+
+
+@pytest.mark.parametrize("folder", ["/proc/luminal-num-out", "/sys/luminal-num-out"])
+def test_an_out_folder_that_takes_no_files_is_one_line(tmp_path, folder):
+    """/proc and /sys pass a writability check yet refuse the lock file: refused before any work."""
+    proc = cli("compile", "--model", "transformer", "--candidates", "2", "--quiet", "--out", folder, cwd=tmp_path)
+    _one_line_refusal(proc, folder, "cannot hold files")
+    assert not Path(folder).exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    """A compiled plan of the tiny GGUF (tests/tiny_gguf.py) and the model file's path."""
+    from tiny_gguf import tiny_config, write_tiny_gguf
+    root = tmp_path_factory.mktemp("tiny_llm")
+    model = root / "tiny.gguf"
+    write_tiny_gguf(model, tiny_config(max_position_embeddings=256))
+    (root / "prompts.txt").write_text("the cat sat on\n", encoding="utf-8")
+    done = cli("compile", "--model", str(model), "--workload", "decode:2@128", "--calibration", "prompts.txt",
+               "--candidates", "1", "--quiet", "--out", "report", cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return root, model
+
+
+def test_generate_with_an_empty_prompt_is_one_line(tiny_plan):
+    root, _ = tiny_plan
+    for prompt in ("", "   "):
+        _one_line_refusal(cli("generate", "--plan", "report/plan.json", "--prompt", prompt, cwd=root), "--prompt is empty")
+
+
+def test_generate_backend_cuda_without_a_device_is_refused_before_the_model_loads(tiny_plan, tmp_path):
+    """The model file is gone: the refusal names the device, so it came before any model was read."""
+    from luminal_num.runtime.cuda_device import cuda_available
+    if cuda_available():
+        pytest.skip("a CUDA device is present: --backend cuda is valid here")
+    root, model = tiny_plan
+    hidden = tmp_path / "elsewhere.gguf"
+    model.rename(hidden)
+    try:
+        proc = cli("generate", "--plan", "report/plan.json", "--prompt", "the cat", "--backend", "cuda", cwd=root)
+    finally:
+        hidden.rename(model)
+    _one_line_refusal(proc, "--backend cuda", "no CUDA device")
+
+
+def test_audit_of_a_built_in_plan_uses_the_recorded_model(tmp_path):
+    """A llama-tiny plan audited without --model: the plan records its job (it fell back to minilm)."""
+    done = cli("compile", "--model", "llama-tiny", "--candidates", "2", "--quiet", "--out", "report", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+    assert json.loads((tmp_path / "report" / "plan.json").read_text())["job"]["model"] == "llama-tiny"
+    audit = cli("audit", "--plan", "report/plan.json", cwd=tmp_path)
+    assert audit.returncode == 0, audit.stderr[-2000:]
+    _one_line_refusal(cli("generate", "--plan", "report/plan.json", "--prompt", "hi", cwd=tmp_path), "'llama-tiny'",
+                      "not an LLM")
