@@ -21,6 +21,7 @@ from pathlib import Path
 from . import __version__
 from .cli_jobs import (LLM_CANDIDATES, LLM_WORKLOAD, InputError, fill_job_args, input_batches, is_llm, llm_job_of,
                        onnx_job_of, onnx_peer_rows, parse_budget, record_job, registry_job)
+from .error.verdict_store import VerdictCacheWarning
 from .report.files import OutputDirError, OutputLocked, check_output_dir, output_lock
 from .report.numbers import fmt_latency, fmt_num
 from .report.pareto import ERROR_COLUMN
@@ -379,6 +380,8 @@ COMMANDS = {"compile": cmd_compile, "audit": cmd_audit, "inspect": cmd_inspect, 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # overflow in bound arithmetic is handled
+    warnings.filterwarnings("always", category=VerdictCacheWarning)  # ... but an ignored cache file is news
+    warnings.showwarning = _one_line_warning
     try:
         return COMMANDS[args.command](args)
     except (InputError, OutputDirError) as exc:  # OutputDirError: a folder found unusable only when locking it
@@ -396,6 +399,11 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return EXIT_PIPE
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one `warning: ...` line on stderr (no source line), as errors are shown."""
+    print(f"warning: {message}", file=file or sys.stderr)
 
 
 def _quiet_stdout() -> None:

@@ -119,3 +119,17 @@ def test_audit_of_a_built_in_plan_uses_the_recorded_model(tmp_path):
     assert audit.returncode == 0, audit.stderr[-2000:]
     _one_line_refusal(cli("generate", "--plan", "report/plan.json", "--prompt", "hi", cwd=tmp_path), "'llama-tiny'",
                       "not an LLM")
+
+
+def test_a_corrupt_verdict_cache_is_ignored_with_the_promised_warning(tmp_path):
+    """The CLI hides numeric RuntimeWarnings; the cache's own warning class is still shown, in one line."""
+    args = ("compile", "--model", "transformer", "--candidates", "2", "--quiet", "--out", "report")
+    assert cli(*args, cwd=tmp_path).returncode == 0
+    caches = sorted((tmp_path / "report" / "verdicts").glob("verdicts-*.json"))
+    assert caches
+    for c in caches:
+        c.write_text("{not json")
+    again = cli(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    lines = [ln for ln in again.stderr.splitlines() if "verdict cache" in ln]
+    assert len(lines) == 1 and lines[0].startswith("warning: ignoring the unreadable verdict cache"), again.stderr
