@@ -401,9 +401,15 @@ def main(argv=None) -> int:
         return EXIT_PIPE
 
 
+_SHOW_WARNING = warnings.showwarning
+
+
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """Warnings as one `warning: ...` line on stderr (no source line), as errors are shown."""
-    print(f"warning: {message}", file=file or sys.stderr)
+    """An ignored verdict cache as one `warning: ...` line on stderr, as errors are shown; others as before."""
+    if issubclass(category, VerdictCacheWarning):
+        print(f"warning: {message}", file=file or sys.stderr)
+    else:
+        _SHOW_WARNING(message, category, filename, lineno, file, line)
 
 
 def _quiet_stdout() -> None:
