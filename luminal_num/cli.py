@@ -20,7 +20,8 @@ from pathlib import Path
 
 from . import __version__
 from .cli_jobs import (LLM_CANDIDATES, LLM_WORKLOAD, InputError, fill_job_args, input_batches, is_llm, llm_job_of,
-                       onnx_job_of, onnx_peer_rows, parse_budget, record_llm_job, registry_job)
+                       onnx_job_of, onnx_peer_rows, parse_budget, record_job, registry_job)
+from .error.verdict_store import VerdictCacheWarning
 from .memory import MemoryBudgetError, parse_size, plan_memory
 from .report.files import OutputDirError, OutputLocked, check_output_dir, output_lock
 from .report.numbers import fmt_latency, fmt_num
@@ -126,7 +127,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     if oj is not None:
         result = dataclasses.replace(result, plan=result.plan.with_source(oj.source))
         peers = onnx_peer_rows(oj, budget, args.target)
-    record_llm_job(result.plan, job, args)
+    record_job(result.plan, job, args)
     with _writing(out):
         files = write_compile_report(result, out, f"{job.name}: error vs latency ({args.target})", interrupted,
                                      extra_rows=peers)
@@ -352,13 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_generate(args) -> int:
     from .report.generate import generate, print_generation
-    from .runtime.cuda_device import CudaUnavailableError
+    from .runtime.cuda_device import CudaUnavailableError, require_cuda
     from .search.plan import PlanError
+    if not args.prompt.strip():
+        raise InputError("--prompt is empty: give the text the plan should continue")
     plan = _load_plan(args.plan)
     fill_job_args(args, plan)
     if not is_llm(args.model):
         raise InputError(f"generate runs LLM plans; {args.model!r} is not an LLM (smollm2, .gguf, HF folder)")
     try:
+        if args.backend == "cuda":  # before the model loads (seconds, a GB): the device is checked first
+            require_cuda()
         print_generation(generate(plan, args.model, args.workload, args.layers, args.prompt, args.chat, args.tokens,
                                   args.backend))
     except CudaUnavailableError as exc:
@@ -392,9 +397,11 @@ COMMANDS = {"compile": cmd_compile, "audit": cmd_audit, "inspect": cmd_inspect, 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # overflow in bound arithmetic is handled
+    warnings.filterwarnings("always", category=VerdictCacheWarning)  # ... but an ignored cache file is news
+    warnings.showwarning = _one_line_warning
     try:
         return COMMANDS[args.command](args)
-    except InputError as exc:
+    except (InputError, OutputDirError) as exc:  # OutputDirError: a folder found unusable only when locking it
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT
     except OutputLocked as exc:
@@ -409,6 +416,17 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return EXIT_PIPE
+
+
+_SHOW_WARNING = warnings.showwarning
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """An ignored verdict cache as one `warning: ...` line on stderr, as errors are shown; others as before."""
+    if issubclass(category, VerdictCacheWarning):
+        print(f"warning: {message}", file=file or sys.stderr)
+    else:
+        _SHOW_WARNING(message, category, filename, lineno, file, line)
 
 
 def _quiet_stdout() -> None:

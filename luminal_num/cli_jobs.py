@@ -38,8 +38,9 @@ def registry_job(name: str, args=None):
     from .models.registry import JOBS, load_job
     if args is not None and is_llm(name):
         return llm_job_of(args)
-    if args is not None and getattr(args, "workload", None):
-        raise InputError(f"--workload applies to LLMs (smollm2, a .gguf file, a HF folder), not {name!r}")
+    for option in ("workload", "layers"):
+        if args is not None and getattr(args, option, None):
+            raise InputError(f"--{option} applies to LLMs (smollm2, a .gguf file, a HF folder), not {name!r}")
     try:
         job = load_job(name)
     except KeyError:
@@ -97,11 +98,12 @@ def llm_job_of(args):
     return job
 
 
-def record_llm_job(plan, job, args) -> None:
-    """An LLM plan remembers its model and workload, so audit and generate rebuild the same graph."""
-    if job.llm is not None:
-        plan.data["job"] = {"model": args.model, "workload": str(job.llm.workload),
-                            "layers": getattr(args, "layers", None)}
+def record_job(plan, job, args) -> None:
+    """A plan remembers its model (and an LLM's workload and layers), so audit and generate rebuild the
+    same graph without --model (a built-in llama-tiny plan was audited as minilm: graph hash mismatch)."""
+    llm = job.llm is not None
+    plan.data["job"] = {"model": args.model, "workload": str(job.llm.workload) if llm else None,
+                        "layers": getattr(args, "layers", None) if llm else None}
 
 
 def fill_job_args(args, plan) -> None:
@@ -123,10 +125,14 @@ def onnx_job_of(args):
         if getattr(args, "shape", None):
             raise InputError("--shape applies to ONNX models (--model model.onnx) only")
         return None
+    source = getattr(args, "inputs", None) or args.calibration
     try:
-        return onnx_job(args.model, args.shape, getattr(args, "inputs", None) or args.calibration)
+        oj = onnx_job(args.model, args.shape, source)
     except OnnxImportError as exc:
         raise InputError(str(exc)) from None
+    for batch in oj.job.calibration:  # ids a Gather reads must index its table (-1, which ONNX allows, too)
+        check_batch(oj.job.graph, batch, source)
+    return oj
 
 
 def onnx_peer_rows(oj, budget, target: str):

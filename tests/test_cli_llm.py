@@ -88,6 +88,8 @@ def test_refused_models_exit_2_naming_the_setting(tiny, capsys):
         assert message in err and err.count("\n") == 1, err
     assert main(["compile", "--model", "transformer", "--workload", "decode:1@8"]) == EXIT_INPUT
     assert "--workload applies to LLMs" in capsys.readouterr().err
+    assert main(["compile", "--model", "transformer", "--layers", "99"]) == EXIT_INPUT
+    assert "--layers applies to LLMs" in capsys.readouterr().err
     assert main(["compile", "--model", "gpt-17"]) == EXIT_INPUT
     assert "unknown model 'gpt-17'" in capsys.readouterr().err
 
@@ -113,6 +115,13 @@ def test_hugging_face_folder_by_path(tiny, tmp_path, capsys):
     rc = main(["compile", "--model", str(tmp_path), "--workload", WORKLOAD, "--calibration", str(prompts),
                "--candidates", "1", "--out", str(tmp_path / "report"), "--quiet"])
     assert rc == EXIT_OK
+    capsys.readouterr()
+    layers = model.config.num_hidden_layers
+    rc = main(["compile", "--model", str(tmp_path), "--layers", str(layers + 97), "--workload", WORKLOAD,
+               "--calibration", str(prompts), "--candidates", "1", "--out", str(tmp_path / "never"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == EXIT_INPUT and f"layers must lie in [1, {layers}], got {layers + 97}" in err and err.count("\n") == 1
+    assert not (tmp_path / "never").exists()
 
 
 def test_generate_backend_cuda_without_a_device_is_one_line_exit_2(tiny, capsys):

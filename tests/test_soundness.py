@@ -87,14 +87,16 @@ def test_fp8_block_cross_block_total_overflow_is_infinite(tag):
     assert rep.overflow is not None or np.all(np.isinf(rep.error_bounds["y"]))  # was ~1e38
 
 
-def test_mx_operand_dequantized_in_fp32_overflow_is_infinite():
-    """3.3e38 with an E8M0 scale 2^120 quantizes to 256 (e4m3); 256 * 2^120 = 2^128 = inf in FP32."""
+def test_mx_operand_beyond_fp32_gives_the_exact_product_and_a_bound_that_holds():
+    """3.3e38 with an E8M0 scale 2^120 quantizes to 256 (e4m3); 256 * 2^120 = 2^128 is beyond FP32, so the
+    products are summed in FP64 (issue 36; it was inf): 2^128 * 0.5 = 2^127 exactly; the bound holds."""
     x = np.zeros((1, 32))
     x[0, 0] = 3.3e38
     rep, out, ref = _bound_and_run(_gemm_graph(32, np.full((32, 2), 0.5)), x, "gemm:f8e4m3_mx")
     np.testing.assert_allclose(ref, 1.65e38)
-    assert np.all(np.isinf(out))
-    assert rep.overflow is not None or np.all(np.isinf(rep.error_bounds["y"]))  # was 2.1e37
+    np.testing.assert_array_equal(out, np.float32(2.0 ** 127))
+    assert rep.overflow is None
+    assert np.all(np.abs(out - ref) <= rep.error_bounds["y"])  # was 2.1e37 below the error while out was inf
 
 
 def test_mat_vec_and_vector_matrix_run_in_reference_backend_and_bounds():

@@ -216,17 +216,14 @@ class GemmPrecision:
     def _fp32_fits(self, result_abs, a_terms, b_terms) -> np.ndarray:
         """No FP32 intermediate outside the (narrow) accumulator can overflow: the output itself (the
         FP32 cross-chunk total of promoted or per-chunk-scaled sums, which the quantized chunk check
-        does not see), the scale product fl32(sa * sb), and an operand dequantized as q * 2^e in FP32
-        (power-of-two scales applied per product: |q s| <= (1 + rel) amax + abs, e.g. 3.3e38 -> 2^128)."""
+        does not see) and the scale product fl32(sa * sb). Power-of-two scales applied per product (MX)
+        need no operand check: an operand q * 2^e beyond FP32 (3.3e38 -> 2^128) sends the emulation to
+        its FP64 sum of the exact products (runtime.numerics._per_product_scaled), rounded once."""
         fits = np.asarray(result_abs <= F32.max_finite)
         scaled = self.a_scale is not None or self.b_scale is not None
         exact_prescale = self.scales_per_product and not self.grouped
         if scaled and not exact_prescale:
             fits = fits & (_times(a_terms[3], b_terms[3]) <= F32.max_finite)
-        if exact_prescale:
-            for (big, rel, absolute, _), spec in ((a_terms, self.a_scale), (b_terms, self.b_scale)):
-                if spec is not None:
-                    fits = fits & (_times(big, 1 + rel) + absolute <= F32.max_finite)
         return fits
 
     def roundings(self, k: int) -> list[_Rounding]:

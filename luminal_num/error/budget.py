@@ -260,8 +260,27 @@ class Budget:
             reason = f"output {failed[0].name!r}: {failed[0].failures[0]}"
         else:
             worst_name = max(verdicts, key=lambda v: v.allclose_ratio).name if verdicts else "-"
-            reason = f"within budget {self}: worst allclose ratio {_shown(worst)} ({worst_name})"
+            shown = f"worst allclose ratio {_shown(worst)} ({worst_name})" if self.allclose_applies else \
+                self.summary([dict(v.metric_values) for v in verdicts], worst)
+            reason = f"within budget {self}: {shown}"
         return BudgetVerdict(not failed, verdicts, worst, reason)
+
+    @property
+    def allclose_applies(self) -> bool:
+        """atol = rtol = inf (an LLM budget) passes every value: its allclose ratio, 0, says nothing."""
+        return not (math.isinf(self.atol) and math.isinf(self.rtol))
+
+    def summary(self, metric_values, worst_allclose: float) -> str:
+        """What a pass is reported with: the worst allclose ratio, or where allclose does not apply the
+        worst value of each metric limit over `metric_values` (dicts of metric name -> value)."""
+        if self.allclose_applies or not self.metrics:
+            return f"worst allclose ratio {_shown(worst_allclose)}"
+        worst = []
+        for m in self.metrics:
+            values = [d[m.name] for d in metric_values if m.name in d]
+            if values:
+                worst.append(f"{m.name} {_shown(min(values) if m.operator == '>=' else max(values))}")
+        return "worst " + ", ".join(worst)
 
     def _judge(self, name: str, y, ref) -> OutputVerdict:
         compared = y if isinstance(y, Compared) else Compared(y, ref)  # one pair for allclose and every metric

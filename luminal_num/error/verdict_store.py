@@ -44,6 +44,11 @@ def _num(x: float):
     return float(x) if np.isfinite(x) else repr(float(x))
 
 
+class VerdictCacheWarning(RuntimeWarning):
+    """A cache file that is ignored (the compile measures again): its own class, so the CLI shows it while
+    it hides the numeric RuntimeWarnings of bound arithmetic."""
+
+
 @dataclass
 class VerdictStore:
     """`path`: one JSON file per context (the directory is created on the first write)."""
@@ -69,7 +74,7 @@ class VerdictStore:
                 store.entries = dict(data["verdicts"])
                 store.loaded = len(store.entries)
             except (OSError, ValueError, UnicodeDecodeError, AttributeError) as exc:
-                warnings.warn(f"ignoring the unreadable verdict cache {store.path}: {exc}", RuntimeWarning,
+                warnings.warn(f"ignoring the unreadable verdict cache {store.path}: {exc}", VerdictCacheWarning,
                               stacklevel=2)
                 store.entries = {}
         return store

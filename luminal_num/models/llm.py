@@ -116,6 +116,8 @@ class LlmModel:
 def _hf_model(directory: Path, layers: int | None) -> LlmModel:
     config, weights = load_weights(directory)
     if layers is not None:
+        if not 1 <= layers <= config.num_hidden_layers:  # as load_gguf refuses it: never a silent no-op
+            raise ValueError(f"layers must lie in [1, {config.num_hidden_layers}], got {layers}")
         config = config.with_layers(layers)
         weights = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
     tok_file = directory / "tokenizer.json"

@@ -54,6 +54,8 @@ class OnnxModel:
             a = np.asarray(arrays[spec.name])
             if tuple(a.shape) != spec.shape:
                 raise OnnxImportError(f"input {spec.name!r}: shape {a.shape}, the model was imported for {spec.shape}")
+            if spec.kind == INT and a.dtype.kind not in "iu":  # a cast would truncate 2.7 to token 2, NaN to 0
+                raise OnnxImportError(f"input {spec.name!r} takes integers (indices); got {a.dtype} data")
             if spec.kind == INT and a.size and (a.min() < _I32.min or a.max() > _I32.max):
                 raise OnnxImportError(f"input {spec.name!r} holds integers outside int32 (the graph's index type)")
             out[spec.name] = a.astype(np.int64) if spec.kind == INT else a.astype(np.float32)

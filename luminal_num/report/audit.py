@@ -78,7 +78,8 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
     plan_err = plan.data["verdict"]["error"]
     if passed:
         recorded = fmt_num(plan_err) if not isinstance(plan_err, str) else plan_err
-        reason = f"within budget {budget}: worst allclose ratio {fmt_num(worst)} (plan recorded {recorded})"
+        shown = f"worst allclose ratio {fmt_num(worst)}" if budget.allclose_applies else budget.summary(out_rows, worst)
+        reason = f"within budget {budget}: {shown} (plan recorded {recorded})"
     return AuditResult(passed, reason, pd.DataFrame(out_rows), pd.DataFrame(drift_rows),
                        float(plan_err) if not isinstance(plan_err, str) else float("nan"), worst, share)
 

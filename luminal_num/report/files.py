@@ -159,7 +159,10 @@ def output_lock(path: str | os.PathLike) -> Iterator[None]:
         home = home.parent
     digest = hashlib.sha256(str(target.resolve()).encode()).hexdigest()[:16]
     lock = home / f".luminal-num-{digest}.lock"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    except OSError as exc:  # /proc, /sys: a folder that looks writable but takes no files
+        raise OutputDirError(f"output folder {path} cannot hold files ({home}: {exc.strerror or exc})") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

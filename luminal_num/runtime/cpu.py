@@ -352,7 +352,9 @@ def gemm_accumulator(rt: CpuRuntime, k: Kernel, state: _Run, out: np.ndarray | N
                     tuple(sorted(state.bindings.items())), None if scales is None else scales.tobytes())
         b_key = (state.feed[weight], state.compiled.get(k, "gemm_b_key", state.bindings, operand_key))
     reads = tuple(state.compiled.read(k, i, state.bindings) for i in (0, 1))
-    return run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key, reads, out)
+    parts = tuple(int(np.shape(state.feed[n])[b_source.concat_axis]) for n in b_source.concat) \
+        if b_source.kind is KernelKind.EXTERNAL and b_source.concat else ()
+    return run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key, reads, out, parts)
 
 
 def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:

@@ -6,6 +6,10 @@ through strided views, each copy a pass over the activations): numpy passes the 
 and such a view to the same BLAS routine with the same transpose flags, only the leading dimension
 differs, which changes no value. A view that would take another route (a transposed operand: other
 flags; a vector: numpy's gemv path; an unaccepted row stride: numpy's own loop) is copied as before.
+
+A Gemm over concatenated weights (horizontal fusion) runs one call per part on that part's columns as a
+C-contiguous (K, N_part) copy: the call the unfused Gemm makes, so fused and unfused FP32 plans agree bit
+for bit whatever summation order the BLAS kernel takes for a shape or a leading dimension.
 """
 from __future__ import annotations
 
@@ -69,9 +73,29 @@ def blas_view(full: np.ndarray, lay: GemmLayout, is_a: bool) -> np.ndarray | Non
     return x
 
 
+def column_parts(b: np.ndarray, widths: tuple[int, ...]) -> tuple[np.ndarray, ...] | None:
+    """B (..., K, N)'s columns per concatenated part, each a C-contiguous copy laid out as the part's own
+    Gemm operand (gemm_operand_b's), or None when N is not the parts' total (a part read alone)."""
+    if len(widths) < 2 or sum(widths) != b.shape[-1]:
+        return None
+    starts = np.cumsum((0,) + widths[:-1])
+    return tuple(np.ascontiguousarray(b[..., s:s + w]) for s, w in zip(starts, widths))
+
+
+def _scale_parts(scales: np.ndarray | None, widths: tuple[int, ...], n: int) -> list | None:
+    """Static B scales (..., K blocks, N blocks) split at the parts' columns; None where a block spans two."""
+    if scales is None or scales.shape[-1] == 1:
+        return [scales] * len(widths)
+    block = -(-n // scales.shape[-1])
+    starts = np.cumsum((0,) + widths)
+    if any(s % block for s in starts[:-1]):
+        return None
+    return [scales[..., s // block:-(-e // block)] for s, e in zip(starts[:-1], starts[1:])]
+
+
 def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None,
              a_scales: np.ndarray | None = None, b_cache_key: tuple | None = None, reads=(None, None),
-             out: np.ndarray | None = None) -> np.ndarray:
+             out: np.ndarray | None = None, b_parts: tuple[int, ...] = ()) -> np.ndarray:
     """C as float32 in the output's axis order; one BLAS call per batch matrix.
 
     a_scales: given when input 0 is a QUANTIZE kernel's q (its side output); else A is raw.
@@ -79,25 +103,34 @@ def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None,
     quantized form for a variant, are then computed once per process (hlir.weightcache).
     reads: the operands' compiled views (cpu_compiled.StridedRead), if any.
     out: the kernel's FP32 output buffer, which an FP32 Gemm may write C into (then C is `out`).
+    b_parts: the column widths of B's concatenated parts (a horizontally fused Gemm): one call per part.
     """
     a_full = _operand(k, 0, stored, bindings, reads)
     lay = k.layout
     variant = None if k.precision in (None, "f32") else GEMM_VARIANTS[k.precision]
     if variant is None:
-        return _fp32_gemm(k, a_full, stored, bindings, b_cache_key, reads, out)
+        return _fp32_gemm(k, a_full, stored, bindings, b_cache_key, reads, out, b_parts)
     a = gemm_operand_a(a_full, lay)
 
     def b_operand():
-        return prepare_b(_f32(gemm_operand_b(_operand(k, 1, stored, bindings, reads), lay)), variant, b_scales)
-    b = b_operand() if b_cache_key is None else WEIGHTS.get(b_cache_key[0], b_cache_key[1], b_operand)
-    if a_scales is not None:
-        c = emulate_gemm(None, None, variant, a_quantized=(a, a_scales), b_prepared=b)
-    else:
-        c = emulate_gemm(_f32(a), None, variant, b_prepared=b)
+        b = _f32(gemm_operand_b(_operand(k, 1, stored, bindings, reads), lay))
+        parts = column_parts(b, b_parts)
+        scales = None if parts is None else _scale_parts(b_scales, b_parts, b.shape[-1])
+        if scales is None:
+            return (prepare_b(b, variant, b_scales),)
+        return tuple(prepare_b(p, variant, s) for p, s in zip(parts, scales))
+    bs = b_operand() if b_cache_key is None else WEIGHTS.get(b_cache_key[0], (*b_cache_key[1], b_parts), b_operand)
+    a32 = None if a_scales is not None else _f32(a)
+
+    def part(b):
+        if a_scales is not None:
+            return emulate_gemm(None, None, variant, a_quantized=(a, a_scales), b_prepared=b)
+        return emulate_gemm(a32, None, variant, b_prepared=b)
+    c = part(bs[0]) if len(bs) == 1 else np.concatenate([part(b) for b in bs], axis=-1)
     return gemm_result(c, lay, a_full.shape)
 
 
-def _fp32_gemm(k: Kernel, a_full, stored, bindings, b_cache_key, reads, out) -> np.ndarray:
+def _fp32_gemm(k: Kernel, a_full, stored, bindings, b_cache_key, reads, out, b_parts=()) -> np.ndarray:
     lay = k.layout
     full = a_full.shape
     batch = tuple(full[ax] for ax in lay.batch_axes)
@@ -114,6 +147,12 @@ def _fp32_gemm(k: Kernel, a_full, stored, bindings, b_cache_key, reads, out) -> 
         if b is None or np.may_share_memory(a, b):  # one array read twice: numpy may take another route
             b = b_copy()
     b = b.reshape(*batch, full[lay.k_axis], _size(full, lay.n_axes))
+    parts = None
+    if b_parts:
+        parts = column_parts(b, b_parts) if b_cache_key is None else \
+            WEIGHTS.get(b_cache_key[0], (*b_cache_key[1], b_parts), lambda: column_parts(b, b_parts))
+    if parts is not None:
+        return gemm_result(np.concatenate([np.matmul(a, p) for p in parts], axis=-1), lay, full)
     order = (*lay.batch_axes, *lay.m_axes, *lay.n_axes)
     out_axes = [ax for ax in range(len(full)) if ax != lay.k_axis]
     if out is not None and out_axes == list(order) and out.shape == tuple(full[ax] for ax in out_axes) \

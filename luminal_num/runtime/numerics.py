@@ -17,7 +17,8 @@ What a GemmPrecision computes, step by step (every rounding below is round-to-ne
    along K with promote_every: at each promotion the chunk is scaled and added into an FP32
    accumulator in K order, out = fl32(out + fl32(partial * fl32(sa * sb))) (no FMA contraction).
    Varying along K without promotion: applied inside the MMA, to every product: power-of-two (E8M0)
-   scales exactly on the operands then one FP32 accumulation (MX); with a narrow accumulator each
+   scales exactly on the operands then one FP32 accumulation (MX; where a scaled operand or partial sum
+   could leave FP32's range, the exact products summed in FP64 and rounded once); with a narrow accumulator each
    group enters as fl32(fl32(group) * fl32(sa * sb)) (no promotion: one accumulator over all of K).
 """
 from __future__ import annotations
@@ -438,11 +439,28 @@ def _outer_scaled(partial: np.ndarray, qa: _Operand, qb: _Operand, k_block_index
 
 
 def _per_product_scaled(qa: _Operand, qb: _Operand) -> np.ndarray:
-    # power-of-two scales (checked by GemmPrecision): q * 2^e is exact in FP32, so is every product; a
-    # prepared weight's scaled values are made once (derived), not per run
-    operands = [op.values if op.scales is None else op.derived("scaled", lambda op=op: op.values * expand_scales(
-        op.scales, op.values.shape, op.spec)) for op in (qa, qb)]
-    return np.matmul(*operands)
+    """Power-of-two scales applied to every product (MX). Where max|a s|, max|b s| <= F32 max and
+    k max|a s| max|b s| <= F32 max / 2 (every dequantized operand, product and partial sum provably
+    finite), q * 2^e is exact in FP32 and so is
+    every product: one FP32 BLAS accumulation of the scaled operands. Beyond that, an operand alone may
+    exceed FP32 (256 * 2^120 = 2^128) where the result does not: the exact products are summed in FP64
+    and rounded once to FP32 (error <= u32 |y| + gamma_k(u64) sum|p|, within the FP32 accumulation's
+    gamma_k(u32) sum|p|), so the Gemm is inf only where the result itself is beyond FP32's range."""
+    k = qa.values.shape[-1]
+    wide = [op.derived("scaled64", lambda op=op: _dequantized64(op)) for op in (qa, qb)]  # exact: 8-bit q, 2^e
+    amax = [op.derived("scaled_amax", lambda x=x: float(np.max(np.abs(x), initial=0.0))) for op, x in zip((qa, qb), wide)]
+    if max(amax) <= F32.max_finite and k * amax[0] * amax[1] <= F32.max_finite / 2:  # NaN fails: FP64 path
+        # a prepared weight's scaled values are made once (derived), not per run
+        operands = [op.values if op.scales is None else op.derived("scaled", lambda op=op: op.values * expand_scales(
+            op.scales, op.values.shape, op.spec)) for op in (qa, qb)]
+        return np.matmul(*operands)
+    with np.errstate(over="ignore"):  # an FP32 overflow of the rounded result is the inf being emulated
+        return np.matmul(*wide).astype(np.float32)
+
+
+def _dequantized64(op: _Operand) -> np.ndarray:
+    values = op.values.astype(np.float64)
+    return values if op.scales is None else values * expand_scales(op.scales, op.values.shape, op.spec)
 
 
 def emulate_reduce_sum(x, axis: int, acc: Format | str) -> np.ndarray:

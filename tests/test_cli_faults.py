@@ -1,0 +1,135 @@
+"""New-user faults of issue 36, run as a user runs them (a subprocess in a scratch folder): each is one
+`error: ...` line on stderr, exit code 2, and nothing written."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from test_cli import cli
+
+VOCAB = 10
+
+
+def _one_line_refusal(proc, *words: str) -> str:
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+    return err
+
+
+@pytest.fixture(scope="module")
+def gather_model(tmp_path_factory) -> Path:
+    """ids (2, 3) int64 -> Gather(table (VOCAB, 4)) -> ReduceSum over the last axis: token embeddings."""
+    d = tmp_path_factory.mktemp("onnx_ids")
+    table = np.random.default_rng(0).standard_normal((VOCAB, 4)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], axis=0),
+             helper.make_node("ReduceSum", ["e", "ax"], ["y"], keepdims=0)]
+    graph = helper.make_graph(nodes, "ids", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+                              [numpy_helper.from_array(table, "table"),
+                               numpy_helper.from_array(np.array([-1], np.int64), "ax")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(d / "ids.onnx"))
+    np.savez(d / "good.npz", ids=np.array([[1, 2, 3], [4, 5, 9]], np.int64))
+    np.savez(d / "vocab.npz", ids=np.array([[1, 2, 3], [4, 5, VOCAB]], np.int64))
+    np.savez(d / "minus.npz", ids=np.array([[1, 2, -1], [4, 5, 6]], np.int64))
+    np.savez(d / "float.npz", ids=np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 0.7]]))
+    return d
+
+
+@pytest.mark.parametrize("batch, words", [("vocab.npz", ("'ids'", "[0, 9]")), ("minus.npz", ("'ids'", "[0, 9]")),
+                                          ("float.npz", ("'ids'", "integers", "float64"))])
+def test_onnx_compile_refuses_bad_token_ids(gather_model, batch, words):
+    out = gather_model / f"never_{batch}"
+    proc = cli("compile", "--model", str(gather_model / "ids.onnx"), "--calibration", str(gather_model / batch),
+               "--target", "cpu", "--candidates", "3", "--quiet", "--out", str(out), cwd=gather_model)
+    _one_line_refusal(proc, *words)
+    assert not out.exists()
+
+
+def test_onnx_audit_refuses_bad_token_ids(gather_model):
+    out = gather_model / "report"
+    args = ("--model", str(gather_model / "ids.onnx"))
+    done = cli("compile", *args, "--calibration", str(gather_model / "good.npz"), "--target", "cpu",
+               "--candidates", "3", "--quiet", "--out", str(out), cwd=gather_model)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for batch, words in (("vocab.npz", ("[0, 9]",)), ("minus.npz", ("[0, 9]",)), ("float.npz", ("integers",))):
+        audit_out = gather_model / f"audit_{batch}"
+        proc = cli("audit", "--plan", str(out / "plan.json"), *args, "--inputs", str(gather_model / batch),
+                   "--out", str(audit_out), cwd=gather_model)
+        _one_line_refusal(proc, "'ids'", *words)
+        assert not audit_out.exists()
+
+
+@pytest.mark.parametrize("folder", ["/proc/luminal-num-out", "/sys/luminal-num-out"])
+def test_an_out_folder_that_takes_no_files_is_one_line(tmp_path, folder):
+    """/proc and /sys pass a writability check yet refuse the lock file: refused before any work."""
+    proc = cli("compile", "--model", "transformer", "--candidates", "2", "--quiet", "--out", folder, cwd=tmp_path)
+    _one_line_refusal(proc, folder, "cannot hold files")
+    assert not Path(folder).exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    """A compiled plan of the tiny GGUF (tests/tiny_gguf.py) and the model file's path."""
+    from tiny_gguf import tiny_config, write_tiny_gguf
+    root = tmp_path_factory.mktemp("tiny_llm")
+    model = root / "tiny.gguf"
+    write_tiny_gguf(model, tiny_config(max_position_embeddings=256))
+    (root / "prompts.txt").write_text("the cat sat on\n", encoding="utf-8")
+    done = cli("compile", "--model", str(model), "--workload", "decode:2@128", "--calibration", "prompts.txt",
+               "--candidates", "1", "--quiet", "--out", "report", cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return root, model
+
+
+def test_generate_with_an_empty_prompt_is_one_line(tiny_plan):
+    root, _ = tiny_plan
+    for prompt in ("", "   "):
+        _one_line_refusal(cli("generate", "--plan", "report/plan.json", "--prompt", prompt, cwd=root), "--prompt is empty")
+
+
+def test_generate_backend_cuda_without_a_device_is_refused_before_the_model_loads(tiny_plan, tmp_path):
+    """The model file is gone: the refusal names the device, so it came before any model was read."""
+    from luminal_num.runtime.cuda_device import cuda_available
+    if cuda_available():
+        pytest.skip("a CUDA device is present: --backend cuda is valid here")
+    root, model = tiny_plan
+    hidden = tmp_path / "elsewhere.gguf"
+    model.rename(hidden)
+    try:
+        proc = cli("generate", "--plan", "report/plan.json", "--prompt", "the cat", "--backend", "cuda", cwd=root)
+    finally:
+        hidden.rename(model)
+    _one_line_refusal(proc, "--backend cuda", "no CUDA device")
+
+
+def test_audit_of_a_built_in_plan_uses_the_recorded_model(tmp_path):
+    """A llama-tiny plan audited without --model: the plan records its job (it fell back to minilm)."""
+    done = cli("compile", "--model", "llama-tiny", "--candidates", "2", "--quiet", "--out", "report", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+    assert json.loads((tmp_path / "report" / "plan.json").read_text())["job"]["model"] == "llama-tiny"
+    audit = cli("audit", "--plan", "report/plan.json", cwd=tmp_path)
+    assert audit.returncode == 0, audit.stderr[-2000:]
+    _one_line_refusal(cli("generate", "--plan", "report/plan.json", "--prompt", "hi", cwd=tmp_path), "'llama-tiny'",
+                      "not an LLM")
+
+
+def test_a_corrupt_verdict_cache_is_ignored_with_the_promised_warning(tmp_path):
+    """The CLI hides numeric RuntimeWarnings; the cache's own warning class is still shown, in one line."""
+    args = ("compile", "--model", "transformer", "--candidates", "2", "--quiet", "--out", "report")
+    assert cli(*args, cwd=tmp_path).returncode == 0
+    caches = sorted((tmp_path / "report" / "verdicts").glob("verdicts-*.json"))
+    assert caches
+    for c in caches:
+        c.write_text("{not json")
+    again = cli(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    lines = [ln for ln in again.stderr.splitlines() if "verdict cache" in ln]
+    assert len(lines) == 1 and lines[0].startswith("warning: ignoring the unreadable verdict cache"), again.stderr
