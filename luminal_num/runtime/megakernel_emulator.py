@@ -74,6 +74,7 @@ class MegakernelEmulator:
         self.shapes = [tuple(evaluate(d, self.bindings) for d in k.shape) for k in self.kernels]
         self._reads: dict[tuple[int, int], list[tuple[int, np.ndarray | None]]] = {}
         self._memo: dict[tuple, tuple[np.ndarray, np.ndarray | None]] = {}
+        self._waits: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
 
     def _state(self, stored: dict) -> _Run:
         return _Run(stored, {}, self.feed, self.bindings, self.weight_names, self.rt._compiled)
@@ -118,7 +119,9 @@ class MegakernelEmulator:
         written = {k.id: np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=bool)
                    for k, shape in zip(self.kernels, self.shapes)}
         scales: dict[int, np.ndarray] = {}
-        counters = np.zeros(sum(t.counters for t in self.table), dtype=np.int64)
+        counters = [0] * sum(t.counters for t in self.table)
+        versions = {k.id: 0 for k in self.kernels}  # writes per buffer: equal versions, equal bytes
+        seen: dict[tuple, tuple[np.ndarray, np.ndarray | None]] = {}
         done = [0] * len(self.queue.ops)
         entries = [(op, t) for op, launch in enumerate(self.table) for t in range(launch.tiles)]
         result = EmulatedRun({})
@@ -127,14 +130,20 @@ class MegakernelEmulator:
         sm_value: list[tuple[np.ndarray, np.ndarray | None] | None] = [None] * sms
         sm_running = [False] * sms
         finished = 0
+        released = [False] * sms  # a waiting SM's barriers passed (counters only grow: it stays passed)
+        changed = True            # a counter moved since the waiting SMs were last checked
         while finished < len(entries):
             movable = []
             for s in range(sms):
                 if sm_entry[s] is None:
                     if head < len(entries):
                         movable.append(s)
-                elif sm_running[s] or self._released(counters, *sm_entry[s]):
+                elif sm_running[s] or released[s]:
                     movable.append(s)
+                elif changed and self._released(counters, *sm_entry[s]):
+                    released[s] = True
+                    movable.append(s)
+            changed = False
             if not movable:
                 result.deadlock = f"no SM can move with {len(entries) - finished} tiles left: " + ", ".join(
                     f"SM{s} waits in op {e[0]} tile {e[1]}" for s, e in enumerate(sm_entry) if e is not None)
@@ -142,29 +151,38 @@ class MegakernelEmulator:
             s = movable[int(rng.integers(len(movable)))]
             if sm_entry[s] is None:
                 sm_entry[s], head = entries[head], head + 1
+                released[s] = self._released(counters, *sm_entry[s])
             elif not sm_running[s]:
                 op, tile = sm_entry[s]
                 self._check(result, op, tile, written)
-                sm_value[s] = self._value(op, tile, buffers, scales)
+                flat = self.queue.ops[op].block.partition is Partition.FLAT
+                key = (op, tile if flat else -1, tuple(versions[p] for p, _ in self.reads(op, tile)))
+                if key not in seen:
+                    seen[key] = self._value(op, tile, buffers, scales)
+                sm_value[s] = seen[key]
                 sm_running[s] = True
             else:
                 op, tile = sm_entry[s]
                 self._write(op, tile, sm_value[s], buffers, written, scales, done)
+                versions[self.kernels[op].id] += 1
                 q = self.queue.ops[op]
                 counters[self.table[op].counter_base + tile * q.signals_with] += 1
-                sm_entry[s], sm_value[s], sm_running[s] = None, None, False
+                sm_entry[s], sm_value[s], sm_running[s], released[s] = None, None, False, False
+                changed = True
                 finished += 1
                 result.tiles_run += 1
         result.outputs = {name: buffers[kid].astype(np.float64) if kid in buffers
                           else np.asarray(self.externals[kid]).astype(np.float64) for name, kid in self.program.outputs}
         return result
 
-    def _released(self, counters: np.ndarray, op: int, tile: int) -> bool:
-        for wait in self.queue.ops[op].waits:
-            for index, need in wait_counters(self.queue, self.table, op, tile, wait, self.bindings):
-                if index >= len(counters) or counters[index] < need:
-                    return False
-        return True
+    def _released(self, counters: list[int], op: int, tile: int) -> bool:
+        key = (op, tile)
+        if key not in self._waits:  # the tile's counters and counts: the same in every interleaving
+            pairs = [p for w in self.queue.ops[op].waits
+                     for p in wait_counters(self.queue, self.table, op, tile, w, self.bindings)]
+            self._waits[key] = tuple(pairs)
+        n = len(counters)
+        return all(i < n and counters[i] >= need for i, need in self._waits[key])
 
     def _check(self, result: EmulatedRun, op: int, tile: int, written) -> None:
         for producer, idx in self.reads(op, tile):
