@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from luminal_num.codegen.blockops import GEMV_COLS, Partition, block_op, tile_count
+from luminal_num.codegen.blockops import Partition, block_op, gemv_cols, tile_count
 from luminal_num.codegen.llir import FApply, FConstV, FLoad, Kernel, KernelInput, KernelKind, Program, verify
 from luminal_num.codegen.megakernel import (Wait, build_queue, wait_counters, with_read_elements,
                                             with_signal_stride)
@@ -121,7 +121,8 @@ def test_partition_per_kernel_kind_on_the_test_transformer():
             assert b.partition is Partition.FLAT and b.elements == k.shape[-1]
             assert tile_count(k, bindings) == int(np.prod([int(d) for d in k.shape[:-1]]))
         if k.kind.is_gemm and b.kind == "gemv":  # blocks over N only
-            assert tile_count(k, bindings) == -(-int(k.layout.n) // GEMV_COLS)
+            assert tile_count(k, bindings) == -(-int(k.layout.n) // gemv_cols(k.layout.n))
+    assert [gemv_cols(n) for n in (96, 576, 960, 1536, 49152)] == [1, 5, 8, 12, 32]
     assert KernelKind.ROWS in kinds and any(k.is_gemm for k in kinds)
 
 

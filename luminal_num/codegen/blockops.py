@@ -30,7 +30,8 @@ from .cuda_source import ELEMENTWISE_THREADS
 from .llir import Kernel, KernelKind
 
 GEMV_MAX_ROWS = 16    # a Gemm with at most this many output rows (batch * M) runs as a GEMV
-GEMV_COLS = 32        # GEMV: output columns (rows of W) per block, 4 per warp of an 8-warp block
+GEMV_COLS = 32        # GEMV: at most this many output columns (rows of W) per block, 4 per warp of 8 warps ...
+FILL_SMS = 132        # ... and fewer where that fills one wave of this many blocks (an H100/H200's SMs)
 GEMM_TILE = 64        # Gemm: square output tiles of 64 x 64
 
 
@@ -99,8 +100,16 @@ def _gemm(k: Kernel) -> BlockOp:
     lay = k.layout
     rows = lay.m
     if all(isinstance(d, int) for d in (lay.batch, rows)) and lay.batch * rows <= GEMV_MAX_ROWS:
-        return _opaque(k, "gemv", TileCount(((lay.n, GEMV_COLS),)))
+        return _opaque(k, "gemv", TileCount(((lay.n, gemv_cols(lay.n)),)))
     return _opaque(k, "gemm", TileCount(((lay.batch, 1), (rows, GEMM_TILE), (lay.n, GEMM_TILE))))
+
+
+def gemv_cols(n: Dim) -> int:
+    """Output columns per GEMV block: GEMV_COLS, or fewer (down to 1) so that N columns fill one wave of
+    FILL_SMS blocks: a 576-column projection in 18 blocks would leave 114 SMs without weights to load."""
+    if not isinstance(n, int):
+        return GEMV_COLS
+    return max(1, min(GEMV_COLS, -(-n // FILL_SMS)))
 
 
 def _attention(k: Kernel) -> BlockOp:
