@@ -17,8 +17,12 @@ TERA = 1e12
 # Achievable fractions from the H200 measurement in notes/toolchain.md (carried over to H100 / A100).
 BANDWIDTH_EFFICIENCY = 4.3 / 4.8
 COMPUTE_EFFICIENCY = 790.0 / 989.4
-GRAPH_LAUNCH_S = 1e-6
+# Launch constants of issue 33, typed from their sources (runtime/targets.py cites them): 1.3 us per CUDA
+# graph node (Hazy Research, H100), a 1.0 us minimum kernel time (sglang #24733, H100), 4 us plain launch.
+GRAPH_LAUNCH_S = 1.3e-6
 PLAIN_LAUNCH_S = 4e-6
+MIN_KERNEL_S = 1.0e-6
+SMS = 132
 N = 4096
 
 
@@ -79,8 +83,8 @@ def test_simt_rates_native_or_fp32_fallback():
 
 def test_launch_overhead_with_and_without_cuda_graph():
     empty = KernelWork(name="noop", bytes_read=0, bytes_written=0, flops=0)
-    assert kernel_latency(empty, "h100", cuda_graph=True) == GRAPH_LAUNCH_S
-    assert kernel_latency(empty, "h100", cuda_graph=False) == PLAIN_LAUNCH_S
+    assert kernel_latency(empty, "h100", cuda_graph=True) == pytest.approx(MIN_KERNEL_S + GRAPH_LAUNCH_S, rel=1e-12)
+    assert kernel_latency(empty, "h100", cuda_graph=False) == pytest.approx(MIN_KERNEL_S + PLAIN_LAUNCH_S, rel=1e-12)
     works = [KernelWork(name=f"k{i}", bytes_read=4096 * i, bytes_written=4096, flops=1024 * i) for i in range(10)]
     graphed = model_latency(works, "a100", cuda_graph=True)
     plain = model_latency(works, "a100", cuda_graph=False)
@@ -148,6 +152,32 @@ def test_latency_is_the_larger_roofline_term_and_monotone(bytes_moved, flops, ta
     memory_s = bytes_moved / (resolved.hbm_bandwidth * BANDWIDTH_EFFICIENCY)
     compute_s = flops / (resolved.tensor_cores.rate(mode) * COMPUTE_EFFICIENCY)
     latency = kernel_latency(work, target)
-    assert latency == pytest.approx(max(memory_s, compute_s) + GRAPH_LAUNCH_S, rel=1e-12)
+    assert latency == pytest.approx(max(memory_s, compute_s, MIN_KERNEL_S) + GRAPH_LAUNCH_S, rel=1e-12)
     bigger = KernelWork("k", bytes_moved + 1, 0, flops + 1, math=mode, tensor_core=True)
     assert kernel_latency(bigger, target) >= latency
+
+
+def test_a_kernel_runs_at_least_the_minimum_kernel_time():
+    """4 KiB moved: 4096 / (4.8 TB/s * 4.3/4.8) = 0.95 ns, far under 1 us: the minimum applies."""
+    tiny = KernelWork("tiny", 2048, 2048, 1024)
+    assert 4096 / (4.8 * TERA * BANDWIDTH_EFFICIENCY) < MIN_KERNEL_S / 1000
+    assert kernel_latency(tiny, "h200") == pytest.approx(MIN_KERNEL_S + GRAPH_LAUNCH_S, rel=1e-12)
+
+
+@pytest.mark.parametrize("tiles, waves", [(1, 1), (66, 1), (132, 1), (133, 2), (264, 2), (265, 3)])
+def test_wave_quantization_divides_by_the_busy_fraction(tiles, waves):
+    """T tiles on 132 SMs take ceil(T / 132) waves: the roofline time over T / (waves * 132)."""
+    elements = 1 << 26
+    work = KernelWork("add", 8 * elements, 4 * elements, elements, tiles=tiles)
+    memory_s = 12 * elements / (4.8 * TERA * BANDWIDTH_EFFICIENCY)
+    expected = memory_s * (waves * SMS) / tiles + GRAPH_LAUNCH_S
+    assert kernel_latency(work, "h200") == pytest.approx(expected, rel=1e-12)
+
+
+def test_legacy_constants_reproduce_the_model_before_issue_33():
+    """1 us per graph node, no minimum, no waves: the old formula max(bytes, flops) + 1e-6."""
+    from luminal_num.runtime.targets import LEGACY_LAUNCH
+    tiny = KernelWork("tiny", 2048, 2048, 1024, tiles=1)
+    assert kernel_latency(tiny, "h200", launch=LEGACY_LAUNCH) == pytest.approx(
+        4096 / (4.8 * TERA * BANDWIDTH_EFFICIENCY) + 1e-6, rel=1e-12)
+    assert get_target("h200").launch.source.startswith("graph node 1.3 us")

@@ -1,7 +1,8 @@
 """Roofline cost model: latency of LLIR kernels on a named target, without running them.
 
 Why a model at all: the search ranks many candidates that only differ in dtypes; the roofline
-max(bytes / bandwidth, flops / peak) + launch overhead captures the two effects precision changes have
+max(bytes / bandwidth, flops / peak) (divided by the wave efficiency, at least the minimum kernel time)
++ launch overhead captures the two effects precision changes have
 (fewer bytes moved, a faster tensor-core mode) at no cost, on targets we do not have. Measured profiles
 (CPU always, CUDA where a GPU exists) produce the same `Latency` record with source="measured".
 """
@@ -10,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from luminal_num.runtime.targets import MATH_MODES, Target, get_target
+import math
+
+from luminal_num.runtime.targets import MATH_MODES, LaunchConstants, Target, get_target
 
 LATENCY_SOURCES = ("modelled", "measured")
 
@@ -40,6 +43,8 @@ class KernelWork:
     int8 data handled outside tensor cores is widened to FP32 in registers. `fused_ops` records how many
     HLIR ops the kernel fuses; fusion shows in the model as one launch and no intermediate traffic (the
     lowering already left the intermediates out of the byte counts), so it does not enter the formula.
+    `tiles`: the thread blocks it launches (codegen/blockops.py), for wave quantization; None = enough
+    to fill every SM (no quantization).
     """
 
     name: str
@@ -49,6 +54,7 @@ class KernelWork:
     math: str = "fp32"
     tensor_core: bool = False
     fused_ops: int = 1
+    tiles: int | None = None
 
     def __post_init__(self) -> None:
         if self.math not in MATH_MODES:
@@ -56,6 +62,8 @@ class KernelWork:
         for field_name in ("bytes_read", "bytes_written", "flops"):
             if getattr(self, field_name) < 0:
                 raise ValueError(f"kernel {self.name!r}: {field_name} must be >= 0, got {getattr(self, field_name)!r}")
+        if self.tiles is not None and self.tiles < 1:
+            raise ValueError(f"kernel {self.name!r}: tiles must be >= 1, got {self.tiles!r}")
         if self.fused_ops < 1:
             raise ValueError(f"kernel {self.name!r}: fused_ops must be >= 1, got {self.fused_ops!r}")
 
@@ -106,19 +114,41 @@ def peak_rate(work: KernelWork, target: Target | str) -> float:
     return simt_rate if simt_rate is not None else resolved.cuda_cores.rate("fp32")
 
 
-def kernel_latency(work: KernelWork, target: Target | str, *, cuda_graph: bool = True) -> float:
-    """Seconds for one kernel: max(bytes / achievable bandwidth, flops / achievable peak) + launch overhead."""
+def wave_efficiency(tiles: int | None, sm_count: int) -> float:
+    """The fraction of the machine a kernel of `tiles` blocks keeps busy over its waves:
+    tiles / (ceil(tiles / SMs) * SMs); 1 when `tiles` is None (a kernel sized to the machine)."""
+    if tiles is None:
+        return 1.0
+    return tiles / (math.ceil(tiles / sm_count) * sm_count)
+
+
+def roofline_s(work: KernelWork, target: Target | str) -> float:
+    """max(bytes / achievable bandwidth, flops / achievable peak): the kernel's body on the whole machine."""
     resolved = _modellable(target)
     efficiency = resolved.efficiency
     memory_s = work.bytes_moved / (resolved.hbm_bandwidth * efficiency.bandwidth)
     compute_s = work.flops / (peak_rate(work, resolved) * efficiency.compute)
-    launch_s = resolved.graph_launch_s if cuda_graph else resolved.launch_s
-    return max(memory_s, compute_s) + launch_s
+    return max(memory_s, compute_s)
 
 
-def model_latency(works: Sequence[KernelWork], target: Target | str, cuda_graph: bool = True) -> Latency:
+def kernel_latency(work: KernelWork, target: Target | str, *, cuda_graph: bool = True,
+                   launch: LaunchConstants | None = None) -> float:
+    """Seconds for one kernel: max(roofline / wave efficiency, minimum kernel time) + launch overhead.
+    `launch`: other constants than the target's (the bench compares the old model with the new)."""
+    resolved = _modellable(target)
+    constants = launch or resolved.launch
+    body = roofline_s(work, resolved)
+    if constants.wave_quantization:
+        body /= wave_efficiency(work.tiles, resolved.sm_count)
+    body = max(body, constants.min_kernel_s)
+    return body + (constants.graph_node_s if cuda_graph else constants.plain_s)
+
+
+def model_latency(works: Sequence[KernelWork], target: Target | str, cuda_graph: bool = True,
+                  launch: LaunchConstants | None = None) -> Latency:
     """Modelled latency of a kernel sequence run back to back (no overlap between kernels)."""
     resolved = _modellable(target)
-    per_kernel = tuple((work.name, kernel_latency(work, resolved, cuda_graph=cuda_graph)) for work in works)
+    per_kernel = tuple((work.name, kernel_latency(work, resolved, cuda_graph=cuda_graph, launch=launch))
+                       for work in works)
     return Latency(total_s=sum(seconds for _, seconds in per_kernel), per_kernel=per_kernel,
                    source="modelled", target=resolved.name, cuda_graph=cuda_graph)

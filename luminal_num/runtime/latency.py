@@ -1,7 +1,8 @@
 """Latency of an LLIR program: modelled (roofline, runtime/cost.py) for GPU targets, measured for `cpu`.
 
-Each launched kernel becomes a `KernelWork`: bytes it loads and stores, flops, and the math mode its
-flops run in (a Gemm variant's operand format on tensor cores; everything else FP32 on CUDA cores).
+Each launched kernel becomes a `KernelWork`: bytes it loads and stores, flops, the math mode its
+flops run in (a Gemm variant's operand format on tensor cores; everything else FP32 on CUDA cores) and
+its tiles (codegen/blockops.py), which the model quantizes into waves over the SMs.
 """
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from typing import Mapping
 
 import numpy as np
 
+from ..codegen.blockops import tile_count
 from ..codegen.llir import KernelKind, Program
 from ..dtypes.variants import GEMM_VARIANTS
 from .cpu import CpuRuntime
 from .cost import KernelWork, Latency, model_latency
+from .targets import LaunchConstants
 from ..codegen.attention import ATTENTION_VARIANTS
 from .targets import OPERAND_MATH, gemm_math, get_target
 
@@ -34,12 +37,14 @@ def kernel_works(program: Program, bindings: Mapping[str, int]) -> list[KernelWo
         side = sum(scales.get(inp.buffer, 0) for inp in k.inputs)
         works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes, element_bytes) + side,
                                 bytes_written=k.bytes_stored(bindings), flops=k.flops(bindings), math=math,
-                                tensor_core=tc))
+                                tensor_core=tc, tiles=tile_count(k, bindings)))
     return works
 
 
-def modelled_latency(program: Program, target: str, bindings: Mapping[str, int], cuda_graph: bool = True) -> Latency:
-    return model_latency(kernel_works(program, bindings), target, cuda_graph=cuda_graph)
+def modelled_latency(program: Program, target: str, bindings: Mapping[str, int], cuda_graph: bool = True,
+                     launch: LaunchConstants | None = None) -> Latency:
+    """`launch`: other launch constants than the target's (bench/launch_model.py shows the old ones)."""
+    return model_latency(kernel_works(program, bindings), target, cuda_graph=cuda_graph, launch=launch)
 
 
 def measured_cpu_latency(program: Program, weights, inputs, repeats: int = 3) -> Latency:

@@ -81,11 +81,20 @@ class Target:
     tensor_cores: MathPeaks  # dense tensor-core peaks
     cuda_cores: MathPeaks  # non-tensor (SIMT) peaks
     efficiency: Efficiency | None
-    launch_s: float | None  # one plain kernel launch from a stream
-    graph_launch_s: float | None  # per kernel when replayed inside a CUDA graph
+    launch: "LaunchConstants | None"  # launch, minimum-kernel and wave constants
     l2_bytes: int | None
     sm_count: int | None
     measured_only: bool = False
+
+    @property
+    def launch_s(self) -> float | None:
+        """One plain kernel launch from a stream."""
+        return None if self.launch is None else self.launch.plain_s
+
+    @property
+    def graph_launch_s(self) -> float | None:
+        """Per kernel node when replayed inside a CUDA graph."""
+        return None if self.launch is None else self.launch.graph_node_s
 
 
 # Achievable fractions measured on the project's H200 (notes/toolchain.md): ~4.3 TB/s device-to-device
@@ -108,11 +117,53 @@ CARRIED_OVER_EFFICIENCY = Efficiency(
     source="assumed: the H200 measurement carried over (not measured on this target)",
 )
 
-# Launch overhead is not a datasheet figure. Rule of thumb from NVIDIA's "Getting Started with CUDA
-# Graphs" blog and common measurements: a plain stream launch costs ~3-5 us per small kernel end to end;
-# inside a replayed CUDA graph it drops to ~1 us per kernel.
-PLAIN_LAUNCH_S = 4e-6
-GRAPH_LAUNCH_S = 1e-6
+@dataclass(frozen=True)
+class LaunchConstants:
+    """What a kernel costs besides its bytes and flops (issue 33), each figure with its source.
+
+    `graph_node_s`: per kernel node of a replayed CUDA graph (the gap in which no useful work is done);
+    `plain_s`: per plain stream launch; `min_kernel_s`: the shortest a launched kernel runs however little
+    it does (grid setup and drain); `wave_quantization`: a kernel of T tiles on S SMs runs ceil(T / S)
+    full waves, so its roofline time is divided by T / (ceil(T / S) * S).
+    """
+
+    plain_s: float
+    graph_node_s: float
+    min_kernel_s: float
+    wave_quantization: bool
+    source: str
+
+    def __post_init__(self) -> None:
+        for name in ("plain_s", "graph_node_s", "min_kernel_s"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"launch constant {name} must be >= 0, got {getattr(self, name)!r}")
+
+
+# Launch figures are not datasheet numbers; they are published measurements on Hopper:
+# - graph node 1.3 us: Hazy Research, "Look Ma, No Bubbles! Designing a Low-Latency Megakernel for
+#   Llama-1B" (hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles, 2025-05-27): even with CUDA graphs,
+#   an H100 spends ~1.3 us per kernel launch during which no useful work is done.
+# - minimum kernel time 1.0 us: sglang PR #24733 (github.com/sgl-project/sglang/pull/24733, H100 80GB,
+#   median over its bench): an RMSNorm of hidden 512 over 16 tokens runs 0.86-1.07 us, hidden 2048 1.2 us;
+#   a kernel that moves next to nothing still takes ~1 us.
+# - plain launch 4 us: NVIDIA's "Getting Started with CUDA Graphs" blog (developer.nvidia.com/blog/cuda-graphs)
+#   and common measurements put a plain stream launch of a small kernel at ~3-5 us end to end.
+# Together a small kernel node costs 2.3 us, inside the 1-2.5 us per node H100/H200 graphs show.
+PUBLISHED_HOPPER_LAUNCH = LaunchConstants(
+    plain_s=4e-6, graph_node_s=1.3e-6, min_kernel_s=1.0e-6, wave_quantization=True,
+    source="graph node 1.3 us (Hazy Research no-bubbles, H100), min kernel 1.0 us (sglang #24733, H100), "
+           "plain launch 4 us (NVIDIA CUDA graphs blog), waves = ceil(tiles / SMs)")
+# The model before issue 33, kept to show what the new constants change (bench/launch_model.py).
+LEGACY_LAUNCH = LaunchConstants(
+    plain_s=4e-6, graph_node_s=1e-6, min_kernel_s=0.0, wave_quantization=False,
+    source="before issue 33: 1 us per graph node, no minimum kernel time, no wave quantization")
+# No A100 measurement was found: the Hopper figures are carried over (an A100 launches no faster).
+CARRIED_OVER_LAUNCH = LaunchConstants(
+    plain_s=PUBLISHED_HOPPER_LAUNCH.plain_s, graph_node_s=PUBLISHED_HOPPER_LAUNCH.graph_node_s,
+    min_kernel_s=PUBLISHED_HOPPER_LAUNCH.min_kernel_s, wave_quantization=True,
+    source="assumed: the H100 launch measurements carried over (not measured on this target)")
+PLAIN_LAUNCH_S = PUBLISHED_HOPPER_LAUNCH.plain_s
+GRAPH_LAUNCH_S = PUBLISHED_HOPPER_LAUNCH.graph_node_s
 
 MIB = 1024 * 1024  # NVIDIA's "50 MB" / "40 MB" L2 sizes are binary megabytes
 
@@ -137,8 +188,7 @@ TARGETS: tuple[Target, ...] = (
         tensor_cores=HOPPER_TENSOR_CORES,
         cuda_cores=HOPPER_CUDA_CORES,
         efficiency=CARRIED_OVER_EFFICIENCY,
-        launch_s=PLAIN_LAUNCH_S,
-        graph_launch_s=GRAPH_LAUNCH_S,
+        launch=PUBLISHED_HOPPER_LAUNCH,
         l2_bytes=HOPPER_L2_BYTES,
         sm_count=HOPPER_SMS,
     ),
@@ -149,8 +199,7 @@ TARGETS: tuple[Target, ...] = (
         tensor_cores=HOPPER_TENSOR_CORES,
         cuda_cores=HOPPER_CUDA_CORES,
         efficiency=H200_EFFICIENCY,
-        launch_s=PLAIN_LAUNCH_S,
-        graph_launch_s=GRAPH_LAUNCH_S,
+        launch=PUBLISHED_HOPPER_LAUNCH,
         l2_bytes=HOPPER_L2_BYTES,
         sm_count=HOPPER_SMS,
     ),
@@ -166,8 +215,7 @@ TARGETS: tuple[Target, ...] = (
                                int8=624 * TERA),
         cuda_cores=MathPeaks(fp64=9.7 * TERA, fp32=19.5 * TERA, bf16=39 * TERA, fp16=78 * TERA),
         efficiency=CARRIED_OVER_EFFICIENCY,
-        launch_s=PLAIN_LAUNCH_S,
-        graph_launch_s=GRAPH_LAUNCH_S,
+        launch=CARRIED_OVER_LAUNCH,
         l2_bytes=40 * MIB,
         sm_count=108,
     ),
@@ -178,8 +226,7 @@ TARGETS: tuple[Target, ...] = (
         tensor_cores=MathPeaks(),
         cuda_cores=MathPeaks(),
         efficiency=None,
-        launch_s=None,
-        graph_launch_s=None,
+        launch=None,
         l2_bytes=None,
         sm_count=None,
         measured_only=True,

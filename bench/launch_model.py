@@ -1,0 +1,86 @@
+"""SmolLM2 decode per genome: kernels and modelled H200 latency with the old and the new launch constants,
+and as one megakernel (issue 33).
+
+The old constants (targets.LEGACY_LAUNCH): 1 us per CUDA graph node, no minimum kernel time, no wave
+quantization. The new (targets.PUBLISHED_HOPPER_LAUNCH): 1.3 us per node (Hazy Research, H100), a 1.0 us
+minimum kernel time (sglang #24733, H100) and wave quantization of each kernel's tiles over the 132 SMs
+(codegen/blockops.py). The megakernel column is runtime/megakernel_cost.py: the same work queue's tiles
+on the SMs, barrier waits along the critical path, one launch. `floor_us` is bytes / 4.8 TB/s (the
+published bandwidth). The step is a SmolLM2-135M-shaped decode (bench/storage_decode.py's config, random
+weights: the model reads shapes), one sequence, fusion on, each genome of bench/fusion.py.
+Writes reports/bench/launch_model.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from luminal_num.runtime.latency import kernel_works, modelled_latency
+from luminal_num.runtime.targets import LEGACY_LAUNCH, get_target
+from luminal_num.search.recipes import pick
+from luminal_num.search.space import SearchSpace
+from .fusion import GENOMES, _cases
+from .storage_decode import SMOLLM2
+
+OUT = Path("reports/bench")
+TARGET = "h200"
+
+
+def rows_for(name: str, graph, bindings) -> list[dict]:
+    from luminal_num.codegen.megakernel import build_queue
+    from luminal_num.runtime.megakernel_cost import megakernel_latency
+    space = SearchSpace.build(graph, fusion=True)
+    target = get_target(TARGET)
+    rows = []
+    for label, tags in GENOMES.items():
+        program = space.program(pick(space, tags.__contains__))
+        works = kernel_works(program, bindings)
+        moved = sum(w.bytes_moved for w in works)
+        old = modelled_latency(program, TARGET, bindings, launch=LEGACY_LAUNCH).total_s
+        new = modelled_latency(program, TARGET, bindings).total_s
+        mega = megakernel_latency(build_queue(program), program, TARGET, bindings)
+        floor = moved / target.hbm_bandwidth
+        rows.append(dict(model=name, genome=label, kernels=len(works), bytes_moved=moved, floor_us=1e6 * floor,
+                         old_us=1e6 * old, new_us=1e6 * new, megakernel_us=1e6 * mega.total_s,
+                         megakernel_critical_path_us=1e6 * mega.critical_path_s,
+                         megakernel_over_floor=mega.total_s / floor, new_over_old=new / old))
+    for key in ("old_us", "new_us", "megakernel_us"):
+        order = sorted(range(len(rows)), key=lambda i: rows[i][key])
+        for rank, i in enumerate(order, 1):
+            rows[i][f"rank_{key[:-3]}"] = rank
+    return rows
+
+
+def run(layers: int = SMOLLM2.num_hidden_layers, max_cache: int = 256) -> dict:
+    start = time.perf_counter()
+    rows = []
+    for name, graph, bindings in _cases(layers, max_cache, with_minilm=False):
+        rows += rows_for(name, graph, bindings)
+    df = pd.DataFrame(rows)
+    OUT.mkdir(parents=True, exist_ok=True)
+    df.to_csv(OUT / "launch_model.csv", index=False)
+    with pd.option_context("display.width", 250, "display.max_columns", 20):
+        print(df[["genome", "kernels", "floor_us", "old_us", "new_us", "megakernel_us", "megakernel_over_floor",
+                  "rank_old", "rank_new", "rank_megakernel"]].round(2).to_string(index=False))
+    print(f"[{time.perf_counter() - start:.1f} s]")
+    best_old, best_new = df.loc[df.old_us.idxmin()], df.loc[df.new_us.idxmin()]
+    best_mega = df.loc[df.megakernel_us.idxmin()]
+    return {"SmolLM2 decode fastest (old constants)": f"{best_old.genome}: {best_old.old_us:.1f} us",
+            "SmolLM2 decode fastest (new constants)": f"{best_new.genome}: {best_new.new_us:.1f} us",
+            "SmolLM2 decode megakernel": f"{best_mega.genome}: {best_mega.megakernel_us:.1f} us, "
+                                         f"{best_mega.megakernel_over_floor:.2f}x the bytes floor"}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--layers", type=int, default=SMOLLM2.num_hidden_layers)
+    ap.add_argument("--max-cache", type=int, default=256)
+    args = ap.parse_args(argv)
+    return run(args.layers, args.max_cache)
+
+
+if __name__ == "__main__":
+    main()

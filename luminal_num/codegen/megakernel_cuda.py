@@ -1,0 +1,262 @@
+"""CUDA source of the megakernel: one persistent kernel interpreting the work queue (issue 33).
+
+Every launch of every kernel's own source (cuda_kernels.RENDERERS: for a Gemm its fallback, not the
+cuBLAS call) becomes a device function with the same name and body; the bodies are inlined into one
+interpreter loop: a block pops the next entry (one global head), thread 0 spins on the entry's barrier
+counters (ld.acquire), the block runs the op's body as virtual block `tile` of its grid, then signals
+its counter (fence, then atomicAdd). The bodies stay unchanged because the builtins they read are
+macros over the current tile (`blockIdx`, `gridDim`, `blockDim`, `threadIdx` from `ln_mk`, and
+`__syncthreads()` a named barrier over the body's threads); every body loops grid-stride, so any
+virtual grid computes its whole output, and the grids are the launches' own.
+
+The table the loop reads (ops, waits, counters) is built per run from the symbolic queue
+(`MegakernelSource.table`): a launch whose blocks are the queue op's tiles keeps its flat barrier
+(one counter per tile); any other (a Gemm's scale prologue, a short-row reduction's 128-row blocks)
+is opaque: it and its readers wait on whole ops.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from ..hlir.symbolic import evaluate
+from .blockops import Partition
+from .cuda_kernels import render_kernel
+from .cuda_source import KernelSource, Launch, ceil_count
+from .llir import Program
+from .megakernel import MegakernelError, WorkQueue
+
+ENTRY_NAME = "ln_megakernel"
+BLOCK_THREADS = 1024  # the persistent block: at least every body's block
+
+
+@dataclass(frozen=True)
+class CudaOp:
+    """One launch of one queue op: its device function and the argument slots it is called with
+    (bufs[] indices: LLIR buffer ids, then scratch, then each op's dyn_dims)."""
+
+    queue_op: int
+    launch: int
+    kernel: int
+    entry: str
+    grid: tuple
+    block: tuple[int, ...]
+    arg_slots: tuple[int, ...]
+    last: bool  # the launch that writes the kernel's output
+
+
+@dataclass(frozen=True)
+class MegakernelSource:
+    source: str
+    name: str
+    ops: tuple[CudaOp, ...]
+    sources: tuple[KernelSource, ...]  # per CudaOp, the kernel's own source (scratch, symbols)
+    slots: int                         # bufs[] entries
+
+    def table(self, queue: WorkQueue, bindings: Mapping[str, int]) -> tuple[list[tuple], list[tuple]]:
+        """(ops rows, waits rows) as the loop reads them, for one run's shapes:
+        op row = (body, first_entry, tiles, gx, gy, gz, bx, by, bz, counter_base, stride, wait_begin, wait_end,
+        elements), wait row = (producer CudaOp, read_elements or 0 for the whole producer)."""
+        queue_table = queue.evaluate(bindings)
+        last_of: dict[int, int] = {}
+        rows, waits, counter, entry = [], [], 0, 0
+        for i, op in enumerate(self.ops):
+            grid = tuple(ceil_count(axis, bindings) for axis in op.grid) + (1, 1)
+            tiles = math.prod(grid[:3])
+            q = queue.ops[op.queue_op]
+            flat = (q.block.partition is Partition.FLAT and op.launch == 0 and op.last
+                    and tiles == queue_table[op.queue_op].tiles)
+            begin = len(waits)
+            if op.launch > 0:
+                waits.append((i - 1, 0))  # the previous launch of the same kernel, whole
+            else:
+                for w in q.waits:
+                    producer = last_of[w.producer]
+                    aligned = flat and w.read_elements is not None and rows[producer][10] == 1
+                    waits.append((producer, evaluate(w.read_elements, bindings) if aligned else 0))
+            elements = evaluate(q.block.elements, bindings) if flat else 0
+            stride = 1 if flat else 0
+            block = tuple(op.block) + (1, 1)
+            rows.append((i, entry, tiles, *grid[:3], *block[:3], counter, stride, begin, len(waits), elements))
+            counter += tiles if stride else 1
+            entry += tiles
+            if op.last:
+                last_of[op.queue_op] = i
+        return rows, waits
+
+
+_ENTRY = re.compile(r'extern "C" __global__ void (\w+)\(')
+
+
+def _chunks(code: str) -> list[str]:
+    """Top-level items of a source: preprocessor lines, and declarations up to their closing brace."""
+    out, i, n = [], 0, len(code)
+    while i < n:
+        if code[i].isspace():
+            i += 1
+            continue
+        if code[i] == "#" or code.startswith("//", i):
+            end = code.find("\n", i)
+            end = n if end < 0 else end
+            out.append(code[i:end])
+            i = end
+            continue
+        depth, j = 0, i
+        while j < n:
+            if code[j] == "{":
+                depth += 1
+            elif code[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    j += 1
+                    if code[j:j + 1] == ";":
+                        j += 1
+                    break
+            elif code[j] == ";" and depth == 0:
+                j += 1
+                break
+            j += 1
+        out.append(code[i:j])
+        i = j
+    return out
+
+
+def _param_types(source: str, entry: str) -> list[str]:
+    start = source.index(f"void {entry}(") + len(entry) + 6
+    params = source[start:source.index(")", start)]
+    return [p.rsplit(None, 1)[0].replace("__restrict__", "").strip() for p in params.split(",") if p.strip()]
+
+
+_PRELUDE = r"""
+struct LnMkTile { uint3 bid; uint3 grid; uint3 bdim; unsigned nthreads; long long tile; };
+__shared__ LnMkTile ln_mk;  // the tile the block runs: what the bodies' builtins read
+static __device__ __forceinline__ uint3 ln_mk_tid() {
+    const unsigned t = threadIdx.x;
+    return make_uint3(t % ln_mk.bdim.x, (t / ln_mk.bdim.x) % ln_mk.bdim.y, t / (ln_mk.bdim.x * ln_mk.bdim.y));
+}
+static __device__ __forceinline__ void ln_mk_sync() {  // a barrier over the body's threads only
+    asm volatile("bar.sync 1, %0;" :: "r"(ln_mk.nthreads) : "memory");
+}
+static __device__ __forceinline__ unsigned ln_mk_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+#define blockIdx (ln_mk.bid)
+#define gridDim (ln_mk.grid)
+#define blockDim (ln_mk.bdim)
+#define threadIdx (ln_mk_tid())
+#define __syncthreads() ln_mk_sync()
+"""
+
+_LOOP = r"""
+#undef blockIdx
+#undef gridDim
+#undef blockDim
+#undef threadIdx
+#undef __syncthreads
+struct LnMkOp { int body; long long first_entry, tiles; int gx, gy, gz, bx, by, bz; long long counter_base;
+                int stride, wait_begin, wait_end; long long elements; };
+struct LnMkWait { int producer; long long read_elements; };
+
+extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
+        const LnMkOp* __restrict__ ops, int n_ops, const LnMkWait* __restrict__ waits, unsigned* counters,
+        unsigned long long* head, unsigned long long total, void* const* bufs) {
+    __shared__ unsigned long long entry;
+    __shared__ int current;
+    for (;;) {
+        if (threadIdx.x == 0) entry = atomicAdd(head, 1ULL);
+        __syncthreads();
+        const unsigned long long e = entry;
+        if (e >= total) return;
+        if (threadIdx.x == 0) {
+            int lo = 0, hi = n_ops - 1;  // the op whose entries hold e
+            while (lo < hi) { const int mid = (lo + hi + 1) / 2; if (ops[mid].first_entry <= (long long)e) lo = mid; else hi = mid - 1; }
+            const LnMkOp op = ops[lo];
+            const long long t = (long long)e - op.first_entry;
+            for (int w = op.wait_begin; w < op.wait_end; ++w) {  // the producer tiles this tile reads
+                const LnMkOp p = ops[waits[w].producer];
+                long long first = 0, last = p.tiles - 1;
+                if (waits[w].read_elements > 0 && p.stride == 1) {
+                    first = min(t * waits[w].read_elements / p.elements, p.tiles - 1);
+                    last = min(((t + 1) * waits[w].read_elements - 1) / p.elements, p.tiles - 1);
+                }
+                const unsigned need = p.stride ? 1u : (unsigned)p.tiles;
+                for (long long j = first; j <= last; ++j) {
+                    const unsigned* c = counters + p.counter_base + j * p.stride;
+                    while (ln_mk_acquire(c) < need) __nanosleep(64);
+                    if (!p.stride) break;
+                }
+            }
+            ln_mk.bid = make_uint3(t % op.gx, (t / op.gx) % op.gy, t / ((long long)op.gx * op.gy));
+            ln_mk.grid = make_uint3(op.gx, op.gy, op.gz);
+            ln_mk.bdim = make_uint3(op.bx, op.by, op.bz);
+            ln_mk.nthreads = op.bx * op.by * op.bz;
+            ln_mk.tile = t;
+            current = lo;
+        }
+        __syncthreads();
+        if (threadIdx.x < ln_mk.nthreads) {
+            switch (ops[current].body) {
+CASES
+            }
+        }
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0)
+            atomicAdd(counters + ops[current].counter_base + ln_mk.tile * ops[current].stride, 1u);
+        __syncthreads();
+    }
+}
+"""
+
+
+def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
+    """One compilation unit: every op's launches as inlined device bodies plus the interpreter loop."""
+    includes: list[str] = []
+    items: list[str] = []
+    ops: list[CudaOp] = []
+    sources: list[KernelSource] = []
+    slot = len(program.kernels)
+    for qi, q in enumerate(queue.ops):
+        kernel = program.kernel(q.kernel)
+        src = render_kernel(kernel, program)
+        for chunk in _chunks(src.source):
+            bucket = includes if chunk.startswith("#include") else items
+            text = _ENTRY.sub(r"static __device__ __forceinline__ void \1(", chunk)
+            if text not in bucket:
+                bucket.append(text)
+        scratch = list(range(slot, slot + len(src.scratch)))
+        slot += len(src.scratch)
+        dyn = slot if src.symbols.symbols else None
+        slot += dyn is not None
+        for li, launch in enumerate(src.launches):
+            threads = math.prod(launch.block)
+            if threads % 32 or threads > BLOCK_THREADS:
+                raise MegakernelError(f"kernel {kernel.id} ({kernel.kind.value}): a block of {threads} threads is not "
+                                      f"whole warps under {BLOCK_THREADS}: the megakernel cannot run its body")
+            args = tuple(_arg_slot(a, scratch) for a in launch.args) + ((dyn,) if dyn is not None else ())
+            ops.append(CudaOp(qi, li, kernel.id, launch.entry, launch.grid, tuple(launch.block), args,
+                              li == len(src.launches) - 1))
+            sources.append(src)
+    cases = []
+    for i, op in enumerate(ops):
+        types = _param_types("\n".join(items), op.entry)
+        call = ", ".join(f"({t})bufs[{s}]" for t, s in zip(types, op.arg_slots))
+        cases.append(f"            case {i}: {op.entry}({call}); break;")
+    includes = sorted(i for i in includes if "common.cuh" not in i) + ['#include "common.cuh"']
+    head = [i for i in includes if "common.cuh" not in i]
+    loop = _LOOP.replace("CASES", "\n".join(cases)).replace("ENTRY_NAME", ENTRY_NAME).replace(
+        "BLOCK", str(BLOCK_THREADS))
+    source = "\n".join(head) + _PRELUDE + '#include "common.cuh"\n' + "\n".join(items) + "\n" + loop
+    return MegakernelSource(source, ENTRY_NAME, tuple(ops), tuple(sources), slot)
+
+
+def _arg_slot(arg, scratch: list[int]) -> int:
+    if arg.role == "scratch":
+        return scratch[arg.index]
+    if arg.role == "scales":  # a QUANTIZE kernel's scales: its scratch, held beside its buffer by the runtime
+        raise MegakernelError("a Gemm reading a QUANTIZE kernel's scales has no megakernel slot for them yet")
+    return arg.buffer
