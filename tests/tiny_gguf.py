@@ -8,24 +8,12 @@ import gguf
 import numpy as np
 
 from luminal_num.models.llama import LlamaConfig, random_weights
+from luminal_num.models.synthetic import byte_alphabet  # noqa: F401 (tests import it from here too)
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he"]
 TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
             "'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def byte_alphabet() -> list[str]:
-    """GPT-2's bytes_to_unicode: the 256 printable characters standing for the 256 bytes."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
 
 
 def tokens() -> list[str]:
