@@ -23,7 +23,7 @@ import numpy as np
 from ..dtypes.formats import F32, Format
 from ..dtypes.variants import GEMM_VARIANTS, ScaleSpec
 from ..hlir.gemm import GemmLayout
-from ..hlir.store import WeightArray, digest, keyed
+from ..hlir.store import WeightArray, derived_key, keyed
 from ..hlir.weightcache import WEIGHTS
 from ..hlir.ops import Op
 from ..hlir.shape import ShapeTracker, View, contiguous_strides
@@ -512,7 +512,7 @@ def _concatenated(parts, axis: int) -> np.ndarray:
     what is derived from it (its Gemm operand per variant) is cached too; other inputs: a plain array."""
     out = np.concatenate([np.asarray(p) for p in parts], axis=axis)
     if all(isinstance(p, WeightArray) for p in parts):
-        return keyed(out, digest(np.zeros(0), "concat", axis, tuple(p.content_key for p in parts)))
+        return keyed(out, derived_key("concat", axis, tuple(p.content_key for p in parts)))
     return out
 
 

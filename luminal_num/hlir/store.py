@@ -56,6 +56,11 @@ def digest(a: np.ndarray, *parts: object) -> str:
     return h.hexdigest()[: 2 * KEY_BYTES]
 
 
+def derived_key(*parts: object) -> str:
+    """The key of a value derived from keyed ones (a concatenation of weights): a digest of what names it."""
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[: 2 * KEY_BYTES]
+
+
 def keyed(values: np.ndarray, key: str | None = None) -> WeightArray:
     """`values` as a read-only WeightArray (no copy); `key` when the caller knows the content's digest
     from its source, else computed from the bytes on first use."""
