@@ -76,7 +76,12 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     memory and `options.workers`)."""
     options = options or SearchOptions(target=target)
     memory = memory or plan_memory(graph.weights, workers=options.workers)
-    memory.apply()
+    with memory.applied():
+        return _compile(graph, budget, target, calibration, options, space, use_static, cache_dir, memory)
+
+
+def _compile(graph: Graph, budget: Budget, target: str, calibration, options: SearchOptions,
+             space: SearchSpace | None, use_static, cache_dir, memory: MemoryPlan) -> CompileResult:
     if not calibration:
         raise ValueError("compile needs calibration inputs (a list of input dicts)")
     get_target(target)  # an unknown target fails now, not after the first candidate

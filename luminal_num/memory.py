@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from contextlib import contextmanager
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -73,10 +74,19 @@ class MemoryPlan:
                 f"(derived) + {_gb(self.converted_cache)} (stored formats)"
                 + (f", {_gb(self.worker_cache)} x 2 per worker" if self.workers > 1 else ""))
 
-    def apply(self) -> None:
-        """Resize this process's caches to the plan (workers resize theirs when they start)."""
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """This process's caches sized to the plan while the block runs (workers size theirs when they
+        start), then back to what they were: a compile of a small model must not shrink the caches of
+        whatever the process does next."""
+        old = WEIGHTS.budget_bytes, CONVERTED.budget_bytes
         WEIGHTS.resize(self.weight_cache)
         CONVERTED.resize(self.converted_cache)
+        try:
+            yield
+        finally:
+            WEIGHTS.resize(old[0])
+            CONVERTED.resize(old[1])
 
 
 def weight_bytes(weights: Mapping[str, np.ndarray]) -> tuple[int, int]:

@@ -54,15 +54,13 @@ def test_a_budget_below_the_model_is_refused_naming_what_it_needs():
         plan_memory(w, 10 ** 9)
 
 
-def test_apply_sizes_the_process_caches():
+def test_a_plan_sizes_the_process_caches_while_applied_and_restores_them():
     old = WEIGHTS.budget_bytes, CONVERTED.budget_bytes
-    try:
-        plan = plan_memory(Shapes(a=(1000, 1000)), 64 * GiB)
-        plan.apply()
+    plan = plan_memory(Shapes(a=(1000, 1000)), 64 * GiB)
+    assert plan.weight_cache != old[0]
+    with plan.applied():
         assert (WEIGHTS.budget_bytes, CONVERTED.budget_bytes) == (plan.weight_cache, plan.converted_cache)
-    finally:
-        WEIGHTS.resize(old[0])
-        CONVERTED.resize(old[1])
+    assert (WEIGHTS.budget_bytes, CONVERTED.budget_bytes) == old
 
 
 def test_the_cli_refuses_a_budget_that_cannot_hold_the_model_with_one_line(tmp_path, capsys):
@@ -74,3 +72,19 @@ def test_the_cli_refuses_a_budget_that_cannot_hold_the_model_with_one_line(tmp_p
     with pytest.raises(SystemExit) as usage:  # argparse's usage error, naming the expected form
         main(["compile", "--model", "transformer", "--max-memory", "lots"])
     assert usage.value.code == 2 and "e.g. 16G" in capsys.readouterr().err
+
+
+def test_a_compile_leaves_the_process_caches_as_it_found_them():
+    """A compile of a small model plans small caches; what the process does next keeps its own (a
+    later FP64 reference re-deriving every weight was the symptom)."""
+    from luminal_num.compiler import compile
+    from luminal_num.error.budget import Budget
+    from luminal_num.models.testnets import transformer
+    from luminal_num.search.search import SearchOptions
+    model = transformer(2)
+    old = WEIGHTS.budget_bytes, CONVERTED.budget_bytes
+    plan = plan_memory(model.graph.weights, 64 * GiB, workers=1)
+    assert plan.weight_cache < old[0]
+    compile(model.graph, Budget.parse("atol=1e-3,rtol=1e-3"), "h200", [model.make_inputs(0)],
+            SearchOptions(seed=0, max_candidates=2, progress=False, headroom=0.5), memory=plan)
+    assert (WEIGHTS.budget_bytes, CONVERTED.budget_bytes) == old
