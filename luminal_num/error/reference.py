@@ -20,6 +20,7 @@ from ..hlir.evaluate import evaluate_nodes
 from ..hlir.graph import Graph
 from ..hlir.partition import Partition
 from ..hlir.store import keyed
+from ..runtime.heap import trim_heap
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Fp64Reference:
     def of(graph: Graph, batch: Mapping[str, np.ndarray], keep: Collection[int] | None = None) -> "Fp64Reference":
         """`keep`: the nodes whose values are kept (None: every node)."""
         values = evaluate_nodes(graph, batch, keep=keep)
+        trim_heap()  # the pass's freed intermediates (every node's FP64 value) back to the system
         return Fp64Reference(batch, {n: keyed(v) for n, v in values.items()}, graph.bind_symbols(batch))
 
     def outputs(self, graph: Graph) -> dict[str, np.ndarray]:

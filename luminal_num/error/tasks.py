@@ -20,6 +20,7 @@ from ..hlir.weightcache import WEIGHTS
 from ..quant.stored import CONVERTED
 from ..runtime.blas_threads import set_blas_threads
 from ..runtime.cpu import CpuRuntime
+from ..runtime.heap import trim_heap
 
 Batch = Mapping[str, np.ndarray]
 
@@ -40,7 +41,11 @@ class RunTask:
 def run_task(task: RunTask, weights: Mapping[str, np.ndarray] | None = None) -> list[dict[str, np.ndarray]]:
     """The program's outputs on every batch (raises what the runtime raises, e.g. a REJECT overflow)."""
     rt = CpuRuntime(task.program, _WEIGHTS if weights is None else weights)
-    return [dict(rt.run(b, bind).outputs) for b, bind in zip(task.batches, task.bindings)]
+    try:
+        return [dict(rt.run(b, bind).outputs) for b, bind in zip(task.batches, task.bindings)]
+    finally:
+        del rt
+        trim_heap()  # the run's freed temporaries go back to the system, not into a fragmented heap
 
 
 def _worker_init(weights, cache_bytes: int | None = None) -> None:
