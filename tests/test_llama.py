@@ -26,7 +26,7 @@ def reference_logits(config: LlamaConfig, weights, ids) -> np.ndarray:
     c = config
     w = {name: np.asarray(a, dtype=np.float64) for name, a in weights.items()}
     n, heads, kv_heads = len(ids), c.num_attention_heads, c.num_key_value_heads
-    dh = c.hidden_size // heads
+    dh = c.attention_head_dim or c.hidden_size // heads  # config.json's head_dim when it has its own
     angles = np.arange(n)[:, None] * c.rope_theta ** (-2.0 * np.arange(dh // 2) / dh)[None, :]
     cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
 
@@ -102,6 +102,21 @@ def test_decode_with_cache_equals_prefill(tiny_weights):
     for name in (f"{kind}_cache_out.{i}" for kind in "kv" for i in range(LLAMA_TINY.num_hidden_layers)):
         assert rel_err(stepped[name], full[name]) <= 1e-10
         assert not stepped[name][len(TOKENS):].any()  # rows past the last position were never written
+
+
+def test_a_head_dim_of_its_own_comes_from_config_json_and_computes_the_reference(tmp_path):
+    """transformers' `head_dim` (q/k/v width per head, not hidden / heads: Gemma-3-4B's 256 for hidden 2560
+    and 8 heads) round-trips through config.json and builds the graph the FP64 reference computes."""
+    config = dataclasses.replace(LLAMA_TINY, attention_head_dim=32)  # hidden 64 / 4 heads would be 16
+    assert LlamaConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert config.to_dict()["head_dim"] == 32 and "head_dim" not in LLAMA_TINY.to_dict()
+    weights = random_weights(config, seed=11)
+    assert weights["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 32, 64)
+    _save_checkpoint(tmp_path, config.to_dict(), weights)
+    loaded, read = load_weights(tmp_path)
+    assert loaded == config
+    tokens = np.array([3, 41, 7, 200, 9])
+    assert rel_err(run_steps(loaded, read, tokens, 2)["logits"], reference_logits(config, weights, tokens)[2:]) <= 1e-10
 
 
 @settings(max_examples=12, deadline=None)
@@ -246,7 +261,7 @@ def test_biases_under_a_llama_config_are_refused_not_dropped(tmp_path):
     ({"architectures": ["GemmaForCausalLM"]}, "architectures"),
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
-    ({"head_dim": 32}, "head_dim"),
+    ({"head_dim": 31}, "head_dim"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),

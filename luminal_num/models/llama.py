@@ -105,16 +105,19 @@ class LlamaConfig:
                 values[f.name] = hf["num_attention_heads"]
             elif f.default is dataclasses.MISSING:
                 raise KeyError(f"config.json lacks required key {f.name!r}")
+        if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
+            values["attention_head_dim"] = int(hf["head_dim"])  # transformers' q/k/v width per head (Gemma-like shapes)
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         """A Hugging Face config.json dict for this architecture (Qwen2 when q/k/v carry biases)."""
         fields = dataclasses.asdict(self)
-        if fields.pop("qk_norm") or fields.pop("attention_head_dim"):
-            raise ValueError("a Qwen3-style config (QK-norm, its own head_dim) has no Llama/Qwen2 config.json form")
+        if fields.pop("qk_norm"):
+            raise ValueError("a Qwen3-style config (QK-norm) has no Llama/Qwen2 config.json form")
+        head_dim = fields.pop("attention_head_dim")
         qwen2 = fields.pop("qkv_bias")
         return {"architectures": [ARCHITECTURES[qwen2]], "model_type": "qwen2" if qwen2 else "llama",
-                "hidden_act": "silu", **fields}
+                "hidden_act": "silu", **fields, **({"head_dim": head_dim} if head_dim else {})}
 
 
 _FIELD_TYPES = {"int": int, "float": float, "bool": bool}  # LlamaConfig's annotations, as strings
@@ -131,7 +134,7 @@ _SUPPORTED_SETTINGS = {
     "rope_scaling": lambda v, hf: v is None,
     "attention_bias": lambda v, hf: not v,
     "mlp_bias": lambda v, hf: not v,
-    "head_dim": lambda v, hf: v is None or v == hf["hidden_size"] // hf["num_attention_heads"],
+    "head_dim": lambda v, hf: v is None or (isinstance(v, int) and v > 0),  # its own width: attention_head_dim
 }
 
 LLAMA_TINY = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
