@@ -19,7 +19,7 @@ from luminal_num.error.reference import Fp64Reference, boundary_nodes
 from luminal_num.error.verdict_store import context_key
 from luminal_num.hlir.evaluate import evaluate_nodes
 from luminal_num.hlir.partition import partition
-from luminal_num.hlir.store import WeightArray
+from luminal_num.hlir.store import WeightArray, keyed
 from luminal_num.hlir.weightcache import WEIGHTS
 from luminal_num.models.llama import LlamaConfig, build_prefill, load_weights, weight_shapes
 from luminal_num.models.reference import Fp64Llama
@@ -129,3 +129,33 @@ def test_the_fp64_llama_holds_no_fp64_copy_and_computes_the_float64_model(checkp
     before = WEIGHTS.misses
     model.forward(ids)
     assert WEIGHTS.misses == before  # converted once per process, then read from the weight cache
+
+
+def test_a_file_backed_weight_holds_the_same_values_in_a_map_and_leaves_no_file(tmp_path, monkeypatch):
+    import os
+    from luminal_num.hlir.store import SCRATCH_ENV, file_backed
+    monkeypatch.setenv(SCRATCH_ENV, str(tmp_path))
+    values = np.random.default_rng(2).standard_normal((300, 70)).astype(np.float32)
+    held = keyed(file_backed(values))
+    assert np.array_equal(held, values) and held.dtype == values.dtype and not held.flags.writeable
+    assert _memmapped(held) and held.content_key == keyed(values.copy()).content_key
+    assert os.listdir(tmp_path) == []  # unlinked from the start: nothing to clean up, whatever the exit
+    pid = os.fork()  # a forked worker reads the same pages
+    if pid == 0:
+        os._exit(0 if np.array_equal(held, values) else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_gguf_weights_are_file_backed_dequantizations(tmp_path):
+    import gguf
+    from tests.tiny_gguf import write_tiny_gguf
+    from luminal_num.models.gguf import load_gguf
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    model = load_gguf(path)
+    reader = gguf.GGUFReader(path)
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    want = gguf.quants.dequantize(embed.data, embed.tensor_type).reshape(model.weights["model.embed_tokens.weight"].shape)
+    for name, w in model.weights.items():
+        assert _memmapped(w) and not w.flags.writeable, name
+    assert np.array_equal(model.weights["model.embed_tokens.weight"], want)

@@ -15,6 +15,8 @@ new values, keyed by their own bytes if anyone asks.
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 
 import numpy as np
 
@@ -75,3 +77,20 @@ def keyed(values: np.ndarray, key: str | None = None) -> WeightArray:
 def content_key(a) -> str:
     """The content key of a weight (its own) or of any other array (its bytes, hashed now)."""
     return a.content_key if isinstance(a, WeightArray) else digest(np.asarray(a))
+
+
+SCRATCH_ENV = "LUMINAL_NUM_SCRATCH"  # where weights computed at load time are held (default: the temp dir)
+
+
+def file_backed(values: np.ndarray) -> np.ndarray:
+    """`values` copied into an unlinked temporary file and memory-mapped read-only: a weight computed at
+    load time (a GGUF tensor's dequantization) then lives in page cache, not in the process's anonymous
+    memory: forked workers share its pages, the kernel may drop and re-read them under pressure, and it
+    is never written back. The file has no name, so nothing is left on disk, whatever the exit."""
+    values = np.ascontiguousarray(values)
+    if values.nbytes == 0:
+        return values
+    with tempfile.TemporaryFile(dir=os.environ.get(SCRATCH_ENV) or None) as f:
+        f.write(memoryview(values).cast("B"))
+        f.flush()
+        return np.memmap(f, dtype=values.dtype, mode="r", shape=values.shape)  # the map keeps the file

@@ -23,7 +23,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ..hlir.store import content_key, keyed
+from ..hlir.store import content_key, file_backed, keyed
 from .gguf_header import GGUFError, read_header
 from .llama import EMBED, FINAL_NORM, LM_HEAD, LlamaConfig, check_weights, weight_shapes
 from .tokenizer import ChatTemplate, Tokenizer
@@ -209,8 +209,9 @@ def _tensor(t, meta: Mapping[str, object], arch: str, name: str) -> tuple[np.nda
     if suffix in _ROPE_PERMUTED and arch in _PERMUTED_ARCHITECTURES:
         heads = int(meta[f"{arch}.attention.{_ROPE_PERMUTED[suffix]}"])
         values, raw = unpermute_rope_rows(values, heads), unpermute_rope_rows(raw, heads)
-    # keyed by its values (hashed once, when first asked), so a copy of it finds its blocks too
-    return keyed(values), TensorSource(t.tensor_type.name, raw)
+    # keyed by its values (hashed once, when first asked), so a copy of it finds its blocks too; held in
+    # a file-backed map, not anonymous memory (hlir/store.file_backed)
+    return keyed(file_backed(values)), TensorSource(t.tensor_type.name, raw)
 
 
 def load_gguf(path: str | Path, layers: int | None = None) -> GGUFModel:
