@@ -1,0 +1,81 @@
+"""Gemma 3 as an LLM job (issue 31): the batched graph, the fast FP64 runner and the teacher-forced job
+on a tiny file; local and global layers as two structural groups; on the real 270M file (slow) the FP32
+plan's top-1 against FP64 on 16 teacher-forced prompts, greedy generation, and the plan keeping the
+file's K-quant blocks against the FP32 plan on the dequantized file."""
+import numpy as np
+import pytest
+
+from gemma_reference import gemma_logits
+from luminal_num.hlir import evaluate
+from luminal_num.hlir.partition import partition
+from luminal_num.models.gemma import build_gemma
+from luminal_num.models.llm import NAMED_MODELS, Prompt, Workload, build_workload, decode_batches, load_llm, load_prompts
+from luminal_num.models.registry import LLM_NAMES, llm_job
+from tiny_gemma import LAYERS, write_tiny_gemma
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+PROMPTS = [Prompt("the cat sat", False), Prompt("in a hat", False), Prompt("he ate", False)]
+
+
+def relative(got, want) -> float:
+    return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma") / "tiny-gemma3.gguf"
+    write_tiny_gemma(path)
+    return path, load_llm(str(path))
+
+
+def test_a_gemma3_file_loads_as_an_llm_with_its_sentencepiece_tokenizer(tiny):
+    path, model = tiny
+    assert type(model.config).__name__ == "GemmaConfig" and model.chat_template is None
+    ids = model.encode(PROMPTS[0])
+    assert ids[0] == 2 and model.tokenizer.decode(ids[1:]) == "the cat sat"
+    with pytest.raises(ValueError, match="no chat template"):
+        model.encode(Prompt("hi", True))
+    assert set(NAMED_MODELS) == set(LLM_NAMES)
+
+
+def test_fp64_runner_matches_the_independent_reference_and_the_graph(tiny):
+    path, model = tiny
+    ids = model.encode(PROMPTS[0])  # longer than the window (3): local layers see only the last 3 keys
+    logits, state = model.fp64.forward(ids)
+    assert relative(logits, gemma_logits(path, ids)) <= 1e-10
+    step, later = model.fp64.forward(ids[:-1])[1], None
+    later, grown = model.fp64.forward(ids[-1:], step)
+    assert relative(later[0], logits[-1]) <= 1e-10
+    built = build_gemma(model.config, model.weights, len(ids), len(ids))
+    out = evaluate(built.graph, built.make_inputs(ids, np.arange(len(ids))))
+    assert relative(out["k_cache_out.5"], state.k[5]) <= 1e-10 and relative(out["v_cache_out.0"], state.v[0]) <= 1e-10
+
+
+def test_batched_decode_equals_each_sequence_alone(tiny):
+    """Three sequences decoded in one batch at their own positions, each against its FP64 cache rows:
+    the logits of each row equal the independent reference's next-token logits for that sequence."""
+    path, model = tiny
+    built = build_workload(model, Workload.parse("decode:3@16"))
+    (batch,) = decode_batches(model, built, PROMPTS)
+    logits = built.sequence_logits(evaluate(built.graph, batch))
+    for b, prompt in enumerate(PROMPTS):
+        ids = model.encode(prompt)
+        assert relative(logits[b, 0], gemma_logits(path, ids)[-1]) <= 1e-9
+
+
+def test_local_and_global_layers_share_one_structure_when_the_window_is_a_mask(tiny):
+    """A masked window reads every cache row, as a global layer does: the two kinds differ only in the
+    values of their RoPE and bias inputs, so they are one structural group (each layer still takes its
+    own precision), never a group merged over different functions."""
+    _, model = tiny
+    built = build_workload(model, Workload.parse("decode:2@8"))
+    groups = partition(built.graph).groups
+    assert sorted(len(g.chunks) for g in groups) == [1, 1, LAYERS]  # embedding, the layers, the head
+
+
+def test_the_gemma_job_uses_plain_prompts_and_the_llm_budget(tiny):
+    path, _ = tiny
+    assert len(load_prompts("calibration", "gemma3")) == 24 and len(load_prompts("heldout", "gemma3")) == 12
+    assert not any(p.chat for which in ("calibration", "heldout") for p in load_prompts(which, "gemma3"))
+    job = llm_job(str(path), "decode:4@64", layers=2)  # a character-level vocabulary: long prompts
+    assert job.default_budget.startswith("atol=inf") and len(job.calibration) == 6 and len(job.heldout) == 3
