@@ -63,14 +63,40 @@ def test_batched_decode_equals_each_sequence_alone(tiny):
         assert relative(logits[b, 0], gemma_logits(path, ids)[-1]) <= 1e-9
 
 
-def test_local_and_global_layers_share_one_structure_when_the_window_is_a_mask(tiny):
-    """A masked window reads every cache row, as a global layer does: the two kinds differ only in the
-    values of their RoPE and bias inputs, so they are one structural group (each layer still takes its
-    own precision), never a group merged over different functions."""
+def test_token_by_token_decode_through_the_ring_matches_the_reference(tiny):
+    """Decode 12 tokens one at a time, each step reading the caches the step before wrote (as generate
+    does): the local layers' ring of 3 rows wraps four times; every step's logits are the reference's."""
+    path, model = tiny
+    ids = model.encode(Prompt("the cat sat", False))
+    built = build_workload(model, Workload.parse("decode:2@16"))
+    assert built.cache_rows(0) == 3 and built.cache_rows(5) == 16
+    want, prev = gemma_logits(path, ids), None
+    for pos, token in enumerate(ids):
+        out = evaluate(built.graph, built.make_batch_inputs([[token]] * 2, [[pos]] * 2, prev, [pos] * 2))
+        assert relative(built.sequence_logits(out)[1, 0], want[pos]) <= 1e-9
+        prev = out
+
+
+def test_local_and_global_layers_are_two_groups_when_the_ring_reads_fewer_rows(tiny):
+    """With the context longer than the window a decode step's local layers read their ring (3 rows),
+    the global layer the whole context: two structural groups, and the cost model charges each the rows
+    it reads (its cache tensor). Within the window both read every row and differ only in the values of
+    their RoPE and bias inputs: one group (each layer still takes its own precision)."""
+    from luminal_num.search.space import SearchSpace
     _, model = tiny
-    built = build_workload(model, Workload.parse("decode:2@8"))
-    groups = partition(built.graph).groups
-    assert sorted(len(g.chunks) for g in groups) == [1, 1, LAYERS]  # embedding, the layers, the head
+    ring = build_workload(model, Workload.parse("decode:2@16"))
+    assert sorted(len(g.chunks) for g in partition(ring.graph).groups) == [1, 1, 1, LAYERS - 1]
+    within = build_workload(model, Workload.parse("decode:2@3"))
+    assert sorted(len(g.chunks) for g in partition(within.graph).groups) == [1, 1, LAYERS]
+    from luminal_num.runtime.latency import kernel_works
+    local, glob = ring.graph.inputs["k_cache.0"], ring.graph.inputs["k_cache.5"]
+    assert tuple(local.shape) == (2 * 3, model.config.kv_dim) and tuple(glob.shape) == (2 * 16, model.config.kv_dim)
+    program = SearchSpace.build(ring.graph).program(frozenset())
+    read: dict[int, int] = {}
+    for kernel, work in zip(program.launched(), kernel_works(program, {})):
+        read[kernel.chunk] = read.get(kernel.chunk, 0) + work.bytes_read
+    fewer_rows = 2 * 2 * (16 - 3) * model.config.kv_dim * 4  # K and V, two sequences, FP32
+    assert read[1 + 5] - read[1 + 0] >= fewer_rows  # layer 5 (global) reads 13 more rows per cache than layer 0
 
 
 def test_the_gemma_job_uses_plain_prompts_and_the_llm_budget(tiny):

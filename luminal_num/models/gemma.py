@@ -150,6 +150,19 @@ def attention_bias(positions, max_cache: int, cached_rows: int, window: int | No
 _KINDS = ("global", "local")
 
 
+def ring_rows(c: GemmaConfig, seq: int, max_cache: int) -> int | None:
+    """A decode step's local layers keep a ring of `window` cache rows (position p in row p % window)
+    when the context is longer than the window, so they read only those rows; None: every row."""
+    return c.sliding_window if seq == 1 and max_cache > c.sliding_window else None
+
+
+def ring_bias(position: int, rows: int, cached_rows: int) -> np.ndarray:
+    """(1, rows): 0 where ring row r holds a written position visible from `position` (the latest
+    q <= position with q % rows == r, written before this step or by it), else -1e9."""
+    held = position - (position - np.arange(rows)) % rows
+    return np.where((held >= 0) & ((held < cached_rows) | (held == position)), 0.0, MASKED_BIAS)[None, :]
+
+
 @dataclass(frozen=True)
 class GemmaModel:
     """A built Gemma 3 graph: `batch` sequences of `seq` tokens, each against its own `max_cache`-row KV
@@ -160,6 +173,11 @@ class GemmaModel:
     seq: int
     max_cache: int
     batch: int = 1
+
+    def cache_rows(self, layer: int) -> int:
+        """KV-cache rows per sequence of a layer (a local layer's ring, or the whole context)."""
+        ring = ring_rows(self.config, self.seq, self.max_cache)
+        return self.max_cache if ring is None or self.config.is_global(layer) else ring
 
     def make_inputs(self, ids, positions, previous: Mapping[str, np.ndarray] | None = None,
                     cached_rows: int | None = None) -> dict[str, np.ndarray]:
@@ -189,12 +207,16 @@ class GemmaModel:
             raise ValueError(f"cached_rows needs one count per sequence ({self.batch}), got {len(cached_rows)}")
         rows = (np.arange(self.batch)[:, None] * self.max_cache + positions).reshape(-1)
         inputs = {"ids": ids.reshape(-1), "positions": rows}
+        ring = ring_rows(c, self.seq, self.max_cache)
         for kind, base, window in (("global", c.rope_theta, None), ("local", c.rope_local_theta, c.sliding_window)):
             inputs[f"rope_cos_{kind}"], inputs[f"rope_sin_{kind}"] = rope_tables(c, positions.reshape(-1), base)
-            inputs[f"attn_bias_{kind}"] = np.concatenate([attention_bias(row, self.max_cache, int(n), window)
-                                                          for row, n in zip(positions, cached_rows)])
-        shape = (self.batch * self.max_cache, c.kv_dim)
+            inputs[f"attn_bias_{kind}"] = np.concatenate([
+                ring_bias(int(row[0]), ring, int(n)) if kind == "local" and ring else
+                attention_bias(row, self.max_cache, int(n), window) for row, n in zip(positions, cached_rows)])
+        if ring:
+            inputs["positions_local"] = (np.arange(self.batch)[:, None] * ring + positions % ring).reshape(-1)
         for layer in range(c.num_hidden_layers):
+            shape = (self.batch * self.cache_rows(layer), c.kv_dim)
             for kind in CACHE_KINDS:
                 inputs[cache_input_name(kind, layer)] = (np.zeros(shape) if previous is None
                                                          else np.asarray(previous[cache_output_name(kind, layer)]))
@@ -218,6 +240,7 @@ def _rope(x: GraphTensor, t: _Tables) -> GraphTensor:
 
 def _attention(g: Graph, c: GemmaConfig, layer: int, h: GraphTensor, weight, t: _Tables, positions: GraphTensor,
                batch: int, max_cache: int) -> GraphTensor:
+    """`positions`: the cache rows this step writes; `max_cache`: this layer's rows per sequence."""
     tokens, heads, kv_heads, dh = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
     group, seq = heads // kv_heads, h.shape[0] // batch
     q = _linear(h, weight("attn_q")).reshape(tokens, heads, dh).rms_norm(weight("attn_q_norm"), c.rms_norm_eps)
@@ -255,10 +278,13 @@ def build_gemma(config: GemmaConfig, weights: Mapping[str, np.ndarray], seq: int
         raise ValueError(f"batch must be >= 1, got {batch}")
     g, tokens = Graph(), batch * seq
     ids, positions = index_input(g, "ids", (tokens,)), index_input(g, "positions", (tokens,))
+    ring = ring_rows(config, seq, max_cache)
+    rows = {"global": max_cache, "local": ring or max_cache}
     tables = {kind: _Tables(g.input(f"rope_cos_{kind}", (tokens, config.head_dim), value_range=(-1.0, 1.0)),
                             g.input(f"rope_sin_{kind}", (tokens, config.head_dim), value_range=(-1.0, 1.0)),
-                            g.input(f"attn_bias_{kind}", (tokens, max_cache), value_range=(MASKED_BIAS, 0.0)))
+                            g.input(f"attn_bias_{kind}", (tokens, rows[kind]), value_range=(MASKED_BIAS, 0.0)))
               for kind in _KINDS}
+    writes = {"global": positions, "local": index_input(g, "positions_local", (tokens,)) if ring else positions}
     embed = g.weight(EMBED, weights[EMBED])
     x = embed.gather(ids) * config.embed_scale
     g.graph_break()
@@ -267,9 +293,9 @@ def build_gemma(config: GemmaConfig, weights: Mapping[str, np.ndarray], seq: int
         def weight(name: str, layer=layer) -> GraphTensor:
             full = f"blk.{layer}.{name}.weight"
             return g.weight(full, weights[full])
-        t = tables["global" if config.is_global(layer) else "local"]
-        attn = _attention(g, config, layer, x.rms_norm(weight("attn_norm"), eps), weight, t, positions, batch,
-                          max_cache)
+        kind = "global" if config.is_global(layer) else "local"
+        attn = _attention(g, config, layer, x.rms_norm(weight("attn_norm"), eps), weight, tables[kind], writes[kind],
+                          batch, rows[kind])
         x = x + attn.rms_norm(weight("post_attention_norm"), eps)
         h = x.rms_norm(weight("ffn_norm"), eps)
         ffn = _linear(_linear(h, weight("ffn_gate")).gelu("tanh") * _linear(h, weight("ffn_up")), weight("ffn_down"))

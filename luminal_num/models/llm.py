@@ -209,16 +209,18 @@ def fitting_ids(model: LlmModel, prompt: Prompt, extra: int, limit: int) -> list
     return ids
 
 
-def _stacked_caches(states: Sequence[Fp64State], graph: LlamaModel) -> dict[str, np.ndarray]:
-    """The sequences' FP64 cache rows in the graph's layout, as the previous step's cache outputs."""
-    ctx = graph.max_cache
+def _stacked_caches(states: Sequence[Fp64State], graph: LlamaModel | GemmaModel) -> dict[str, np.ndarray]:
+    """The sequences' FP64 cache rows in the graph's layout, as the previous step's cache outputs:
+    position j of sequence i in row i * rows + j % rows (a ring of `rows` keeps the last `rows`)."""
     out = {}
     for layer in range(graph.config.num_hidden_layers):
+        ctx = graph.cache_rows(layer)
         for kind in ("k", "v"):
             cache = np.zeros((graph.batch * ctx, graph.config.kv_dim))
             for i, state in enumerate(states):
                 rows = getattr(state, kind)[layer]
-                cache[i * ctx: i * ctx + len(rows)] = rows
+                kept = np.arange(max(0, len(rows) - ctx), len(rows))
+                cache[i * ctx + kept % ctx] = rows[kept]
             out[f"{kind}_cache_out.{layer}"] = cache
     return out
 
