@@ -135,18 +135,22 @@ def test_real_gemma_fp32_plan_top1_is_one_on_16_teacher_forced_prompts(gemma_job
 
 @pytest.mark.slow
 def test_real_gemma_fp64_continues_the_capital_of_france(gemma_job):
+    """The base 270M model (measured): 'The capital of France is' -> ' the capital of the country of
+    France. It is the largest city in France and'; asked as a question it answers ' Paris'."""
     model = gemma_job.llm.model
-    ids = model.encode(Prompt("The capital of France is", False))
-    tokens, _ = model.fp64.greedy(ids, 6)
-    text = model.tokenizer.decode(tokens)
-    print(f"Gemma 3 270M FP64: 'The capital of France is' -> {text!r}")
-    assert "Paris" in text
+    plain, _ = model.fp64.greedy(model.encode(Prompt("The capital of France is", False)), 16)
+    asked, _ = model.fp64.greedy(model.encode(Prompt("Question: What is the capital of France? Answer:", False)), 2)
+    print(f"Gemma 3 270M FP64: 'The capital of France is' -> {model.tokenizer.decode(plain)!r}")
+    assert "France. It is the largest city" in model.tokenizer.decode(plain)
+    assert model.tokenizer.decode(asked).startswith(" Paris")
 
 
 @pytest.mark.slow
 def test_real_gemma_plan_keeping_every_k_quant_block_is_bit_identical_to_fp32(gemma_job):
-    """All 18 layers and the tied head: the plan holding every matrix in its file blocks (Q4_K, Q5_0,
-    Q6_K, Q8_0) computes the FP32 plan's logits (on the dequantized file) bit for bit."""
+    """All 18 layers and the tied head: the plan holding every matrix the search may keep in its file
+    blocks (those whose format is one across the layer group: Q4_K, Q5_0, Q8_0 here; attn_v/ffn_down mix
+    Q4_K and Q6_K over the layers, so they stay FP32 of the same dequantized values) computes the FP32
+    plan's logits (on the dequantized file) bit for bit."""
     from luminal_num.quant.stored import GGUF_KEPT
     from luminal_num.runtime.cpu import CpuRuntime
     from luminal_num.search.recipes import pick
@@ -154,7 +158,9 @@ def test_real_gemma_plan_keeping_every_k_quant_block_is_bit_identical_to_fp32(ge
     graph, batch = gemma_job.graph, gemma_job.calibration[0]
     space = SearchSpace.build(graph)
     kept = space.program(pick(space, {*(f"store:{f}" for f in GGUF_KEPT), "gemm:f32"}.__contains__))
-    assert {"gguf_q4_k", "gguf_q6_k"} <= {k.storage for k in kept.kernels if k.storage}
+    formats = {k.storage for k in kept.kernels if k.storage}
+    print(f"Gemma 3 270M plan keeping file blocks: {sorted(formats)}")
+    assert "gguf_q4_k" in formats
     a = CpuRuntime(space.program(frozenset()), graph.weights).run(batch).outputs["logits"]
     b = CpuRuntime(kept, graph.weights).run(batch).outputs["logits"]
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
