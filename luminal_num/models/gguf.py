@@ -132,8 +132,8 @@ def _fields(reader: gguf.GGUFReader) -> dict[str, object]:
 def check_architecture(arch: object) -> None:
     """Refuse a GGUF architecture no graph here builds (called as soon as the header names it)."""
     if arch == "gemma3":
-        raise GGUFError("GGUF architecture 'gemma3' is built by luminal_num.models.gemma (load_gemma_gguf); "
-                        "LLM jobs (compile, demo) take llama/qwen2/qwen3 files so far")
+        raise GGUFError("GGUF architecture 'gemma3' is built by luminal_num.models.gemma (load_gemma_gguf, "
+                        "which models.llm.load_llm picks for such a file)")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
 

@@ -265,6 +265,10 @@ class LlamaModel:
     max_cache: int
     batch: int = 1
 
+    def cache_rows(self, layer: int) -> int:
+        """KV-cache rows per sequence of a layer: the whole context in every layer."""
+        return self.max_cache
+
     def make_inputs(self, ids, positions, previous: Mapping[str, np.ndarray] | None = None,
                     cached_rows: int | None = None) -> dict[str, np.ndarray]:
         """Activation inputs for one step of a single sequence (batch 1).

@@ -16,13 +16,19 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
 from ..hlir.store import keyed
+from .gemma import ARCH as GEMMA3, GemmaConfig, GemmaModel, build_gemma
+from .gemma_fp64 import Fp64Gemma
+from .gemma_gguf import gemma3_path, load_gemma_gguf
 from .gguf import load_gguf, smollm2_path
+from .gguf_header import read_header
 from .llama import LlamaConfig, LlamaModel, build_prefill, load_weights
 from .reference import Fp64Llama, Fp64State
+from .spm import SentencePieceTokenizer
 from .tokenizer import ChatTemplate, Tokenizer
 
 CHAT_PREFIX = "chat: "
@@ -81,11 +87,27 @@ def parse_prompts(text: str) -> list[Prompt]:
     return out
 
 
-def load_prompts(which: str) -> list[Prompt]:
-    """The shipped SmolLM2 prompt sets: 24 calibration and 12 held-out real prompts."""
+def load_prompts(which: str, family: str = "smollm2") -> list[Prompt]:
+    """A shipped prompt set, 24 calibration and 12 held-out real prompts: `smollm2`'s (a third of them
+    chat messages) or `gemma3`'s (plain text: the base model's file has no chat template)."""
     if which not in PROMPT_SETS:
         raise ValueError(f"unknown prompt set {which!r}; expected one of {PROMPT_SETS}")
-    return parse_prompts((importlib.resources.files(__package__) / "data" / f"smollm2_{which}.txt").read_text("utf-8"))
+    return parse_prompts((importlib.resources.files(__package__) / "data" / f"{family}_{which}.txt").read_text("utf-8"))
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How an LLM family builds its graph and its fast FP64 runner, declared once per config type."""
+
+    build: Callable[..., Any]   # (config, weights, seq, max_cache, batch) -> LlamaModel | GemmaModel
+    fp64: Callable[..., Any]    # (config, weights) -> Fp64Llama | Fp64Gemma
+    prompts: str                # the shipped prompt sets it is calibrated on by default
+
+
+ARCHITECTURES = {LlamaConfig: Architecture(build_prefill, Fp64Llama, "smollm2"),
+                 GemmaConfig: Architecture(build_gemma, Fp64Gemma, "gemma3")}
+# models known by name -> the file each is (installed packages)
+NAMED_MODELS: dict[str, Callable[[], Path]] = {"smollm2": smollm2_path, "gemma3": gemma3_path}
 
 
 @dataclass(frozen=True)
@@ -93,10 +115,14 @@ class LlmModel:
     """What an LLM job needs from a checkpoint: config, float weights, tokenizer, optional chat template."""
 
     name: str
-    config: LlamaConfig
+    config: LlamaConfig | GemmaConfig
     weights: Mapping[str, np.ndarray]
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | SentencePieceTokenizer
     chat_template: ChatTemplate | None
+
+    @property
+    def architecture(self) -> Architecture:
+        return ARCHITECTURES[type(self.config)]
 
     def render(self, prompt: Prompt) -> str:
         if not prompt.chat:
@@ -110,7 +136,7 @@ class LlmModel:
 
     @functools.cached_property
     def fp64(self) -> Fp64Llama:
-        return Fp64Llama(self.config, self.weights)
+        return self.architecture.fp64(self.config, self.weights)
 
 
 def _hf_model(directory: Path, layers: int | None) -> LlmModel:
@@ -131,16 +157,37 @@ def _hf_model(directory: Path, layers: int | None) -> LlmModel:
                     Tokenizer.from_file(tok_file), ChatTemplate(template) if isinstance(template, str) else None)
 
 
+class _ArchitectureRead(Exception):
+    def __init__(self, value: object):
+        self.value = value
+
+
+def gguf_architecture(path: Path) -> object:
+    """A GGUF file's general.architecture, read from the header up to that key (llama.cpp writes it first)."""
+    def stop(value: object) -> None:
+        raise _ArchitectureRead(value)
+    try:
+        read_header(path, on_architecture=stop)
+    except _ArchitectureRead as found:
+        return found.value
+    return None
+
+
 @functools.lru_cache(maxsize=4)
 def load_llm(spec: str, layers: int | None = None) -> LlmModel:
-    """`smollm2` (the bundled GGUF), a `.gguf` file, or a Hugging Face folder (config.json + safetensors)."""
-    path = smollm2_path() if spec == "smollm2" else Path(spec)
+    """A model by name (NAMED_MODELS: the installed SmolLM2 and Gemma 3 files), a `.gguf` file (Llama,
+    Qwen2/3 or Gemma 3 by its general.architecture), or a Hugging Face folder (config.json + safetensors)."""
+    path = NAMED_MODELS[spec]() if spec in NAMED_MODELS else Path(spec)
     if path.is_dir():
         return _hf_model(path, layers)
     if path.suffix != ".gguf":
         raise FileNotFoundError(f"model {spec!r} is neither a known name, a .gguf file nor a folder")
-    g = load_gguf(path, layers)
-    return LlmModel("smollm2" if spec == "smollm2" else path.stem, g.config, g.weights, g.tokenizer, g.chat_template)
+    name = spec if spec in NAMED_MODELS else path.stem
+    if path.is_file() and gguf_architecture(path) == GEMMA3:
+        g = load_gemma_gguf(path, layers)
+    else:
+        g = load_gguf(path, layers)
+    return LlmModel(name, g.config, g.weights, g.tokenizer, g.chat_template)
 
 
 # -- teacher-forced inputs -----------------------------------------------------------------------
@@ -162,16 +209,18 @@ def fitting_ids(model: LlmModel, prompt: Prompt, extra: int, limit: int) -> list
     return ids
 
 
-def _stacked_caches(states: Sequence[Fp64State], graph: LlamaModel) -> dict[str, np.ndarray]:
-    """The sequences' FP64 cache rows in the graph's layout, as the previous step's cache outputs."""
-    ctx = graph.max_cache
+def _stacked_caches(states: Sequence[Fp64State], graph: LlamaModel | GemmaModel) -> dict[str, np.ndarray]:
+    """The sequences' FP64 cache rows in the graph's layout, as the previous step's cache outputs:
+    position j of sequence i in row i * rows + j % rows (a ring of `rows` keeps the last `rows`)."""
     out = {}
     for layer in range(graph.config.num_hidden_layers):
+        ctx = graph.cache_rows(layer)
         for kind in ("k", "v"):
             cache = np.zeros((graph.batch * ctx, graph.config.kv_dim))
             for i, state in enumerate(states):
                 rows = getattr(state, kind)[layer]
-                cache[i * ctx: i * ctx + len(rows)] = rows
+                kept = np.arange(max(0, len(rows) - ctx), len(rows))
+                cache[i * ctx + kept % ctx] = rows[kept]
             out[f"{kind}_cache_out.{layer}"] = cache
     return out
 
@@ -209,8 +258,8 @@ def prefill_batches(model: LlmModel, graph: LlamaModel, prompts: Sequence[Prompt
     return out
 
 
-def build_workload(model: LlmModel, workload: Workload) -> LlamaModel:
-    return build_prefill(model.config, model.weights, workload.seq, workload.context, workload.batch)
+def build_workload(model: LlmModel, workload: Workload) -> LlamaModel | GemmaModel:
+    return model.architecture.build(model.config, model.weights, workload.seq, workload.context, workload.batch)
 
 
 def workload_batches(model: LlmModel, graph: LlamaModel, workload: Workload, prompts: Sequence[Prompt]) -> list[dict]:

@@ -6,6 +6,7 @@ SmolLM2-135M (or any Llama-family GGUF / HF folder) under a server workload on r
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -90,8 +91,9 @@ def llm_job(model: str = "smollm2", workload: str = SMOLLM2_WORKLOAD, calibratio
     m = load_llm(model, layers)
     w = Workload.parse(workload)
     built = build_workload(m, w)
-    cal = workload_batches(m, built, w, load_prompts("calibration") if calibration is None else calibration)
-    held = workload_batches(m, built, w, load_prompts("heldout") if heldout is None else heldout)
+    family = m.architecture.prompts
+    cal = workload_batches(m, built, w, load_prompts("calibration", family) if calibration is None else calibration)
+    held = workload_batches(m, built, w, load_prompts("heldout", family) if heldout is None else heldout)
     c = m.config
     return ModelJob(m.name if layers is None else f"{m.name}-{layers}l", built.graph, tuple(cal), tuple(held),
                     LLM_DEFAULT_BUDGET,
@@ -100,8 +102,10 @@ def llm_job(model: str = "smollm2", workload: str = SMOLLM2_WORKLOAD, calibratio
                     LlmJob(m, w, built))
 
 
+LLM_NAMES = ("smollm2", "gemma3")  # LLMs known by name: the installed files of models.llm.NAMED_MODELS
 JOBS: dict[str, Callable[[], ModelJob]] = {"minilm": minilm_job, "llama-tiny": llama_tiny_job,
-                                           "transformer": transformer_job, "smollm2": llm_job}
+                                           "transformer": transformer_job,
+                                           **{name: functools.partial(llm_job, name) for name in LLM_NAMES}}
 
 
 def load_job(name: str) -> ModelJob:
