@@ -11,6 +11,7 @@ import sys
 import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -404,3 +405,53 @@ def test_kernels_on_the_device_match_the_cpu_casts(tmp_path):
             np.testing.assert_array_equal(run(kernel_name(fmt, saturate)), emulate_roundtrip(x, fmt, saturate),
                                           err_msg=kernel_name(fmt, saturate))
     np.testing.assert_array_equal(run("roundtrip_tf32"), emulate_tf32_ties_away(x))
+
+
+# ---------------------------------------------------------------- library layouts (CUDA 12, CUDA 13, toolkit)
+
+
+def real_layout() -> tuple[Path, Path]:
+    """(this machine's libnvrtc, the include folder holding cuda_fp16.h)."""
+    tools = nvrtc.toolchain()
+    return tools.library, tools.include_dirs[0]
+
+
+def fake_cuda13_site(root: Path) -> Path:
+    """A site folder laid out like CUDA 13's wheels (nvidia/cu13/lib, nvidia/cu13/include), linking to this
+    machine's NVRTC and headers."""
+    library, include = real_layout()
+    cu13 = root / "nvidia" / "cu13"
+    (cu13 / "lib").mkdir(parents=True)
+    (cu13 / "lib" / "libnvrtc.so.13").symlink_to(library.resolve())
+    (cu13 / "include").symlink_to(include, target_is_directory=True)
+    return root
+
+
+@needs_nvrtc
+def test_the_cuda13_wheel_layout_is_found_and_compiles_a_bf16_kernel(tmp_path, monkeypatch):
+    site = fake_cuda13_site(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(site))
+    library = site / "nvidia" / "cu13" / "lib" / "libnvrtc.so.13"
+    assert nvrtc._library_candidates(None)[0] == str(library)
+    assert nvrtc._include_dirs(library) == (site / "nvidia" / "cu13" / "include",)
+    monkeypatch.setenv(nvrtc.LIBRARY_ENV, str(library))
+    assert nvrtc.toolchain().include_dirs == (site / "nvidia" / "cu13" / "include",)
+    source = ('#include <cuda_bf16.h>\nextern "C" __global__ void bf16_copy(const __nv_bfloat16* x, float* y) '
+              '{ y[threadIdx.x] = __bfloat162float(x[threadIdx.x]); }\n')
+    assert nvrtc.compile_cuda(source, "bf16_copy").cubin
+
+
+@needs_nvrtc
+def test_a_cuda_toolkit_under_cuda_home_is_found(tmp_path, monkeypatch):
+    library, include = real_layout()
+    toolkit = tmp_path / "cuda"
+    (toolkit / "lib64").mkdir(parents=True)
+    (toolkit / "lib64" / "libnvrtc.so").symlink_to(library.resolve())
+    (toolkit / "include").symlink_to(include, target_is_directory=True)
+    monkeypatch.setenv("CUDA_HOME", str(toolkit))
+    assert str(toolkit / "lib64" / "libnvrtc.so") in nvrtc._library_candidates(None)
+    # the header folder beside a toolkit's library wins, also when the library is a link into a wheel
+    assert nvrtc._include_dirs(toolkit / "lib64" / "libnvrtc.so") in ((toolkit / "include",), (include,))
+    monkeypatch.setattr(nvrtc, "HEADER_PACKAGES", ())
+    monkeypatch.setattr(nvrtc, "DEFAULT_TOOLKIT", tmp_path / "absent")
+    assert nvrtc._include_dirs(tmp_path / "elsewhere" / "lib" / "libnvrtc.so") == (toolkit / "include",)
