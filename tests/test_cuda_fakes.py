@@ -260,6 +260,7 @@ def _gpu_suite_cases():
                False) for p in ("f32", "tf32", "bf16", "f8e4m3_tensor")]
     cases += [("scatter_in_place", t.test_scatter_in_place_writes_only_its_rows_of_the_aliased_buffer, {}, False),
               ("fp64_symbolic", t.test_fp64_reference_agrees_on_a_symbolic_model, {}, False),
+              ("tf32_probe", t.test_probe_which_tf32_operand_rounding_cublas_applies, {}, False),
               ("graph_transformer4", t.test_cuda_graph_replays_what_run_computes, {}, True)]
     cases += [(f"whole_model-{m}-{g}", t.test_whole_models_match_the_cpu_backend, {"name": m, "gemm": g}, True)
               for m in sorted(MODELS) for g in ("auto", "kernel")]
