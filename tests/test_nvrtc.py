@@ -11,6 +11,7 @@ import sys
 import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from luminal_num.codegen import ctypes_map as cm
+from cuda_interpreter import Buffer, compile_entry
 from luminal_num.codegen import nvrtc
+from luminal_num.codegen.cuda_body import ROUND_HELPER, round_expr
 from luminal_num.dtypes import formats as F
+from luminal_num.dtypes.rounding import round_to
 from luminal_num.runtime import cuda_device
 
 needs_nvrtc = pytest.mark.skipif(
@@ -57,8 +61,9 @@ def roundtrip_source() -> str:
                 f'        const {c_type} stored = {cm.from_float_expr(fmt, "x[i]", saturate)};\n'
                 f'        y[i] = {cm.to_float_expr(fmt, "stored")};\n'
                 f'    }}\n}}\n')
+    parts.append(ROUND_HELPER)
     parts.append('extern "C" __global__ void roundtrip_tf32(const float* x, float* y, long long n) {\n'
-                 f'    LN_GRID_STRIDE_LOOP(i, n) {{ y[i] = {cm.tf32_round_expr("x[i]")}; }}\n}}\n')
+                 f'    LN_GRID_STRIDE_LOOP(i, n) {{ y[i] = {round_expr(F.TF32, "x[i]")}; }}\n}}\n')
     return "".join(parts)
 
 
@@ -80,7 +85,7 @@ def test_every_format_has_a_cuda_type_or_a_stated_reason():
     for fmt in set(F.FORMATS.values()) - set(expected):
         with pytest.raises(KeyError, match=fmt.name):
             cm.cuda_type(fmt)
-    with pytest.raises(KeyError, match="tf32_round_expr"):
+    with pytest.raises(KeyError, match="round_expr"):
         cm.cuda_type(F.TF32)
 
 
@@ -156,7 +161,7 @@ def test_hopper_ptx_uses_the_hardware_conversions(arch):
     assert "cvt.rn.satfinite.e5m2x2.f32" in entry_body(ptx, kernel_name(F.F8E5M2, True))
     for fmt in (F.F8E4M3, F.F8E5M2):  # the NOSAT mode has no hardware instruction: software path
         assert "satfinite" not in entry_body(ptx, kernel_name(fmt, False))
-    assert "cvt.rna.tf32.f32" in entry_body(ptx, "roundtrip_tf32")
+    assert "cvt.rna.tf32" not in entry_body(ptx, "roundtrip_tf32")  # one TF32 rounding: RNE, as the CPU's
     assert "cvt.rn.bf16.f32" in entry_body(ptx, kernel_name(F.BF16, False))
     assert "cvt.rn.f16.f32" in entry_body(ptx, kernel_name(F.F16, False))
     int8_saturating = entry_body(ptx, kernel_name(F.INT8, True))
@@ -169,7 +174,6 @@ def test_ampere_ptx_has_no_fp8_conversion_instruction():
     """fp8 cvt needs sm_89+: for compute_80 the header falls back to its software rounding."""
     ptx = nvrtc.compile_cuda(roundtrip_source(), "roundtrip_tf32", "compute_80").ptx
     assert "e4m3x2" not in ptx and "e5m2x2" not in ptx
-    assert "cvt.rna.tf32.f32" in entry_body(ptx, "roundtrip_tf32")
 
 
 BROKEN = """extern "C" __global__ void broken(float* x) {
@@ -366,13 +370,6 @@ def emulate_roundtrip(x: np.ndarray, fmt: F.Format, saturate: bool) -> np.ndarra
     return as_int32.astype(np.float32)
 
 
-def emulate_tf32_ties_away(x: np.ndarray) -> np.ndarray:
-    bits = x.view(np.uint32)
-    finite = np.isfinite(x)
-    rounded = np.where(finite, (bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000), bits)
-    return rounded.astype(np.uint32).view(np.float32)
-
-
 @pytest.mark.gpu
 @needs_nvrtc
 def test_kernels_on_the_device_match_the_cpu_casts(tmp_path):
@@ -403,4 +400,77 @@ def test_kernels_on_the_device_match_the_cpu_casts(tmp_path):
         for saturate in (True, False):
             np.testing.assert_array_equal(run(kernel_name(fmt, saturate)), emulate_roundtrip(x, fmt, saturate),
                                           err_msg=kernel_name(fmt, saturate))
-    np.testing.assert_array_equal(run("roundtrip_tf32"), emulate_tf32_ties_away(x))
+    np.testing.assert_array_equal(run("roundtrip_tf32"), round_to(x, F.TF32))
+
+
+# ---------------------------------------------------------------- library layouts (CUDA 12, CUDA 13, toolkit)
+
+
+def real_layout() -> tuple[Path, Path]:
+    """(this machine's libnvrtc, the include folder holding cuda_fp16.h)."""
+    tools = nvrtc.toolchain()
+    return tools.library, tools.include_dirs[0]
+
+
+def fake_cuda13_site(root: Path) -> Path:
+    """A site folder laid out like CUDA 13's wheels (nvidia/cu13/lib, nvidia/cu13/include), linking to this
+    machine's NVRTC and headers."""
+    library, include = real_layout()
+    cu13 = root / "nvidia" / "cu13"
+    (cu13 / "lib").mkdir(parents=True)
+    (cu13 / "lib" / "libnvrtc.so.13").symlink_to(library.resolve())
+    (cu13 / "include").symlink_to(include, target_is_directory=True)
+    return root
+
+
+@needs_nvrtc
+def test_the_cuda13_wheel_layout_is_found_and_compiles_a_bf16_kernel(tmp_path, monkeypatch):
+    site = fake_cuda13_site(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(site))
+    library = site / "nvidia" / "cu13" / "lib" / "libnvrtc.so.13"
+    assert nvrtc._library_candidates(None)[0] == str(library)
+    assert nvrtc._include_dirs(library) == (site / "nvidia" / "cu13" / "include",)
+    monkeypatch.setenv(nvrtc.LIBRARY_ENV, str(library))
+    assert nvrtc.toolchain().include_dirs == (site / "nvidia" / "cu13" / "include",)
+    source = ('#include <cuda_bf16.h>\nextern "C" __global__ void bf16_copy(const __nv_bfloat16* x, float* y) '
+              '{ y[threadIdx.x] = __bfloat162float(x[threadIdx.x]); }\n')
+    assert nvrtc.compile_cuda(source, "bf16_copy").cubin
+
+
+@needs_nvrtc
+def test_a_cuda_toolkit_under_cuda_home_is_found(tmp_path, monkeypatch):
+    library, include = real_layout()
+    toolkit = tmp_path / "cuda"
+    (toolkit / "lib64").mkdir(parents=True)
+    (toolkit / "lib64" / "libnvrtc.so").symlink_to(library.resolve())
+    (toolkit / "include").symlink_to(include, target_is_directory=True)
+    monkeypatch.setenv("CUDA_HOME", str(toolkit))
+    assert str(toolkit / "lib64" / "libnvrtc.so") in nvrtc._library_candidates(None)
+    # the header folder beside a toolkit's library wins, also when the library is a link into a wheel
+    assert nvrtc._include_dirs(toolkit / "lib64" / "libnvrtc.so") in ((toolkit / "include",), (include,))
+    monkeypatch.setattr(nvrtc, "HEADER_PACKAGES", ())
+    monkeypatch.setattr(nvrtc, "DEFAULT_TOOLKIT", tmp_path / "absent")
+    assert nvrtc._include_dirs(tmp_path / "elsewhere" / "lib" / "libnvrtc.so") == (toolkit / "include",)
+
+
+# ---------------------------------------------------------------- one TF32 operand rounding
+
+
+def tf32_probe_values() -> np.ndarray:
+    """1 + j 2^-13 for j = 0..15 (each eighth of a TF32 step, ties at j = 4 and 12), their negatives, and
+    values whose 13 dropped bits are all ones (where truncation loses a whole step)."""
+    ones = np.float32(1.0 + (2 ** 13 - 1) * 2.0 ** -23)
+    return np.concatenate([1.0 + np.arange(16) * 2.0 ** -13, -(1.0 + np.arange(16) * 2.0 ** -13),
+                           [ones, -ones, ones * 2.0 ** -120, 3.0e38]]).astype(np.float32)
+
+
+def test_the_tf32_operand_rounding_of_cuda_kernels_is_the_emulators_in_the_interpreter():
+    """The CUDA rounding of an FP32 operand to TF32 (cuda_body.round_expr, what the tiled Gemm kernel
+    applies) run by the CUDA interpreter: bit for bit dtypes.rounding.round_to(x, TF32), ties to even."""
+    x = tf32_probe_values()
+    fn, _ = compile_entry(roundtrip_source(), "roundtrip_tf32")
+    y = Buffer(np.zeros(x.size), integer=False)
+    fn(x=Buffer(x.astype(np.float64), integer=False), y=y, n=x.size)  # one thread: the grid-stride loop does all
+    expected = round_to(x, F.TF32)
+    np.testing.assert_array_equal(y.values.astype(np.float32), expected)
+    assert expected[4] == 1.0 and expected[12] == np.float32(1.0 + 2.0 ** -9)  # ties to even, both ways

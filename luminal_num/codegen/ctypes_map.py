@@ -74,7 +74,7 @@ _TABLE: tuple[CudaFormat, ...] = (
 CUDA_FORMATS: Mapping[Format, CudaFormat] = MappingProxyType({entry.fmt: entry for entry in _TABLE})
 # Formats with no per-element CUDA type here, and why (a KeyError quotes this).
 _UNSUPPORTED_REASONS: Mapping[str, str] = MappingProxyType({
-    TF32.name: "tf32 is a compute-only rounding (stored as float); use tf32_round_expr()",
+    TF32.name: "tf32 is a compute-only rounding (stored as float); use cuda_body.round_expr(TF32, x)",
     "f4e2m1": "f4e2m1 packs two values per byte; kernels address it as packed bytes, not elements",
     "e8m0": "e8m0 block scales are unpacked to float by the quantization kernels",
     "int4": "int4 packs two values per byte (luminal_num.quant.pack); kernels address packed bytes",
@@ -148,12 +148,3 @@ def from_float_expr(fmt: Format | str, expr: str, saturate: bool) -> str:
         high = int(entry.fmt.max_finite)  # two's complement: [-(max+1), max]
         rounded = f"ln_clamp_int({rounded}, {-high - 1}, {high})"
     return entry.from_float.format(x=rounded)
-
-
-def tf32_round_expr(expr: str) -> str:
-    """C expression rounding the float `expr` to TF32, as tensor cores read FP32 operands in TF32 mode.
-
-    Hardware (cvt.rna.tf32.f32) rounds ties AWAY from zero; the CPU emulator rounds ties to even, so
-    the two differ on exact ties only (about 1 in 8192 uniformly drawn values).
-    """
-    return f"ln_tf32_round({expr})"

@@ -4,7 +4,8 @@ roundings of runtime/cpu_attention.py, one output element (score row, V column) 
 A block holds OUT_THREADS threads: OUT_THREADS / splits outputs, each computed by `splits` threads
 that run the online softmax over their own contiguous key tiles and leave (m, l, o) in shared
 memory; after one __syncthreads the first of them combines the partials (flash decoding; with one
-split the combine is exact: w = e(0) = 1, 0 + l * 1 = l). Q, K, bias and V are read through their
+split the combine is exact: w = e(0) = 1, 0 + l * 1 = l). Blocks loop grid-stride over the groups of
+outputs, as the grid is capped at MAX_GRID blocks. Q, K, bias and V are read through their
 views (GQA and the KV cache are strides), so scores are never stored. exp is FP64 exp rounded once
 to FP32 (the CPU emulation's e()); products and sums are __fmul_rn / __fadd_rn (no FMA contraction).
 """
@@ -80,18 +81,23 @@ def render_attention(cx) -> tuple[str, tuple[Launch, ...]]:
         f"out[i] = {store(k.dtype, '__fdiv_rn(to, tl)')};"]
     slots = (0, 1, 2, 3)
     total = prod(k.shape)
+    group = [f"long long i = g * {outs} + t / SPLITS;", "const long long live = i < total;",
+             "if (i >= total) i = total - 1;", *coord_lines,
+             f"float m = {NEG_INF};", "float l = 0.0f;", "float o = 0.0f;",
+             "for (long long tile = sp * per_split; tile < min((sp + 1) * per_split, tiles); ++tile) {",
+             *("    " + line for line in tile_loop), "}",
+             "part_m[t] = m;", "part_l[t] = l;", "part_o[t] = o;", "__syncthreads();",
+             "if (sp == 0 && live) {", *("    " + line for line in combine), "}",
+             "__syncthreads();  // the partials are read before the next group overwrites them"]
     body = [f"__shared__ float part_m[{OUT_THREADS}];", f"__shared__ float part_l[{OUT_THREADS}];",
             f"__shared__ float part_o[{OUT_THREADS}];",
             f"const long long total = {cx.c_dim(total)};", f"const long long len = {cx.c_dim(k.body_shape[-1])};",
             "const long long t = threadIdx.x;", "const long long sp = t % SPLITS;",
-            f"long long i = blockIdx.x * {outs} + t / SPLITS;", "const long long live = i < total;",
-            "if (i >= total) i = total - 1;", *coord_lines,
             "const long long tiles = ln_ceil_div(len, TILE);", "const long long per_split = ln_ceil_div(tiles, SPLITS);",
-            f"float m = {NEG_INF};", "float l = 0.0f;", "float o = 0.0f;",
-            "for (long long tile = sp * per_split; tile < min((sp + 1) * per_split, tiles); ++tile) {",
-            *("    " + line for line in tile_loop), "}",
-            "part_m[t] = m;", "part_l[t] = l;", "part_o[t] = o;", "__syncthreads();",
-            "if (sp == 0 && live) {", *("    " + line for line in combine), "}"]
+            f"const long long groups = ln_ceil_div(total, {outs}LL);",
+            # grid-stride over groups of outputs: the grid is capped at MAX_GRID blocks (cuda_source.Launch);
+            # the bound is the same for every thread of a block, so both __syncthreads are reached by all
+            "for (long long g = blockIdx.x; g < groups; g += gridDim.x) {", *("    " + line for line in group), "}"]
     text = "\n".join(body).replace("TILE", f"{spec.key_tile}LL").replace("SPLITS", f"{splits}LL")
     src = (f"// fused attention: {variant.name}, key tile {spec.key_tile}, {splits} split(s)\n"
            f'extern "C" __global__ void {ENTRY}({cx.params("out", slots)}) {{\n' + indent(text.splitlines(), 1)

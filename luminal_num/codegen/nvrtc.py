@@ -2,10 +2,11 @@
 
 Why ctypes and not CuPy: NVRTC needs no GPU and no driver, so CI (which has neither) compiles every
 generated kernel and catches codegen errors; CuPy is only needed to *launch* kernels. The library
-comes from the `nvidia-cuda-nvrtc-cu12` wheel (or `LUMINAL_NVRTC_LIB`, e.g. a system CUDA's
-libnvrtc.so); NVRTC has no built-in CUDA headers, so the `nvidia-cuda-runtime-cu12` wheel's include
-folder goes on the include path for cuda_fp16.h / cuda_bf16.h / cuda_fp8.h (cuda_fp8.h pulls in
-the other two plus vector_types.h from the same folder; <nv/target>, <cstring> and <utility> are
+comes from CUDA 13's wheels (nvidia/cu13/lib), the `nvidia-cuda-nvrtc-cu12` wheel, a CUDA toolkit
+($CUDA_HOME, /usr/local/cuda) or `LUMINAL_NVRTC_LIB`; NVRTC has no built-in CUDA headers, so the
+first include folder holding them (beside the library, CUDA 13's nvidia/cu13/include, the
+`nvidia-cuda-runtime-cu12` wheel's, a toolkit's) goes on the include path for cuda_fp16.h /
+cuda_bf16.h / cuda_fp8.h (cuda_fp8.h pulls in the other two plus vector_types.h from the same folder; <nv/target>, <cstring> and <utility> are
 skipped under NVRTC, which provides them implicitly).
 
 Every `*.cuh` in codegen/templates is handed to NVRTC as an in-memory header, so generated sources
@@ -113,32 +114,51 @@ class CompileStats:
 # ---------------------------------------------------------------- library loading
 
 
+# Where NVRTC and the CUDA headers live, newest layout first: CUDA 13's wheels put every library of the
+# toolkit under nvidia/cu13/{lib,include}; CUDA 12's give each its own package (nvidia/cuda_nvrtc/lib,
+# nvidia/cuda_runtime/include); a toolkit has lib64/ and include/ under $CUDA_HOME (or /usr/local/cuda).
+LIBRARY_PACKAGES = ("nvidia.cu13", "nvidia.cuda_nvrtc", "nvidia.cu12")
+HEADER_PACKAGES = ("nvidia.cu13", "nvidia.cuda_runtime", "nvidia.cu12")
+TOOLKIT_ENVS = ("CUDA_HOME", "CUDA_PATH")
+DEFAULT_TOOLKIT = Path("/usr/local/cuda")
+HEADER = "cuda_fp16.h"
+
+
 def _wheel_dirs(package: str) -> list[Path]:
     """Folders of a namespace package such as nvidia.cuda_nvrtc (empty when the wheel is absent)."""
     try:
         spec = importlib.util.find_spec(package)
-    except ModuleNotFoundError:
+    except (ModuleNotFoundError, ValueError):
         return []
     return [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
 
 
+def _toolkits() -> list[Path]:
+    """CUDA toolkit roots: $CUDA_HOME, $CUDA_PATH, then /usr/local/cuda (those that exist)."""
+    roots = [Path(os.environ[env]) for env in TOOLKIT_ENVS if os.environ.get(env)] + [DEFAULT_TOOLKIT]
+    return [root for root in dict.fromkeys(roots) if root.is_dir()]
+
+
 def _library_candidates(override: str | None) -> list[str]:
     """LUMINAL_NVRTC_LIB alone when set (an explicit choice must not silently fall back), else the
-    wheel's library, then whatever the system linker finds."""
+    wheels' library (CUDA 13 then 12 layout), a toolkit's, then whatever the system linker finds."""
     if override:
         return [override]
-    wheel_libs = [str(lib) for folder in _wheel_dirs("nvidia.cuda_nvrtc")
-                  for lib in sorted((folder / "lib").glob("libnvrtc.so*"))]
+    folders = [d / "lib" for package in LIBRARY_PACKAGES for d in _wheel_dirs(package)]
+    folders += [root / sub for root in _toolkits() for sub in ("lib64", "lib")]
+    libs = [str(lib) for folder in folders for lib in sorted(folder.glob("libnvrtc.so*"))]
     system = ctypes.util.find_library("nvrtc")
-    return wheel_libs + ([system] if system else [])
+    return list(dict.fromkeys(libs + ([system] if system else [])))
 
 
 def _include_dirs(library: Path) -> tuple[Path, ...]:
-    """The first folder holding cuda_fp16.h: next to the library (system CUDA) or the runtime wheel's."""
-    candidates = [library.resolve().parent.parent / "include"]
-    candidates += [d / "include" for d in _wheel_dirs("nvidia.cuda_runtime")]
-    for folder in candidates:
-        if (folder / "cuda_fp16.h").is_file():
+    """The first folder holding cuda_fp16.h: next to the library (a toolkit or the CUDA 13 wheel), the
+    header wheels', then a toolkit's."""
+    candidates = [library.resolve().parent.parent / "include", library.parent.parent / "include"]
+    candidates += [d / "include" for package in HEADER_PACKAGES for d in _wheel_dirs(package)]
+    candidates += [root / "include" for root in _toolkits()]
+    for folder in dict.fromkeys(candidates):
+        if (folder / HEADER).is_file():
             return (folder,)
     return ()
 
@@ -185,7 +205,8 @@ def _load(override: str | None) -> tuple[ctypes.CDLL, NvrtcToolchain] | str:
         path = Path(candidate)
         return lib, NvrtcToolchain(path, (major.value, minor.value), _include_dirs(path))
     tried = "; ".join(failures) or (f"{LIBRARY_ENV}={override}" if override else
-                                    "no nvidia/cuda_nvrtc/lib/libnvrtc.so* in any site-packages and no system libnvrtc")
+                                    "no libnvrtc.so* under nvidia/cu13/lib, nvidia/cuda_nvrtc/lib, $CUDA_HOME, "
+                                    "/usr/local/cuda or the system linker's path")
     return (f"libnvrtc could not be loaded (tried: {tried}). Install it with "
             f"`pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12` or point {LIBRARY_ENV} at a libnvrtc.so")
 
@@ -274,8 +295,8 @@ def _nvrtc_compile(source: str, name: str, arch: str, options: tuple[str, ...], 
         log = _text(_read_output(lib, program, "ProgramLog"))
         if code != 0:
             if "cannot open source file" in log and not tools.include_dirs:
-                log += ("\nno CUDA include folder was found: install nvidia-cuda-runtime-cu12 "
-                        "(cuda_fp16.h, cuda_bf16.h, cuda_fp8.h) or use a CUDA toolkit next to the library")
+                log += ("\nno CUDA include folder was found: install nvidia-cuda-runtime-cu12 (or CUDA 13's "
+                        "nvidia-cuda-runtime: cuda_fp16.h, cuda_bf16.h, cuda_fp8.h) or set CUDA_HOME to a toolkit")
             raise NvrtcError(name, arch, source, log, _status(lib, code))
         ptx = _read_output(lib, program, "PTX")
         cubin = _read_output(lib, program, "CUBIN") if arch.startswith("sm_") else None

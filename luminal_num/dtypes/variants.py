@@ -266,10 +266,25 @@ def _times(a: float, b: float) -> float:
     return 0.0 if a == 0.0 or b == 0.0 else a * b
 
 
+# TF32 operands have one rounding definition in this project: FP32 -> TF32 to nearest even, in the CPU
+# emulator (rounding.round_to) and in every generated CUDA kernel (cuda_body.round_expr, the tiled Gemm).
+# cuBLAS's tensor cores under CUBLAS_COMPUTE_32F_FAST_TF32 may instead round ties away or drop the 13
+# low bits (tests/test_cuda_runtime.py's probe reports which a device does), so the a-priori bound
+# charges truncation, the worst of the three: a whole TF32 step (2u) relative, a whole subnormal
+# quantum absolute, instead of half of each.
+OPERAND_STEP_FRACTION = {TF32: 1.0}  # of one ulp; round-to-nearest formats: 0.5
+
+
+def operand_rounding_error(fmt: Format) -> tuple[float, float]:
+    """(rel, abs) with |x^ - x| <= rel |x| + abs for an unscaled operand converted to fmt."""
+    steps = 2.0 * OPERAND_STEP_FRACTION.get(fmt, 0.5)
+    return steps * fmt.unit_roundoff, steps * fmt.min_subnormal / 2.0
+
+
 def _operand_terms(fmt: Format, spec: ScaleSpec | None, amax: float) -> tuple[float, float, float, float]:
     """(rel, abs, scale_max, max |q|) with |a^ - a| <= rel |a| + abs for every element of the operand.
 
-    Unscaled: RN to fmt (u, half the smallest subnormal); amax above max_finite could saturate: inf.
+    Unscaled: RN to fmt (u, half the smallest subnormal; TF32: truncation, operand_rounding_error); amax above max_finite could saturate: inf.
     Scaled: x / s rounded to FP32 (u32 and an FP32 underflow quantum), then to fmt; the absolute part
     is in the scaled domain, so it is multiplied by the largest scale amax can produce.
     """
@@ -278,7 +293,8 @@ def _operand_terms(fmt: Format, spec: ScaleSpec | None, amax: float) -> tuple[fl
     if spec is None:
         if not amax <= fmt.max_finite:
             return math.inf, math.inf, 1.0, math.inf
-        return fmt.unit_roundoff, fmt.min_subnormal / 2.0, 1.0, amax
+        rel, absolute = operand_rounding_error(fmt)
+        return rel, absolute, 1.0, amax
     if spec.margin < 1.0 or not math.isfinite(amax):
         return math.inf, math.inf, math.inf, fmt.max_finite
     ratio = amax * spec.margin / fmt.max_finite

@@ -7,7 +7,8 @@ finds libraries its own way, so it could load a second libcublas beside CuPy's; 
 library adds no dependency, and every declaration here is checked against cublas_api.h / cublasLt.h by
 tests/test_cuda_headers.py (no GPU needed).
 
-One `Cublas` per runtime: one handle, pointer mode host, default math, the stream set once and then
+One `Cublas` per runtime: one handle, pointer mode host, default math without reduced-precision
+reductions (MATH_MODE), the stream set once and then
 the workspace set once (in that order, as cublasSetStream resets it), so eager runs and captured
 graphs make the same calls and graph capture never allocates. `CublasLt` keeps one handle and, per
 call shape, the matmul descriptor, the layouts and the heuristic's algorithm under a workspace
@@ -35,6 +36,7 @@ WHEEL_PACKAGES = ("nvidia.cublas", "nvidia.cu13", "nvidia.cu12")
 ENUMS = {
     "CUBLAS_STATUS_SUCCESS": 0, "CUBLAS_STATUS_NOT_SUPPORTED": 15,
     "CUBLAS_POINTER_MODE_HOST": 0, "CUBLAS_DEFAULT_MATH": 0, "CUBLAS_GEMM_DEFAULT": -1,
+    "CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION": 16,
     "MAJOR_VERSION": 0, "MINOR_VERSION": 1,
     "CUBLASLT_MATMUL_DESC_TRANSA": 3, "CUBLASLT_MATMUL_DESC_TRANSB": 4,
     "CUBLASLT_MATMUL_DESC_A_SCALE_POINTER": 17, "CUBLASLT_MATMUL_DESC_B_SCALE_POINTER": 18,
@@ -42,6 +44,10 @@ ENUMS = {
     "CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES": 1,
 }
 NOT_SUPPORTED = ENUMS["CUBLAS_STATUS_NOT_SUPPORTED"]
+# The handle's math mode. CUBLAS_DEFAULT_MATH alone lets cuBLAS reduce split-K partial sums in the
+# output type (BF16/FP16) instead of the compute type; the emulator (runtime/numerics.py) and the
+# variants' bounds model FP32 accumulation to the end, so reduced-precision reductions are disallowed.
+MATH_MODE = ENUMS["CUBLAS_DEFAULT_MATH"] | ENUMS["CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION"]
 
 
 class MatmulAlgo(ctypes.Structure):
@@ -195,7 +201,7 @@ class Cublas:
         self.lib, self.handle = lib, ctypes.c_void_p()
         _check(lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
         _check(lib.cublasSetPointerMode_v2(self.handle, ENUMS["CUBLAS_POINTER_MODE_HOST"]), "cublasSetPointerMode")
-        _check(lib.cublasSetMathMode(self.handle, ENUMS["CUBLAS_DEFAULT_MATH"]), "cublasSetMathMode")
+        _check(lib.cublasSetMathMode(self.handle, MATH_MODE), "cublasSetMathMode")
         _check(lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream)), "cublasSetStream")
         _check(lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(workspace), workspace_bytes),
                "cublasSetWorkspace")

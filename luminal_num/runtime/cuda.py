@@ -30,6 +30,7 @@ from typing import Mapping
 import numpy as np
 
 from ..codegen import nvrtc
+from ..codegen.cuda_dispatch import gemm_implementation
 from ..codegen.cuda_kernels import SCALES_SCRATCH, Arg, KernelSource, Launch, render_kernel
 from ..codegen.cuda_source import GemmCall
 from ..codegen.cuda_weight_only import WeightOnlySource, weight_only_gemm
@@ -243,11 +244,9 @@ class CudaRuntime:
         """Run a Gemm through cuBLAS(Lt); False when the call is absent, illegal for these sizes or
         (cuBLASLt) NOT_SUPPORTED, and the fallback kernels must run."""
         src = self.sources[k.id]
-        if self.gemm_mode == "kernel" or src.gemm is None:
+        if self.gemm_mode == "kernel" or not gemm_implementation(k, self.program, state.bindings, src, False).library:
             return False
         call = src.gemm.bind(state.bindings)
-        if not call.legal() or call.batch == 0 or min(call.m, call.n) == 0:
-            return False
         if call.api == "cublasLt":
             return self._gemm_lt(state, k, call)
         formats = {kid: self.kernels[kid].dtype for kid in (call.a.buffer, call.b.buffer)}

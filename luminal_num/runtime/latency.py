@@ -1,8 +1,11 @@
 """Latency of an LLIR program: modelled (roofline, runtime/cost.py) for GPU targets, measured for `cpu`.
 
 Each launched kernel becomes a `KernelWork`: bytes it loads and stores, flops, the math mode its
-flops run in (a Gemm variant's operand format on tensor cores; everything else FP32 on CUDA cores) and
-its tiles (codegen/blockops.py), which the model quantizes into waves over the SMs.
+flops run in and its tiles (codegen/blockops.py), which the model quantizes into waves over the SMs.
+A Gemm is priced by the implementation the CUDA runtime launches for it (codegen/cuda_dispatch.py, the
+one decision both read): a cuBLAS(Lt) call in the variant's operand math on tensor cores; the
+dequantize-on-load and the tiled fallback kernels (every fused epilogue, most scaled variants) in FP32
+on CUDA cores. Everything else is FP32 on CUDA cores.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Mapping
 import numpy as np
 
 from ..codegen.blockops import tile_count
+from ..codegen.cuda_dispatch import gemm_implementation
 from ..codegen.llir import KernelKind, Program
 from ..dtypes.variants import GEMM_VARIANTS
 from .cpu import CpuRuntime
@@ -30,7 +34,7 @@ def kernel_works(program: Program, bindings: Mapping[str, int]) -> list[KernelWo
     works = []
     for k in program.launched():
         math, tc = "fp32", False
-        if k.kind.is_gemm:
+        if k.kind.is_gemm and gemm_implementation(k, program, bindings).library:
             math, tc = gemm_math(GEMM_VARIANTS[k.precision or "f32"])
         elif k.kind is KernelKind.ATTENTION:  # its two products run in the Q K^T operand format
             math, tc = OPERAND_MATH[ATTENTION_VARIANTS[k.precision].qk.name]

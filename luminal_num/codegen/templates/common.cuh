@@ -71,12 +71,3 @@ static __device__ __forceinline__ Fp8 ln_fp8_from_bits(unsigned char bits) {
     return value;
 }
 
-// The rounding tensor cores apply to FP32 operands in TF32 mode (sm_80+). Note: cvt.rna rounds
-// ties AWAY from zero, while the CPU emulator rounds ties to even; the two differ only on exact
-// ties (low 13 bits == 0x1000). PTX leaves the 13 low bits of the .tf32 result unspecified, so
-// they are cleared here to make the result an exact FP32 value.
-static __device__ __forceinline__ float ln_tf32_round(float x) {
-    unsigned int bits;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
-    return __uint_as_float(bits & 0xFFFFE000u);
-}

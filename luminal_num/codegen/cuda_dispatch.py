@@ -1,0 +1,54 @@
+"""Which implementation the CUDA runtime launches for a Gemm kernel: ONE decision, read by the runtime
+(runtime/cuda.py) to launch it and by the cost model (runtime/latency.py) to price it, so a plan is
+never priced at tensor-core peak while it runs on CUDA cores.
+
+Order (the runtime's): a Gemm whose B is a weight held in a storage format runs the dequantize-on-load
+kernel (codegen/cuda_weight_only.py); a plain Gemm with a cuBLAS(Lt) call legal for the bound sizes runs
+that library call; everything else (every GEMM_EPILOGUE form: bias, GELU, residual, GLU; the scaled
+variants cuBLASLt does not take) runs the 16x16 tiled SIMT kernel (codegen/cuda_gemm.py). Not known
+before a device answers: a cuBLASLt heuristic that calls a legal shape NOT_SUPPORTED (the runtime then
+runs the tiled kernel; runtime/cublas.py).
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+from .cuda_kernels import KernelSource, render_kernel
+from .cuda_weight_only import weight_only_gemm
+from .llir import Kernel, KernelKind, Program
+
+
+class GemmImpl(enum.Enum):
+    """How a Gemm kernel runs on the GPU."""
+
+    WEIGHT_ONLY = "weight_only"  # the dequantize-on-load kernel: CUDA cores
+    CUBLAS = "cublas"            # cublasGemmStridedBatchedEx: tensor cores in the variant's math (FP32: SIMT)
+    CUBLASLT = "cublasLt"        # cublasLtMatmul, FP8 per-tensor: tensor cores
+    TILED = "tiled"              # the 16x16 tiled kernel (quantizes operands as it loads): CUDA cores
+
+    @property
+    def library(self) -> bool:
+        """A cuBLAS(Lt) call (which uses tensor cores where the variant's math mode has them)."""
+        return self in (GemmImpl.CUBLAS, GemmImpl.CUBLASLT)
+
+
+def gemm_implementation(kernel: Kernel, program: Program, bindings: Mapping[str, int],
+                        source: KernelSource | None = None, weight_only: bool | None = None) -> GemmImpl:
+    """The implementation the runtime launches for `kernel` at these bindings. `source` / `weight_only`:
+    what the caller already rendered (render_kernel, weight_only_gemm is not None), else computed here."""
+    if not kernel.kind.is_gemm:
+        raise ValueError(f"kernel {kernel.id} is {kernel.kind.value}, not a Gemm")
+    if weight_only is None:
+        weight_only = weight_only_gemm(kernel, program) is not None
+    if weight_only:
+        return GemmImpl.WEIGHT_ONLY
+    if kernel.kind is not KernelKind.GEMM:  # an epilogue runs in the tiled kernel only
+        return GemmImpl.TILED
+    src = source if source is not None else render_kernel(kernel, program)
+    if src.gemm is None:
+        return GemmImpl.TILED
+    call = src.gemm.bind(bindings)
+    if not call.legal() or call.batch == 0 or min(call.m, call.n) == 0:
+        return GemmImpl.TILED
+    return GemmImpl(call.api)
