@@ -16,7 +16,7 @@ from .codegen.llir import Program
 from .error.budget import Budget
 from .error.chunks import ChunkEffects, Propagation
 from .error.headroom import HeadroomEstimate, estimate_headroom
-from .error.judge import Judge
+from .error.judge import Judge, VerdictSource
 from .error.reference import Fp64Reference, references
 from .error.tasks import TaskPool
 from .error.verdict_store import VerdictStore, context_key
@@ -122,7 +122,7 @@ def _search(graph: Graph, budget: Budget, target: str, calibration, options: Sea
     result.stats.update(head.as_dict())
     options = dataclasses.replace(options, headroom=head.headroom)
     if result.chosen is None:
-        tried = [e for e in result.evaluated if np.isfinite(e.verdict.error) and e.verdict.source != "groups"]
+        tried = [e for e in result.evaluated if np.isfinite(e.verdict.error) and e.verdict.source != VerdictSource.GROUPS]
         best = min(tried, key=lambda e: e.verdict.error) if tried else result.evaluated[0]
         raise BudgetUnreachable(budget, best.verdict.budget_error, best.label or f"candidate {best.id}",
                                 result, options.headroom)

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..search.front import Stage
 from ..search.plan import scales_path, weights_path
 from .files import atomic_files
 from .layer_map import write_layer_map
@@ -27,7 +28,7 @@ def candidate_rows(result) -> pd.DataFrame:
     headroom = float(result.search.stats.get("headroom", 1.0))
     rows = []
     for e in result.search.evaluated:
-        label = e.label if e.stage == "baseline" else ""
+        label = e.label if e.stage == Stage.BASELINE else ""
         if e.id == chosen_id:
             label = "chosen"
         tags = sorted(t for _, _, t in e.genome)
@@ -38,7 +39,7 @@ def candidate_rows(result) -> pd.DataFrame:
                      "verdict_source": e.verdict.source, "passes": bool(e.verdict.passed), "label": label,
                      "stage": e.stage, "changes": len(tags), "max_abs": e.verdict.max_abs,
                      "variants": " ".join(sorted(set(tags))) or "fp32", "reason": e.verdict.reason,
-                     "source": sources.get(e.label, "") if e.stage == "baseline" else ""})
+                     "source": sources.get(e.label, "") if e.stage == Stage.BASELINE else ""})
     return pd.DataFrame(rows)
 
 
