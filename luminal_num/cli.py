@@ -95,7 +95,7 @@ def cmd_compile(args) -> int:
 def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     from .compiler import BudgetUnreachable, compile
     from .report.compile_report import candidate_rows, write_compile_report
-    from .search.search import SearchOptions, front as search_front
+    from .search.search import SearchOptions
     print(f"[luminal-num] {job.description}")
     print(f"[luminal-num] budget {budget} on target {args.target}; {len(job.graph)} HLIR nodes")
     try:
@@ -134,8 +134,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     if interrupted:
         raise Interrupted(f"{interrupted} written to {files['plan']} (marked partial)")
     rows = candidate_rows(result)
-    on_front = {e.id for e in search_front(result.search.evaluated)}  # the front the search confirmed
-    front = rows[rows.candidate.isin(on_front)].sort_values(["latency_s", "candidate"])
+    front = rows[rows.on_front].sort_values(["latency_s", "candidate"])  # the front the search confirmed
     print(f"[luminal-num] {result.search.stats['candidates']} candidates; gate: "
           + ", ".join(f"{k}={v}" for k, v in result.search.stats.items() if k in ("cache", "static", "measured", "pruned")))
     if args.cache_dir is not None:

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..search.front import Stage
+from ..search.front import Stage, front
 from ..search.plan import scales_path, weights_path
 from .files import atomic_files
 from .layer_map import write_layer_map
-from .pareto import ALLCLOSE_COLUMN, CSV_NAME, ERROR_COLUMN, HTML_NAME, PNG_NAME, write_op_table, write_pareto_report
+from .pareto import ALLCLOSE_COLUMN, CSV_NAME, ERROR_COLUMN, FRONT_COLUMN, HTML_NAME, PNG_NAME, write_op_table, write_pareto_report
 
 PLAN_NAME, OPS_NAME = "plan.json", "plan_ops.csv"
 LAYER_CSV, LAYER_PNG = "layer_map.csv", "layer_map.png"
@@ -22,7 +22,8 @@ INTERRUPTED_KEY = "interrupted"  # plan.json field marking a partial result (the
 
 
 def candidate_rows(result) -> pd.DataFrame:
-    """One row per evaluated candidate (baselines labelled, the chosen plan marked)."""
+    """One row per evaluated candidate (baselines labelled, the chosen plan and the search's front marked)."""
+    on_front = {e.id for e in front(result.search.evaluated)}
     chosen_id = result.search.chosen.id if result.search.chosen is not None else -1
     sources = result.search.stats.get("baseline_sources", {})  # what each labelled baseline follows
     headroom = float(result.search.stats.get("headroom", 1.0))
@@ -39,7 +40,8 @@ def candidate_rows(result) -> pd.DataFrame:
                      "verdict_source": e.verdict.source, "passes": bool(e.verdict.passed), "label": label,
                      "stage": e.stage, "changes": len(tags), "max_abs": e.verdict.max_abs,
                      "variants": " ".join(sorted(set(tags))) or "fp32", "reason": e.verdict.reason,
-                     "source": sources.get(e.label, "") if e.stage == Stage.BASELINE else ""})
+                     "source": sources.get(e.label, "") if e.stage == Stage.BASELINE else "",
+                     FRONT_COLUMN: e.id in on_front})
     return pd.DataFrame(rows)
 
 
@@ -72,7 +74,7 @@ def write_compile_report(result, out_dir: str | Path, title: str, interrupted: s
     out_dir = Path(out_dir)
     rows = candidate_rows(result)
     if extra_rows is not None and not extra_rows.empty:
-        rows = pd.concat([rows, extra_rows], ignore_index=True)
+        rows = pd.concat([rows, extra_rows.assign(**{FRONT_COLUMN: False})], ignore_index=True)  # peers: not searched
     headroom = float(result.search.stats.get("headroom", 1.0))
     if interrupted:
         result.plan.data[INTERRUPTED_KEY] = interrupted
