@@ -16,7 +16,7 @@ from .codegen.llir import Program
 from .error.budget import Budget
 from .error.chunks import ChunkEffects, Propagation
 from .error.headroom import HeadroomEstimate, estimate_headroom
-from .error.judge import Judge, VerdictSource
+from .error.judge import Judge
 from .error.reference import Fp64Reference, references
 from .error.tasks import TaskPool
 from .error.verdict_store import VerdictStore, context_key
@@ -106,8 +106,6 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
 
 def _search(graph: Graph, budget: Budget, target: str, calibration, options: SearchOptions, space: SearchSpace,
             use_static, cache_dir, refs, chunks: ChunkEffects | None, exact: ChunkEffects | None) -> CompileResult:
-    # per-chunk verdicts (error/chunks.py) replace the per-group screen (error/groups.py): they decide
-    # from measured local errors before the screen's 4x-over-budget rule could
     ran: dict[str, list] = {}  # the headroom probes' outputs: the same programs are baselines of the search
     head = choose_headroom(graph, budget, calibration, refs, space, options.headroom, ran,
                            chunks.pool if chunks is not None else None)
@@ -122,7 +120,7 @@ def _search(graph: Graph, budget: Budget, target: str, calibration, options: Sea
     result.stats.update(head.as_dict())
     options = dataclasses.replace(options, headroom=head.headroom)
     if result.chosen is None:
-        tried = [e for e in result.evaluated if np.isfinite(e.verdict.error) and e.verdict.source != VerdictSource.GROUPS]
+        tried = [e for e in result.evaluated if np.isfinite(e.verdict.error)]
         best = min(tried, key=lambda e: e.verdict.error) if tried else result.evaluated[0]
         raise BudgetUnreachable(budget, best.verdict.budget_error, best.label or f"candidate {best.id}",
                                 result, options.headroom)

@@ -19,7 +19,6 @@ from ..hlir.graph import Graph
 from ..runtime.cpu import CpuRuntime
 from .budget import Budget
 from .chunks import ChunkEffects
-from .groups import GroupEstimator
 from .interval import Interval
 from .metrics import METRICS, Compared
 from .predict import DeltaPredictor, Prediction, budget_ratio
@@ -36,7 +35,6 @@ class VerdictSource(enum.StrEnum):
     CACHE = "cache"          # a known program, or a genome containing a change that failed alone
     STATIC = "static"        # the static error bound certifies it (or finds an overflow)
     CHUNKS = "chunks"        # composed per-chunk effects, each chunk judged alone on FP64 inputs
-    GROUPS = "groups"        # the composed per-group estimate (no end-to-end run)
     PREDICTED = "predicted"  # the calibrated error predictor
     MEASURED = "measured"    # an end-to-end run against FP64
 
@@ -68,7 +66,6 @@ class Verdict:
 class GateStats:
     cache: int = 0
     static: int = 0
-    groups: int = 0      # rejected by the composed per-group estimate (no end-to-end run)
     measured: int = 0    # end-to-end measurements
     pruned: int = 0
     chunks: int = 0      # decided by the composed per-chunk effects (each chunk judged alone on FP64 inputs)
@@ -82,14 +79,11 @@ class GateStats:
     deferred_measured: int = 0  # tentative rejects measured end to end because they would have been chosen
 
     def as_dict(self) -> dict[str, int]:
-        return dict(cache=self.cache, static=self.static, chunks=self.chunks, groups=self.groups,
+        return dict(cache=self.cache, static=self.static, chunks=self.chunks,
                     predicted=self.predicted,
                     measured=self.measured, pruned=self.pruned, confirmed=self.confirmed,
                     mismatches=self.mismatches, stored=self.stored, tentative=self.tentative,
                     deferred=self.deferred, deferred_measured=self.deferred_measured, exact=self.exact)
-
-
-SCREEN_FACTOR = 4.0  # the group estimate runs ~1-2x above the true error: 4x over budget is a sure failure
 
 
 def program_key(program: Program) -> str:
@@ -109,7 +103,6 @@ class Judge:
     budget: Budget
     calibration: Sequence[Mapping[str, np.ndarray]]
     use_static: bool | str = "auto"  # "auto": keep the static stage only if it certifies the first candidate
-    estimator: GroupEstimator | None = None  # per-group screening before end to end
     headroom: float = 1.0
     references: Sequence[Fp64Reference] | None = None  # FP64 of each batch (computed here when not given)
     stats: GateStats = field(default_factory=GateStats)
@@ -214,8 +207,6 @@ class Judge:
             self._expect(key, *pending)  # a later measurement of this program checks the compositions
         if v is None and predict and self.predictor is not None and len(changes) >= 2:
             v = self._predict(key, changes)
-        if v is None and self.estimator is not None and candidates is not None:
-            v = self._screen(candidates)
         if v is None:
             single = self.predictor is not None and len(changes) == 1
             # a single change is measured again: the prediction needs its outputs, which are not stored
@@ -376,24 +367,6 @@ class Judge:
         self.cache[key] = v
         return v
 
-    def _screen(self, candidates) -> Verdict | None:
-        """Reject from the composed per-group estimate when it is far over the allclose budget."""
-        est = self.estimator.output_estimate(candidates)
-        ref = self.refs[0]
-        worst, name, user = 0.0, "", 0.0
-        for out in self.gate.outputs or tuple(ref):
-            r = np.asarray(ref[out], dtype=np.float64)
-            rms = float(np.sqrt(np.mean(r * r))) if r.size else 0.0
-            amax = float(np.max(np.abs(r), initial=0.0))
-            ratio, user_ratio = (_screen_ratio(est[out] * rms, b.atol + b.rtol * amax) for b in (self.gate, self.budget))
-            if ratio > worst:
-                worst, name, user = ratio, out, user_ratio
-        if worst <= SCREEN_FACTOR:
-            return None
-        self.stats.groups += 1
-        return Verdict(False, VerdictSource.GROUPS, worst, np.nan, None,
-                       f"output {name!r}: composed per-group error estimate is {worst:.3g}x the allclose budget", user)
-
     def note_isolated(self, change: Change, verdict: Verdict) -> None:
         """Record a single change's verdict: a failure prunes every later candidate containing it (a
         tentative reject does not: it failed on an estimate inside the band, not by the margin)."""
@@ -475,10 +448,6 @@ class Judge:
                 if outs is None:
                     break
         return Verdict(passed, VerdictSource.MEASURED, worst, worst_abs, None, reason, user, ratio), outs
-
-
-def _screen_ratio(err: float, tol: float) -> float:
-    return err / tol if tol > 0 else np.inf
 
 
 def _bound_ratio(err: np.ndarray, ref, budget: Budget) -> float:
