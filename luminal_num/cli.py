@@ -112,7 +112,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
         raise InputError(str(exc.args[0])) from None
     try:
         result = compile(job.graph, budget, args.target, job.calibration, opts, cache_dir=args.cache_dir,
-                         memory=memory)
+                         memory=memory, on_stage=_print_stage if getattr(args, "verbose", False) else None)
     except BudgetUnreachable as exc:
         if exc.result.stats.get("interrupted"):
             raise Interrupted("interrupted before any plan passed the budget: nothing written") from None
@@ -154,6 +154,10 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     _summary(plan)
     print("\nwrote " + ", ".join(str(p) for p in files.values()))
     return EXIT_OK
+
+
+def _print_stage(name: str, seconds: float) -> None:
+    print(f"[luminal-num] stage {name}: {seconds:.2f} s", flush=True)
 
 
 def _verdict_cache(args, out: Path) -> Path | None:
@@ -305,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0, help="search seed (same seed and inputs: same plan)")
         p.add_argument("--out", help="report folder (default reports/<model>)")
         p.add_argument("--quiet", action="store_true", default=False, help="no progress bar")
+        p.add_argument("-v", "--verbose", action="store_true", default=False,
+                       help="print each compile stage's name and time as it finishes")
         p.add_argument("--headroom", type=_headroom_arg, default=None,
                        help="share of the budget a plan may use on calibration (default: measured on split batches)")
         p.add_argument("--verdict-cache", default=None, metavar="PATH",

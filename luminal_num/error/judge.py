@@ -104,6 +104,7 @@ class Judge:
     calibration: Sequence[Mapping[str, np.ndarray]]
     use_static: bool | str = "auto"  # "auto": keep the static stage only if it certifies the first candidate
     headroom: float = 1.0
+    gate: Budget | None = None  # budget.gate(headroom) unless the caller computed it (compile's context)
     references: Sequence[Fp64Reference] | None = None  # FP64 of each batch (computed here when not given)
     stats: GateStats = field(default_factory=GateStats)
     cache: dict[str, Verdict] = field(default_factory=dict)
@@ -122,7 +123,8 @@ class Judge:
     def __post_init__(self):
         if not self.calibration:
             raise ValueError("the numerics gate needs at least one calibration batch")
-        self.gate = self.budget if self.headroom == 1.0 else self.budget.tightened(self.headroom)
+        if self.gate is None:
+            self.gate = self.budget.gate(self.headroom)
         if self.use_static == "auto" and self.budget.metrics:
             # bounds certify allclose only: with cosine/KL/top-1 limits every verdict needs a measurement
             self.use_static = False

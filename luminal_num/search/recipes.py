@@ -211,3 +211,21 @@ def recipe_genomes(space: SearchSpace) -> dict[str, Genome]:
     has_kv = any(is_kind(t, TagKind.KV) for ks in space.knobs.values() for k in ks for t in k.tags)
     return {name: pick(space, tags.__contains__) for name, tags in STORAGE_RECIPES.items()
             if has_kv or not any(is_kind(t, TagKind.KV) for t in tags)}
+
+
+def baseline_genomes(space: SearchSpace) -> dict[str, Genome]:
+    """What users pick today, each following the tool it names op by op (sources in BASELINE_SOURCES):
+    FP32 everywhere, PyTorch's TF32 matmul flag, PyTorch autocast BF16/FP16 (CUDA lists) and BF16 (CPU
+    lists), and FP8 E4M3 with per-tensor scales on every Gemm. The search starts from them; the
+    compile's headroom probes a few of them."""
+    return {"FP32 everywhere": frozenset(),
+            "TF32 flag": tf32_recipe(space).genome,
+            **{a.name: autocast_recipe(space, a).genome for a in AUTOCASTS},
+            "FP8 everywhere": pick(space, lambda t: t == "gemm:f8e4m3_tensor"),
+            **recipe_genomes(space)}  # weight-storage recipes (W8A16, W4A16, FP8 W8A8)
+
+
+BASELINE_SOURCES = {"FP32 everywhere": "no reduced precision anywhere (PyTorch's default FP32 execution)",
+                    "TF32 flag": TF32_SOURCE, **{a.name: a.source for a in AUTOCASTS},
+                    "FP8 everywhere": "every Gemm in FP8 E4M3 with per-tensor dynamic scales (no peer tool: a bound)",
+                    **STORAGE_SOURCES}

@@ -20,7 +20,7 @@ from ..runtime.latency import program_latency
 from ..runtime.targets import OPERAND_MATH, gemm_math, get_target
 from . import allocate
 from .front import Evaluated, Stage, choose, front, share
-from .recipes import AUTOCASTS, STORAGE_SOURCES, TF32_SOURCE, autocast_recipe, pick, recipe_genomes, tf32_recipe
+from .recipes import BASELINE_SOURCES, baseline_genomes
 from .space import ChunkSite, Genome, SearchSpace
 from .tags import Tag, TagKind, is_kind, priority
 
@@ -50,21 +50,13 @@ class SearchResult:
         return [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
 
 
-def _baseline_genomes(space: SearchSpace) -> dict[str, Genome]:
-    """What users pick today, each following the tool it names op by op (sources in BASELINE_SOURCES):
-    FP32 everywhere, PyTorch's TF32 matmul flag, PyTorch autocast BF16/FP16 (CUDA lists) and BF16 (CPU
-    lists), and FP8 E4M3 with per-tensor scales on every Gemm."""
-    return {"FP32 everywhere": frozenset(),
-            "TF32 flag": tf32_recipe(space).genome,
-            **{a.name: autocast_recipe(space, a).genome for a in AUTOCASTS},
-            "FP8 everywhere": pick(space, lambda t: t == "gemm:f8e4m3_tensor"),
-            **recipe_genomes(space)}  # weight-storage recipes (W8A16, W4A16, FP8 W8A8)
-
-
-BASELINE_SOURCES = {"FP32 everywhere": "no reduced precision anywhere (PyTorch's default FP32 execution)",
-                    "TF32 flag": TF32_SOURCE, **{a.name: a.source for a in AUTOCASTS},
-                    "FP8 everywhere": "every Gemm in FP8 E4M3 with per-tensor dynamic scales (no peer tool: a bound)",
-                    **STORAGE_SOURCES}
+@dataclass(frozen=True)
+class Exploration:
+    """The search's candidates before confirmation: the searcher holding them, its baselines, whether
+    Ctrl-C stopped it."""
+    searcher: "Searcher"
+    baselines: dict[str, Evaluated]
+    interrupted: bool
 
 
 class Searcher:
@@ -128,10 +120,14 @@ class Searcher:
 
     # -- phases -------------------------------------------------------------------------------
     def run(self) -> SearchResult:
+        return self.confirm(self.explore())
+
+    def explore(self) -> "Exploration":
+        """The search's phases, from the baselines to the mutations (Ctrl-C stops it: the candidates so far)."""
         interrupted = False
         try:
             baselines = {name: self.evaluate(g, Stage.BASELINE, name, force_latency=True)
-                         for name, g in _baseline_genomes(self.space).items()}
+                         for name, g in baseline_genomes(self.space).items()}
             base = baselines["FP32 everywhere"]
             self.uniform()
             singles = self.sensitivity(base)
@@ -145,6 +141,12 @@ class Searcher:
             interrupted = True
             baselines = {e.label: e for e in self.evaluated if e.stage == Stage.BASELINE}
         self.bar.close()
+        return Exploration(self, baselines, interrupted)
+
+    def confirm(self, explored: "Exploration") -> SearchResult:
+        """The chosen plan: the front's and the chosen plan's predicted verdicts measured end to end; with
+        the statistics of the whole search."""
+        interrupted, baselines = explored.interrupted, explored.baselines
         # an interrupted search confirms nothing more: its partial plan stands on measurements only
         chosen = choose([e for e in self.passing() if e.verdict.source not in PREDICTED_SOURCES]) if interrupted \
             else self.confirm_finalists()
@@ -453,3 +455,13 @@ def search(space: SearchSpace, judge: Judge, options: SearchOptions, latency_inp
            target: str | None = None) -> SearchResult:
     """`target` (default `options.target`): where latencies are modelled or measured."""
     return Searcher(space, judge, options, latency_inputs, target).run()
+
+
+def explore(space: SearchSpace, judge: Judge, options: SearchOptions, latency_inputs=None,
+            target: str | None = None) -> Exploration:
+    """The search without its confirmation (compile's `search` stage; `confirm` is the next)."""
+    return Searcher(space, judge, options, latency_inputs, target).explore()
+
+
+def confirm(explored: Exploration) -> SearchResult:
+    return explored.searcher.confirm(explored)

@@ -71,7 +71,11 @@ class SearchSpace:
     @staticmethod
     def build(graph: Graph, with_precision: bool = True, fusion: bool = True) -> "SearchSpace":
         """`fusion=False`: the space without the fusion rules (every kernel as the lowering made it)."""
-        part = partition(graph)
+        return SearchSpace.saturated(graph, partition(graph), with_precision, fusion)
+
+    @staticmethod
+    def saturated(graph: Graph, part: Partition, with_precision: bool = True, fusion: bool = True) -> "SearchSpace":
+        """The space of an already partitioned graph: each group saturated once."""
         consumers = graph.consumers()
         groups = {g.key: saturate_group(graph, g, consumers, precision if with_precision else None, fusion=fusion)
                   for g in part.groups}
