@@ -127,7 +127,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     if oj is not None:
         result = dataclasses.replace(result, plan=result.plan.with_source(oj.source))
         peers = onnx_peer_rows(oj, budget, args.target)
-    record_job(result.plan, job, args)
+    result = dataclasses.replace(result, plan=record_job(result.plan, job, args))
     with _writing(out):
         files = write_compile_report(result, out, f"{job.name}: error vs latency ({args.target})", interrupted,
                                      extra_rows=peers)

@@ -1,6 +1,7 @@
 """Reports of a compile: reports/<name>/{pareto.csv, pareto.html, pareto.png, plan_ops.csv, plan.json}."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def write_compile_report(result, out_dir: str | Path, title: str, interrupted: s
         rows = pd.concat([rows, extra_rows.assign(**{FRONT_COLUMN: False})], ignore_index=True)  # peers: not searched
     headroom = float(result.search.stats.get("headroom", 1.0))
     if interrupted:
-        result.plan.data[INTERRUPTED_KEY] = interrupted
+        result = dataclasses.replace(result, plan=result.plan.with_fields(**{INTERRUPTED_KEY: interrupted}))
         title = f"{title} [PARTIAL: {interrupted}]"
     with atomic_files(out_dir) as staging:
         write_pareto_report(staging, rows, budget_error=1.0, title=title, threshold=headroom,
