@@ -95,7 +95,7 @@ def cmd_compile(args) -> int:
 def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     from .compiler import BudgetUnreachable, compile
     from .report.compile_report import candidate_rows, write_compile_report
-    from .search.search import SearchOptions, front as search_front
+    from .search.search import SearchOptions
     print(f"[luminal-num] {job.description}")
     print(f"[luminal-num] budget {budget} on target {args.target}; {len(job.graph)} HLIR nodes")
     try:
@@ -112,7 +112,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
         raise InputError(str(exc.args[0])) from None
     try:
         result = compile(job.graph, budget, args.target, job.calibration, opts, cache_dir=args.cache_dir,
-                         memory=memory)
+                         memory=memory, on_stage=_print_stage if getattr(args, "verbose", False) else None)
     except BudgetUnreachable as exc:
         if exc.result.stats.get("interrupted"):
             raise Interrupted("interrupted before any plan passed the budget: nothing written") from None
@@ -127,15 +127,14 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     if oj is not None:
         result = dataclasses.replace(result, plan=result.plan.with_source(oj.source))
         peers = onnx_peer_rows(oj, budget, args.target)
-    record_job(result.plan, job, args)
+    result = dataclasses.replace(result, plan=record_job(result.plan, job, args))
     with _writing(out):
         files = write_compile_report(result, out, f"{job.name}: error vs latency ({args.target})", interrupted,
                                      extra_rows=peers)
     if interrupted:
         raise Interrupted(f"{interrupted} written to {files['plan']} (marked partial)")
     rows = candidate_rows(result)
-    on_front = {e.id for e in search_front(result.search.evaluated)}  # the front the search confirmed
-    front = rows[rows.candidate.isin(on_front)].sort_values(["latency_s", "candidate"])
+    front = rows[rows.on_front].sort_values(["latency_s", "candidate"])  # the front the search confirmed
     print(f"[luminal-num] {result.search.stats['candidates']} candidates; gate: "
           + ", ".join(f"{k}={v}" for k, v in result.search.stats.items() if k in ("cache", "static", "measured", "pruned")))
     if args.cache_dir is not None:
@@ -155,6 +154,10 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     _summary(plan)
     print("\nwrote " + ", ".join(str(p) for p in files.values()))
     return EXIT_OK
+
+
+def _print_stage(name: str, seconds: float) -> None:
+    print(f"[luminal-num] stage {name}: {seconds:.2f} s", flush=True)
 
 
 def _verdict_cache(args, out: Path) -> Path | None:
@@ -306,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0, help="search seed (same seed and inputs: same plan)")
         p.add_argument("--out", help="report folder (default reports/<model>)")
         p.add_argument("--quiet", action="store_true", default=False, help="no progress bar")
+        p.add_argument("-v", "--verbose", action="store_true", default=False,
+                       help="print each compile stage's name and time as it finishes")
         p.add_argument("--headroom", type=_headroom_arg, default=None,
                        help="share of the budget a plan may use on calibration (default: measured on split batches)")
         p.add_argument("--verdict-cache", default=None, metavar="PATH",

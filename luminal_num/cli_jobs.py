@@ -98,12 +98,12 @@ def llm_job_of(args):
     return job
 
 
-def record_job(plan, job, args) -> None:
-    """A plan remembers its model (and an LLM's workload and layers), so audit and generate rebuild the
+def record_job(plan, job, args):
+    """The plan remembering its model (and an LLM's workload and layers), so audit and generate rebuild the
     same graph without --model (a built-in llama-tiny plan was audited as minilm: graph hash mismatch)."""
     llm = job.llm is not None
-    plan.data["job"] = {"model": args.model, "workload": str(job.llm.workload) if llm else None,
-                        "layers": getattr(args, "layers", None) if llm else None}
+    return plan.with_fields(job={"model": args.model, "workload": str(job.llm.workload) if llm else None,
+                                 "layers": getattr(args, "layers", None) if llm else None})
 
 
 def fill_job_args(args, plan) -> None:

@@ -1,14 +1,16 @@
-"""compile(graph, budget, target, calibration) -> Plan: the whole pipeline in one call.
+"""compile(graph, budget, target, calibration) -> Plan: the whole pipeline as a straight line of stages.
 
-partition + group -> saturate (lower, precision, dtype_prop, inplace) -> search genomes (numerics gate:
-cache -> static bound -> measured vs FP64; then latency) -> the fastest plan within budget.
+partition -> saturate -> reference -> headroom -> search -> confirm -> plan: each stage reads what the
+ones before it returned (one typed result each) and the one CompileContext, created once the headroom
+is known (budget, gate, headroom, target, the task pool); `on_stage` hears each stage's name and time.
 """
 from __future__ import annotations
 
-import dataclasses
+import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -21,12 +23,15 @@ from .error.reference import Fp64Reference, references
 from .error.tasks import TaskPool
 from .error.verdict_store import VerdictStore, context_key
 from .hlir.graph import Graph
-from .hlir.partition import Partition
+from .hlir.partition import Partition, partition
 from .memory import MemoryPlan, plan_memory
 from .search.plan import Plan
-from .search.search import SearchOptions, SearchResult, _baseline_genomes, search
+from .search.recipes import baseline_genomes
+from .search.search import Exploration, SearchOptions, SearchResult, confirm, explore
 from .search.space import SearchSpace
 from .runtime.targets import get_target
+
+STAGES = ("partition", "saturate", "reference", "headroom", "search", "confirm", "plan")
 
 
 class BudgetUnreachable(RuntimeError):
@@ -49,6 +54,104 @@ class CompileResult:
     search: SearchResult
 
 
+@dataclass(frozen=True)
+class References:
+    """The reference stage: the one FP64 pass per calibration batch, chunk boundaries kept."""
+    batches: tuple[Fp64Reference, ...]
+
+
+@dataclass(frozen=True)
+class CompileContext:
+    """What every stage after the headroom reads, created once: the user's budget, the gate candidates are
+    judged against (the budget with the headroom's share of every allowance), the target, the options, the
+    task pool chunk verdicts run on (None: one chunk, or one worker) and the verdict store."""
+    graph: Graph
+    calibration: tuple
+    budget: Budget
+    headroom: HeadroomEstimate
+    gate: Budget
+    target: str
+    options: SearchOptions
+    use_static: bool | str
+    pool: TaskPool | None
+    store: VerdictStore | None
+
+
+StageListener = Callable[[str, float], None]  # (stage name, seconds), called as each stage finishes
+
+
+def compile(graph: Graph, budget: Budget, target: str = "h200",
+            calibration: Sequence[Mapping[str, np.ndarray]] = (), options: SearchOptions | None = None,
+            space: SearchSpace | None = None, use_static: bool | str = "auto",
+            cache_dir: str | Path | None = None, memory: MemoryPlan | None = None,
+            on_stage: StageListener | None = None) -> CompileResult:
+    """The fastest plan found whose error vs FP64 on `calibration` is within `budget` on `target`
+    (`target` wins over `options.target`). `cache_dir`: measured verdicts persist there (keyed by graph,
+    weights, inputs and budget), so a second or interrupted compile of the same job reuses them.
+    `memory`: the worker count and cache sizes (memory.py; default: planned for 80% of the available
+    memory and `options.workers`). `space`: an already saturated space (partition and saturate skipped)."""
+    options = options or SearchOptions(target=target)
+    memory = memory or plan_memory(graph.weights, workers=options.workers)
+    with memory.applied():
+        return _compile(graph, budget, target, calibration, options, space, use_static, cache_dir, memory,
+                        on_stage or (lambda name, seconds: None))
+
+
+def _compile(graph: Graph, budget: Budget, target: str, calibration, options: SearchOptions,
+             space: SearchSpace | None, use_static, cache_dir, memory: MemoryPlan,
+             on_stage: StageListener) -> CompileResult:
+    _check_job(graph, budget, target, calibration, options)
+
+    def stage(name: str, run: Callable[[], object]):
+        t0 = time.perf_counter()
+        out = run()
+        on_stage(name, time.perf_counter() - t0)
+        return out
+
+    if space is None:
+        part = stage("partition", lambda: partition(graph))
+        space = stage("saturate", lambda: SearchSpace.saturated(graph, part))
+    refs = stage("reference", lambda: References(tuple(references(graph, calibration, space.part))))
+    with ExitStack() as stack:
+        pool = chunks = exact = None
+        if len(space.part.chunks) > 1:
+            pool = stack.enter_context(TaskPool(graph.weights, memory.workers, memory.worker_cache))
+            chunks, exact = (ChunkEffects(graph, space.part, list(refs.batches), space.lower_chunk,
+                                          space.candidates(frozenset()), mode, pool=pool, changes_of=space.knobs_of,
+                                          outputs=budget.outputs)
+                             for mode in (Propagation.SCALED, Propagation.EXACT))
+        ran: dict[str, list] = {}  # the headroom probes' outputs: the same programs are baselines of the search
+        head = stage("headroom", lambda: choose_headroom(graph, budget, calibration, refs.batches, space,
+                                                         options.headroom, ran, pool))
+        gate = budget.gate(head.headroom)
+        ctx = CompileContext(graph, tuple(calibration), budget, head, gate, target, options, use_static, pool,
+                             VerdictStore.open(cache_dir, context_key(graph, calibration, gate, budget))
+                             if cache_dir else None)
+        judge = Judge(graph, budget, list(calibration), use_static=use_static, headroom=head.headroom, gate=gate,
+                      references=refs.batches, chunks=chunks, exact_chunks=exact, store=ctx.store, outputs_cache=ran)
+        explored = stage("search", lambda: explore(space, judge, options, latency_inputs=calibration[0],
+                                                   target=target))
+        result = stage("confirm", lambda: confirm(explored))
+        return stage("plan", lambda: plan_stage(ctx, space, refs, judge, result))
+
+
+def plan_stage(ctx: CompileContext, space: SearchSpace, refs: References, judge: Judge,
+               result: SearchResult) -> CompileResult:
+    """The chosen candidate as a Plan (or BudgetUnreachable naming the best error any candidate reached)."""
+    result.stats.update(ctx.headroom.as_dict())
+    if result.chosen is None:
+        tried = [e for e in result.evaluated if np.isfinite(e.verdict.error)]
+        best = min(tried, key=lambda e: e.verdict.error) if tried else result.evaluated[0]
+        raise BudgetUnreachable(ctx.budget, best.verdict.budget_error, best.label or f"candidate {best.id}",
+                                result, ctx.headroom.headroom)
+    chosen = result.chosen
+    plan = Plan.create(space, chosen.genome, chosen.program, ctx.budget, ctx.target, ctx.options.seed, chosen.verdict,
+                       chosen.latency, judge.bindings[0], _stable_stats(result.stats),
+                       calibration_ranges(ctx.graph, space.part, refs.batches), ctx.graph.weights,
+                       headroom=ctx.headroom.headroom)
+    return CompileResult(plan, chosen.program, space, result)
+
+
 def calibration_ranges(graph: Graph, part: Partition, refs: Sequence[Fp64Reference]) -> dict:
     """FP64 value ranges of every output and chunk export on the calibration set (audit compares)."""
     out: dict[str, tuple[float, float]] = {}
@@ -65,74 +168,6 @@ def calibration_ranges(graph: Graph, part: Partition, refs: Sequence[Fp64Referen
     return out
 
 
-def compile(graph: Graph, budget: Budget, target: str = "h200",
-            calibration: Sequence[Mapping[str, np.ndarray]] = (), options: SearchOptions | None = None,
-            space: SearchSpace | None = None, use_static: bool | str = "auto",
-            cache_dir: str | Path | None = None, memory: MemoryPlan | None = None) -> CompileResult:
-    """The fastest plan found whose error vs FP64 on `calibration` is within `budget` on `target`
-    (`target` wins over `options.target`). `cache_dir`: measured verdicts persist there (keyed by graph,
-    weights, inputs and budget), so a second or interrupted compile of the same job reuses them.
-    `memory`: the worker count and cache sizes (memory.py; default: planned for 80% of the available
-    memory and `options.workers`)."""
-    options = options or SearchOptions(target=target)
-    memory = memory or plan_memory(graph.weights, workers=options.workers)
-    with memory.applied():
-        return _compile(graph, budget, target, calibration, options, space, use_static, cache_dir, memory)
-
-
-def _compile(graph: Graph, budget: Budget, target: str, calibration, options: SearchOptions,
-             space: SearchSpace | None, use_static, cache_dir, memory: MemoryPlan) -> CompileResult:
-    if not calibration:
-        raise ValueError("compile needs calibration inputs (a list of input dicts)")
-    get_target(target)  # an unknown target fails now, not after the first candidate
-    unknown = [o for o in budget.outputs or () if o not in graph.outputs]
-    if unknown:
-        raise ValueError(f"the budget names outputs {unknown} that the graph does not have "
-                         f"(outputs: {', '.join(graph.outputs)})")
-    if options.max_candidates < 1:
-        raise ValueError(f"max_candidates must be >= 1, got {options.max_candidates}")
-    _check_inputs(graph, calibration)
-    space = space or SearchSpace.build(graph)
-    refs = references(graph, calibration, space.part)  # the one FP64 pass per batch, chunk boundaries kept
-    if len(space.part.chunks) > 1:
-        with TaskPool(graph.weights, memory.workers, memory.worker_cache) as pool:
-            chunks, exact = (ChunkEffects(graph, space.part, refs, space.lower_chunk, space.candidates(frozenset()),
-                                          mode, pool=pool, changes_of=space.knobs_of, outputs=budget.outputs)
-                             for mode in (Propagation.SCALED, Propagation.EXACT))
-            return _search(graph, budget, target, calibration, options, space, use_static, cache_dir, refs, chunks,
-                           exact)
-    return _search(graph, budget, target, calibration, options, space, use_static, cache_dir, refs, None, None)
-
-
-def _search(graph: Graph, budget: Budget, target: str, calibration, options: SearchOptions, space: SearchSpace,
-            use_static, cache_dir, refs, chunks: ChunkEffects | None, exact: ChunkEffects | None) -> CompileResult:
-    # per-chunk verdicts (error/chunks.py) replace the per-group screen (error/groups.py): they decide
-    # from measured local errors before the screen's 4x-over-budget rule could
-    ran: dict[str, list] = {}  # the headroom probes' outputs: the same programs are baselines of the search
-    head = choose_headroom(graph, budget, calibration, refs, space, options.headroom, ran,
-                           chunks.pool if chunks is not None else None)
-    # candidates are judged against the budget scaled by the headroom; every verdict also carries its
-    # ratio against the user's budget, which is what plans and errors report
-    gate = budget if head.headroom == 1.0 else budget.tightened(head.headroom)
-    store = VerdictStore.open(cache_dir, context_key(graph, calibration, gate, budget)) if cache_dir else None
-    judge = Judge(graph, budget, list(calibration), use_static=use_static, headroom=head.headroom, references=refs, chunks=chunks,
-                  exact_chunks=exact, store=store,
-                  outputs_cache=ran)
-    result = search(space, judge, options, latency_inputs=calibration[0], target=target)
-    result.stats.update(head.as_dict())
-    options = dataclasses.replace(options, headroom=head.headroom)
-    if result.chosen is None:
-        tried = [e for e in result.evaluated if np.isfinite(e.verdict.error) and e.verdict.source != "groups"]
-        best = min(tried, key=lambda e: e.verdict.error) if tried else result.evaluated[0]
-        raise BudgetUnreachable(budget, best.verdict.budget_error, best.label or f"candidate {best.id}",
-                                result, options.headroom)
-    chosen = result.chosen
-    plan = Plan.create(space, chosen.genome, chosen.program, budget, target, options.seed, chosen.verdict,
-                       chosen.latency, judge.bindings[0], _stable_stats(result.stats),
-                       calibration_ranges(graph, space.part, refs), graph.weights, headroom=options.headroom)
-    return CompileResult(plan, chosen.program, space, result)
-
-
 PROBES = ("FP32 everywhere", "TF32 flag", "BF16 autocast", "FP16 autocast")  # the headroom's probe programs
 
 
@@ -145,15 +180,29 @@ def choose_headroom(graph: Graph, budget: Budget, calibration, refs, space: Sear
         return HeadroomEstimate(override, "override")
     if len(calibration) < 2:
         return estimate_headroom([])
-    probe = Judge(graph, budget, list(calibration), use_static=False, references=refs, use_prediction=False,
+    probe = Judge(graph, budget, list(calibration), use_static=False, references=list(refs), use_prediction=False,
                   outputs_cache=ran)
-    genomes = _baseline_genomes(space)
+    genomes = baseline_genomes(space)
     return estimate_headroom(probe.batch_ratios([space.program(genomes[n]) for n in PROBES if n in genomes], pool))
 
 
 def _stable_stats(stats: dict) -> dict:
     """Search statistics that are the same on every run (wall-clock seconds are reported, not stored)."""
     return {k: v for k, v in stats.items() if k != "seconds"}
+
+
+def _check_job(graph: Graph, budget: Budget, target: str, calibration, options: SearchOptions) -> None:
+    """Everything a compile can refuse before any work, each as one line."""
+    if not calibration:
+        raise ValueError("compile needs calibration inputs (a list of input dicts)")
+    get_target(target)  # an unknown target fails now, not after the first candidate
+    unknown = [o for o in budget.outputs or () if o not in graph.outputs]
+    if unknown:
+        raise ValueError(f"the budget names outputs {unknown} that the graph does not have "
+                         f"(outputs: {', '.join(graph.outputs)})")
+    if options.max_candidates < 1:
+        raise ValueError(f"max_candidates must be >= 1, got {options.max_candidates}")
+    _check_inputs(graph, calibration)
 
 
 def _check_inputs(graph: Graph, batches) -> None:

@@ -40,9 +40,18 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def report(workdir) -> Path:
-    run = cli(*COMPILE, "--out", "OUT", cwd=workdir)
+    run = cli(*COMPILE, "-v", "--out", "OUT", cwd=workdir)
     assert run.returncode == 0, run.stderr
+    (workdir / "compile.stdout").write_text(run.stdout)
     return workdir / "OUT"
+
+
+def test_verbose_compile_prints_each_stage_with_its_time_in_order(report, workdir):
+    from luminal_num.compiler import STAGES
+    lines = [ln for ln in (workdir / "compile.stdout").read_text().splitlines() if ln.startswith("[luminal-num] stage ")]
+    names = [ln.split()[2].rstrip(":") for ln in lines]
+    assert names == list(STAGES) == ["partition", "saturate", "reference", "headroom", "search", "confirm", "plan"]
+    assert all(ln.endswith(" s") and float(ln.split()[3]) >= 0 for ln in lines)
 
 
 def test_compile_writes_plan_and_reports(report):
@@ -332,7 +341,7 @@ def test_ctrl_c_before_any_plan_passes_writes_nothing(tmp_path, monkeypatch, cap
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(SearchSpace, "build", interrupted)
+    monkeypatch.setattr(SearchSpace, "saturated", interrupted)
     assert main([*COMPILE, "--out", "OUT"]) == 130
     assert "nothing written" in one_line(capsys.readouterr().err, "interrupted: ")
     assert snapshot(tmp_path) == before and (out / "plan.json").read_text() == "old plan"

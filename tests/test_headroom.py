@@ -12,7 +12,8 @@ from luminal_num.error.headroom import FALLBACK, FLOOR, estimate_headroom, split
 from luminal_num.hlir.evaluate import evaluate
 from luminal_num.models.testnets import transformer
 from luminal_num.runtime.cpu import CpuRuntime
-from luminal_num.search.search import SearchOptions, _baseline_genomes
+from luminal_num.search.recipes import baseline_genomes
+from luminal_num.search.search import SearchOptions
 from luminal_num.search.space import SearchSpace
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -43,7 +44,7 @@ def test_compile_measures_its_headroom_on_split_batches_and_records_it():
     stats = res.search.stats
     assert stats["headroom_source"] == "data" and res.plan.data["headroom"] == stats["headroom"]
     # independent truth: each probe's allclose share per batch, written with numpy
-    genomes = _baseline_genomes(space)
+    genomes = baseline_genomes(space)
     samples = []
     for name in PROBES:
         rt = CpuRuntime(space.program(genomes[name]), model.graph.weights)

@@ -16,7 +16,7 @@ import pytest
 from luminal_num.hlir.graph import Graph
 from luminal_num.models.testnets import transformer
 from luminal_num.search.recipes import CPU_BF16, CUDA_BF16, CUDA_F16, autocast_recipe, tf32_recipe
-from luminal_num.search.search import BASELINE_SOURCES, _baseline_genomes
+from luminal_num.search.recipes import BASELINE_SOURCES, baseline_genomes
 from luminal_num.search.space import SearchSpace
 
 
@@ -97,7 +97,7 @@ def test_tf32_flag_changes_every_matmul_and_nothing_else(tspace):
 
 
 def test_every_baseline_names_its_source(tspace):
-    names = set(_baseline_genomes(tspace))
+    names = set(baseline_genomes(tspace))
     assert names <= set(BASELINE_SOURCES)
     assert set(BASELINE_SOURCES) - names == {"BF16 weights + FP8 KV cache"}  # no KV cache in this graph
     assert {"BF16 autocast", "FP16 autocast", "BF16 autocast (CPU)", "TF32 flag"} <= names

@@ -1,4 +1,5 @@
-"""Pareto front vs brute-force dominance, report files, and all-or-nothing writes."""
+"""Report files (the front they mark is the rows' own: the search's, tested in test_search.py), and
+all-or-nothing writes."""
 import base64
 import csv
 import math
@@ -11,12 +12,9 @@ import matplotlib.image
 import numpy as np
 import pandas as pd
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from luminal_num.dtypes.formats import BF16, F32
-from luminal_num.report import (atomic_dir, atomic_write_text, pareto_front, write_op_table,
-                                write_pareto_report)
+from luminal_num.report import atomic_dir, atomic_write_text, write_op_table, write_pareto_report
 from luminal_num.report import pareto as pareto_module
 
 LABELS = ["FP32 everywhere", "TF32 flag", "BF16 autocast", "FP8 everywhere", "chosen"]
@@ -35,22 +33,6 @@ def brute_force_front(points):
                         for j, q in enumerate(points) if j != i)
         result.append(not dominated)
     return result
-
-
-coordinate = st.one_of(st.integers(0, 4).map(float),  # small grid: many ties and duplicates
-                       st.floats(0.0, 1e3, allow_nan=False), st.just(math.inf), st.just(math.nan))
-
-
-@settings(deadline=None, max_examples=300)
-@given(st.lists(st.tuples(coordinate, coordinate), max_size=30))
-def test_pareto_front_matches_brute_force(points):
-    assert pareto_front(points) == brute_force_front(points)
-
-
-def test_pareto_front_hand_cases():
-    assert pareto_front([]) == []
-    assert pareto_front([(1.0, 1.0), (1.0, 1.0)]) == [True, False]
-    assert pareto_front([(2.0, 1.0), (1.0, 2.0), (2.0, 2.0), (1.0, 3.0)]) == [True, True, False, False]
 
 
 def passing_front(rows):
@@ -73,6 +55,7 @@ def sample_rows(n=12, seed=0):
     })
     rows.loc[: len(LABELS) - 1, "label"] = LABELS
     rows.loc[n - 1, "latency_s"] = np.nan  # rejected before profiling: no latency
+    rows["on_front"] = passing_front(rows)  # a strict front of the passing rows stands in for the search's
     return rows
 
 
@@ -255,14 +238,30 @@ def test_html_numbers_are_for_people_and_show_threshold_and_chosen(tmp_path):
     assert table.loc[chosen, "budget_share"] == 0.0342345678901234
 
 
-def test_front_is_over_passing_plans_only(tmp_path):
-    rows = sample_rows().assign(latency_s=1e-3)
-    rows.loc[0, ["budget_share", "latency_s", "passes"]] = [1e-9, 1e-6, False]  # fastest, most accurate, fails
+def test_the_rows_front_is_written_as_given_and_last(tmp_path):
+    """The report marks the front its rows carry (not one of its own): a front that is not the strict
+    Pareto front of the rows (the search's merges ties) is written as is, as the last column."""
+    rows = sample_rows()
+    passing = rows.index[rows["passes"]]
+    rows["on_front"] = False
+    rows.loc[passing[-1], "on_front"] = True  # one passing row, whichever it is
     files = write_pareto_report(tmp_path, rows, 1.0, "t", "err")
     table = pd.read_csv(files.csv)
-    assert not table.loc[0, "on_front"]
-    assert table["on_front"].sum() >= 1 and table.loc[table["on_front"], "passes"].all()
-    assert list(table["on_front"]) == passing_front(rows)
+    assert list(table.columns)[-1] == "on_front" and list(table["on_front"]) == list(rows["on_front"])
+
+
+@pytest.mark.parametrize("bad", ["failing", "not_bool", "missing"])
+def test_a_front_with_a_failing_plan_or_not_booleans_is_refused(tmp_path, bad):
+    rows = sample_rows()
+    if bad == "failing":
+        rows.loc[rows.index[~rows["passes"]][0], "on_front"] = True
+    elif bad == "not_bool":
+        rows["on_front"] = rows["on_front"].astype(int)
+    else:
+        rows = rows.drop(columns="on_front")
+    with pytest.raises(ValueError, match="fail the budget|must hold booleans|lack columns"):
+        write_pareto_report(tmp_path / "r", rows, 1.0, "t", "err")
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("threshold", [0.0, 2.0, -1.0])

@@ -136,6 +136,11 @@ class Budget:
         if len(set(names)) != len(names):
             raise ValueError(f"a metric is limited twice: {names}")
 
+    def gate(self, headroom: float) -> "Budget":
+        """What a candidate is judged against on the calibration set: this budget with `headroom` of every
+        allowance (itself at headroom 1)."""
+        return self if headroom == 1.0 else self.tightened(headroom)
+
     def tightened(self, headroom: float) -> "Budget":
         """The budget scaled to use only `headroom` (0 < h <= 1) of every allowance: atol, rtol and each
         metric's distance from perfect (1 - cosine, KL, 1 - top1 ...). A plan judged against it on the

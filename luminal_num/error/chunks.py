@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -32,7 +32,6 @@ from ..codegen.llir import Program
 from ..hlir.evaluate import evaluate_chunk
 from ..hlir.graph import Graph
 from ..hlir.partition import Chunk, Partition, chunk_key
-from .groups import ChunkChoice
 from .reference import Fp64Reference
 from .tasks import RunTask, TaskPool, run_task
 
@@ -45,6 +44,13 @@ LOCAL_SPOT = 8     # every LOCAL_SPOT-th composable chunk choice is run anyway, 
 SHARE_MIN = 4      # groups of at least this many chunks share a choice's local-error ratio across chunks ...
 SHARE_SAMPLES = 3  # ... once it was measured on this many of them (spread over the group) ...
 SHARE_SPREAD = 2.0  # ... and the samples' ratios agree within this factor (else every chunk is run)
+
+
+class ChunkChoice(Protocol):
+    """What a chunk runs (the search's per-chunk candidate): identified by its key."""
+
+    @property
+    def key(self) -> str: ...
 
 
 class Propagation(enum.Enum):

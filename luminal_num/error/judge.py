@@ -7,6 +7,7 @@ candidate that contains it (monotone pruning), without running anything.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -18,7 +19,6 @@ from ..hlir.graph import Graph
 from ..runtime.cpu import CpuRuntime
 from .budget import Budget
 from .chunks import ChunkEffects
-from .groups import GroupEstimator
 from .interval import Interval
 from .metrics import METRICS, Compared
 from .predict import DeltaPredictor, Prediction, budget_ratio
@@ -30,13 +30,22 @@ from .verdict_store import VerdictStore
 Change = tuple  # (group key or one chunk of a group, e-class, tag)
 
 # verdicts decided from a prediction, not an end-to-end run: the front and the chosen plan re-measure them
-PREDICTED_SOURCES = frozenset({"predicted", "chunks"})
+class VerdictSource(enum.StrEnum):
+    """What decided a verdict (its text is what plans and reports write)."""
+    CACHE = "cache"          # a known program, or a genome containing a change that failed alone
+    STATIC = "static"        # the static error bound certifies it (or finds an overflow)
+    CHUNKS = "chunks"        # composed per-chunk effects, each chunk judged alone on FP64 inputs
+    PREDICTED = "predicted"  # the calibrated error predictor
+    MEASURED = "measured"    # an end-to-end run against FP64
+
+
+PREDICTED_SOURCES = frozenset({VerdictSource.PREDICTED, VerdictSource.CHUNKS})
 
 
 @dataclass(frozen=True)
 class Verdict:
     passed: bool
-    source: str          # "cache" | "static" | "chunks" | "groups" | "predicted" | "measured"
+    source: VerdictSource
     error: float         # worst allclose ratio against the gate's (tightened) budget: <= 1 passes
     max_abs: float       # worst |y - ref| measured (nan when not measured)
     bound: float | None  # largest static error bound (None when not computed)
@@ -49,12 +58,14 @@ class Verdict:
     bias: float | None = None  # a composed verdict: the bias its errors were multiplied by (None: not composed)
     exact: bool = False        # composed with EXACT propagation (its band is the judge's exact_band)
 
+    def __post_init__(self):
+        object.__setattr__(self, "source", VerdictSource(self.source))  # one read back from a verdict store
+
 
 @dataclass
 class GateStats:
     cache: int = 0
     static: int = 0
-    groups: int = 0      # rejected by the composed per-group estimate (no end-to-end run)
     measured: int = 0    # end-to-end measurements
     pruned: int = 0
     chunks: int = 0      # decided by the composed per-chunk effects (each chunk judged alone on FP64 inputs)
@@ -68,14 +79,11 @@ class GateStats:
     deferred_measured: int = 0  # tentative rejects measured end to end because they would have been chosen
 
     def as_dict(self) -> dict[str, int]:
-        return dict(cache=self.cache, static=self.static, chunks=self.chunks, groups=self.groups,
+        return dict(cache=self.cache, static=self.static, chunks=self.chunks,
                     predicted=self.predicted,
                     measured=self.measured, pruned=self.pruned, confirmed=self.confirmed,
                     mismatches=self.mismatches, stored=self.stored, tentative=self.tentative,
                     deferred=self.deferred, deferred_measured=self.deferred_measured, exact=self.exact)
-
-
-SCREEN_FACTOR = 4.0  # the group estimate runs ~1-2x above the true error: 4x over budget is a sure failure
 
 
 def program_key(program: Program) -> str:
@@ -95,8 +103,8 @@ class Judge:
     budget: Budget
     calibration: Sequence[Mapping[str, np.ndarray]]
     use_static: bool | str = "auto"  # "auto": keep the static stage only if it certifies the first candidate
-    estimator: GroupEstimator | None = None  # per-group screening before end to end
     headroom: float = 1.0
+    gate: Budget | None = None  # budget.gate(headroom) unless the caller computed it (compile's context)
     references: Sequence[Fp64Reference] | None = None  # FP64 of each batch (computed here when not given)
     stats: GateStats = field(default_factory=GateStats)
     cache: dict[str, Verdict] = field(default_factory=dict)
@@ -115,7 +123,8 @@ class Judge:
     def __post_init__(self):
         if not self.calibration:
             raise ValueError("the numerics gate needs at least one calibration batch")
-        self.gate = self.budget if self.headroom == 1.0 else self.budget.tightened(self.headroom)
+        if self.gate is None:
+            self.gate = self.budget.gate(self.headroom)
         if self.use_static == "auto" and self.budget.metrics:
             # bounds certify allclose only: with cosine/KL/top-1 limits every verdict needs a measurement
             self.use_static = False
@@ -156,7 +165,7 @@ class Judge:
         if bad:
             self.stats.cache += 1
             self.stats.pruned += 1
-            v = Verdict(False, "cache", np.inf, np.nan, None,
+            v = Verdict(False, VerdictSource.CACHE, np.inf, np.nan, None,
                         f"contains a change that alone breaks the budget: {bad[0][2]} ({self.bad_changes[bad[0]]})", np.inf)
             if key is not None:
                 self.cache[key] = v
@@ -179,7 +188,7 @@ class Judge:
             v, *pending = self._chunk_verdict(candidates)
             if v is not None and v.tentative and not tentative:
                 v = None
-            if v is not None and v.source == "chunks":
+            if v is not None and v.source == VerdictSource.CHUNKS:
                 self.stats.chunks += 1
                 self.stats.exact += pending[1] is not None
                 self._count_tentative(v, 1)
@@ -191,7 +200,7 @@ class Judge:
             program = program()
             key = program_key(program)
             if key in self.cache:
-                if v is not None and v.source == "chunks":  # a known program: the cache decides
+                if v is not None and v.source == VerdictSource.CHUNKS:  # a known program: the cache decides
                     self.stats.chunks -= 1
                     self.stats.exact -= pending[1] is not None
                     self._count_tentative(v, -1)
@@ -200,8 +209,6 @@ class Judge:
             self._expect(key, *pending)  # a later measurement of this program checks the compositions
         if v is None and predict and self.predictor is not None and len(changes) >= 2:
             v = self._predict(key, changes)
-        if v is None and self.estimator is not None and candidates is not None:
-            v = self._screen(candidates)
         if v is None:
             single = self.predictor is not None and len(changes) == 1
             # a single change is measured again: the prediction needs its outputs, which are not stored
@@ -272,7 +279,7 @@ class Judge:
             if ids[i] in self.bad_chunks:
                 self.stats.cache += 1
                 self.stats.pruned += 1
-                return Verdict(False, "cache", np.inf, np.nan, None,
+                return Verdict(False, VerdictSource.CACHE, np.inf, np.nan, None,
                                f"chunk {i}'s choice alone breaks the budget ({self.bad_chunks[ids[i]]})", np.inf), None, None
         ce.prefetch(candidates)
         p = scaled = band.check(ce.compose(candidates, self.gated_refs))
@@ -287,7 +294,7 @@ class Judge:
                     self.chunks_alone_ok.add(ids[i])  # checked once: the metrics of a 49152-wide row cost
                     continue
                 self.bad_chunks[ids[i]] = f"predicted {alone.ratio:.3g}x the budget: {alone.reason}"
-                return Verdict(False, "chunks", alone.allclose, np.nan, None,
+                return Verdict(False, VerdictSource.CHUNKS, alone.allclose, np.nan, None,
                                f"chunk {i}'s choice alone is predicted {alone.ratio:.3g}x the budget "
                                f"(margin {band.margin:.3g}): {alone.reason}", alone.user, alone.ratio), p, None
         decided, exact, how = band.decides(p), None, "composed from"
@@ -307,7 +314,7 @@ class Judge:
         # its errors corrected by the observed bias: comparable with measured ones on the front (an
         # under-predicted point would look better than the measured ones and take their place)
         b = band.bias
-        return Verdict(decided, "chunks", p.allclose * b, np.nan, None, f"{how}): {p.reason}",
+        return Verdict(decided, VerdictSource.CHUNKS, p.allclose * b, np.nan, None, f"{how}): {p.reason}",
                        p.user * b, p.ratio * b, tentative, b, exact is not None), scaled, exact
 
     def rebias(self, v: Verdict) -> Verdict:
@@ -335,7 +342,7 @@ class Judge:
             return None
         self.pending[key] = p
         self.stats.predicted += 1
-        return Verdict(decided, "predicted", p.allclose, np.nan, None,
+        return Verdict(decided, VerdictSource.PREDICTED, p.allclose, np.nan, None,
                        f"predicted from the changes' measured errors (margin {self.predictor.margin:.3g}): {p.reason}",
                        p.user, p.ratio)
 
@@ -362,24 +369,6 @@ class Judge:
         self.cache[key] = v
         return v
 
-    def _screen(self, candidates) -> Verdict | None:
-        """Reject from the composed per-group estimate when it is far over the allclose budget."""
-        est = self.estimator.output_estimate(candidates)
-        ref = self.refs[0]
-        worst, name, user = 0.0, "", 0.0
-        for out in self.gate.outputs or tuple(ref):
-            r = np.asarray(ref[out], dtype=np.float64)
-            rms = float(np.sqrt(np.mean(r * r))) if r.size else 0.0
-            amax = float(np.max(np.abs(r), initial=0.0))
-            ratio, user_ratio = (_screen_ratio(est[out] * rms, b.atol + b.rtol * amax) for b in (self.gate, self.budget))
-            if ratio > worst:
-                worst, name, user = ratio, out, user_ratio
-        if worst <= SCREEN_FACTOR:
-            return None
-        self.stats.groups += 1
-        return Verdict(False, "groups", worst, np.nan, None,
-                       f"output {name!r}: composed per-group error estimate is {worst:.3g}x the allclose budget", user)
-
     def note_isolated(self, change: Change, verdict: Verdict) -> None:
         """Record a single change's verdict: a failure prunes every later candidate containing it (a
         tentative reject does not: it failed on an estimate inside the band, not by the margin)."""
@@ -392,7 +381,7 @@ class Judge:
             rep = static_bound(program, ranges, bindings, self.graph.weights)
             if rep.overflow is not None:
                 self.stats.static += 1
-                return Verdict(False, "static", np.inf, np.nan, np.inf, rep.overflow.message(), np.inf)
+                return Verdict(False, VerdictSource.STATIC, np.inf, np.nan, np.inf, rep.overflow.message(), np.inf)
             names = self.gate.outputs or tuple(rep.error_bounds)
             for name in names:
                 err = rep.error_bounds[name]
@@ -402,7 +391,7 @@ class Judge:
             if self.gate.metrics or not worst <= 1.0:
                 return None  # other metrics need measurement; a bound above budget proves nothing
         self.stats.static += 1
-        return Verdict(True, "static", worst, np.nan, bound, f"certified: static bound ratio {worst!r} <= 1", user)
+        return Verdict(True, VerdictSource.STATIC, worst, np.nan, bound, f"certified: static bound ratio {worst!r} <= 1", user)
 
     def has_outputs(self, program: Program) -> bool:
         """Whether this program's outputs on every calibration batch were kept (batch_ratios ran it)."""
@@ -445,7 +434,7 @@ class Judge:
                 if isinstance(out, Exception):
                     raise out
             except (ValueError, FloatingPointError) as exc:  # e.g. a REJECT overflow policy
-                return Verdict(False, "measured", np.inf, np.inf, None, f"run failed: {exc}", np.inf, np.inf), None
+                return Verdict(False, VerdictSource.MEASURED, np.inf, np.inf, None, f"run failed: {exc}", np.inf, np.inf), None
             if outs is not None:
                 outs.append(out)
             names = self.gate.outputs or tuple(ref)
@@ -460,11 +449,7 @@ class Judge:
                 passed, reason = False, verdict.reason
                 if outs is None:
                     break
-        return Verdict(passed, "measured", worst, worst_abs, None, reason, user, ratio), outs
-
-
-def _screen_ratio(err: float, tol: float) -> float:
-    return err / tol if tol > 0 else np.inf
+        return Verdict(passed, VerdictSource.MEASURED, worst, worst_abs, None, reason, user, ratio), outs
 
 
 def _bound_ratio(err: np.ndarray, ref, budget: Budget) -> float:

@@ -13,23 +13,23 @@ twice, and the interval it carries is the exact value's, which quantizing does n
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import numpy as np
 
 from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program, epilogue_as_elementwise
 from ..codegen.rows import unfused
-from ..dtypes.formats import F32, Format, Kind
+from ..dtypes.formats import F32, Kind
 from ..dtypes.formats import get as get_format
 from ..dtypes.variants import GEMM_VARIANTS
 from ..quant.kv import cache_error
 from ..quant.stored import storage_error
 from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result, read_operand
-from ..hlir.ops import CUSTOM_KINDS, Op
+from ..hlir.ops import Op
 from ..hlir.symbolic import evaluate as eval_dim
-from .interval import Interval, derivative_bound, hull, transfer
+from .interval import Interval, hull, transfer
+from .static_values import (SLACK, BoundedValue, Overflow, OverflowFound, StaticReport, custom_interval, floor_of, mag_of,
+                            round_f32, slope_bound, store_rounded)
 from .normalize import NormBound
 from .rounding_bounds import gamma, nan_as_unbounded
 from .softmax_bound import softmax_error
@@ -38,148 +38,17 @@ from ..codegen.attention import ATTENTION_VARIANTS
 from ..hlir.gemm import gemm_layouts
 
 _ACC = -1  # the buffer id a Gemm epilogue's accumulator is analysed under (no kernel has it)
-SLACK = 1.0 + 2.0 ** -40  # covers FP64's own error in the reference and in these bound computations
-
-
-@dataclass(frozen=True)
-class Overflow:
-    kernel: int
-    label: str
-    fmt: str
-    magnitude: float
-    detail: str = ""  # why, when the limit is not the format's max finite (a weight its storage cannot hold)
-
-    def message(self) -> str:
-        if self.detail:
-            return f"overflow: kernel {self.kernel} ({self.label}) cannot be held in {self.fmt}: {self.detail}"
-        return (f"overflow: kernel {self.kernel} ({self.label}) stores values of magnitude >= {self.magnitude:.6g} "
-                f"in {self.fmt} (max finite {Format_max(self.fmt):.6g})")
-
-
-def Format_max(name: str) -> float:
-    return get_format(name).max_finite
-
-
-@dataclass(frozen=True)
-class StaticReport:
-    """Per-output error bounds (arrays), exact-value intervals, and the first certain overflow."""
-
-    error_bounds: dict[str, np.ndarray]
-    intervals: dict[str, Interval]
-    overflow: Overflow | None
-
-    def max_bound(self, name: str) -> float:
-        return float(np.max(self.error_bounds[name])) if self.error_bounds[name].size else 0.0
-
-    def certifies(self, atol: float, rtol: float, outputs=None) -> bool:
-        """bound <= atol + rtol * min|exact| everywhere (min over the exact value's interval)."""
-        if self.overflow is not None:
-            return False
-        for name, err in self.error_bounds.items():
-            if outputs is not None and name not in outputs:
-                continue
-            iv = self.intervals[name]
-            min_abs = np.where((iv.lo <= 0) & (iv.hi >= 0), 0.0, np.minimum(np.abs(iv.lo), np.abs(iv.hi)))
-            if not np.all(err <= atol + rtol * min_abs):
-                return False
-        return True
-
-
-@dataclass
-class _Val:
-    iv: Interval
-    err: np.ndarray
-    floor: float | None = None  # a lower bound >= 0 of the EXECUTED value (exp2, squares, 1 + exp2 ...)
-
-    @property
-    def wide(self) -> Interval:
-        """Where the executed value can be: the exact interval widened by the error bound, cut at the
-        executed value's floor (rounding is monotone: exp2(t) >= 0 stays >= 0, so 1 + exp2(t) >= 1 and
-        a sigmoid's reciprocal keeps a slope <= 1 however large exp2's error is)."""
-        with np.errstate(invalid="ignore"):
-            lo = np.where(np.isfinite(self.err), self.iv.lo - self.err, -np.inf)
-            hi = np.where(np.isfinite(self.err), self.iv.hi + self.err, np.inf)
-            if self.floor is not None:  # the hull of executed (>= floor) and exact (>= iv.lo) values
-                lo = np.maximum(lo, np.minimum(self.floor, self.iv.lo))
-            return Interval(lo, hi, self.iv.nan)
-
-
-def _mag(iv: Interval) -> np.ndarray:
-    return iv.magnitude
-
-
-class _Overflowed(Exception):
-    def __init__(self, ov: Overflow):
-        self.ov = ov
-
-
-def _store(v: _Val, fmt: Format, k: Kernel, origin: str = "") -> _Val:
-    """Round to the storage format: half-ulp relative + half the smallest subnormal; range check."""
-    if fmt.kind is not Kind.FLOAT or fmt.name == "f64":
-        return v
-    wide = v.wide
-    lo_abs = np.where((wide.lo <= 0) & (wide.hi >= 0), 0.0, np.minimum(np.abs(wide.lo), np.abs(wide.hi)))
-    certain = lo_abs > fmt.max_finite
-    if np.any(certain):
-        where = f"{origin} fused into {k.label}" if origin else (k.label or k.kind.value)
-        raise _Overflowed(Overflow(k.id, where, fmt.name, float(np.max(lo_abs))))
-    maybe = _mag(wide) > fmt.max_finite
-    rounding = fmt.unit_roundoff * _mag(wide) + fmt.min_subnormal / 2
-    err = np.where(maybe, np.inf, (v.err + rounding) * SLACK)
-    return _Val(v.iv, err, _rounded_floor(v.floor, fmt))
-
-
-def _rounded_floor(floor: float | None, fmt: Format) -> float | None:
-    """RN is monotone: a value >= f rounds to >= RN(f) >= f (1 - u) - half a subnormal, and >= 0."""
-    if floor is None:
-        return None
-    return max(0.0, floor * (1 - fmt.unit_roundoff) * (1 - 2.0 ** -52) - fmt.min_subnormal / 2)
-
-
-def _floor_of(op: Op, args: list[_Val]) -> float | None:
-    """The executed result's floor before its rounding (None: nothing known); floors are >= 0."""
-    floors = [a.floor for a in args]
-    if op in (Op.EXP2, Op.SQRT):
-        return 0.0
-    if op is Op.RECIP:
-        return 0.0 if floors[0] is not None and floors[0] > 0 else None
-    if op in (Op.ADD, Op.MUL) and None not in floors:
-        total = floors[0] + floors[1] if op is Op.ADD else floors[0] * floors[1]
-        return max(0.0, float(np.nextafter(total, -np.inf)))
-    return None
-
-
-def _round_f32(v: _Val, k: Kernel) -> _Val:
-    return _store(v, F32, k)
-
-
-def _slope(op: Op, kind: str | None, wide: Interval) -> np.ndarray:
-    if op is Op.CUSTOM:
-        lo, hi = wide.lo, wide.hi
-        nearest = np.where((lo <= 0) & (hi >= 0), 0.0, np.minimum(np.abs(lo), np.abs(hi)))
-        if kind == "erf":
-            return 2.0 / math.sqrt(math.pi) * np.exp(-nearest * nearest) * SLACK
-        if kind == "tanh":
-            return (1.0 - np.tanh(nearest) ** 2) * SLACK
-        raise KeyError(f"no derivative bound for custom {kind!r}")
-    return np.asarray(derivative_bound(op, wide))
-
-
-def _custom_interval(kind: str, iv: Interval) -> Interval:
-    fn = CUSTOM_KINDS[kind].fn  # erf and tanh are increasing: endpoints, widened by a few ulps
-    lo, hi = fn(iv.lo), fn(iv.hi)
-    return Interval(np.nextafter(np.nextafter(lo, -np.inf), -np.inf), np.nextafter(np.nextafter(hi, np.inf), np.inf))
 
 
 class StaticAnalyzer:
     def __init__(self, program: Program, bindings: Mapping[str, int]):
         self.p, self.bindings = program, dict(bindings)
-        self.vals: dict[int, _Val] = {}
+        self.vals: dict[int, BoundedValue] = {}
         self.norm = NormBound(self)
         self.softmax_rel: dict[int, tuple[np.ndarray, float]] = {}  # see _softmax
         self.caches = program.cache_buffers()  # KV-cache inputs held in a KV format
 
-    def read(self, k: Kernel, i: int) -> _Val:
+    def read(self, k: Kernel, i: int) -> BoundedValue:
         inp = k.inputs[i]
         src = self.vals[inp.buffer]
         lo = inp.view.realize(np.asarray(src.iv.lo), self.bindings)
@@ -188,30 +57,30 @@ class StaticAnalyzer:
         err = inp.view.realize(np.asarray(src.err), self.bindings)
         masked = any(v.mask is not None for v in inp.view.views)  # padding reads an exact 0
         floor = None if src.floor is None else (0.0 if masked else src.floor)
-        return _Val(Interval(lo, hi, nan > 0), err, floor)
+        return BoundedValue(Interval(lo, hi, nan > 0), err, floor)
 
-    def body(self, e: FExpr, k: Kernel) -> _Val:
+    def body(self, e: FExpr, k: Kernel) -> BoundedValue:
         if isinstance(e, FLoad):
             return self.read(k, e.slot)
         if isinstance(e, FConstV):
             c = e.value if isinstance(e.value, float) else float(eval_dim(e.value, self.bindings))
             c32 = float(np.float32(c))
-            return _Val(Interval.point(c), np.asarray(abs(c32 - c)), c32 if c32 >= 0 else None)
+            return BoundedValue(Interval.point(c), np.asarray(abs(c32 - c)), c32 if c32 >= 0 else None)
         if isinstance(e, FRoundTo):
-            return _store(self.body(e.x, k), e.fmt, k, e.origin)
+            return store_rounded(self.body(e.x, k), e.fmt, k, e.origin)
         if e.op is Op.MUL and len(e.args) == 2 and e.args[0] == e.args[1]:
-            return _round_f32(self._square(self.body(e.args[0], k)), k)
+            return round_f32(self._square(self.body(e.args[0], k)), k)
         args = [self.body(a, k) for a in e.args]
         generic = self._apply(e, args)
         norm = self.norm.bound(e, k) if e.op is Op.MUL else None
         if norm is not None:  # x * rsqrt(c * sum(x^2) + eps): the correlated bound (error/normalize.py)
             iv, err = norm  # both are sound: keep the tighter of each
-            generic = _Val(Interval(np.maximum(iv.lo, generic.iv.lo), np.minimum(iv.hi, generic.iv.hi), generic.iv.nan),
+            generic = BoundedValue(Interval(np.maximum(iv.lo, generic.iv.lo), np.minimum(iv.hi, generic.iv.hi), generic.iv.nan),
                            np.minimum(err, generic.err), generic.floor)
-        return _round_f32(generic, k)
+        return round_f32(generic, k)
 
     @staticmethod
-    def _square(a: _Val) -> _Val:
+    def _square(a: BoundedValue) -> BoundedValue:
         """x*x of one value: never negative (a general product of [lo, hi] with itself would be), so a
         variance's interval stays off zero and its reciprocal square root stays bounded."""
         lo, hi = a.iv.lo, a.iv.hi
@@ -219,60 +88,60 @@ class StaticAnalyzer:
             sq_lo, sq_hi = lo * lo, hi * hi
             low = np.where((lo <= 0) & (hi >= 0), 0.0, np.nextafter(np.minimum(sq_lo, sq_hi), -np.inf))
             high = np.nextafter(np.maximum(sq_lo, sq_hi), np.inf)
-            err = 2 * _mag(a.iv) * a.err + a.err * a.err
-        return _Val(Interval(np.maximum(low, 0.0), high, a.iv.nan), nan_as_unbounded(err) * SLACK, 0.0)
+            err = 2 * mag_of(a.iv) * a.err + a.err * a.err
+        return BoundedValue(Interval(np.maximum(low, 0.0), high, a.iv.nan), nan_as_unbounded(err) * SLACK, 0.0)
 
-    def _apply(self, e: FApply, args: list[_Val]) -> _Val:
+    def _apply(self, e: FApply, args: list[BoundedValue]) -> BoundedValue:
         op = e.op
         with np.errstate(all="ignore"):
             if op is Op.ADD:
                 a, b = args
-                return _Val(transfer(Op.ADD, a.iv, b.iv), (a.err + b.err) * SLACK, _floor_of(op, args))
+                return BoundedValue(transfer(Op.ADD, a.iv, b.iv), (a.err + b.err) * SLACK, floor_of(op, args))
             if op is Op.MUL:
                 a, b = args
-                err = _mag(a.iv) * b.err + _mag(b.iv) * a.err + a.err * b.err
-                return _Val(transfer(Op.MUL, a.iv, b.iv), nan_as_unbounded(err) * SLACK, _floor_of(op, args))
+                err = mag_of(a.iv) * b.err + mag_of(b.iv) * a.err + a.err * b.err
+                return BoundedValue(transfer(Op.MUL, a.iv, b.iv), nan_as_unbounded(err) * SLACK, floor_of(op, args))
             if op is Op.LESS_THAN:
                 a, b = args
                 out = transfer(Op.LESS_THAN, a.iv, b.iv)
                 aw, bw = a.wide, b.wide
                 undecided = ~((aw.hi < bw.lo) | (aw.lo >= bw.hi))  # the executed comparison may flip
                 flips = undecided & ((a.err > 0) | (b.err > 0))
-                return _Val(out, np.where(flips, 1.0, 0.0))
+                return BoundedValue(out, np.where(flips, 1.0, 0.0))
             if op is Op.MOD:
                 a, b = args
                 out = transfer(Op.MOD, a.iv, b.iv)
-                return _Val(out, np.where((a.err > 0) | (b.err > 0), np.inf, 0.0))
+                return BoundedValue(out, np.where((a.err > 0) | (b.err > 0), np.inf, 0.0))
             (a,) = args
-            iv = _custom_interval(e.kind, a.iv) if op is Op.CUSTOM else transfer(op, a.iv)
-            slope = _slope(op, e.kind, a.wide)
+            iv = custom_interval(e.kind, a.iv) if op is Op.CUSTOM else transfer(op, a.iv)
+            slope = slope_bound(op, e.kind, a.wide)
             err = np.where(a.err > 0, slope * a.err, 0.0)
-            return _Val(iv, nan_as_unbounded(err) * SLACK, _floor_of(op, args))
+            return BoundedValue(iv, nan_as_unbounded(err) * SLACK, floor_of(op, args))
 
     def run(self, inputs: Mapping[str, Interval]) -> StaticReport:
         try:
             for k in self.p.kernels:
                 self.vals[k.id] = self.kernel(k, inputs)
-        except _Overflowed as exc:
+        except OverflowFound as exc:
             return StaticReport({}, {}, exc.ov)
         outs = {name: self.vals[kid] for name, kid in self.p.outputs}
         return StaticReport({n: np.broadcast_to(v.err, v.iv.lo.shape).copy() for n, v in outs.items()},
                             {n: v.iv for n, v in outs.items()}, None)
 
-    def kernel(self, k: Kernel, inputs: Mapping[str, Interval]) -> _Val:
+    def kernel(self, k: Kernel, inputs: Mapping[str, Interval]) -> BoundedValue:
         return KERNEL_TRANSFERS[k.kind](self, k, inputs)
 
     def _shape(self, k: Kernel) -> tuple[int, ...]:
         return tuple(eval_dim(d, self.bindings) for d in k.shape)
 
-    def external(self, k: Kernel, inputs: Mapping[str, Interval]) -> _Val:
+    def external(self, k: Kernel, inputs: Mapping[str, Interval]) -> BoundedValue:
         shape = self._shape(k)
         iv = self._concat_interval(k, inputs) if k.concat else inputs[k.external]
         if k.storage is not None and k.id in self.caches:  # a KV cache handed in, held in its format
             iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
             low = float(np.min(iv.lo)) if iv.lo.size else 0.0
-            v = _store(_Val(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)  # FP32 first, then the rows
-            return _Val(iv, v.err + cache_error(_mag(v.wide), k.storage), 0.0 if low >= 0 else None)
+            v = store_rounded(BoundedValue(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)  # FP32 first, then the rows
+            return BoundedValue(iv, v.err + cache_error(mag_of(v.wide), k.storage), 0.0 if low >= 0 else None)
         if k.storage is not None:  # a weight held in a storage format: its exact storage error
             try:
                 if k.concat:  # concatenated stored weights: each part's own storage error (quant/concat.py)
@@ -280,18 +149,18 @@ class StaticAnalyzer:
                 return stored_weight_value(iv, k.storage, shape)
             except ValueError as exc:  # its scales do not fit their format: the run would refuse it too
                 magnitude = float(np.max(np.abs(iv.lo))) if iv.lo.size else 0.0
-                raise _Overflowed(Overflow(k.id, k.label or k.external, k.storage, magnitude, str(exc))) from None
+                raise OverflowFound(Overflow(k.id, k.label or k.external, k.storage, magnitude, str(exc))) from None
         iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
         if k.dtype.kind is not Kind.FLOAT:
-            return _Val(iv, np.zeros(shape))
+            return BoundedValue(iv, np.zeros(shape))
         low = float(np.min(iv.lo)) if iv.lo.size else 0.0
-        return _store(_Val(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
+        return store_rounded(BoundedValue(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
 
-    def _stored_concat(self, k: Kernel, inputs: Mapping[str, Interval]) -> _Val:
+    def _stored_concat(self, k: Kernel, inputs: Mapping[str, Interval]) -> BoundedValue:
         parts = {p.external: p for p in self.p.kernels if p.kind is KernelKind.EXTERNAL and not p.concat}
         vals = [stored_weight_value(inputs[n], k.storage, self._shape(parts[n])) for n in k.concat]
         cat = lambda xs: np.concatenate(xs, axis=k.concat_axis)  # noqa: E731
-        return _Val(Interval(cat([v.iv.lo for v in vals]), cat([v.iv.hi for v in vals])), cat([v.err for v in vals]))
+        return BoundedValue(Interval(cat([v.iv.lo for v in vals]), cat([v.iv.hi for v in vals])), cat([v.err for v in vals]))
 
     def _concat_interval(self, k: Kernel, inputs: Mapping[str, Interval]) -> Interval:
         """Concatenated weights: each part's interval over its own shape, concatenated along the axis."""
@@ -300,47 +169,47 @@ class StaticAnalyzer:
         return Interval(np.concatenate([np.broadcast_to(iv.lo, s) for iv, s in ivs], axis=k.concat_axis),
                         np.concatenate([np.broadcast_to(iv.hi, s) for iv, s in ivs], axis=k.concat_axis))
 
-    def const(self, k: Kernel, inputs) -> _Val:
+    def const(self, k: Kernel, inputs) -> BoundedValue:
         c = k.value if isinstance(k.value, float) else float(eval_dim(k.value, self.bindings))
-        return _store(_Val(Interval.point(np.asarray(c)), np.asarray(0.0), c if c >= 0 else None), k.dtype, k)
+        return store_rounded(BoundedValue(Interval.point(np.asarray(c)), np.asarray(0.0), c if c >= 0 else None), k.dtype, k)
 
-    def iota(self, k: Kernel, inputs) -> _Val:
+    def iota(self, k: Kernel, inputs) -> BoundedValue:
         n = eval_dim(k.value, self.bindings)
-        return _store(_Val(Interval.point(np.arange(n, dtype=np.float64)), np.zeros(n), 0.0), k.dtype, k)
+        return store_rounded(BoundedValue(Interval.point(np.arange(n, dtype=np.float64)), np.zeros(n), 0.0), k.dtype, k)
 
-    def elementwise(self, k: Kernel, inputs) -> _Val:
+    def elementwise(self, k: Kernel, inputs) -> BoundedValue:
         v = self.body(k.body, k)
         shape = self._shape(k)
-        v = _Val(Interval(np.broadcast_to(v.iv.lo, shape), np.broadcast_to(v.iv.hi, shape),
+        v = BoundedValue(Interval(np.broadcast_to(v.iv.lo, shape), np.broadcast_to(v.iv.hi, shape),
                           np.broadcast_to(v.iv.nan, shape)), np.broadcast_to(v.err, shape), v.floor)
-        return _store(v, k.dtype, k)
+        return store_rounded(v, k.dtype, k)
 
-    def sum(self, k: Kernel, inputs) -> _Val:
+    def sum(self, k: Kernel, inputs) -> BoundedValue:
         v = self.body(k.body, k)
         n = v.iv.lo.shape[k.axis]
         iv = transfer(Op.SUM_REDUCE, v.iv, axis=k.axis)
         acc = k.acc or F32
         g = gamma(n, acc.unit_roundoff)
         with np.errstate(all="ignore"):
-            abs_sum = np.sum(_mag(v.wide), axis=k.axis)
+            abs_sum = np.sum(mag_of(v.wide), axis=k.axis)
             err = np.sum(v.err, axis=k.axis) + g * abs_sum + n * acc.min_subnormal / 2
             # every running total, in any order, is at most sum|terms| (1 + gamma_n): past the
             # accumulator's max a partial sum may overflow even when the final sum is small
             err = np.where(abs_sum * (1 + g) + n * acc.min_subnormal <= acc.max_finite, err, np.inf)
         floor = None if v.floor is None else 0.0  # a sum of executed values >= 0 rounds to >= 0
-        return _store(_Val(iv, nan_as_unbounded(err) * SLACK, floor), k.dtype, k)
+        return store_rounded(BoundedValue(iv, nan_as_unbounded(err) * SLACK, floor), k.dtype, k)
 
-    def max(self, k: Kernel, inputs) -> _Val:
+    def max(self, k: Kernel, inputs) -> BoundedValue:
         v = self.body(k.body, k)
-        return _store(_Val(transfer(Op.MAX_REDUCE, v.iv, axis=k.axis), np.max(v.err, axis=k.axis), v.floor),
+        return store_rounded(BoundedValue(transfer(Op.MAX_REDUCE, v.iv, axis=k.axis), np.max(v.err, axis=k.axis), v.floor),
                       k.dtype, k)
 
-    def rows(self, k: Kernel, inputs) -> _Val:
+    def rows(self, k: Kernel, inputs) -> BoundedValue:
         """A row kernel computes its unfused chain's values exactly (codegen/rows.py): bound that chain,
         so the correlated norm bound and every rounding of the chain apply as they would unfused."""
         return self._unfused(k, inputs)
 
-    def _unfused(self, k: Kernel, inputs) -> _Val:
+    def _unfused(self, k: Kernel, inputs) -> BoundedValue:
         mini, ext = unfused(k, [self.p.kernel(inp.buffer) for inp in k.inputs])
         sub = StaticAnalyzer(mini, self.bindings)
         for buf, kid in ext.items():
@@ -348,41 +217,41 @@ class StaticAnalyzer:
         try:
             for mk in mini.kernels[len(ext):]:
                 sub.vals[mk.id] = sub.kernel(mk, inputs)
-        except _Overflowed as exc:  # name the row kernel, not a kernel of the unfused chain
-            raise _Overflowed(Overflow(k.id, k.label, exc.ov.fmt, exc.ov.magnitude, exc.ov.detail)) from None
+        except OverflowFound as exc:  # name the row kernel, not a kernel of the unfused chain
+            raise OverflowFound(Overflow(k.id, k.label, exc.ov.fmt, exc.ov.magnitude, exc.ov.detail)) from None
         return sub.vals[mini.outputs[0][1]]
 
-    def quantize(self, k: Kernel, inputs) -> _Val:
+    def quantize(self, k: Kernel, inputs) -> BoundedValue:
         lo, hi, err = self._gemm_operand(k, 0)
-        return _Val(Interval(lo, hi), err)
+        return BoundedValue(Interval(lo, hi), err)
 
-    def gather(self, k: Kernel, inputs) -> _Val:
+    def gather(self, k: Kernel, inputs) -> BoundedValue:
         table = self.read(k, 0)
         rows = Interval(table.iv.lo.min(axis=0), table.iv.hi.max(axis=0))
         shape = self._shape(k)
-        return _Val(Interval(np.broadcast_to(rows.lo, shape), np.broadcast_to(rows.hi, shape)),
+        return BoundedValue(Interval(np.broadcast_to(rows.lo, shape), np.broadcast_to(rows.hi, shape)),
                     np.broadcast_to(table.err.max(axis=0), shape), table.floor)
 
-    def scatter(self, k: Kernel, inputs) -> _Val:
+    def scatter(self, k: Kernel, inputs) -> BoundedValue:
         return self._scattered(self.read(k, 0), self.read(k, 1), k.storage)
 
-    def scatter_ew(self, k: Kernel, inputs) -> _Val:
+    def scatter_ew(self, k: Kernel, inputs) -> BoundedValue:
         """The source rows as the elementwise kernel the body replaces (codegen/rows.py), then scattered."""
         return self._scattered(self.read(k, 0), self._unfused(k, inputs), k.storage)
 
     @staticmethod
-    def _scattered(dest: _Val, src: _Val, storage: str | None) -> _Val:
+    def _scattered(dest: BoundedValue, src: BoundedValue, storage: str | None) -> BoundedValue:
         srow = Interval(src.iv.lo.min(axis=0), src.iv.hi.max(axis=0))
         iv = hull(dest.iv, Interval(np.broadcast_to(srow.lo, dest.iv.lo.shape), np.broadcast_to(srow.hi, dest.iv.lo.shape)))
         floor = None if dest.floor is None or src.floor is None else min(dest.floor, src.floor)
         src_err = src.err
         if storage is not None:  # rows written into a KV cache in its format: |Q(s~) - s| <= err + cache_error(|s~|)
-            src_err = src.err + cache_error(_mag(src.wide), storage)
+            src_err = src.err + cache_error(mag_of(src.wide), storage)
             floor = None if floor is None else 0.0  # rounding keeps the sign, not the floor
-        return _Val(iv, np.maximum(dest.err, src_err.max(axis=0)), floor)
+        return BoundedValue(iv, np.maximum(dest.err, src_err.max(axis=0)), floor)
 
-    def softmax(self, k: Kernel, inputs=None) -> _Val:
-        out = _store(self._softmax(k), k.dtype, k)
+    def softmax(self, k: Kernel, inputs=None) -> BoundedValue:
+        out = store_rounded(self._softmax(k), k.dtype, k)
         rel, absolute = self.softmax_rel[k.id]
         if k.dtype.kind is Kind.FLOAT and k.dtype.name != "f64":  # the store's rounding, relative to p
             u, sub = k.dtype.unit_roundoff, k.dtype.min_subnormal
@@ -391,7 +260,7 @@ class StaticAnalyzer:
         self.softmax_rel[k.id] = (np.where(finite, rel * SLACK * SLACK, np.inf), absolute * SLACK * SLACK)
         return out
 
-    def _softmax(self, k: Kernel) -> _Val:
+    def _softmax(self, k: Kernel) -> BoundedValue:
         """Also records (total per row, abs) with sum_i |p^_i - p_i| <= total + n abs over each row: the
         form the Gemm of attention uses. The bound itself: error/softmax_bound.py (from the row max)."""
         v = self.body(k.body, k)
@@ -399,7 +268,7 @@ class StaticAnalyzer:
         fmt = None if k.precision in (None, "f32") else get_format(k.precision)
         bound = softmax_error(v.iv, v.wide, v.err, iv, k.axis, fmt)
         self.softmax_rel[k.id] = (bound.row_total * SLACK, bound.absolute * SLACK)
-        return _Val(iv, bound.err * SLACK, 0.0)
+        return BoundedValue(iv, bound.err * SLACK, 0.0)
 
     def _softmax_rows_of_a(self, k: Kernel):
         """(rel, abs) per (batch, M, 1) row of A when the Gemm reads, along K, each full row of a SOFTMAX
@@ -432,20 +301,20 @@ class StaticAnalyzer:
         arrays = (src.iv.lo, src.iv.hi, np.broadcast_to(src.err, shape))
         return tuple(pick(read_operand(inp.view, np.ascontiguousarray(x), self.bindings), k.layout) for x in arrays)
 
-    def gemm(self, k: Kernel, inputs=None) -> _Val:
-        return _store(self._gemm(k), k.dtype, k)
+    def gemm(self, k: Kernel, inputs=None) -> BoundedValue:
+        return store_rounded(self._gemm(k), k.dtype, k)
 
-    def gemm_epilogue(self, k: Kernel, inputs=None) -> _Val:
+    def gemm_epilogue(self, k: Kernel, inputs=None) -> BoundedValue:
         """The Gemm's value as its FP32 accumulator holds it (the unfused Gemm's F32 store: the same value),
         then the epilogue exactly as the unfused elementwise kernel's transfer, then the one store."""
-        self.vals[_ACC] = _round_f32(self._gemm(k), k)
+        self.vals[_ACC] = round_f32(self._gemm(k), k)
         self.norm.by_id[_ACC] = k  # the accumulator is this Gemm's: a norm pattern stops at it
         try:
             return self.elementwise(epilogue_as_elementwise(k, _ACC), inputs)
         finally:
             del self.vals[_ACC], self.norm.by_id[_ACC]
 
-    def _gemm(self, k: Kernel) -> _Val:
+    def _gemm(self, k: Kernel) -> BoundedValue:
         lay = k.layout
         variant = GEMM_VARIANTS[k.precision or "f32"]
         (alo, ahi, aerr), (blo, bhi, berr) = self._gemm_operand(k, 0), self._gemm_operand(k, 1)
@@ -484,30 +353,30 @@ class StaticAnalyzer:
             err = nan_as_unbounded(prop + rounding) * SLACK
         lo = gemm_result(np.where(np.isnan(lo), -np.inf, lo), lay, full)
         hi = gemm_result(np.where(np.isnan(hi), np.inf, hi), lay, full)
-        return _Val(Interval(lo, hi), gemm_result(err, lay, full))
+        return BoundedValue(Interval(lo, hi), gemm_result(err, lay, full))
 
 
-    def attention(self, k: Kernel, inputs=None) -> _Val:
+    def attention(self, k: Kernel, inputs=None) -> BoundedValue:
         """The fused attention kernel: error/attention_bound.py (stages (a) and (b) there)."""
         variant, spec = ATTENTION_VARIANTS[k.precision], k.value
         qk = dataclasses.replace(k, kind=KernelKind.GEMM, inputs=k.inputs[:2], precision=variant.gemm,
                                  layout=gemm_layouts(k.inputs[0].view, k.inputs[1].view, len(k.inputs[0].view.shape) - 1)[0])
         dot = self._gemm(qk)  # the same operand rounding and FP32 accumulation, not stored
-        scale = _Val(Interval.point(spec.scale), np.asarray(abs(float(np.float32(spec.scale)) - spec.scale)))
-        scaled = _round_f32(self._apply(FApply(Op.MUL, ()), [dot, scale]), k)
-        s = _round_f32(self._apply(FApply(Op.ADD, ()), [scaled, self.read(k, 2)]), k)
+        scale = BoundedValue(Interval.point(spec.scale), np.asarray(abs(float(np.float32(spec.scale)) - spec.scale)))
+        scaled = round_f32(self._apply(FApply(Op.MUL, ()), [dot, scale]), k)
+        s = round_f32(self._apply(FApply(Op.ADD, ()), [scaled, self.read(k, 2)]), k)
         shape = tuple(eval_dim(d, self.bindings) for d in k.inputs[2].view.shape)
-        s = _Val(Interval(*(np.broadcast_to(x, shape) for x in (s.iv.lo, s.iv.hi))), np.broadcast_to(s.err, shape))
+        s = BoundedValue(Interval(*(np.broadcast_to(x, shape) for x in (s.iv.lo, s.iv.hi))), np.broadcast_to(s.err, shape))
         v = self.read(k, 3)  # over (rows..., Dv, T)
         vshape = tuple(eval_dim(d, self.bindings) for d in k.inputs[3].view.shape)
         iv, err = attention_bound.attention_error(s.iv, s.wide, s.err, Interval(*(np.broadcast_to(x, vshape) for x in (
             v.iv.lo, v.iv.hi))), np.broadcast_to(v.err, vshape), spec, variant.pv)
-        out = _Val(iv, nan_as_unbounded(err) * SLACK)
-        return _store(_round_f32(out, k), k.dtype, k)  # the divide's rounding, then the store
+        out = BoundedValue(iv, nan_as_unbounded(err) * SLACK)
+        return store_rounded(round_f32(out, k), k.dtype, k)  # the divide's rounding, then the store
 
 
 # How each kernel kind transforms (interval, error): one entry per KernelKind (a test checks coverage).
-KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str, Interval]], _Val]] = {
+KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str, Interval]], BoundedValue]] = {
     KernelKind.EXTERNAL: StaticAnalyzer.external,
     KernelKind.CONST: StaticAnalyzer.const,
     KernelKind.IOTA: StaticAnalyzer.iota,
@@ -541,12 +410,12 @@ def _softmax_rows(shape: tuple[int, ...], axis: int) -> tuple[np.ndarray, np.nda
     return row, pos
 
 
-def stored_weight_value(iv: Interval, storage: str, shape) -> _Val:
+def stored_weight_value(iv: Interval, storage: str, shape) -> BoundedValue:
     """A weight held in a storage format: the exact (graph) weight, computed with its known storage error."""
     lo, hi = np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape)
     if not np.array_equal(lo, hi):
         raise ValueError(f"a weight stored as {storage} must be a compile-time point, not a range")
-    return _Val(Interval(lo, hi), storage_error(lo, storage))
+    return BoundedValue(Interval(lo, hi), storage_error(lo, storage))
 
 
 def _mid_rad(iv: Interval) -> tuple[np.ndarray, np.ndarray]:

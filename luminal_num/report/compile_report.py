@@ -1,16 +1,18 @@
 """Reports of a compile: reports/<name>/{pareto.csv, pareto.html, pareto.png, plan_ops.csv, plan.json}."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from ..search.front import Stage, front
 from ..search.plan import scales_path, weights_path
 from .files import atomic_files
 from .layer_map import write_layer_map
-from .pareto import ALLCLOSE_COLUMN, CSV_NAME, ERROR_COLUMN, HTML_NAME, PNG_NAME, write_op_table, write_pareto_report
+from .pareto import ALLCLOSE_COLUMN, CSV_NAME, ERROR_COLUMN, FRONT_COLUMN, HTML_NAME, PNG_NAME, write_op_table, write_pareto_report
 
 PLAN_NAME, OPS_NAME = "plan.json", "plan_ops.csv"
 LAYER_CSV, LAYER_PNG = "layer_map.csv", "layer_map.png"
@@ -21,13 +23,14 @@ INTERRUPTED_KEY = "interrupted"  # plan.json field marking a partial result (the
 
 
 def candidate_rows(result) -> pd.DataFrame:
-    """One row per evaluated candidate (baselines labelled, the chosen plan marked)."""
+    """One row per evaluated candidate (baselines labelled, the chosen plan and the search's front marked)."""
+    on_front = {e.id for e in front(result.search.evaluated)}
     chosen_id = result.search.chosen.id if result.search.chosen is not None else -1
     sources = result.search.stats.get("baseline_sources", {})  # what each labelled baseline follows
     headroom = float(result.search.stats.get("headroom", 1.0))
     rows = []
     for e in result.search.evaluated:
-        label = e.label if e.stage == "baseline" else ""
+        label = e.label if e.stage == Stage.BASELINE else ""
         if e.id == chosen_id:
             label = "chosen"
         tags = sorted(t for _, _, t in e.genome)
@@ -38,7 +41,8 @@ def candidate_rows(result) -> pd.DataFrame:
                      "verdict_source": e.verdict.source, "passes": bool(e.verdict.passed), "label": label,
                      "stage": e.stage, "changes": len(tags), "max_abs": e.verdict.max_abs,
                      "variants": " ".join(sorted(set(tags))) or "fp32", "reason": e.verdict.reason,
-                     "source": sources.get(e.label, "") if e.stage == "baseline" else ""})
+                     "source": sources.get(e.label, "") if e.stage == Stage.BASELINE else "",
+                     FRONT_COLUMN: e.id in on_front})
     return pd.DataFrame(rows)
 
 
@@ -71,10 +75,10 @@ def write_compile_report(result, out_dir: str | Path, title: str, interrupted: s
     out_dir = Path(out_dir)
     rows = candidate_rows(result)
     if extra_rows is not None and not extra_rows.empty:
-        rows = pd.concat([rows, extra_rows], ignore_index=True)
+        rows = pd.concat([rows, extra_rows.assign(**{FRONT_COLUMN: False})], ignore_index=True)  # peers: not searched
     headroom = float(result.search.stats.get("headroom", 1.0))
     if interrupted:
-        result.plan.data[INTERRUPTED_KEY] = interrupted
+        result = dataclasses.replace(result, plan=result.plan.with_fields(**{INTERRUPTED_KEY: interrupted}))
         title = f"{title} [PARTIAL: {interrupted}]"
     with atomic_files(out_dir) as staging:
         write_pareto_report(staging, rows, budget_error=1.0, title=title, threshold=headroom,

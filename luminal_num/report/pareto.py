@@ -1,5 +1,8 @@
 """Pareto report: every evaluated plan as error vs latency, the front marked, as CSV + PNG + HTML.
 
+The front is the search's (search/front.py, an epsilon-Pareto front whose members were confirmed end to
+end): the rows carry it, so the report, `luminal-num pareto` and `compile` show the same one.
+
 Why three files: the CSV is the record (full-precision floats, diffable, read back by tools), the PNG is
 the picture of the trade-off, and the HTML puts both on one self-contained page (no external assets,
 so it opens from an archive or a CI artifact as is).
@@ -29,10 +32,11 @@ from luminal_num.report.numbers import fmt_latency, fmt_num
 # With atol=inf (an LLM budget of KL and top-1 limits) allclose alone would put every plan at 0.
 ERROR_COLUMN = "budget_share"
 ALLCLOSE_COLUMN = "allclose_ratio"  # allclose alone, kept beside it
-REQUIRED_COLUMNS = ("candidate", ERROR_COLUMN, "latency_s", "latency_source", "verdict_source", "passes", "label")
+FRONT_COLUMN = "on_front"  # the search's front (search/front.py), marked by the caller: one front everywhere
+REQUIRED_COLUMNS = ("candidate", ERROR_COLUMN, "latency_s", "latency_source", "verdict_source", "passes", "label",
+                    FRONT_COLUMN)
 NUMERIC_COLUMNS = (ERROR_COLUMN, "latency_s")
 CHOSEN_LABEL = "chosen"
-FRONT_COLUMN = "on_front"
 CSV_NAME, PNG_NAME, HTML_NAME = "pareto.csv", "pareto.png", "pareto.html"
 
 
@@ -43,30 +47,8 @@ class ReportFiles:
     html: Path
 
 
-def pareto_front(points: Sequence[tuple[float, float]]) -> list[bool]:
-    """Mark the (error, latency) points no other point dominates, minimising both.
-
-    q dominates p when q <= p in both coordinates and q != p. Exact duplicates do not dominate each
-    other; of a group of equal points only the first (lowest index) is marked, so the front has one
-    entry per distinct trade-off and the result does not depend on anything but input order.
-    Points with a NaN coordinate (e.g. never profiled) are never on the front and dominate nothing.
-    Sweep in (error, latency, index) order: a point is on the front iff its latency is strictly below
-    every latency seen before it.
-    """
-    valid = [i for i, (error, latency) in enumerate(points) if not (math.isnan(error) or math.isnan(latency))]
-    valid.sort(key=lambda i: (points[i][0], points[i][1], i))
-    on_front = [False] * len(points)
-    best_latency: float | None = None
-    for i in valid:
-        latency = points[i][1]
-        if best_latency is None or latency < best_latency:
-            on_front[i] = True
-            best_latency = latency
-    return on_front
-
-
 def _checked_table(rows: pd.DataFrame, baselines: Mapping[str, object] | None) -> pd.DataFrame:
-    """Validate the report rows and add the `on_front` column; raises ValueError on anything malformed."""
+    """Validate the report rows (`on_front` last); raises ValueError on anything malformed."""
     missing = [column for column in REQUIRED_COLUMNS if column not in rows.columns]
     if missing:
         raise ValueError(f"report rows lack columns {missing}; required: {list(REQUIRED_COLUMNS)}")
@@ -77,9 +59,13 @@ def _checked_table(rows: pd.DataFrame, baselines: Mapping[str, object] | None) -
         table[column] = pd.to_numeric(table[column], errors="raise").astype(np.float64)
         if (table[column] < 0).any():
             raise ValueError(f"column {column!r} has negative values")
-    if not all(isinstance(value, (bool, np.bool_)) for value in table["passes"]):
-        raise ValueError("column 'passes' must hold booleans")
-    table["passes"] = table["passes"].astype(bool)
+    for column in ("passes", FRONT_COLUMN):
+        if not all(isinstance(value, (bool, np.bool_)) for value in table[column]):
+            raise ValueError(f"column {column!r} must hold booleans")
+        table[column] = table[column].astype(bool)
+    if (table[FRONT_COLUMN] & ~table["passes"]).any():
+        raise ValueError(f"rows {list(table['candidate'][table[FRONT_COLUMN] & ~table['passes']])} are on the front "
+                         f"but fail the budget: the front is of passing plans")
     if table["candidate"].duplicated().any():
         raise ValueError(f"duplicate candidate ids: {sorted(set(table['candidate'][table['candidate'].duplicated()]))}")
     table["label"] = table["label"].fillna("").astype(str)
@@ -90,10 +76,7 @@ def _checked_table(rows: pd.DataFrame, baselines: Mapping[str, object] | None) -
         table.loc[match, "label"] = label
     if (table["label"] == CHOSEN_LABEL).sum() > 1:
         raise ValueError(f"more than one row is labelled {CHOSEN_LABEL!r}")
-    # the front is over passing plans only: a faster plan that breaks the budget dominates nothing
-    points = [(e, lat) if ok else (math.nan, math.nan)
-              for e, lat, ok in zip(table[ERROR_COLUMN], table["latency_s"], table["passes"])]
-    table[FRONT_COLUMN] = pareto_front(points)
+    table[FRONT_COLUMN] = table.pop(FRONT_COLUMN)  # the last column, as the record has always had it
     return table
 
 

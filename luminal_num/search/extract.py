@@ -13,6 +13,7 @@ from typing import Mapping
 from ..codegen.kinds import Sort, decl
 from .choice import Candidate, ChoiceSpace, ENode, _Picker
 from .horizontal import SliceChoice
+from .tags import Tag, TagKind
 from .rows_extract import RowBodies, as_elementwise, fused_scatter_first, row_order
 
 BASE = "f32"
@@ -56,7 +57,7 @@ def _t_rank(n: ENode, genome: Mapping[str, str], space: ChoiceSpace, slices: Sli
         return -2 if slices.takes_src(n.cls("acc"), genome, BASE) else 9
     if n.op == "KGemmEpi":
         prec, acc = n.arg("prec"), n.cls("acc")
-        ok = genome.get(acc, BASE) == (BASE if prec == BASE else "gemm:" + prec)
+        ok = genome.get(acc, BASE) == (BASE if prec == BASE else str(Tag(TagKind.GEMM, prec)))
         return -1 if ok and not slices.sliced(space, acc, genome, BASE) else 9
     if n.op == "KSlice":
         return 10

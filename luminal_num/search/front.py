@@ -7,6 +7,7 @@ predicted one it ties with.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +19,16 @@ from ..runtime.cost import Latency
 from .space import Genome
 
 
+class Stage(enum.StrEnum):
+    """Which step of the search proposed a candidate (its text is the reports' `stage` column)."""
+    BASELINE = "baseline"        # a peer recipe (FP32, TF32, autocast, weight-only)
+    UNIFORM = "uniform"          # one Gemm variant on every Gemm
+    SENSITIVITY = "sensitivity"  # one change alone
+    GREEDY = "greedy"            # changes added by gain per unit of error
+    LAYER = "layer"              # per-layer overrides and allocations
+    MUTATION = "mutation"        # random changes to a front member
+
+
 @dataclass(frozen=True)
 class Evaluated:
     id: int
@@ -25,7 +36,7 @@ class Evaluated:
     verdict: Verdict
     latency: Latency | None   # None when the gate rejected it (latency is never spent on those)
     label: str = ""
-    stage: str = ""           # baseline | uniform | sensitivity | greedy | layer | mutation
+    stage: Stage | None = None
     program: Program | None = field(default=None, repr=False, compare=False)  # what was judged (lowered once)
     # end-to-end measurements this candidate cost (its own and its confirmation's); 0 when a cache hit
     # (the same program measured for another genome), the static bound, its chunks or a prediction decided

@@ -26,6 +26,7 @@ from ..codegen.llir import quantized_a_view
 from ..quant.concat import concat_refusal
 from ..quant.stored import GGUF_KEPT, SEARCHED_STORAGE
 from .encode import ChunkTables
+from .tags import Tag, TagKind
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,7 @@ class SliceChoice:
                     self.weight.setdefault(cid, n.cls("b"))
                     self.prec.setdefault(cid, n.arg("prec"))
                 elif n.op == "KCatStored":
-                    self.stored.setdefault(cid, {})["store:" + n.arg("fmt")] = i
+                    self.stored.setdefault(cid, {})[str(Tag(TagKind.STORE, n.arg("fmt")))] = i
         self.b = {src: self.weight[src] for src in self.parts}
         self.cat_parts = {self.b[src]: parts for src, parts in self.parts.items()}
 
@@ -272,7 +273,7 @@ class SliceChoice:
 
     def takes_src(self, src: str, genome: Mapping[str, str], base: str) -> bool:
         prec = self.prec[src]
-        tag = base if prec == base else "gemm:" + prec
+        tag = base if prec == base else str(Tag(TagKind.GEMM, prec))
         parts = self.parts[src]
         if not all(genome.get(p, base) == tag for p in parts) or self.weight_tag(src, genome, base) is None:
             return False

@@ -7,6 +7,8 @@ Serialisation is canonical (sorted keys, floats as repr) so the same seed gives 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import io
 import json
 from dataclasses import dataclass
@@ -269,6 +271,11 @@ class Plan:
     @property
     def budget(self) -> Budget:
         return Budget.from_dict(self.data["budget"])
+
+    def with_fields(self, **fields) -> "Plan":
+        """This plan with top-level fields added or replaced (the job it records, a partial result's mark):
+        a new Plan, so no caller edits a plan's data in place."""
+        return dataclasses.replace(self, data={**self.data, **fields})
 
     def with_source(self, source: dict) -> "Plan":
         """This plan recording the model file it was compiled from (e.g. {"format", "file", "sha256"})."""

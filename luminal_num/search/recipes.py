@@ -16,6 +16,7 @@ from typing import Callable
 from ..hlir.graph import Graph
 from ..hlir.ops import Op
 from .space import Genome, SearchSpace
+from .tags import TagKind, is_kind, kind_of
 
 # -- the lists, as published (torch.amp docs: "CUDA Ops that can autocast to float16" / "... to float32",
 #    "CPU Ops that can autocast to bfloat16" / "... to float32"; loss functions omitted: no graph has them)
@@ -150,7 +151,7 @@ def autocast_recipe(space: SearchSpace, lists: Autocast) -> Recipe:
             if nid in matmuls and ops[nid][0] in lists.low_list:
                 want = lists.gemm_tag
             elif nid in exits and dtype.get(nid) == LOW:
-                kinds = {t.split(":")[0] for t in k.tags[1:]}
+                kinds = {kind_of(t) for t in k.tags[1:]}
                 want = next((lists.store_tags[kd] for kd in ("ew", "sum", "softmax") if kd in kinds
                              and kd in lists.store_tags), None)
             if want is None:
@@ -207,6 +208,24 @@ def pick(space: SearchSpace, pred: Callable[[str], bool]) -> Genome:
 def recipe_genomes(space: SearchSpace) -> dict[str, Genome]:
     """Every storage recipe as a genome; a KV-cache recipe only where the graph has a KV cache (elsewhere
     it would repeat the weights-only recipe under another name)."""
-    has_kv = any(t.startswith("kv:") for ks in space.knobs.values() for k in ks for t in k.tags)
+    has_kv = any(is_kind(t, TagKind.KV) for ks in space.knobs.values() for k in ks for t in k.tags)
     return {name: pick(space, tags.__contains__) for name, tags in STORAGE_RECIPES.items()
-            if has_kv or not any(t.startswith("kv:") for t in tags)}
+            if has_kv or not any(is_kind(t, TagKind.KV) for t in tags)}
+
+
+def baseline_genomes(space: SearchSpace) -> dict[str, Genome]:
+    """What users pick today, each following the tool it names op by op (sources in BASELINE_SOURCES):
+    FP32 everywhere, PyTorch's TF32 matmul flag, PyTorch autocast BF16/FP16 (CUDA lists) and BF16 (CPU
+    lists), and FP8 E4M3 with per-tensor scales on every Gemm. The search starts from them; the
+    compile's headroom probes a few of them."""
+    return {"FP32 everywhere": frozenset(),
+            "TF32 flag": tf32_recipe(space).genome,
+            **{a.name: autocast_recipe(space, a).genome for a in AUTOCASTS},
+            "FP8 everywhere": pick(space, lambda t: t == "gemm:f8e4m3_tensor"),
+            **recipe_genomes(space)}  # weight-storage recipes (W8A16, W4A16, FP8 W8A8)
+
+
+BASELINE_SOURCES = {"FP32 everywhere": "no reduced precision anywhere (PyTorch's default FP32 execution)",
+                    "TF32 flag": TF32_SOURCE, **{a.name: a.source for a in AUTOCASTS},
+                    "FP8 everywhere": "every Gemm in FP8 E4M3 with per-tensor dynamic scales (no peer tool: a bound)",
+                    **STORAGE_SOURCES}

@@ -13,18 +13,16 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from ..codegen.attention import ATTENTION_VARIANTS
 from ..codegen.llir import Program
-from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
-from ..quant.storage import STORAGE_FORMATS
 from ..error.judge import PREDICTED_SOURCES, Judge
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
 from ..runtime.targets import OPERAND_MATH, gemm_math, get_target
 from . import allocate
-from .front import Evaluated, choose, front, share
-from .recipes import AUTOCASTS, STORAGE_SOURCES, TF32_SOURCE, autocast_recipe, pick, recipe_genomes, tf32_recipe
+from .front import Evaluated, Stage, choose, front, share
+from .recipes import BASELINE_SOURCES, baseline_genomes
 from .space import ChunkSite, Genome, SearchSpace
+from .tags import Tag, TagKind, is_kind, priority
 
 
 @dataclass(frozen=True)
@@ -52,21 +50,13 @@ class SearchResult:
         return [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
 
 
-def _baseline_genomes(space: SearchSpace) -> dict[str, Genome]:
-    """What users pick today, each following the tool it names op by op (sources in BASELINE_SOURCES):
-    FP32 everywhere, PyTorch's TF32 matmul flag, PyTorch autocast BF16/FP16 (CUDA lists) and BF16 (CPU
-    lists), and FP8 E4M3 with per-tensor scales on every Gemm."""
-    return {"FP32 everywhere": frozenset(),
-            "TF32 flag": tf32_recipe(space).genome,
-            **{a.name: autocast_recipe(space, a).genome for a in AUTOCASTS},
-            "FP8 everywhere": pick(space, lambda t: t == "gemm:f8e4m3_tensor"),
-            **recipe_genomes(space)}  # weight-storage recipes (W8A16, W4A16, FP8 W8A8)
-
-
-BASELINE_SOURCES = {"FP32 everywhere": "no reduced precision anywhere (PyTorch's default FP32 execution)",
-                    "TF32 flag": TF32_SOURCE, **{a.name: a.source for a in AUTOCASTS},
-                    "FP8 everywhere": "every Gemm in FP8 E4M3 with per-tensor dynamic scales (no peer tool: a bound)",
-                    **STORAGE_SOURCES}
+@dataclass(frozen=True)
+class Exploration:
+    """The search's candidates before confirmation: the searcher holding them, its baselines, whether
+    Ctrl-C stopped it."""
+    searcher: "Searcher"
+    baselines: dict[str, Evaluated]
+    interrupted: bool
 
 
 class Searcher:
@@ -86,7 +76,7 @@ class Searcher:
 
     # -- evaluation ---------------------------------------------------------------------------
     def budget_left(self) -> bool:
-        n = sum(1 for e in self.evaluated if e.stage != "baseline")
+        n = sum(1 for e in self.evaluated if e.stage != Stage.BASELINE)
         if n >= self.opt.max_candidates:
             return False
         return self.opt.time_limit_s is None or time.perf_counter() - self.t0 < self.opt.time_limit_s
@@ -98,7 +88,7 @@ class Searcher:
         except UnsupportedOnTarget:
             return None
 
-    def evaluate(self, genome: Genome, stage: str, label: str = "", force_latency: bool = False) -> Evaluated:
+    def evaluate(self, genome: Genome, stage: Stage, label: str = "", force_latency: bool = False) -> Evaluated:
         if genome in self.seen:
             return self.seen[genome]
         lowered: list[Program] = []
@@ -110,13 +100,13 @@ class Searcher:
         # the FP32 baseline (every single change's reference point) and a baseline already run end to end
         # (a headroom probe: its outputs are kept) are measured; the other baselines are judged like any
         # candidate (the front and the chosen plan are confirmed end to end anyway)
-        measured = stage == "baseline" and (not genome or self.judge.has_outputs(program()))
+        measured = stage == Stage.BASELINE and (not genome or self.judge.has_outputs(program()))
         screen = None if measured else self.space.candidates(genome)
         runs_before = self.judge.stats.measured
         # a baseline is timed whatever its verdict (lowered now), and reported next to the plan: one inside
         # the band is measured, never decided tentatively
-        verdict = self.judge.judge(program() if stage == "baseline" else program, genome, screen,
-                                   predict=not measured, tentative=stage != "baseline")
+        verdict = self.judge.judge(program() if stage == Stage.BASELINE else program, genome, screen,
+                                   predict=not measured, tentative=stage != Stage.BASELINE)
         lat = self.latency(program()) if (verdict.passed or force_latency) else None
         if verdict.passed and lat is None:  # the target cannot run this variant (FP8 on an A100)
             verdict = dataclasses.replace(verdict, passed=False, reason=f"not supported on target {self.target}")
@@ -124,16 +114,20 @@ class Searcher:
                       self.judge.stats.measured - runs_before)
         self.evaluated.append(e)
         self.seen[genome] = e
-        if stage != "baseline":
+        if stage != Stage.BASELINE:
             self.bar.update(1)
         return e
 
     # -- phases -------------------------------------------------------------------------------
     def run(self) -> SearchResult:
+        return self.confirm(self.explore())
+
+    def explore(self) -> "Exploration":
+        """The search's phases, from the baselines to the mutations (Ctrl-C stops it: the candidates so far)."""
         interrupted = False
         try:
-            baselines = {name: self.evaluate(g, "baseline", name, force_latency=True)
-                         for name, g in _baseline_genomes(self.space).items()}
+            baselines = {name: self.evaluate(g, Stage.BASELINE, name, force_latency=True)
+                         for name, g in baseline_genomes(self.space).items()}
             base = baselines["FP32 everywhere"]
             self.uniform()
             singles = self.sensitivity(base)
@@ -145,8 +139,14 @@ class Searcher:
             if not self.evaluated:
                 raise
             interrupted = True
-            baselines = {e.label: e for e in self.evaluated if e.stage == "baseline"}
+            baselines = {e.label: e for e in self.evaluated if e.stage == Stage.BASELINE}
         self.bar.close()
+        return Exploration(self, baselines, interrupted)
+
+    def confirm(self, explored: "Exploration") -> SearchResult:
+        """The chosen plan: the front's and the chosen plan's predicted verdicts measured end to end; with
+        the statistics of the whole search."""
+        interrupted, baselines = explored.interrupted, explored.baselines
         # an interrupted search confirms nothing more: its partial plan stands on measurements only
         chosen = choose([e for e in self.passing() if e.verdict.source not in PREDICTED_SOURCES]) if interrupted \
             else self.confirm_finalists()
@@ -175,14 +175,14 @@ class Searcher:
         """Each Gemm variant class on every Gemm that has it (its `per_class` most accurate variants),
         before any single change: the uniform recipes ("BF16 on every Gemm") are always candidates, so
         they are on the front whenever they pass, whatever the later phases find."""
-        tags = sorted({t for ks in self.space.knobs.values() for k in ks for t in k.tags if t.startswith("gemm:")})
+        tags = sorted({t for ks in self.space.knobs.values() for k in ks for t in k.tags if is_kind(t, TagKind.GEMM)})
         for cls_tags in variant_classes(tags, self.target):
             for tag in cls_tags[:per_class]:
                 genome = frozenset((gk, k.cls, tag) for gk, ks in self.space.knobs.items() for k in ks
                                    if tag in k.tags)
                 if not self.budget_left():
                     return
-                self.evaluate(genome, "uniform", f"{tag.split(':', 1)[1]} on every Gemm")
+                self.evaluate(genome, Stage.UNIFORM, f"{Tag.parse(tag).variant} on every Gemm")
 
     def confirm_finalists(self) -> Evaluated | None:
         """Measure end to end every predicted member of the front and the chosen plan, until the front
@@ -254,22 +254,21 @@ class Searcher:
         for gk, ks in self.space.knobs.items():
             for k in ks:
                 plans.append([(gk, k.cls, tags[0]) for tags in variant_classes(k.tags, self.target)])
-        kinds = {"gemm": 0, "attn": 0.5, "sum": 1, "softmax": 2, "ew": 3}  # attn: one launch for four
-        plans.sort(key=lambda p: kinds.get(p[0][2].split(":")[0], 4) if p else 9)
+        plans.sort(key=lambda p: priority(p[0][2]) if p else 9)
         out, passed = [], [0] * len(plans)
         for round_ in range(max((len(p) for p in plans), default=0)):
             for i, p in enumerate(plans):
                 if round_ >= len(p) or passed[i] >= 2:
                     continue
-                if not self.budget_left() or self._count("sensitivity") >= cap:
+                if not self.budget_left() or self._count(Stage.SENSITIVITY) >= cap:
                     return out
-                e = self.evaluate(frozenset([p[round_]]), "sensitivity")
+                e = self.evaluate(frozenset([p[round_]]), Stage.SENSITIVITY)
                 self.judge.note_isolated(p[round_], e.verdict)
                 out.append(e)
                 passed[i] += e.verdict.passed
         return out
 
-    def _count(self, stage: str) -> int:
+    def _count(self, stage: Stage) -> int:
         return sum(1 for e in self.evaluated if e.stage == stage)
 
     def greedy(self, base: Evaluated, singles: list[Evaluated]) -> None:
@@ -285,16 +284,16 @@ class Searcher:
         useful.sort(key=lambda e: (-score(e), e.id))
         # start from the fastest passing uniform recipe or single change (or FP32): singles then refine it
         # knob by knob (a single can beat every uniform recipe: a fused kernel on a knob the recipe sets)
-        starts = [e for e in self.evaluated if e.stage == "uniform" and e.verdict.passed and e.latency is not None]
+        starts = [e for e in self.evaluated if e.stage == Stage.UNIFORM and e.verdict.passed and e.latency is not None]
         start = min(starts + useful, key=lambda e: (e.latency_s, e.id), default=base)
         current, current_lat = start.genome, start.latency_s
         for e in useful:
             (change,) = tuple(e.genome)
-            if not self.budget_left() or self._count("greedy") >= max(int(self.opt.max_candidates * 0.25), 1):
+            if not self.budget_left() or self._count(Stage.GREEDY) >= max(int(self.opt.max_candidates * 0.25), 1):
                 break
             if any((g, c) == change[:2] for g, c, _ in current):
                 continue
-            trial = self.evaluate(current | {change}, "greedy")
+            trial = self.evaluate(current | {change}, Stage.GREEDY)
             if trial.verdict.passed and trial.latency is not None and trial.latency_s < current_lat:
                 current, current_lat = trial.genome, trial.latency_s
 
@@ -308,11 +307,11 @@ class Searcher:
         current = choose(self.passing())
         if current is None or self.judge.chunks is None:  # per-chunk genomes need per-chunk verdicts
             return
-        cap = self._count("layer") + max(int(self.opt.max_candidates * share), 1)
+        cap = self._count(Stage.LAYER) + max(int(self.opt.max_candidates * share), 1)
         multi = [g for g in self.space.part.groups if len(g.chunks) > 1]
         # uniform recipes in the order tried (fastest class first; a failing one has no latency: it is
         # never timed) and passing greedy genomes, each only if not known to be slower than `current`
-        donors = [e for e in self.evaluated if e.stage in ("uniform", "greedy") and e.genome != current.genome
+        donors = [e for e in self.evaluated if e.stage in (Stage.UNIFORM, Stage.GREEDY) and e.genome != current.genome
                   and (e.latency is None or e.latency_s < current.latency_s)]
         trials: dict[int, list[Evaluated]] = {}  # chunk -> its single-chunk trials that passed and gained
         for donor in donors:
@@ -321,9 +320,9 @@ class Searcher:
                 if not over or over <= {(c, t) for site, c, t in current.genome if site == g.key}:
                     continue
                 for chunk in g.chunks:
-                    if not self.budget_left() or self._count("layer") >= cap:
+                    if not self.budget_left() or self._count(Stage.LAYER) >= cap:
                         break
-                    trial = self.evaluate(self.space.per_chunk(current.genome, chunk.index, over), "layer",
+                    trial = self.evaluate(self.space.per_chunk(current.genome, chunk.index, over), Stage.LAYER,
                                           f"chunk {chunk.index} as {donor.label or f'candidate {donor.id}'}")
                     if trial.verdict.passed and trial.latency is not None and trial.latency_s < current.latency_s:
                         trials.setdefault(chunk.index, []).append(trial)
@@ -354,7 +353,7 @@ class Searcher:
                 a = solve(options, limit, total)
                 if all(j == allocate.NONE for j in a.selection) or not self.budget_left():
                     continue
-                e = self.evaluate(genome(a.selection), "layer", f"per-layer {a.method} allocation")
+                e = self.evaluate(genome(a.selection), Stage.LAYER, f"per-layer {a.method} allocation")
                 self.allocation.setdefault(f"allocation_{a.method}_predicted", a.total)
                 if e.verdict.passed and e.latency is not None:
                     won.setdefault(a.method, e)
@@ -402,7 +401,7 @@ class Searcher:
                 stale += 1
                 continue
             stale = 0
-            self.evaluate(genome, "mutation")
+            self.evaluate(genome, Stage.MUTATION)
 
     def front(self) -> list[Evaluated]:
         return front(self.evaluated)
@@ -417,25 +416,26 @@ def variant_classes(tags, target: str) -> list[list[str]]:
     t = get_target(target)
     t = get_target("h200") if t.measured_only else t
 
-    def key(tag: str) -> tuple[float, float]:
-        kind, name = tag.split(":", 1)
-        if kind == "gemm":
-            v = GEMM_VARIANTS[name]
+    def key(text: str) -> tuple[float, float]:
+        tag = Tag.parse(text)
+        kind = tag.kind
+        if kind == TagKind.GEMM:
+            v = tag.spec()
             math, tc = gemm_math(v)
             peak = (t.tensor_cores if tc else t.cuda_cores).rate(math) or 0.0
             return -peak, float(v.a_priori_bound(1024, 1024.0, 1.0, 1.0))
-        if kind == "ew":
-            p = ELEMENTWISE_VARIANTS[name]
+        if kind == TagKind.EW:
+            p = tag.spec()
             return p.storage.bits, p.storage.unit_roundoff + p.compute.unit_roundoff
-        if kind == "sum":
-            p = REDUCE_VARIANTS[name]
+        if kind == TagKind.SUM:
+            p = tag.spec()
             return p.storage.bits, p.storage.unit_roundoff + p.acc.unit_roundoff
-        if kind == "attn":  # one kernel for four: ahead of every unfused class, then by its operand math
-            v = ATTENTION_VARIANTS[name]
+        if kind == TagKind.ATTN:  # one kernel for four: ahead of every unfused class, then by its operand math
+            v = tag.spec()
             math_, tc = OPERAND_MATH[v.qk.name]
             return -1e20 - ((t.tensor_cores if tc else t.cuda_cores).rate(math_) or 0.0), v.qk.unit_roundoff
-        if kind in ("store", "kv"):  # a weight's (or KV cache's) storage format: bits per element, element error
-            f = STORAGE_FORMATS[name]
+        if kind in (TagKind.STORE, TagKind.KV):  # a weight's (or KV cache's) storage: bits per element, element error
+            f = tag.spec()
             return f.bits_per_weight((128, 128)), sum(f.element_error(1.0))
         return 0.0, 0.0
     groups: dict[float, list[str]] = {}
@@ -447,11 +447,21 @@ def variant_classes(tags, target: str) -> list[list[str]]:
 
 
 def _in_prologue(tag: str) -> bool:
-    kind, name = tag.split(":", 1)
-    return kind == "gemm" and GEMM_VARIANTS[name].a_prologue
+    t = Tag.parse(tag)
+    return t.kind == TagKind.GEMM and t.spec().a_prologue
 
 
 def search(space: SearchSpace, judge: Judge, options: SearchOptions, latency_inputs=None,
            target: str | None = None) -> SearchResult:
     """`target` (default `options.target`): where latencies are modelled or measured."""
     return Searcher(space, judge, options, latency_inputs, target).run()
+
+
+def explore(space: SearchSpace, judge: Judge, options: SearchOptions, latency_inputs=None,
+            target: str | None = None) -> Exploration:
+    """The search without its confirmation (compile's `search` stage; `confirm` is the next)."""
+    return Searcher(space, judge, options, latency_inputs, target).explore()
+
+
+def confirm(explored: Exploration) -> SearchResult:
+    return explored.searcher.confirm(explored)

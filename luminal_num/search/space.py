@@ -13,6 +13,7 @@ from .extract import BASE, Knob, extract, knobs
 from .lower import lower_chunk_program, lower_program
 from .rules.precision import precision
 from .saturate import GroupSpace, saturate_group
+from .tags import priority
 
 
 
@@ -70,7 +71,11 @@ class SearchSpace:
     @staticmethod
     def build(graph: Graph, with_precision: bool = True, fusion: bool = True) -> "SearchSpace":
         """`fusion=False`: the space without the fusion rules (every kernel as the lowering made it)."""
-        part = partition(graph)
+        return SearchSpace.saturated(graph, partition(graph), with_precision, fusion)
+
+    @staticmethod
+    def saturated(graph: Graph, part: Partition, with_precision: bool = True, fusion: bool = True) -> "SearchSpace":
+        """The space of an already partitioned graph: each group saturated once."""
         consumers = graph.consumers()
         groups = {g.key: saturate_group(graph, g, consumers, precision if with_precision else None, fusion=fusion)
                   for g in part.groups}
@@ -82,9 +87,8 @@ class SearchSpace:
     def all_changes(self) -> list[Change]:
         """Every single precision change, Gemms first (where the time goes), then reductions, softmax,
         elementwise storage; group order and tag order are kept, so the list is deterministic."""
-        kinds = {"gemm": 0, "attn": 0.5, "sum": 1, "softmax": 2, "ew": 3}  # attn: one launch for four
         out = [(gk, k.cls, tag) for gk, ks in self.knobs.items() for k in ks for tag in k.tags if tag != BASE]
-        return sorted(out, key=lambda c: kinds.get(c[2].split(":")[0], 4))
+        return sorted(out, key=lambda c: priority(c[2]))
 
     def candidates(self, genome: Iterable[Change]) -> dict[int, Candidate]:
         """Chunk index -> its candidate: the group's changes, then the chunk's own overrides."""
@@ -136,9 +140,6 @@ class SearchSpace:
         over = dict(changes)
         keep = [ch for ch in genome if not (ch[0] == site and ch[1] in over)]
         return frozenset(keep + [(site, cls, tag) for cls, tag in over.items()])
-
-    def knob_kind(self, change: Change) -> str:
-        return change[2].split(":")[0]
 
 
 def genome_of(changes: Mapping[tuple[str, str], str]) -> Genome:
