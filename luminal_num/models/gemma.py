@@ -30,7 +30,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..hlir import Graph, GraphTensor, index_input
-from .llama import (CACHE_KINDS, MASKED_BIAS, _linear, _rotate_half, cache_input_name, cache_output_name)
+from .llama import (CACHE_KINDS, MASKED_BIAS, _linear, _rotate_half, cache_input_name, cache_output_name,
+                    checked_batch)
 
 ARCH = "gemma3"
 GLOBAL_EVERY = 6            # Gemma 3: five local layers, then one global
@@ -193,18 +194,8 @@ class GemmaModel:
         back), None for empty caches; `cached_rows[b]`: rows of sequence b already written (default 0
         for empty caches, else min(positions[b]))."""
         c = self.config
-        ids, positions = np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64)
-        for what, arr, limit in (("ids", ids, c.vocab_size), ("positions", positions, self.max_cache)):
-            if arr.shape != (self.batch, self.seq):
-                raise ValueError(f"{what} must have shape ({self.batch}, {self.seq}), got {arr.shape}")
-            if arr.min() < 0 or arr.max() >= limit:
-                raise IndexError(f"{what} must lie in [0, {limit})")
-        if any(len(np.unique(row)) != self.seq for row in positions):
-            raise ValueError(f"each sequence's positions must be distinct cache rows, got {positions.tolist()}")
-        if cached_rows is None:
-            cached_rows = [0 if previous is None else int(row.min()) for row in positions]
-        if len(cached_rows) != self.batch:
-            raise ValueError(f"cached_rows needs one count per sequence ({self.batch}), got {len(cached_rows)}")
+        ids, positions, cached_rows = checked_batch(ids, positions, cached_rows, previous is None, self.batch,
+                                                    self.seq, c.vocab_size, self.max_cache)
         rows = (np.arange(self.batch)[:, None] * self.max_cache + positions).reshape(-1)
         inputs = {"ids": ids.reshape(-1), "positions": rows}
         ring = ring_rows(c, self.seq, self.max_cache)

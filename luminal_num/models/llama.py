@@ -250,6 +250,25 @@ def attention_bias(positions: np.ndarray, max_cache: int, cached_rows: int) -> n
     return np.where(visible, 0.0, MASKED_BIAS)
 
 
+def checked_batch(ids, positions, cached_rows, empty_caches: bool, batch: int, seq: int, vocab: int,
+                  max_cache: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """A decoder step's (ids, positions, cached_rows) as int64 arrays and counts, refused in one line
+    when a shape, a token, a cache row or a count is out of range (every LLM graph's make_batch_inputs)."""
+    ids, positions = np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64)
+    for what, arr, limit in (("ids", ids, vocab), ("positions", positions, max_cache)):
+        if arr.shape != (batch, seq):
+            raise ValueError(f"{what} must have shape ({batch}, {seq}), got {arr.shape}")
+        if arr.min() < 0 or arr.max() >= limit:
+            raise IndexError(f"{what} must lie in [0, {limit})")
+    if any(len(np.unique(row)) != seq for row in positions):
+        raise ValueError(f"each sequence's positions must be distinct cache rows, got {positions.tolist()}")
+    if cached_rows is None:
+        cached_rows = [0 if empty_caches else int(row.min()) for row in positions]
+    if len(cached_rows) != batch:
+        raise ValueError(f"cached_rows needs one count per sequence ({batch}), got {len(cached_rows)}")
+    return ids, positions, cached_rows
+
+
 # -- graph ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LlamaModel:
@@ -292,19 +311,8 @@ class LlamaModel:
         caches, else min(positions[b])).
         """
         c = self.config
-        ids = np.asarray(ids, dtype=np.int64)
-        positions = np.asarray(positions, dtype=np.int64)
-        for what, arr, limit in (("ids", ids, c.vocab_size), ("positions", positions, self.max_cache)):
-            if arr.shape != (self.batch, self.seq):
-                raise ValueError(f"{what} must have shape ({self.batch}, {self.seq}), got {arr.shape}")
-            if arr.min() < 0 or arr.max() >= limit:
-                raise IndexError(f"{what} must lie in [0, {limit})")
-        if any(len(np.unique(row)) != self.seq for row in positions):
-            raise ValueError(f"each sequence's positions must be distinct cache rows, got {positions.tolist()}")
-        if cached_rows is None:
-            cached_rows = [0 if previous is None else int(row.min()) for row in positions]
-        if len(cached_rows) != self.batch:
-            raise ValueError(f"cached_rows needs one count per sequence ({self.batch}), got {len(cached_rows)}")
+        ids, positions, cached_rows = checked_batch(ids, positions, cached_rows, previous is None, self.batch,
+                                                    self.seq, c.vocab_size, self.max_cache)
         cos, sin = rope_tables(c, positions.reshape(-1))
         bias = np.concatenate([attention_bias(row, self.max_cache, int(n)) for row, n in zip(positions, cached_rows)])
         rows = (np.arange(self.batch)[:, None] * self.max_cache + positions).reshape(-1)
