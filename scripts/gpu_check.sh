@@ -8,7 +8,11 @@
 #   4 e2e     test transformer + random-weight MiniLM, FP32/TF32/BF16/FP8 plans, CUDA vs the CPU backend
 #   5 graph   CUDA-graph replay equal to the eager run bit for bit
 #   6 timing  CUDA-event timing of MiniLM FP32 vs BF16 vs FP8 -> reports/bench/gpu_latency.csv
-# Exit codes: 0 all passed, 2 setup failed, 3 no CUDA device, 4/5/6/7 the first failed stage of 3/4/5/6.
+#   7 kernels per-kernel measured vs modelled (MiniLM, SmolLM2-shaped decode per genome) -> gpu_kernels.csv
+#   8 megakernel  the megakernel on the device vs the CPU backend, measured vs modelled -> gpu_megakernel.csv
+#   9 fp8acc  FP8 cuBLASLt inputs and outputs saved for the offline accumulation model -> fp8acc.npz
+# Exit codes: 0 all passed, 2 setup failed, 3 no CUDA device, 4..10 the first failed stage of 3..9.
+# LUMINAL_GPU_STAGES="kernels megakernel" runs only the named device stages (default: all).
 # Logs: $OUT/gpu_check/<stage>.log when OUT is set (else reports/gpu_check/), plus summary.txt (a table).
 # Python: $LUMINAL_GPU_PYTHON if set, else python3. Nothing is ever fetched: what the Python lacks must
 # be in the wheelhouse. LUMINAL_GPU_CHECK_NO_DEVICE=1 takes the no-device path (the dry run's test).
@@ -25,7 +29,7 @@ export PIP_NO_INDEX=1  # nothing below installs from an index; a stray pip must 
 mkdir -p "$LOG_DIR"
 SUMMARY="$LOG_DIR/summary.txt"
 printf '%-7s %-5s %6s  %s\n' stage result time detail > "$SUMMARY"
-T_SETUP=60 T_PYTEST=200 T_E2E=110 T_GRAPH=60 T_TIMING=60
+T_SETUP=60 T_PYTEST=200 T_E2E=110 T_GRAPH=60 T_TIMING=60 T_KERNELS=150 T_MEGAKERNEL=120 T_FP8ACC=60
 
 row() { printf '%-7s %-5s %5ss  %s\n' "$1" "$2" "$3" "$4" >> "$SUMMARY"; }
 finish() {
@@ -126,9 +130,13 @@ run_stage() {  # name, exit code on failure, timeout, command...
         [ "$first_failure" -eq 0 ] && first_failure="$code"
     fi
 }
-run_stage pytest 4 "$T_PYTEST" "$PY" -m pytest -m gpu -q -n 0 -p no:cacheprovider tests
-run_stage e2e 5 "$T_E2E" "$PY" scripts/gpu_check.py e2e
-run_stage graph 6 "$T_GRAPH" "$PY" scripts/gpu_check.py graph
-run_stage timing 7 "$T_TIMING" "$PY" scripts/gpu_check.py timing
+wanted() { [ -z "${LUMINAL_GPU_STAGES:-}" ] || [[ " $LUMINAL_GPU_STAGES " == *" $1 "* ]]; }
+wanted pytest && run_stage pytest 4 "$T_PYTEST" "$PY" -m pytest -m gpu -q -n 0 -p no:cacheprovider tests
+wanted e2e && run_stage e2e 5 "$T_E2E" "$PY" scripts/gpu_check.py e2e
+wanted graph && run_stage graph 6 "$T_GRAPH" "$PY" scripts/gpu_check.py graph
+wanted timing && run_stage timing 7 "$T_TIMING" "$PY" scripts/gpu_check.py timing
+wanted kernels && run_stage kernels 8 "$T_KERNELS" "$PY" scripts/gpu_stages.py kernels
+wanted megakernel && run_stage megakernel 9 "$T_MEGAKERNEL" "$PY" scripts/gpu_stages.py megakernel
+wanted fp8acc && run_stage fp8acc 10 "$T_FP8ACC" "$PY" scripts/gpu_stages.py fp8acc
 if [ "$first_failure" -eq 0 ]; then finish 0 "all stages passed"; fi
 finish "$first_failure" "a stage failed"

@@ -27,8 +27,10 @@ from luminal_num.runtime.cuda import CudaRuntime
 from luminal_num.runtime import cuda_device
 from luminal_num.runtime.cuda_device import CudaUnavailableError, cuda_available
 from test_cuda_codegen import GEMMS, HAND_BUILT, MODELS, feed_for, gemm_cases, programs, stored_values, tolerance
+from test_fp8_hardware_data import hopper_fp8_envelope
 
 needs_gpu = pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+
 K_ULPS = 2.0 ** -22  # per unit of K and of max |output|: FP32 sums in another order
 
 
@@ -185,7 +187,8 @@ def test_minilm_end_to_end_on_the_gpu(genome_kind):
 @pytest.mark.parametrize("case", sorted(c for c, (_, ok) in gemm_cases(16, 16, 32).items() if ok))
 def test_cublaslt_fp8_on_legal_shapes_runs_cublaslt_and_matches_the_cpu_backend(case):
     """K = 32, M = N = 16: cuBLASLt accepts the call (the heuristic finds an algorithm and no fallback
-    runs); the result equals the CPU emulator's up to FP32 summation order."""
+    runs); the result is the CPU emulator's within the Hopper FP8 accumulator's envelope (the tensor cores
+    do not accumulate E4M3 products in FP32: tests/test_fp8_hardware_data.py, measured on an H200)."""
     program, _ = gemm_cases(16, 16, 32, "f8e4m3_tensor")[case]
     kernel = program.kernels[-1]
     call = gemm_call(kernel, program).bind({})
@@ -195,7 +198,8 @@ def test_cublaslt_fp8_on_legal_shapes_runs_cublaslt_and_matches_the_cpu_backend(
     cuda = CudaRuntime(program)
     got = cuda.run(feed).outputs["y"]
     assert [plan.algo is not None for plan in cuda.lt.plans.values()] == [True]
-    np.testing.assert_allclose(got, ref, rtol=0, atol=32 * K_ULPS * float(np.abs(ref).max()))
+    largest = float(np.max(np.abs(feed["a"]))) * float(np.max(np.abs(feed["b"])))  # >= every |a_ij b_jk|
+    np.testing.assert_allclose(got, ref, rtol=0, atol=float(hopper_fp8_envelope(32, np.float64(largest))))
 
 
 @pytest.mark.gpu

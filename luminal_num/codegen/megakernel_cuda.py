@@ -157,6 +157,7 @@ _LOOP = r"""
 #undef blockDim
 #undef threadIdx
 #undef __syncthreads
+#define LN_MK_SPIN_LIMIT (1ull << 25)  /* >= 2 s of 64 ns sleeps: far past any producer tile */
 struct LnMkOp { int body; long long first_entry, tiles; int gx, gy, gz, bx, by, bz; long long counter_base;
                 int stride, wait_begin, wait_end; long long elements; };
 struct LnMkWait { int producer; long long read_elements; };
@@ -186,7 +187,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
                 const unsigned need = p.stride ? 1u : (unsigned)p.tiles;
                 for (long long j = first; j <= last; ++j) {
                     const unsigned* c = counters + p.counter_base + j * p.stride;
-                    while (ln_mk_acquire(c) < need) __nanosleep(64);
+                    unsigned long long spins = 0;  // a wrong barrier traps (an error), never hangs the device
+                    while (ln_mk_acquire(c) < need) { __nanosleep(64); if (++spins > LN_MK_SPIN_LIMIT) __trap(); }
                     if (!p.stride) break;
                 }
             }

@@ -52,6 +52,9 @@ WORKSPACE_BYTES = 32 << 20  # cuBLAS(Lt) workspace, set once on the handle: grap
 
 # -- the runtime ------------------------------------------------------------------------------------------
 
+DELAY_CYCLES = 400_000_000  # ~0.2 s at H200 clocks: the device stays busy while the host queues a run
+
+
 @dataclass
 class _Prepared:
     """Device state for one set of bindings: buffers, scratch, dyn-dim arrays, the enqueue steps."""
@@ -346,6 +349,46 @@ class CudaRuntime:
         state.graph.launch(self.stream)
         self.stream.synchronize()
         return self._outputs(state)
+
+    def profile_kernels(self, inputs: Mapping[str, np.ndarray], n: int = 5,
+                        bindings: Mapping[str, int] | None = None) -> dict[int, float]:
+        """Median seconds of each launched kernel over `n` eager runs, with the host ahead of the device.
+
+        Why the delay kernel: a Python launch takes longer than most decode kernels run, so events around
+        a kernel enqueued as the device reaches it would time the host. A spinning kernel enqueued first
+        keeps the device busy while every kernel and event is queued; then they run back to back."""
+        state = self._start(inputs, bindings)
+        delay = self._delay_function()
+        runs: dict[int, list[float]] = {}
+        with self.stream:
+            self._enqueue(state)  # warm: modules loaded, cuBLASLt plans made
+            self.stream.synchronize()
+            for _ in range(n):
+                delay((1,), (1,), (np.int64(DELAY_CYCLES),), stream=self.stream)
+                events = []
+                for k in self.program.kernels:
+                    if not k.kind.launches:
+                        self._enqueue_kernel(state, k)
+                        continue
+                    start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
+                    start.record(self.stream)
+                    self._enqueue_kernel(state, k)
+                    end.record(self.stream)
+                    events.append((k.id, start, end))
+                self.stream.synchronize()
+                for kid, start, end in events:
+                    runs.setdefault(kid, []).append(self.cp.cuda.get_elapsed_time(start, end) / 1e3)
+        return {kid: statistics.median(seconds) for kid, seconds in runs.items()}
+
+    def _delay_function(self):
+        if "ln_delay" not in self._functions:
+            source = ('extern "C" __global__ void ln_delay(long long cycles) {\n'
+                      '    const long long start = clock64();\n    while (clock64() - start < cycles) {}\n}\n')
+            module = self.cp.cuda.function.Module()
+            module.load(nvrtc.compile_cuda(source, "ln_delay", self.arch).cubin)
+            self._modules["ln_delay"] = module
+            self._functions["ln_delay"] = module.get_function("ln_delay")
+        return self._functions["ln_delay"]
 
     def profile(self, inputs: Mapping[str, np.ndarray], n: int = 20, warmup: int = 3,
                 bindings: Mapping[str, int] | None = None) -> float:

@@ -1,0 +1,157 @@
+"""The megakernel on a CUDA device: one persistent kernel runs a whole program's work queue (issue 33).
+
+Why a runtime of its own: the kernel-by-kernel CUDA runtime shares buffer slots between values whose
+lives do not overlap in program order, which is sound only when kernels run one after another. In the
+megakernel, tiles of different ops run at once under barriers that order only producer -> consumer
+(read after write), so a slot reused by a later op could be overwritten while an earlier op still reads
+it. Here every LLIR value gets its own device buffer (an in-place kernel keeps its destination's, as
+everywhere). Gemms run their own tiled bodies (never cuBLAS: a library call cannot be inlined) and a
+stored weight is read widened to FP32 (the dequantize-on-load kernel is not a megakernel body yet), so
+this runs the plan's arithmetic, not yet its bytes.
+
+Per run: the queue's table for the run's shapes (`MegakernelSource.table`), zeroed barrier counters and
+queue head, then one launch of `ln_megakernel` on a grid of co-resident blocks. The loop's spin on a
+barrier gives up after LN_MK_SPIN_LIMIT tries and traps, so a wrong barrier ends the kernel with an
+error instead of hanging the device.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from ..codegen import nvrtc
+from ..codegen.llir import KernelKind, Program
+from ..codegen.megakernel import build_queue
+from ..codegen.megakernel_cuda import BLOCK_THREADS, ENTRY_NAME, render_megakernel
+from .buffers import BufferPlan
+from .cpu import RunResult
+from .cuda import CudaRuntime, _Prepared
+
+# The C structs of the interpreter loop (codegen/megakernel_cuda._LOOP), in their C layout.
+OP_DTYPE = np.dtype([("body", np.int32), ("first_entry", np.int64), ("tiles", np.int64),
+                     ("gx", np.int32), ("gy", np.int32), ("gz", np.int32),
+                     ("bx", np.int32), ("by", np.int32), ("bz", np.int32),
+                     ("counter_base", np.int64), ("stride", np.int32), ("wait_begin", np.int32),
+                     ("wait_end", np.int32), ("elements", np.int64)], align=True)
+WAIT_DTYPE = np.dtype([("producer", np.int32), ("read_elements", np.int64)], align=True)
+
+
+def private_buffers(program: Program, bindings: Mapping[str, int]) -> BufferPlan:
+    """One slot per value (no reuse); an aliasing kernel (in-place scatter) writes its destination's."""
+    slot_of: dict[int, int] = {}
+    slot_bytes: list[int] = []
+    for k in program.kernels:
+        need = max(int(k.numel(bindings) * k.dtype.storage.itemsize), 1)
+        if k.aliases is not None:
+            slot = slot_of[k.inputs[k.aliases].buffer]
+            slot_bytes[slot] = max(slot_bytes[slot], need)
+        else:
+            slot = len(slot_bytes)
+            slot_bytes.append(need)
+        slot_of[k.id] = slot
+    return BufferPlan(slot_of, tuple(slot_bytes), sum(slot_bytes))
+
+
+class MegakernelCudaRuntime(CudaRuntime):
+    """Executes a Program as one persistent megakernel on CUDA device 0; `run` returns the outputs and
+    the kernel's CUDA-event time as the one (pseudo) kernel's seconds."""
+
+    def __init__(self, program: Program, weights: Mapping[str, np.ndarray] | None = None,
+                 blocks_per_sm: int | None = None):
+        super().__init__(program, weights, gemm="kernel")
+        # the megakernel's Gemm bodies read the weights widened: upload every external anything reads
+        readers = {i.buffer for k in program.kernels for i in k.inputs}
+        outputs = {kid for _, kid in program.outputs}
+        self.weight_only = {}
+        self.stored_only = frozenset(k.id for k in program.kernels if k.kind is KernelKind.EXTERNAL
+                                     and k.id not in readers and k.id not in outputs)
+        self.queue = build_queue(program)
+        self.mega = render_megakernel(program, self.queue)
+        compiled = nvrtc.compile_cuda(self.mega.source, self.mega.name, self.arch)
+        module = self.cp.cuda.function.Module()
+        module.load(compiled.cubin)
+        self._modules[self.mega.name] = module
+        self.entry = module.get_function(ENTRY_NAME)
+        device = self.cp.cuda.Device()
+        self.sm_count = int(device.attributes["MultiProcessorCount"])
+        if blocks_per_sm is None:
+            blocks_per_sm = self._resident_blocks_per_sm()
+        if blocks_per_sm < 1:
+            raise RuntimeError(f"{ENTRY_NAME}: not one block of {BLOCK_THREADS} threads fits on an SM")
+        self.grid = self.sm_count * blocks_per_sm
+
+    def _resident_blocks_per_sm(self) -> int:
+        try:
+            from cupy.cuda import driver
+            return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(self.entry.ptr, BLOCK_THREADS, 0))
+        except (ImportError, AttributeError):  # older CuPy: one block per SM is co-resident by construction
+            return 1
+
+    def _prepare(self, bindings: dict[str, int]) -> _Prepared:
+        cp = self.cp
+        plan = private_buffers(self.program, bindings)
+        state = _Prepared(dict(bindings), plan, [cp.zeros(n, dtype=cp.uint8) for n in plan.slot_bytes])
+        for kid, src in self.sources.items():
+            for i, scratch in enumerate(src.scratch):
+                nbytes = max(int(scratch.numel(bindings) * scratch.dtype.itemsize), 1)
+                state.scratch[(kid, i)] = cp.zeros(nbytes, dtype=cp.uint8)
+            values = src.dyn_values(bindings)
+            if values and values not in state.dyn:
+                state.dyn[values] = self._device_copy(state, np.asarray(values, dtype=np.int64))
+        return state
+
+    def _slot_pointers(self, state: _Prepared) -> np.ndarray:
+        """bufs[]: LLIR values, then each queue op's scratch and dyn_dims, in render_megakernel's order."""
+        pointers = np.zeros(self.mega.slots, dtype=np.uint64)
+        for k in self.program.kernels:
+            pointers[k.id] = state.slots[state.plan.slot_of[k.id]].data.ptr
+        slot = len(self.program.kernels)
+        for q in self.queue.ops:
+            src = self.sources[q.kernel]
+            for i in range(len(src.scratch)):
+                pointers[slot] = state.scratch[(q.kernel, i)].data.ptr
+                slot += 1
+            if src.symbols.symbols:
+                pointers[slot] = state.dyn[src.dyn_values(state.bindings)].data.ptr
+                slot += 1
+        assert slot == self.mega.slots, (slot, self.mega.slots)
+        return pointers
+
+    def _tables(self, state: _Prepared):
+        rows, waits = self.mega.table(self.queue, state.bindings)
+        ops = np.array(rows, dtype=OP_DTYPE)
+        wait_rows = np.array(waits if waits else [(0, 0)], dtype=WAIT_DTYPE)
+        counters = int(sum(r[2] if r[10] else 1 for r in rows))
+        total = int(sum(r[2] for r in rows))
+        return ops, wait_rows, counters, total
+
+    def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
+            repeats: int = 1) -> RunResult:
+        """Upload, then launch the megakernel `repeats` times (counters and head zeroed before each);
+        the reported seconds are the median CUDA-event time of one launch."""
+        cp = self.cp
+        state = self._start(inputs, bindings)
+        ops, waits, n_counters, total = self._tables(state)
+        with self.stream:
+            d_ops = self._device_copy(state, ops.view(np.uint8))
+            d_waits = self._device_copy(state, waits.view(np.uint8))
+            d_bufs = self._device_copy(state, self._slot_pointers(state))
+            counters = cp.zeros(max(n_counters, 1), dtype=cp.uint32)
+            head = cp.zeros(1, dtype=cp.uint64)
+            seconds = []
+            for _ in range(repeats):
+                counters.fill(0)
+                head.fill(0)
+                start, end = cp.cuda.Event(), cp.cuda.Event()
+                start.record(self.stream)
+                self.entry((self.grid,), (BLOCK_THREADS,),
+                           (d_ops, np.int32(len(ops)), d_waits, counters, head, np.uint64(total), d_bufs),
+                           stream=self.stream)
+                end.record(self.stream)
+                end.synchronize()
+                seconds.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        self.stream.synchronize()
+        self.state = state  # kept: a caller may read any value (`_read`) to find the first wrong op
+        timing = ((-1, float(np.median(seconds))),)
+        return RunResult(self._outputs(state), timing, state.plan)
