@@ -134,6 +134,8 @@ class MegakernelCudaRuntime(CudaRuntime):
         state = self._start(inputs, bindings)
         ops, waits, n_counters, total = self._tables(state)
         with self.stream:
+            for kid in state.staged:  # an input sharing its slot with an in-place writer (a KV cache): copied in
+                self._enqueue_kernel(state, self.kernels[kid])
             d_ops = self._device_copy(state, ops.view(np.uint8))
             d_waits = self._device_copy(state, waits.view(np.uint8))
             d_bufs = self._device_copy(state, self._slot_pointers(state))
