@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.fusion import GENOMES  # noqa: E402
+from bench.gpu_cases import device_cases, genome_program, smollm2_step  # noqa: E402
 from bench.storage_decode import SMOLLM2  # noqa: E402
 from luminal_num.codegen.cuda_dispatch import gemm_implementation  # noqa: E402
 from luminal_num.codegen.megakernel import build_queue  # noqa: E402
@@ -42,15 +42,13 @@ from luminal_num.runtime.cuda_device import probe  # noqa: E402
 from luminal_num.runtime.latency import kernel_works, modelled_latency  # noqa: E402
 from luminal_num.runtime.megakernel_cost import megakernel_latency  # noqa: E402
 from luminal_num.runtime.targets import get_target  # noqa: E402
-from luminal_num.search.recipes import pick  # noqa: E402
 from luminal_num.search.space import SearchSpace  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import NO_DEVICE, PLANS, plan_genome, random_minilm  # noqa: E402
+from gpu_check import NO_DEVICE, plan_genome, random_minilm  # noqa: E402
 
 TARGET = "h200"
 REPORTS = Path("reports/bench")
-CONTEXT = 256
 
 
 def write_csv(name: str, rows: list[dict]) -> None:
@@ -64,26 +62,6 @@ def write_csv(name: str, rows: list[dict]) -> None:
             writer.writerows(rows)
         tmp.replace(path)
         print(f"     wrote {path}")
-
-
-def smollm2_step(layers: int = SMOLLM2.num_hidden_layers, context: int = CONTEXT):
-    """(graph, weights, inputs, space) of one decode step at `context` cached rows, random weights."""
-    config = SMOLLM2.with_layers(layers)
-    model = build_decode(config, random_weights(config), context + 1)
-    rng = np.random.default_rng(1)
-    cache_shape = None
-    inputs = model.make_inputs([3], [context])
-    for name, value in list(inputs.items()):  # a filled cache: context rows of O(1) keys and values
-        if "cache" in name:
-            cache_shape = value.shape
-            inputs[name] = rng.standard_normal(value.shape).astype(np.float32)
-    assert cache_shape is not None, "the decode step takes no KV cache input"
-    return model.graph, model.graph.weights, inputs, SearchSpace.build(model.graph, fusion=True)
-
-
-def genome_programs(space: SearchSpace, labels):
-    for label in labels:
-        yield label, space.program(pick(space, GENOMES[label].__contains__))
 
 
 def kernel_rows(model: str, plan: str, program, weights, inputs) -> tuple[list[dict], float, float]:
@@ -109,12 +87,7 @@ def kernel_rows(model: str, plan: str, program, weights, inputs) -> tuple[list[d
 
 def stage_kernels() -> bool:
     ok, kernel_table, steps = True, [], []
-    graph, weights, batch = random_minilm()
-    space = SearchSpace.build(graph)
-    cases = [("minilm", plan, space.program(plan_genome(space, plan)), weights, batch) for plan in ("fp32", "bf16", "fp8")]
-    _, sweights, sinputs, sspace = smollm2_step()
-    cases += [("smollm2-decode", label, program, sweights, sinputs)
-              for label, program in genome_programs(sspace, GENOMES)]
+    cases = list(device_cases())
     for model, plan, program, w, x in cases:
         started = time.perf_counter()
         try:
@@ -147,7 +120,7 @@ def stage_megakernel() -> bool:
     for layers in (1,):  # NVRTC compiles one function of every op's body: 30 layers did not finish in 120 s
         _, w, x, space = smollm2_step(layers)
         for label in ("FP32", "BF16 + fused attention"):
-            cases.append((f"smollm2-decode-{layers}l", label, space.program(pick(space, GENOMES[label].__contains__)), w, x))
+            cases.append((f"smollm2-decode-{layers}l", label, genome_program(space, label), w, x))
     graph, weights, batch = random_minilm(layers=1)
     space = SearchSpace.build(graph)
     cases.append(("minilm-1l", "fp32", space.program(plan_genome(space, "fp32")), weights, batch))

@@ -55,6 +55,8 @@ class KernelWork:
     tensor_core: bool = False
     fused_ops: int = 1
     tiles: int | None = None
+    implementation: str = ""  # what the runtime launches (GemmImpl value or kernel kind): its measured class
+    serial_extent: int = 0    # the reduced axis a block loops over (a Gemm's K, a row's length); 0: none
 
     def __post_init__(self) -> None:
         if self.math not in MATH_MODES:
@@ -141,6 +143,10 @@ def kernel_latency(work: KernelWork, target: Target | str, *, cuda_graph: bool =
     if constants.wave_quantization:
         body /= wave_efficiency(work.tiles, resolved.sm_count)
     body = max(body, constants.min_kernel_s)
+    measured = resolved.measured_kernels.get(work.implementation) if resolved.measured_kernels else None
+    if measured is not None:  # what this implementation was measured to take, where more than the roofline
+        body = max(body, measured.seconds(work.bytes_moved, work.flops, work.tiles, work.serial_extent,
+                                          resolved.sm_count))
     return body + (constants.graph_node_s if cuda_graph else constants.plain_s)
 
 

@@ -16,13 +16,23 @@ import numpy as np
 
 from ..codegen.blockops import tile_count
 from ..codegen.cuda_dispatch import gemm_implementation
-from ..codegen.llir import KernelKind, Program
+from ..codegen.llir import Kernel, KernelKind, Program
+from ..hlir.symbolic import evaluate
 from ..dtypes.variants import GEMM_VARIANTS
 from .cpu import CpuRuntime
 from .cost import KernelWork, Latency, model_latency
 from .targets import LaunchConstants
 from ..codegen.attention import ATTENTION_VARIANTS
 from .targets import OPERAND_MATH, gemm_math, get_target
+
+
+def serial_extent(k: Kernel, bindings: Mapping[str, int]) -> int:
+    """The reduced axis one block of `k` loops over: a Gemm's K, a reduction's axis; 0 when none."""
+    if k.kind.is_gemm:
+        return int(evaluate(k.layout.k, bindings))
+    if k.axis is not None and k.body_shape:
+        return int(evaluate(k.body_shape[k.axis], bindings))
+    return 0
 
 
 def kernel_works(program: Program, bindings: Mapping[str, int]) -> list[KernelWork]:
@@ -34,14 +44,17 @@ def kernel_works(program: Program, bindings: Mapping[str, int]) -> list[KernelWo
     works = []
     for k in program.launched():
         math, tc = "fp32", False
-        if k.kind.is_gemm and gemm_implementation(k, program, bindings).library:
+        implementation = gemm_implementation(k, program, bindings) if k.kind.is_gemm else None
+        if implementation is not None and implementation.library:
             math, tc = gemm_math(GEMM_VARIANTS[k.precision or "f32"])
         elif k.kind is KernelKind.ATTENTION:  # its two products run in the Q K^T operand format
             math, tc = OPERAND_MATH[ATTENTION_VARIANTS[k.precision].qk.name]
         side = sum(scales.get(inp.buffer, 0) for inp in k.inputs)
         works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes, element_bytes) + side,
                                 bytes_written=k.bytes_stored(bindings), flops=k.flops(bindings), math=math,
-                                tensor_core=tc, tiles=tile_count(k, bindings)))
+                                tensor_core=tc, tiles=tile_count(k, bindings),
+                                implementation=implementation.value if implementation is not None else k.kind.value,
+                                serial_extent=serial_extent(k, bindings)))
     return works
 
 

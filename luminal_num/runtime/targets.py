@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtypes.variants import GemmPrecision
+from .kernel_classes import MeasuredKernels, load_measured
 
 MATH_MODES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8", "fp64")
 
@@ -85,6 +86,9 @@ class Target:
     l2_bytes: int | None
     sm_count: int | None
     measured_only: bool = False
+    # per-implementation costs measured on the device (runtime/kernel_classes.py): the cost model takes
+    # max(roofline, the class fit) for a kernel of a measured class; None: the roofline alone
+    measured_kernels: MeasuredKernels | None = None
 
     @property
     def launch_s(self) -> float | None:
@@ -180,6 +184,9 @@ HOPPER_CUDA_CORES = MathPeaks(fp64=34 * TERA, fp32=67 * TERA, bf16=133.8 * TERA,
 HOPPER_L2_BYTES = 50 * MIB
 HOPPER_SMS = 132
 
+# `python -m bench.gpu_calibration` fits runtime/data/h200_kernels.json from an H200 run of scripts/gpu_check.sh
+H200_KERNELS = load_measured("h200_kernels")
+
 TARGETS: tuple[Target, ...] = (
     Target(
         name="h100",
@@ -203,6 +210,18 @@ TARGETS: tuple[Target, ...] = (
         l2_bytes=HOPPER_L2_BYTES,
         sm_count=HOPPER_SMS,
     ),
+    *(() if H200_KERNELS is None else (Target(
+        name="h200-measured",
+        description=f"NVIDIA H200 SXM as this project's kernels measured on it ({H200_KERNELS.source})",
+        hbm_bandwidth=H200_PUBLISHED_BANDWIDTH,
+        tensor_cores=HOPPER_TENSOR_CORES,
+        cuda_cores=HOPPER_CUDA_CORES,
+        efficiency=H200_EFFICIENCY,
+        launch=PUBLISHED_HOPPER_LAUNCH,
+        l2_bytes=HOPPER_L2_BYTES,
+        sm_count=HOPPER_SMS,
+        measured_kernels=H200_KERNELS,
+    ),)),
     Target(
         name="a100",
         description="NVIDIA A100 SXM4 80GB (HBM2e)",

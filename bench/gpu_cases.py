@@ -1,0 +1,62 @@
+"""The programs the device stages time (scripts/gpu_stages.py kernels), rebuilt identically anywhere.
+
+Why shared: the per-kernel table recorded on a GPU names kernels by id; `bench.gpu_calibration` rebuilds
+the same programs here (same seeds, genomes and shapes) to read each kernel's work (bytes, flops, tiles,
+serial extent) beside its measured time. MiniLM: all-MiniLM-L6-v2's shapes with seeded random weights
+(scripts/gpu_check.py); SmolLM2: a 135M-shaped decode step, 30 layers, random weights, `CONTEXT` cached
+rows, under every genome of bench/fusion.py.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from luminal_num.models.llama import build_decode, random_weights
+from luminal_num.search.recipes import pick
+from luminal_num.search.space import SearchSpace
+from .fusion import GENOMES
+from .storage_decode import SMOLLM2
+
+CONTEXT = 256
+MINILM_PLANS = ("fp32", "bf16", "fp8")
+
+
+def gpu_check_module():
+    """scripts/gpu_check.py (random MiniLM, the plans' genomes) imported by path: scripts/ is no package."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def smollm2_step(layers: int = SMOLLM2.num_hidden_layers, context: int = CONTEXT):
+    """(graph, weights, inputs, space) of one decode step at `context` cached rows, random weights and caches."""
+    config = SMOLLM2.with_layers(layers)
+    model = build_decode(config, random_weights(config), context + 1)
+    rng = np.random.default_rng(1)
+    inputs = model.make_inputs([3], [context])
+    caches = [name for name in inputs if "cache" in name]
+    if not caches:
+        raise AssertionError("the decode step takes no KV cache input")
+    for name in caches:  # a filled cache: context rows of O(1) keys and values
+        inputs[name] = rng.standard_normal(inputs[name].shape).astype(np.float32)
+    return model.graph, model.graph.weights, inputs, SearchSpace.build(model.graph, fusion=True)
+
+
+def genome_program(space: SearchSpace, label: str):
+    return space.program(pick(space, GENOMES[label].__contains__))
+
+
+def device_cases():
+    """(model, plan, program, weights, inputs) of every program the kernels stage times, in its order."""
+    check = gpu_check_module()
+    graph, weights, batch = check.random_minilm()
+    space = SearchSpace.build(graph)
+    for plan in MINILM_PLANS:
+        yield "minilm", plan, space.program(check.plan_genome(space, plan)), weights, batch
+    _, step_weights, step_inputs, step_space = smollm2_step()
+    for label in GENOMES:
+        yield "smollm2-decode", label, genome_program(step_space, label), step_weights, step_inputs

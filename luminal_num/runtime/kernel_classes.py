@@ -1,0 +1,110 @@
+"""Measured kernel classes: what each implementation the CUDA runtime launches costs on a real device.
+
+Why: the roofline prices a kernel as if it ran at the machine's bandwidth or peak. The first H200 run
+(reports/bench/gpu_kernels.csv, `scripts/gpu_stages.py kernels`) measured the kernels this project
+generates at 4-60x their roofline time: the 16x16 tiled Gemm loops over K with a few tiles in flight
+(a decode GEMV of K = 576 took 40-80 us), the fused attention kernel recomputes Q.K per output column
+(~270 us per layer), the per-tensor FP8 quantize reduces in one block (~130 us). A model that ignores
+this ranks plans upside down (fused attention modelled faster, measured 2.5x slower). So a target may
+carry one fitted cost per implementation class, each a non-negative linear model over features of the
+kernel's work, fitted (relative least squares) to the recorded per-kernel times by
+`python -m bench.gpu_calibration`; the cost model takes max(roofline, class fit).
+
+Features (why each): a fixed cost (setup, one wave of tiny blocks), bytes and flops (what streams and
+what computes), waves x serial extent (a block that loops over the reduced axis takes time in proportion
+to it, and the kernel takes one such loop per wave of blocks), waves x flops per tile (work a block does
+serially when its loop is not the reduced axis). `implementation` is the runtime's name for what it
+launches: a Gemm's codegen.cuda_dispatch.GemmImpl value, else the kernel kind.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from importlib import resources
+
+import numpy as np
+
+FEATURES = ("fixed", "per_byte", "per_flop", "per_wave_step", "per_wave_flop")
+
+
+def features(bytes_moved: int, flops: int, tiles: int | None, serial_extent: int, sm_count: int) -> np.ndarray:
+    """The feature vector a class fit multiplies (seconds = coefficients . features)."""
+    blocks = max(tiles or sm_count, 1)
+    waves = math.ceil(blocks / sm_count)
+    return np.array([1.0, float(bytes_moved), float(flops), float(waves * serial_extent),
+                     float(waves * flops / blocks)])
+
+
+@dataclass(frozen=True)
+class KernelClassFit:
+    """One implementation's fitted cost: coefficients in seconds per feature unit, and how well it fits."""
+
+    implementation: str
+    coefficients: tuple[float, ...]  # one per FEATURES entry, each >= 0
+    samples: int
+    median_relative_error: float
+    p90_relative_error: float
+
+    def __post_init__(self) -> None:
+        if len(self.coefficients) != len(FEATURES) or any(not c >= 0.0 for c in self.coefficients):
+            raise ValueError(f"{self.implementation}: need {len(FEATURES)} coefficients >= 0, got {self.coefficients}")
+
+    def seconds(self, bytes_moved: int, flops: int, tiles: int | None, serial_extent: int, sm_count: int) -> float:
+        return float(np.dot(self.coefficients, features(bytes_moved, flops, tiles, serial_extent, sm_count)))
+
+
+@dataclass(frozen=True)
+class MeasuredKernels:
+    """A device's measured kernel classes and where they came from."""
+
+    device: str
+    source: str
+    fits: tuple[KernelClassFit, ...]
+
+    def get(self, implementation: str) -> KernelClassFit | None:
+        for fit in self.fits:
+            if fit.implementation == implementation:
+                return fit
+        return None
+
+    def to_json(self) -> str:
+        return json.dumps({"device": self.device, "source": self.source, "features": list(FEATURES),
+                           "fits": [{"implementation": f.implementation, "coefficients": list(f.coefficients),
+                                     "samples": f.samples, "median_relative_error": f.median_relative_error,
+                                     "p90_relative_error": f.p90_relative_error} for f in self.fits]}, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "MeasuredKernels":
+        data = json.loads(text)
+        if tuple(data["features"]) != FEATURES:
+            raise ValueError(f"measured kernel classes use features {data['features']}, this code {list(FEATURES)}")
+        return MeasuredKernels(data["device"], data["source"],
+                               tuple(KernelClassFit(f["implementation"], tuple(f["coefficients"]), f["samples"],
+                                                    f["median_relative_error"], f["p90_relative_error"])
+                                     for f in data["fits"]))
+
+
+def fit_class(implementation: str, rows: np.ndarray, seconds: np.ndarray) -> KernelClassFit:
+    """Non-negative least squares on relative error: every kernel counts alike, tiny or large.
+    `rows`: one feature vector per measured kernel; `seconds`: its measured body time (> 0)."""
+    from scipy.optimize import nnls
+    if len(rows) == 0 or np.any(seconds <= 0):
+        raise ValueError(f"{implementation}: need measured times > 0 to fit")
+    scale = rows.max(axis=0)
+    scale[scale == 0] = 1.0
+    weighted = rows / scale / seconds[:, None]
+    solution, _ = nnls(weighted, np.ones(len(rows)))
+    coefficients = solution / scale
+    errors = np.abs(rows @ coefficients / seconds - 1.0)
+    return KernelClassFit(implementation, tuple(float(c) for c in coefficients), len(rows),
+                          float(np.median(errors)), float(np.quantile(errors, 0.9)))
+
+
+def load_measured(name: str) -> MeasuredKernels | None:
+    """The package's measured classes `runtime/data/<name>.json`, or None when that file is absent."""
+    try:
+        text = resources.files(__package__).joinpath("data", f"{name}.json").read_text()
+    except FileNotFoundError:
+        return None
+    return MeasuredKernels.from_json(text)
