@@ -469,15 +469,16 @@ FALLBACKS = ["f32", "bf16", "f16acc16", "int8_channel", "f8e4m3_channel", "f8e5m
              "f8e4m3_mx"]
 
 
+@pytest.mark.parametrize("m", [3, 20])  # 3: the decode path (M <= SKINNY_M, split K); 20: the 16 x 16 tiles
 @pytest.mark.parametrize("name", FALLBACKS)
-def test_fallback_gemm_kernel_follows_the_cpu_emulator(name):
+def test_fallback_gemm_kernel_follows_the_cpu_emulator(name, m):
     """The tiled kernel, run with 16x16 lockstep threads, against numerics.emulate_gemm (the CPU backend).
     Narrow accumulators and integer sums are order-defined: bit for bit; FP32 sums within K ulps."""
     variant = GEMM_VARIANTS[name]
     k = 160 if variant.scale_k_block or variant.promote_every else 40  # 160: a ragged 128-block
-    a_view = ShapeTracker.contiguous((k, 3)).permute((1, 0)).expand_dim(1, 5)   # A stored transposed
-    b_view = ShapeTracker.contiguous((k, 5)).permute((1, 0)).expand_dim(0, 3)
-    program = one_kernel([("a", (k, 3), F32), ("b", (k, 5), F32)], kind=KernelKind.GEMM, shape=(3, 5), dtype=F32,
+    a_view = ShapeTracker.contiguous((k, m)).permute((1, 0)).expand_dim(1, 5)   # A stored transposed
+    b_view = ShapeTracker.contiguous((k, 5)).permute((1, 0)).expand_dim(0, m)
+    program = one_kernel([("a", (k, m), F32), ("b", (k, 5), F32)], kind=KernelKind.GEMM, shape=(m, 5), dtype=F32,
                          inputs=(KernelInput(0, a_view), KernelInput(1, b_view)),
                          layout=gemm_layouts(a_view, b_view, 2)[0], precision=name)
     feed = feed_for(program, np.random.default_rng(6))

@@ -28,6 +28,7 @@ from .cuda_body import (IndexExpr, SymbolTable, body_symbols, c_add, c_div, c_in
                         round_expr, row_major_strides, store, unravel, view_index, view_symbols)
 from .cuda_source import (COMPUTE_TYPES, CUBLAS_ENUMS, ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, SCALES_SCRATCH, Arg,
                           GemmCall, KernelSource, Launch, Scratch, entry_name, indent, name_launches, per, source_header)
+from .cuda_gemv import SKINNY_M, skinny_block, skinny_eligible
 from .llir import Kernel, quantized_a_view
 
 TILE = 16      # output rows and columns per block (16 x 16 threads)
@@ -363,6 +364,24 @@ class EpilogueCode:
     n_out: Dim | None = None
 
 
+def _skinny(w: _Writer, suffixes: list[str], offsets: list[int], n_bound: str, finish: list[str]) -> str:
+    """The decode path (codegen/cuda_gemv.py) of this kernel, or "" when its variant orders the K sum."""
+    if not skinny_eligible(w.variant):
+        return ""
+    a_load = w.quantized(0, w.element(0, "bz", "ms", "kk"), w.scale_value(0, "bz", "ms", "kk"))
+    b_loads = [w.quantized(1, w.element(1, "bz", "kk", f"ns{x}"), w.scale_value(1, "bz", "kk", f"ns{x}"))
+               for x in suffixes]
+    term = "{acc}"
+    if any(w.specs):  # per-tensor / per-channel scales: once, on the whole sum, as the sequential kernel does
+        term = f"__fmul_rn({{acc}}, __fmul_rn({w.scale_value(0, 'bz', 'ms', 0)}, {w.scale_value(1, 'bz', 0, 'ns{x}')}))"
+    return skinny_block(a_load, b_loads, n_bound, suffixes, offsets, term, finish)
+
+
+def _tiled_only_above(skinny: str, loops: str) -> str:
+    """The tiled loops, guarded to run only where the decode path did not (M > SKINNY_M)."""
+    return loops if not skinny else skinny + f"    if (M > {SKINNY_M}) {{\n" + loops + "    }\n"
+
+
 def _suffixed(lines: list[str], sfx: str) -> list[str]:
     """The per-product update of one of a GLU thread's accumulators (its own acc / grp / total, B element
     qb and column ns)."""
@@ -396,27 +415,28 @@ def _glu_kernel(w: _Writer, epilogue: EpilogueCode) -> str:
                       for x, off in zip(sfx, epilogue.col_offsets))
     updates = "".join(f"                {{ const float qb{x} = tb{x}[t][tx];\n" + indent(_suffixed(_accumulate(w), x), 4)
                       + "                }\n" for x in sfx)
+    store_line = f"out[{c_index(out_pos)}] = {store(k.dtype, value)};"
+    skinny = _skinny(w, sfx, list(epilogue.col_offsets), "NO", [*lines, store_line])
+    loops = ("    for (long long bz = blockIdx.z; bz < NB; bz += gridDim.z)\n"
+             f"    for (long long m0 = blockIdx.x * {TILE}LL; m0 < M; m0 += gridDim.x * {TILE}LL)\n"
+             f"    for (long long n0 = blockIdx.y * {TILE}LL; n0 < NO; n0 += gridDim.y * {TILE}LL) {{\n"
+             "        const long long m = m0 + ty, n = n0 + tx, ms = min(m, M - 1);\n" + cols +
+             f"        for (long long k0 = 0; k0 < K; k0 += {K_TILE}) {{\n"
+             f"            for (int e = tid; e < {TILE * K_TILE}; e += {TILE * TILE}) {{\n"
+             f"                const long long lm = m0 + e / {K_TILE}, lk = k0 + e % {K_TILE};\n"
+             f"                ta[e / {K_TILE}][e % {K_TILE}] = {a_load};\n            }}\n" + b_tiles +
+             "            __syncthreads();\n"
+             f"            const int kt = static_cast<int>(min(static_cast<long long>({K_TILE}), K - k0));\n"
+             "            for (int t = 0; t < kt; ++t) {\n"
+             "                const long long kk = k0 + t;\n"
+             "                const float qa = ta[ty][t];\n" + updates + "            }\n            __syncthreads();\n        }\n"
+             "        if (m < M && n < NO) {\n" + indent(lines, 3) + f"            {store_line}\n        }}\n    }}\n")
     return (f'extern "C" __global__ void {ENTRY}({", ".join(params)}) {{\n'
             f"    __shared__ float ta[{TILE}][{K_TILE + 1}];\n{tiles}"
             f"    const long long M = {c_index(w.dim(lay.m))}, N = {c_index(w.dim(lay.n))}, "
             f"NO = {c_index(w.dim(epilogue.n_out))}, K = {c_index(w.dim(lay.k))}, NB = {c_index(w.dim(lay.batch))};\n"
             f"    const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * {TILE} + tx;\n"
-            "    for (long long bz = blockIdx.z; bz < NB; bz += gridDim.z)\n"
-            f"    for (long long m0 = blockIdx.x * {TILE}LL; m0 < M; m0 += gridDim.x * {TILE}LL)\n"
-            f"    for (long long n0 = blockIdx.y * {TILE}LL; n0 < NO; n0 += gridDim.y * {TILE}LL) {{\n"
-            "        const long long m = m0 + ty, n = n0 + tx, ms = min(m, M - 1);\n" + cols +
-            f"        for (long long k0 = 0; k0 < K; k0 += {K_TILE}) {{\n"
-            f"            for (int e = tid; e < {TILE * K_TILE}; e += {TILE * TILE}) {{\n"
-            f"                const long long lm = m0 + e / {K_TILE}, lk = k0 + e % {K_TILE};\n"
-            f"                ta[e / {K_TILE}][e % {K_TILE}] = {a_load};\n            }}\n" + b_tiles +
-            "            __syncthreads();\n"
-            f"            const int kt = static_cast<int>(min(static_cast<long long>({K_TILE}), K - k0));\n"
-            "            for (int t = 0; t < kt; ++t) {\n"
-            "                const long long kk = k0 + t;\n"
-            "                const float qa = ta[ty][t];\n" + updates + "            }\n            __syncthreads();\n        }\n"
-            "        if (m < M && n < NO) {\n" + indent(lines, 3)
-            + f"            out[{c_index(out_pos)}] = {store(k.dtype, value)};\n        }}\n"
-            + "    }\n}\n")
+            + _tiled_only_above(skinny, loops) + "}\n")
 
 
 def _gemm_kernel(w: _Writer, epilogue: EpilogueCode | None = None) -> str:
@@ -435,33 +455,33 @@ def _gemm_kernel(w: _Writer, epilogue: EpilogueCode | None = None) -> str:
     params += [w.in_param(s) for s in (epilogue.slots if epilogue else ())]
     lines, value = epilogue.body(out_coords, w.table) if epilogue else ([], "total")
     params += [f"const float* __restrict__ scale{s}" for s in (0, 1) if w.specs[s] is not None] + w.dyn_param()
+    store_line = f"out[{c_index(out_pos)}] = {store(k.dtype, value)};"
+    skinny = _skinny(w, [""], [0], "N", [*lines, store_line])
+    loops = ("    for (long long bz = blockIdx.z; bz < NB; bz += gridDim.z)\n"
+             f"    for (long long m0 = blockIdx.x * {TILE}LL; m0 < M; m0 += gridDim.x * {TILE}LL)\n"
+             f"    for (long long n0 = blockIdx.y * {TILE}LL; n0 < N; n0 += gridDim.y * {TILE}LL) {{\n"
+             "        const long long m = m0 + ty, n = n0 + tx, ms = min(m, M - 1), ns = min(n, N - 1);\n"
+             f"        {acc_type} acc = 0;\n        double grp = 0.0;\n        float total = -0.0f;\n"
+             f"        for (long long k0 = 0; k0 < K; k0 += {K_TILE}) {{\n"
+             f"            for (int e = tid; e < {TILE * K_TILE}; e += {TILE * TILE}) {{\n"
+             f"                const long long lm = m0 + e / {K_TILE}, lk = k0 + e % {K_TILE};\n"
+             f"                ta[e / {K_TILE}][e % {K_TILE}] = {loads[0]};\n            }}\n"
+             f"            for (int e = tid; e < {TILE * K_TILE}; e += {TILE * TILE}) {{\n"
+             f"                const long long lk = k0 + e / {TILE}, ln = n0 + e % {TILE};\n"
+             f"                tb[e / {TILE}][e % {TILE}] = {loads[1]};\n            }}\n"
+             "            __syncthreads();\n"
+             f"            const int kt = static_cast<int>(min(static_cast<long long>({K_TILE}), K - k0));\n"
+             "            for (int t = 0; t < kt; ++t) {\n"
+             "                const long long kk = k0 + t;\n"
+             "                const float qa = ta[ty][t], qb = tb[t][tx];\n"
+             + indent(_accumulate(w), 4) + "            }\n            __syncthreads();\n        }\n"
+             "        if (m < M && n < N) {\n" + indent(lines, 3) + f"            {store_line}\n        }}\n    }}\n")
     return (f'extern "C" __global__ void {ENTRY}({", ".join(params)}) {{\n'
             f"    __shared__ float ta[{TILE}][{K_TILE + 1}];\n    __shared__ float tb[{K_TILE}][{TILE + 1}];\n"
             f"    const long long M = {c_index(w.dim(lay.m))}, N = {c_index(w.dim(lay.n))}, "
             f"K = {c_index(w.dim(lay.k))}, NB = {c_index(w.dim(lay.batch))};\n"
             f"    const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * {TILE} + tx;\n"
-            "    for (long long bz = blockIdx.z; bz < NB; bz += gridDim.z)\n"
-            f"    for (long long m0 = blockIdx.x * {TILE}LL; m0 < M; m0 += gridDim.x * {TILE}LL)\n"
-            f"    for (long long n0 = blockIdx.y * {TILE}LL; n0 < N; n0 += gridDim.y * {TILE}LL) {{\n"
-            "        const long long m = m0 + ty, n = n0 + tx, ms = min(m, M - 1), ns = min(n, N - 1);\n"
-            f"        {acc_type} acc = 0;\n        double grp = 0.0;\n        float total = -0.0f;\n"
-            f"        for (long long k0 = 0; k0 < K; k0 += {K_TILE}) {{\n"
-            f"            for (int e = tid; e < {TILE * K_TILE}; e += {TILE * TILE}) {{\n"
-            f"                const long long lm = m0 + e / {K_TILE}, lk = k0 + e % {K_TILE};\n"
-            f"                ta[e / {K_TILE}][e % {K_TILE}] = {loads[0]};\n            }}\n"
-            f"            for (int e = tid; e < {TILE * K_TILE}; e += {TILE * TILE}) {{\n"
-            f"                const long long lk = k0 + e / {TILE}, ln = n0 + e % {TILE};\n"
-            f"                tb[e / {TILE}][e % {TILE}] = {loads[1]};\n            }}\n"
-            "            __syncthreads();\n"
-            f"            const int kt = static_cast<int>(min(static_cast<long long>({K_TILE}), K - k0));\n"
-            "            for (int t = 0; t < kt; ++t) {\n"
-            "                const long long kk = k0 + t;\n"
-            "                const float qa = ta[ty][t], qb = tb[t][tx];\n"
-            + indent(_accumulate(w), 4) + "            }\n            __syncthreads();\n        }\n"
-            + (f"        if (m < M && n < N) out[{c_index(out_pos)}] = {store(k.dtype, value)};\n" if not epilogue else
-               "        if (m < M && n < N) {\n" + indent(lines, 3)
-               + f"            out[{c_index(out_pos)}] = {store(k.dtype, value)};\n        }}\n")
-            + "    }\n}\n")
+            + _tiled_only_above(skinny, loops) + "}\n")
 
 
 def _source(code: str, formats) -> str:
