@@ -1,13 +1,20 @@
 """CUDA C for the fused attention kernel (KernelKind.ATTENTION): the order of operations and
-roundings of runtime/cpu_attention.py, one output element (score row, V column) per `splits` threads.
+roundings of runtime/cpu_attention.py, bit for bit.
 
-A block holds OUT_THREADS threads: OUT_THREADS / splits outputs, each computed by `splits` threads
-that run the online softmax over their own contiguous key tiles and leave (m, l, o) in shared
-memory; after one __syncthreads the first of them combines the partials (flash decoding; with one
-split the combine is exact: w = e(0) = 1, 0 + l * 1 = l). Blocks loop grid-stride over the groups of
-outputs, as the grid is capped at MAX_GRID blocks. Q, K, bias and V are read through their
-views (GQA and the KV cache are strides), so scores are never stored. exp is FP64 exp rounded once
-to FP32 (the CPU emulation's e()); products and sums are __fmul_rn / __fadd_rn (no FMA contraction).
+Row path (a score row of at most MAX_ROW_KEYS keys): one block per score row (a query of a head),
+COLUMN_THREADS x splits threads. The block computes each score s_j once (the dot over the head
+dimension in order, then scale and bias) into shared memory, each key tile's max (max is exact in
+any order), then per split the running max m' after each of its tiles and the rescale e(m - m'),
+then p_j = e(s_j - m') in place. Each (V column, split) thread then runs exactly the emulation's
+sequence over its split's tiles: l = l * alpha, o = o * alpha, then l + p_j and o + r(p_j) v_j per
+key in order; the split's first thread combines the partials (flash decoding; with one split the
+combine is exact). An H200 ran the earlier kernel, which recomputed the whole Q.K row per output
+column and twice per key, at ~270 us per SmolLM2 decode layer (reports/bench/gpu_kernels.csv).
+Longer rows than shared memory holds take that earlier form: one output per `splits` threads, each
+recomputing its scores. Blocks loop grid-stride over rows (or groups of outputs), as the grid is capped
+at MAX_GRID blocks. Q, K, bias and V are read through their views (GQA and the KV cache are strides).
+exp is FP64 exp rounded once to FP32 (the CPU emulation's e()); products and sums are __fmul_rn /
+__fadd_rn (no FMA contraction).
 """
 from __future__ import annotations
 
@@ -17,7 +24,8 @@ from .attention import ATTENTION_VARIANTS
 from .cuda_body import float_literal, store, unravel
 from .cuda_source import ENTRY, Arg, Launch, indent, per
 
-OUT_THREADS = 32
+COLUMN_THREADS = 32   # V columns a block computes at once, each by `splits` threads
+MAX_ROW_KEYS = 4096   # a score row up to this long is held in shared memory (16 KB): each score computed once
 NEG_INF = "(-__int_as_float(0x7f800000))"
 
 
@@ -57,7 +65,6 @@ def render_attention(cx) -> tuple[str, tuple[Launch, ...]]:
              f"for (long long d = 0; d < {depth}; ++d) {{", f"    acc = __fadd_rn(acc, __fmul_rn({q}, {kk}));", "}",
              f"const float s = __fadd_rn(__fmul_rn(acc, {float_literal(spec.scale)}), {bias});"]
     splits = spec.splits
-    outs = OUT_THREADS // splits
     tile_loop = [
         "const long long j0 = tile * TILE;", "const long long j1 = min(j0 + TILE, len);",
         f"float mt = {NEG_INF};",
@@ -80,8 +87,48 @@ def render_attention(cx) -> tuple[str, tuple[Launch, ...]]:
         "    to = __fadd_rn(to, __fmul_rn(part_o[t + r], w));", "}",
         f"out[i] = {store(k.dtype, '__fdiv_rn(to, tl)')};"]
     slots = (0, 1, 2, 3)
-    total = prod(k.shape)
-    group = [f"long long i = g * {outs} + t / SPLITS;", "const long long live = i < total;",
+    total, rows = prod(k.shape), prod(k.shape[:-1])
+    threads = COLUMN_THREADS * splits
+    # the row path: one block per score row; scores once, then each column's sequence from shared memory
+    row_scores = ["for (long long j = t; j < len; j += THREADS) {", *("    " + line for line in score),
+                  "    sc[j] = s;", "}"]
+    row_path = [
+        "for (long long srow = blockIdx.x; srow < rows; srow += gridDim.x) {",
+        "    {  // every score of the row, once",
+        "        const long long i = srow * dv;", *("        " + line for line in coord_lines),
+        *("        " + line for line in row_scores), "    }",
+        "    __syncthreads();",
+        "    for (long long tile = t; tile < tiles; tile += THREADS) {  // each tile's max (max is exact: any order)",
+        f"        float mt = {NEG_INF};",
+        "        for (long long j = tile * TILE; j < min(tile * TILE + TILE, len); ++j) {", "            mt = fmaxf(mt, sc[j]);", "        }",
+        "        tmax[tile] = mt;", "    }",
+        "    __syncthreads();",
+        "    if (t < SPLITS) {  // each split's running max after each of its tiles, and the tile's rescale",
+        f"        float m = {NEG_INF};",
+        "        for (long long tile = t * per_split; tile < min((t + 1) * per_split, tiles); ++tile) {",
+        "            const float mn = fmaxf(m, tmax[tile]);",
+        f"            talpha[tile] = {_exp(_shifted('m', 'mn'))};",
+        "            tmax[tile] = mn;", "            m = mn;", "        }",
+        "        split_m[t] = m;", "    }",
+        "    __syncthreads();",
+        "    for (long long j = t; j < len; j += THREADS) {  // p_j = e(s_j - m') with its tile's m'",
+        f"        sc[j] = {_exp(_shifted('sc[j]', 'tmax[j / TILE]'))};", "    }",
+        "    __syncthreads();",
+        "    for (long long vcol = 0; vcol < dv; vcol += COLUMNS) {",
+        "        const long long live = vcol + t / SPLITS < dv;",
+        "        const long long i = srow * dv + min(vcol + t / SPLITS, dv - 1);", *("        " + line for line in coord_lines),
+        "        float l = 0.0f;", "        float o = 0.0f;",
+        "        for (long long tile = sp * per_split; tile < min((sp + 1) * per_split, tiles); ++tile) {",
+        "            const float alpha = talpha[tile];",
+        "            l = __fmul_rn(l, alpha);", "            o = __fmul_rn(o, alpha);",
+        "            for (long long j = tile * TILE; j < min(tile * TILE + TILE, len); ++j) {",
+        "                const float p = sc[j];", "                l = __fadd_rn(l, p);",
+        f"                o = __fadd_rn(o, __fmul_rn({_round_operand(variant.pv, 'p')}, {v}));", "            }", "        }",
+        "        part_l[t] = l;", "        part_o[t] = o;", "        part_m[t] = split_m[sp];",
+        "        __syncthreads();",
+        "        if (sp == 0 && live) {", *("            " + line for line in combine), "        }",
+        "        __syncthreads();", "    }", "}"]
+    group = [f"long long i = g * (THREADS / SPLITS) + t / SPLITS;", "const long long live = i < total;",
              "if (i >= total) i = total - 1;", *coord_lines,
              f"float m = {NEG_INF};", "float l = 0.0f;", "float o = 0.0f;",
              "for (long long tile = sp * per_split; tile < min((sp + 1) * per_split, tiles); ++tile) {",
@@ -89,17 +136,24 @@ def render_attention(cx) -> tuple[str, tuple[Launch, ...]]:
              "part_m[t] = m;", "part_l[t] = l;", "part_o[t] = o;", "__syncthreads();",
              "if (sp == 0 && live) {", *("    " + line for line in combine), "}",
              "__syncthreads();  // the partials are read before the next group overwrites them"]
-    body = [f"__shared__ float part_m[{OUT_THREADS}];", f"__shared__ float part_l[{OUT_THREADS}];",
-            f"__shared__ float part_o[{OUT_THREADS}];",
+    body = [f"__shared__ float sc[{MAX_ROW_KEYS}];", f"__shared__ float tmax[{MAX_ROW_KEYS // spec.key_tile + 1}];",
+            f"__shared__ float talpha[{MAX_ROW_KEYS // spec.key_tile + 1}];", f"__shared__ float split_m[{splits}];",
+            f"__shared__ float part_m[{threads}];", f"__shared__ float part_l[{threads}];", f"__shared__ float part_o[{threads}];",
             f"const long long total = {cx.c_dim(total)};", f"const long long len = {cx.c_dim(k.body_shape[-1])};",
+            f"const long long dv = {cx.c_dim(k.shape[-1])};", f"const long long rows = {cx.c_dim(rows)};",
             "const long long t = threadIdx.x;", "const long long sp = t % SPLITS;",
             "const long long tiles = ln_ceil_div(len, TILE);", "const long long per_split = ln_ceil_div(tiles, SPLITS);",
-            f"const long long groups = ln_ceil_div(total, {outs}LL);",
-            # grid-stride over groups of outputs: the grid is capped at MAX_GRID blocks (cuda_source.Launch);
-            # the bound is the same for every thread of a block, so both __syncthreads are reached by all
-            "for (long long g = blockIdx.x; g < groups; g += gridDim.x) {", *("    " + line for line in group), "}"]
-    text = "\n".join(body).replace("TILE", f"{spec.key_tile}LL").replace("SPLITS", f"{splits}LL")
+            "const long long groups = ln_ceil_div(total, THREADS / SPLITS);",
+            f"if (len <= {MAX_ROW_KEYS}) {{", *("    " + line for line in row_path), "}",
+            # longer rows than shared memory holds: each output recomputes its scores (the grid-stride loop
+            # over groups of outputs); the bounds are the same for every thread of a block, so every
+            # __syncthreads is reached by all
+            f"if (len > {MAX_ROW_KEYS}) {{",
+            "    for (long long g = blockIdx.x; g < groups; g += gridDim.x) {", *("        " + line for line in group),
+            "    }", "}"]
+    text = "\n".join(body).replace("THREADS", f"{threads}LL").replace("COLUMNS", f"{COLUMN_THREADS}LL")
+    text = text.replace("TILE", f"{spec.key_tile}LL").replace("SPLITS", f"{splits}LL")
     src = (f"// fused attention: {variant.name}, key tile {spec.key_tile}, {splits} split(s)\n"
            f'extern "C" __global__ void {ENTRY}({cx.params("out", slots)}) {{\n' + indent(text.splitlines(), 1)
            + "}\n")
-    return src, (Launch(ENTRY, (per(total, outs),), (OUT_THREADS,), (Arg("out"),) + tuple(Arg("in", s) for s in slots)),)
+    return src, (Launch(ENTRY, (per(rows, 1),), (threads,), (Arg("out"),) + tuple(Arg("in", s) for s in slots)),)
