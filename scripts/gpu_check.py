@@ -165,6 +165,12 @@ def stage_timing(cuda_runtime, device: str, name: str = "minilm", report: Path =
     base = float(rows[0]["measured_s"])
     for row in rows:
         print(f"     speed-up over fp32 ({row['plan']}): {base / float(row['measured_s']):.2f}x")
+    write_csv(report, rows)
+    return True
+
+
+def write_csv(report: Path, rows: list[dict]) -> None:
+    """`rows` to `report` (and to $OUT when set), each written whole then moved into place."""
     targets = [report] + ([Path(os.environ["OUT"]) / report.name] if os.environ.get("OUT") else [])
     for path in targets:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -175,23 +181,27 @@ def stage_timing(cuda_runtime, device: str, name: str = "minilm", report: Path =
             writer.writerows(rows)
         tmp.replace(path)
         print(f"     wrote {path}")
-    return True
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=("e2e", "graph", "timing"))
+def run_stage(stages: dict, argv=None, description: str = "") -> int:
+    """Parse the stage name, stop with NO_DEVICE without a CUDA device, run the stage (given the probe)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("stage", choices=tuple(stages))
     args = parser.parse_args(argv)
     found = probe()
     if not found.available:
         print(f"no CUDA device: {found.reason}")
         return NO_DEVICE
     started = time.perf_counter()
-    stages = {"e2e": lambda: stage_e2e(CudaRuntime), "graph": lambda: stage_graph(CudaRuntime),
-              "timing": lambda: stage_timing(CudaRuntime, found.device_name or "?")}
-    ok = stages[args.stage]()
+    ok = stages[args.stage](found)
     print(f"stage {args.stage}: {'passed' if ok else 'FAILED'} in {time.perf_counter() - started:.1f} s")
     return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    return run_stage({"e2e": lambda found: stage_e2e(CudaRuntime), "graph": lambda found: stage_graph(CudaRuntime),
+                      "timing": lambda found: stage_timing(CudaRuntime, found.device_name or "?")},
+                     argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

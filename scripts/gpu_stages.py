@@ -18,8 +18,6 @@ Exit 0 when the stage passed, 1 when a check failed, 3 without a CUDA device.
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import os
 import statistics
 import sys
@@ -31,37 +29,25 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_cases import device_cases, genome_program, smollm2_step  # noqa: E402
-from bench.storage_decode import SMOLLM2  # noqa: E402
 from luminal_num.codegen.cuda_dispatch import gemm_implementation  # noqa: E402
-from luminal_num.codegen.megakernel import build_queue  # noqa: E402
-from luminal_num.models.llama import build_decode, random_weights  # noqa: E402
 from luminal_num.runtime.cpu import CpuRuntime, bind_program  # noqa: E402
 from luminal_num.runtime.cost import kernel_latency  # noqa: E402
 from luminal_num.runtime.cuda import CudaRuntime  # noqa: E402
-from luminal_num.runtime.cuda_device import probe  # noqa: E402
 from luminal_num.runtime.latency import kernel_works, modelled_latency  # noqa: E402
 from luminal_num.runtime.megakernel_cost import megakernel_latency  # noqa: E402
 from luminal_num.runtime.targets import get_target  # noqa: E402
 from luminal_num.search.space import SearchSpace  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import NO_DEVICE, plan_genome, random_minilm  # noqa: E402
+from gpu_check import plan_genome, random_minilm, run_stage  # noqa: E402
+from gpu_check import write_csv as check_csv  # noqa: E402
 
 TARGET = "h200"
 REPORTS = Path("reports/bench")
 
 
 def write_csv(name: str, rows: list[dict]) -> None:
-    targets = [REPORTS / name] + ([Path(os.environ["OUT"]) / name] if os.environ.get("OUT") else [])
-    for path in targets:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        tmp.replace(path)
-        print(f"     wrote {path}")
+    check_csv(REPORTS / name, rows)
 
 
 def kernel_rows(model: str, plan: str, program, weights, inputs) -> tuple[list[dict], float, float]:
@@ -219,17 +205,8 @@ def stage_fp8acc() -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=("kernels", "megakernel", "fp8acc"))
-    args = parser.parse_args(argv)
-    found = probe()
-    if not found.available:
-        print(f"no CUDA device: {found.reason}")
-        return NO_DEVICE
-    started = time.perf_counter()
-    ok = {"kernels": stage_kernels, "megakernel": stage_megakernel, "fp8acc": stage_fp8acc}[args.stage]()
-    print(f"stage {args.stage}: {'passed' if ok else 'FAILED'} in {time.perf_counter() - started:.1f} s")
-    return 0 if ok else 1
+    return run_stage({"kernels": lambda found: stage_kernels(), "megakernel": lambda found: stage_megakernel(),
+                      "fp8acc": lambda found: stage_fp8acc()}, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -186,9 +186,13 @@ class CudaRuntime:
         device.set(host, stream=self.stream)
         return device
 
+    def _plan(self, bindings: dict[str, int]) -> BufferPlan:
+        """Buffer slots for one run: liveness reuse (kernels run one after another)."""
+        return plan_buffers(self.program, bindings)
+
     def _prepare(self, bindings: dict[str, int]) -> "_Prepared":
         cp = self.cp
-        plan = plan_buffers(self.program, bindings)
+        plan = self._plan(bindings)
         state = _Prepared(dict(bindings), plan, [cp.empty(max(n, 1), dtype=cp.uint8) for n in plan.slot_bytes])
         for kid, src in self.sources.items():
             for i, scratch in enumerate(src.scratch):

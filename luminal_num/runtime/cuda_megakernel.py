@@ -88,18 +88,8 @@ class MegakernelCudaRuntime(CudaRuntime):
         except (ImportError, AttributeError):  # older CuPy: one block per SM is co-resident by construction
             return 1
 
-    def _prepare(self, bindings: dict[str, int]) -> _Prepared:
-        cp = self.cp
-        plan = private_buffers(self.program, bindings)
-        state = _Prepared(dict(bindings), plan, [cp.zeros(n, dtype=cp.uint8) for n in plan.slot_bytes])
-        for kid, src in self.sources.items():
-            for i, scratch in enumerate(src.scratch):
-                nbytes = max(int(scratch.numel(bindings) * scratch.dtype.itemsize), 1)
-                state.scratch[(kid, i)] = cp.zeros(nbytes, dtype=cp.uint8)
-            values = src.dyn_values(bindings)
-            if values and values not in state.dyn:
-                state.dyn[values] = self._device_copy(state, np.asarray(values, dtype=np.int64))
-        return state
+    def _plan(self, bindings: dict[str, int]) -> BufferPlan:
+        return private_buffers(self.program, bindings)
 
     def _slot_pointers(self, state: _Prepared) -> np.ndarray:
         """bufs[]: LLIR values, then each queue op's scratch and dyn_dims, in render_megakernel's order."""

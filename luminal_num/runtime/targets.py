@@ -10,7 +10,7 @@ bytes/s, seconds, bytes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..dtypes.variants import GemmPrecision
 from .kernel_classes import MeasuredKernels, load_measured
@@ -184,6 +184,17 @@ HOPPER_CUDA_CORES = MathPeaks(fp64=34 * TERA, fp32=67 * TERA, bf16=133.8 * TERA,
 HOPPER_L2_BYTES = 50 * MIB
 HOPPER_SMS = 132
 
+H200 = Target(
+    name="h200",
+    description="NVIDIA H200 SXM 141GB (HBM3e)",
+    hbm_bandwidth=H200_PUBLISHED_BANDWIDTH,
+    tensor_cores=HOPPER_TENSOR_CORES,
+    cuda_cores=HOPPER_CUDA_CORES,
+    efficiency=H200_EFFICIENCY,
+    launch=PUBLISHED_HOPPER_LAUNCH,
+    l2_bytes=HOPPER_L2_BYTES,
+    sm_count=HOPPER_SMS,
+)
 # `python -m bench.gpu_calibration` fits runtime/data/h200_kernels.json from an H200 run of scripts/gpu_check.sh
 H200_KERNELS = load_measured("h200_kernels")
 
@@ -199,29 +210,10 @@ TARGETS: tuple[Target, ...] = (
         l2_bytes=HOPPER_L2_BYTES,
         sm_count=HOPPER_SMS,
     ),
-    Target(
-        name="h200",
-        description="NVIDIA H200 SXM 141GB (HBM3e)",
-        hbm_bandwidth=H200_PUBLISHED_BANDWIDTH,
-        tensor_cores=HOPPER_TENSOR_CORES,
-        cuda_cores=HOPPER_CUDA_CORES,
-        efficiency=H200_EFFICIENCY,
-        launch=PUBLISHED_HOPPER_LAUNCH,
-        l2_bytes=HOPPER_L2_BYTES,
-        sm_count=HOPPER_SMS,
-    ),
-    *(() if H200_KERNELS is None else (Target(
-        name="h200-measured",
-        description=f"NVIDIA H200 SXM as this project's kernels measured on it ({H200_KERNELS.source})",
-        hbm_bandwidth=H200_PUBLISHED_BANDWIDTH,
-        tensor_cores=HOPPER_TENSOR_CORES,
-        cuda_cores=HOPPER_CUDA_CORES,
-        efficiency=H200_EFFICIENCY,
-        launch=PUBLISHED_HOPPER_LAUNCH,
-        l2_bytes=HOPPER_L2_BYTES,
-        sm_count=HOPPER_SMS,
-        measured_kernels=H200_KERNELS,
-    ),)),
+    H200,
+    *(() if H200_KERNELS is None else (replace(
+        H200, name="h200-measured", measured_kernels=H200_KERNELS,
+        description=f"NVIDIA H200 SXM as this project's kernels measured on it ({H200_KERNELS.source})"),)),
     Target(
         name="a100",
         description="NVIDIA A100 SXM4 80GB (HBM2e)",
