@@ -108,7 +108,7 @@ def record_job(plan, job, args):
 
 def fill_job_args(args, plan) -> None:
     """Fill --model/--workload/--layers left unset from the plan's recorded job (minilm otherwise)."""
-    recorded = plan.data.get("job") or {}
+    recorded = plan.job
     if args.model is None:
         args.model = recorded.get("model", "minilm")
         if getattr(args, "workload", None) is None:
