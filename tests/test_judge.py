@@ -99,3 +99,16 @@ def test_rebiased_follows_the_band_whatever_order_the_runs_came_in(order):
     w = ref.rebiased(Verdict(True, "chunks", Share(0.8, 0.8, 0.4), float("nan"), None, "", False, 1.0))
     assert (v.passed, v.share, v.bias, v.tentative) == (w.passed, w.share, w.bias, w.tentative)
     assert v.bias == pytest.approx(ref.band(BandKind.SCALED).bias) and v.bias != 1.0
+
+
+def test_one_share_answers_each_question_a_verdict_was_asked():
+    """Hand-derived: the search ranks by the gate share over every metric (allclose where none was
+    computed), reports show the user's share (gate share x headroom, the user's allclose share where none),
+    and a re-bias scales all three."""
+    measured = Share(0.6, 0.2, 0.1)
+    static = Share(float("nan"), 0.4, 0.2)
+    assert measured.rank() == 0.6 and static.rank() == 0.4
+    assert measured.of_budget(0.5) == 0.3 and static.of_budget(0.5) == 0.2
+    assert measured.times(2.0) == Share(1.2, 0.4, 0.2)
+    gone = Share.unreachable()
+    assert gone.rank() == float("inf") and gone.of_budget(0.5) == float("inf")

@@ -1,8 +1,8 @@
 """The judge's deciders, cheapest first: each `decide(candidate)` returns a Verdict or None (pass it on).
 
 known program -> pruned change -> static bound -> per-chunk composition (SCALED, then EXACT inside SCALED's
-band) -> lowering (a known program again) -> first-order sum of single changes -> stored measurement ->
-end-to-end measurement. Deciders count what they decide in one shared Counter; the bands they decide by
+band) -> lowering (a known program again) -> first-order sum of single changes -> measurement (a stored
+one, else end to end). Deciders count what they decide in one shared Counter; the bands they decide by
 and the predictions measurements check belong to the calibrator (error/calibrate.py).
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -20,12 +20,10 @@ from .budget import Budget
 from .calibrate import BandKind, Calibrator, Observation
 from .chunks import ChunkEffects
 from .interval import Interval
-from .predict import FirstOrderDeltas, Prediction, ShareCheck
+from .predict import Change, FirstOrderDeltas, Prediction, ShareCheck
 from .share import Share
 from .static import static_bound
 from .verdict import Verdict, VerdictSource, program_key
-
-Change = tuple  # (group key or one chunk of a group, e-class, tag)
 
 
 class Count(enum.StrEnum):

@@ -19,7 +19,7 @@ from .budget import Budget, BudgetVerdict
 from .metrics import METRICS, Compared, Direction, allclose_of
 from .share import Share
 
-Change = tuple[str, str, str]
+Change = tuple  # one precision change: (group key or one chunk of a group (search.space.ChunkSite), e-class, tag)
 Outputs = Mapping[str, np.ndarray]
 
 WIDEN = 1.25  # a mismatch sets the margin to the observed ratio times this

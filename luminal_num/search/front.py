@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..codegen.llir import Program
 from ..error.headroom import FLOOR as HEADROOM_FLOOR
-from ..error.judge import PREDICTED_SOURCES, Verdict
+from ..error.verdict import PREDICTED_SOURCES, Verdict
 from ..runtime.cost import Latency
 from .space import Genome
 

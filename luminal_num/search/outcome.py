@@ -6,7 +6,8 @@ from typing import Callable, Mapping, Protocol
 
 from ..codegen.llir import Program
 from ..error.headroom import HeadroomEstimate
-from ..error.judge import JudgeSummary, Verdict
+from ..error.judge import JudgeSummary
+from ..error.verdict import Verdict
 from .front import Evaluated
 
 

@@ -182,6 +182,17 @@ class PlanLatency:
 
 
 @dataclass(frozen=True)
+class PlanJob:
+    """The job the CLI compiled (so audit and generate rebuild the same graph without --model)."""
+    model: str | None = None
+    workload: str | None = None   # an LLM's workload (e.g. decode:8@64)
+    layers: int | None = None     # an LLM's first N decoder layers
+
+    def record(self) -> dict:
+        return {"model": self.model, "workload": self.workload, "layers": self.layers}
+
+
+@dataclass(frozen=True)
 class Plan:
     data: dict  # the canonical plan.json record (read through the typed properties below)
     scales: dict | None = None  # Gemm kernel id -> static weight scales (saved beside the plan)
@@ -328,9 +339,13 @@ class Plan:
         return str(self.data.get("interrupted") or "")
 
     @property
-    def job(self) -> dict:
-        """The job the CLI recorded (model, workload, ...; empty when compiled through the API)."""
-        return dict(self.data.get("job") or {})
+    def job(self) -> PlanJob | None:
+        """The job the CLI recorded (None when compiled through the API)."""
+        rec = self.data.get("job")
+        return PlanJob(rec.get("model"), rec.get("workload"), rec.get("layers")) if rec else None
+
+    def with_job(self, job: PlanJob) -> "Plan":
+        return self.with_fields(job=job.record())
 
     @property
     def calibration_ranges(self) -> dict[str, tuple[float, float]]:

@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..codegen.llir import Program
-from ..error.judge import PREDICTED_SOURCES
+from ..error.verdict import PREDICTED_SOURCES
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
 from ..runtime.targets import OPERAND_MATH, gemm_math, get_target
