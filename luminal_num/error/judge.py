@@ -9,6 +9,7 @@ methods below (search.search.Gate), never to its deciders.
 from __future__ import annotations
 
 from collections import Counter
+from types import MappingProxyType
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -276,7 +277,7 @@ class Judge:
             xe, band = self.composed.exact, bands[BandKind.EXACT]
             figures.update(exact_margin=band.margin, exact_bias=band.bias, exact_checks=len(band.observed),
                            exact_runs=xe.runs, exact_injections=xe.injections)
-        return JudgeSummary(self.stats, figures)
+        return JudgeSummary(self.stats, MappingProxyType(figures))
 
     # -- the headroom's probes ----------------------------------------------------------------
     def batch_ratios(self, programs: Sequence[Program], pool: TaskPool | None = None) -> list[list[float]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from types import MappingProxyType
 from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
@@ -140,7 +141,8 @@ class Searcher:
         chosen = choose([e for e in self.passing() if e.verdict.source not in PREDICTED_SOURCES]) if interrupted \
             else self.confirm_finalists()
         stats = SearchStats(len(self.evaluated), time.perf_counter() - self.t0, self.judge.summary(),
-                            dict(BASELINE_SOURCES), dict(self.allocation), interrupted)
+                            MappingProxyType(dict(BASELINE_SOURCES)), MappingProxyType(dict(self.allocation)),
+                            interrupted)
         return SearchResult(self.evaluated, baselines, chosen, stats)
 
     def uniform(self, per_class: int = 2) -> None:
