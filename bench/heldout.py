@@ -56,7 +56,7 @@ def jobs(minilm_batch: int = 4, minilm_candidates: int = 60, smollm2_layers: int
 def plan_of(result: CompileResult, e: Evaluated, budget: Budget, bindings, ranges: dict) -> Plan:
     """The plan file the compiler would have written had `e` been chosen (same fields, same scales)."""
     return Plan.create(result.space, e.genome, e.program, budget, TARGET, 0, e.verdict, e.latency, bindings, {},
-                       ranges, result.space.graph.weights, headroom=result.search.stats["headroom"])
+                       ranges, result.space.graph.weights, headroom=result.search.stats.headroom_share)
 
 
 def returned(result: CompileResult) -> list[tuple[str, Evaluated]]:
@@ -73,7 +73,7 @@ def audit_returned(name: str, job: ModelJob, result: CompileResult, budget: Budg
     graph = job.graph
     refs = references(graph, job.calibration)
     ranges = calibration_ranges(graph, result.space.part, refs)
-    stats = result.search.stats
+    stats = result.search.stats.record()
     rows = []
     for role, e in returned(result):
         plan = plan_of(result, e, budget, refs[0].bindings, ranges)
@@ -94,7 +94,7 @@ def layer_map_row(name: str, result: CompileResult) -> dict:
     groups = [[c.index for c in g.chunks] for g in result.space.part.groups]
     table = layer_table(result.program, groups)
     files = write_layer_map(result.program, groups, OUT / "layer_maps" / name)
-    stats = result.search.stats
+    stats = result.search.stats.record()
     return {"job": name, "layers_differ": bool(differing_groups(table)), "layer_map": str(files["layer_map_png"]),
             "layer_candidates": sum(e.stage == "layer" for e in result.search.evaluated),
             "allocation_winner": stats.get("allocation_winner", "not run")}
@@ -116,7 +116,7 @@ def run(names: Sequence[str] = ("transformer", "minilm", "smollm2"), **kw) -> di
     rows, maps = [], {}
     for name in names:
         job, budget, result, seconds = compile_job(specs[name])
-        print(f"[heldout] {name}: compiled in {seconds:.0f} s, {result.search.stats['candidates']} candidates")
+        print(f"[heldout] {name}: compiled in {seconds:.0f} s, {result.search.stats.candidates} candidates")
         rows += [{**r, "compile_s": seconds} for r in audit_returned(name, job, result, budget)]
         maps[name] = layer_map_row(name, result)
     df = pd.DataFrame(rows)

@@ -112,7 +112,7 @@ def candidate_rows(name: str, graph: Graph, calibration, budget: str, rounds: in
 
         def one():
             space._extracted.clear()  # lower from scratch, as for a new genome
-            judge._measure(space.program(genome))
+            judge.runner.measure(space.program(genome))
         one()  # warm (caches that persist across candidates stay warm, as in a search)
         rows.append(dict(measure="seconds_per_candidate", model=name, candidate=tag, seconds=best_of(one, rounds),
                          space_build_seconds=build, reference_seconds=refs, batches=len(calibration)))

@@ -84,16 +84,16 @@ def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...
         composed = {}
         for m, ce in effects.items():
             t0 = time.perf_counter()
-            composed[m] = ce.compose(cands, judge.gated_refs)
-            row[f"predicted_{m.value}"] = judge.chunk_band.check(composed[m]).ratio
+            composed[m] = ce.compose(cands, judge.ev.gated_refs)
+            row[f"predicted_{m.value}"] = judge.ev.checker.check(composed[m]).ratio
             row[f"predict_{m.value}_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        measured, outs = judge._measure(space.program(genome), keep_outputs=True)
-        row.update(measured=measured.ratio, measure_s=time.perf_counter() - t0)
+        measured, outs = judge.runner.measure(space.program(genome), keep_outputs=True)
+        row.update(measured=measured.share.gate, measure_s=time.perf_counter() - t0)
         # each part of the share alone: a count (top-1 over a batch of 8 rows) is discrete where KL is not
-        for part, share in metric_shares(judge.gate, composed[Propagation.SCALED], judge.refs).items():
+        for part, share in metric_shares(judge.ev.gate, composed[Propagation.SCALED], judge.ev.refs).items():
             row[f"predicted_scaled_{part}"] = share
-        for part, share in metric_shares(judge.gate, outs, judge.refs).items():
+        for part, share in metric_shares(judge.ev.gate, outs, judge.ev.refs).items():
             row[f"measured_{part}"] = share
             p = row.get(f"predicted_scaled_{part}", float("nan"))
             row[f"within_2x_scaled_{part}"] = bool(0.5 <= share / p <= 2.0) if p > 0 else share == p == 0
@@ -101,12 +101,12 @@ def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...
             row["same_top1_flips"] = (row["measured_top1_agreement"] > 0) == (row["predicted_scaled_top1_agreement"] > 0)
         for m in effects:
             p = row[f"predicted_{m.value}"]
-            row[f"within_2x_{m.value}"] = bool(0.5 <= measured.ratio / p <= 2.0) if p > 0 else False
+            row[f"within_2x_{m.value}"] = bool(0.5 <= measured.share.gate / p <= 2.0) if p > 0 else False
         row.update({f"chunk_runs_{m.value}": ce.runs for m, ce in effects.items()})
         row.update({f"chunk_shared_{m.value}": ce.shared for m, ce in effects.items()})
         rows.append(row)
         print(f"[prediction] {name} {i}: predicted {row['predicted_scaled']:.3g} (exact "
-              f"{row.get('predicted_exact', float('nan')):.3g}) measured {measured.ratio:.3g}", flush=True)
+              f"{row.get('predicted_exact', float('nan')):.3g}) measured {measured.share.gate:.3g}", flush=True)
     return rows
 
 

@@ -91,7 +91,7 @@ def one(shape: Shape, candidates: int, max_memory: str | None) -> dict:
     t2 = time.perf_counter()
     chosen = result.search.chosen
     params = sum(int(w.size) for w in job.graph.weights.values())
-    return {"shape": shape.name, "params_m": params / 1e6, "candidates": result.search.stats.get("candidates"),
+    return {"shape": shape.name, "params_m": params / 1e6, "candidates": result.search.stats.candidates,
             "front_end_s": t1 - t0, "compile_s": t2 - t1, "memory_plan": memory.describe(),
             "chosen": chosen.label or f"candidate {chosen.id}", "chosen_latency_us": chosen.latency.total_s * 1e6,
             "plan_sha256": hashlib.sha256(result.plan.to_json().encode()).hexdigest()[:16]}

@@ -66,7 +66,7 @@ class CompiledJob:
     def budget_ratio(self, e: Evaluated) -> float:
         """A candidate's error as an allclose ratio of the user's budget (<= 1 fits it): the search
         judges against the budget tightened by its headroom, and a ratio scales with the tolerance."""
-        return float(e.verdict.error) * self.result.search.stats["headroom"]
+        return float(e.verdict.share.allclose) * self.result.search.stats.headroom_share
 
 
 def compile_jobs(quick: bool = False, only: tuple[str, ...] | None = None) -> dict[str, CompiledJob]:
@@ -109,8 +109,9 @@ def layers_differ(c: CompiledJob) -> int:
 
 def efficiency_row(c: CompiledJob) -> dict:
     search = c.result.search
+    stats = search.stats.record()
     evaluated = search.evaluated
-    gate = {f"decided_by_{k}": search.stats[k] for k in VERDICT_STAGES}
+    gate = {f"decided_by_{k}": stats[k] for k in VERDICT_STAGES}
     front = final_front(evaluated)
     chosen = search.chosen
     searched = [e for e in evaluated if e.stage != "baseline"]
@@ -118,28 +119,28 @@ def efficiency_row(c: CompiledJob) -> dict:
     # earlier genome carries that genome's "measured" verdict, so the verdict's source cannot tell)
     no_e2e = sum(e.end_to_end_runs == 0 for e in searched)
     return dict(job=c.name, budget=str(c.budget), candidates=len(evaluated),
-                decided_without_e2e=no_e2e / max(len(searched), 1), confirmed=search.stats["confirmed"],
-                mismatches=search.stats["mismatches"], prediction_margin=search.stats.get("prediction_margin"),
+                decided_without_e2e=no_e2e / max(len(searched), 1), confirmed=stats["confirmed"],
+                mismatches=stats["mismatches"], prediction_margin=stats.get("prediction_margin"),
                 baselines=sum(e.stage == "baseline" for e in evaluated), **gate,
-                pruned=search.stats["pruned"],  # monotone pruning: counted among the cache's verdicts
+                pruned=stats["pruned"],  # monotone pruning: counted among the cache's verdicts
                 passed=sum(bool(e.verdict.passed) for e in evaluated),
                 profiled=sum(e.latency is not None for e in evaluated),
                 profiled_rejected=sum(e.latency is not None and not e.verdict.passed for e in evaluated),
-                search_s=search.stats["seconds"], compile_s=c.compile_s,
-                search_s_per_candidate=search.stats["seconds"] / len(evaluated),
+                search_s=stats["seconds"], compile_s=c.compile_s,
+                search_s_per_candidate=stats["seconds"] / len(evaluated),
                 chosen_index=chosen.id, chosen_stage=chosen.stage, chosen_source=chosen.verdict.source,
                 front_size=len(front), front_complete_index=max(e.id for e in front),
-                headroom=c.result.search.stats["headroom"], chosen_error=c.budget_ratio(chosen),
-                chosen_share=float(chosen.verdict.ratio) * c.result.search.stats["headroom"], chosen_latency_s=chosen.latency_s,
-                chunk_margin=search.stats.get("chunk_margin"), chosen_chunks_differing=layers_differ(c),
-                chunk_runs=search.stats.get("chunk_runs"), chunk_composed=search.stats.get("chunk_composed"),
-                chunk_shared=search.stats.get("chunk_shared"), chunk_local_checks=search.stats.get("chunk_local_checks"),
-                chunk_compose_off=search.stats.get("chunk_compose_off", ""), chunk_bias=search.stats.get("chunk_bias"),
-                tentative=search.stats.get("tentative"), deferred=search.stats.get("deferred"),
-                deferred_measured=search.stats.get("deferred_measured"),
-                decided_exactly=search.stats.get("exact"), exact_margin=search.stats.get("exact_margin"),
-                exact_bias=search.stats.get("exact_bias"), exact_checks=search.stats.get("exact_checks"),
-                exact_runs=search.stats.get("exact_runs"), exact_injections=search.stats.get("exact_injections"),
+                headroom=stats["headroom"], chosen_error=c.budget_ratio(chosen),
+                chosen_share=float(chosen.verdict.share.gate) * stats["headroom"], chosen_latency_s=chosen.latency_s,
+                chunk_margin=stats.get("chunk_margin"), chosen_chunks_differing=layers_differ(c),
+                chunk_runs=stats.get("chunk_runs"), chunk_composed=stats.get("chunk_composed"),
+                chunk_shared=stats.get("chunk_shared"), chunk_local_checks=stats.get("chunk_local_checks"),
+                chunk_compose_off=stats.get("chunk_compose_off", ""), chunk_bias=stats.get("chunk_bias"),
+                tentative=stats.get("tentative"), deferred=stats.get("deferred"),
+                deferred_measured=stats.get("deferred_measured"),
+                decided_exactly=stats.get("exact"), exact_margin=stats.get("exact_margin"),
+                exact_bias=stats.get("exact_bias"), exact_checks=stats.get("exact_checks"),
+                exact_runs=stats.get("exact_runs"), exact_injections=stats.get("exact_injections"),
                 peak_rss_gb=c.peak_rss_gb[0], peak_rss_worker_gb=c.peak_rss_gb[1],
                 load_before=c.load[0], load_after=c.load[1])
 
@@ -150,7 +151,7 @@ def candidate_row(c: CompiledJob, e: Evaluated) -> dict:
     error and latency."""
     return dict(job=c.name, id=e.id, stage=e.stage, label=e.label, changes=len(e.genome), source=e.verdict.source,
                 end_to_end_runs=e.end_to_end_runs,
-                passed=bool(e.verdict.passed), error=float(e.verdict.error), ratio=float(e.verdict.ratio),
+                passed=bool(e.verdict.passed), error=float(e.verdict.share.allclose), ratio=float(e.verdict.share.gate),
                 latency_s=e.latency_s, reason=e.verdict.reason[:160])
 
 

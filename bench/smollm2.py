@@ -57,7 +57,7 @@ def run(layers: int | None = None, workload: str = SMOLLM2_WORKLOAD, genomes=tup
     judge = Judge(job.graph, budget.tightened(0.5), list(job.calibration), use_static=False)
     reference_s = time.perf_counter() - t0
     held_refs = [evaluate(job.graph, b)["logits"] for b in job.heldout]
-    cal_refs = [r["logits"] for r in judge.refs]
+    cal_refs = [r["logits"] for r in judge.ev.refs]
     t0 = time.perf_counter()
     space = SearchSpace.build(job.graph)
     space_s = time.perf_counter() - t0

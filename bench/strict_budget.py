@@ -46,7 +46,7 @@ def blockers(job, result, budget: Budget) -> list[dict]:
     added, judged end to end against the compile's gate and modelled on TARGET."""
     search, space = result.search, result.space
     chosen, auto = search.chosen, search.baselines[AUTOCAST]
-    head = float(search.stats["headroom"])
+    head = search.stats.headroom_share
     judge = Judge(job.graph, budget, list(job.calibration), use_static=False, headroom=head, use_prediction=False)
     missing = sorted(auto.genome - chosen.genome)
     rows = []
@@ -55,13 +55,13 @@ def blockers(job, result, budget: Budget) -> list[dict]:
         genome = with_changes(chosen.genome, extra)
         program = space.program(genome)
         v = judge.judge(program, predict=False)
-        lat = program_latency(program, TARGET, judge.bindings[0], job.graph.weights, job.calibration[0])
+        lat = program_latency(program, TARGET, judge.latency_bindings, job.graph.weights, job.calibration[0])
         faster = lat.total_s < chosen.latency_s * (1 - LATENCY_TIE)  # closer is a tie (search.choose)
         verdict = ("never combined by the search: passes and is faster" if v.passed and faster else
                    "blocked by the budget: faster but breaks the gate" if faster else
                    "no latency to gain" + ("" if v.passed else " (and breaks the gate)"))
-        rows.append({"kind": kind, "changes": len(extra), "example": extra[0][2], "gate_share": v.ratio,
-                     "user_allclose": v.budget_error, "passes_gate": v.passed, "latency_s": lat.total_s,
+        rows.append({"kind": kind, "changes": len(extra), "example": extra[0][2], "gate_share": v.share.gate,
+                     "user_allclose": v.share.user_allclose, "passes_gate": v.passed, "latency_s": lat.total_s,
                      "gain_vs_chosen_s": chosen.latency_s - lat.total_s, "finding": verdict})
     return rows
 
@@ -77,10 +77,10 @@ def run(batch: int = 4, candidates: int = 60) -> dict:
     for role, label, e in [("chosen", chosen.label or f"candidate {chosen.id}", chosen)] + \
             [("baseline", name, b) for name, b in search.baselines.items()]:
         rows.append({"section": "plan", "role": role, "label": label, "stage": e.stage,
-                     "latency_s": e.latency_s, "passes_gate": e.verdict.passed, "gate_share": e.verdict.ratio,
-                     "user_allclose": e.verdict.budget_error, "verdict_source": e.verdict.source,
+                     "latency_s": e.latency_s, "passes_gate": e.verdict.passed, "gate_share": e.verdict.share.gate,
+                     "user_allclose": e.verdict.share.user_allclose, "verdict_source": e.verdict.source,
                      "heldout_broken": held[e.id]["broken"] if e.id in held else None,
-                     "headroom": float(search.stats["headroom"]), "compile_s": seconds})
+                     "headroom": search.stats.headroom_share, "compile_s": seconds})
     below = bool(chosen.latency_s < auto.latency_s)
     found = [] if below else blockers(job, result, budget)
     rows += [{"section": "missing", "role": "chosen + autocast's " + r["kind"], **r} for r in found]
@@ -106,7 +106,7 @@ def run(batch: int = 4, candidates: int = 60) -> dict:
         out["what blocks a plan below autocast"] = blocking(faster, auto.latency_s)
     stages = pd.Series([e.stage for e in search.evaluated]).value_counts()
     out["candidates per stage"] = ", ".join(f"{k} {v}" for k, v in stages.items())
-    out.update({k: v for k, v in search.stats.items() if k.startswith("allocation_")})
+    out.update({k: v for k, v in search.stats.allocation.items()})
     return out
 
 
@@ -139,8 +139,7 @@ def faster_than(job, result, latency_s: float) -> list[dict]:
         if lat < latency_s * (1 - LATENCY_TIE):
             rows.append({"section": "faster", "role": f"{e.stage} candidate {e.id}", "label": e.label or
                          ", ".join(sorted({t for _, _, t in e.genome})), "stage": e.stage, "latency_s": lat,
-                         "passes_gate": e.verdict.passed, "gate_share": e.verdict.ratio if e.verdict.ratio == e.verdict.ratio
-                         else e.verdict.error, "user_allclose": e.verdict.budget_error,
+                         "passes_gate": e.verdict.passed, "gate_share": e.verdict.share.rank(), "user_allclose": e.verdict.share.user_allclose,
                          "verdict_source": e.verdict.source, "finding": "passes" if e.verdict.passed else
                          f"breaks the gate: {e.verdict.reason[:120]}"})
     return sorted(rows, key=lambda r: (r["gate_share"], r["latency_s"]))

@@ -114,15 +114,15 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
         result = compile(job.graph, budget, args.target, job.calibration, opts, cache_dir=args.cache_dir,
                          memory=memory, on_stage=_print_stage if getattr(args, "verbose", False) else None)
     except BudgetUnreachable as exc:
-        if exc.result.stats.get("interrupted"):
+        if exc.result.stats.interrupted:
             raise Interrupted("interrupted before any plan passed the budget: nothing written") from None
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONTRACT
     except ValueError as exc:  # budget outputs the model lacks, bad options, bad inputs
         raise InputError(str(exc)) from None
     stats = result.search.stats
-    interrupted = (f"search interrupted after {stats['candidates']} candidates: best plan so far"
-                   if stats.get("interrupted") else "")
+    interrupted = (f"search interrupted after {stats.candidates} candidates: best plan so far"
+                   if stats.interrupted else "")
     peers = None
     if oj is not None:
         result = dataclasses.replace(result, plan=result.plan.with_source(oj.source))
@@ -135,23 +135,24 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
         raise Interrupted(f"{interrupted} written to {files['plan']} (marked partial)")
     rows = candidate_rows(result)
     front = rows[rows.on_front].sort_values(["latency_s", "candidate"])  # the front the search confirmed
-    print(f"[luminal-num] {result.search.stats['candidates']} candidates; gate: "
-          + ", ".join(f"{k}={v}" for k, v in result.search.stats.items() if k in ("cache", "static", "measured", "pruned")))
+    gate = stats.gate
+    print(f"[luminal-num] {stats.candidates} candidates; gate: cache={gate.cache}, static={gate.static}, "
+          f"measured={gate.measured}, pruned={gate.pruned}")
     if args.cache_dir is not None:
-        print(f"[luminal-num] verdict cache {args.cache_dir}: {stats.get('stored', 0)} verdicts reused, "
-              f"{stats.get('measured', 0)} measured end to end now")
-    headroom = float(stats.get("headroom", 1.0))
+        print(f"[luminal-num] verdict cache {args.cache_dir}: {gate.stored} verdicts reused, "
+              f"{gate.measured} measured end to end now")
+    headroom = stats.headroom_share
     print(f"\nPareto front of passing plans ({ERROR_COLUMN}: the share of the budget used over allclose and "
           f"every metric, <= {fmt_num(headroom)} = headroom x budget; fastest first):")
     _print_table(front, ["candidate", ERROR_COLUMN, "latency_s", "verdict_source", "variants"])
     print("\nBaselines:")
     _print_table(rows[rows.stage == "baseline"], ["label", ERROR_COLUMN, "latency_s", "passes"])
-    plan = result.plan.data
+    plan = result.plan
     share = rows.loc[rows.candidate == result.search.chosen.id, ERROR_COLUMN].iloc[0]
-    print(f"\nChosen plan: budget share {fmt_num(share)}, allclose ratio {fmt_num(plan['verdict']['error'])} "
-          f"({plan['verdict']['source']}; budget 1, judged against {fmt_num(headroom)}), latency "
-          f"{fmt_latency(plan['latency']['total_s'])} ({plan['latency']['source']})")
-    _summary(plan)
+    print(f"\nChosen plan: budget share {fmt_num(share)}, allclose ratio {fmt_num(plan.verdict.error)} "
+          f"({plan.verdict.source}; budget 1, judged against {fmt_num(headroom)}), latency "
+          f"{fmt_latency(plan.latency.total_s)} ({plan.latency.source})")
+    _summary(plan.kernels)
     print("\nwrote " + ", ".join(str(p) for p in files.values()))
     return EXIT_OK
 
@@ -183,9 +184,9 @@ def _positive(text: str) -> int:
     return value
 
 
-def _summary(plan: dict) -> None:
+def _summary(kernels: list[dict]) -> None:
     import collections
-    kinds = collections.Counter((k["kind"], k["dtype"], k["precision"] or "-") for k in plan["kernels"])
+    kinds = collections.Counter((k["kind"], k["dtype"], k["precision"] or "-") for k in kernels)
     print("Per-op summary (kind, storage dtype, precision: count):")
     for (kind, dt, prec), n in sorted(kinds.items()):
         print(f"  {kind:16s} {dt:8s} {prec:24s} {n}")
@@ -224,8 +225,8 @@ def cmd_audit(args) -> int:
 def _audit_locked(plan, job, batches, out: Path, oj=None) -> int:
     from .report.audit import audit, write_audit_report
     from .search.plan import PlanError
-    if plan.data.get("interrupted"):
-        print(f"[luminal-num] note: this plan is a partial result ({plan.data['interrupted']})")
+    if plan.interrupted:
+        print(f"[luminal-num] note: this plan is a partial result ({plan.interrupted})")
     try:
         if oj is not None:
             plan.check_source(oj.source)
@@ -246,13 +247,12 @@ def _audit_locked(plan, job, batches, out: Path, oj=None) -> int:
 def cmd_inspect(args) -> int:
     import pandas as pd
     plan = _load_plan(args.plan)
-    d = plan.data
-    print(f"plan v{d['version']} (compiler {d['compiler_version']}), target {d['target']}, seed {d['seed']}")
-    print(f"budget {plan.budget}; verdict {d['verdict']['source']}: {d['verdict']['reason']}")
-    if d.get("interrupted"):
-        print(f"PARTIAL RESULT: {d['interrupted']}")
-    print(f"latency {fmt_latency(d['latency']['total_s'])} ({d['latency']['source']})\n")
-    print(pd.DataFrame(d["kernels"]).to_string(index=False))
+    print(plan.describe())
+    print(f"budget {plan.budget}; verdict {plan.verdict.source}: {plan.verdict.reason}")
+    if plan.interrupted:
+        print(f"PARTIAL RESULT: {plan.interrupted}")
+    print(f"latency {fmt_latency(plan.latency.total_s)} ({plan.latency.source})\n")
+    print(pd.DataFrame(plan.kernels).to_string(index=False))
     return EXIT_OK
 
 

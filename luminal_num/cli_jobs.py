@@ -101,20 +101,21 @@ def llm_job_of(args):
 def record_job(plan, job, args):
     """The plan remembering its model (and an LLM's workload and layers), so audit and generate rebuild the
     same graph without --model (a built-in llama-tiny plan was audited as minilm: graph hash mismatch)."""
+    from .search.plan import PlanJob
     llm = job.llm is not None
-    return plan.with_fields(job={"model": args.model, "workload": str(job.llm.workload) if llm else None,
-                                 "layers": getattr(args, "layers", None) if llm else None})
+    return plan.with_job(PlanJob(args.model, str(job.llm.workload) if llm else None,
+                                 getattr(args, "layers", None) if llm else None))
 
 
 def fill_job_args(args, plan) -> None:
     """Fill --model/--workload/--layers left unset from the plan's recorded job (minilm otherwise)."""
-    recorded = plan.data.get("job") or {}
+    recorded = plan.job
     if args.model is None:
-        args.model = recorded.get("model", "minilm")
+        args.model = recorded.model if recorded is not None else "minilm"
         if getattr(args, "workload", None) is None:
-            args.workload = recorded.get("workload")
+            args.workload = recorded.workload if recorded is not None else None
         if getattr(args, "layers", None) is None:
-            args.layers = recorded.get("layers")
+            args.layers = recorded.layers if recorded is not None else None
 
 
 def onnx_job_of(args):

@@ -6,6 +6,7 @@ is known (budget, gate, headroom, target, the task pool); `on_stage` hears each 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -138,15 +139,15 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
 def plan_stage(ctx: CompileContext, space: SearchSpace, refs: References, judge: Judge,
                result: SearchResult) -> CompileResult:
     """The chosen candidate as a Plan (or BudgetUnreachable naming the best error any candidate reached)."""
-    result.stats.update(ctx.headroom.as_dict())
+    result = dataclasses.replace(result, stats=dataclasses.replace(result.stats, headroom=ctx.headroom))
     if result.chosen is None:
-        tried = [e for e in result.evaluated if np.isfinite(e.verdict.error)]
-        best = min(tried, key=lambda e: e.verdict.error) if tried else result.evaluated[0]
-        raise BudgetUnreachable(ctx.budget, best.verdict.budget_error, best.label or f"candidate {best.id}",
+        tried = [e for e in result.evaluated if np.isfinite(e.verdict.share.allclose)]
+        best = min(tried, key=lambda e: e.verdict.share.allclose) if tried else result.evaluated[0]
+        raise BudgetUnreachable(ctx.budget, best.verdict.share.user_allclose, best.label or f"candidate {best.id}",
                                 result, ctx.headroom.headroom)
     chosen = result.chosen
     plan = Plan.create(space, chosen.genome, chosen.program, ctx.budget, ctx.target, ctx.options.seed, chosen.verdict,
-                       chosen.latency, judge.bindings[0], _stable_stats(result.stats),
+                       chosen.latency, judge.latency_bindings, result.stats.record(with_seconds=False),
                        calibration_ranges(ctx.graph, space.part, refs.batches), ctx.graph.weights,
                        headroom=ctx.headroom.headroom)
     return CompileResult(plan, chosen.program, space, result)
@@ -184,11 +185,6 @@ def choose_headroom(graph: Graph, budget: Budget, calibration, refs, space: Sear
                   outputs_cache=ran)
     genomes = baseline_genomes(space)
     return estimate_headroom(probe.batch_ratios([space.program(genomes[n]) for n in PROBES if n in genomes], pool))
-
-
-def _stable_stats(stats: dict) -> dict:
-    """Search statistics that are the same on every run (wall-clock seconds are reported, not stored)."""
-    return {k: v for k, v in stats.items() if k != "seconds"}
 
 
 def _check_job(graph: Graph, budget: Budget, target: str, calibration, options: SearchOptions) -> None:

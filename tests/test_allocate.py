@@ -103,7 +103,7 @@ def test_the_search_allocates_per_layer_and_says_which_allocation_won(monkeypatc
     space = SearchSpace.build(job.graph)
     res = compile_plan(job.graph, Budget.parse("atol=3e-2,rtol=3e-2"), "h200", job.calibration,
                        SearchOptions(seed=0, max_candidates=60, progress=False), space=space)
-    stats = res.search.stats
+    stats = res.search.stats.allocation
     assert stats["allocation_winner"] in ("lagrangian", "greedy"), stats
     combos = [e for e in res.search.evaluated if e.label.startswith("per-layer ") and e.label.endswith("allocation")]
     assert combos and all(any(isinstance(site, ChunkSite) for site, _, _ in e.genome) for e in combos)

@@ -12,6 +12,7 @@ import pytest
 from luminal_num.codegen.llir import KernelKind
 from luminal_num.compiler import compile as compile_plan
 from luminal_num.error.budget import Budget
+from luminal_num.error.calibrate import BandKind
 from luminal_num.error.chunks import ChunkEffects, Propagation
 from luminal_num.error.judge import Judge
 from luminal_num.error.reference import references
@@ -135,7 +136,7 @@ def test_a_chunk_choice_that_alone_breaks_the_budget_prunes_every_genome_with_it
     v = judge.judge(space3.program(bad), bad, space3.candidates(bad))
     assert not v.passed and v.source == "chunks" and judge.stats.measured == 0
     # a measurement agrees: it does break the budget end to end
-    assert not judge._measure(space3.program(bad))[0].passed
+    assert not judge.runner.measure(space3.program(bad))[0].passed
     other = space3.per_chunk(bad, g.chunks[0].index, bf16_gemms(space3, g))
     v2 = judge.judge(space3.program(other), other, space3.candidates(other))
     assert not v2.passed and v2.source == "cache" and judge.stats.pruned == 1
@@ -145,9 +146,9 @@ def test_compile_decides_by_chunks_and_confirms_the_front_and_the_plan(job3, spa
     res = compile_plan(job3.graph, Budget.parse(job3.default_budget), "h200", job3.calibration,
                        SearchOptions(seed=0, max_candidates=40, progress=False), space=space3)
     s = res.search
-    assert s.stats["chunks"] > 0
+    assert s.stats.gate.chunks > 0
     # every confirmation checks the EXACT composition too (it decides inside SCALED's band)
-    assert s.stats["exact_checks"] >= s.stats["confirmed"] > 0
+    assert s.stats.judge.figures["exact_checks"] >= s.stats.gate.confirmed > 0
     assert s.chosen.verdict.source not in ("chunks", "predicted")
     front_sources = {e.verdict.source for e in s.evaluated if e.verdict.passed and e.latency is not None
                      and e in _front(s.evaluated)}
@@ -171,8 +172,8 @@ def test_plan_round_trips_a_per_chunk_genome(job3, space3, refs3, tmp_path):
     prog = space3.program(genome)
     v = judge.judge(prog, genome)
     from luminal_num.runtime.latency import program_latency
-    lat = program_latency(prog, "h200", judge.bindings[0], job3.graph.weights, job3.calibration[0])
-    plan = Plan.create(space3, genome, prog, judge.budget, "h200", 0, v, lat, judge.bindings[0], {}, {},
+    lat = program_latency(prog, "h200", judge.latency_bindings, job3.graph.weights, job3.calibration[0])
+    plan = Plan.create(space3, genome, prog, judge.ev.budget, "h200", 0, v, lat, judge.latency_bindings, {}, {},
                        job3.graph.weights)
     grp = next(x for x in plan.data["groups"] if len(x["chunks"]) > 1)
     assert list(grp["chunk_choices"]) == [str(g.chunks[1].index)]
@@ -331,26 +332,28 @@ def test_a_rejection_inside_the_band_never_costs_the_returned_plan(job3, space3,
     none pruned another genome."""
     judge = Judge(job3.graph, Budget.parse(job3.default_budget), list(job3.calibration), use_static=False,
                   references=refs3, chunks=effects(job3, space3, refs3))
-    monkeypatch.setattr(judge.chunk_band, "decides", lambda p: None)
+    band = judge.calibrator.band(BandKind.SCALED)
+    monkeypatch.setattr(band, "decides", lambda p: None)
     if expect_fail:
-        monkeypatch.setattr(judge.chunk_band, "expected", lambda p: 2.0)
+        monkeypatch.setattr(band, "expected", lambda p: 2.0)
     searcher = Searcher(space3, judge, SearchOptions(seed=0, max_candidates=40, progress=False), job3.calibration[0])
     result = searcher.run()
-    assert judge.stats.deferred > 0 and (judge.stats.tentative == 0) == expect_fail
+    inside = judge.stats.inside_band
+    assert inside.deferred > 0 and (inside.tentative == 0) == expect_fail
     if expect_fail:  # nothing but baselines passes: the faster tentative rejects are measured, fastest first
-        assert judge.stats.deferred_measured > 0
+        assert inside.deferred_measured > 0
     chosen = result.chosen
     assert chosen.verdict.source == "measured" or chosen.verdict.source == "cache"
     still = [e for e in result.evaluated if e.verdict.tentative and not e.verdict.passed]
     for e in still:
         assert searcher.latency(space3.program(e.genome)).total_s >= chosen.latency_s, e.id
     measured = [e for e in result.evaluated if e.id in searcher.deferred_latency and not e.verdict.tentative]
-    assert len(measured) == judge.stats.deferred_measured
+    assert len(measured) == judge.stats.inside_band.deferred_measured
     for e in measured:
-        run = judge._measure(space3.program(e.genome))[0]
-        assert (run.passed, run.ratio) == (e.verdict.passed, e.verdict.ratio), e.id
+        run = judge.runner.measure(space3.program(e.genome))[0]
+        assert (run.passed, run.share.gate) == (e.verdict.passed, e.verdict.share.gate), e.id
     singles = {next(iter(e.genome)) for e in still if len(e.genome) == 1}
-    assert singles and not singles & set(judge.bad_changes)
+    assert singles and not singles & set(judge.pruned.bad)
 
 
 def test_a_terminal_chunk_is_judged_by_its_own_deviation_in_either_mode(job3, space3, refs3):
@@ -382,27 +385,29 @@ def test_inside_the_scaled_band_the_exact_composition_decides_and_tracks_the_run
     judge = Judge(job3.graph, Budget.parse(job3.default_budget), list(job3.calibration), use_static=False,
                   references=refs3, chunks=effects(job3, space3, refs3, Propagation.SCALED),
                   exact_chunks=effects(job3, space3, refs3))
-    monkeypatch.setattr(judge.chunk_band, "decides", lambda p: None)
+    monkeypatch.setattr(judge.calibrator.band(BandKind.SCALED), "decides", lambda p: None)
     result = Searcher(space3, judge, SearchOptions(seed=0, max_candidates=40, progress=False),
                       job3.calibration[0]).run()
     composed = [e.verdict for e in result.evaluated if e.verdict.bias is not None]
-    assert judge.stats.exact > 0 and composed and all(v.exact for v in composed)
-    pairs = [(p, m) for p, m in judge.exact_band.observed if p > 0 and m > 0]
+    assert judge.stats.inside_band.exact > 0 and composed and all(v.exact for v in composed)
+    pairs = [(p, m) for p, m in judge.calibrator.band(BandKind.EXACT).observed if p > 0 and m > 0]
     assert pairs and all(0.5 <= m / p <= 2.0 for p, m in pairs), pairs
 
 
 def test_a_composed_share_follows_the_bias_learnt_after_it(job3, space3, refs3):
-    """rebias: a composed verdict's errors scale with its band's bias now over the bias it was decided
+    """rebiased: a composed verdict's shares scale with its band's bias now over the bias it was decided
     with; a pass pushed over the gate becomes a tentative reject; measured verdicts never move."""
     from luminal_num.error.judge import Verdict
+    from luminal_num.error.share import Share
     judge = Judge(job3.graph, Budget.parse(job3.default_budget), list(job3.calibration), use_static=False,
                   references=refs3, chunks=effects(job3, space3, refs3, Propagation.SCALED))
-    v = Verdict(True, "chunks", 0.4, float("nan"), None, "", 0.3, 0.6, False, 1.0)
-    judge.chunk_band.bias = 1.5
-    w = judge.rebias(v)
-    assert (w.passed, w.ratio, w.error, w.budget_error, w.bias) == (True, 0.6 * 1.5, 0.4 * 1.5, 0.3 * 1.5, 1.5)
-    judge.chunk_band.bias = 2.0
-    x = judge.rebias(w)
-    assert not x.passed and x.tentative and x.ratio == pytest.approx(1.2)
-    measured = Verdict(True, "measured", 0.4, 0.1, None, "", 0.3, 0.6)
-    assert judge.rebias(measured) is measured
+    v = Verdict(True, "chunks", Share(0.6, 0.4, 0.3), float("nan"), None, "", False, 1.0)
+    band = judge.calibrator.band(BandKind.SCALED)
+    band.bias = 1.5
+    w = judge.rebiased(v)
+    assert (w.passed, w.share, w.bias) == (True, Share(0.6 * 1.5, 0.4 * 1.5, 0.3 * 1.5), 1.5)
+    band.bias = 2.0
+    x = judge.rebiased(w)
+    assert not x.passed and x.tentative and x.share.gate == pytest.approx(1.2)
+    measured = Verdict(True, "measured", Share(0.6, 0.4, 0.3), 0.1, None, "")
+    assert judge.rebiased(measured) is measured

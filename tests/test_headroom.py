@@ -41,8 +41,8 @@ def test_compile_measures_its_headroom_on_split_batches_and_records_it():
     budget = Budget.parse("atol=1e-2,rtol=1e-2")
     res = compile_plan(model.graph, budget, "h200", batches, SearchOptions(seed=0, max_candidates=8, progress=False),
                        space=space)
-    stats = res.search.stats
-    assert stats["headroom_source"] == "data" and res.plan.data["headroom"] == stats["headroom"]
+    head = res.search.stats.headroom
+    assert head.source == "data" and res.plan.headroom == head.headroom
     # independent truth: each probe's allclose share per batch, written with numpy
     genomes = baseline_genomes(space)
     samples = []
@@ -54,11 +54,11 @@ def test_compile_measures_its_headroom_on_split_batches_and_records_it():
             per.append(float(np.max(np.abs(out - ref) / (budget.atol + budget.rtol * np.abs(ref)))))
         a, b = max(per[0::2]), max(per[1::2])
         samples += [b / a, a / b]
-    assert sorted(stats["headroom_samples"]) == pytest.approx(sorted(samples), rel=1e-9)
-    assert stats["headroom"] == pytest.approx(1 / max(FLOOR, float(np.quantile(samples, 0.9))))
+    assert sorted(head.samples) == pytest.approx(sorted(samples), rel=1e-9)
+    assert head.headroom == pytest.approx(1 / max(FLOOR, float(np.quantile(samples, 0.9))))
     override = compile_plan(model.graph, budget, "h200", batches,
                             SearchOptions(seed=0, max_candidates=8, progress=False, headroom=0.7), space=space)
-    assert override.plan.data["headroom"] == 0.7 and override.search.stats["headroom_source"] == "override"
+    assert override.plan.headroom == 0.7 and override.search.stats.headroom.source == "override"
 
 
 def test_cli_headroom_must_be_a_share():

@@ -107,7 +107,7 @@ def test_the_layer_map_row_names_its_picture_and_the_allocation(compiled, tmp_pa
     groups = [[c.index for c in g.chunks] for g in result.space.part.groups]
     assert row["layers_differ"] == bool(differing_groups(layer_table(result.program, groups)))
     assert row["layer_candidates"] == sum(e.stage == "layer" for e in result.search.evaluated)
-    assert row["allocation_winner"] == result.search.stats.get("allocation_winner", "not run")
+    assert row["allocation_winner"] == result.search.stats.allocation.get("allocation_winner", "not run")
 
 
 def test_strict_budget_names_what_blocks_a_plan_below_autocast():

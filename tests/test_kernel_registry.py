@@ -200,8 +200,8 @@ def test_compile_evaluates_the_fp64_reference_once_per_batch(monkeypatch):
     assert len(calls) == len(batches)
     assert res.program is res.search.chosen.program  # the judged program is the plan's: no second lowering
     v = res.search.chosen.verdict
-    assert v.budget_error == pytest.approx(v.error * 0.5, rel=1e-12)  # tightened vs the user's budget
-    assert res.plan.data["verdict"]["error"] == v.budget_error and res.plan.data["headroom"] == 0.5
+    assert v.share.user_allclose == pytest.approx(v.share.allclose * 0.5, rel=1e-12)  # tightened vs the user's budget
+    assert res.plan.verdict.error == v.share.user_allclose and res.plan.headroom == 0.5
 
 
 # -- LLIR serialization ----------------------------------------------------------------------------------

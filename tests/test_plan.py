@@ -217,3 +217,12 @@ def test_a_genome_for_a_missing_group_is_refused(saved, job, space):
     data["genome"] = data["genome"] + [[len(space.part.groups), "any-class", "gemm:bf16"]]
     with pytest.raises(PlanError, match="names no group of this graph"):
         Plan(data).program(job.graph, space)
+
+
+def test_recording_the_source_file_keeps_the_plans_weights_and_scales():
+    """with_source used to rebuild the Plan from data and scales only: an ONNX plan with stored weights lost
+    its weights file (issue 34's note)."""
+    from luminal_num.search.plan import Plan
+    stored, scales = {"w@int8_channel": object()}, {3: object()}
+    plan = Plan({"format": "luminal_num.plan"}, scales, stored).with_source({"file": "m.onnx", "sha256": "ab"})
+    assert plan.stored is stored and plan.scales is scales and plan.data["source"]["file"] == "m.onnx"

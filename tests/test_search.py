@@ -21,6 +21,7 @@ from luminal_num.codegen.llir import Program
 from luminal_num.search import egraph as E
 from luminal_num.compiler import BudgetUnreachable, compile as compile_plan
 from luminal_num.error.budget import Budget
+from luminal_num.error.calibrate import BandKind
 from luminal_num.error.judge import Judge, program_key
 from luminal_num.hlir.evaluate import evaluate
 from luminal_num.models.testnets import transformer
@@ -91,7 +92,7 @@ def chosen_latencies(compiled_by_budget: dict) -> list[float]:
     """Latency of the chosen plan per budget, tight to loose, after checking each plan's contract."""
     for text, result in compiled_by_budget.items():
         chosen = result.search.chosen
-        assert chosen.verdict.passed and chosen.verdict.error <= 1
+        assert chosen.verdict.passed and chosen.verdict.share.allclose <= 1
         assert result.plan.budget == Budget.parse(text)
     return [compiled_by_budget[text].search.chosen.latency_s for text in BUDGETS]
 
@@ -156,13 +157,13 @@ def test_budget_below_fp32_error_is_unreachable_with_best_error_reported(job, sp
         compile_plan(job.graph, budget, TARGET, job.calibration, OPTIONS, space=space)
     evaluated = info.value.result.evaluated
     # verdicts are judged on the budget scaled by the headroom; the message reports the user's scale
-    h = info.value.result.stats["headroom"]
-    best = min(e.verdict.error for e in evaluated if np.isfinite(e.verdict.error)) * h
+    h = info.value.result.stats.headroom_share
+    best = min(e.verdict.share.allclose for e in evaluated if np.isfinite(e.verdict.share.allclose)) * h
     match = re.search(r"best error reachable is an allclose ratio of (\S+) \(", str(info.value))
     assert match, str(info.value)
     assert float(match.group(1)) == best == info.value.best_error
     fp32 = info.value.result.baselines["FP32 everywhere"]
-    assert not fp32.verdict.passed and fp32.verdict.error * h >= best > 1
+    assert not fp32.verdict.passed and fp32.verdict.share.allclose * h >= best > 1
     assert info.value.result.chosen is None
 
 
@@ -247,7 +248,7 @@ def _other_changes(space, bad):
 
 def test_a_change_that_breaks_the_budget_prunes_without_measuring(job, space, bad_change):
     bad, bad_verdict = bad_change
-    assert bad_verdict.source == "measured" and bad_verdict.error > 1
+    assert bad_verdict.source == "measured" and bad_verdict.share.allclose > 1
     judge = gate(job)
     judge.note_isolated(bad, bad_verdict)
     partner = _other_changes(space, bad)[0]
@@ -339,12 +340,13 @@ def test_front_and_chosen_plan_stand_on_measurements_and_predictions_track_them(
     judge = Judge(job.graph, budget, list(job.calibration))
     searcher = Searcher(space, judge, SearchOptions(seed=0, max_candidates=60, progress=False), job.calibration[0])
     result = searcher.run()
-    assert result.stats["predicted"] > 0
+    assert result.stats.gate.predicted > 0
     assert all(e.verdict.source != "predicted" for e in searcher.front())
     assert result.chosen.verdict.source != "predicted"
     for e in [e for e in result.evaluated if e.verdict.source == "predicted"][:6]:
         judge.confirm(e.program)  # beyond the front (latency ties merged, it may hold none): more checks
-    pairs = [(p, m) for p, m in judge.predictor.observed if np.isfinite(p) and np.isfinite(m) and m > 1e-3]
+    pairs = [(p, m) for p, m in judge.calibrator.band(BandKind.FIRST_ORDER).observed
+             if np.isfinite(p) and np.isfinite(m) and m > 1e-3]
     assert pairs, "no prediction was checked against a measurement"
     inside = sum(0.5 <= m / p <= 2.0 for p, m in pairs)
     assert inside >= 0.9 * len(pairs) or judge.stats.mismatches > 0, pairs
@@ -358,21 +360,21 @@ def test_prediction_of_two_changes_matches_their_measurement(job, space):
     a, b = ((g, c, "gemm:bf16") for g, c in gemms)
     for ch in (a, b):
         judge.judge(space.program([ch]), frozenset([ch]))
-    p = judge.predictor.predict([a, b])
-    measured, _ = judge._measure(space.program([a, b]))
-    assert 0.5 <= measured.ratio / p.ratio <= 2.0, (p.ratio, measured.ratio)
+    p = judge.first_order.deltas.predict([a, b])
+    measured, _ = judge.runner.measure(space.program([a, b]))
+    assert 0.5 <= measured.share.gate / p.ratio <= 2.0, (p.ratio, measured.share.gate)
 
 
 def test_prediction_band_follows_observed_accuracy():
     """The band starts at 2x, widens on a mismatch, and after SETTLE checks is WIDEN x the worst ratio."""
-    from luminal_num.error.predict import MIN_MARGIN, SETTLE, WIDEN, DeltaPredictor
-    p = DeltaPredictor(Budget(1e-3, 0.0), Budget(1e-3, 0.0), [])
+    from luminal_num.error.predict import MIN_MARGIN, SETTLE, WIDEN, Band
+    p = Band()
     p.observe(1.0, 3.0)
     assert p.mismatches == 1 and p.margin == pytest.approx(3.0 * WIDEN)
     for _ in range(SETTLE):
         p.observe(1.0, 1.05)
     assert p.margin == pytest.approx(3.0 * WIDEN)  # the worst observed ratio still counts
-    q = DeltaPredictor(Budget(1e-3, 0.0), Budget(1e-3, 0.0), [])
+    q = Band()
     for _ in range(SETTLE):
         q.observe(1.0, 1.02)
     assert q.margin == pytest.approx(max(MIN_MARGIN, WIDEN * 1.02)) and q.mismatches == 0
@@ -381,10 +383,10 @@ def test_prediction_band_follows_observed_accuracy():
 def test_a_centred_band_learns_the_bias_and_narrows_to_the_spread_around_it():
     """Hand-derived: predictions that are always 1.2x (+-5%) too low give a bias of the geometric mean and
     a band of WIDEN x the worst ratio around it; an uncentred band keeps the whole 1.26x as its width."""
-    from luminal_num.error.predict import MIN_MARGIN, SETTLE, WIDEN, DeltaPredictor, Prediction
+    from luminal_num.error.predict import MIN_MARGIN, SETTLE, WIDEN, Band, Prediction
+    from luminal_num.error.share import Share
     qs = [1.2 * 1.05, 1.2 / 1.05, 1.2, 1.2 * 1.05, 1.2 / 1.05][:SETTLE]
-    centred = DeltaPredictor(Budget(1e-3, 0.0), Budget(1e-3, 0.0), [], centred=True)
-    plain = DeltaPredictor(Budget(1e-3, 0.0), Budget(1e-3, 0.0), [])
+    centred, plain = Band(centred=True), Band()
     for q in qs:
         centred.observe(0.5, 0.5 * q)
         plain.observe(0.5, 0.5 * q)
@@ -394,9 +396,9 @@ def test_a_centred_band_learns_the_bias_and_narrows_to_the_spread_around_it():
     assert plain.margin == pytest.approx(max(MIN_MARGIN, WIDEN * max(qs)))
     # 0.7 predicted: 0.84 expected, inside both bands; 1.2 predicted: 1.44 expected, out of the centred band
     # (about 1.31 wide) but inside the plain one (1.575): only the centred band rejects it
-    p = Prediction(0.7, 0.7, 0.7, "")
+    p = Prediction(Share(0.7, 0.7, 0.7), "")
     assert centred.expected(p) == pytest.approx(0.7 * bias) and centred.decides(p) is None and plain.decides(p) is None
-    far = Prediction(1.2, 1.2, 1.2, "")
+    far = Prediction(Share(1.2, 1.2, 1.2), "")
     assert centred.decides(far) is False and plain.decides(far) is None
 
 
@@ -405,7 +407,7 @@ def test_each_candidate_counts_the_end_to_end_runs_it_cost(job, space, compiled)
     genome already measured (a cache hit that carries that genome's "measured" verdict) cost none, so
     "decided without an end-to-end run" is read from the runs, not from the verdict's source."""
     evaluated, stats = compiled.search.evaluated, compiled.search.stats
-    assert sum(e.end_to_end_runs for e in evaluated) == stats["measured"]
+    assert sum(e.end_to_end_runs for e in evaluated) == stats.gate.measured
     firsts: dict[str, int] = {}
     hits = 0
     for e in evaluated:
@@ -425,10 +427,11 @@ def test_the_front_ranks_by_the_share_of_every_metric_not_allclose_alone():
     and the choice among latency ties must use the share of the budget over every metric, or the front
     collapses to the fastest plan and the most accurate of a tie is not the one kept."""
     from luminal_num.error.judge import Verdict
+    from luminal_num.error.share import Share
     from luminal_num.search.search import Evaluated, choose, front
 
     def cand(i, latency, ratio):
-        v = Verdict(True, "measured", 0.0, float("nan"), None, "", 0.0, ratio)
+        v = Verdict(True, "measured", Share(ratio, 0.0, 0.0), float("nan"), None, "")
         lat = type("Lat", (), {"total_s": latency})()
         return Evaluated(i, frozenset({("g", f"c{i}", "t")}), v, lat, "", "mutation", None, 1)
     plans = [cand(0, 1e-4, 0.8), cand(1, 2e-4, 0.3), cand(2, 3e-4, 0.1), cand(3, 1e-4, 0.5)]
@@ -441,10 +444,11 @@ def test_ties_prefer_a_measured_plan_and_the_front_keeps_only_real_gains():
     confirmation run); a predicted one more accurate beyond the tie is taken. Latencies within FRONT_TIE
     are one front point; a slower point joins only when more accurate than every faster one beyond the tie."""
     from luminal_num.error.judge import Verdict
+    from luminal_num.error.share import Share
     from luminal_num.search.front import ERROR_TIE, FRONT_TIE, Evaluated, choose, front
 
     def cand(i, latency, ratio, source):
-        v = Verdict(True, source, ratio, float("nan"), None, "", ratio, ratio)
+        v = Verdict(True, source, Share(ratio, ratio, ratio), float("nan"), None, "")
         lat = type("Lat", (), {"total_s": latency})()
         return Evaluated(i, frozenset({("g", f"c{i}", "t")}), v, lat, "", "mutation", None, 0)
     tied = [cand(0, 1e-4, 0.10, "chunks"), cand(1, 1e-4, 0.10 * ERROR_TIE * 0.99, "measured")]

@@ -10,6 +10,7 @@ import pytest
 from luminal_num.compiler import compile as compile_plan
 from luminal_num.error.budget import Budget
 from luminal_num.error.judge import Verdict
+from luminal_num.error.share import Share
 from luminal_num.error.verdict_store import VerdictStore, context_key
 from luminal_num.search.search import SearchOptions
 
@@ -22,14 +23,14 @@ def test_second_compile_reuses_measured_verdicts_and_chooses_the_same_plan(job, 
     files = list(tmp_path.glob("verdicts-*.json"))
     assert len(files) == 1 and not list(tmp_path.glob(".tmp-*"))
     second = compile_plan(job.graph, budget, "h200", job.calibration, OPTIONS, space=space, cache_dir=tmp_path)
-    s1, s2 = first.search.stats, second.search.stats
-    assert s2["stored"] > 0 and s2["measured"] < s1["measured"]
+    s1, s2 = first.search.stats.gate, second.search.stats.gate
+    assert s2.stored > 0 and s2.measured < s1.measured
     assert second.search.chosen.genome == first.search.chosen.genome
     assert second.search.chosen.verdict == first.search.chosen.verdict
     # another budget is another context: nothing is reused
     other = compile_plan(job.graph, Budget.parse("atol=5e-3,rtol=5e-3"), "h200", job.calibration, OPTIONS,
                          space=space, cache_dir=tmp_path)
-    assert other.search.stats["stored"] == 0
+    assert other.search.stats.gate.stored == 0
 
 
 @pytest.mark.parametrize("text", ["{not json", json.dumps({"format": "other"}), "\x00\x01"])
@@ -41,9 +42,9 @@ def test_a_corrupt_cache_file_is_ignored_with_a_warning(job, tmp_path, text):
     with pytest.warns(RuntimeWarning, match="ignoring the unreadable verdict cache"):
         opened = VerdictStore.open(tmp_path, ctx)
     assert opened.entries == {}
-    v = Verdict(True, "measured", 0.5, 1e-3, None, "ok", 0.25, np.inf)
+    v = Verdict(True, "measured", Share(np.inf, 0.5, 0.25), 1e-3, None, "ok")
     opened.put("k", v)
-    assert VerdictStore.open(tmp_path, ctx).get("k", Verdict) == v  # inf survives JSON
+    assert VerdictStore.open(tmp_path, ctx).get("k") == v  # inf survives JSON
 
 
 def test_the_context_changes_with_weights_and_inputs(job):

@@ -23,7 +23,7 @@ LOCAL_TOL; every LOCAL_SPOT-th composable choice is still run as a check, and a 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -74,185 +74,265 @@ class ChunkEffect:
         return tuple({k: self.scale * v for k, v in out.items()} for out in self.basis)
 
 
-@dataclass
-class ChunkEffects:
-    """`lower_chunk(chunk, choice)` is the chunk alone as a Program (inputs "%<node>", weights by their
-    names, exports as outputs), supplied by the search; `base` is each chunk's FP32 candidate (the
-    SCALED basis)."""
-
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where the chunks are: the graph, its partition, the FP64 references, and what each chunk is."""
     graph: Graph
     part: Partition
-    references: Sequence[Fp64Reference]
-    lower_chunk: Callable[[Chunk, ChunkChoice], Program]
-    base: Mapping[int, ChunkChoice]
-    propagation: Propagation = Propagation.SCALED
-    pool: TaskPool | None = None                # runs the chunk programs a genome needs in parallel
-    # the (e-class, tag) knobs a chunk choice sets (None: unknown, always run): enables local composition
-    changes_of: Callable[[ChunkChoice], frozenset | None] | None = None
-    cache: dict = field(default_factory=dict)  # (structure, chunk, choice key, propagation) -> ChunkEffect
-    runs: int = 0                               # chunk programs run (each on every batch)
-    injections: int = 0                         # FP64 runs of the rest of the model
-    composed: int = 0                           # chunk choices whose local deviation was composed, not run
-    shared: int = 0                             # chunk choices whose local ratio came from the group's samples
-    local_batches: int | None = 1               # SCALED: batches a non-FP32 choice runs on (None: all)
-    outputs: Sequence[str] | None = None        # the final outputs effects are kept for (None: all)
-    local_checks: list = field(default_factory=list)  # (composed, run) local errors of checked compositions
+    references: tuple[Fp64Reference, ...]
+    structure: Mapping[int, str]         # chunk -> its structure key (chunks of one group share it)
+    chunks: Mapping[int, Chunk]          # chunk index -> chunk
+    group: Mapping[int, object]          # chunk index -> its group
+    outputs: Mapping[str, int]           # the final outputs effects are kept for -> their nodes
+    # chunks whose exports no later chunk reads (the LM head): their effect is their own deviation, so
+    # SCALED's shortcut would only lose its direction (KL and top-1 of 49152 logits depend on it); exact
+    # for the price of running them on every batch, with nothing to inject
+    terminal: frozenset[int]
 
-    def __post_init__(self):
-        if not self.references:
-            raise ValueError("per-chunk verdicts need at least one FP64 reference batch")
-        self.structure = {c.index: chunk_key(self.graph, c) for c in self.part.chunks}
-        self.chunks = {c.index: c for c in self.part.chunks}
-        self._ran: dict[tuple[int, str], object] = {}  # (chunk, choice key) -> outputs run on the pool
-        self._singles: dict[tuple[int, tuple], Devs] = {}  # (chunk, knob) or (chunk, ()) -> deviations run
-        self._plan: dict[tuple[int, str], bool] = {}  # (chunk, choice key) -> composed (True) or run
-        self._composable = 0
-        self.compose_off = ""  # why composition was turned off ("" while it is on)
-        self._base_total: list[Outputs] | None = None  # compose(base) for the refs in _base_refs
-        self._base_refs = None
-        self._group = {c.index: g for g in self.part.groups for c in g.chunks}
-        self._outputs = {k: v for k, v in self.graph.outputs.items() if self.outputs is None or k in self.outputs}
-        self._ratios: dict[tuple[str, str], dict[int, float]] = {}  # (group, choice key) -> chunk -> ratio
-        # chunks whose exports no later chunk reads (the LM head): their effect is their own deviation, so
-        # SCALED's shortcut would only lose its direction (KL and top-1 of 49152 logits depend on it); exact
-        # for the price of running them on every batch, with nothing to inject
-        self._terminal = {c.index for c in self.part.chunks
-                          if not any(n in later.external for later in self.part.chunks[c.index + 1:] for n in c.exported)}
-        self._nb = len(self.references) if self.propagation is Propagation.EXACT or self.local_batches is None \
-            else min(self.local_batches, len(self.references))
+    @staticmethod
+    def of(graph: Graph, part: Partition, references: Sequence[Fp64Reference],
+           outputs: Sequence[str] | None) -> "ChunkLayout":
+        return ChunkLayout(graph, part, tuple(references), {c.index: chunk_key(graph, c) for c in part.chunks},
+                           {c.index: c for c in part.chunks}, {c.index: g for g in part.groups for c in g.chunks},
+                           {k: v for k, v in graph.outputs.items() if outputs is None or k in outputs},
+                           frozenset(c.index for c in part.chunks
+                                     if not any(n in later.external for later in part.chunks[c.index + 1:]
+                                                for n in c.exported)))
 
-    def _key(self, chunk_index: int, choice: ChunkChoice) -> tuple:
-        mode = self.propagation
-        if mode is Propagation.SCALED and (choice.key == self.base[chunk_index].key or chunk_index in self._terminal):
-            mode = Propagation.EXACT  # the basis itself is injected exactly; a terminal chunk needs no injection
-        return (self.structure[chunk_index], chunk_index, choice.key, mode)
 
-    def effect(self, chunk_index: int, choice: ChunkChoice) -> ChunkEffect:
-        key = self._key(chunk_index, choice)
-        mode = key[3]
-        if key not in self.cache:
-            self.cache[key] = self._effect(self.chunks[chunk_index], choice, mode)
-        return self.cache[key]
+class ChunkRunner:
+    """Runs chunk programs: on the pool ahead of need (prefetch), else here when an effect needs one."""
 
-    def _effect(self, chunk: Chunk, choice: ChunkChoice, mode: Propagation) -> ChunkEffect:
-        if mode is Propagation.SCALED:
-            r = self._shared_ratio(chunk.index, choice)
-            if r is not None:
-                basis = self.effect(chunk.index, self.base[chunk.index])
-                self.shared += 1
-                return ChunkEffect(r * basis.local, basis.basis, r * basis.scale)
-        try:
-            devs = self._devs(chunk, choice)
-        except (ValueError, FloatingPointError):  # e.g. a REJECT overflow policy: the chunk cannot run
-            return ChunkEffect(float("inf"), tuple({k: np.full(np.shape(ref.values[nid]), np.inf)
-                                                    for k, nid in self._outputs.items()} for ref in self.references))
-        local = _rel(devs[:self._nb], self.references[:self._nb], chunk)
-        if mode is Propagation.SCALED:
-            basis = self.effect(chunk.index, self.base[chunk.index])
-            if basis.local > 0 and np.isfinite(local):
-                s = local / basis.local
-                self._ratios.setdefault((self._group[chunk.index].key, choice.key), {})[chunk.index] = s
-                return ChunkEffect(local, basis.basis, s * basis.scale)
-        if len(devs) < len(self.references):
-            # no scaled shortcut (the FP32 chunk is exact, e.g. an embedding gather, so there is no ratio):
-            # the choice was run on the first batches only; its effect needs every batch, injected exactly
-            devs = self._local(chunk, choice, every_batch=True)
-        # kept in float32 (a deviation to 7 digits of itself): an EXACT effect holds its own arrays, on
-        # SmolLM2 3 batches of 8 x 49152 logits per chunk choice
-        return ChunkEffect(local, tuple({k: v.astype(np.float32) for k, v in self._inject(chunk, ref, dev).items()}
-                                        for ref, dev in zip(self.references, devs)))
+    def __init__(self, layout: ChunkLayout, lower_chunk: Callable[[Chunk, ChunkChoice], Program],
+                 pool: TaskPool | None):
+        self.layout, self.lower_chunk, self.pool = layout, lower_chunk, pool
+        self.ran: dict[tuple[int, str], object] = {}  # (chunk, choice key) -> outputs run on the pool
+        self.runs = 0                                 # chunk programs run (each on every batch it needs)
 
-    def _shared_ratio(self, i: int, choice: ChunkChoice) -> float | None:
+    def task(self, chunk: Chunk, choice: ChunkChoice, refs: Sequence[Fp64Reference]) -> RunTask:
+        """The chunk alone on its exact FP64 inputs (the batches `refs`): a pure task (error/tasks.py)."""
+        graph = self.layout.graph
+        return RunTask(self.lower_chunk(chunk, choice),
+                       tuple({f"%{n}": np.asarray(ref.values[n]) for n in chunk.external
+                              if graph.weight_name(n) is None} for ref in refs),  # weights: the runtime's
+                       tuple(ref.bindings for ref in refs))
+
+    def run_on_pool(self, todo: Mapping[tuple[int, str], RunTask]) -> None:
+        results = self.pool.map(list(todo.values()))
+        self.runs += len(todo)
+        self.ran.update(zip(todo, results))
+
+    def outputs(self, chunk: Chunk, choice: ChunkChoice, task: Callable[[], RunTask], fresh: bool) -> list:
+        """The chunk's outputs per batch: run on the pool already (unless `fresh`), else run here."""
+        got = None if fresh else self.ran.pop((chunk.index, choice.key), None)
+        if got is None:
+            self.runs += 1
+            got = run_task(task(), self.layout.graph.weights)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+
+class LocalComposition:
+    """A chunk choice of several knobs whose single knobs were each run on that chunk is not run at all:
+    its local deviation is the FP32 chunk's plus the sum of the singles' deviations from it, once
+    LOCAL_CHECKS such compositions matched their own runs within LOCAL_TOL (every LOCAL_SPOT-th is still
+    run as a check, and a miss turns composition off)."""
+
+    def __init__(self, changes_of: Callable[[ChunkChoice], frozenset | None] | None):
+        self.changes_of = changes_of  # the (e-class, tag) knobs a chunk choice sets (None: unknown, always run)
+        self.singles: dict[tuple[int, tuple], Devs] = {}  # (chunk, knob) or (chunk, ()) -> deviations run
+        self.plan: dict[tuple[int, str], bool] = {}  # (chunk, choice key) -> composed (True) or run
+        self.composable = 0
+        self.composed = 0             # chunk choices whose local deviation was composed, not run
+        self.checks: list = []        # (composed, run) local errors of checked compositions
+        self.off = ""                 # why composition was turned off ("" while it is on)
+
+    def knobs(self, choice: ChunkChoice) -> frozenset | None:
+        return None if self.changes_of is None else self.changes_of(choice)
+
+    def has_singles(self, i: int, knobs) -> bool:
+        return (i, ()) in self.singles and all((i, k) in self.singles for k in knobs)
+
+    def composes(self, i: int, choice: ChunkChoice) -> bool:
+        """Whether this chunk choice's deviation is composed from its single knobs (decided once)."""
+        key = (i, choice.key)
+        if key not in self.plan:
+            knobs = self.knobs(choice)
+            ok = knobs is not None and len(knobs) >= 2 and self.has_singles(i, knobs)
+            if ok:
+                self.composable += 1
+                ok = not self.off and len(self.checks) >= LOCAL_CHECKS and self.composable % LOCAL_SPOT != 0
+            self.plan[key] = ok
+        return self.plan[key]
+
+    def devs(self, i: int, knobs: frozenset) -> Devs:
+        """The FP32 chunk's deviation plus each single knob's deviation from it (first order)."""
+        base = self.singles[(i, ())]
+        out = []
+        for b, d0 in enumerate(base[:min(len(self.singles[(i, k)]) for k in knobs)]):
+            out.append({n: np.asarray(v, np.float64) + sum(np.asarray(self.singles[(i, k)][b][n], np.float64) - v
+                                                          for k in sorted(knobs)) for n, v in d0.items()})
+        return out
+
+    def check(self, composed: float, run: float) -> None:
+        self.checks.append((composed, run))
+        if composed > 0 and run > 0 and np.isfinite(composed) and np.isfinite(run):
+            q = max(composed / run, run / composed)
+        else:
+            q = 1.0 if composed == run else np.inf
+        if q > LOCAL_TOL and not self.off:
+            self.off = (f"a composed local error was {q:.3g}x its run (tolerance {LOCAL_TOL}): "
+                        f"chunk choices of several knobs are run")
+
+
+class SharedRatios:
+    """In a group of many structurally equal chunks (the layers) a choice's SCALED ratio, measured on
+    SHARE_SAMPLES chunks spread over the group, is shared by the others when the samples agree within
+    SHARE_SPREAD (a layer that differs shows up as disagreement, and then every chunk is run)."""
+
+    def __init__(self, layout: ChunkLayout):
+        self.layout = layout
+        self.ratios: dict[tuple[str, str], dict[int, float]] = {}  # (group, choice key) -> chunk -> ratio
+        self.shared = 0  # chunk choices whose local ratio came from the group's samples
+
+    def record(self, i: int, choice: ChunkChoice, ratio: float) -> None:
+        self.ratios.setdefault((self.layout.group[i].key, choice.key), {})[i] = ratio
+
+    def sampled(self, group_key: str, choice_key: str) -> int:
+        return len(self.ratios.get((group_key, choice_key), {}))
+
+    def ratio(self, i: int, choice: ChunkChoice) -> float | None:
         """The group's shared local-error ratio for this choice (geometric mean of its samples), or None
         when the group is small, the samples are too few, or they disagree."""
-        g = self._group[i]
+        g = self.layout.group[i]
         if len(g.chunks) < SHARE_MIN:
             return None
-        got = self._ratios.get((g.key, choice.key), {})
+        got = self.ratios.get((g.key, choice.key), {})
         rs = np.array([r for c, r in got.items() if c != i])
         if len(rs) < SHARE_SAMPLES or not np.all(np.isfinite(rs)) or np.any(rs <= 0) \
                 or rs.max() > SHARE_SPREAD * rs.min():
             return None
         return float(np.exp(np.mean(np.log(rs))))
 
+
+class ChunkEffects:
+    """`lower_chunk(chunk, choice)` is the chunk alone as a Program (inputs "%<node>", weights by their
+    names, exports as outputs), supplied by the search; `base` is each chunk's FP32 candidate (the
+    SCALED basis). `pool` runs the chunk programs a genome needs in parallel; `changes_of` gives the knobs
+    a chunk choice sets (enables local composition); `local_batches`: SCALED: batches a non-FP32 choice
+    runs on (None: all); `outputs`: the final outputs effects are kept for (None: all)."""
+
+    def __init__(self, graph: Graph, part: Partition, references: Sequence[Fp64Reference],
+                 lower_chunk: Callable[[Chunk, ChunkChoice], Program], base: Mapping[int, ChunkChoice],
+                 propagation: Propagation = Propagation.SCALED, pool: TaskPool | None = None,
+                 changes_of: Callable[[ChunkChoice], frozenset | None] | None = None,
+                 local_batches: int | None = 1, outputs: Sequence[str] | None = None):
+        if not references:
+            raise ValueError("per-chunk verdicts need at least one FP64 reference batch")
+        self.layout = ChunkLayout.of(graph, part, references, outputs)
+        self.base, self.propagation = base, propagation
+        self.runner = ChunkRunner(self.layout, lower_chunk, pool)
+        self.local = LocalComposition(changes_of)
+        self.ratios = SharedRatios(self.layout)
+        self.cache: dict = {}  # (structure, chunk, choice key, propagation) -> ChunkEffect
+        self.injections = 0    # FP64 runs of the rest of the model
+        self._base_total: tuple | None = None  # (refs, compose(base, refs)) for alone()
+        self._nb = len(references) if propagation is Propagation.EXACT or local_batches is None \
+            else min(local_batches, len(references))
+
+    # what the search's statistics report
+    pool = property(lambda self: self.runner.pool)
+    runs = property(lambda self: self.runner.runs)
+    structure = property(lambda self: self.layout.structure)
+    composed = property(lambda self: self.local.composed)
+    local_checks = property(lambda self: self.local.checks)
+    compose_off = property(lambda self: self.local.off)
+    shared = property(lambda self: self.ratios.shared)
+
+    def _key(self, chunk_index: int, choice: ChunkChoice) -> tuple:
+        mode = self.propagation
+        if mode is Propagation.SCALED and (choice.key == self.base[chunk_index].key
+                                           or chunk_index in self.layout.terminal):
+            mode = Propagation.EXACT  # the basis itself is injected exactly; a terminal chunk needs no injection
+        return (self.layout.structure[chunk_index], chunk_index, choice.key, mode)
+
+    def effect(self, chunk_index: int, choice: ChunkChoice) -> ChunkEffect:
+        key = self._key(chunk_index, choice)
+        mode = key[3]
+        if key not in self.cache:
+            self.cache[key] = self._effect(self.layout.chunks[chunk_index], choice, mode)
+        return self.cache[key]
+
+    def _effect(self, chunk: Chunk, choice: ChunkChoice, mode: Propagation) -> ChunkEffect:
+        refs = self.layout.references
+        if mode is Propagation.SCALED:
+            r = self.ratios.ratio(chunk.index, choice)
+            if r is not None:
+                basis = self.effect(chunk.index, self.base[chunk.index])
+                self.ratios.shared += 1
+                return ChunkEffect(r * basis.local, basis.basis, r * basis.scale)
+        try:
+            devs = self._devs(chunk, choice)
+        except (ValueError, FloatingPointError):  # e.g. a REJECT overflow policy: the chunk cannot run
+            return ChunkEffect(float("inf"), tuple({k: np.full(np.shape(ref.values[nid]), np.inf)
+                                                    for k, nid in self.layout.outputs.items()} for ref in refs))
+        local = _rel(devs[:self._nb], refs[:self._nb], chunk)
+        if mode is Propagation.SCALED:
+            basis = self.effect(chunk.index, self.base[chunk.index])
+            if basis.local > 0 and np.isfinite(local):
+                s = local / basis.local
+                self.ratios.record(chunk.index, choice, s)
+                return ChunkEffect(local, basis.basis, s * basis.scale)
+        if len(devs) < len(refs):
+            # no scaled shortcut (the FP32 chunk is exact, e.g. an embedding gather, so there is no ratio):
+            # the choice was run on the first batches only; its effect needs every batch, injected exactly
+            devs = self._local(chunk, choice, every_batch=True)
+        # kept in float32 (a deviation to 7 digits of itself): an EXACT effect holds its own arrays, on
+        # SmolLM2 3 batches of 8 x 49152 logits per chunk choice
+        return ChunkEffect(local, tuple({k: v.astype(np.float32) for k, v in self._inject(chunk, ref, dev).items()}
+                                        for ref, dev in zip(refs, devs)))
+
     def _task(self, chunk: Chunk, choice: ChunkChoice, every_batch: bool = False) -> RunTask:
-        """The chunk alone on its exact FP64 inputs (every batch the effect needs): a pure task (error/tasks.py)."""
+        """The chunk alone on its exact FP64 inputs (every batch the effect needs)."""
         exact = every_batch or self._key(chunk.index, choice)[3] is Propagation.EXACT
-        refs = self.references if exact else self.references[:self._nb]
-        return RunTask(self.lower_chunk(chunk, choice),
-                       tuple({f"%{n}": np.asarray(ref.values[n]) for n in chunk.external
-                              if self.graph.weight_name(n) is None} for ref in refs),  # weights: the runtime's
-                       tuple(ref.bindings for ref in refs))
-
-    def _knobs(self, choice: ChunkChoice) -> frozenset | None:
-        return None if self.changes_of is None else self.changes_of(choice)
-
-    def _composes(self, i: int, choice: ChunkChoice) -> bool:
-        """Whether this chunk choice's deviation is composed from its single knobs (decided once)."""
-        key = (i, choice.key)
-        if key not in self._plan:
-            knobs = self._knobs(choice)
-            ok = (knobs is not None and len(knobs) >= 2 and (i, ()) in self._singles
-                  and all((i, k) in self._singles for k in knobs))
-            if ok:
-                self._composable += 1
-                ok = (not self.compose_off and len(self.local_checks) >= LOCAL_CHECKS
-                      and self._composable % LOCAL_SPOT != 0)
-            self._plan[key] = ok
-        return self._plan[key]
-
-    def _composed_devs(self, i: int, knobs: frozenset) -> Devs:
-        """The FP32 chunk's deviation plus each single knob's deviation from it (first order)."""
-        base = self._singles[(i, ())]
-        out = []
-        for b, d0 in enumerate(base[:min(len(self._singles[(i, k)]) for k in knobs)]):
-            out.append({n: np.asarray(v, np.float64) + sum(np.asarray(self._singles[(i, k)][b][n], np.float64) - v
-                                                          for k in sorted(knobs)) for n, v in d0.items()})
-        return out
+        refs = self.layout.references
+        return self.runner.task(chunk, choice, refs if exact else refs[:self._nb])
 
     def _devs(self, chunk: Chunk, choice: ChunkChoice) -> Devs:
         """The chunk choice's deviations: composed from its singles, or run (and then kept when it is
         the FP32 chunk or a single knob, and checked against the composition when one exists)."""
-        knobs = self._knobs(choice)
-        if self._composes(chunk.index, choice):
-            self.composed += 1
-            return self._composed_devs(chunk.index, knobs)
+        lc, refs = self.local, self.layout.references
+        knobs = lc.knobs(choice)
+        if lc.composes(chunk.index, choice):
+            lc.composed += 1
+            return lc.devs(chunk.index, knobs)
         devs = self._local(chunk, choice)
         if knobs is not None and len(knobs) <= 1:
-            self._singles[(chunk.index, tuple(knobs)[0] if knobs else ())] = \
+            lc.singles[(chunk.index, tuple(knobs)[0] if knobs else ())] = \
                 [{n: v.astype(np.float32) for n, v in d.items()} for d in devs]
-        elif knobs is not None and (chunk.index, ()) in self._singles and \
-                all((chunk.index, k) in self._singles for k in knobs):
-            composed = self._composed_devs(chunk.index, knobs)
-            self._check(_rel(composed, self.references, chunk), _rel(devs[:len(composed)], self.references, chunk))
+        elif knobs is not None and lc.has_singles(chunk.index, knobs):
+            composed = lc.devs(chunk.index, knobs)
+            lc.check(_rel(composed, refs, chunk), _rel(devs[:len(composed)], refs, chunk))
         return devs
-
-    def _check(self, composed: float, run: float) -> None:
-        self.local_checks.append((composed, run))
-        if composed > 0 and run > 0 and np.isfinite(composed) and np.isfinite(run):
-            q = max(composed / run, run / composed)
-        else:
-            q = 1.0 if composed == run else np.inf
-        if q > LOCAL_TOL and not self.compose_off:
-            self.compose_off = (f"a composed local error was {q:.3g}x its run (tolerance {LOCAL_TOL}): "
-                                f"chunk choices of several knobs are run")
 
     def prefetch(self, candidates: Mapping[int, ChunkChoice]) -> None:
         """Run, on the pool, every chunk program the candidates' effects still need (and their bases):
         first the samples of choices a large group will share (and the rest of a small group), then the
         chunks whose samples disagree."""
-        if self.pool is None:
+        if self.runner.pool is None:
             return
+        group = self.layout.group
         wanted = [(i, ch) for i, choice in candidates.items()
                   for ch in ((choice, self.base[i]) if self.propagation is Propagation.SCALED else (choice,))]
         later = []
         if self.propagation is Propagation.SCALED:
             by_group: dict[tuple[str, str], list[int]] = {}
             for i, ch in wanted:
-                if ch.key != self.base[i].key and len(self._group[i].chunks) >= SHARE_MIN:
-                    by_group.setdefault((self._group[i].key, ch.key), []).append(i)
+                if ch.key != self.base[i].key and len(group[i].chunks) >= SHARE_MIN:
+                    by_group.setdefault((group[i].key, ch.key), []).append(i)
             for (gk, ck), idx in by_group.items():
-                have = len(self._ratios.get((gk, ck), {}))
+                have = self.ratios.sampled(gk, ck)
                 idx = sorted(idx)
                 need = max(SHARE_SAMPLES - have, 0)
                 picks = {idx[round(j * (len(idx) - 1) / max(need - 1, 1))] for j in range(need)} if need else set()
@@ -265,43 +345,38 @@ class ChunkEffects:
                 if ch.key != self.base[i].key:
                     self.effect(i, ch)
             self._run_on_pool([(i, candidates[i]) for i in sorted(hold)
-                               if self._shared_ratio(i, candidates[i]) is None])
+                               if self.ratios.ratio(i, candidates[i]) is None])
 
     def _run_on_pool(self, wanted) -> None:
         todo = {}
         for i, ch in wanted:
-            if self._key(i, ch) not in self.cache and (i, ch.key) not in self._ran and not self._composes(i, ch):
-                todo.setdefault((i, ch.key), (self.chunks[i], ch))
-        results = self.pool.map([self._task(c, ch) for c, ch in todo.values()])
-        self.runs += len(todo)
-        self._ran.update(zip(todo, results))
+            if self._key(i, ch) not in self.cache and (i, ch.key) not in self.runner.ran \
+                    and not self.local.composes(i, ch):
+                todo.setdefault((i, ch.key), (self.layout.chunks[i], ch))
+        self.runner.run_on_pool({k: self._task(c, ch) for k, (c, ch) in todo.items()})
 
     def _local(self, chunk: Chunk, choice: ChunkChoice, every_batch: bool = False) -> list[dict[int, np.ndarray]]:
         """Per batch: the chunk's exports minus FP64, run alone on the exact FP64 inputs (every_batch:
         on all of them, whatever the propagation mode would run)."""
-        got = None if every_batch else self._ran.pop((chunk.index, choice.key), None)
-        if got is None:
-            self.runs += 1
-            got = run_task(self._task(chunk, choice, every_batch), self.graph.weights)
-        if isinstance(got, Exception):
-            raise got
+        got = self.runner.outputs(chunk, choice, lambda: self._task(chunk, choice, every_batch), every_batch)
         return [{n: np.asarray(o[f"%{n}"], np.float64) - np.asarray(ref.values[n], np.float64) for n in chunk.exported}
-                for o, ref in zip(got, self.references)]
+                for o, ref in zip(got, self.layout.references)]
 
     def _inject(self, chunk: Chunk, ref: Fp64Reference, dev: Mapping[int, np.ndarray]) -> Outputs:
         """The final outputs' deviation when `dev` is added at the chunk's exports and everything after
         runs in FP64 (only the chunks that read a changed value are re-run)."""
         self.injections += 1
+        graph = self.layout.graph
         changed = {n: np.asarray(ref.values[n], np.float64) + d for n, d in dev.items()}
-        for c in self.part.chunks[chunk.index + 1:]:
+        for c in self.layout.part.chunks[chunk.index + 1:]:
             if not any(n in changed for n in c.external):
                 continue
             ext = {n: changed[n] if n in changed else np.asarray(ref.values[n]) for n in c.external
-                   if self.graph.weight_name(n) is None}  # weights: evaluate_chunk reads the graph's
-            vals = evaluate_chunk(self.graph, c.nodes, ext, ref.bindings)
+                   if graph.weight_name(n) is None}  # weights: evaluate_chunk reads the graph's
+            vals = evaluate_chunk(graph, c.nodes, ext, ref.bindings)
             changed.update({n: np.asarray(vals[n], np.float64) for n in c.exported})
         return {name: (changed[nid] - np.asarray(ref.values[nid], np.float64)) if nid in changed
-                else np.zeros(np.shape(ref.values[nid])) for name, nid in self._outputs.items()}
+                else np.zeros(np.shape(ref.values[nid])) for name, nid in self.layout.outputs.items()}
 
     def compose(self, candidates: Mapping[int, ChunkChoice], refs: Sequence[Mapping[str, np.ndarray]],
                 only: Sequence[int] | None = None) -> list[Outputs]:
@@ -314,11 +389,11 @@ class ChunkEffects:
     def alone(self, i: int, choice: ChunkChoice, refs: Sequence[Mapping[str, np.ndarray]]) -> list[Outputs]:
         """compose() of the FP32 genome with chunk i's choice swapped in, from the FP32 genome's composed
         outputs (kept): one effect read, not one per chunk."""
-        if self._base_refs is not refs:
-            self._base_total, self._base_refs = self.compose(self.base, refs), refs
+        if self._base_total is None or self._base_total[0] is not refs:
+            self._base_total = (refs, self.compose(self.base, refs))
         e, e0 = self.effect(i, choice), self.effect(i, self.base[i])
         return [{k: _accumulate(np.array(v), ((e.scale, e.basis[b][k]), (-e0.scale, e0.basis[b][k])))
-                 for k, v in tot.items()} for b, tot in enumerate(self._base_total)]
+                 for k, v in tot.items()} for b, tot in enumerate(self._base_total[1])]
 
 
 def _accumulate(out: np.ndarray, terms) -> np.ndarray:

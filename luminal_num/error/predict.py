@@ -1,11 +1,12 @@
-"""Predicted verdicts from measured single changes: first-order additivity of output errors.
+"""Predicted shares and the bands that say when a prediction may decide.
 
-Each precision change measured alone end to end leaves its output error vector d_c = y_c - y_FP64 per
-calibration batch. Rounding errors of different ops enter the outputs linearly to first order, so a
-genome's outputs are predicted as y_FP64 + sum_c d_c, and the budget is checked on that prediction,
-with every metric (allclose, cosine, KL, ...). A prediction decides only outside a safety band
-[1/margin, margin] around the budget; inside it the candidate is measured, and every measurement of a
-predicted candidate checks the composition: a ratio outside the band widens the margin (reported).
+A prediction is the budget checked on predicted outputs (`ShareCheck`): the first-order sum of measured
+single changes (`FirstOrderDeltas`: each precision change measured alone end to end leaves its output error
+vector d_c = y_c - y_FP64 per calibration batch; rounding errors of different ops enter the outputs
+linearly to first order, so a genome's outputs are y_FP64 + sum_c d_c) or a per-chunk composition
+(error/chunks.py). A prediction decides only outside its `Band` [1/margin, margin] around the budget;
+inside it the candidate is measured, and every measurement of a predicted candidate checks the band: a
+ratio outside it widens the margin (reported). The bands are owned by the calibrator (error/calibrate.py).
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import numpy as np
 
 from .budget import Budget, BudgetVerdict
 from .metrics import METRICS, Compared, Direction, allclose_of
+from .share import Share
 
-Change = tuple[str, str, str]
+Change = tuple  # one precision change: (group key or one chunk of a group (search.space.ChunkSite), e-class, tag)
 Outputs = Mapping[str, np.ndarray]
 
 WIDEN = 1.25  # a mismatch sets the margin to the observed ratio times this
@@ -43,40 +45,21 @@ def budget_ratio(budget: Budget, verdict: BudgetVerdict) -> float:
 
 @dataclass(frozen=True)
 class Prediction:
-    ratio: float      # budget_ratio of the predicted outputs against the gate (max over batches)
-    allclose: float   # worst allclose ratio of the prediction against the gate
-    user: float       # the same against the user's budget
+    share: Share  # of the predicted outputs (max over batches)
     reason: str
 
+    @property
+    def ratio(self) -> float:
+        """The gate share over every metric: what a band compares with a measurement."""
+        return self.share.gate
 
-@dataclass
-class DeltaPredictor:
+
+@dataclass(frozen=True)
+class ShareCheck:
+    """The gate (and the user's budget, for its allclose share) checked on predicted outputs."""
     gate: Budget
     budget: Budget
     refs: Sequence[Outputs]
-    margin: float = 2.0
-    deltas: dict[Change, tuple[dict[str, np.ndarray], ...]] = field(default_factory=dict)
-    observed: list[tuple[float, float]] = field(default_factory=list)  # (predicted, measured) ratios
-    mismatches: int = 0
-    # centred: after SETTLE checks a prediction is first multiplied by the observed bias (the geometric
-    # mean of measured / predicted) and the band is WIDEN x the worst ratio around that bias
-    centred: bool = False
-    bias: float = 1.0
-
-    def record(self, change: Change, outputs: Sequence[Outputs]) -> None:
-        """A single change's measured outputs on every calibration batch."""
-        if len(outputs) != len(self.refs):
-            raise ValueError(f"{len(outputs)} batches of outputs for {len(self.refs)} references")
-        self.deltas[change] = tuple({k: np.asarray(o[k], np.float64) - np.asarray(r[k], np.float64) for k in r}
-                                    for o, r in zip(outputs, self.refs))
-
-    def predict(self, changes: Iterable[Change]) -> Prediction | None:
-        """None unless every change has been measured alone."""
-        changes = sorted(changes)
-        if not changes or any(c not in self.deltas for c in changes):
-            return None
-        return self.check([{k: np.asarray(r, np.float64) + sum(self.deltas[c][b][k] for c in changes)
-                            for k, r in ref.items()} for b, ref in enumerate(self.refs)])
 
     def check(self, predicted: Sequence[Outputs]) -> Prediction:
         """The budget checked on predicted outputs (one dict per calibration batch), every metric."""
@@ -91,7 +74,47 @@ class DeltaPredictor:
             allclose = max(allclose, v.worst_allclose)
             # the user's allclose only (its metrics are the gate's, loosened: not needed for the ratio)
             user = max([user] + [allclose_of(c, self.budget.atol, self.budget.rtol) for c in compared.values()])
-        return Prediction(ratio, allclose, user, reason)
+        return Prediction(Share(ratio, allclose, user), reason)
+
+
+@dataclass
+class FirstOrderDeltas:
+    """Measured single changes' output deviations, summed to predict a genome of several changes."""
+    checker: ShareCheck
+    deltas: dict[Change, tuple[dict[str, np.ndarray], ...]] = field(default_factory=dict)
+
+    def record(self, change: Change, outputs: Sequence[Outputs]) -> None:
+        """A single change's measured outputs on every calibration batch."""
+        refs = self.checker.refs
+        if len(outputs) != len(refs):
+            raise ValueError(f"{len(outputs)} batches of outputs for {len(refs)} references")
+        self.deltas[change] = tuple({k: np.asarray(o[k], np.float64) - np.asarray(r[k], np.float64) for k in r}
+                                    for o, r in zip(outputs, refs))
+
+    def alias(self, change: Change, measured: Change) -> None:
+        """`change` lowers to the same program as `measured`: it has the same deviations."""
+        self.deltas.setdefault(change, self.deltas[measured])
+
+    def predict(self, changes: Iterable[Change]) -> Prediction | None:
+        """None unless every change has been measured alone."""
+        changes = sorted(changes)
+        if not changes or any(c not in self.deltas for c in changes):
+            return None
+        return self.checker.check([{k: np.asarray(r, np.float64) + sum(self.deltas[c][b][k] for c in changes)
+                                    for k, r in ref.items()} for b, ref in enumerate(self.checker.refs)])
+
+
+@dataclass
+class Band:
+    """When a prediction may decide: outside [1/margin, margin] around the budget, after the bias
+    correction (centred bands only). Calibrated by the measurements of predicted candidates."""
+    margin: float = 2.0
+    observed: list[tuple[float, float]] = field(default_factory=list)  # (predicted, measured) ratios
+    mismatches: int = 0
+    # centred: after SETTLE checks a prediction is first multiplied by the observed bias (the geometric
+    # mean of measured / predicted) and the band is WIDEN x the worst ratio around that bias
+    centred: bool = False
+    bias: float = 1.0
 
     def decides(self, p: Prediction) -> bool | None:
         """True: passes with margin; False: fails with margin; None: too close to call (measure it)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -21,9 +21,11 @@ from ..files import atomic_write_text
 from ..hlir.graph import Graph
 from ..hlir.store import content_key
 from .budget import Budget
+from .share import Share
+from .verdict import Verdict
 
 STORE_FORMAT = "luminal_num.verdicts"
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: a verdict's share of the budget is one record ("share"), not three loose numbers
 
 
 def context_key(graph: Graph, calibration: Sequence[Mapping[str, np.ndarray]], gate: Budget, budget: Budget) -> str:
@@ -79,21 +81,36 @@ class VerdictStore:
                 store.entries = {}
         return store
 
-    def get(self, program_key: str, verdict_type):
+    def get(self, program_key: str) -> Verdict | None:
         rec = self.entries.get(program_key)
         if rec is None:
             return None
         try:
-            return verdict_type(**{k: (float(v) if k in _FLOATS and v is not None else v) for k, v in rec.items()})
-        except (TypeError, ValueError):
+            return verdict_of(rec)
+        except (TypeError, ValueError, KeyError, AttributeError):
             return None  # an entry of another shape: measure again
 
-    def put(self, program_key: str, verdict) -> None:
-        self.entries[program_key] = {k: (_num(v) if k in _FLOATS and v is not None else v)
-                                     for k, v in asdict(verdict).items()}
+    def put(self, program_key: str, verdict: Verdict) -> None:
+        self.entries[program_key] = verdict_record(verdict)
         atomic_write_text(self.path, json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION,
                                                  "context": self.context, "verdicts": self.entries},
                                                 sort_keys=True, indent=0) + "\n")
 
 
-_FLOATS = frozenset({"error", "max_abs", "bound", "budget_error", "ratio"})
+def verdict_record(v: Verdict) -> dict:
+    """A verdict as JSON (non-finite numbers as their repr: JSON has none)."""
+    return {"passed": bool(v.passed), "source": str(v.source), "reason": v.reason, "tentative": bool(v.tentative),
+            "exact": bool(v.exact), "bias": None if v.bias is None else _num(v.bias),
+            "max_abs": _num(v.max_abs), "bound": None if v.bound is None else _num(v.bound),
+            "share": {"gate": _num(v.share.gate), "allclose": _num(v.share.allclose),
+                      "user_allclose": _num(v.share.user_allclose)}}
+
+
+def verdict_of(rec: dict) -> Verdict:
+    def num(x):
+        return None if x is None else float(x)
+    share = rec["share"]
+    return Verdict(bool(rec["passed"]), rec["source"],
+                   Share(float(share["gate"]), float(share["allclose"]), float(share["user_allclose"])),
+                   float(rec["max_abs"]), num(rec["bound"]), str(rec["reason"]), bool(rec["tentative"]),
+                   num(rec["bias"]), bool(rec["exact"]))

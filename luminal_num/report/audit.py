@@ -8,6 +8,7 @@ any output leaves the budget.
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -51,7 +52,7 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
     program, part = plan.program(graph, space)
     budget = plan.budget
     rt = CpuRuntime(program, graph.weights, plan.scales, plan.stored_weights)  # the plan's scales and weights files
-    ranges = plan.data.get("calibration_ranges", {})
+    ranges = plan.calibration_ranges
     out_names = {nid: name for name, nid in graph.outputs.items()}
     chunk_of = {nid: c.index for c in part.chunks for nid in c.exported}
     out_rows, drift_rows, passed, reason, worst, share = [], [], True, "", 0.0, 0.0
@@ -75,13 +76,14 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
             outside = lo is not None and ref.size > 0 and (float(np.min(ref)) < float(lo) or float(np.max(ref)) > float(hi))
             drift_rows.append({"batch": b, "chunk": chunk_of[nid], "value": key, "max_abs": float(max_abs(value, ref)),
                                "rel_l2": float(rel_l2(value, ref)), "outside_calibration": bool(outside)})
-    plan_err = plan.data["verdict"]["error"]
+    plan_err = plan.verdict.error
+    finite = math.isfinite(plan_err)
     if passed:
-        recorded = fmt_num(plan_err) if not isinstance(plan_err, str) else plan_err
+        recorded = fmt_num(plan_err) if finite else repr(plan_err)
         shown = f"worst allclose ratio {fmt_num(worst)}" if budget.allclose_applies else budget.summary(out_rows, worst)
         reason = f"within budget {budget}: {shown} (plan recorded {recorded})"
     return AuditResult(passed, reason, pd.DataFrame(out_rows), pd.DataFrame(drift_rows),
-                       float(plan_err) if not isinstance(plan_err, str) else float("nan"), worst, share)
+                       plan_err if finite else float("nan"), worst, share)
 
 
 AUDIT_FILES = ("audit.csv", "audit_drift.csv", "audit.html")

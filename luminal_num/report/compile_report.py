@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +25,8 @@ def candidate_rows(result) -> pd.DataFrame:
     """One row per evaluated candidate (baselines labelled, the chosen plan and the search's front marked)."""
     on_front = {e.id for e in front(result.search.evaluated)}
     chosen_id = result.search.chosen.id if result.search.chosen is not None else -1
-    sources = result.search.stats.get("baseline_sources", {})  # what each labelled baseline follows
-    headroom = float(result.search.stats.get("headroom", 1.0))
+    sources = result.search.stats.baseline_sources  # what each labelled baseline follows
+    headroom = result.search.stats.headroom_share
     rows = []
     for e in result.search.evaluated:
         label = e.label if e.stage == Stage.BASELINE else ""
@@ -35,8 +34,8 @@ def candidate_rows(result) -> pd.DataFrame:
             label = "chosen"
         tags = sorted(t for _, _, t in e.genome)
         rows.append({"candidate": e.id,
-                     ERROR_COLUMN: user_share(e.verdict, headroom),
-                     ALLCLOSE_COLUMN: float(e.verdict.budget_error),  # against the user's budget
+                     ERROR_COLUMN: e.verdict.share.of_budget(headroom),
+                     ALLCLOSE_COLUMN: e.verdict.share.user_allclose,  # against the user's budget
                      "latency_s": e.latency_s, "latency_source": e.latency.source if e.latency else "not profiled",
                      "verdict_source": e.verdict.source, "passes": bool(e.verdict.passed), "label": label,
                      "stage": e.stage, "changes": len(tags), "max_abs": e.verdict.max_abs,
@@ -44,14 +43,6 @@ def candidate_rows(result) -> pd.DataFrame:
                      "source": sources.get(e.label, "") if e.stage == Stage.BASELINE else "",
                      FRONT_COLUMN: e.id in on_front})
     return pd.DataFrame(rows)
-
-
-def user_share(verdict, headroom: float) -> float:
-    """The share of the user's budget a verdict uses over allclose and every metric: its share of the gate
-    (the budget tightened by `headroom`, which scales every allowance) times the headroom; the allclose
-    ratio alone where no share was recorded."""
-    ratio = float(verdict.ratio)
-    return ratio * headroom if math.isfinite(ratio) else float(verdict.budget_error)
 
 
 def kernels_per_chunk(ops: pd.DataFrame, groups: list[list[int]]) -> pd.DataFrame:
@@ -76,14 +67,14 @@ def write_compile_report(result, out_dir: str | Path, title: str, interrupted: s
     rows = candidate_rows(result)
     if extra_rows is not None and not extra_rows.empty:
         rows = pd.concat([rows, extra_rows.assign(**{FRONT_COLUMN: False})], ignore_index=True)  # peers: not searched
-    headroom = float(result.search.stats.get("headroom", 1.0))
+    headroom = result.search.stats.headroom_share
     if interrupted:
         result = dataclasses.replace(result, plan=result.plan.with_fields(**{INTERRUPTED_KEY: interrupted}))
         title = f"{title} [PARTIAL: {interrupted}]"
     with atomic_files(out_dir) as staging:
         write_pareto_report(staging, rows, budget_error=1.0, title=title, threshold=headroom,
                             error_label="share of the budget vs FP64, allclose and every metric (<= 1 is within it)")
-        ops = pd.DataFrame(result.plan.data["kernels"])
+        ops = pd.DataFrame(result.plan.kernels)
         write_op_table(staging / OPS_NAME, ops)
         groups = [[c.index for c in g.chunks] for g in result.space.part.groups]
         write_op_table(staging / CHUNKS_NAME, kernels_per_chunk(ops, groups))

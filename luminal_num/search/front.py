@@ -10,11 +10,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..codegen.llir import Program
 from ..error.headroom import FLOOR as HEADROOM_FLOOR
-from ..error.judge import PREDICTED_SOURCES, Verdict
+from ..error.verdict import PREDICTED_SOURCES, Verdict
 from ..runtime.cost import Latency
 from .space import Genome
 
@@ -77,7 +75,7 @@ def front(evaluated: list[Evaluated]) -> list[Evaluated]:
 
 def share(e: Evaluated) -> float:
     """The share of the gate a candidate uses over every metric (allclose alone when not recorded)."""
-    return e.verdict.ratio if np.isfinite(e.verdict.ratio) else e.verdict.error
+    return e.verdict.share.rank()
 
 
 LATENCY_TIE = 1e-3  # relative: latencies this close are a tie for the chosen plan, broken by lower error

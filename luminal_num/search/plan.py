@@ -157,9 +157,44 @@ def scales_path(plan_path: str | Path) -> Path:
     return p.with_name(p.stem + "_scales.npz")
 
 
+def _float(x) -> float | None:
+    """A number as plan.json holds it (non-finite ones as their repr) back as a float."""
+    return None if x is None else float(x)
+
+
+@dataclass(frozen=True)
+class PlanVerdict:
+    """The chosen plan's verdict as the plan states it."""
+    passed: bool
+    source: str
+    error: float          # allclose share of the user's budget (Share.user_allclose)
+    max_abs: float
+    bound: float | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlanLatency:
+    total_s: float
+    source: str           # "modelled" or "measured"
+    target: str
+    cuda_graph: bool
+
+
+@dataclass(frozen=True)
+class PlanJob:
+    """The job the CLI compiled (so audit and generate rebuild the same graph without --model)."""
+    model: str | None = None
+    workload: str | None = None   # an LLM's workload (e.g. decode:8@64)
+    layers: int | None = None     # an LLM's first N decoder layers
+
+    def record(self) -> dict:
+        return {"model": self.model, "workload": self.workload, "layers": self.layers}
+
+
 @dataclass(frozen=True)
 class Plan:
-    data: dict
+    data: dict  # the canonical plan.json record (read through the typed properties below)
     scales: dict | None = None  # Gemm kernel id -> static weight scales (saved beside the plan)
     stored: dict | None = None  # stored_key -> StoredTensor: weights converted to their storage formats
 
@@ -167,7 +202,7 @@ class Plan:
     def create(space: SearchSpace, genome: Genome, program: Program, budget: Budget, target: str, seed: int,
                verdict, latency, bindings, search_stats: dict, calibration_ranges: dict,
                weights=None, headroom: float = 1.0) -> "Plan":
-        """`verdict.budget_error` (the ratio against the user's budget) is the error the plan states."""
+        """`verdict.share.user_allclose` (the allclose share of the user's budget) is the error the plan states."""
         cands = space.candidates(genome)
         groups = []
         for gi, g in enumerate(space.part.groups):
@@ -185,7 +220,7 @@ class Plan:
             "graph_key": graph_key(space.graph), "budget": budget.to_dict(), "target": target, "seed": seed,
             "genome": sorted(_genome_entry(space, site, c, t) for site, c, t in genome),
             "groups": groups,
-            "verdict": {"passed": bool(verdict.passed), "source": verdict.source, "error": _num(verdict.budget_error),
+            "verdict": {"passed": bool(verdict.passed), "source": verdict.source, "error": _num(verdict.share.user_allclose),
                         "max_abs": _num(verdict.max_abs), "bound": _num(verdict.bound), "reason": verdict.reason},
             "latency": {"total_s": _num(latency.total_s), "source": latency.source, "target": latency.target,
                         "cuda_graph": latency.cuda_graph},
@@ -279,7 +314,51 @@ class Plan:
 
     def with_source(self, source: dict) -> "Plan":
         """This plan recording the model file it was compiled from (e.g. {"format", "file", "sha256"})."""
-        return Plan({**self.data, "source": dict(source)}, self.scales)
+        return self.with_fields(source=dict(source))
+
+    # -- typed reads of the record ------------------------------------------------------------
+    @property
+    def verdict(self) -> PlanVerdict:
+        v = self.data["verdict"]
+        return PlanVerdict(bool(v["passed"]), str(v["source"]), _float(v["error"]), _float(v["max_abs"]),
+                           _float(v["bound"]), str(v["reason"]))
+
+    @property
+    def latency(self) -> PlanLatency:
+        lat = self.data["latency"]
+        return PlanLatency(_float(lat["total_s"]), str(lat["source"]), str(lat["target"]), bool(lat["cuda_graph"]))
+
+    @property
+    def kernels(self) -> list[dict]:
+        """The per-kernel table of what runs (op_table's rows)."""
+        return list(self.data["kernels"])
+
+    @property
+    def interrupted(self) -> str:
+        """Why the search stopped early ("" for a complete search's plan)."""
+        return str(self.data.get("interrupted") or "")
+
+    @property
+    def job(self) -> PlanJob | None:
+        """The job the CLI recorded (None when compiled through the API)."""
+        rec = self.data.get("job")
+        return PlanJob(rec.get("model"), rec.get("workload"), rec.get("layers")) if rec else None
+
+    def with_job(self, job: PlanJob) -> "Plan":
+        return self.with_fields(job=job.record())
+
+    @property
+    def calibration_ranges(self) -> dict[str, tuple[float, float]]:
+        return {k: (_float(lo), _float(hi)) for k, (lo, hi) in self.data.get("calibration_ranges", {}).items()}
+
+    @property
+    def headroom(self) -> float:
+        return float(self.data.get("headroom", 1.0))
+
+    def describe(self) -> str:
+        """One line: version, compiler, target, seed."""
+        d = self.data
+        return f"plan v{d['version']} (compiler {d['compiler_version']}), target {d['target']}, seed {d['seed']}"
 
     def check_source(self, source: dict) -> None:
         """A plan that recorded its model file refuses a file with other bytes (sha256 differs)."""

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
-
+from types import MappingProxyType
+from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
 from ..codegen.llir import Program
-from ..error.judge import PREDICTED_SOURCES, Judge
+from ..error.verdict import PREDICTED_SOURCES
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
 from ..runtime.targets import OPERAND_MATH, gemm_math, get_target
 from . import allocate
 from .front import Evaluated, Stage, choose, front, share
+from .outcome import Gate, SearchResult, SearchStats
 from .recipes import BASELINE_SOURCES, baseline_genomes
 from .space import ChunkSite, Genome, SearchSpace
 from .tags import Tag, TagKind, is_kind, priority
@@ -39,17 +40,6 @@ class SearchOptions:
                                    # None: from data (error/headroom.py), a number overrides it
 
 
-@dataclass
-class SearchResult:
-    evaluated: list[Evaluated]
-    baselines: dict[str, Evaluated]
-    chosen: Evaluated | None
-    stats: dict = field(default_factory=dict)
-
-    def passing(self) -> list[Evaluated]:
-        return [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
-
-
 @dataclass(frozen=True)
 class Exploration:
     """The search's candidates before confirmation: the searcher holding them, its baselines, whether
@@ -60,7 +50,7 @@ class Exploration:
 
 
 class Searcher:
-    def __init__(self, space: SearchSpace, judge: Judge, options: SearchOptions, latency_inputs=None,
+    def __init__(self, space: SearchSpace, judge: Gate, options: SearchOptions, latency_inputs=None,
                  target: str | None = None):
         self.space, self.judge, self.opt = space, judge, options
         self.target = options.target if target is None else target
@@ -84,7 +74,7 @@ class Searcher:
     def latency(self, program) -> Latency | None:
         g = self.space.graph
         try:
-            return program_latency(program, self.target, self.judge.bindings[0], g.weights, self.latency_inputs)
+            return program_latency(program, self.target, self.judge.latency_bindings, g.weights, self.latency_inputs)
         except UnsupportedOnTarget:
             return None
 
@@ -102,7 +92,7 @@ class Searcher:
         # candidate (the front and the chosen plan are confirmed end to end anyway)
         measured = stage == Stage.BASELINE and (not genome or self.judge.has_outputs(program()))
         screen = None if measured else self.space.candidates(genome)
-        runs_before = self.judge.stats.measured
+        runs_before = self.judge.measured
         # a baseline is timed whatever its verdict (lowered now), and reported next to the plan: one inside
         # the band is measured, never decided tentatively
         verdict = self.judge.judge(program() if stage == Stage.BASELINE else program, genome, screen,
@@ -111,7 +101,7 @@ class Searcher:
         if verdict.passed and lat is None:  # the target cannot run this variant (FP8 on an A100)
             verdict = dataclasses.replace(verdict, passed=False, reason=f"not supported on target {self.target}")
         e = Evaluated(len(self.evaluated), genome, verdict, lat, label, stage, lowered[0] if lowered else None,
-                      self.judge.stats.measured - runs_before)
+                      self.judge.measured - runs_before)
         self.evaluated.append(e)
         self.seen[genome] = e
         if stage != Stage.BASELINE:
@@ -150,25 +140,9 @@ class Searcher:
         # an interrupted search confirms nothing more: its partial plan stands on measurements only
         chosen = choose([e for e in self.passing() if e.verdict.source not in PREDICTED_SOURCES]) if interrupted \
             else self.confirm_finalists()
-        stats = {"candidates": len(self.evaluated), "seconds": time.perf_counter() - self.t0,
-                 **self.judge.stats.as_dict(), "baseline_sources": dict(BASELINE_SOURCES)}
-        if self.judge.predictor is not None:
-            stats["prediction_margin"] = self.judge.predictor.margin
-        if self.judge.chunk_band is not None:
-            ce = self.judge.chunks
-            stats.update(chunk_margin=self.judge.chunk_band.margin, chunk_bias=self.judge.chunk_band.bias,
-                         chunk_runs=ce.runs, chunk_composed=ce.composed, chunk_shared=ce.shared,
-                         chunk_local_checks=len(ce.local_checks), chunk_injections=ce.injections)
-            if ce.compose_off:
-                stats["chunk_compose_off"] = ce.compose_off
-        if self.judge.exact_band is not None:
-            xe = self.judge.exact_chunks
-            stats.update(exact_margin=self.judge.exact_band.margin, exact_bias=self.judge.exact_band.bias,
-                         exact_checks=len(self.judge.exact_band.observed), exact_runs=xe.runs,
-                         exact_injections=xe.injections)
-        stats.update(self.allocation)
-        if interrupted:
-            stats["interrupted"] = True
+        stats = SearchStats(len(self.evaluated), time.perf_counter() - self.t0, self.judge.summary(),
+                            MappingProxyType(dict(BASELINE_SOURCES)), MappingProxyType(dict(self.allocation)),
+                            interrupted)
         return SearchResult(self.evaluated, baselines, chosen, stats)
 
     def uniform(self, per_class: int = 2) -> None:
@@ -198,22 +172,28 @@ class Searcher:
                     return chosen
             for e in {e.id: e for e in todo}.values():
                 self._remeasure(e)
+                self.follow_bias()
 
     def _remeasure(self, e: Evaluated) -> None:
         """An end-to-end run replaces a candidate's predicted verdict (a tentative reject is timed now:
         its latency was never taken)."""
-        runs_before = self.judge.stats.measured
+        runs_before = self.judge.measured
         program = e.program if e.program is not None else self.space.program(e.genome)
         v = self.judge.confirm(program, e.genome, self.space.candidates(e.genome))
         if e.latency is None and e.id not in self.deferred_latency:
             self.deferred_latency[e.id] = self.latency(program)
         latency = (e.latency or self.deferred_latency[e.id]) if v.passed else None
         new = dataclasses.replace(e, verdict=v, latency=latency, program=program,
-                                  end_to_end_runs=e.end_to_end_runs + self.judge.stats.measured - runs_before)
+                                  end_to_end_runs=e.end_to_end_runs + self.judge.measured - runs_before)
         self.evaluated[e.id] = new
         self.seen[e.genome] = new
-        for old in self.evaluated:  # the run moved the composition's bias: every composed share follows it
-            v = self.judge.rebias(old.verdict)
+
+    def follow_bias(self) -> None:
+        """The one place a recorded verdict changes after it was made: an end-to-end run moved the
+        composition's bias, so every composed share is re-corrected by it (judge.rebiased), in candidate
+        order; a composed pass whose share now exceeds the gate becomes a tentative reject (no latency)."""
+        for old in self.evaluated:
+            v = self.judge.rebiased(old.verdict)
             if v is not old.verdict:
                 self.evaluated[old.id] = self.seen[old.genome] = dataclasses.replace(
                     old, verdict=v, latency=old.latency if v.passed else None)
@@ -305,7 +285,7 @@ class Searcher:
         options, each judged; `self.allocation` says which won. Layers differ in sensitivity: the budget
         goes where it buys the most latency."""
         current = choose(self.passing())
-        if current is None or self.judge.chunks is None:  # per-chunk genomes need per-chunk verdicts
+        if current is None or not self.judge.per_chunk:  # per-chunk genomes need per-chunk verdicts
             return
         cap = self._count(Stage.LAYER) + max(int(self.opt.max_candidates * share), 1)
         multi = [g for g in self.space.part.groups if len(g.chunks) > 1]
@@ -370,10 +350,7 @@ class Searcher:
 
     def _composed(self, genome: Genome) -> float:
         """The share of the gate a genome uses, predicted from its chunks' effects composed."""
-        ce = self.judge.chunks
-        cands = self.space.candidates(genome)
-        ce.prefetch(cands)
-        return self.judge.chunk_band.check(ce.compose(cands, self.judge.gated_refs)).ratio
+        return self.judge.composed_share(self.space.candidates(genome))
 
     def mutate(self, singles: list[Evaluated]) -> None:
         """Luminal-style generations: mutate members of the current front, dedupe, gate, keep the front.
@@ -382,7 +359,7 @@ class Searcher:
                       | ({(ChunkSite(g.key, ch.index), c, t) for e in singles if e.verdict.passed
                           for site, c, t in e.genome for g in self.space.part.groups
                           if g.key == site and len(g.chunks) > 1 for ch in g.chunks}
-                         if self.judge.chunks is not None else set()))
+                         if self.judge.per_chunk else set()))
         if not pool:
             return
         stale = 0
@@ -451,13 +428,13 @@ def _in_prologue(tag: str) -> bool:
     return t.kind == TagKind.GEMM and t.spec().a_prologue
 
 
-def search(space: SearchSpace, judge: Judge, options: SearchOptions, latency_inputs=None,
+def search(space: SearchSpace, judge: Gate, options: SearchOptions, latency_inputs=None,
            target: str | None = None) -> SearchResult:
     """`target` (default `options.target`): where latencies are modelled or measured."""
     return Searcher(space, judge, options, latency_inputs, target).run()
 
 
-def explore(space: SearchSpace, judge: Judge, options: SearchOptions, latency_inputs=None,
+def explore(space: SearchSpace, judge: Gate, options: SearchOptions, latency_inputs=None,
             target: str | None = None) -> Exploration:
     """The search without its confirmation (compile's `search` stage; `confirm` is the next)."""
     return Searcher(space, judge, options, latency_inputs, target).explore()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from ..codegen.llir import Program
+from ..error.predict import Change
 from ..hlir.graph import Graph
 from ..hlir.partition import Chunk, Partition, partition
 from .choice import Candidate
@@ -55,8 +56,7 @@ def group_of(site: "str | ChunkSite") -> str:
     return site.group if isinstance(site, ChunkSite) else site
 
 
-Change = tuple  # (group key | ChunkSite, e-class, tag)
-Genome = frozenset  # of Change
+Genome = frozenset  # of Change (declared once, error/predict.py: the judge keys its verdicts by it)
 
 
 @dataclass

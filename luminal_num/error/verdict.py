@@ -1,0 +1,49 @@
+"""A verdict on one candidate: passed or not, what decided it (VerdictSource), the share of the budget its
+error uses (error/share.py), and why."""
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+
+from ..codegen.llir import Program
+from .share import Share
+
+
+class VerdictSource(enum.StrEnum):
+    """What decided a verdict (its text is what plans and reports write)."""
+    CACHE = "cache"          # a known program, or a genome containing a change that failed alone
+    STATIC = "static"        # the static error bound certifies it (or finds an overflow)
+    CHUNKS = "chunks"        # composed per-chunk effects, each chunk judged alone on FP64 inputs
+    PREDICTED = "predicted"  # the first-order sum of measured single changes
+    MEASURED = "measured"    # an end-to-end run against FP64
+
+
+# verdicts decided from a prediction, not an end-to-end run: the front and the chosen plan re-measure them
+PREDICTED_SOURCES = frozenset({VerdictSource.PREDICTED, VerdictSource.CHUNKS})
+
+
+@dataclass(frozen=True)
+class Verdict:
+    passed: bool
+    source: VerdictSource
+    share: Share         # of the gate and of the user's budget (<= 1 passes)
+    max_abs: float       # worst |y - ref| measured (nan when not measured)
+    bound: float | None  # largest static error bound (None when not computed)
+    reason: str
+    # decided from a composition inside its band (no margin): a tentative pass is confirmed if it reaches the
+    # front or is chosen, a tentative reject is measured if it would be chosen (search.confirm_finalists)
+    tentative: bool = False
+    bias: float | None = None  # a composed verdict: the bias its errors were multiplied by (None: not composed)
+    exact: bool = False        # composed with EXACT propagation (its band is the calibrator's EXACT band)
+
+    def __post_init__(self):
+        object.__setattr__(self, "source", VerdictSource(self.source))  # one read back from a verdict store
+
+
+def program_key(program: Program) -> str:
+    """Identity of what runs: kernel kinds, dtypes, precisions, weight storage formats, views, bodies (not
+    names). Storage is part of it: two plans that differ only in how a weight is held compute different values."""
+    items = [(k.kind.value, k.dtype.name, k.precision, k.acc.name if k.acc else None, k.axis, repr(k.body),
+              tuple((i.buffer, i.view.encode()) for i in k.inputs), k.aliases, k.storage) for k in program.kernels]
+    return hashlib.sha256(repr((items, program.outputs)).encode()).hexdigest()[:20]
