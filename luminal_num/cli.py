@@ -302,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
         onnx_args(p)
         p.set_defaults(default_candidates=default_candidates)
         p.add_argument("--budget", help='e.g. "atol=1e-3,rtol=0,cosine>=0.9999" (default: the model\'s)')
-        p.add_argument("--target", default="h200", help="h200 | h100 | a100 | cpu (cpu is measured)")
+        p.add_argument("--target", default="h200", help="h200 | h200-measured | h100 | a100 | cpu (cpu is measured; h200-measured: "
+                       "the H200 with the kernel costs measured on one, runtime/kernel_classes.py)")
         p.add_argument("--candidates", type=_positive, default=None,
                        help=f"candidates to evaluate (default: {default_candidates}) (LLM jobs: {LLM_CANDIDATES})")
         p.add_argument("--time-limit", type=float, default=None, help="seconds (makes the result timing-dependent)")
