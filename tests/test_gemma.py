@@ -114,7 +114,7 @@ def test_real_gemma_270m_six_layers_match_the_independent_fp64_gemma(real):
 def test_a_plan_keeping_the_files_k_quant_blocks_adds_zero_error(real):
     """Layer 0 of the real file: the plan holding every matrix in its file blocks (Q4_K, Q5_0, Q6_K,
     Q8_0) computes the FP32 plan's logits bit for bit (the FP32 plan reads the dequantized file)."""
-    from luminal_num.quant.stored import GGUF_KEPT
+    from luminal_num.quant.stored import GGUF_KEPT, SOURCE_BLOCKS
     from luminal_num.runtime.cpu import CpuRuntime
     from luminal_num.search.recipes import pick
     from luminal_num.search.space import SearchSpace
@@ -124,7 +124,7 @@ def test_a_plan_keeping_the_files_k_quant_blocks_adds_zero_error(real):
     inputs = built.make_inputs(ids[1:2], np.array([0]))
     space = SearchSpace.build(built.graph)
     fp32 = space.program(frozenset())
-    kept = space.program(pick(space, {*(f"store:{f}" for f in GGUF_KEPT), "gemm:f32"}.__contains__))
+    kept = space.program(pick(space, {*(f"store:{f}" for f in GGUF_KEPT + (SOURCE_BLOCKS,)), "gemm:f32"}.__contains__))
     assert {"gguf_q4_k", "gguf_q5_0", "gguf_q6_k"} <= {k.storage for k in kept.kernels if k.storage}
     a = CpuRuntime(fp32, built.graph.weights).run(inputs).outputs["logits"]
     b = CpuRuntime(kept, built.graph.weights).run(inputs).outputs["logits"]

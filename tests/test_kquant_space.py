@@ -16,7 +16,7 @@ from luminal_num.search.plan import stored_layout
 from luminal_num.search.search import variant_classes
 from luminal_num.search.space import SearchSpace
 from luminal_num.search.tags import Tag, TagKind
-from tiny_gemma import write_kquant_gemma
+from tiny_gemma import kquant_layer_types, write_kquant_gemma
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")
 
@@ -86,3 +86,71 @@ def test_every_candidate_drawn_from_the_space_lowers_and_runs(kquant_gemma):
             logits = CpuRuntime(program, step.graph.weights).run(inputs).outputs["logits"]
             assert np.all(np.isfinite(logits))
     assert {"gguf_q4_k", "gguf_q5_0", "gguf_q5_1", "gguf_q8_0"} <= held
+
+
+# -- keeping each chunk's own blocks where the layers of a group differ --------------------------------------
+def _keep_all(space):
+    from luminal_num.quant.stored import GGUF_KEPT, SOURCE_BLOCKS
+    from luminal_num.search.recipes import pick
+    return pick(space, {*(f"store:{f}" for f in GGUF_KEPT + (SOURCE_BLOCKS,)), "gemm:f32"}.__contains__)
+
+
+def test_layers_of_one_group_in_different_blocks_each_keep_their_own(kquant_gemma, tmp_path):
+    """attn_v (Q8_0 / Q5_0) and ffn_down (Q6_K / Q4_K) alternate over the three layers of one group: the
+    plan keeping every block holds each layer's matrices in that layer's own file format, computes the FP32
+    plan's logits bit for bit (the FP32 plan reads the dequantized file), its static bound charges no
+    storage error, and its weights file holds exactly the file's bytes."""
+    from luminal_num.error.interval import Interval
+    from luminal_num.error.static import static_bound
+    from luminal_num.quant import to_gguf
+    from luminal_num.quant.gguf_blocks import format_name
+    from luminal_num.quant.stored import convert_all
+    from luminal_num.quant.weights_file import load_weights, save_weights
+    model, step, space, inputs = kquant_gemma
+    assert [len(g.chunks) for g in space.part.groups] == [1, 3, 1]
+    mixed = [k for ks in space.knobs.values() for k in ks if "store:gguf_source" in k.tags]
+    assert len(mixed) == 2  # attn_v and ffn_down
+    fp32, kept = space.program(frozenset()), space.program(_keep_all(space))
+    held = {k.external: k.storage for k in kept.kernels if k.storage}
+    matrices = {n for n, src in model.sources.items() if src.format != "F32" and model.weights[n].ndim == 2}
+    assert held == {n: format_name(model.sources[n].format) for n in matrices}
+    assert {held["blk.0.ffn_down.weight"], held["blk.1.ffn_down.weight"]} == {"gguf_q6_k", "gguf_q4_k"}
+    a = CpuRuntime(fp32, step.graph.weights).run(inputs).outputs["logits"]
+    b = CpuRuntime(kept, step.graph.weights).run(inputs).outputs["logits"]
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    ranges = {k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in inputs.items()}
+    bind = step.graph.bind_symbols(inputs)
+    bounds = [static_bound(p, ranges, bind, step.graph.weights).error_bounds["logits"] for p in (fp32, kept)]
+    assert np.all(bounds[1] <= bounds[0])
+    layout = stored_layout(kept)
+    path = tmp_path / "w.safetensors"
+    save_weights(path, convert_all(step.graph.weights, {k: (n, f) for k, (n, f, _) in layout.items()}), "g")
+    loaded = load_weights(path, "g", {k: (f, shape) for k, (_, f, shape) in layout.items()}).tensors
+    for key, (name, _, _) in layout.items():
+        assert to_gguf(loaded[key].fmt.unpack(loaded[key])).tobytes() == \
+            np.ascontiguousarray(model.sources[name].raw).tobytes(), key
+
+
+def test_keeping_the_source_blocks_is_a_per_chunk_choice(kquant_gemma):
+    """`store:gguf_source` for layer 1 only: that layer's attn_v and ffn_down are held in its blocks (Q5_0,
+    Q4_K), the other layers read FP32; for the whole group: every layer in its own blocks."""
+    from luminal_num.quant.gguf_blocks import format_name
+    from luminal_num.search.space import ChunkSite
+    _, _, space, _ = kquant_gemma
+    group = space.part.groups[1]
+    mixed = [k.cls for k in space.knobs[group.key] if "store:gguf_source" in k.tags]
+
+    def held(genome):
+        return {k.external: k.storage for k in space.program(genome).kernels if k.storage}
+
+    def own(layers):
+        return {f"blk.{i}.{n}.weight": format_name(kquant_layer_types(i)[n]) for i in layers for n in ("attn_v", "ffn_down")}
+    assert held(frozenset((ChunkSite(group.key, group.chunks[1].index), c, "store:gguf_source") for c in mixed)) == own([1])
+    assert held(frozenset((group.key, c, "store:gguf_source") for c in mixed)) == own([0, 1, 2])
+
+
+def test_source_blocks_are_refused_for_a_weight_without_them():
+    from luminal_num.quant.stored import SOURCE_BLOCKS, held_format
+    assert held_format(SOURCE_BLOCKS, "gguf_q6_k") == "gguf_q6_k" and held_format("bf16", "gguf_q6_k") == "bf16"
+    with pytest.raises(ValueError, match="this weight has none"):
+        held_format(SOURCE_BLOCKS, None)
