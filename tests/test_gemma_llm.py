@@ -155,12 +155,13 @@ def test_real_gemma_plan_keeping_every_k_quant_block_is_bit_identical_to_fp32(ge
     from luminal_num.models.gemma_gguf import gemma3_path
     from luminal_num.quant.stored import GGUF_KEPT, SOURCE_BLOCKS
     from luminal_num.runtime.cpu import CpuRuntime
+    from luminal_num.search.plan import stored_layout
     from luminal_num.search.recipes import pick
     from luminal_num.search.space import SearchSpace
     graph, batch = gemma_job.graph, gemma_job.calibration[0]
     space = SearchSpace.build(graph)
     kept = space.program(pick(space, {*(f"store:{f}" for f in GGUF_KEPT + (SOURCE_BLOCKS,)), "gemm:f32"}.__contains__))
-    held = {k.external: k.storage for k in kept.kernels if k.storage}
+    held = {name: fmt for name, fmt, _ in stored_layout(kept).values()}  # a fused Gemm's parts each by name
     print(f"Gemma 3 270M plan keeping file blocks: {sorted(set(held.values()))}")
     in_file = {t.name: t.tensor_type.name for t in gguf_package.GGUFReader(gemma3_path()).tensors}
     assert held == {n: f"gguf_{in_file[n].lower()}" for n, w in graph.weights.items() if np.ndim(w) == 2}
