@@ -29,7 +29,8 @@ _TOKEN = re.compile(r"""
 _FLOAT = re.compile(r"0x[0-9a-fA-F]+(?:\.[0-9a-fA-F]*)?p[+-]?\d+f?|\d+\.\d*(?:e[+-]?\d+)?f?")
 TYPES = {"long", "int", "float", "double", "unsigned", "const", "static", "char", "signed"}
 TEMPLATED = {"static_cast", "ln_fp8_from_bits", "ln_block_reduce"}
-BINARY = [("||",), ("&&",), ("==", "!="), ("<", "<=", ">", ">="), ("+", "-"), ("*", "/", "%")]
+BINARY = [("||",), ("&&",), ("|",), ("^",), ("&",), ("==", "!="), ("<", "<=", ">", ">="), ("<<", ">>"), ("+", "-"),
+          ("*", "/", "%")]  # C precedence, lowest first
 
 
 def tokenize(code: str) -> list[str]:
@@ -267,6 +268,10 @@ def _bin(op: str, a, b):
     integer = isinstance(a, int) and isinstance(b, int)
     if op in ("<", "<=", ">", ">=", "==", "!="):
         return int({"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b, "==": a == b, "!=": a != b}[op])
+    if op in ("|", "^", "&", "<<", ">>"):  # integer operands only, as C requires
+        if not integer or (op in ("<<", ">>") and not 0 <= b < 64):
+            raise TypeError(f"C operator {op} on {a!r}, {b!r}")
+        return {"|": a | b, "^": a ^ b, "&": a & b, "<<": a << b, ">>": a >> b}[op]
     if integer:
         if op == "/":  # C truncates toward zero
             return (abs(a) // abs(b)) * (1 if (a < 0) == (b < 0) else -1)
@@ -403,6 +408,7 @@ _N = types.SimpleNamespace(**{
     "__float2half_rn": lambda x: np.float32(round_to(np.float32(x), F16, Overflow.INF)),
     "__float2int_rn": lambda x: int(np.rint(x)),
     "__int_as_float": lambda b: np.array([b], np.uint32).view(np.float32)[0],
+    "__ushort_as_half": lambda b: np.float32(np.array([b], np.uint16).view(np.float16)[0]),
     "__longlong_as_double": lambda b: np.array([b], np.uint64).view(np.float64)[0],
     "__NV_SATFINITE": "sat", "__NV_NOSAT": "nosat", "__NV_E4M3": F8E4M3, "__NV_E5M2": F8E5M2,
     "__nv_cvt_float_to_fp8": _fp8,

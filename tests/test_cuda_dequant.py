@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from cuda_interpreter import Buffer, compile_entry, launch
+from kept_blocks import kept_sample
 
 from luminal_num.codegen import nvrtc
 from luminal_num.codegen.cuda_weight_only import param_name, render_weight_only
@@ -15,20 +16,23 @@ from luminal_num.runtime.weight_only import WEIGHT_ONLY_GEMMS, SumOrder, emulate
 
 needs_nvrtc = pytest.mark.skipif(not (nvrtc.nvrtc_available() and nvrtc.toolchain().include_dirs),
                                  reason="libnvrtc or the CUDA headers are missing")
-# kept GGUF blocks (Q4_0 / Q5_x / K-quants) have no kernel yet: the runtime uploads their widened values
-NAMES = sorted(n for n, v in WEIGHT_ONLY_GEMMS.items() if not v.weight.keeps_only)
+NAMES = sorted(WEIGHT_ONLY_GEMMS)  # kept GGUF blocks (Q4_0 / Q5_x / K-quants) too: the file's bytes, decoded on load
 A_DTYPES = {F32: np.float32, BF16: ml_dtypes.bfloat16, F16: np.float16}
 
 
 def shape_for(variant) -> tuple[int, int, int]:
-    """(M, N, K): N spans two blocks, K three stages with a ragged tail (GGUF blocks need K % 32 == 0)."""
-    gguf = variant.weight.scheme in (Scheme.GGUF_Q4_1, Scheme.GGUF_Q8_0)
-    return 3, 18, 64 if gguf else 70
+    """(M, N, K): N spans two blocks, K three stages with a ragged tail (GGUF blocks need whole blocks:
+    two of 32, or one 256-wide K-quant super-block, eight stages)."""
+    gguf = variant.weight.scheme in (Scheme.GGUF_Q4_1, Scheme.GGUF_Q8_0, Scheme.GGUF_BLOCKS)
+    return 3, 18, max(64, variant.weight.block) if gguf else 70
 
 
 def operands(variant, seed: int):
     m, n, k = shape_for(variant)
     rng = np.random.default_rng(seed)
+    if variant.weight.keeps_only:  # kept formats hold only a file's blocks: random valid ones
+        a = rng.standard_normal((m, k)).astype(A_DTYPES[variant.activation]).astype(np.float32)
+        return a, variant.weight.pack(kept_sample(variant.weight, n, k, seed)), variant.activation
     w = (rng.standard_normal((n, k)) * 10.0 ** rng.uniform(-2, 0, (n, 1))).astype(np.float32)
     w[0, :5] = 0.0
     a = rng.standard_normal((m, k)).astype(np.float32)
@@ -91,12 +95,13 @@ def test_bad_shapes_and_activations_are_refused():
         render_weight_only(WEIGHT_ONLY_GEMMS["gguf_q4_1_af32"].weight, F32, 1, 4, 40)
     with pytest.raises(ValueError, match="activations are f32/bf16/f16"):
         render_weight_only(v.weight, WEIGHT_ONLY_GEMMS["f8e4m3_channel_af32"].weight.element, 1, 4, 32)
-    with pytest.raises(ValueError, match="gguf_q4_k: no dequantize-on-load kernel for kept GGUF blocks"):
-        render_weight_only(WEIGHT_ONLY_GEMMS["gguf_q4_k_af32"].weight, F32, 1, 4, 256)
+    with pytest.raises(ValueError, match="gguf_q4_k: llama.cpp blocks are 256 wide; K = 128 is not a multiple"):
+        render_weight_only(WEIGHT_ONLY_GEMMS["gguf_q4_k_af32"].weight, F32, 1, 4, 128)
 
 
 # -- the CUDA runtime: Gemms on stored weights run this kernel on the stored bytes --------------------
-RUNTIME_FORMATS = ["int8_channel", "int4_g128", "int4_g32_asym", "mxfp4", "nvfp4", "f8e4m3_channel", "bf16"]
+RUNTIME_FORMATS = ["int8_channel", "int4_g128", "int4_g32_asym", "mxfp4", "nvfp4", "f8e4m3_channel", "bf16",
+                   "gguf_q4_k", "gguf_q6_k", "gguf_q5_0"]
 
 
 @pytest.fixture
@@ -128,6 +133,15 @@ def linear(fmt: str, act: str, seed: int = 0):
     m, n, k = 2, 20, 256
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) / 16).astype(np.float32)
+    if fmt.startswith("gguf_") and fmt not in ("gguf_q4_1", "gguf_q8_0"):  # a kept format: a weight loaded from its blocks
+        import gguf
+
+        from luminal_num.models.gguf import TensorSource, keep_source
+        from luminal_num.quant.gguf_blocks import block_type, random_blocks
+        t = block_type(fmt)
+        raw = random_blocks(t, n, k, rng)
+        w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t.ggml]).astype(np.float32).reshape(n, k)
+        keep_source(w, TensorSource(t.ggml, raw))
     g = Graph()
     x = g.input("x", (m, k))
     g.output(x @ g.weight("w", w).transpose(), "y")
@@ -143,6 +157,7 @@ def test_the_cuda_runtime_runs_stored_weights_dequantized_on_load(fake, fmt):
     (no FP32 copy of the weight is uploaded) and computes the sequential emulation bit for bit."""
     from luminal_num.codegen.cuda_weight_only import weight_only_gemm
     from luminal_num.quant import STORAGE_FORMATS
+    from luminal_num.quant.stored import convert
     from luminal_num.runtime.cuda import CudaRuntime
     act = "bf16" if fmt != "bf16" else "f16"
     g, w, program, inputs = linear(fmt, act)
@@ -153,7 +168,7 @@ def test_the_cuda_runtime_runs_stored_weights_dequantized_on_load(fake, fmt):
     got = cuda.run(inputs).outputs["y"]
     assert [e["entry"] for e in fake.ops("launch")] == [src.name]
     uploads = sorted(e["nbytes"] for e in fake.ops("upload"))
-    stored = STORAGE_FORMATS[fmt].pack(STORAGE_FORMATS[fmt].quantize(w))
+    stored = STORAGE_FORMATS[fmt].pack(convert(w, fmt))  # a kept format: the blocks w came in
     assert w.nbytes not in uploads and sum(a.nbytes for a in stored.arrays.values()) <= sum(uploads)
     for part in stored.arrays.values():
         assert part.nbytes in uploads

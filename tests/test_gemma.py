@@ -112,20 +112,26 @@ def test_real_gemma_270m_six_layers_match_the_independent_fp64_gemma(real):
 
 @pytest.mark.slow
 def test_a_plan_keeping_the_files_k_quant_blocks_adds_zero_error(real):
-    """Layer 0 of the real file: the plan holding every matrix in its file blocks (Q4_K, Q5_0, Q6_K,
-    Q8_0) computes the FP32 plan's logits bit for bit (the FP32 plan reads the dequantized file)."""
-    from luminal_num.quant.stored import GGUF_KEPT
+    """Layers 0-2 of the real file, one structural group whose layers came in different blocks (attn_v
+    Q8_0, Q8_0, Q5_0; ffn_down Q6_K, Q6_K, Q4_K): the plan holding every matrix in its own file blocks
+    (store:gguf_source where the layers differ) computes the FP32 plan's logits bit for bit (the FP32 plan
+    reads the dequantized file)."""
+    from luminal_num.quant.stored import GGUF_KEPT, SOURCE_BLOCKS
     from luminal_num.runtime.cpu import CpuRuntime
+    from luminal_num.search.plan import stored_layout
     from luminal_num.search.recipes import pick
     from luminal_num.search.space import SearchSpace
     path, ids = real
-    model = load_gemma_gguf(path, layers=1)
+    model = load_gemma_gguf(path, layers=3)
     built = build_gemma(model.config, model.weights, 1, 4)
     inputs = built.make_inputs(ids[1:2], np.array([0]))
     space = SearchSpace.build(built.graph)
     fp32 = space.program(frozenset())
-    kept = space.program(pick(space, {*(f"store:{f}" for f in GGUF_KEPT), "gemm:f32"}.__contains__))
-    assert {"gguf_q4_k", "gguf_q5_0", "gguf_q6_k"} <= {k.storage for k in kept.kernels if k.storage}
+    kept = space.program(pick(space, {*(f"store:{f}" for f in GGUF_KEPT + (SOURCE_BLOCKS,)), "gemm:f32"}.__contains__))
+    held = {name: fmt for name, fmt, _ in stored_layout(kept).values()}  # a fused Gemm's parts each by name
+    in_file = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert held == {n: f"gguf_{in_file[n].lower()}" for n, w in built.graph.weights.items() if np.ndim(w) == 2}
+    assert [held[f"blk.{i}.ffn_down.weight"] for i in range(3)] == ["gguf_q6_k", "gguf_q6_k", "gguf_q4_k"]
     a = CpuRuntime(fp32, built.graph.weights).run(inputs).outputs["logits"]
     b = CpuRuntime(kept, built.graph.weights).run(inputs).outputs["logits"]
     assert a.tobytes() == b.tobytes()

@@ -147,20 +147,25 @@ def test_real_gemma_fp64_continues_the_capital_of_france(gemma_job):
 
 @pytest.mark.slow
 def test_real_gemma_plan_keeping_every_k_quant_block_is_bit_identical_to_fp32(gemma_job):
-    """All 18 layers and the tied head: the plan holding every matrix the search may keep in its file
-    blocks (those whose format is one across the layer group: Q4_K, Q5_0, Q8_0 here; attn_v/ffn_down mix
-    Q4_K and Q6_K over the layers, so they stay FP32 of the same dequantized values) computes the FP32
-    plan's logits (on the dequantized file) bit for bit."""
-    from luminal_num.quant.stored import GGUF_KEPT
+    """All 18 layers and the tied head: the plan holding every matrix in its file blocks (Q4_K, Q5_0, Q8_0
+    and Q6_K; attn_v / ffn_down mix Q5_0 / Q8_0 and Q4_K / Q6_K over the layers of a group, so each layer
+    keeps its own: store:gguf_source) computes the FP32 plan's logits (on the dequantized file) bit for bit."""
+    import gguf as gguf_package
+
+    from luminal_num.models.gemma_gguf import gemma3_path
+    from luminal_num.quant.stored import GGUF_KEPT, SOURCE_BLOCKS
     from luminal_num.runtime.cpu import CpuRuntime
+    from luminal_num.search.plan import stored_layout
     from luminal_num.search.recipes import pick
     from luminal_num.search.space import SearchSpace
     graph, batch = gemma_job.graph, gemma_job.calibration[0]
     space = SearchSpace.build(graph)
-    kept = space.program(pick(space, {*(f"store:{f}" for f in GGUF_KEPT), "gemm:f32"}.__contains__))
-    formats = {k.storage for k in kept.kernels if k.storage}
-    print(f"Gemma 3 270M plan keeping file blocks: {sorted(formats)}")
-    assert "gguf_q4_k" in formats
+    kept = space.program(pick(space, {*(f"store:{f}" for f in GGUF_KEPT + (SOURCE_BLOCKS,)), "gemm:f32"}.__contains__))
+    held = {name: fmt for name, fmt, _ in stored_layout(kept).values()}  # a fused Gemm's parts each by name
+    print(f"Gemma 3 270M plan keeping file blocks: {sorted(set(held.values()))}")
+    in_file = {t.name: t.tensor_type.name for t in gguf_package.GGUFReader(gemma3_path()).tensors}
+    assert held == {n: f"gguf_{in_file[n].lower()}" for n, w in graph.weights.items() if np.ndim(w) == 2}
+    assert {"gguf_q4_k", "gguf_q6_k", "gguf_q5_0", "gguf_q8_0"} <= set(held.values())
     a = CpuRuntime(space.program(frozenset()), graph.weights).run(batch).outputs["logits"]
     b = CpuRuntime(kept, graph.weights).run(batch).outputs["logits"]
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

@@ -13,6 +13,10 @@ which is runtime/weight_only.py's SumOrder.SEQUENTIAL emulation bit for bit, per
     INT4        w = q * s (symmetric), (q - z) * s (asymmetric): exact in FP32
     NVFP4       w = fl32(fl32(q * s_b) * s_t)
     GGUF Q4_1   w = fl32(q * d + m) (q * d exact);  Q8_0: w = q * d (exact)
+    kept GGUF blocks (the file's bytes, one uint8 part; quant/gguf_blocks.py), as ggml-quants.c decodes:
+      Q4_0 / Q5_0  w = (q - 8) d, (q - 16) d (exact);  Q5_1  w = fl32(q d + m)
+      Q4_K / Q5_K  w = fl32(fl32(d sc) q) - fl32(dmin m), 6-bit sc and m of the 32-wide sub-block
+      Q6_K         w = fl32(fl32(d sc) (q - 32)), int8 sc of the 16-wide sub-block
 Shapes are compile-time constants (a source per Gemm shape; NVRTC caches by source).
 """
 from __future__ import annotations
@@ -20,10 +24,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..dtypes.formats import BF16, E8M0, F4E2M1, F16, F32, INT4, UINT4, Format
+from ..dtypes.formats import BF16, E8M0, F4E2M1, F16, F32, INT4, UINT4, UINT8, Format
 from ..quant.layout import Layout, Part, Scheme
 from ..quant.pack import FOUR_BIT_FORMATS, packed_length
 from ..hlir.symbolic import is_const
+from ..quant.gguf_blocks import block_type
 from ..quant.storage import STORAGE_FORMATS, StorageFormat
 from . import ctypes_map
 from .cuda_body import round_expr
@@ -53,7 +58,7 @@ def param_name(part: Part) -> str:
 
 def _part_type(fmt: StorageFormat, part: Part) -> str:
     f = fmt.part_format(part)
-    return "unsigned char" if f in FOUR_BIT_FORMATS or f is E8M0 else ctypes_map.cuda_type(f)
+    return "unsigned char" if f in FOUR_BIT_FORMATS or f is E8M0 or f is UINT8 else ctypes_map.cuda_type(f)
 
 
 def _code(f: Format, byte: str, k: str) -> str:
@@ -82,8 +87,61 @@ def _load(fmt: StorageFormat, part: Part, index: str, k: str = "") -> str:
     return ctypes_map.to_float_expr(f, raw)
 
 
+def _dequant_blocks(fmt: StorageFormat, k: int) -> str:
+    """C expression: element (row, col) of a weight kept as a GGUF file's blocks (the uint8 part `w_blocks`,
+    (rows, K / block x block bytes)), widened to FP32 exactly as quant/gguf_blocks.py (and ggml) decode it."""
+    t = block_type(fmt.name)
+    base = f"(row * {k // t.block * t.block_bytes}LL + (col / {t.block}) * {t.block_bytes}LL)"
+    j = f"(col % {t.block})"
+
+    def byte(offset: str) -> str:
+        return f"static_cast<int>(w_blocks[{base} + {offset}])"
+
+    def f16(offset: int) -> str:  # a little-endian fp16 field of the block
+        return f"__half2float(__ushort_as_half(static_cast<unsigned short>({byte(offset)} | ({byte(offset + 1)} << 8))))"
+
+    def nibble32(qs: int) -> str:  # 32-blocks: byte i holds element i (low nibble) and i + 16 (high)
+        b = byte(f"{qs} + {j} % 16")
+        return f"({j} < 16 ? ({b} & 15) : ({b} >> 4))"
+
+    def high32(qh: int) -> str:  # the 32 high bits, one little-endian uint32: bit j of element j
+        return f"(({byte(f'{qh} + {j} / 8')} >> ({j} % 8)) & 1)"
+
+    def k_nibble(qs: int) -> str:  # K-quants: 64-element chunks of 32 bytes, low nibbles first
+        b = byte(f"{qs} + ({j} / 64) * 32 + {j} % 32")
+        return f"(({j} / 32) % 2 == 0 ? ({b} & 15) : ({b} >> 4))"
+
+    def k_scale_min(s: str) -> tuple[str, str]:  # ggml's get_scale_min_k4(s) over the 12 bytes at 4
+        q = lambda i: byte(f"4 + {i}")  # noqa: E731
+        sc = f"({s} < 4 ? ({q(s)} & 63) : (({q(f'{s} + 4')} & 15) | (({q(f'{s} - 4')} >> 6) << 4)))"
+        m = f"({s} < 4 ? ({q(f'{s} + 4')} & 63) : (({q(f'{s} + 4')} >> 4) | (({q(s)} >> 6) << 4)))"
+        return f"static_cast<float>({sc})", f"static_cast<float>({m})"
+
+    if t.ggml == "Q4_0":
+        return f"__fmul_rn(static_cast<float>({nibble32(2)} - 8), {f16(0)})"
+    if t.ggml == "Q5_0":
+        return f"__fmul_rn(static_cast<float>(({nibble32(6)} | ({high32(2)} << 4)) - 16), {f16(0)})"
+    if t.ggml == "Q5_1":
+        return f"__fadd_rn(__fmul_rn(static_cast<float>({nibble32(8)} | ({high32(4)} << 4)), {f16(0)}), {f16(2)})"
+    if t.ggml in ("Q4_K", "Q5_K"):
+        sc, m = k_scale_min(f"({j} / 32)")
+        code = k_nibble(16) if t.ggml == "Q4_K" else \
+            f"({k_nibble(48)} | ((({byte(f'16 + {j} % 32')} >> ({j} / 32)) & 1) << 4))"
+        return f"__fsub_rn(__fmul_rn(__fmul_rn({f16(0)}, {sc}), static_cast<float>({code})), __fmul_rn({f16(2)}, {m}))"
+    if t.ggml == "Q6_K":  # halves of 128: quarter q of a half reads ql[l + 32 (q % 2)] and bits 2q of qh[l]
+        half, quarter, lane = f"({j} / 128)", f"(({j} % 128) / 32)", f"({j} % 32)"
+        ql = byte(f"64 * {half} + {lane} + 32 * ({quarter} % 2)")
+        low = f"({quarter} < 2 ? ({ql} & 15) : ({ql} >> 4))"
+        high = f"(({byte(f'128 + 32 * {half} + {lane}')} >> (2 * {quarter})) & 3)"
+        sc = f"static_cast<float>(static_cast<signed char>({byte(f'192 + {j} / 16')}))"
+        return f"__fmul_rn(__fmul_rn({f16(208)}, {sc}), static_cast<float>(({low} | ({high} << 4)) - 32))"
+    raise ValueError(f"{fmt.name}: no dequantize-on-load rendering for GGUF {t.ggml} blocks")
+
+
 def _dequant(fmt: StorageFormat, n: int, k: int) -> str:
     """C expression: element (row, col) of the weight widened to FP32, exactly as fmt.dequantize."""
+    if fmt.layout is Layout.BLOCKS:
+        return _dequant_blocks(fmt, k)
     kb = packed_length(k)
     q = _load(fmt, Part.Q, f"row * {kb}LL + col / 2" if fmt.element in FOUR_BIT_FORMATS else f"row * {k}LL + col",
               "col")
@@ -120,9 +178,6 @@ def render_weight_only(fmt: StorageFormat, act: Format, m: int, n: int, k: int,
     if min(m, n, k) < 1:
         raise ValueError(f"{fmt.name}: a dequantize-on-load Gemm needs M, N, K >= 1, got {m}, {n}, {k}")
     fmt.check_shape((n, k))
-    if fmt.keeps_only:
-        raise ValueError(f"{fmt.name}: no dequantize-on-load kernel for kept GGUF blocks yet (the runtime uploads "
-                         f"their widened values)")
     widen = (lambda x: x) if act is F32 else (lambda x: round_expr(act, x, saturate=False))
     a_value = widen(ctypes_map.to_float_expr(a_format, f"a[lm * {k}LL + lk]"))
     w_value = widen(_dequant(fmt, n, k))
@@ -152,7 +207,7 @@ def render_weight_only(fmt: StorageFormat, act: Format, m: int, n: int, k: int,
             "        }\n"
             "        if (mo < M && no < N) out[mo * N + no] = acc;\n"
             "    }\n}\n")
-    formats = {a_format, act, *(fmt.part_format(p) for p in fmt.parts)}
+    formats = {a_format, act, *(fmt.part_format(p) for p in fmt.parts)} | ({F16} if fmt.keeps_only else set())
     source = source_header(formats, body) + body
     name = entry_name("wgemm", source)
     grid = (min(math.ceil(m / TILE), 65535), min(math.ceil(n / TILE), 65535), 1)
@@ -186,7 +241,6 @@ def weight_only_gemm(kernel: Kernel, program: Program) -> WeightOnlySource | Non
         return None
     a_src, w_src = (program.kernel(i.buffer) for i in kernel.inputs)
     if w_src.kind is not KernelKind.EXTERNAL or w_src.storage not in STORAGE_FORMATS \
-            or STORAGE_FORMATS[w_src.storage].keeps_only \
             or w_src.id in program.cache_buffers() or a_src.kind is KernelKind.QUANTIZE or a_src.dtype not in ACTIVATIONS:
         return None
     lay = kernel.layout

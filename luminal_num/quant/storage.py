@@ -118,6 +118,13 @@ class StorageFormat:
     def bits_per_weight(self, shape: tuple[int, ...]) -> float:
         return 8.0 * self.stored_bytes(shape) / max(1, math.prod(self.check_shape(shape)))
 
+    @property
+    def nominal_bits_per_weight(self) -> float:
+        """Bits per weight of a 128-row matrix whose K is a whole number of 128s and of this format's
+        blocks: the shape-free figure a ranking compares formats by (a fixed 128 x 128 probe is no
+        legal shape for llama.cpp's 256-wide K-quant blocks)."""
+        return self.bits_per_weight((128, math.lcm(128, self.block or 1)))
+
     # -- the codec (luminal_num.quant.schemes) ------------------------------------------------------
     def quantize(self, x) -> "Quantized":
         """x (a float weight) in this format; deterministic, the compile-time conversion."""

@@ -13,6 +13,8 @@ byte budget (ConvertedWeights).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Mapping
 
 import numpy as np
@@ -20,7 +22,7 @@ import numpy as np
 from ..hlir.store import content_key
 from ..hlir.weightcache import DEFAULT_BUDGET_BYTES, ByteLRU
 from ..models.gguf import kept_source
-from .storage import Quantized, StorageFormat, StoredTensor, from_gguf, gguf_formats, storage_format
+from .storage import STORAGE_FORMATS, Quantized, StorageFormat, StoredTensor, from_gguf, gguf_formats, storage_format
 
 # Storage formats the precision rules offer for a 2-D weight: one per kind of recipe (the catalogue
 # has more; GGUF blocks are kept only where the source was GGUF, which needs the source's blocks).
@@ -28,11 +30,49 @@ _GGUF_FORMAT = {ggml: f.name for ggml, f in gguf_formats().items()}  # GGML type
 GGUF_KEPT: tuple[str, ...] = tuple(_GGUF_FORMAT.values())  # offered only for weights loaded from such blocks
 SEARCHED_STORAGE: tuple[str, ...] = ("bf16", "f16", "f8e4m3_channel", "int8_channel", "int4_g128", "int4_g32_asym",
                                      "mxfp4", "nvfp4")
+# "Keep each chunk's own source blocks": the storage choice for a weight every chunk of a group loaded from
+# GGUF blocks whose type differs across the chunks (llama.cpp's Q4_K_M holds attn_v / ffn_down in Q6_K in
+# some layers, Q4_K or Q5_0 in the others). Each chunk's weight is held in the format of its own blocks
+# (held_format), so every chunk adds zero error; the LLIR names that concrete format.
+SOURCE_BLOCKS = "gguf_source"
+
+
+@dataclass(frozen=True)
+class SourceBlocks:
+    """SOURCE_BLOCKS as the search's tag registry sees a storage choice: zero element error, and the bits
+    per weight of the widest kept block type (a ranking must not call it cheaper than any chunk holds it)."""
+
+    name: str = SOURCE_BLOCKS
+    keeps_only: bool = True
+
+    def element_error(self, amax: float) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    @property
+    def nominal_bits_per_weight(self) -> float:
+        return max(storage_format(f).nominal_bits_per_weight for f in GGUF_KEPT)
+
+
+# storage choices a weight's tag may name: every storage format, and keeping each chunk's source blocks
+STORE_CHOICES: Mapping[str, StorageFormat | SourceBlocks] = MappingProxyType({**STORAGE_FORMATS,
+                                                                            SOURCE_BLOCKS: SourceBlocks()})
+
+
 def source_format(w) -> str | None:
     """The storage format of the GGUF blocks `w` was loaded from (models.gguf.keep_source), else None:
     storing `w` in it keeps those blocks, with zero added error (they dequantize to exactly `w`)."""
     src = kept_source(w)
     return None if src is None else _GGUF_FORMAT[src.format]
+
+
+def held_format(choice: str, source: str | None) -> str:
+    """The storage format a weight is held in under storage choice `choice` when its source blocks are kept
+    as `source` (source_format of the chunk's weight): `choice` itself, or for SOURCE_BLOCKS `source`."""
+    if choice != SOURCE_BLOCKS:
+        return choice
+    if source is None:
+        raise ValueError(f"storage choice {SOURCE_BLOCKS!r} keeps a weight's GGUF blocks; this weight has none")
+    return source
 
 
 def _kept(w: np.ndarray, fmt: StorageFormat) -> Quantized | None:

@@ -52,6 +52,12 @@ class ChunkTables:
     ext_is_weight: tuple[bool, ...]
     roots: tuple[tuple[str, int], ...]  # (let name, local node index) for every exported node
     concats: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (axis, external weight slots) concatenated (KCatW)
+    # (chunk index, external slot, storage format of its GGUF blocks) where the group's chunks differ
+    chunk_sources: tuple[tuple[int, int, str], ...] = ()
+
+    def chunk_source(self, chunk: int, slot: int) -> str | None:
+        """The format of the GGUF blocks chunk `chunk`'s weight at `slot` was loaded from (GGUFSourcePerChunk)."""
+        return next((fmt for c, s, fmt in self.chunk_sources if (c, s) == (chunk, slot)), None)
 
 
 @dataclass
@@ -86,7 +92,7 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
             facts.append(E.SplitView(vid, view_id(ShapeTracker(st.views[:-1])), view_id(ShapeTracker((st.views[-1],)))))
         return vid
 
-    ext_dtypes, ext_shapes, ext_weight = [], [], []
+    ext_dtypes, ext_shapes, ext_weight, chunk_sources = [], [], [], []
     for slot, nid in enumerate(chunk.external):
         node = graph.nodes[nid]
         term = E.HExt(slot, node.dtype.name)
@@ -100,9 +106,12 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
             facts.append(E.IsWeight(term))
             if len(node.shape) == 2:
                 facts.append(E.MatrixWeight(term))
-                kept = _gguf_source_everywhere(graph, group_chunks, slot)
-                if kept is not None:
-                    facts.append(E.GGUFSource(term, kept))
+                kept = _gguf_sources(graph, group_chunks, slot)
+                if None not in kept and len(set(kept)) == 1:
+                    facts.append(E.GGUFSource(term, kept[0]))
+                elif None not in kept:  # each chunk keeps its own blocks (quant.stored.SOURCE_BLOCKS)
+                    facts.append(E.GGUFSourcePerChunk(term))
+                    chunk_sources += [(c.index, slot, fmt) for c, fmt in zip(group_chunks, kept)]
         facts.append(set_(E.dtype(term)).to(node.dtype.name))
 
     gemm_candidates = 0
@@ -143,7 +152,7 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
     local = {nid: i for i, nid in enumerate(chunk.nodes)}
     tables = ChunkTables(tuple(views.values), tuple(consts.values), tuple(dims.values), tuple(layouts.values),
                          tuple(ext_dtypes), tuple(ext_shapes), tuple(ext_weight),
-                         tuple((f"n{e}", local[e]) for e in chunk.exported))
+                         tuple((f"n{e}", local[e]) for e in chunk.exported), chunk_sources=tuple(chunk_sources))
     return EncodedChunk(eg, tables, terms, gemm_candidates)
 
 
@@ -159,15 +168,15 @@ def _sole_reader_everywhere(graph: Graph, chunks: Sequence[Chunk], local: int,
     return True
 
 
-def _gguf_source_everywhere(graph: Graph, chunks: Sequence[Chunk], slot: int) -> str | None:
-    """The GGUF format (gguf_q4_1 / gguf_q8_0) whose source blocks the weight at external `slot` was
-    loaded from, when that holds in every chunk of the group with one format; else None."""
-    found = set()
+def _gguf_sources(graph: Graph, chunks: Sequence[Chunk], slot: int) -> tuple[str | None, ...]:
+    """Per chunk of the group, the storage format keeping the GGUF blocks (gguf_q4_k, gguf_q8_0, ...) the
+    weight at external `slot` was loaded from, or None (not loaded from kept blocks)."""
+    found = []
     for c in chunks:
         node = graph.nodes[c.external[slot]]
         name = node.attr("name") if node.op is Op.INPUT else None
-        found.add(source_format(graph.weights[name]) if name in graph.weights else None)
-    return found.pop() if len(found) == 1 else None
+        found.append(source_format(graph.weights[name]) if name in graph.weights else None)
+    return tuple(found)
 
 
 def _cache_input_everywhere(graph: Graph, chunks: Sequence[Chunk], local: int) -> bool:

@@ -19,6 +19,7 @@ from ..dtypes.formats import get as get_format
 from ..hlir.graph import Graph
 from ..hlir.partition import Partition
 from ..hlir.shape import ShapeTracker
+from ..quant.stored import held_format
 from .choice import Candidate, ENode
 from .horizontal import compose
 from .saturate import GroupSpace
@@ -171,13 +172,14 @@ def _ext(lo: _ChunkLowering, n: ENode, origin: str) -> int:
 
 
 def _stored(lo: _ChunkLowering, n: ENode, origin: str) -> int:
-    """The weight's buffer held in storage format `fmt` (one per weight and format, shared by chunks)."""
+    """The weight's buffer held in storage format `fmt` (one per weight and format, shared by chunks);
+    SOURCE_BLOCKS names the format of this chunk's own GGUF blocks (data of the chunk, as its weights are)."""
     src = lo.b.kernels[lo.slots[n.arg("slot")]]
-    key = (src.id, n.arg("fmt"))
+    fmt = held_format(n.arg("fmt"), lo.t.chunk_source(lo.chunk, n.arg("slot")))
+    key = (src.id, fmt)
     if key not in lo.b.stored:
         lo.b.stored[key] = lo.b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=src.shape, dtype=src.dtype,
-                                    external=src.external, storage=n.arg("fmt"),
-                                    label=f"{src.label} stored as {n.arg('fmt')}")
+                                    external=src.external, storage=fmt, label=f"{src.label} stored as {fmt}")
     return lo.b.stored[key]
 
 

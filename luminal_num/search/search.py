@@ -413,7 +413,7 @@ def variant_classes(tags, target: str) -> list[list[str]]:
             return -1e20 - ((t.tensor_cores if tc else t.cuda_cores).rate(math_) or 0.0), v.qk.unit_roundoff
         if kind in (TagKind.STORE, TagKind.KV):  # a weight's (or KV cache's) storage: bits per element, element error
             f = tag.spec()
-            return f.bits_per_weight((128, 128)), sum(f.element_error(1.0))
+            return f.nominal_bits_per_weight, sum(f.element_error(1.0))
         return 0.0, 0.0
     groups: dict[float, list[str]] = {}
     for tag in tags:

@@ -14,6 +14,7 @@ from ..codegen.attention import ATTENTION_VARIANTS
 from ..dtypes.formats import FORMATS
 from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ..quant.storage import STORAGE_FORMATS
+from ..quant.stored import STORE_CHOICES
 
 
 class TagKind(enum.StrEnum):
@@ -31,7 +32,7 @@ class TagKind(enum.StrEnum):
 # kind -> the registry its variant names are declared in (softmax precisions are plain number formats)
 REGISTRIES: Mapping[TagKind, Mapping] = {
     TagKind.GEMM: GEMM_VARIANTS, TagKind.ATTN: ATTENTION_VARIANTS, TagKind.SUM: REDUCE_VARIANTS,
-    TagKind.SOFTMAX: FORMATS, TagKind.EW: ELEMENTWISE_VARIANTS, TagKind.STORE: STORAGE_FORMATS,
+    TagKind.SOFTMAX: FORMATS, TagKind.EW: ELEMENTWISE_VARIANTS, TagKind.STORE: STORE_CHOICES,
     TagKind.KV: STORAGE_FORMATS,
 }
 

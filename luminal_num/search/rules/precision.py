@@ -14,7 +14,7 @@ from ...dtypes.formats import BF16, F32
 from ...dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ...hlir.ops import BINARY_OPS, UNARY_OPS, Op
 from ...quant.kv import KV_HEAD_DIMS, KV_HEAD_FORMAT, KV_TOKEN_FORMATS
-from ...quant.stored import GGUF_KEPT, SEARCHED_STORAGE
+from ...quant.stored import GGUF_KEPT, SEARCHED_STORAGE, SOURCE_BLOCKS
 from .. import egraph as E
 
 precision = ruleset(name="precision")
@@ -102,6 +102,10 @@ def _weight_storage():
     for fmt in GGUF_KEPT:
         yield rule(eq(t).to(E.KExt(vx, "f32")), E.MatrixWeight(t), E.GGUFSource(t, fmt)).then(
             union(t).with_(E.CTOR["KStored"](vx, fmt)))
+    # chunks of the group loaded it from blocks of different types (Q4_K_M's Q4_K / Q6_K layers): each
+    # chunk's weight held in its own blocks (quant.stored.held_format): zero storage error in every chunk
+    yield rule(eq(t).to(E.KExt(vx, "f32")), E.MatrixWeight(t), E.GGUFSourcePerChunk(t)).then(
+        union(t).with_(E.CTOR["KStored"](vx, SOURCE_BLOCKS)))
 
 
 @precision.register
