@@ -142,6 +142,8 @@ def import_model(loaded: LoadedModel, shapes: Mapping[str, tuple[int, ...]] | No
     imp.env.update(initializer_arrays(proto))
     inputs = []
     for inp in graph_inputs(proto):
+        if inp.name not in known and 0 in bound[inp.name]:  # a zero-sized tensor has one value: known
+            known[inp.name] = np.zeros(bound[inp.name], helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type))
         if inp.name in known:
             imp.env[inp.name] = np.asarray(known[inp.name])
             continue
@@ -207,6 +209,8 @@ def _import_node(imp: _Importer, node: onnx.NodeProto, table: Mapping[str, OpSpe
     all_known = all(v is None or isinstance(v, np.ndarray) for v in values)
     out_types = [imp.elem_types.get(o) for o in node.output if o]
     exact = spec.exact or all(t is not None and t != onnx.TensorProto.FLOAT for t in out_types)
+    # an op over zero-sized known tensors computes nothing (its outputs are empty or reductions' identities)
+    exact = exact or any(isinstance(v, np.ndarray) and v.size == 0 for v in values)
     if all_known and (exact or spec.fn is None):
         results = imp.fold(node, values)
     elif spec.fn is None:
