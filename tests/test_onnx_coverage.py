@@ -1,5 +1,7 @@
 """ONNX node cases that were refused and now run (issue 36): zero-sized inputs are known at import (a
-tensor with no elements has one value), CastLike reads only its second input's type, and Abs, Less,
+tensor with no elements has one value), CastLike reads only its second input's type, inputs of types
+whose every value is an FP32 value (FP8, FP4, INT2/4/8/16, UINT2/4/8/16) are fed as FP32 where only a
+cast to FLOAT reads them, and Abs, Less,
 Greater, Max, Min run on run-time float tensors in exact forms. Each case: FP64 reference and FP32 plan
 against ONNX's expected outputs (tests/onnx_cases.py)."""
 from __future__ import annotations
@@ -13,7 +15,8 @@ from onnx_cases import run_case
 CASES = ("test_castlike_FLOAT_to_DOUBLE", "test_castlike_FLOAT_to_DOUBLE_expanded", "test_reduce_sum_empty_set",
          "test_reduce_log_sum_empty_set_expanded", "test_reduce_max_empty_set", "test_abs", "test_less", "test_greater",
          "test_max_example", "test_min_two_inputs", "test_clip_example_expanded", "test_attention_4d_expanded",
-         "test_split_zero_size_splits_opset18")
+         "test_split_zero_size_splits_opset18", "test_cast_FLOAT8E4M3FN_to_FLOAT", "test_cast_INT4_to_FLOAT",
+         "test_castlike_FLOAT8E5M2_to_FLOAT_expanded", "test_cast_UINT2_to_FLOAT")
 
 
 @pytest.fixture(scope="module")
