@@ -88,7 +88,8 @@ def test_fp32_decode_step_bound_is_finite_and_sound():
         assert np.array_equal(cache.lo[unwritten], inputs[cache_input_name(kind, 0)][unwritten])
         held = inputs[cache_input_name(kind, 0)][unwritten]  # only the input's own rounding to FP32 remains
         assert np.array_equal(cache.lo[unwritten], cache.hi[unwritten])
-        assert np.all(bound[unwritten] <= np.abs(held.astype(np.float32) - held) * (1 + 2.0 ** -30))
+        assert np.all(bound[unwritten] <= (2.0 ** -24 * np.abs(held) + 2.0 ** -150) * (1 + 2.0 ** -30))
+        assert np.all(bound[unwritten][held.astype(np.float32) == held] == 0)  # an FP32 value is stored exactly
 
 
 def test_decode_scores_keep_their_real_range():

@@ -30,7 +30,7 @@ from ..hlir.symbolic import evaluate as eval_dim
 from .indexed import Rows, gather_rows, index_range, scatter_rows
 from .interval import Interval, transfer
 from .static_values import (SLACK, BoundedValue, Overflow, OverflowFound, StaticReport, custom_interval, floor_of, mag_of,
-                            round_f32, slope_bound, store_rounded)
+                            round_f32, slope_bound, store_known, store_rounded)
 from .normalize import NormBound
 from .rounding_bounds import gamma, nan_as_unbounded
 from .softmax_bound import masked_softmax_error, softmax_error
@@ -147,7 +147,7 @@ class StaticAnalyzer:
         if k.storage is not None and k.id in self.caches:  # a KV cache handed in, held in its format
             iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
             low = float(np.min(iv.lo)) if iv.lo.size else 0.0
-            v = store_rounded(BoundedValue(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)  # FP32 first, then the rows
+            v = store_known(BoundedValue(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)  # FP32 first, then the rows
             return BoundedValue(iv, v.err + cache_error(mag_of(v.wide), k.storage), 0.0 if low >= 0 else None)
         if k.storage is not None:  # a weight held in a storage format: its exact storage error
             try:
@@ -161,7 +161,7 @@ class StaticAnalyzer:
         if k.dtype.kind is not Kind.FLOAT:
             return BoundedValue(iv, np.zeros(shape))
         low = float(np.min(iv.lo)) if iv.lo.size else 0.0
-        return store_rounded(BoundedValue(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
+        return store_known(BoundedValue(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
 
     def _stored_concat(self, k: Kernel, inputs: Mapping[str, Interval]) -> BoundedValue:
         parts = {p.external: p for p in self.p.kernels if p.kind is KernelKind.EXTERNAL and not p.concat}

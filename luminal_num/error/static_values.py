@@ -115,13 +115,20 @@ def store_rounded(v: BoundedValue, fmt: Format, k: Kernel, origin: str = "", mas
     maybe = mag_of(wide) > fmt.max_finite
     rounding = fmt.unit_roundoff * mag_of(wide) + fmt.min_subnormal / 2
     err = np.where(maybe, np.inf, (v.err + rounding) * SLACK)
-    return BoundedValue(v.iv, _known_rounding(v, fmt, err), rounded_floor(v.floor, fmt), masked)
+    return BoundedValue(v.iv, err, rounded_floor(v.floor, fmt), masked)
+
+
+def store_known(v: BoundedValue, fmt: Format, k: Kernel) -> BoundedValue:
+    """store_rounded of a value handed in (an input or a weight): a point with no error that the
+    format holds exactly is stored exactly (round to nearest leaves it), so a representable -1e9 mask, an
+    FP32 weight or a zero cache row carries no rounding term (the mask had a 60-unit one)."""
+    out = store_rounded(v, fmt, k)
+    if fmt.kind is not Kind.FLOAT or fmt.name == "f64":
+        return out
+    return BoundedValue(out.iv, _known_rounding(v, fmt, out.err), out.floor, out.masked)
 
 
 def _known_rounding(v: BoundedValue, fmt: Format, err: np.ndarray) -> np.ndarray:
-    """Where the executed value is known exactly (a point interval with no error: an input, a weight, a
-    mask's -1e9), its rounding is |RN(x) - x| itself, 0 for a value the format holds: round to nearest is
-    what every backend's store does, so a representable mask entry carries no 60-unit 'error'."""
     if fmt.compute_only or fmt.storage is None:
         return err
     known = (v.iv.lo == v.iv.hi) & (np.asarray(v.err) == 0) & ~np.asarray(v.iv.nan)
@@ -130,8 +137,9 @@ def _known_rounding(v: BoundedValue, fmt: Format, err: np.ndarray) -> np.ndarray
     x = np.where(known, v.iv.lo, 0.0)
     with np.errstate(over="ignore", invalid="ignore"):
         stored = x.astype(fmt.storage).astype(np.float64)
-        exact = np.abs(stored - x) * SLACK
-    return np.where(known & np.isfinite(stored) & (np.abs(x) <= fmt.max_finite) & (exact <= err), exact, err)
+    # only a value the format holds exactly drops its rounding term (a fused and an unfused form then see
+    # the same entry errors, whichever roundings each performs later)
+    return np.where(known & (stored == x) & (np.abs(x) <= fmt.max_finite), 0.0, err)
 
 
 def rounded_floor(floor: float | None, fmt: Format) -> float | None:
