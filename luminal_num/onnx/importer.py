@@ -95,6 +95,9 @@ class _Importer:
                 raise OnnxImportError(f"integer constant {name!r} does not fit int32")
             t = self.graph.weight(name, value.astype(np.int64), INT32)
         else:
+            if not np.all(np.isfinite(value)):  # refused here, in one line, not by the run
+                raise OnnxImportError(f"known tensor {name!r} holds NaN or Inf and would enter the graph as a "
+                                      "weight; the runtime refuses non-finite values")
             t = self.graph.weight(name, value.astype(np.float32), F32)
         self.materialized[name] = Tensor(t, kind)
         return self.materialized[name]

@@ -432,8 +432,7 @@ OPS: dict[str, OpSpec] = {
     "Cast": _spec(cast, "to saturate", exact=True),
     "CastLike": _spec(castlike, "saturate", exact=True),
     "Abs": _spec(abs_, exact=True),
-    "Less": _spec(compare(False), exact=True),
-    "Greater": _spec(compare(True), exact=True),
+    **{op: _spec(compare(op), exact=True) for op in ("Less", "Greater", "Equal", "LessOrEqual", "GreaterOrEqual")},
     "Max": _spec(extreme(True), exact=True),
     "Min": _spec(extreme(False), exact=True),
     "Softmax": _spec(_softmax, "axis"),
@@ -467,6 +466,6 @@ OPS: dict[str, OpSpec] = {
     "Constant": OpSpec(None, frozenset("value value_float value_floats value_int value_ints".split()), True),
     "ConstantOfShape": OpSpec(None, frozenset({"value"}), True, (0,)),
     # shape-subgraph arithmetic: folded on known values, refused on run-time tensors
-    **{op: _fold_only() for op in ("Range", "Equal", "LessOrEqual", "GreaterOrEqual", "Floor", "Ceil", "Mod",
+    **{op: _fold_only() for op in ("Range", "Floor", "Ceil", "Mod",
                                    "ReduceProd", "Tile", "NonZero")},
 }

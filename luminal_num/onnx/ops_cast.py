@@ -5,6 +5,8 @@ x*gt + y*(1-gt) of one operand.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx
 
@@ -60,10 +62,35 @@ def abs_(c: NodeCtx) -> list[Value]:
     return _out(x * (1.0 - 2.0 * (x < 0.0)))  # x times +-1: exact; -0 stays -0 (== 0), NaN stays NaN
 
 
-def compare(swap: bool):
+def _either(p: GraphTensor, q: GraphTensor) -> GraphTensor:
+    return p + q - p * q  # OR of 0/1 values: exact
+
+
+def _not_nan(x: GraphTensor) -> GraphTensor:
+    return _either(x < math.inf, -math.inf < x)  # false for NaN only (+-inf pass one test each)
+
+
+def _equal(a: GraphTensor, b: GraphTensor) -> GraphTensor:
+    """a == b on floats: neither is below the other and neither is NaN (NaN == NaN is false in ONNX)."""
+    return (1.0 - (a < b)) * (1.0 - (b < a)) * _not_nan(a) * _not_nan(b)
+
+
+# (a, b) -> the 0/1 result; each exact on every float, NaN included (ONNX compares NaN as unordered)
+_COMPARISONS = {
+    "Less": lambda a, b: a < b,
+    "Greater": lambda a, b: b < a,
+    "Equal": _equal,
+    "LessOrEqual": lambda a, b: _either(a < b, _equal(a, b)),
+    "GreaterOrEqual": lambda a, b: _either(b < a, _equal(a, b)),
+}
+
+
+def compare(op: str):
+    """Comparisons of run-time floats (and bool masks, held as 0/1); integers are refused: the graph
+    would compare them as FP32, which merges integers past 2^24."""
     def build(c: NodeCtx) -> list[Value]:
-        a, b = c.tensor(0).t, c.tensor(1).t
-        return _out(b < a if swap else a < b, BOOL)
+        a, b = c.tensor(0, (FLOAT, BOOL)).t, c.tensor(1, (FLOAT, BOOL)).t
+        return _out(_COMPARISONS[op](a, b), BOOL)
     return build
 
 
