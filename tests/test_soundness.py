@@ -83,7 +83,9 @@ def test_fp8_block_cross_block_total_overflow_is_infinite(tag):
     """Two 128-blocks of +-3e36 times ones: each block's quantized sum fits, the FP32 total does not."""
     x = np.concatenate([np.full(128, 3e36), np.full(128, -3e36)])[None]
     rep, out, ref = _bound_and_run(_gemm_graph(256, np.ones((256, 2))), x, tag)
-    assert np.all(ref == 0) and not np.all(np.isfinite(out))
+    # the exact result is 0; the FP64 reference is 0 up to its own summation error, which depends on the
+    # order the BLAS kernel sums in (0 with OpenBLAS's Haswell dgemm, -3.8e22 with its Sandybridge one)
+    assert np.all(np.abs(ref) <= 256 * 2.0 ** -53 * np.sum(np.abs(x))) and not np.all(np.isfinite(out))
     assert rep.overflow is not None or np.all(np.isinf(rep.error_bounds["y"]))  # was ~1e38
 
 

@@ -7,7 +7,7 @@ value it silently carries.
 
 Outward rounding: the correctly rounded ops (add, mul, recip, sqrt) round each endpoint exactly in the
 right direction using error-free transformations (exact results such as 0 * x or sqrt(4) stay exact, so
-signs are not lost to a spurious -5e-324); libm's transcendental functions are widened by LIBM_ULPS.
+signs are not lost to a spurious -5e-324); libm's transcendental functions are widened by a few ulps (error/libm_bounds.py).
 
 One class for scalars and tensors: `Interval` holds numpy arrays of endpoints (per element or per
 tensor, broadcasting like numpy); a scalar interval is the 0-d case. `IntervalArray` is the same class.
@@ -22,13 +22,13 @@ import numpy as np
 
 from luminal_num.dtypes.formats import Format, Kind
 from luminal_num.error.highprec import add_directed, mul_directed, recip_directed, sqrt_directed
+from luminal_num.error.libm_bounds import (cos_abs_point, exp2_point, exp_point, log2_point, sin_point, ulps_down,
+                                           ulps_up)
 from luminal_num.error.rounding_bounds import gamma
 from luminal_num.hlir.ops import Op
 
 INF = math.inf
 U64 = 2.0 ** -53
-# numpy's float64 exp2/log2/sin/cos may use SIMD (SVML) code documented at <= 4 ulp; 8 leaves margin.
-LIBM_ULPS = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,23 +111,6 @@ class Interval:
 IntervalArray = Interval
 
 
-# ---- rounding helpers ------------------------------------------------------------------------------
-
-def _step(x, ulps: int, toward: float) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        for _ in range(ulps):
-            x = np.nextafter(x, toward)
-    return x
-
-
-def _down(x, ulps: int = 1) -> np.ndarray:
-    return _step(x, ulps, -INF)
-
-
-def _up(x, ulps: int = 1) -> np.ndarray:
-    return _step(x, ulps, INF)
-
-
 def _make(lo, hi, nan, codomain: tuple[float, float] = (-INF, INF)) -> Interval:
     """Build a result: NaN endpoints (undefined) become the codomain's ends, then clip to the codomain
     (sound: every true value lies in it; this undoes widening past e.g. 0 for exp2)."""
@@ -143,53 +126,6 @@ def _may_be_inf(a: Interval) -> np.ndarray:
 
 def _may_be_zero(a: Interval) -> np.ndarray:
     return (a.lo <= 0) & (a.hi >= 0)
-
-
-# ---- libm endpoint functions: (down, up) bounds of f(x) for arrays x -----------------------------
-
-def _libm(f: Callable, exact: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]):
-    """Endpoint bounds of a libm function: exact where `exact` knows the value, else widened LIBM_ULPS."""
-    def point(x):
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            value = f(x)
-        known, exact_value = exact(x)
-        return (np.where(known, exact_value, _down(value, LIBM_ULPS)),
-                np.where(known, exact_value, _up(value, LIBM_ULPS)))
-    return point
-
-
-def _exp2_exact(x):
-    """exp2 of an integer (or -inf) is a power of two: exact."""
-    with np.errstate(invalid="ignore"):
-        known = (x == np.floor(x)) & (x >= -1074) & (x <= 1023) | np.isinf(x)
-        k = np.where(known & np.isfinite(x), x, 0).astype(np.int64)
-    return known, np.where(np.isinf(x), np.where(x > 0, INF, 0.0), np.ldexp(1.0, k))
-
-
-def _log2_exact(x):
-    """log2 of a power of two is an integer: exact (so log2(1) is 0, not [-tiny, tiny])."""
-    mantissa, exponent = np.frexp(x)
-    known = (mantissa == 0.5) | (x == 0) | np.isinf(x)
-    return known, np.where(x == 0, -INF, np.where(np.isinf(x), INF, exponent - 1.0))
-
-
-def _zero_exact(x):
-    return x == 0, np.zeros_like(x)
-
-
-def _exp_exact(x):
-    return (x == 0) | np.isinf(x), np.where(x > 0, INF, np.where(x == 0, 1.0, 0.0))
-
-
-def _never_exact(x):
-    return np.zeros(np.shape(x), bool), x
-
-
-_exp2_point = _libm(np.exp2, _exp2_exact)
-_log2_point = _libm(np.log2, _log2_exact)
-_sin_point = _libm(np.sin, _zero_exact)
-_exp_point = _libm(np.exp, _exp_exact)
-_cos_abs_point = _libm(lambda x: np.abs(np.cos(x)), _never_exact)
 
 
 def _hits_grid(lo, hi, offset: float, period: float) -> np.ndarray:
@@ -246,16 +182,16 @@ class _Increasing:
         return _make(lo, hi, a.nan | outside, self.codomain)
 
 
-exp2 = _Increasing(_exp2_point, -INF, (0.0, INF))
-log2 = _Increasing(_log2_point, 0.0, (-INF, INF))
+exp2 = _Increasing(exp2_point, -INF, (0.0, INF))
+log2 = _Increasing(log2_point, 0.0, (-INF, INF))
 sqrt = _Increasing(sqrt_directed, 0.0, (0.0, INF))
 
 
 def sin(a: Interval) -> Interval:
     """sin, with the extrema found exactly: hi = 1 iff [lo, hi] holds some pi/2 + 2k pi, lo = -1 iff
     it holds some -pi/2 + 2k pi; otherwise sin is monotone between the endpoints."""
-    lo_down, lo_up = _sin_point(a.lo)
-    hi_down, hi_up = _sin_point(a.hi)
+    lo_down, lo_up = sin_point(a.lo)
+    hi_down, hi_up = sin_point(a.hi)
     lo = np.where(_hits_grid(a.lo, a.hi, -math.pi / 2, 2 * math.pi), -1.0, np.minimum(lo_down, hi_down))
     hi = np.where(_hits_grid(a.lo, a.hi, math.pi / 2, 2 * math.pi), 1.0, np.maximum(lo_up, hi_up))
     return _make(lo, hi, a.nan | _may_be_inf(a), (-1.0, 1.0))
@@ -307,8 +243,8 @@ def _sum_outward(x, up: bool) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
         total = np.sum(x, axis=-1)
         g = float(gamma(n - 1, U64))
-        slack = 0.0 if g == 0 else _up(g * (np.sum(np.abs(x), axis=-1) * (1 + 2 * g)), 3)
-        return _up(total + slack) if up else _down(total - slack)
+        slack = 0.0 if g == 0 else ulps_up(g * (np.sum(np.abs(x), axis=-1) * (1 + 2 * g)), 3)
+        return ulps_up(total + slack) if up else ulps_down(total - slack)
 
 
 def sum_reduce(a: Interval, axis: int = -1, n: int | None = None) -> Interval:
@@ -346,9 +282,9 @@ def _softmax_side(own: np.ndarray, others: np.ndarray, upper: bool) -> np.ndarra
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         m = others.max(axis=-1, keepdims=True)
         m = np.where(np.isfinite(m), m, 0.0)
-        terms = np.maximum(_exp_point(add_directed(others, -m)[side])[side], 0.0)
+        terms = np.maximum(exp_point(add_directed(others, -m)[side])[side], 0.0)
         sums = mul_directed(_exclusive_sums(terms), 1 - relative if upper else 1 + relative)[side]
-        scale = _exp_point(add_directed(m, -own)[side])[side]
+        scale = exp_point(add_directed(m, -own)[side])[side]
         product = np.where(sums <= 0, 0.0, mul_directed(scale, np.maximum(sums, 0.0))[side])
         return recip_directed(add_directed(1.0, product)[side])[1 - side]
 
@@ -381,7 +317,7 @@ def cast(a: Interval, fmt: Format | None = None) -> Interval:
         raise ValueError(f"cast hull to {fmt} (not a float format) belongs to the quantization stage")
     if fmt.compute_only:
         u = fmt.unit_roundoff
-        return _make(_down(a.lo - u * np.abs(a.lo), 2), _up(a.hi + u * np.abs(a.hi), 2), a.nan)
+        return _make(ulps_down(a.lo - u * np.abs(a.lo), 2), ulps_up(a.hi + u * np.abs(a.hi), 2), a.nan)
     with np.errstate(over="ignore", invalid="ignore"):
         lo, hi = (x.astype(fmt.storage).astype(np.float64) for x in (a.lo, a.hi))
     return _make(lo, hi, a.nan | np.isnan(lo) | np.isnan(hi))
@@ -407,35 +343,35 @@ def intersection(a: Interval, b: Interval) -> Interval:
 # ---- derivative bounds: max |f'| over an interval, rounded up; inf where unbounded ----------------
 
 # >= ln 2 and >= 1/ln 2: libm's log and one division are each within an ulp; two steps up cover both
-_LN2_UP = float(_up(math.log(2.0), 2))
-_INV_LN2_UP = float(_up(1.0 / math.log(2.0), 2))
+_LN2_UP = float(ulps_up(math.log(2.0), 2))
+_INV_LN2_UP = float(ulps_up(1.0 / math.log(2.0), 2))
 
 
 def _exp2_slope(a: Interval) -> np.ndarray:
-    return _up(_LN2_UP * _exp2_point(a.hi)[1])
+    return ulps_up(_LN2_UP * exp2_point(a.hi)[1])
 
 
 def _log2_slope(a: Interval) -> np.ndarray:
     """1 / (x ln 2) at the left end; 1/x first, so a subnormal x cannot round x ln 2 to 0."""
     positive = a.lo > 0
-    return np.where(positive, _up(recip_directed(np.where(positive, a.lo, 1.0))[1] * _INV_LN2_UP), INF)
+    return np.where(positive, ulps_up(recip_directed(np.where(positive, a.lo, 1.0))[1] * _INV_LN2_UP), INF)
 
 
 def _sqrt_slope(a: Interval) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(a.lo > 0, _up(0.5 / sqrt_directed(np.maximum(a.lo, 0.0))[0]), INF)
+        return np.where(a.lo > 0, ulps_up(0.5 / sqrt_directed(np.maximum(a.lo, 0.0))[0]), INF)
 
 
 def _recip_slope(a: Interval) -> np.ndarray:
     """1/x^2 at the end nearest 0, as (1/x)^2 so that x^2 cannot underflow to 0."""
     near_zero = _may_be_zero(a)
     inverse = recip_directed(np.where(near_zero, 1.0, np.where(a.lo > 0, a.lo, -a.hi)))[1]
-    return np.where(near_zero, INF, _up(inverse * inverse))
+    return np.where(near_zero, INF, ulps_up(inverse * inverse))
 
 
 def _sin_slope(a: Interval) -> np.ndarray:
     """|cos| peaks at 1 on every k pi; elsewhere |cos| is monotone between its endpoints."""
-    edge = np.maximum(_cos_abs_point(a.lo)[1], _cos_abs_point(a.hi)[1])
+    edge = np.maximum(cos_abs_point(a.lo)[1], cos_abs_point(a.hi)[1])
     return np.where(_hits_grid(a.lo, a.hi, 0.0, math.pi), 1.0, np.minimum(edge, 1.0))
 
 

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..dtypes.formats import F32, Format
-from .interval import Interval
+from ..hlir.ops import Op
+from .interval import Interval, transfer
 from .rounding_bounds import gamma
 
 EXP_ULPS = 2  # CUDA's expf (and numpy's exp, far more accurate) is within 2 ulps, results subnormal too
@@ -149,13 +150,15 @@ def softmax_error(exact: Interval, executed: Interval, err: np.ndarray, out: Int
     plo, phi = _last(out.lo, axis), _last(out.hi, axis)
     n = lo.shape[-1]
     u, sub = F32.unit_roundoff, F32.min_subnormal
+    gone = np.isneginf(whi) & np.isneginf(hi)  # keys at -inf in both rows (masked_softmax_error): weight 0
     with np.errstate(all="ignore"):
         if rounded_to is not None:  # x^ rounded to the variant's format first: more exponent error, wider x^
             step = rounded_to.unit_roundoff * np.maximum(np.abs(wlo), np.abs(whi)) + rounded_to.min_subnormal / 2
+            step = np.where(gone, 0.0, step)
             e, wlo, whi = e + step, wlo - step, whi + step
         top = np.max(whi, axis=-1, keepdims=True)
         d = e + u * (top - wlo) - np.log1p(-2 * EXP_ULPS * u)
-        d = _nan_to(d * (1 + PAD), nan=np.inf)
+        d = np.where(gone, 0.0, _nan_to(d * (1 + PAD), nan=np.inf))
         # weights of the others: w_j <= exp(hi_j) / sum_{k != i} exp(lo_k), in log space
         log_den = _log_sums(lo, exclusive=True, up=False)
         a_i = np.exp(_log_sums(hi + _log_expm1(d), exclusive=True, up=True) - log_den)
@@ -172,6 +175,7 @@ def softmax_error(exact: Interval, executed: Interval, err: np.ndarray, out: Int
         g = _nan_to(np.expm1((d + spread) * (1 + PAD)), nan=np.inf)
         log_all = _log_sums(lo, exclusive=False, up=False)
         log_p_hi = hi - log_all + PAD * (1 + np.abs(hi - log_all))  # p_i <= exp(hi_i) / sum_k exp(lo_k)
+        log_p_hi = np.where(gone, -np.inf, log_p_hi)
         # 1 - p_i = sum_{j != i} p_j <= sum_{j != i} exp(hi_j) / sum_k exp(lo_k): below 1e-16 too
         log_q_hi = _log_sums(hi, exclusive=True, up=True) - log_all
         log_q_hi = np.where(np.isfinite(log_q_hi), log_q_hi + PAD * (1 + np.abs(log_q_hi)), log_q_hi)
@@ -209,3 +213,30 @@ def softmax_error(exact: Interval, executed: Interval, err: np.ndarray, out: Int
         elem = np.where(finite, _nan_to(np.minimum(elem, cap), nan=np.inf), np.inf)
         total = np.where(finite, _nan_to(total, nan=np.inf), np.inf)
     return SoftmaxError(np.moveaxis(elem, -1, axis), np.moveaxis(total, -1, axis), float(absolute))
+
+
+def masked_softmax_error(exact: Interval, executed: Interval, err: np.ndarray, masked: np.ndarray, axis: int,
+                         rounded_to: Format | None) -> SoftmaxError:
+    """The bound when some entries are executed as exactly -inf (a -1e9 mask stored in FP16): the kernel
+    then computes p' = the softmax over the live keys (weight exactly 0 for the masked ones), bounded by
+    softmax_error with the masked keys at -inf in both the exact and the executed row. The exact softmax
+    p over all keys differs from p' by dropping the masked mass: p'_i = p_i (1 + S_m / S_l), so
+    |p'_i - p_i| <= p'_i eta and a masked p_j <= eta, with eta >= S_m / S_l = sum_masked e^{x_j} /
+    sum_live e^{x_k} <= exp(logsumexp(hi_masked) - logsumexp(lo_live)). A row with no live key executes
+    0/0: unbounded."""
+    lo, hi = (np.where(masked, -np.inf, x) for x in (exact.lo, exact.hi))
+    wlo, whi = (np.where(masked, -np.inf, x) for x in (executed.lo, executed.hi))
+    live = Interval(lo, hi)
+    out_live = transfer(Op.SOFTMAX, live, axis=axis)
+    bound = softmax_error(live, Interval(wlo, whi), np.where(masked, 0.0, err), out_live, axis, rounded_to)
+    with np.errstate(all="ignore"):
+        log_masked = _log_sums(_last(np.where(masked, exact.hi, -np.inf), axis), exclusive=False, up=True)
+        log_live = _log_sums(_last(lo, axis), exclusive=False, up=False)
+        eta = np.exp((log_masked - log_live) * (1 + PAD) + PAD)  # >= S_m / S_l; 0 when nothing is masked
+        eta = np.where(np.isneginf(log_masked), 0.0, _nan_to(eta, nan=np.inf))
+        eta = np.moveaxis(eta, -1, axis)
+        no_live = np.all(masked, axis=axis, keepdims=True)
+        drop = np.where(masked, np.minimum(eta, 1.0), np.minimum(out_live.hi * eta, 1.0))
+        elem = np.where(no_live, np.inf, np.minimum(bound.err + drop, 1.0))
+        total = np.where(no_live, np.inf, bound.row_total + 2 * eta)
+    return SoftmaxError(elem, total, bound.absolute)

@@ -27,12 +27,13 @@ from ..quant.stored import storage_error
 from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result, read_operand
 from ..hlir.ops import Op
 from ..hlir.symbolic import evaluate as eval_dim
-from .interval import Interval, hull, transfer
+from .indexed import Rows, gather_rows, index_range, scatter_rows
+from .interval import Interval, transfer
 from .static_values import (SLACK, BoundedValue, Overflow, OverflowFound, StaticReport, custom_interval, floor_of, mag_of,
-                            round_f32, slope_bound, store_rounded)
+                            round_f32, slope_bound, store_known, store_rounded)
 from .normalize import NormBound
 from .rounding_bounds import gamma, nan_as_unbounded
-from .softmax_bound import softmax_error
+from .softmax_bound import masked_softmax_error, softmax_error
 from . import attention_bound
 from ..codegen.attention import ATTENTION_VARIANTS
 from ..hlir.gemm import gemm_layouts
@@ -47,6 +48,8 @@ class StaticAnalyzer:
         self.norm = NormBound(self)
         self.softmax_rel: dict[int, tuple[np.ndarray, float]] = {}  # see _softmax
         self.caches = program.cache_buffers()  # KV-cache inputs held in a KV format
+        self.softmax_fed = _read_only_by_softmax(program)  # may hold masked (-inf) entries: BoundedValue.masked
+        self.in_softmax = False  # evaluating a softmax kernel's body: its roundings may mask too
 
     def read(self, k: Kernel, i: int) -> BoundedValue:
         inp = k.inputs[i]
@@ -57,7 +60,9 @@ class StaticAnalyzer:
         err = inp.view.realize(np.asarray(src.err), self.bindings)
         masked = any(v.mask is not None for v in inp.view.views)  # padding reads an exact 0
         floor = None if src.floor is None else (0.0 if masked else src.floor)
-        return BoundedValue(Interval(lo, hi, nan > 0), err, floor)
+        minus_inf = None if src.masked is None else inp.view.realize(
+            np.broadcast_to(src.masked, src.iv.lo.shape).astype(np.float64), self.bindings) > 0
+        return BoundedValue(Interval(lo, hi, nan > 0), err, floor, minus_inf)
 
     def body(self, e: FExpr, k: Kernel) -> BoundedValue:
         if isinstance(e, FLoad):
@@ -67,7 +72,7 @@ class StaticAnalyzer:
             c32 = float(np.float32(c))
             return BoundedValue(Interval.point(c), np.asarray(abs(c32 - c)), c32 if c32 >= 0 else None)
         if isinstance(e, FRoundTo):
-            return store_rounded(self.body(e.x, k), e.fmt, k, e.origin)
+            return store_rounded(self.body(e.x, k), e.fmt, k, e.origin, masked_ok=self.in_softmax)
         if e.op is Op.MUL and len(e.args) == 2 and e.args[0] == e.args[1]:
             return round_f32(self._square(self.body(e.args[0], k)), k)
         args = [self.body(a, k) for a in e.args]
@@ -96,11 +101,13 @@ class StaticAnalyzer:
         with np.errstate(all="ignore"):
             if op is Op.ADD:
                 a, b = args
-                return BoundedValue(transfer(Op.ADD, a.iv, b.iv), (a.err + b.err) * SLACK, floor_of(op, args))
+                return BoundedValue(transfer(Op.ADD, a.iv, b.iv), (a.err + b.err) * SLACK, floor_of(op, args),
+                                    _masked_through(op, a, b))
             if op is Op.MUL:
                 a, b = args
                 err = mag_of(a.iv) * b.err + mag_of(b.iv) * a.err + a.err * b.err
-                return BoundedValue(transfer(Op.MUL, a.iv, b.iv), nan_as_unbounded(err) * SLACK, floor_of(op, args))
+                return BoundedValue(transfer(Op.MUL, a.iv, b.iv), nan_as_unbounded(err) * SLACK, floor_of(op, args),
+                                    _masked_through(op, a, b))
             if op is Op.LESS_THAN:
                 a, b = args
                 out = transfer(Op.LESS_THAN, a.iv, b.iv)
@@ -140,7 +147,7 @@ class StaticAnalyzer:
         if k.storage is not None and k.id in self.caches:  # a KV cache handed in, held in its format
             iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
             low = float(np.min(iv.lo)) if iv.lo.size else 0.0
-            v = store_rounded(BoundedValue(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)  # FP32 first, then the rows
+            v = store_known(BoundedValue(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)  # FP32 first, then the rows
             return BoundedValue(iv, v.err + cache_error(mag_of(v.wide), k.storage), 0.0 if low >= 0 else None)
         if k.storage is not None:  # a weight held in a storage format: its exact storage error
             try:
@@ -154,7 +161,7 @@ class StaticAnalyzer:
         if k.dtype.kind is not Kind.FLOAT:
             return BoundedValue(iv, np.zeros(shape))
         low = float(np.min(iv.lo)) if iv.lo.size else 0.0
-        return store_rounded(BoundedValue(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
+        return store_known(BoundedValue(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
 
     def _stored_concat(self, k: Kernel, inputs: Mapping[str, Interval]) -> BoundedValue:
         parts = {p.external: p for p in self.p.kernels if p.kind is KernelKind.EXTERNAL and not p.concat}
@@ -181,8 +188,9 @@ class StaticAnalyzer:
         v = self.body(k.body, k)
         shape = self._shape(k)
         v = BoundedValue(Interval(np.broadcast_to(v.iv.lo, shape), np.broadcast_to(v.iv.hi, shape),
-                          np.broadcast_to(v.iv.nan, shape)), np.broadcast_to(v.err, shape), v.floor)
-        return store_rounded(v, k.dtype, k)
+                          np.broadcast_to(v.iv.nan, shape)), np.broadcast_to(v.err, shape), v.floor,
+                         None if v.masked is None else np.broadcast_to(v.masked, shape))
+        return store_rounded(v, k.dtype, k, masked_ok=k.id in self.softmax_fed)
 
     def sum(self, k: Kernel, inputs) -> BoundedValue:
         v = self.body(k.body, k)
@@ -226,29 +234,38 @@ class StaticAnalyzer:
         return BoundedValue(Interval(lo, hi), err)
 
     def gather(self, k: Kernel, inputs) -> BoundedValue:
+        """Table rows by index: exact rows where the index is known (error/indexed.py)."""
         table = self.read(k, 0)
-        rows = Interval(table.iv.lo.min(axis=0), table.iv.hi.max(axis=0))
+        t_shape = table.iv.lo.shape
+        first, last = self._index_rows(k, 1, t_shape[0])
+        rows = gather_rows(_rows_of(table, t_shape), first, last)
         shape = self._shape(k)
-        return BoundedValue(Interval(np.broadcast_to(rows.lo, shape), np.broadcast_to(rows.hi, shape)),
-                    np.broadcast_to(table.err.max(axis=0), shape), table.floor)
+        return BoundedValue(Interval(rows.lo.reshape(shape), rows.hi.reshape(shape)), rows.err.reshape(shape), table.floor)
+
+    def _index_rows(self, k: Kernel, slot: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        idx = self.read(k, slot)
+        return index_range(idx.iv.lo, idx.iv.hi, np.broadcast_to(idx.err, idx.iv.lo.shape), rows)
 
     def scatter(self, k: Kernel, inputs) -> BoundedValue:
-        return self._scattered(self.read(k, 0), self.read(k, 1), k.storage)
+        return self._scattered(k, self.read(k, 0), self.read(k, 1), index_slot=2)
 
     def scatter_ew(self, k: Kernel, inputs) -> BoundedValue:
         """The source rows as the elementwise kernel the body replaces (codegen/rows.py), then scattered."""
-        return self._scattered(self.read(k, 0), self._unfused(k, inputs), k.storage)
+        return self._scattered(k, self.read(k, 0), self._unfused(k, inputs), index_slot=1)
 
-    @staticmethod
-    def _scattered(dest: BoundedValue, src: BoundedValue, storage: str | None) -> BoundedValue:
-        srow = Interval(src.iv.lo.min(axis=0), src.iv.hi.max(axis=0))
-        iv = hull(dest.iv, Interval(np.broadcast_to(srow.lo, dest.iv.lo.shape), np.broadcast_to(srow.hi, dest.iv.lo.shape)))
+    def _scattered(self, k: Kernel, dest: BoundedValue, src: BoundedValue, index_slot: int) -> BoundedValue:
+        """Rows written at their index (error/indexed.py): a row written at a known position holds exactly
+        the source row, every other row keeps its own value."""
+        shape = dest.iv.lo.shape
+        first, last = self._index_rows(k, index_slot, shape[0])
         floor = None if dest.floor is None or src.floor is None else min(dest.floor, src.floor)
-        src_err = src.err
-        if storage is not None:  # rows written into a KV cache in its format: |Q(s~) - s| <= err + cache_error(|s~|)
-            src_err = src.err + cache_error(mag_of(src.wide), storage)
+        src_shape = (first.size,) + shape[1:]
+        src_err = np.broadcast_to(src.err, src.iv.lo.shape)
+        if k.storage is not None:  # rows written into a KV cache in its format: |Q(s~) - s| <= err + cache_error(|s~|)
+            src_err = src_err + cache_error(mag_of(src.wide), k.storage)
             floor = None if floor is None else 0.0  # rounding keeps the sign, not the floor
-        return BoundedValue(iv, np.maximum(dest.err, src_err.max(axis=0)), floor)
+        written = scatter_rows(_rows_of(dest, shape), _rows_of(BoundedValue(src.iv, src_err), src_shape), first, last)
+        return BoundedValue(Interval(written.lo, written.hi), written.err, floor)
 
     def softmax(self, k: Kernel, inputs=None) -> BoundedValue:
         out = store_rounded(self._softmax(k), k.dtype, k)
@@ -263,10 +280,17 @@ class StaticAnalyzer:
     def _softmax(self, k: Kernel) -> BoundedValue:
         """Also records (total per row, abs) with sum_i |p^_i - p_i| <= total + n abs over each row: the
         form the Gemm of attention uses. The bound itself: error/softmax_bound.py (from the row max)."""
-        v = self.body(k.body, k)
+        self.in_softmax = True
+        try:
+            v = self.body(k.body, k)
+        finally:
+            self.in_softmax = False
         iv = transfer(Op.SOFTMAX, v.iv, axis=k.axis)
         fmt = None if k.precision in (None, "f32") else get_format(k.precision)
-        bound = softmax_error(v.iv, v.wide, v.err, iv, k.axis, fmt)
+        if v.masked is not None and np.any(v.masked):  # entries executed as -inf: error/softmax_bound.py
+            bound = masked_softmax_error(v.iv, v.wide, v.err, np.broadcast_to(v.masked, v.iv.lo.shape), k.axis, fmt)
+        else:
+            bound = softmax_error(v.iv, v.wide, v.err, iv, k.axis, fmt)
         self.softmax_rel[k.id] = (bound.row_total * SLACK, bound.absolute * SLACK)
         return BoundedValue(iv, bound.err * SLACK, 0.0)
 
@@ -394,6 +418,36 @@ KERNEL_TRANSFERS: dict[KernelKind, Callable[[StaticAnalyzer, Kernel, Mapping[str
     KernelKind.ROWS: StaticAnalyzer.rows,
     KernelKind.SCATTER_EW: StaticAnalyzer.scatter_ew,
 }
+
+
+def _read_only_by_softmax(program: Program) -> set[int]:
+    """Buffers every reader of which is a softmax kernel (and no output): -inf entries there are masked keys."""
+    readers: dict[int, set[KernelKind]] = {}
+    for k in program.kernels:
+        for inp in k.inputs:
+            readers.setdefault(inp.buffer, set()).add(k.kind)
+    outputs = {kid for _, kid in program.outputs}
+    return {b for b, kinds in readers.items() if kinds == {KernelKind.SOFTMAX} and b not in outputs}
+
+
+def _masked_through(op: Op, a: BoundedValue, b: BoundedValue) -> np.ndarray | None:
+    """-inf + finite and -inf * (positive finite) stay exactly -inf: masked entries survive a scale and a bias."""
+    if a.masked is None and b.masked is None:
+        return None
+    out = False
+    for x, y in ((a, b), (b, a)):
+        if x.masked is None:
+            continue
+        yw = y.wide
+        keeps = (np.isfinite(yw.lo) & np.isfinite(yw.hi) & ~yw.nan) if op is Op.ADD else \
+            ((yw.lo > 0) & np.isfinite(yw.hi) & ~yw.nan)
+        out = out | (x.masked & keeps & ~(y.masked if y.masked is not None else False))
+    return np.asarray(out)
+
+
+def _rows_of(v: BoundedValue, shape: tuple[int, ...]) -> Rows:
+    """A value's interval and error as writable arrays of `shape` (rows along axis 0)."""
+    return Rows(*(np.array(np.broadcast_to(x, shape), dtype=np.float64) for x in (v.iv.lo, v.iv.hi, v.err)))
 
 
 def _keep(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:

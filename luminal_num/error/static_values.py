@@ -68,6 +68,9 @@ class BoundedValue:
     iv: Interval
     err: np.ndarray
     floor: float | None = None  # a lower bound >= 0 of the EXECUTED value (exp2, squares, 1 + exp2 ...)
+    # where True the EXECUTED value is exactly -inf: a mask entry (-1e9) stored in a format it overflows
+    # (FP16), read only by a softmax, which gives it weight 0 as the exact e^-1e9 nearly is (its error is inf)
+    masked: np.ndarray | None = None
 
     @property
     def wide(self) -> Interval:
@@ -91,20 +94,52 @@ class OverflowFound(Exception):
         self.ov = ov
 
 
-def store_rounded(v: BoundedValue, fmt: Format, k: Kernel, origin: str = "") -> BoundedValue:
-    """Round to the storage format: half-ulp relative + half the smallest subnormal; range check."""
+def store_rounded(v: BoundedValue, fmt: Format, k: Kernel, origin: str = "", masked_ok: bool = False) -> BoundedValue:
+    """Round to the storage format: half-ulp relative + half the smallest subnormal; range check.
+    `masked_ok` (a value only a softmax reads): an element that certainly rounds to -inf is a masked
+    entry (BoundedValue.masked), not an overflow."""
     if fmt.kind is not Kind.FLOAT or fmt.name == "f64":
         return v
     wide = v.wide
     lo_abs = np.where((wide.lo <= 0) & (wide.hi >= 0), 0.0, np.minimum(np.abs(wide.lo), np.abs(wide.hi)))
     certain = lo_abs > fmt.max_finite
+    masked = v.masked
+    if masked_ok and fmt.has_inf and np.any(certain) and not fmt.compute_only:
+        with np.errstate(over="ignore"):  # RN is monotone: if the largest executed value rounds to -inf, all do
+            to_minus_inf = np.broadcast_to(wide.hi, certain.shape).astype(fmt.storage).astype(np.float64) == -np.inf
+        masked = to_minus_inf if masked is None else (masked | to_minus_inf)
+        certain = certain & ~masked
     if np.any(certain):
         where = f"{origin} fused into {k.label}" if origin else (k.label or k.kind.value)
         raise OverflowFound(Overflow(k.id, where, fmt.name, float(np.max(lo_abs))))
     maybe = mag_of(wide) > fmt.max_finite
     rounding = fmt.unit_roundoff * mag_of(wide) + fmt.min_subnormal / 2
     err = np.where(maybe, np.inf, (v.err + rounding) * SLACK)
-    return BoundedValue(v.iv, err, rounded_floor(v.floor, fmt))
+    return BoundedValue(v.iv, err, rounded_floor(v.floor, fmt), masked)
+
+
+def store_known(v: BoundedValue, fmt: Format, k: Kernel) -> BoundedValue:
+    """store_rounded of a value handed in (an input or a weight): a point with no error that the
+    format holds exactly is stored exactly (round to nearest leaves it), so a representable -1e9 mask, an
+    FP32 weight or a zero cache row carries no rounding term (the mask had a 60-unit one)."""
+    out = store_rounded(v, fmt, k)
+    if fmt.kind is not Kind.FLOAT or fmt.name == "f64":
+        return out
+    return BoundedValue(out.iv, _known_rounding(v, fmt, out.err), out.floor, out.masked)
+
+
+def _known_rounding(v: BoundedValue, fmt: Format, err: np.ndarray) -> np.ndarray:
+    if fmt.compute_only or fmt.storage is None:
+        return err
+    known = (v.iv.lo == v.iv.hi) & (np.asarray(v.err) == 0) & ~np.asarray(v.iv.nan)
+    if not np.any(known):
+        return err
+    x = np.where(known, v.iv.lo, 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        stored = x.astype(fmt.storage).astype(np.float64)
+    # only a value the format holds exactly drops its rounding term (a fused and an unfused form then see
+    # the same entry errors, whichever roundings each performs later)
+    return np.where(known & (stored == x) & (np.abs(x) <= fmt.max_finite), 0.0, err)
 
 
 def rounded_floor(floor: float | None, fmt: Format) -> float | None:

@@ -95,6 +95,9 @@ class _Importer:
                 raise OnnxImportError(f"integer constant {name!r} does not fit int32")
             t = self.graph.weight(name, value.astype(np.int64), INT32)
         else:
+            if not np.all(np.isfinite(value)):  # refused here, in one line, not by the run
+                raise OnnxImportError(f"known tensor {name!r} holds NaN or Inf and would enter the graph as a "
+                                      "weight; the runtime refuses non-finite values")
             t = self.graph.weight(name, value.astype(np.float32), F32)
         self.materialized[name] = Tensor(t, kind)
         return self.materialized[name]
@@ -142,10 +145,12 @@ def import_model(loaded: LoadedModel, shapes: Mapping[str, tuple[int, ...]] | No
     imp.env.update(initializer_arrays(proto))
     inputs = []
     for inp in graph_inputs(proto):
+        if inp.name not in known and 0 in bound[inp.name]:  # a zero-sized tensor has one value: known
+            known[inp.name] = np.zeros(bound[inp.name], helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type))
         if inp.name in known:
             imp.env[inp.name] = np.asarray(known[inp.name])
             continue
-        kind = _input_kind(proto, inp)
+        kind = _input_kind(proto, inp, elem_types)
         dtype = INT32 if kind == INT else F32
         t = imp.graph.input(inp.name, bound[inp.name], dtype, value_range=(0.0, 1.0) if kind == BOOL else None)
         imp.env[inp.name] = Tensor(t, kind)
@@ -167,20 +172,36 @@ def import_model(loaded: LoadedModel, shapes: Mapping[str, tuple[int, ...]] | No
     return OnnxModel(imp.graph, tuple(inputs), tuple(outputs), constants, loaded.sha256, imp.opset)
 
 
-# Inputs of these types are accepted when every consumer is Cast(to=FLOAT): feeding them as FP32 is
-# then exactly that cast (fp16/bf16 -> fp32 is exact; double -> fp32 rounds to nearest, as Cast does).
-_CAST_ONLY_INPUTS = (onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+# Inputs of these types are accepted when every consumer is Cast(to=FLOAT) or CastLike to a FLOAT: feeding
+# them as FP32 is then exactly that cast (every value of these types is an FP32 value; double -> fp32
+# rounds to nearest, as Cast does).
+_T = onnx.TensorProto
+_CAST_ONLY_INPUTS = (_T.DOUBLE, _T.FLOAT16, _T.BFLOAT16, _T.FLOAT8E4M3FN, _T.FLOAT8E4M3FNUZ, _T.FLOAT8E5M2,
+                     _T.FLOAT8E5M2FNUZ, _T.FLOAT4E2M1, _T.INT2, _T.UINT2, _T.INT4, _T.UINT4, _T.INT8, _T.UINT8, _T.INT16,
+                     _T.UINT16)
 
 
-def _input_kind(proto: onnx.ModelProto, inp: onnx.ValueInfoProto) -> str:
+def _input_kind(proto: onnx.ModelProto, inp: onnx.ValueInfoProto, elem_types: Mapping[str, int]) -> str:
     elem = inp.type.tensor_type.elem_type
     if elem in _CAST_ONLY_INPUTS:
         users = [n for n in proto.graph.node if inp.name in n.input]
-        to = [{a.name: helper.get_attribute_value(a) for a in n.attribute}.get("to") if n.op_type == "Cast" else None
-              for n in users]
-        if users and all(t == onnx.TensorProto.FLOAT for t in to):
+
+        def to_float(n: onnx.NodeProto) -> bool:
+            if n.op_type == "Cast":
+                return {a.name: helper.get_attribute_value(a) for a in n.attribute}.get("to") == _T.FLOAT
+            if n.op_type == "CastLike" and n.input[0] == inp.name and len(n.input) > 1:
+                return _like_type(proto, n.input[1], elem_types) == _T.FLOAT
+            return False
+        if users and all(to_float(n) for n in users):
             return FLOAT
     return elem_kind(elem, f"input {inp.name!r}")
+
+
+def _like_type(proto: onnx.ModelProto, name: str, elem_types: Mapping[str, int]) -> int | None:
+    """A CastLike target's element type: a declared value's, or an initializer's."""
+    if name in elem_types:
+        return elem_types[name]
+    return next((t.data_type for t in proto.graph.initializer if t.name == name), None)
 
 
 # A chunk starts at every normalization: transformer layers (pre- or post-norm) then fall into
@@ -207,6 +228,8 @@ def _import_node(imp: _Importer, node: onnx.NodeProto, table: Mapping[str, OpSpe
     all_known = all(v is None or isinstance(v, np.ndarray) for v in values)
     out_types = [imp.elem_types.get(o) for o in node.output if o]
     exact = spec.exact or all(t is not None and t != onnx.TensorProto.FLOAT for t in out_types)
+    # an op over zero-sized known tensors computes nothing (its outputs are empty or reductions' identities)
+    exact = exact or any(isinstance(v, np.ndarray) and v.size == 0 for v in values)
     if all_known and (exact or spec.fn is None):
         results = imp.fold(node, values)
     elif spec.fn is None:

@@ -206,8 +206,6 @@ def bind_input_shapes(proto: onnx.ModelProto, shapes: Mapping[str, tuple[int, ..
                 raise OnnxImportError(f"input {inp.name!r} has dynamic dim {d.dim_param or '?'!r}: give its shape "
                                       f"with --shape {inp.name}={hint}")
         out[inp.name] = tuple(shape)
-    if any(0 in s for s in out.values()):
-        raise OnnxImportError(f"zero-sized input shapes are not supported: {out}")
     return out
 
 

@@ -18,6 +18,7 @@ from ..dtypes.formats import F32
 from ..hlir.tensor import GraphTensor, concat
 from .loader import BOOL, FLOAT, INT
 from .values import NodeCtx, Tensor, Value
+from .ops_cast import abs_, cast, castlike, compare, extreme
 
 ANY = (FLOAT, BOOL, INT)
 DATA = (FLOAT, BOOL)
@@ -106,23 +107,6 @@ def _clip(c: NodeCtx) -> list[Value]:
     if hi is not None:
         x = -((-x).maximum(-float(hi)))
     return _out(x)
-
-
-def _cast(c: NodeCtx) -> list[Value]:
-    to = c.attr("to")
-    src = c.tensor(0, ANY)
-    if c.attr("saturate", 1) != 1 and to != onnx.TensorProto.FLOAT:
-        raise c.refuse("saturate=0 is not supported")
-    if to == onnx.TensorProto.FLOAT:
-        return _out(src.t.cast(F32) if src.kind == INT else src.t)
-    want = {onnx.TensorProto.BOOL: BOOL, onnx.TensorProto.INT64: INT, onnx.TensorProto.INT32: INT}.get(to)
-    if want is not None and want == src.kind:
-        return [src]
-    if want == BOOL and src.kind == INT:  # x != 0; int -> FP32 rounding never turns a nonzero into 0
-        xf = src.t.cast(F32)
-        return _out((xf > 0.0) + (xf < 0.0), BOOL)  # the two tests are disjoint: the sum is 0 or 1
-    raise c.refuse(f"cast of a run-time {src.kind} tensor to {onnx.TensorProto.DataType.Name(to)} is not supported "
-                   "(the graph computes in FP32; low-precision storage is the compiler's choice)")
 
 
 # -- logic on bool masks (held as 0/1 floats): each form below is exact on 0/1 ---------------------
@@ -445,7 +429,12 @@ OPS: dict[str, OpSpec] = {
     "Neg": _spec(_unary(lambda t: -t), exact=True),
     "Clip": _spec(_clip, "min max", exact=True, static=(1, 2)),
     "Where": _spec(_where, exact=True),
-    "Cast": _spec(_cast, "to saturate", exact=True),
+    "Cast": _spec(cast, "to saturate", exact=True),
+    "CastLike": _spec(castlike, "saturate", exact=True),
+    "Abs": _spec(abs_, exact=True),
+    **{op: _spec(compare(op), exact=True) for op in ("Less", "Greater", "Equal", "LessOrEqual", "GreaterOrEqual")},
+    "Max": _spec(extreme(True), exact=True),
+    "Min": _spec(extreme(False), exact=True),
     "Softmax": _spec(_softmax, "axis"),
     "LayerNormalization": _spec(_layer_norm, NORM_ATTRS),
     "RMSNormalization": _spec(_rms_norm, NORM_ATTRS),
@@ -477,7 +466,6 @@ OPS: dict[str, OpSpec] = {
     "Constant": OpSpec(None, frozenset("value value_float value_floats value_int value_ints".split()), True),
     "ConstantOfShape": OpSpec(None, frozenset({"value"}), True, (0,)),
     # shape-subgraph arithmetic: folded on known values, refused on run-time tensors
-    **{op: _fold_only() for op in ("Range", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Min",
-                                   "Max", "Floor", "Ceil", "Abs", "CastLike", "Mod",
+    **{op: _fold_only() for op in ("Range", "Floor", "Ceil", "Mod",
                                    "ReduceProd", "Tile", "NonZero")},
 }
