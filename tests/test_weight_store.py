@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -115,20 +116,78 @@ def test_the_reference_keeps_chunk_boundaries_equal_to_the_full_evaluation(check
         assert np.array_equal(v, full[model.graph.outputs[name]])
 
 
+class _PlainFp64(dict):
+    """Every weight converted to float64 up front (what the FP64 Llama did before): the independent model."""
+
+    @contextlib.contextmanager
+    def layer(self):
+        yield
+
+    def rows(self, name, ids):
+        return self[name][ids]
+
+    def times_transposed(self, x, name):
+        return x @ self[name].T
+
+
+def _plain(config, weights) -> Fp64Llama:
+    plain = Fp64Llama.__new__(Fp64Llama)
+    plain.config, plain.w = config, _PlainFp64({n: np.asarray(a, dtype=np.float64) for n, a in weights.items()})
+    return plain
+
+
 def test_the_fp64_llama_holds_no_fp64_copy_and_computes_the_float64_model(checkpoint):
     config, weights = load_weights(checkpoint)
     ids = [5, 17, 200, 3]
     model = Fp64Llama(config, weights)
+    assert not model.w.streaming  # a small model: its FP64 weights are cached
     assert not any(isinstance(v, np.ndarray) and v.dtype == np.float64 for v in vars(model).values())
     logits, state = model.forward(ids)
-    # an independent float64 model: every weight converted up front (what the class did before)
-    plain = Fp64Llama.__new__(Fp64Llama)
-    plain.config, plain.w = config, {n: np.asarray(a, dtype=np.float64) for n, a in weights.items()}
-    want, want_state = plain.forward(ids)
+    want, want_state = _plain(config, weights).forward(ids)
     assert np.array_equal(logits, want) and all(np.array_equal(a, b) for a, b in zip(state.k, want_state.k))
     before = WEIGHTS.misses
     model.forward(ids)
     assert WEIGHTS.misses == before  # converted once per process, then read from the weight cache
+
+
+def test_a_streamed_fp64_llama_converts_each_layer_once_per_pass_and_caches_nothing(checkpoint, monkeypatch):
+    """A model whose FP64 weights do not fit half the weight cache runs all sequences through one layer
+    at a time: the same values as each sequence alone in the plain float64 model, nothing cached."""
+    config, weights = load_weights(checkpoint)
+    old = WEIGHTS.budget_bytes
+    WEIGHTS.resize(1000)  # read by the constructor only
+    try:
+        model = Fp64Llama(config, weights)
+    finally:
+        WEIGHTS.resize(old)
+    assert model.w.streaming
+    monkeypatch.setattr("luminal_num.models.reference.HEAD_BLOCK_BYTES", 8 * CONFIG.hidden_size * 37)  # 7 blocks
+    plain = _plain(config, weights)
+    seqs = [[5, 17, 200, 3], [9], [250, 1, 2]]
+    converted = []
+    real = np.asarray
+    matrices = {s for n, s in weight_shapes(CONFIG).items() if n.endswith("proj.weight")}
+
+    def counting(a, dtype=None, *args, **kw):
+        if dtype is np.float64 and isinstance(a, WeightArray) and a.shape in matrices:  # not rows, not head blocks
+            converted.append(a.shape)
+        return real(a, dtype, *args, **kw)
+    monkeypatch.setattr("luminal_num.models.reference.np.asarray", counting)
+    before = (WEIGHTS.misses, WEIGHTS.hits)
+    got = model.forward_many(seqs)
+    monkeypatch.undo()
+    assert (WEIGHTS.misses, WEIGHTS.hits) == before  # nothing read from or put into the process cache
+    per_layer = sum(1 for n in weight_shapes(CONFIG) if n.startswith("model.layers.0.") and n.endswith("proj.weight"))
+    assert len(converted) == CONFIG.num_hidden_layers * per_layer  # each layer's matrices once, not once per sequence
+    for ids, (logits, state) in zip(seqs, got):
+        want, want_state = plain.forward(ids)
+        assert np.allclose(logits, want, rtol=1e-13, atol=1e-13)
+        assert all(np.array_equal(a, b) for a, b in zip(state.k + state.v, want_state.k + want_state.v))
+    again, _ = model.forward_many([[3]], [got[0][1]])[0]
+    assert np.allclose(again, plain.forward([3], plain.forward(seqs[0])[1])[0], rtol=1e-13, atol=1e-13)
+    cont, rows = model.greedy(seqs[0], 3)
+    want_cont, want_rows = plain.greedy(seqs[0], 3)
+    assert cont == want_cont and np.allclose(rows, want_rows, rtol=1e-13, atol=1e-13)
 
 
 def test_a_file_backed_weight_holds_the_same_values_in_a_map_and_leaves_no_file(tmp_path, monkeypatch):
