@@ -218,3 +218,41 @@ def test_gguf_weights_are_file_backed_dequantizations(tmp_path):
     for name, w in model.weights.items():
         assert _memmapped(w) and not w.flags.writeable, name
     assert np.array_equal(model.weights["model.embed_tokens.weight"], want)
+
+
+def test_a_streamed_fp64_evaluation_computes_the_cached_one_without_fp64_weight_copies(checkpoint, monkeypatch):
+    """The graph's FP64 evaluation of a model whose FP64 weights exceed half the weight cache keeps its
+    weights FP32 and widens what each op reads (Gemm B by column blocks, Gather by rows): the same
+    values as with every weight's FP64 copy, and no copy put in the cache."""
+    import importlib
+    ev = importlib.import_module("luminal_num.hlir.evaluate")  # the module (the package exports a function of that name)
+    from luminal_num.hlir.evaluate import evaluate_chunk
+    config, weights = load_weights(checkpoint)
+    model = build_prefill(config, weights, 3, 6, 2)
+    rng = np.random.default_rng(5)
+    batch = model.make_batch_inputs(rng.integers(0, 256, (2, 3)), np.tile(np.arange(3), (2, 1)))
+    assert not ev.streams(model.graph)
+    want = evaluate_nodes(model.graph, batch)
+    part = partition(model.graph)
+    chunk = part.chunks[1]
+    ext = {n: want[n] for n in chunk.external if model.graph.weight_name(n) is None}
+    want_chunk = evaluate_chunk(model.graph, chunk.nodes, ext, model.graph.bind_symbols(batch))
+    monkeypatch.setattr(ev, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(ev, "GEMM_BLOCK_BYTES", 8 * 32 * 5)  # 5 columns of a K=32 operand at a time
+    old = WEIGHTS.budget_bytes
+    WEIGHTS.resize(1000)
+    try:
+        assert ev.streams(model.graph)
+        before = WEIGHTS.misses
+        got = evaluate_nodes(model.graph, batch)
+        got_chunk = evaluate_chunk(model.graph, chunk.nodes, ext, model.graph.bind_symbols(batch))
+        assert WEIGHTS.misses == before  # no weight was converted into the cache
+    finally:
+        WEIGHTS.resize(old)
+    def close(a, b):  # FP64 rounding apart: BLAS may sum a block of columns in another order
+        return np.all(np.abs(a - b) <= 1e-13 * max(np.abs(b).max(initial=0.0), 1e-300))
+    for n, v in want.items():
+        if model.graph.weight_name(n) is None:
+            assert got[n].dtype == v.dtype and close(got[n], v), n
+    for n, v in want_chunk.items():
+        assert close(got_chunk[n], v), n
