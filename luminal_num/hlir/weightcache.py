@@ -24,12 +24,14 @@ T = TypeVar("T")
 DEFAULT_BUDGET_BYTES = 4 << 30  # a 135M-parameter model's float64 weights plus its FP32 stored weights and Gemm operands
 
 
-def nbytes(value) -> int:
-    """Bytes held by an array, or by the arrays among a dataclass's fields / a tuple's items."""
+def nbytes(value, source: np.ndarray | None = None) -> int:
+    """Bytes held by an array, or by the arrays among a dataclass's fields / a tuple's items; arrays
+    that are views of `source` (an FP32 weight stored as is) hold nothing of their own: the weight's
+    pages are the graph's (often a file's), alive whether or not the entry is."""
     if isinstance(value, np.ndarray):
-        return value.nbytes
+        return 0 if source is not None and np.may_share_memory(value, source) else value.nbytes
     items = value if isinstance(value, tuple) else getattr(value, "__dict__", {}).values()
-    return sum(v.nbytes for v in items if isinstance(v, np.ndarray))
+    return sum(nbytes(v, source) for v in items if isinstance(v, np.ndarray))
 
 
 class ByteLRU:
@@ -98,8 +100,13 @@ class WeightCache:
         if isinstance(source, WeightArray):  # what is derived from a weight is at most its size in FP32
             self._lru.make_room(min(4 * source.size, self._lru.budget_bytes))
         value = make()
-        self._lru.put(k, value, nbytes(value))
+        self._lru.put(k, value, nbytes(value, source if isinstance(source, np.ndarray) else None))
         return value
+
+    def holds(self, source, key: Hashable) -> bool:
+        """Whether (the weight's content, key) has an entry now (a look that neither makes nor evicts)."""
+        ck = source if isinstance(source, str) else source.content_key if isinstance(source, WeightArray) else None
+        return ck is not None and self._lru.get((ck, key)) is not None
 
     def get_joint(self, sources: Sequence, key: Hashable, make: Callable[[], T]) -> T:
         """get() for a value derived from several weights (a concatenation): keyed by all their keys;

@@ -10,13 +10,13 @@ not fit the weight cache converts each layer once per call.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from ..hlir.store import keyed
 from .gemma import EMBED, FINAL_NORM, GemmaConfig, rope_tables, weight_shapes
-from .reference import Fp64Llama, Fp64State, _Fp64Weights, _Sequence  # noqa: F401 (Fp64State: named here too)
+from .reference import Fp64Llama, Fp64State, _attend, _Fp64Weights, _rope, _Sequence, _stacked  # noqa: F401
 
 
 class Fp64Gemma(Fp64Llama):
@@ -45,33 +45,27 @@ class Fp64Gemma(Fp64Llama):
     def _head(self, x: np.ndarray) -> np.ndarray:
         return self.w.times_transposed(self._norm(x, FINAL_NORM), EMBED)
 
-    def _layer(self, i: int, r: _Sequence) -> None:
-        c, w, x = self.config, self.w, r.x
-        n, start, dh, kv = x.shape[0], r.start, c.head_dim, c.num_key_value_heads
-        group = c.num_attention_heads // kv
+    def _layer(self, i: int, runs: Sequence[_Sequence]) -> None:
+        """Layer i for every sequence: projections on the stacked rows, attention per sequence."""
+        c, w = self.config, self.w
+        dh, kv = c.head_dim, c.num_key_value_heads
         p, glob = f"blk.{i}.", c.is_global(i)
-        cos, sin = r.extra["tables"][c.rope_theta if glob else c.rope_local_theta]
-
-        def rope(t):  # rotate-half on (n, heads, dh)
-            return t * cos + np.concatenate([-t[..., dh // 2:], t[..., : dh // 2]], axis=-1) * sin
+        x, parts = _stacked(runs)
         h = self._norm(x, p + "attn_norm.weight")
-        q = rope(self._norm((h @ w[p + "attn_q.weight"].T).reshape(n, c.num_attention_heads, dh),
-                            p + "attn_q_norm.weight"))
-        k = rope(self._norm((h @ w[p + "attn_k.weight"].T).reshape(n, kv, dh), p + "attn_k_norm.weight"))
-        k_rows = np.concatenate([r.state.k[i], k.reshape(n, c.kv_dim)])
-        v_rows = np.concatenate([r.state.v[i], h @ w[p + "attn_v.weight"].T])
-        r.k.append(k_rows)
-        r.v.append(v_rows)
-        kh = np.repeat(k_rows.reshape(start + n, kv, dh), group, axis=1)
-        vh = np.repeat(v_rows.reshape(start + n, kv, dh), group, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, kh) * c.attention_scale
-        scores = np.where((r.extra["causal"] if glob else r.extra["local"])[None], scores, -np.inf)
-        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs /= probs.sum(axis=-1, keepdims=True)
-        attn = np.einsum("hqk,khd->qhd", probs, vh).reshape(n, c.num_attention_heads * dh)
-        x = x + self._norm(attn @ w[p + "attn_output.weight"].T, p + "post_attention_norm.weight")
+        q_all, k_all, v_all = (h @ w[p + f"attn_{t}.weight"].T for t in "qkv")
+        attn = []
+        for r, rows in zip(runs, parts):
+            n = rows.stop - rows.start
+            cos, sin = r.extra["tables"][c.rope_theta if glob else c.rope_local_theta]
+            q = _rope(self._norm(q_all[rows].reshape(n, c.num_attention_heads, dh), p + "attn_q_norm.weight"), cos, sin)
+            k = _rope(self._norm(k_all[rows].reshape(n, kv, dh), p + "attn_k_norm.weight"), cos, sin)
+            attn.append(_attend(r, i, q, k, v_all[rows], kv, c.num_attention_heads // kv,
+                                lambda s: s * c.attention_scale, r.extra["causal" if glob else "local"]))
+        x = x + self._norm(np.concatenate(attn) @ w[p + "attn_output.weight"].T, p + "post_attention_norm.weight")
         h = self._norm(x, p + "ffn_norm.weight")
         gate = h @ w[p + "ffn_gate.weight"].T
         gelu = 0.5 * gate * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate ** 3)))
-        r.x = x + self._norm((gelu * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T,
-                             p + "post_ffw_norm.weight")
+        x = x + self._norm((gelu * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T,
+                           p + "post_ffw_norm.weight")
+        for r, rows in zip(runs, parts):
+            r.x = x[rows]

@@ -15,7 +15,7 @@ no value.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -111,6 +111,37 @@ class _Sequence:
     v: list
 
 
+def _stacked(runs: Sequence[_Sequence]) -> tuple[np.ndarray, list[slice]]:
+    """Every sequence's hidden rows, one above the other, and each sequence's rows among them."""
+    ends = np.cumsum([r.x.shape[0] for r in runs])
+    return np.concatenate([r.x for r in runs]), [slice(int(e - r.x.shape[0]), int(e)) for r, e in zip(runs, ends)]
+
+
+def _rope(t: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE on (n, heads, head_dim)."""
+    half = t.shape[-1] // 2
+    return t * cos + np.concatenate([-t[..., half:], t[..., :half]], axis=-1) * sin
+
+
+def _attend(r: _Sequence, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_heads: int, group: int,
+            scaled: Callable[[np.ndarray], np.ndarray], mask: np.ndarray) -> np.ndarray:
+    """One sequence's attention at a layer: its new K/V rows appended to its cache rows (kept in `r`),
+    queries (n, heads, dh) over every row the mask lets them see, scores scaled by `scaled`; (n, heads * dh)."""
+    n, heads, dh = q.shape
+    k_rows = np.concatenate([r.state.k[layer], k.reshape(n, kv_heads * dh)])
+    v_rows = np.concatenate([r.state.v[layer], v])
+    r.k.append(k_rows)
+    r.v.append(v_rows)
+    total = k_rows.shape[0]
+    kh = np.repeat(k_rows.reshape(total, kv_heads, dh), group, axis=1)
+    vh = np.repeat(v_rows.reshape(total, kv_heads, dh), group, axis=1)
+    scores = scaled(np.einsum("qhd,khd->hqk", q, kh))
+    scores = np.where(mask[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", probs, vh).reshape(n, heads * dh)
+
+
 class Fp64Llama:
     def __init__(self, config: LlamaConfig, weights: Mapping[str, np.ndarray]):
         check_weights(config, weights)
@@ -143,13 +174,13 @@ class Fp64Llama:
         runs = [self._start(np.asarray(ids, dtype=np.int64), st) for ids, st in zip(seqs, states)]
         for i in range(self.config.num_hidden_layers):
             with self.w.layer():
-                for r in runs:
-                    self._layer(i, r)
+                if runs:
+                    self._layer(i, runs)
         with self.w.layer():
             return [(self._head(r.x) if logits else None, Fp64State(tuple(r.k), tuple(r.v))) for r in runs]
 
     def _start(self, ids: np.ndarray, state: Fp64State) -> _Sequence:
-        c, n, start = self.config, len(ids), state.length
+        c, n, start = self.config, len(ids), state.length  # noqa: F841
         cos, sin = rope_tables(c, np.arange(start, start + n))
         visible = np.arange(start + n)[None, :] <= (start + np.arange(n))[:, None]  # (n, total)
         return _Sequence(self.w.rows(EMBED, ids), start, state,
@@ -158,37 +189,33 @@ class Fp64Llama:
     def _head(self, x: np.ndarray) -> np.ndarray:
         return self.w.times_transposed(self._norm(x, FINAL_NORM), LM_HEAD if LM_HEAD in self.w else EMBED)
 
-    def _layer(self, i: int, r: _Sequence) -> None:
-        c, w, x = self.config, self.w, r.x
-        n, start, dh = x.shape[0], r.start, c.head_dim
-        cos, sin = r.extra["cos"], r.extra["sin"]
-
-        def rope(t):  # rotate-half on (n, heads, dh)
-            return t * cos + np.concatenate([-t[..., dh // 2:], t[..., : dh // 2]], axis=-1) * sin
-
-        p = f"model.layers.{i}."
+    def _layer(self, i: int, runs: Sequence[_Sequence]) -> None:
+        """Layer i for every sequence: the projections on all sequences' rows stacked (one pass over each
+        weight, not one per sequence), attention per sequence over its own cache rows."""
+        c, w = self.config, self.w
+        dh, p = c.head_dim, f"model.layers.{i}."
+        x, parts = _stacked(runs)
         h = self._norm(x, p + "input_layernorm.weight")
-        q = self._proj(h, p + "self_attn.q_proj").reshape(n, c.num_attention_heads, dh)
-        k = self._proj(h, p + "self_attn.k_proj").reshape(n, c.num_key_value_heads, dh)
-        if c.qk_norm:
-            q, k = self._norm(q, p + "self_attn.q_norm.weight"), self._norm(k, p + "self_attn.k_norm.weight")
-        q, k = rope(q), rope(k)
-        k_rows = np.concatenate([r.state.k[i], k.reshape(n, c.kv_dim)])
-        v_rows = np.concatenate([r.state.v[i], self._proj(h, p + "self_attn.v_proj")])
-        r.k.append(k_rows)
-        r.v.append(v_rows)
-        total = start + n
-        kh = np.repeat(k_rows.reshape(total, c.num_key_value_heads, dh), c.queries_per_kv_head, axis=1)
-        vh = np.repeat(v_rows.reshape(total, c.num_key_value_heads, dh), c.queries_per_kv_head, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, kh) / np.sqrt(dh)
-        scores = np.where(r.extra["visible"][None], scores, -np.inf)
-        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs /= probs.sum(axis=-1, keepdims=True)
-        attn = np.einsum("hqk,khd->qhd", probs, vh).reshape(n, c.num_attention_heads * dh)
-        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+        q_all = self._proj(h, p + "self_attn.q_proj")
+        k_all = self._proj(h, p + "self_attn.k_proj")
+        v_all = self._proj(h, p + "self_attn.v_proj")
+        attn = []
+        for r, rows in zip(runs, parts):
+            n = rows.stop - rows.start
+            q = q_all[rows].reshape(n, c.num_attention_heads, dh)
+            k = k_all[rows].reshape(n, c.num_key_value_heads, dh)
+            if c.qk_norm:
+                q, k = self._norm(q, p + "self_attn.q_norm.weight"), self._norm(k, p + "self_attn.k_norm.weight")
+            cos, sin = r.extra["cos"], r.extra["sin"]
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            attn.append(_attend(r, i, q, k, v_all[rows], c.num_key_value_heads, c.queries_per_kv_head,
+                                lambda s: s / np.sqrt(dh), r.extra["visible"]))
+        x = x + np.concatenate(attn) @ w[p + "self_attn.o_proj.weight"].T
         h = self._norm(x, p + "post_attention_layernorm.weight")
         gate = h @ w[p + "mlp.gate_proj.weight"].T
-        r.x = x + (gate / (1.0 + np.exp(-gate)) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        x = x + (gate / (1.0 + np.exp(-gate)) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        for r, rows in zip(runs, parts):
+            r.x = x[rows]
 
     def greedy(self, ids: Sequence[int], steps: int, stop: int | None = None) -> tuple[list[int], np.ndarray]:
         """FP64 greedy continuation of `ids` (up to `steps` tokens, ending early at `stop`) and the logits
