@@ -26,7 +26,7 @@ from ..hlir.store import keyed
 from ..hlir.weightcache import WEIGHTS
 from .llama import EMBED, FINAL_NORM, LM_HEAD, LlamaConfig, check_weights, rope_tables
 
-HEAD_BLOCK_BYTES = 32 << 20  # FP64 rows of a streamed head converted at a time
+HEAD_BLOCK_BYTES = 2 << 20  # FP64 rows of a streamed head converted at a time (kept in cache)
 
 
 @dataclass(frozen=True)
