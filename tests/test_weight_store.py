@@ -257,3 +257,20 @@ def test_a_streamed_fp64_evaluation_computes_the_cached_one_without_fp64_weight_
             assert got[n].dtype == v.dtype and close(got[n], v), n
     for n, v in want_chunk.items():
         assert close(got_chunk[n], v), n
+
+
+def test_released_pages_of_a_mapped_weight_leave_the_resident_set_and_read_back_the_same(tmp_path):
+    from luminal_num.hlir.store import release_pages
+    values = np.random.default_rng(4).standard_normal((2048, 1024)).astype(np.float32)  # 8 MB
+    save_safetensors(tmp_path / "w.safetensors", {"w": values})
+    w = load_safetensors(tmp_path / "w.safetensors")["w"]
+
+    def resident_kb():
+        return int(next(line for line in open("/proc/self/status") if line.startswith("RssFile:")).split()[1])
+    before = resident_kb()
+    assert float(np.sum(w, dtype=np.float64)) == float(np.sum(values, dtype=np.float64))  # touched: mapped in
+    touched = resident_kb()
+    assert release_pages(w) and touched - resident_kb() > 6 * 1024  # the pages left the resident set
+    assert resident_kb() - before < 2 * 1024
+    assert np.array_equal(w, values)  # and read back when touched again
+    assert not release_pages(values)  # an array in memory: nothing to release

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..hlir.evaluate import fp64_weight
-from ..hlir.store import keyed
+from ..hlir.store import keyed, release_pages
 from ..hlir.weightcache import WEIGHTS
 from .llama import EMBED, FINAL_NORM, LM_HEAD, LlamaConfig, check_weights, rope_tables
 
@@ -65,11 +65,15 @@ class _Fp64Weights(Mapping[str, np.ndarray]):
 
     @contextmanager
     def layer(self) -> Iterator[None]:
-        """Weights read in the block are converted once and dropped at its end (when streaming)."""
+        """Weights read in the block are converted once and dropped at its end (when streaming), and
+        so are the file pages they were read from (a memory-mapped checkpoint: the process then holds
+        one layer, not every layer it has streamed through)."""
         self._held = {}
         try:
             yield
         finally:
+            for name in self._held:
+                release_pages(self._weights[name])
             self._held = None
 
     def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
