@@ -19,7 +19,9 @@ def _low_precision(space: SearchSpace) -> frozenset:
                      for gk, ks in space.knobs.items() for k in ks if any(t != BASE for t in k.tags))
 
 
-@pytest.mark.parametrize("model", all_test_models(), ids=lambda m: m.name)
+# matmul_chain: weights read only in a storage format (unread FP32 externals); attention_kv: fused q/k/v
+@pytest.mark.parametrize("model", [m for m in all_test_models() if m.name in ("matmul_chain", "attention_kv")],
+                         ids=lambda m: m.name)
 def test_a_run_holds_no_external_past_its_last_reader_and_no_concatenation(model, monkeypatch):
     space = SearchSpace.build(model.graph)
     for genome in (frozenset(), _low_precision(space)):
