@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -118,6 +119,7 @@ def measure(name: str, candidates: int | None, max_memory: str | None, front_end
     if front_end_only:
         cmd += ["--front-end"]
     load0 = os.getloadavg()[0]
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     with MemWatch(pid=proc.pid, period=2.0) as watch:  # smaps_rollup of a big tree costs ~10% of a core at 0.5 s
@@ -125,7 +127,9 @@ def measure(name: str, candidates: int | None, max_memory: str | None, front_end
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: the compile exited {proc.returncode}")
     row = json.loads(out.strip().splitlines()[-1])
-    row.update(wall_s=time.perf_counter() - t0, peak_pss_gb=watch.peak_pss / 1e9, peak_rss_sum_gb=watch.peak_rss_sum / 1e9,
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the child and its workers, all exited
+    row.update(wall_s=time.perf_counter() - t0,
+               cpu_s=(cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime), peak_pss_gb=watch.peak_pss / 1e9, peak_rss_sum_gb=watch.peak_rss_sum / 1e9,
                peak_rss_max_gb=watch.peak_rss_max / 1e9, load_before=load0, load_after=os.getloadavg()[0])
     return row
 
