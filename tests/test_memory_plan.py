@@ -166,3 +166,21 @@ def test_boundary_values_past_the_spill_budget_are_held_in_files():
     for a, b in zip(kept, spilled):
         assert a.values.keys() == b.values.keys()
         assert all(np.array_equal(a.values[n], b.values[n]) for n in a.values)
+
+
+def test_the_cli_reports_a_stage_that_does_not_fit_in_one_line(tmp_path, capsys, monkeypatch):
+    """A compile whose process outgrows its budget between stages stops with exit 2 and one line naming
+    the stage (here: the process made to look 1 TB large when the reference stage is checked)."""
+    from luminal_num import memory
+    real = memory.tree_pss
+    calls = []
+
+    def grown():
+        calls.append(1)
+        return real() + (1 << 40) * (len(calls) > 2)  # partition and saturate fit; then the process is 1 TB
+    monkeypatch.setattr(memory, "tree_pss", grown)
+    rc = main(["compile", "--model", "transformer", "--max-memory", "64G", "--candidates", "1", "--quiet",
+               "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == EXIT_INPUT and err.count("\n") == 1 and "stage reference needs" in err and "holds 1" in err
+    assert not (tmp_path / "r" / "plan.json").exists()
