@@ -1,4 +1,4 @@
-"""What a CPU run holds at once: a weight's stored form only until its last reader has run, and a
+"""What a CPU run holds at once: a weight's stored form only from its first reader until its last has run, and a
 concatenation of weights (a horizontally fused Gemm's B) never in the run's own state, so a whole-model
 run of a model whose derived weights exceed the weight cache stays within the cache's budget."""
 from __future__ import annotations
@@ -27,11 +27,15 @@ def test_a_run_holds_no_external_past_its_last_reader_and_no_concatenation(model
     for genome in (frozenset(), _low_precision(space)):
         program = space.program(genome)
         last: dict[int, int] = {}
+        first: dict[int, int] = {}
         for pos, k in enumerate(program.kernels):
             for inp in k.inputs:
                 last[inp.buffer] = pos
+                first.setdefault(inp.buffer, pos)
         position = {k.id: pos for pos, k in enumerate(program.kernels)}
         externals = {k.id for k in program.kernels if k.kind is KernelKind.EXTERNAL}
+        weights = {k.id for k in program.kernels if k.kind is KernelKind.EXTERNAL
+                   and (k.external in model.graph.weights or k.concat)}
         outputs = {kid for _, kid in program.outputs}
         concats = {k.external for k in program.kernels if k.concat}
         seen = []
@@ -40,7 +44,8 @@ def test_a_run_holds_no_external_past_its_last_reader_and_no_concatenation(model
             def run(rt, k, state):
                 stale = [b for b in state.stored if b in externals and b not in outputs
                          and last.get(b, -1) < position[k.id]]
-                seen.append((k.id, stale, [n for n in concats if dict.__contains__(state.feed, n)]))
+                early = [b for b in state.stored if b in weights and first.get(b, 1 << 30) > position[k.id]]
+                seen.append((k.id, stale + early, [n for n in concats if dict.__contains__(state.feed, n)]))
                 return fn(rt, k, state)
             return run
         monkeypatch.setattr(cpu, "KERNELS", {kind: watching(kind, fn) for kind, fn in cpu.KERNELS.items()})

@@ -114,16 +114,24 @@ class CpuRuntime:
         plan = self._plans[key]
         held, self._outputs = self._outputs, None  # a run that starts meanwhile allocates its own
         outs = held[1] if held is not None and held[0] == key else self._output_views(plan, bindings)
-        state = _Run({}, {}, feed, bindings, frozenset(n for n in self.weights if n not in inputs)
+        stored = _Stored()
+        state = _Run(stored, {}, feed, bindings, frozenset(n for n in self.weights if n not in inputs)
                      | weight_concats, self._compiled)
         drops = self._weight_drops()
         timings = []
         wanted = {kid for _, kid in self.program.exports} if keep_exports else set()
+        kept = wanted | {kid for _, kid in self.program.outputs}
+        # a weight's stored form is made when its first reader reads it (EXTERNALs come first in a
+        # program: made in order, every weight's derived forms would be alive at once)
+        stored.make = {k.id: (lambda k=k: _external(self, k, state)) for k in self.program.kernels
+                       if k.kind is KernelKind.EXTERNAL and k.external in state.weight_names and k.id not in kept}
         exports: dict[int, np.ndarray] = {}
         with np.errstate(all="ignore"):
             for k in self.program.kernels:
                 t0 = time.perf_counter()
-                if k.kind is KernelKind.EXTERNAL and k.external in state.weight_names:
+                if k.id in stored.make:
+                    pass  # made by its first reader (_Stored)
+                elif k.kind is KernelKind.EXTERNAL and k.external in state.weight_names:
                     state.stored[k.id] = _external(self, k, state)  # the cached stored weight (never written)
                 else:
                     state.out = outs[k.id]
@@ -138,7 +146,7 @@ class CpuRuntime:
                 if k.kind.launches:
                     timings.append((k.id, time.perf_counter() - t0))
                 for buf in drops.get(k.id, ()):  # a weight's stored form after its last reader: the cache's
-                    del state.stored[buf]           # to keep or evict, not this run's to pin until the end
+                    state.stored.pop(buf, None)     # to keep or evict, not this run's to pin until the end
         outputs = {name: state.stored[kid].astype(np.float64) for name, kid in self.program.outputs}
         self._outputs = (key, outs)
         return RunResult(outputs, tuple(timings), plan, exports if keep_exports else None)
@@ -200,6 +208,19 @@ class CpuRuntime:
         if k.id not in self._epilogues:
             self._epilogues[k.id] = epilogue_as_elementwise(k, _accumulator_id(k))
         return self._epilogues[k.id]
+
+
+class _Stored(dict):
+    """A run's buffers by kernel id; a weight's stored form (`make`: kernel id -> how) is made when it is
+    first read and kept until its last reader has run (CpuRuntime.run drops it then)."""
+
+    make: Mapping[int, Callable[[], np.ndarray]] = {}
+
+    def __missing__(self, kid: int) -> np.ndarray:
+        if kid not in self.make:
+            raise KeyError(kid)
+        value = self[kid] = self.make[kid]()
+        return value
 
 
 class _Feed(dict):
