@@ -9,6 +9,8 @@ Writes reports/bench/scale.csv.
 
     python -m bench.scale                      # every shape with its default candidates
     python -m bench.scale --shapes smollm2 --candidates 40
+    python -m bench.scale --shapes gemma3-4b-shape --front-end   # loading + teacher forcing only:
+                                                                 # reports/bench/scale_front_end.csv
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -66,8 +69,9 @@ SHAPES = {s.name: s for s in (
 )}
 
 
-def one(shape: Shape, candidates: int, max_memory: str | None) -> dict:
-    """Compile one shape here (the child process); returns what the parent records."""
+def one(shape: Shape, candidates: int, max_memory: str | None, front_end_only: bool = False) -> dict:
+    """Compile one shape here (the child process); returns what the parent records (`front_end_only`:
+    the job's loading and teacher-forced inputs, no compile)."""
     import warnings
     warnings.filterwarnings("ignore", category=RuntimeWarning)
     from luminal_num.compiler import compile
@@ -85,19 +89,22 @@ def one(shape: Shape, candidates: int, max_memory: str | None) -> dict:
         prompts = [Prompt(p, False) for p in PROMPTS]
         job = llm_job(str(folder), shape.workload, calibration=prompts, heldout=prompts[:8])
     t1 = time.perf_counter()
+    params = sum(int(w.size) for w in job.graph.weights.values())
+    if front_end_only:
+        return {"shape": shape.name, "params_m": params / 1e6, "front_end_s": t1 - t0,
+                "batches": len(job.calibration) + len(job.heldout)}
     memory = plan_memory(job.graph.weights, None if max_memory is None else parse_size(max_memory))
     result = compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration,
                      SearchOptions(max_candidates=candidates, progress=False), memory=memory)
     t2 = time.perf_counter()
     chosen = result.search.chosen
-    params = sum(int(w.size) for w in job.graph.weights.values())
     return {"shape": shape.name, "params_m": params / 1e6, "candidates": result.search.stats.candidates,
             "front_end_s": t1 - t0, "compile_s": t2 - t1, "memory_plan": memory.describe(),
             "chosen": chosen.label or f"candidate {chosen.id}", "chosen_latency_us": chosen.latency.total_s * 1e6,
             "plan_sha256": hashlib.sha256(result.plan.to_json().encode()).hexdigest()[:16]}
 
 
-def measure(name: str, candidates: int | None, max_memory: str | None) -> dict:
+def measure(name: str, candidates: int | None, max_memory: str | None, front_end_only: bool = False) -> dict:
     """Run `--one` in a child process and sample its memory (the checkpoint written first, here, so the
     child's front end is loading it, not writing it)."""
     shape = SHAPES[name]
@@ -109,7 +116,10 @@ def measure(name: str, candidates: int | None, max_memory: str | None) -> dict:
     cmd = [sys.executable, "-m", "bench.scale", "--one", name, "--candidates", str(candidates or shape.candidates)]
     if max_memory:
         cmd += ["--max-memory", max_memory]
+    if front_end_only:
+        cmd += ["--front-end"]
     load0 = os.getloadavg()[0]
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     with MemWatch(pid=proc.pid, period=2.0) as watch:  # smaps_rollup of a big tree costs ~10% of a core at 0.5 s
@@ -117,7 +127,9 @@ def measure(name: str, candidates: int | None, max_memory: str | None) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: the compile exited {proc.returncode}")
     row = json.loads(out.strip().splitlines()[-1])
-    row.update(wall_s=time.perf_counter() - t0, peak_pss_gb=watch.peak_pss / 1e9, peak_rss_sum_gb=watch.peak_rss_sum / 1e9,
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the child and its workers, all exited
+    row.update(wall_s=time.perf_counter() - t0,
+               cpu_s=(cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime), peak_pss_gb=watch.peak_pss / 1e9, peak_rss_sum_gb=watch.peak_rss_sum / 1e9,
                peak_rss_max_gb=watch.peak_rss_max / 1e9, load_before=load0, load_after=os.getloadavg()[0])
     return row
 
@@ -127,21 +139,24 @@ def main(argv=None) -> pd.DataFrame | None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--candidates", type=int, default=None, help="default: each shape's own")
     ap.add_argument("--max-memory", default=None)
+    ap.add_argument("--front-end", action="store_true", help="load and teacher-force only (scale_front_end.csv)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(one(SHAPES[args.one], args.candidates or SHAPES[args.one].candidates, args.max_memory)))
+        print(json.dumps(one(SHAPES[args.one], args.candidates or SHAPES[args.one].candidates, args.max_memory,
+                             args.front_end)))
         return None
     rows = []
     for name in args.shapes.split(","):
-        rows.append(measure(name, args.candidates, args.max_memory))
+        rows.append(measure(name, args.candidates, args.max_memory, args.front_end))
         print(json.dumps(rows[-1]), flush=True)
     df = pd.DataFrame(rows)
-    path = OUT / "scale.csv"
+    name = "scale_front_end.csv" if args.front_end else "scale.csv"
+    path = OUT / name
     if path.is_file():  # keep the rows of shapes not run this time
         old = pd.read_csv(path)
         df = pd.concat([old[~old["shape"].isin(df["shape"])], df], ignore_index=True)
-    write_csv(df, "scale.csv")
+    write_csv(df, name)
     return df
 
 

@@ -118,7 +118,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
             raise Interrupted("interrupted before any plan passed the budget: nothing written") from None
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONTRACT
-    except ValueError as exc:  # budget outputs the model lacks, bad options, bad inputs
+    except (ValueError, MemoryBudgetError) as exc:  # bad options or inputs; a stage the memory budget cannot hold
         raise InputError(str(exc)) from None
     stats = result.search.stats
     interrupted = (f"search interrupted after {stats.candidates} candidates: best plan so far"

@@ -20,7 +20,7 @@ from .error.budget import Budget
 from .error.chunks import ChunkEffects, Propagation
 from .error.headroom import HeadroomEstimate, estimate_headroom
 from .error.judge import Judge
-from .error.reference import Fp64Reference, references
+from .error.reference import Fp64Reference, reference_bytes, references
 from .error.tasks import TaskPool
 from .error.verdict_store import VerdictStore, context_key
 from .hlir.graph import Graph
@@ -103,7 +103,8 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
              on_stage: StageListener) -> CompileResult:
     _check_job(graph, budget, target, calibration, options)
 
-    def stage(name: str, run: Callable[[], object]):
+    def stage(name: str, run: Callable[[], object], need: int = 0):
+        memory.check(name, need)  # stops with one line, before the stage, when it cannot fit (memory.py)
         t0 = time.perf_counter()
         out = run()
         on_stage(name, time.perf_counter() - t0)
@@ -112,7 +113,8 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
     if space is None:
         part = stage("partition", lambda: partition(graph))
         space = stage("saturate", lambda: SearchSpace.saturated(graph, part))
-    refs = stage("reference", lambda: References(tuple(references(graph, calibration, space.part))))
+    refs = stage("reference", lambda: References(tuple(references(graph, calibration, space.part))),
+                 min(reference_bytes(graph, space.part, calibration), memory.boundary))
     with ExitStack() as stack:
         pool = chunks = exact = None
         if len(space.part.chunks) > 1:
@@ -121,6 +123,7 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
                                           space.candidates(frozenset()), mode, pool=pool, changes_of=space.knobs_of,
                                           outputs=budget.outputs)
                              for mode in (Propagation.SCALED, Propagation.EXACT))
+        memory.fit("search")  # the caches sized to what the budget leaves now, or one line
         ran: dict[str, list] = {}  # the headroom probes' outputs: the same programs are baselines of the search
         head = stage("headroom", lambda: choose_headroom(graph, budget, calibration, refs.batches, space,
                                                          options.headroom, ran, pool))

@@ -7,10 +7,17 @@ every form. The plan gives each cache what the model can use of it (a few copies
 bounded by a share of the budget, and fewer workers when the budget cannot hold two; a budget that
 cannot hold even one process with the model's largest weights is refused up front, with one line
 naming what it needed, instead of the compile being killed half way.
+
+Between stages (`MemoryPlan.check`) the compile compares what its process tree occupies now (PSS,
+so pages shared with forked workers count once) plus what the next stage will add (its estimate)
+with the budget, and stops with one line naming the stage and the memory it needed when they do
+not fit, before the stage allocates anything.
 """
 from __future__ import annotations
 
+import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from contextlib import contextmanager
@@ -18,6 +25,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from .error.reference import SPILL
 from .hlir.weightcache import WEIGHTS
 from .quant.stored import CONVERTED
 
@@ -25,6 +33,8 @@ GiB = 1 << 30
 PROCESS_BASE = int(1.2 * GiB)   # the compiling process without weights (Python, egglog, numba, the e-graphs)
 WORKER_BASE = int(0.45 * GiB)   # a forked worker's own pages (its runtime, one chunk's buffers)
 WORKER_CACHE_MAX = GiB          # a worker runs one chunk at a time: one layer's weights in a few forms
+TRANSIENT = 2   # largest weights (FP32) kept free beside the caches: a cache entry's making, a chunk run's buffers
+MIN_CACHE = 2   # largest weights the caches must hold together (a weight's stored form and its Gemm operand)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}
 
 
@@ -67,6 +77,7 @@ class MemoryPlan:
     weight_cache: int       # the compiling process's cache of values derived from weights (hlir.weightcache)
     converted_cache: int    # its cache of weights in storage formats (quant.stored)
     worker_cache: int       # each worker's budget for each of those two caches
+    boundary: int = 2 << 30  # FP64 chunk-boundary values kept in memory before the rest spill to files
 
     def describe(self) -> str:
         pool = f"{self.workers} workers" if self.workers > 1 else "no worker pool"
@@ -74,19 +85,86 @@ class MemoryPlan:
                 f"(derived) + {_gb(self.converted_cache)} (stored formats)"
                 + (f", {_gb(self.worker_cache)} x 2 per worker" if self.workers > 1 else ""))
 
+    def check(self, stage: str, need: int) -> None:
+        """Stop (MemoryBudgetError, one line) when the process tree's memory now plus `need`, what stage
+        `stage` will add, exceeds the budget."""
+        held = tree_pss()
+        if held + need > self.budget:
+            raise MemoryBudgetError(f"stage {stage} needs {_gb(need)} more memory; the compile holds {_gb(held)} "
+                                    f"and its memory budget is {_gb(self.budget)}: raise --max-memory, or compile "
+                                    f"fewer layers or calibration prompts")
+
+    def fit(self, stage: str) -> None:
+        """Before the search stages: size the process's caches to what the budget leaves now (measured:
+        the process may hold more than PROCESS_BASE guessed), keeping a reserve for what a cache entry's
+        making and a chunk run allocate beside the caches; stop (one line) when not even one weight in
+        two forms fits."""
+        held = tree_pss() - WEIGHTS.bytes - CONVERTED.bytes  # the caches' own bytes are re-planned here
+        workers = self.workers * (WORKER_BASE + 2 * self.worker_cache) if self.workers > 1 else 0
+        workers -= sum(_pss(p) for p in _descendants(os.getpid()))  # already counted in what is held
+        room = self.budget - held - max(0, workers) - TRANSIENT * self.largest
+        need = MIN_CACHE * self.largest
+        if room < need:
+            raise MemoryBudgetError(f"stage {stage} needs {_gb(need + TRANSIENT * self.largest)} more memory; the "
+                                    f"compile holds {_gb(held)} and its memory budget is {_gb(self.budget)}: raise "
+                                    f"--max-memory, or compile fewer layers or calibration prompts")
+        want = self.weight_cache + self.converted_cache
+        if room < want:
+            share = room / want
+            WEIGHTS.resize(int(self.weight_cache * share))
+            CONVERTED.resize(int(self.converted_cache * share))
+            print(f"[luminal-num] memory: the compile holds {_gb(held)} at stage {stage}: caches "
+                  f"{_gb(WEIGHTS.budget_bytes)} (derived) + {_gb(CONVERTED.budget_bytes)} (stored formats)",
+                  file=sys.stderr, flush=True)
+
     @contextmanager
     def applied(self) -> Iterator[None]:
         """This process's caches sized to the plan while the block runs (workers size theirs when they
         start), then back to what they were: a compile of a small model must not shrink the caches of
         whatever the process does next."""
-        old = WEIGHTS.budget_bytes, CONVERTED.budget_bytes
+        old = WEIGHTS.budget_bytes, CONVERTED.budget_bytes, SPILL.budget_bytes
         WEIGHTS.resize(self.weight_cache)
         CONVERTED.resize(self.converted_cache)
+        SPILL.budget_bytes = self.boundary
         try:
             yield
         finally:
             WEIGHTS.resize(old[0])
             CONVERTED.resize(old[1])
+            SPILL.budget_bytes = old[2]
+
+
+def _pss(pid: int) -> int:
+    """A process's proportional set size in bytes (0 when it is gone or /proc lacks smaps_rollup)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in (os.listdir(f"/proc/{p}/task") if os.path.isdir(f"/proc/{p}/task") else ()):
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+            except OSError:
+                kids = []
+            out += kids
+            todo += kids
+    return out
+
+
+def tree_pss() -> int:
+    """PSS of this process and its descendants (the pool's workers): what the compile occupies."""
+    me = os.getpid()
+    return _pss(me) + sum(_pss(p) for p in _descendants(me))
 
 
 def weight_bytes(weights: Mapping[str, np.ndarray]) -> tuple[int, int]:
@@ -96,14 +174,14 @@ def weight_bytes(weights: Mapping[str, np.ndarray]) -> tuple[int, int]:
 
 
 def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, workers: int = 2) -> MemoryPlan:
-    """The plan for a compile of a model with these weights within `budget` bytes (default: 80% of the
-    machine's available memory). Each cache gets what the model can use (the derived cache: FP64 copies
+    """The plan for a compile of a model with these weights within `budget` bytes (default: what this
+    process holds now plus 80% of the machine's available memory). Each cache gets what the model can use (the derived cache: FP64 copies
     of every weight plus one FP32 form of each; the stored-format cache: two formats of each), at most its
     share of what the budget leaves after the processes and the weights."""
-    budget = int(0.8 * available_bytes()) if budget is None else budget
+    budget = tree_pss() + int(0.8 * available_bytes()) if budget is None else budget
     total, largest = weight_bytes(weights)
-    # one process must hold its baseline, the weights, and one weight in FP64 plus two FP32 forms
-    floor = PROCESS_BASE + total + 4 * largest
+    # one process must hold its baseline, the weights, the caches' minimum and the transient reserve
+    floor = PROCESS_BASE + total + (MIN_CACHE + TRANSIENT) * largest
     if budget < floor:
         raise MemoryBudgetError(f"the compile needs at least {_gb(floor)} (process {_gb(PROCESS_BASE)}, weights "
                                 f"{_gb(total)}, working copies of the largest weight {_gb(4 * largest)}); the "
@@ -111,9 +189,10 @@ def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, wo
     worker_cache = min(WORKER_CACHE_MAX, max(2 * largest, 64 << 20))  # the largest weight in two forms
     per_worker = WORKER_BASE + 2 * worker_cache
     fit = workers
-    while fit > 1 and budget - PROCESS_BASE - total - fit * per_worker < 4 * largest:
+    while fit > 1 and budget - PROCESS_BASE - total - fit * per_worker < (MIN_CACHE + TRANSIENT) * largest:
         fit -= 1
-    left = budget - PROCESS_BASE - total - (fit * per_worker if fit > 1 else 0)
+    left = budget - PROCESS_BASE - total - (fit * per_worker if fit > 1 else 0) - TRANSIENT * largest
     derived = min(3 * total, int(0.6 * left))
     converted = min(2 * total, left - derived)
-    return MemoryPlan(budget, total, largest, fit, derived, converted, worker_cache if fit > 1 else 0)
+    return MemoryPlan(budget, total, largest, fit, derived, converted, worker_cache if fit > 1 else 0,
+                      max(256 << 20, budget // 16))

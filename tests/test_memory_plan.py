@@ -88,3 +88,99 @@ def test_a_compile_leaves_the_process_caches_as_it_found_them():
     compile(model.graph, Budget.parse("atol=1e-3,rtol=1e-3"), "h200", [model.make_inputs(0)],
             SearchOptions(seed=0, max_candidates=2, progress=False, headroom=0.5), memory=plan)
     assert (WEIGHTS.budget_bytes, CONVERTED.budget_bytes) == old
+
+
+def test_a_cache_makes_room_before_it_makes_a_value_and_counts_views_of_the_weight_as_nothing():
+    """The cache and the value being made stay within the budget together; an entry that is the weight
+    itself (an FP32 weight stored as is) holds no bytes of its own."""
+    from luminal_num.hlir.store import keyed
+    from luminal_num.hlir.weightcache import WeightCache
+    ws = [keyed(np.full((100, 10), i, np.float32)) for i in range(4)]  # 4000 bytes each
+    cache = WeightCache(3 * 4000)
+    seen = []
+
+    def make(w):
+        seen.append(cache.bytes)  # what the cache holds while the new value is made
+        return w * 2.0
+    for w in ws:
+        cache.get(w, "doubled", lambda w=w: make(w).astype(np.float32))
+    assert seen == [0, 4000, 8000, 8000]  # the 4th made after evicting the 1st, not beside it
+    assert cache.bytes == 3 * 4000 and not cache.holds(ws[0], "doubled") and cache.holds(ws[3], "doubled")
+    cache.get(ws[1], "as is", lambda: ws[1].view(np.ndarray))  # room made (one entry out), then 0 bytes held
+    assert cache.bytes == 2 * 4000 and cache.holds(ws[1], "as is")
+
+
+def test_a_stage_that_cannot_fit_stops_with_one_line_naming_it():
+    from luminal_num.memory import MemoryPlan, tree_pss
+    plan = MemoryPlan(tree_pss() + 512 * (1 << 20), 0, 0, 1, 0, 0, 0)
+    plan.check("partition", 0)  # what the process holds fits
+    with pytest.raises(MemoryBudgetError) as stop:
+        plan.check("reference", 4 * GiB)
+    msg = str(stop.value)
+    assert "\n" not in msg and msg.startswith("stage reference needs 4.3 GB more memory") and "--max-memory" in msg
+
+
+def test_the_search_fits_the_caches_to_what_the_budget_leaves_or_stops():
+    """At the search, caches planned from PROCESS_BASE's guess are shrunk to what the measured process
+    leaves (with the transient reserve), and a budget that leaves not even MIN_CACHE largest weights stops."""
+    from luminal_num.memory import MIN_CACHE, TRANSIENT, MemoryPlan, tree_pss
+    held = tree_pss()
+    largest = 10 << 20
+    plan = MemoryPlan(held + 200 * (1 << 20), 0, largest, 1, 300 << 20, 200 << 20, 0)
+    old = WEIGHTS.budget_bytes, CONVERTED.budget_bytes
+    try:
+        with plan.applied():
+            plan.fit("search")
+            room = WEIGHTS.budget_bytes + CONVERTED.budget_bytes
+            assert room < 200 << 20 and WEIGHTS.budget_bytes > CONVERTED.budget_bytes  # shares kept (3:2)
+            assert room >= (200 << 20) - TRANSIENT * largest - (64 << 20)  # what is left, give or take the pages held
+        small = MemoryPlan(held + (MIN_CACHE + TRANSIENT - 1) * largest, 0, largest, 1, 300 << 20, 200 << 20, 0)
+        with small.applied(), pytest.raises(MemoryBudgetError, match=r"^stage search needs .* more memory"):
+            small.fit("search")
+    finally:
+        assert (WEIGHTS.budget_bytes, CONVERTED.budget_bytes) == old
+
+
+def test_boundary_values_past_the_spill_budget_are_held_in_files():
+    from luminal_num.error.reference import SPILL, references, reference_bytes
+    from luminal_num.hlir.partition import partition
+    from luminal_num.models.testnets import transformer
+    model = transformer(2)
+    cal = [model.make_inputs(s) for s in range(3)]
+    part = partition(model.graph)
+    kept = references(model.graph, cal, part)
+    one = kept[0].nbytes
+    assert reference_bytes(model.graph, part, cal) == sum(r.nbytes for r in kept) == 3 * one
+    old = SPILL.budget_bytes
+    SPILL.budget_bytes = one  # the first batch in memory, the others spilled
+    try:
+        spilled = references(model.graph, cal, part)
+    finally:
+        SPILL.budget_bytes = old
+
+    def in_file(a):
+        while a is not None and not isinstance(a, np.memmap):
+            a = a.base
+        return a is not None
+    assert [any(in_file(v) for v in r.values.values()) for r in spilled] == [False, True, True]
+    for a, b in zip(kept, spilled):
+        assert a.values.keys() == b.values.keys()
+        assert all(np.array_equal(a.values[n], b.values[n]) for n in a.values)
+
+
+def test_the_cli_reports_a_stage_that_does_not_fit_in_one_line(tmp_path, capsys, monkeypatch):
+    """A compile whose process outgrows its budget between stages stops with exit 2 and one line naming
+    the stage (here: the process made to look 1 TB large when the reference stage is checked)."""
+    from luminal_num import memory
+    real = memory.tree_pss
+    calls = []
+
+    def grown():
+        calls.append(1)
+        return real() + (1 << 40) * (len(calls) > 2)  # partition and saturate fit; then the process is 1 TB
+    monkeypatch.setattr(memory, "tree_pss", grown)
+    rc = main(["compile", "--model", "transformer", "--max-memory", "64G", "--candidates", "1", "--quiet",
+               "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == EXIT_INPUT and err.count("\n") == 1 and "stage reference needs" in err and "holds 1" in err
+    assert not (tmp_path / "r" / "plan.json").exists()

@@ -105,7 +105,7 @@ def test_a_pool_worker_shrinks_both_weight_caches_to_its_budget(fresh, monkeypat
     tasks._worker_init({})
     assert cache.budget_bytes == fresh.budget_bytes == 2 * per_copy
     assert cache.bytes == fresh.bytes == 2 * per_copy
-    kept = [cache.get(w, "copy", lambda: None) is not None for w in ws]
+    kept = [cache.holds(w, "copy") for w in ws]
     assert kept == [False, False, True, True]  # the two least recently used were evicted
     before = fresh.conversions
     widened(ws[3], "bf16")

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -115,20 +116,79 @@ def test_the_reference_keeps_chunk_boundaries_equal_to_the_full_evaluation(check
         assert np.array_equal(v, full[model.graph.outputs[name]])
 
 
+class _PlainFp64(dict):
+    """Every weight converted to float64 up front (what the FP64 Llama did before): the independent model."""
+
+    @contextlib.contextmanager
+    def layer(self):
+        yield
+
+    def rows(self, name, ids):
+        return self[name][ids]
+
+    def times_transposed(self, x, name):
+        return x @ self[name].T
+
+
+def _plain(config, weights) -> Fp64Llama:
+    plain = Fp64Llama.__new__(Fp64Llama)
+    plain.config, plain.w = config, _PlainFp64({n: np.asarray(a, dtype=np.float64) for n, a in weights.items()})
+    return plain
+
+
 def test_the_fp64_llama_holds_no_fp64_copy_and_computes_the_float64_model(checkpoint):
     config, weights = load_weights(checkpoint)
     ids = [5, 17, 200, 3]
     model = Fp64Llama(config, weights)
+    assert not model.w.streaming  # a small model: its FP64 weights are cached
     assert not any(isinstance(v, np.ndarray) and v.dtype == np.float64 for v in vars(model).values())
     logits, state = model.forward(ids)
-    # an independent float64 model: every weight converted up front (what the class did before)
-    plain = Fp64Llama.__new__(Fp64Llama)
-    plain.config, plain.w = config, {n: np.asarray(a, dtype=np.float64) for n, a in weights.items()}
-    want, want_state = plain.forward(ids)
+    want, want_state = _plain(config, weights).forward(ids)
     assert np.array_equal(logits, want) and all(np.array_equal(a, b) for a, b in zip(state.k, want_state.k))
     before = WEIGHTS.misses
     model.forward(ids)
     assert WEIGHTS.misses == before  # converted once per process, then read from the weight cache
+
+
+def test_a_streamed_fp64_llama_converts_each_layer_once_per_pass_and_caches_nothing(checkpoint, monkeypatch):
+    """A model whose FP64 weights do not fit half the weight cache runs all sequences through one layer
+    at a time (their rows stacked): each sequence's values as alone in the plain float64 model, nothing cached."""
+    config, weights = load_weights(checkpoint)
+    old = WEIGHTS.budget_bytes
+    WEIGHTS.resize(1000)  # read by the constructor only
+    try:
+        model = Fp64Llama(config, weights)
+    finally:
+        WEIGHTS.resize(old)
+    assert model.w.streaming
+    monkeypatch.setattr("luminal_num.models.reference.HEAD_BLOCK_BYTES", 8 * CONFIG.hidden_size * 37)  # 7 blocks
+    plain = _plain(config, weights)
+    seqs = [[5, 17, 200, 3], [9], [250, 1, 2]]
+    converted = []
+    real = np.asarray
+    matrices = {s for n, s in weight_shapes(CONFIG).items() if n.endswith("proj.weight")}
+
+    def counting(a, dtype=None, *args, **kw):
+        if dtype is np.float64 and isinstance(a, WeightArray) and a.shape in matrices:  # not rows, not head blocks
+            converted.append(a.shape)
+        return real(a, dtype, *args, **kw)
+    monkeypatch.setattr("luminal_num.models.reference.np.asarray", counting)
+    before = (WEIGHTS.misses, WEIGHTS.hits)
+    got = model.forward_many(seqs)
+    monkeypatch.undo()
+    assert (WEIGHTS.misses, WEIGHTS.hits) == before  # nothing read from or put into the process cache
+    per_layer = sum(1 for n in weight_shapes(CONFIG) if n.startswith("model.layers.0.") and n.endswith("proj.weight"))
+    assert len(converted) == CONFIG.num_hidden_layers * per_layer  # each layer's matrices once, not once per sequence
+    for ids, (logits, state) in zip(seqs, got):
+        want, want_state = plain.forward(ids)
+        assert np.allclose(logits, want, rtol=1e-13, atol=1e-13)
+        # stacked rows go through BLAS as one matrix: equal up to FP64 rounding, not bit for bit
+        assert all(np.allclose(a, b, rtol=1e-13, atol=1e-13) for a, b in zip(state.k + state.v, want_state.k + want_state.v))
+    again, _ = model.forward_many([[3]], [got[0][1]])[0]
+    assert np.allclose(again, plain.forward([3], plain.forward(seqs[0])[1])[0], rtol=1e-13, atol=1e-13)
+    cont, rows = model.greedy(seqs[0], 3)
+    want_cont, want_rows = plain.greedy(seqs[0], 3)
+    assert cont == want_cont and np.allclose(rows, want_rows, rtol=1e-13, atol=1e-13)
 
 
 def test_a_file_backed_weight_holds_the_same_values_in_a_map_and_leaves_no_file(tmp_path, monkeypatch):
@@ -159,3 +219,58 @@ def test_gguf_weights_are_file_backed_dequantizations(tmp_path):
     for name, w in model.weights.items():
         assert _memmapped(w) and not w.flags.writeable, name
     assert np.array_equal(model.weights["model.embed_tokens.weight"], want)
+
+
+def test_a_streamed_fp64_evaluation_computes_the_cached_one_without_fp64_weight_copies(checkpoint, monkeypatch):
+    """The graph's FP64 evaluation of a model whose FP64 weights exceed half the weight cache keeps its
+    weights FP32 and widens what each op reads (Gemm B by column blocks, Gather by rows): the same
+    values as with every weight's FP64 copy, and no copy put in the cache."""
+    import importlib
+    ev = importlib.import_module("luminal_num.hlir.evaluate")  # the module (the package exports a function of that name)
+    from luminal_num.hlir.evaluate import evaluate_chunk
+    config, weights = load_weights(checkpoint)
+    model = build_prefill(config, weights, 3, 6, 2)
+    rng = np.random.default_rng(5)
+    batch = model.make_batch_inputs(rng.integers(0, 256, (2, 3)), np.tile(np.arange(3), (2, 1)))
+    assert not ev.streams(model.graph)
+    want = evaluate_nodes(model.graph, batch)
+    part = partition(model.graph)
+    chunk = part.chunks[1]
+    ext = {n: want[n] for n in chunk.external if model.graph.weight_name(n) is None}
+    want_chunk = evaluate_chunk(model.graph, chunk.nodes, ext, model.graph.bind_symbols(batch))
+    monkeypatch.setattr(ev, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(ev, "GEMM_BLOCK_BYTES", 8 * 32 * 5)  # 5 columns of a K=32 operand at a time
+    old = WEIGHTS.budget_bytes
+    WEIGHTS.resize(1000)
+    try:
+        assert ev.streams(model.graph)
+        before = WEIGHTS.misses
+        got = evaluate_nodes(model.graph, batch)
+        got_chunk = evaluate_chunk(model.graph, chunk.nodes, ext, model.graph.bind_symbols(batch))
+        assert WEIGHTS.misses == before  # no weight was converted into the cache
+    finally:
+        WEIGHTS.resize(old)
+    def close(a, b):  # FP64 rounding apart: BLAS may sum a block of columns in another order
+        return np.all(np.abs(a - b) <= 1e-13 * max(np.abs(b).max(initial=0.0), 1e-300))
+    for n, v in want.items():
+        if model.graph.weight_name(n) is None:
+            assert got[n].dtype == v.dtype and close(got[n], v), n
+    for n, v in want_chunk.items():
+        assert close(got_chunk[n], v), n
+
+
+def test_released_pages_of_a_mapped_weight_leave_the_resident_set_and_read_back_the_same(tmp_path):
+    from luminal_num.hlir.store import release_pages
+    values = np.random.default_rng(4).standard_normal((2048, 1024)).astype(np.float32)  # 8 MB
+    save_safetensors(tmp_path / "w.safetensors", {"w": values})
+    w = load_safetensors(tmp_path / "w.safetensors")["w"]
+
+    def resident_kb():
+        return int(next(line for line in open("/proc/self/status") if line.startswith("RssFile:")).split()[1])
+    before = resident_kb()
+    assert float(np.sum(w, dtype=np.float64)) == float(np.sum(values, dtype=np.float64))  # touched: mapped in
+    touched = resident_kb()
+    assert release_pages(w) and touched - resident_kb() > 6 * 1024  # the pages left the resident set
+    assert resident_kb() - before < 2 * 1024
+    assert np.array_equal(w, values)  # and read back when touched again
+    assert not release_pages(values)  # an array in memory: nothing to release

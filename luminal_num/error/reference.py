@@ -7,7 +7,9 @@ Only the values at chunk boundaries are kept (what those stages read: every chun
 and exports, and the outputs): the evaluation frees every other value after its last reader, so a
 reference holds boundary rows, not every intermediate of every layer. Values are keyed read-only
 arrays (hlir/store.py): what the metrics derive from a reference (its log-softmax rows) is cached by
-its content.
+its content. Past a byte budget (`SPILL`, set from the compile's memory plan) further batches' values
+are spilled: held in unlinked memory-mapped files (hlir/store.file_backed), which the kernel may drop
+from memory and read back, instead of in the process's own memory.
 """
 from __future__ import annotations
 
@@ -19,8 +21,18 @@ import numpy as np
 from ..hlir.evaluate import evaluate_nodes
 from ..hlir.graph import Graph
 from ..hlir.partition import Partition
-from ..hlir.store import keyed
+from ..hlir.store import file_backed, keyed
+from ..hlir.symbolic import evaluate as eval_dim
 from ..runtime.heap import trim_heap
+
+
+@dataclass
+class SpillBudget:
+    """Bytes of boundary values kept in memory before further references are spilled to files."""
+    budget_bytes: int = 2 << 30
+
+
+SPILL = SpillBudget()
 
 
 @dataclass(frozen=True)
@@ -30,11 +42,17 @@ class Fp64Reference:
     bindings: Mapping[str, int]         # symbolic dims bound by this batch
 
     @staticmethod
-    def of(graph: Graph, batch: Mapping[str, np.ndarray], keep: Collection[int] | None = None) -> "Fp64Reference":
-        """`keep`: the nodes whose values are kept (None: every node)."""
+    def of(graph: Graph, batch: Mapping[str, np.ndarray], keep: Collection[int] | None = None,
+           spill: bool = False) -> "Fp64Reference":
+        """`keep`: the nodes whose values are kept (None: every node); `spill`: held in files, not memory."""
         values = evaluate_nodes(graph, batch, keep=keep)
         trim_heap()  # the pass's freed intermediates (every node's FP64 value) back to the system
-        return Fp64Reference(batch, {n: keyed(v) for n, v in values.items()}, graph.bind_symbols(batch))
+        held = {n: keyed(file_backed(v) if spill else v) for n, v in values.items()}
+        return Fp64Reference(batch, held, graph.bind_symbols(batch))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.values.values())
 
     def outputs(self, graph: Graph) -> dict[str, np.ndarray]:
         return {name: self.values[nid] for name, nid in graph.outputs.items()}
@@ -50,6 +68,22 @@ def boundary_nodes(graph: Graph, part: Partition) -> frozenset[int]:
 
 def references(graph: Graph, calibration: Sequence[Mapping[str, np.ndarray]],
                part: Partition | None = None) -> tuple[Fp64Reference, ...]:
-    """One FP64 evaluation per calibration batch (with `part`: keeping its chunk boundaries only)."""
+    """One FP64 evaluation per calibration batch (with `part`: keeping its chunk boundaries only); the
+    batches past SPILL's budget are spilled to files."""
     keep = None if part is None else boundary_nodes(graph, part)
-    return tuple(Fp64Reference.of(graph, batch, keep) for batch in calibration)
+    out, held = [], 0
+    for batch in calibration:
+        out.append(Fp64Reference.of(graph, batch, keep, spill=held >= SPILL.budget_bytes))
+        held += out[-1].nbytes
+    return tuple(out)
+
+
+def reference_bytes(graph: Graph, part: Partition, calibration: Sequence[Mapping[str, np.ndarray]]) -> int:
+    """What references() keeps, from the shapes alone: every batch's boundary values in FP64."""
+    keep = boundary_nodes(graph, part)
+    total = 0
+    for batch in calibration:
+        bindings = graph.bind_symbols(batch)
+        total += sum(8 * int(np.prod([eval_dim(d, bindings) for d in graph.nodes[n].shape], dtype=np.int64))
+                     for n in keep)
+    return total

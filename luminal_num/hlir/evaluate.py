@@ -5,6 +5,14 @@
 dtype (what a correctly rounded FP32 unit does); SumReduce accumulates in float32 (numpy's pairwise
 order); Softmax, a fused op, is computed in float64 and rounded once. Inputs are rounded to their
 declared dtype first.
+
+A model whose FP64 weights do not fit half the weight cache (`streams`: a 1B model's are 10 GB) is
+evaluated without an FP64 copy of any large weight: such a weight's value stays its FP32 array, a
+Gemm reading it converts B a block of columns at a time, a Gather converts the rows it reads, and any
+other reader converts what it reads. Every value is the float64 the cached copy would give (an FP32
+value widens exactly); only what is held at once changes. Cached conversions would be evicted before
+their next use (every pass reads the layers in order), so caching them only pushes out what the cache
+is for.
 """
 from __future__ import annotations
 
@@ -55,6 +63,40 @@ def fp64_weight(val: np.ndarray) -> np.ndarray:
     return WEIGHTS.get(val, ("reference", "f64", "F32"), lambda: _read_only(np.asarray(val, dtype=np.float64)))
 
 
+STREAM_MIN_BYTES = 4 << 20    # FP32 weights below this are converted as before (norm gains, biases)
+GEMM_BLOCK_BYTES = 2 << 20    # FP64 columns of a streamed Gemm's B converted at a time (in cache: as fast as an FP64 copy)
+
+
+def streams(graph: Graph) -> bool:
+    """Whether the graph's FP64 evaluation streams its weights: their FP64 copies exceed half the
+    process's weight cache (the budget the compile's memory plan sets)."""
+    fp64 = sum(8 * int(np.size(w)) for w in graph.weights.values())
+    return fp64 > WEIGHTS.budget_bytes // 2
+
+
+def _streamed_weight(graph: Graph, node: Node, precision: str):
+    """A large FP32 weight's own array, for an FP64 evaluation that streams (None: converted as before)."""
+    name = node.attr("name") if node.op is Op.INPUT else None
+    if precision != "f64" or name not in graph.weights:
+        return None
+    w = graph.weights[name]
+    return w if w.dtype == np.float32 and w.nbytes >= STREAM_MIN_BYTES and node.dtype.kind is Kind.FLOAT else None
+
+
+def _wide(x: np.ndarray) -> np.ndarray:
+    """An FP32 value (a streamed weight, or what was read of it) as float64 (exact)."""
+    return np.asarray(x, dtype=np.float64) if x.dtype == np.float32 else x
+
+
+def _matmul_streamed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b with float64 a and FP32 b (batch, K, N): B widened a block of columns at a time."""
+    out = np.empty((*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1]))
+    step = max(1, GEMM_BLOCK_BYTES // (8 * max(1, b.shape[-2] * int(np.prod(b.shape[:-2])))))
+    for s in range(0, b.shape[-1], step):
+        out[..., s:s + step] = np.matmul(a, np.asarray(b[..., s:s + step], dtype=np.float64))
+    return out
+
+
 def _read_only(out: np.ndarray) -> np.ndarray:
     out.flags.writeable = False  # shared between evaluations: nobody may write into it
     return out
@@ -93,7 +135,7 @@ def _softmax(node: Node, srcs, graph, inputs, bindings, precision) -> np.ndarray
 
 def _gather(node: Node, srcs, graph, inputs, bindings, precision) -> np.ndarray:
     table, idx = srcs
-    return table[_indices(idx, table.shape[0], "gather")]
+    return _wide(table[_indices(idx, table.shape[0], "gather")])  # a streamed table: the rows read
 
 
 def _scatter(node: Node, srcs, graph, inputs, bindings, precision) -> np.ndarray:
@@ -171,6 +213,8 @@ def _gemm_operand(graph: Graph, src, values, bindings, lay, side: int, precision
     node = graph.nodes[src.node]
     if node.op is Op.INPUT and node.attr("name") in graph.weights and full.dtype == dt:
         return _operand_view(full, lay, side)
+    if side == 1 and precision == "f64" and full.dtype == np.float32 and node.op is Op.INPUT:
+        return _operand_view(full, lay, side)  # a streamed weight: widened by blocks in the product
     return (gemm_operand_b if side else gemm_operand_a)(full, lay).astype(dt, copy=False)
 
 
@@ -219,6 +263,7 @@ def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision
     """Evaluate nodes in order; Mul+SumReduce matmuls go through BLAS instead of (m, n, k) products.
     `keep`: only these values stay in `values` (each other value is dropped after its last reader)."""
     consumers = _consumers(graph)
+    stream = precision == "f64" and streams(graph)
     fused = {}
     members = set(node_ids)
     for nid in node_ids:
@@ -241,10 +286,17 @@ def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision
             a_full = read_operand(mul.srcs[0].view, values[mul.srcs[0].node], bindings)
             a, b = (_gemm_operand(graph, src, values, bindings, lay, side, precision)
                     for side, src in enumerate(mul.srcs))
-            out = gemm_result(np.matmul(a, b), lay, a_full.shape)
+            a = _wide(a)
+            out = gemm_result(_matmul_streamed(a, b) if b.dtype == np.float32 else np.matmul(a, b), lay, a_full.shape)
             values[nid] = _round(np.asarray(out, dtype=np.float64), node.dtype, precision)
             continue
+        held = _streamed_weight(graph, node, precision) if stream else None
+        if held is not None:
+            values[nid] = held
+            continue
         srcs = [s.view.realize(values[s.node], bindings) for s in node.srcs]
+        if stream and node.op is not Op.GATHER:
+            srcs = [_wide(x) for x in srcs]  # a streamed weight read whole by another op: widened here
         values[nid] = np.asarray(eval_node(node, srcs, graph, inputs, bindings, precision))
 
 
@@ -263,9 +315,12 @@ def evaluate_chunk(graph: Graph, node_ids, external: Mapping[int, np.ndarray], b
     a chunk amplifies error in its inputs (finite differences).
     """
     values: dict[int, np.ndarray] = dict(external)
+    stream = precision == "f64" and streams(graph)
     for nid in node_ids:  # weights not handed in: their cached value (the caller need not hold them)
         for s in graph.nodes[nid].srcs:
             if s.node not in values and graph.weight_name(s.node) is not None:
-                values[s.node] = eval_node(graph.nodes[s.node], [], graph, {}, bindings, precision)
+                held = _streamed_weight(graph, graph.nodes[s.node], precision) if stream else None
+                values[s.node] = held if held is not None else \
+                    eval_node(graph.nodes[s.node], [], graph, {}, bindings, precision)
     _run_nodes(graph, list(node_ids), values, {}, bindings, precision)
     return {nid: values[nid] for nid in node_ids if nid in values}

@@ -15,6 +15,7 @@ new values, keyed by their own bytes if anyone asks.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import tempfile
 
@@ -94,3 +95,23 @@ def file_backed(values: np.ndarray) -> np.ndarray:
         f.write(memoryview(values).cast("B"))
         f.flush()
         return np.memmap(f, dtype=values.dtype, mode="r", shape=values.shape)  # the map keeps the file
+
+
+def release_pages(a: np.ndarray) -> bool:
+    """Drop this process's mapping of the file pages under `a` (a view of a read-only memory-mapped
+    file): they stop counting in its resident set and are read again (from page cache or the file)
+    if touched later. For a stage that streams a model layer by layer and will not come back soon.
+    Returns False (and does nothing) for an array that is not such a view."""
+    m = a
+    while m is not None and not isinstance(getattr(m, "_mmap", None), mmap.mmap):
+        m = getattr(m, "base", None)
+    if m is None or not isinstance(m, np.ndarray) or m.flags.writeable:
+        return False
+    start_of_map = m.ctypes.data - (m.offset % mmap.ALLOCATIONGRANULARITY)
+    lo = a.ctypes.data - start_of_map
+    hi = lo + a.nbytes
+    lo = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the array only
+    hi = hi // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo and a.flags.c_contiguous:
+        m._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    return True

@@ -5,7 +5,9 @@ again for every candidate; this one is process-wide, keyed by (the weight's cont
 derived), hlir/store.py: equal weights share entries, and an entry is valid for as long as the key
 exists (weights are immutable by contract). Arrays that are not weights (no content key) are not
 cached: hashing them on every call would cost more than it saves. Entries are evicted
-least-recently-used beyond a byte budget (the compile sets it from its memory budget, compiler.py).
+least-recently-used beyond a byte budget (the compile sets it from its memory budget, compiler.py),
+and room for a new value is made before it is computed, so the cache and the value being made stay
+within the budget together (evicting after would hold both: a 1 GB head's operand over a full cache).
 An entry that is a view of its source (an FP32 weight stored as is) keeps the source alive until it
 is evicted; its bytes count.
 """
@@ -22,12 +24,14 @@ T = TypeVar("T")
 DEFAULT_BUDGET_BYTES = 4 << 30  # a 135M-parameter model's float64 weights plus its FP32 stored weights and Gemm operands
 
 
-def nbytes(value) -> int:
-    """Bytes held by an array, or by the arrays among a dataclass's fields / a tuple's items."""
+def nbytes(value, source: np.ndarray | None = None) -> int:
+    """Bytes held by an array, or by the arrays among a dataclass's fields / a tuple's items; arrays
+    that are views of `source` (an FP32 weight stored as is) hold nothing of their own: the weight's
+    pages are the graph's (often a file's), alive whether or not the entry is."""
     if isinstance(value, np.ndarray):
-        return value.nbytes
+        return 0 if source is not None and np.may_share_memory(value, source) else value.nbytes
     items = value if isinstance(value, tuple) else getattr(value, "__dict__", {}).values()
-    return sum(v.nbytes for v in items if isinstance(v, np.ndarray))
+    return sum(nbytes(v, source) for v in items if isinstance(v, np.ndarray))
 
 
 class ByteLRU:
@@ -45,6 +49,12 @@ class ByteLRU:
             return None
         self._items.move_to_end(key)
         return hit[0]
+
+    def make_room(self, size: int) -> None:
+        """Evict least-recently-used entries until `size` more bytes fit the budget: a value about to be
+        made then never pushes the process past the budget while the entries it will evict still live."""
+        while self._items and self.bytes + size > self.budget_bytes:
+            self.drop(next(iter(self._items)))
 
     def put(self, key: Hashable, value, size: int) -> None:
         """Keep `value` (replacing the key's entry) unless it alone exceeds the budget."""
@@ -87,9 +97,16 @@ class WeightCache:
             self.hits += 1
             return hit
         self.misses += 1
+        if isinstance(source, WeightArray):  # what is derived from a weight is at most its size in FP32
+            self._lru.make_room(min(4 * source.size, self._lru.budget_bytes))
         value = make()
-        self._lru.put(k, value, nbytes(value))
+        self._lru.put(k, value, nbytes(value, source if isinstance(source, np.ndarray) else None))
         return value
+
+    def holds(self, source, key: Hashable) -> bool:
+        """Whether (the weight's content, key) has an entry now (a look that neither makes nor evicts)."""
+        ck = source if isinstance(source, str) else source.content_key if isinstance(source, WeightArray) else None
+        return ck is not None and self._lru.get((ck, key)) is not None
 
     def get_joint(self, sources: Sequence, key: Hashable, make: Callable[[], T]) -> T:
         """get() for a value derived from several weights (a concatenation): keyed by all their keys;

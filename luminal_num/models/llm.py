@@ -228,34 +228,51 @@ def _stacked_caches(states: Sequence[Fp64State], graph: LlamaModel | GemmaModel)
 def decode_batches(model: LlmModel, graph: LlamaModel, prompts: Sequence[Prompt], steps: int = 1) -> list[dict]:
     """Decode inputs: per group of `batch` prompts and per step t < steps, each sequence at position
     len(prompt) - 1 + t, feeding the prompt's last token (t = 0) or FP64's greedy token, with FP64's
-    cache rows before it. Step t's logits thus predict FP64's (t+1)-th generated token."""
+    cache rows before it. Step t's logits thus predict FP64's (t+1)-th generated token. Every prompt
+    goes through the FP64 model in one pass per step (Fp64Llama.forward_many: each layer's weights
+    converted once, whatever the number of prompts)."""
+    groups = _groups(prompts, graph.batch)
+    ids = [fitting_ids(model, p, steps - 1, graph.max_cache) for group in groups for p in group]
+    fp64 = model.fp64
+    states = [fp64.empty() for _ in ids]
+    prefixes = [j for j, row in enumerate(ids) if len(row) > 1]
+    for j, (_, state) in zip(prefixes, fp64.forward_many([ids[j][:-1] for j in prefixes], logits=False)):
+        states[j] = state
+    tokens = [row[-1] for row in ids]
+    per_step = []
+    for step in range(steps):
+        per_step.append((list(tokens), list(states)))
+        if step + 1 < steps:
+            advanced = fp64.forward_many([[tok] for tok in tokens], states)
+            tokens = [int(np.argmax(logits[-1])) for logits, _ in advanced]
+            states = [state for _, state in advanced]
     out = []
-    for group in _groups(prompts, graph.batch):
-        ids = [fitting_ids(model, p, steps - 1, graph.max_cache) for p in group]
-        states = [model.fp64.forward(row[:-1])[1] if len(row) > 1 else model.fp64.empty() for row in ids]
-        tokens = [row[-1] for row in ids]
-        for step in range(steps):
-            positions = [state.length for state in states]
-            out.append(graph.make_batch_inputs(np.array(tokens)[:, None], np.array(positions)[:, None],
-                                               _stacked_caches(states, graph), positions))
-            if step + 1 < steps:
-                advanced = [model.fp64.forward([tok], state) for tok, state in zip(tokens, states)]
-                tokens = [int(np.argmax(logits[-1])) for logits, _ in advanced]
-                states = [state for _, state in advanced]
+    for g in range(len(groups)):
+        rows = slice(g * graph.batch, (g + 1) * graph.batch)
+        for step_tokens, step_states in per_step:
+            group_states = step_states[rows]
+            positions = [state.length for state in group_states]
+            out.append(graph.make_batch_inputs(np.array(step_tokens[rows])[:, None], np.array(positions)[:, None],
+                                               _stacked_caches(group_states, graph), positions))
     return out
 
 
 def prefill_batches(model: LlmModel, graph: LlamaModel, prompts: Sequence[Prompt]) -> list[dict]:
-    """Prefill inputs: the first SEQ tokens of prompt + FP64 greedy continuation, `batch` prompts a step."""
+    """Prefill inputs: the first SEQ tokens of prompt + FP64 greedy continuation, `batch` prompts a step
+    (the continuations of all prompts generated together: Fp64Llama.greedy_many)."""
     b, s = graph.batch, graph.seq
-    out = []
-    for group in _groups(prompts, b):
-        rows = []
-        for p in group:
-            ids = model.encode(p)[:s]
-            rows.append(ids + (model.fp64.greedy(ids, s - len(ids))[0] if len(ids) < s else []))
-        out.append(graph.make_batch_inputs(np.array(rows), np.tile(np.arange(s), (b, 1))))
-    return out
+    groups = _groups(prompts, b)
+    ids = [model.encode(p)[:s] for group in groups for p in group]
+    short = [j for j, row in enumerate(ids) if len(row) < s]
+    rows = [list(row) for row in ids]
+    by_need: dict[int, list[int]] = {}  # sequences needing as many tokens generate together
+    for j in short:
+        by_need.setdefault(s - len(ids[j]), []).append(j)
+    for need, js in sorted(by_need.items()):
+        for j, (cont, _) in zip(js, model.fp64.greedy_many([ids[j] for j in js], need)):
+            rows[j] = ids[j] + cont
+    return [graph.make_batch_inputs(np.array(rows[g * b:(g + 1) * b]), np.tile(np.arange(s), (b, 1)))
+            for g in range(len(groups))]
 
 
 def build_workload(model: LlmModel, workload: Workload) -> LlamaModel | GemmaModel:

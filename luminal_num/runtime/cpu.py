@@ -96,14 +96,17 @@ class CpuRuntime:
         # the last run's output buffers (bindings key -> kernel id -> its view of a slot), for the next
         # run of the same shapes: no fresh pages to fault in, the same arrays for compiled reads
         self._outputs: tuple[tuple, dict[int, np.ndarray]] | None = None
+        self._drops: dict[int, tuple[int, ...]] | None = None  # kernel id -> EXTERNALs it reads last
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
-        feed = {**self.weights, **inputs}
+        feed = _Feed({**self.weights, **inputs})
         missing = [n for n, _ in self.program.inputs if n not in feed]
         if missing:
             raise KeyError(f"missing inputs: {missing}")
-        feed.update(self._concatenated(feed, inputs))
+        weight_concats = self._weight_concats(inputs)
+        feed.lazy = {k.external: k for k in self.program.kernels if k.external in weight_concats}
+        feed.update(self._concatenated(feed, inputs, skip=weight_concats))
         bindings = {**bind_program(self.program, feed), **(bindings or {})}
         key = tuple(sorted(bindings.items()))
         if key not in self._plans:
@@ -111,15 +114,24 @@ class CpuRuntime:
         plan = self._plans[key]
         held, self._outputs = self._outputs, None  # a run that starts meanwhile allocates its own
         outs = held[1] if held is not None and held[0] == key else self._output_views(plan, bindings)
-        state = _Run({}, {}, feed, bindings, frozenset(n for n in self.weights if n not in inputs)
-                     | frozenset(self._concats), self._compiled)
+        stored = _Stored()
+        state = _Run(stored, {}, feed, bindings, frozenset(n for n in self.weights if n not in inputs)
+                     | weight_concats, self._compiled)
+        drops = self._weight_drops()
         timings = []
         wanted = {kid for _, kid in self.program.exports} if keep_exports else set()
+        kept = wanted | {kid for _, kid in self.program.outputs}
+        # a weight's stored form is made when its first reader reads it (EXTERNALs come first in a
+        # program: made in order, every weight's derived forms would be alive at once)
+        stored.make = {k.id: (lambda k=k: _external(self, k, state)) for k in self.program.kernels
+                       if k.kind is KernelKind.EXTERNAL and k.external in state.weight_names and k.id not in kept}
         exports: dict[int, np.ndarray] = {}
         with np.errstate(all="ignore"):
             for k in self.program.kernels:
                 t0 = time.perf_counter()
-                if k.kind is KernelKind.EXTERNAL and k.external in state.weight_names:
+                if k.id in stored.make:
+                    pass  # made by its first reader (_Stored)
+                elif k.kind is KernelKind.EXTERNAL and k.external in state.weight_names:
                     state.stored[k.id] = _external(self, k, state)  # the cached stored weight (never written)
                 else:
                     state.out = outs[k.id]
@@ -133,6 +145,8 @@ class CpuRuntime:
                             exports[nid] = state.stored[k.id].astype(np.float64)  # the slot may be reused
                 if k.kind.launches:
                     timings.append((k.id, time.perf_counter() - t0))
+                for buf in drops.get(k.id, ()):  # a weight's stored form after its last reader: the cache's
+                    state.stored.pop(buf, None)     # to keep or evict, not this run's to pin until the end
         outputs = {name: state.stored[kid].astype(np.float64) for name, kid in self.program.outputs}
         self._outputs = (key, outs)
         return RunResult(outputs, tuple(timings), plan, exports if keep_exports else None)
@@ -147,12 +161,35 @@ class CpuRuntime:
             outs[k.id] = slots[plan.slot_of[k.id]][:nbytes].view(k.dtype.storage).reshape(shape)
         return outs
 
-    def _concatenated(self, feed, inputs) -> dict[str, np.ndarray]:
-        """The value of every concatenated-weights EXTERNAL (a horizontally fused Gemm's B): built once
-        per runtime when all its parts are this runtime's weights, else from this run's feed."""
+    def _weight_concats(self, inputs) -> frozenset[str]:
+        """The concatenated-weights EXTERNALs whose parts are all this runtime's weights."""
+        return frozenset(k.external for k in self.program.kernels
+                         if k.concat and all(n in self.weights and n not in inputs for n in k.concat))
+
+    def _weight_drops(self) -> dict[int, tuple[int, ...]]:
+        """Kernel id -> the EXTERNAL buffers it is the last reader of (program outputs excluded); an
+        EXTERNAL nothing reads (a weight read only in a storage format) is dropped right after itself."""
+        if self._drops is None:
+            last: dict[int, int] = {k.id: k.id for k in self.program.kernels if k.kind is KernelKind.EXTERNAL}
+            for k in self.program.kernels:
+                for inp in k.inputs:
+                    last[inp.buffer] = k.id
+            externals = {k.id for k in self.program.kernels if k.kind is KernelKind.EXTERNAL}
+            outputs = {kid for _, kid in self.program.outputs}
+            drops: dict[int, list[int]] = {}
+            for buf, reader in last.items():
+                if buf in externals and buf not in outputs:
+                    drops.setdefault(reader, []).append(buf)
+            self._drops = {r: tuple(b) for r, b in drops.items()}
+        return self._drops
+
+    def _concatenated(self, feed, inputs, skip: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+        """The value of every concatenated-weights EXTERNAL (a horizontally fused Gemm's B) not in `skip`:
+        built once per runtime when all its parts are this runtime's weights, else from this run's feed.
+        (A run skips the weights' own: its feed reads them from the weight cache when a kernel needs them.)"""
         out = {}
         for k in self.program.kernels:
-            if not k.concat:
+            if not k.concat or k.external in skip:
                 continue
             if any(n in inputs or n not in self.weights for n in k.concat):
                 out[k.external] = external_value(k, feed)
@@ -171,6 +208,33 @@ class CpuRuntime:
         if k.id not in self._epilogues:
             self._epilogues[k.id] = epilogue_as_elementwise(k, _accumulator_id(k))
         return self._epilogues[k.id]
+
+
+class _Stored(dict):
+    """A run's buffers by kernel id; a weight's stored form (`make`: kernel id -> how) is made when it is
+    first read and kept until its last reader has run (CpuRuntime.run drops it then)."""
+
+    make: Mapping[int, Callable[[], np.ndarray]] = {}
+
+    def __missing__(self, kid: int) -> np.ndarray:
+        if kid not in self.make:
+            raise KeyError(kid)
+        value = self[kid] = self.make[kid]()
+        return value
+
+
+class _Feed(dict):
+    """A run's inputs by name; a concatenation of weights is looked up in the weight cache each time it
+    is read (codegen.llir.external_value), never held by the run: a whole-model run reads every fused
+    weight once, and holding them all (2.5 GB of a 1B model's) is what the cache's budget is for."""
+
+    lazy: Mapping[str, Kernel] = {}
+
+    def __missing__(self, name: str):
+        k = self.lazy.get(name)
+        if k is None:
+            raise KeyError(name)
+        return external_value(k, self)
 
 
 # -- one function per kernel kind -------------------------------------------------------------------
