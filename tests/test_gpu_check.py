@@ -43,6 +43,7 @@ def load_check_module():
     return module
 
 
+@pytest.mark.slow  # packs ~57 MiB of wheels and builds a venv: ~1 min, and its 60 s claim is load-sensitive
 def test_dry_run_in_a_device_like_python_without_network_stops_at_the_device_within_60_s(tmp_path):
     """The dry run: a Python holding only the device image's packages (scripts/device_packages.txt; no
     CuPy, no egglog), the wheels gpu_carry packs from this machine, no network (a fresh network namespace
