@@ -15,6 +15,18 @@ TYPES = [3] * 4 + [1] * (len(TOKENS) - 260) + [6] * 256
 VOCAB = len(TOKENS)
 
 
+def add_tokenizer(w) -> None:
+    """The tiny SPM vocabulary (TOKENS / TYPES) and its BOS/EOS handling, as a Gemma 3 file carries them."""
+    w.add_tokenizer_model("llama")
+    w.add_token_list(TOKENS)
+    w.add_token_scores([-float(i) if kind == 1 else 0.0 for i, kind in enumerate(TYPES)])
+    w.add_token_types(TYPES)
+    w.add_eos_token_id(1)
+    w.add_add_space_prefix(False)
+    w.add_bos_token_id(2)
+    w.add_add_bos_token(True)
+
+
 def write_tiny_gemma(path, seed: int = 0, extra_keys: dict | None = None, extra_tensors: dict | None = None) -> None:
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "gemma3")
@@ -31,14 +43,7 @@ def write_tiny_gemma(path, seed: int = 0, extra_keys: dict | None = None, extra_
     w.add_sliding_window(WINDOW)
     for key, value in (extra_keys or {}).items():
         w.add_float32(key, value)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(TOKENS)
-    w.add_token_scores([-float(i) if kind == 1 else 0.0 for i, kind in enumerate(TYPES)])
-    w.add_token_types(TYPES)
-    w.add_eos_token_id(1)
-    w.add_add_space_prefix(False)
-    w.add_bos_token_id(2)
-    w.add_add_bos_token(True)
+    add_tokenizer(w)
 
     def linear(out, inp):
         return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
@@ -88,14 +93,7 @@ def write_kquant_gemma(path, layers: int = 3, seed: int = 0) -> None:
                        (w.add_key_length, KQ_HEAD_DIM), (w.add_value_length, KQ_HEAD_DIM),
                        (w.add_layer_norm_rms_eps, 1e-6), (w.add_rope_freq_base, 1e6), (w.add_sliding_window, WINDOW)):
         add(value)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(TOKENS)
-    w.add_token_scores([-float(i) if kind == 1 else 0.0 for i, kind in enumerate(TYPES)])
-    w.add_token_types(TYPES)
-    w.add_eos_token_id(1)
-    w.add_add_space_prefix(False)
-    w.add_bos_token_id(2)
-    w.add_add_bos_token(True)
+    add_tokenizer(w)
 
     def blocks(ggml: str, rows: int, k: int):
         if ggml == "Q8_0":
