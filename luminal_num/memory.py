@@ -89,6 +89,12 @@ class MemoryPlan:
         """Stop (MemoryBudgetError, one line) when the process tree's memory now plus `need`, what stage
         `stage` will add, exceeds the budget."""
         held = tree_pss()
+        over, cached = held + need - self.budget, WEIGHTS.bytes + CONVERTED.bytes
+        if over > 0 and cached > 0:  # the caches are what the compile can give back: evict before refusing
+            keep = max(0.0, 1.0 - over / cached)
+            WEIGHTS.resize(int(WEIGHTS.bytes * keep))
+            CONVERTED.resize(int(CONVERTED.bytes * keep))
+            held = tree_pss()
         if held + need > self.budget:
             raise MemoryBudgetError(f"stage {stage} needs {_gb(need)} more memory; the compile holds {_gb(held)} "
                                     f"and its memory budget is {_gb(self.budget)}: raise --max-memory, or compile "
