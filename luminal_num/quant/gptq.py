@@ -88,7 +88,7 @@ class _Rounder:
             self.groups.append({p: v for p, v in values.items() if p is not Part.Q})
         parts = self.groups[-1]
         self.codes[:, j] = _ENCODERS[self.fmt.scheme](self.fmt, current, parts)
-        single = Quantized(self.fmt, (len(current), 1), {Part.Q: self.codes[:, j:j + 1], **_one_column(parts, self.fmt)})
+        single = Quantized(self.fmt, (len(current), 1), {Part.Q: self.codes[:, j:j + 1], **_one_column(parts)})
         return self.fmt.dequantize(single)[:, 0].astype(np.float64)
 
     def result(self) -> Quantized:
@@ -99,7 +99,7 @@ class _Rounder:
         return Quantized(self.fmt, self.shape, values)
 
 
-def _one_column(parts: Mapping[Part, np.ndarray], fmt: StorageFormat) -> dict[Part, np.ndarray]:
+def _one_column(parts: Mapping[Part, np.ndarray]) -> dict[Part, np.ndarray]:
     """A group's parameters as those of a one-column tensor (the first of their K groups)."""
     return {p: v[:, :1] for p, v in parts.items()}
 
