@@ -21,7 +21,9 @@ from .error.chunks import ChunkEffects, Propagation
 from .error.headroom import HeadroomEstimate, estimate_headroom
 from .error.judge import Judge
 from .error.reference import Fp64Reference, reference_bytes, references
-from .error.tasks import TaskPool
+from .error.executors import Executor, ExecutorKind, ExecutorSpec
+from .error.ray_pool import RayPool
+from .error.tasks import TaskPool, TaskProgress
 from .error.verdict_store import VerdictStore, context_key
 from .hlir.graph import Graph
 from .hlir.partition import Partition, partition
@@ -74,7 +76,7 @@ class CompileContext:
     target: str
     options: SearchOptions
     use_static: bool | str
-    pool: TaskPool | None
+    pool: Executor | None
     store: VerdictStore | None
 
 
@@ -118,7 +120,8 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
     with ExitStack() as stack:
         pool = chunks = exact = None
         if len(space.part.chunks) > 1:
-            pool = stack.enter_context(TaskPool(graph.weights, memory.workers, memory.worker_cache))
+            pool = stack.enter_context(open_executor(options.executor, graph.weights, memory.workers,
+                                                     memory.worker_cache, options.progress))
             chunks, exact = (ChunkEffects(graph, space.part, list(refs.batches), space.lower_chunk,
                                           space.candidates(frozenset()), mode, pool=pool, changes_of=space.knobs_of,
                                           outputs=budget.outputs)
@@ -156,6 +159,15 @@ def plan_stage(ctx: CompileContext, space: SearchSpace, refs: References, judge:
     return CompileResult(plan, chosen.program, space, result)
 
 
+def open_executor(spec: ExecutorSpec, weights: Mapping[str, np.ndarray], local_workers: int,
+                  cache_bytes: int | None, progress: bool = False) -> Executor:
+    """The executor `spec` names: the local pool of `local_workers` processes (memory.py plans how many fit),
+    or Ray actors (ray itself is imported only then). `cache_bytes`: each worker's budget for each weight cache."""
+    if spec.kind is ExecutorKind.RAY:
+        return RayPool(weights, spec.address, spec.workers, cache_bytes, TaskProgress(progress))
+    return TaskPool(weights, local_workers, cache_bytes, TaskProgress(progress))
+
+
 def calibration_ranges(graph: Graph, part: Partition, refs: Sequence[Fp64Reference]) -> dict:
     """FP64 value ranges of every output and chunk export on the calibration set (audit compares)."""
     out: dict[str, tuple[float, float]] = {}
@@ -177,7 +189,7 @@ PROBES = ("FP32 everywhere", "TF32 flag", "BF16 autocast", "FP16 autocast")  # t
 
 def choose_headroom(graph: Graph, budget: Budget, calibration, refs, space: SearchSpace,
                     override: float | None, ran: dict[str, list] | None = None,
-                    pool: TaskPool | None = None) -> HeadroomEstimate:
+                    pool: Executor | None = None) -> HeadroomEstimate:
     """The override when given, else the margin measured on split calibration batches (error/headroom.py)
     with the peer baselines as probes (their outputs are kept in `ran`, by program key; run on `pool`)."""
     if override is not None:

@@ -102,7 +102,7 @@ def test_a_pool_worker_shrinks_both_weight_caches_to_its_budget(fresh, monkeypat
     per_conv, per_copy = fresh.bytes // 4, cache.bytes // 4
     assert per_conv == per_copy  # a bf16 conversion (values + widened FP32) weighs what a float64 copy does
     monkeypatch.setattr(tasks, "WORKER_CACHE_BYTES", 2 * per_copy)
-    tasks._worker_init({})
+    tasks.worker_init({})
     assert cache.budget_bytes == fresh.budget_bytes == 2 * per_copy
     assert cache.bytes == fresh.bytes == 2 * per_copy
     kept = [cache.holds(w, "copy") for w in ws]

@@ -33,7 +33,8 @@ from ..hlir.evaluate import evaluate_chunk
 from ..hlir.graph import Graph
 from ..hlir.partition import Chunk, Partition, chunk_key
 from .reference import Fp64Reference
-from .tasks import RunTask, TaskPool, run_task
+from .executors import Executor
+from .tasks import RunTask, run_task
 
 Outputs = dict[str, np.ndarray]
 Devs = list[dict[int, np.ndarray]]  # per batch: export node -> deviation from FP64
@@ -104,7 +105,7 @@ class ChunkRunner:
     """Runs chunk programs: on the pool ahead of need (prefetch), else here when an effect needs one."""
 
     def __init__(self, layout: ChunkLayout, lower_chunk: Callable[[Chunk, ChunkChoice], Program],
-                 pool: TaskPool | None):
+                 pool: Executor | None):
         self.layout, self.lower_chunk, self.pool = layout, lower_chunk, pool
         self.ran: dict[tuple[int, str], object] = {}  # (chunk, choice key) -> outputs run on the pool
         self.runs = 0                                 # chunk programs run (each on every batch it needs)
@@ -225,7 +226,7 @@ class ChunkEffects:
 
     def __init__(self, graph: Graph, part: Partition, references: Sequence[Fp64Reference],
                  lower_chunk: Callable[[Chunk, ChunkChoice], Program], base: Mapping[int, ChunkChoice],
-                 propagation: Propagation = Propagation.SCALED, pool: TaskPool | None = None,
+                 propagation: Propagation = Propagation.SCALED, pool: Executor | None = None,
                  changes_of: Callable[[ChunkChoice], frozenset | None] | None = None,
                  local_batches: int | None = 1, outputs: Sequence[str] | None = None):
         if not references:

@@ -27,6 +27,7 @@ from .metrics import METRICS, Compared
 from .predict import FirstOrderDeltas, budget_ratio
 from .reference import Fp64Reference, references
 from .share import Share
+from .executors import Executor
 from .tasks import RunTask, TaskPool
 from .verdict import PREDICTED_SOURCES, Verdict, VerdictSource, program_key
 from .verdict_store import VerdictStore
@@ -89,13 +90,13 @@ class EndToEnd:
     `outputs_cache`: program key -> its outputs per batch, run once and read once (the headroom's probes
     are also baselines of the search)."""
 
-    def __init__(self, counts: Counter, ev: Evidence, pool: TaskPool | None, outputs_cache: dict | None):
+    def __init__(self, counts: Counter, ev: Evidence, pool: Executor | None, outputs_cache: dict | None):
         self.counts, self.ev, self.pool, self.outputs_cache = counts, ev, pool, outputs_cache
 
     def has_outputs(self, program: Program) -> bool:
         return self.outputs_cache is not None and program_key(program) in self.outputs_cache
 
-    def batch_ratios(self, programs: Sequence[Program], pool: TaskPool | None = None) -> list[list[float]]:
+    def batch_ratios(self, programs: Sequence[Program], pool: Executor | None = None) -> list[list[float]]:
         """For each program, the share of the user's budget it uses on each calibration batch (all
         metrics). With a pool every (program, batch) is a task, so the programs and batches run in
         parallel (the headroom's probes: four end-to-end runs of the model each)."""
@@ -280,7 +281,7 @@ class Judge:
         return JudgeSummary(self.stats, MappingProxyType(figures))
 
     # -- the headroom's probes ----------------------------------------------------------------
-    def batch_ratios(self, programs: Sequence[Program], pool: TaskPool | None = None) -> list[list[float]]:
+    def batch_ratios(self, programs: Sequence[Program], pool: Executor | None = None) -> list[list[float]]:
         return self.runner.batch_ratios(programs, pool)
 
     @property

@@ -1,4 +1,5 @@
-"""Verdict tasks: pure functions of (program, inputs), run here or on a local process pool.
+"""Verdict tasks: pure functions of (program, inputs), run here or on a local process pool (error/executors.py
+names the other executor, a Ray cluster).
 
 A task is what any worker can compute from its arguments alone: a lowered Program, the inputs of each
 calibration batch and their symbol bindings; its result is the program's outputs per batch. Weights
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import signal
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from ..codegen.llir import Program
 from ..codegen.serialize import program_from_data, program_to_data
@@ -25,6 +28,7 @@ from ..runtime.heap import trim_heap
 Batch = Mapping[str, np.ndarray]
 
 _WEIGHTS: Mapping[str, np.ndarray] = {}
+NODE = "local"  # the progress bar's name for this machine
 # A worker runs one chunk at a time, which reads one layer's weights (SmolLM2's largest, the embedding,
 # is 113 MB widened): its caches of converted weights need far less than the whole process's budget,
 # and each worker holding its own 2 x 4 GiB ran a 30-layer compile out of memory on 24 GB.
@@ -48,7 +52,75 @@ def run_task(task: RunTask, weights: Mapping[str, np.ndarray] | None = None) -> 
         trim_heap()  # the run's freed temporaries go back to the system, not into a fragmented heap
 
 
-def _worker_init(weights, cache_bytes: int | None = None) -> None:
+@dataclass
+class TaskTimes:
+    """What the executor's tasks cost: `own_s` the seconds they ran inside their workers, `turnaround_s`
+    the seconds from dispatch to result at the driver (their difference is the executor's overhead)."""
+    tasks: int = 0
+    own_s: float = 0.0
+    turnaround_s: float = 0.0
+    retries: int = 0
+
+    def add(self, own: float, turnaround: float) -> None:
+        self.tasks += 1
+        self.own_s += own
+        self.turnaround_s += turnaround
+
+
+@dataclass
+class NodeCounts:
+    running: int = 0
+    done: int = 0
+
+
+@dataclass
+class TaskProgress:
+    """Tasks queued at the driver, and running / done per node, shown as a second progress bar under the
+    search's (nothing shown when disabled; the counts are kept either way)."""
+    enabled: bool = False
+    queued: int = 0
+    nodes: dict[str, NodeCounts] = field(default_factory=dict)
+    _bar: tqdm | None = None
+
+    def submitted(self, n: int) -> None:
+        self.queued += n
+        self._show()
+
+    def started(self, node: str) -> None:
+        self.queued -= 1
+        self.nodes.setdefault(node, NodeCounts()).running += 1
+        self._show()
+
+    def finished(self, node: str) -> None:
+        self.nodes[node].running -= 1
+        self.nodes[node].done += 1
+        self._show(advance=1)
+
+    def lost(self, node: str) -> None:
+        """A task whose worker died goes back to the queue."""
+        self.nodes[node].running -= 1
+        self.queued += 1
+        self._show()
+
+    def text(self) -> str:
+        per_node = " | ".join(f"{name}: {c.running} running, {c.done} done" for name, c in sorted(self.nodes.items()))
+        return f"{self.queued} queued | {per_node}" if per_node else f"{self.queued} queued"
+
+    def _show(self, advance: int = 0) -> None:
+        if not self.enabled:
+            return
+        if self._bar is None:
+            self._bar = tqdm(desc="tasks", unit="task", position=1, leave=False)
+        self._bar.update(advance)
+        self._bar.set_postfix_str(self.text(), refresh=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def worker_init(weights, cache_bytes: int | None = None) -> None:
     global _WEIGHTS
     _WEIGHTS = weights
     for cache in (WEIGHTS, CONVERTED):  # entries inherited from the parent count until evicted
@@ -56,12 +128,19 @@ def _worker_init(weights, cache_bytes: int | None = None) -> None:
     set_blas_threads(1)  # one worker per core: BLAS threads on top only oversubscribe (runtime/blas_threads.py)
 
 
+def run_caught(task: RunTask, weights: Mapping[str, np.ndarray] | None = None) -> tuple[object, float]:
+    """(the task's outputs, or the runtime error it raised; the seconds it ran)."""
+    t0 = time.perf_counter()
+    try:
+        out = run_task(task, weights)
+    except (ValueError, FloatingPointError) as exc:
+        out = exc
+    return out, time.perf_counter() - t0
+
+
 def _run_data(args):
     data, batches, bindings = args
-    try:
-        return run_task(RunTask(program_from_data(data), batches, bindings))
-    except (ValueError, FloatingPointError) as exc:
-        return exc
+    return run_caught(RunTask(program_from_data(data), batches, bindings))
 
 
 class TaskPool:
@@ -69,9 +148,11 @@ class TaskPool:
     tasks here, in order. Results come back in task order; a task's runtime error comes back as the
     exception it raised, for the caller to turn into a verdict."""
 
-    def __init__(self, weights: Mapping[str, np.ndarray], workers: int = 2, cache_bytes: int | None = None):
+    def __init__(self, weights: Mapping[str, np.ndarray], workers: int = 2, cache_bytes: int | None = None,
+                 progress: TaskProgress | None = None):
         """`cache_bytes`: each worker's budget for each weight cache (default WORKER_CACHE_BYTES)."""
         self.weights, self.workers = weights, workers
+        self.times, self.progress = TaskTimes(), progress or TaskProgress()
         self._pool = None
         if workers > 1 and "fork" in mp.get_all_start_methods():
             # Ctrl-C held back while forking: a SIGINT inside os.fork's after-fork handlers is swallowed
@@ -79,25 +160,38 @@ class TaskPool:
             # the workers keep it blocked (the parent handles an interrupt and closes the pool).
             held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
-                self._pool = mp.get_context("fork").Pool(workers, initializer=_worker_init,
+                self._pool = mp.get_context("fork").Pool(workers, initializer=worker_init,
                                                      initargs=(weights, cache_bytes))
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def map(self, tasks: Sequence[RunTask]) -> list:
+        self.progress.submitted(len(tasks))
+        width = 1
         if self._pool is None or len(tasks) < 2:
-            out = []
-            for t in tasks:
-                try:
-                    out.append(run_task(t, self.weights))
-                except (ValueError, FloatingPointError) as exc:
-                    out.append(exc)
-            return out
-        # a Program holds enum members with callables: it travels as its LLIR data (what plans store)
-        return self._pool.map(_run_data, [(program_to_data(t.program), t.batches, t.bindings) for t in tasks],
-                              chunksize=1)
+            runs = (run_caught(t, self.weights) for t in tasks)
+        else:  # a Program holds enum members with callables: it travels as its LLIR data (what plans store)
+            width = self.workers
+            runs = self._pool.imap(_run_data, [(program_to_data(t.program), t.batches, t.bindings) for t in tasks],
+                                   chunksize=1)
+        out = []
+        t0 = time.perf_counter()
+        started = min(len(tasks), width)
+        for _ in range(started):
+            self.progress.started(NODE)
+        for out_i, own in runs:
+            out.append(out_i)
+            now = time.perf_counter()
+            self.times.add(own, now - t0)  # in the pool: from the previous result (tasks overlap)
+            t0 = now
+            self.progress.finished(NODE)
+            if started < len(tasks):
+                started += 1
+                self.progress.started(NODE)
+        return out
 
     def close(self) -> None:
+        self.progress.close()
         if self._pool is not None:
             self._pool.close()
             self._pool.join()

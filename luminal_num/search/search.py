@@ -17,6 +17,7 @@ from ..codegen.llir import Program
 from ..error.verdict import PREDICTED_SOURCES
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
+from ..error.executors import ExecutorSpec
 from ..runtime.targets import OPERAND_MATH, gemm_math, get_target
 from . import allocate
 from .front import Evaluated, Stage, choose, front, share
@@ -35,6 +36,7 @@ class SearchOptions:
     target: str = "h200"
     progress: bool = True
     workers: int = 2               # local processes running chunk verdict tasks (error/tasks.py); 1: none
+    executor: ExecutorSpec = ExecutorSpec()  # where those tasks run: this machine (default) or a Ray cluster
     headroom: float | None = None  # share of the budget a plan may use on the calibration set (the rest
                                    # is kept for unseen inputs: audit judges against the full budget);
                                    # None: from data (error/headroom.py), a number overrides it
