@@ -21,6 +21,7 @@ from pathlib import Path
 from . import __version__
 from .cli_jobs import (LLM_CANDIDATES, LLM_WORKLOAD, InputError, fill_job_args, input_batches, is_llm, llm_job_of,
                        onnx_job_of, onnx_peer_rows, parse_budget, record_job, registry_job)
+from .error.executors import ExecutorKind, ExecutorSpec, ExecutorUnavailable
 from .error.verdict_store import VerdictCacheWarning
 from .memory import MemoryBudgetError, parse_size, plan_memory
 from .report.files import OutputDirError, OutputLocked, check_output_dir, output_lock
@@ -64,6 +65,14 @@ def _check_out(out: Path, names) -> None:
 
 
 
+def executor_of(args) -> ExecutorSpec:
+    """--executor, --ray-address and --ray-workers as one spec (a Ray option without Ray is refused)."""
+    try:
+        return ExecutorSpec(ExecutorKind(args.executor), args.ray_address, args.ray_workers)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
 def _headroom_arg(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
@@ -105,7 +114,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     print(f"[luminal-num] {memory.describe()}")
     opts = SearchOptions(seed=args.seed, max_candidates=args.candidates, time_limit_s=args.time_limit,
                          target=args.target, progress=not args.quiet,
-                         headroom=getattr(args, "headroom", None))
+                         headroom=getattr(args, "headroom", None), executor=executor_of(args))
     try:
         get_target(args.target)
     except KeyError as exc:  # unknown target: refused before any work (an internal KeyError is a bug, not bad input)
@@ -118,7 +127,8 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
             raise Interrupted("interrupted before any plan passed the budget: nothing written") from None
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONTRACT
-    except (ValueError, MemoryBudgetError) as exc:  # bad options or inputs; a stage the memory budget cannot hold
+    except (ValueError, MemoryBudgetError, ExecutorUnavailable) as exc:  # bad options or inputs; a stage the
+        # memory budget cannot hold; a Ray cluster that cannot be had
         raise InputError(str(exc)) from None
     stats = result.search.stats
     interrupted = (f"search interrupted after {stats.candidates} candidates: best plan so far"
@@ -322,6 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-memory", type=_memory_size, default=None, metavar="SIZE",
                        help="memory the compile and its workers may occupy, e.g. 16G; it plans its worker count "
                             "and cache sizes from it (default: 80%% of the machine's available memory)")
+        p.add_argument("--executor", choices=[k.value for k in ExecutorKind], default=ExecutorKind.LOCAL.value,
+                       help="where verdict tasks run: local processes, or a Ray cluster (pip install "
+                            "'luminal_num[ray]'); the plan is the same bytes either way")
+        p.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
+                       help="with --executor ray: join this cluster (default: start one on this machine)")
+        p.add_argument("--ray-workers", type=_positive, default=None, metavar="N",
+                       help="with --executor ray: actors running tasks (default: one per CPU of the cluster)")
 
     def llm_args(p):
         p.add_argument("--workload", help=f"LLMs: prefill:SEQ | prefill:BATCHxSEQ | decode:BATCH@CONTEXT (default {LLM_WORKLOAD})")

@@ -1,0 +1,172 @@
+"""The verdict tasks on Ray (error/ray_pool.py): the same answers as the local pool, byte for byte, on a
+2-node cluster inside this machine (ray.cluster_utils.Cluster); a killed worker or node costs a retry;
+a task carries no weight or input array."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from luminal_num.error.ray_pool import LOOPBACK_ENV, RayPool, import_ray
+
+ray = import_ray(single_host=True)  # before the cluster starts: its nodes listen on the loopback interface only
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from luminal_num.compiler import compile as compile_plan  # noqa: E402
+from luminal_num.cli_jobs import parse_budget  # noqa: E402
+from luminal_num.error.chunks import ChunkEffects, Propagation  # noqa: E402
+from luminal_num.error.executors import ExecutorKind, ExecutorSpec  # noqa: E402
+from luminal_num.error.reference import references  # noqa: E402
+from luminal_num.error.tasks import TaskPool  # noqa: E402
+from luminal_num.memory import plan_memory  # noqa: E402
+from luminal_num.models.registry import transformer_job  # noqa: E402
+from luminal_num.report.compile_report import write_compile_report  # noqa: E402
+from luminal_num.search.search import SearchOptions  # noqa: E402
+from luminal_num.search.space import SearchSpace  # noqa: E402
+
+STORE = 150 << 20  # each node's object store: the test model's weights and inputs are a few MB
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": STORE,
+                                                      "include_dashboard": False})
+    c.add_node(num_cpus=1, object_store_memory=STORE)
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def job():
+    return transformer_job(3)
+
+
+@pytest.fixture(scope="module")
+def space(job):
+    return SearchSpace.build(job.graph)
+
+
+@pytest.fixture(scope="module")
+def refs(job):
+    return references(job.graph, job.calibration)
+
+
+def _tasks(job, space, refs):
+    """Every chunk's FP32 and all-BF16 programs on the calibration batches: real chunk verdict tasks."""
+    eff = ChunkEffects(job.graph, space.part, refs, space.lower_chunk, space.candidates(frozenset()),
+                       Propagation.SCALED)
+    group = next(g for g in space.part.groups if len(g.chunks) > 1)
+    bf16 = frozenset((group.key, k.cls, "gemm:bf16") for k in space.knobs[group.key] if "gemm:bf16" in k.tags)
+    return [eff.runner.task(space.part.chunks[i], choice, refs)
+            for genome in (frozenset(), bf16) for i, choice in space.candidates(genome).items()]
+
+
+def _same(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert type(g) is type(w)
+        for a, b in zip(g, w):
+            assert a.keys() == b.keys()
+            for k in a:
+                np.testing.assert_array_equal(a[k], b[k])
+
+
+def _ready(pool: RayPool, n: int) -> None:
+    """Both actors up (each imports the compiler when it starts), so each gets tasks."""
+    assert pool.wait_for_workers(n, timeout_s=120) == n, "the Ray actors did not start"
+
+
+def test_the_cluster_listens_on_loopback_only(cluster):
+    assert os.environ.get(LOOPBACK_ENV) == "0"
+    assert cluster.address.startswith("127.0.0.1:")
+
+
+def test_chunk_tasks_on_ray_give_the_local_pool_s_results_in_task_order(cluster, job, space, refs):
+    tasks = _tasks(job, space, refs)
+    with TaskPool(job.graph.weights, 2) as local:
+        want = local.map(tasks)
+    with RayPool(job.graph.weights, cluster.address) as pool:
+        _ready(pool, 2)
+        got = pool.map(tasks)
+        nodes = pool.progress.nodes
+    _same(got, want)
+    assert len(nodes) == 2 and all(c.done > 0 and c.running == 0 for c in nodes.values()), nodes
+
+
+def _payload_checks(pool: RayPool, task) -> tuple[int, int]:
+    """(pickled bytes of what travels with `task`, bytes of its input arrays); every input travels as a
+    ref to the same values."""
+    payload = pool.payload(task)
+    assert not any(isinstance(x, np.ndarray) for b in payload[1] for x in b.values())
+    for refs_of_batch, batch in zip(payload[1], task.batches):
+        for name, ref in refs_of_batch.items():
+            np.testing.assert_array_equal(ray.get(ref), batch[name])
+    return len(ray.cloudpickle.dumps(payload)), sum(v.nbytes for b in task.batches for v in b.values())
+
+
+def test_a_task_carries_no_arrays(cluster, job, space, refs):
+    """What travels per task is the program's LLIR data, object refs of its inputs and the bindings."""
+    with RayPool(job.graph.weights, cluster.address) as pool:
+        size, _ = _payload_checks(pool, _tasks(job, space, refs)[1])
+    assert size < 1 << 20
+
+
+@pytest.mark.slow
+def test_a_smollm2_chunk_task_is_kilobytes_while_its_inputs_are_megabytes(cluster):
+    from luminal_num.models.registry import llm_job
+    job = llm_job("smollm2", layers=2)
+    space = SearchSpace.build(job.graph)
+    refs = references(job.graph, job.calibration)
+    tasks = _tasks(job, space, refs)
+    with RayPool(job.graph.weights, cluster.address) as pool:
+        sizes = [_payload_checks(pool, t) for t in tasks]
+    size, inputs = max(sizes, key=lambda s: s[1])
+    assert inputs > 1 << 20 and size < 64 << 10, sizes
+
+
+def test_a_killed_worker_costs_a_retry_not_the_answer(cluster, job, space, refs):
+    tasks = _tasks(job, space, refs)
+    want = TaskPool(job.graph.weights, 1).map(tasks)
+    with RayPool(job.graph.weights, cluster.address) as pool:
+        _ready(pool, 2)
+        os.kill(pool.worker_pids()[0], signal.SIGKILL)
+        got = pool.map(tasks)
+        assert pool.times.retries >= 1
+    _same(got, want)
+
+
+def _compile_files(job, out: Path, options: SearchOptions, workers: int) -> dict[str, bytes]:
+    result = compile_plan(job.graph, parse_budget(job.default_budget), "h200", job.calibration, options,
+                          memory=plan_memory(job.graph.weights, workers=workers))
+    write_compile_report(result, out, "transformer: error vs latency (h200)")
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def test_plan_and_reports_are_the_same_bytes_for_1_or_2_local_workers_and_a_2_node_ray_cluster(cluster, job,
+                                                                                                tmp_path):
+    opts = SearchOptions(max_candidates=12, progress=False)
+    one = _compile_files(job, tmp_path / "local1", opts, 1)
+    two = _compile_files(job, tmp_path / "local2", opts, 2)
+    ray_opts = SearchOptions(max_candidates=12, progress=False,
+                             executor=ExecutorSpec(ExecutorKind.RAY, address=cluster.address))
+    on_ray = _compile_files(job, tmp_path / "ray2", ray_opts, 2)
+    assert one.keys() == two.keys() == on_ray.keys() and "plan.json" in one
+    for name in one:
+        assert one[name] == two[name] == on_ray[name], name
+
+
+def test_a_node_lost_between_tasks_costs_a_retry(cluster, job, space, refs):
+    """Last in this module: the cluster keeps one node afterwards."""
+    tasks = _tasks(job, space, refs)
+    want = TaskPool(job.graph.weights, 1).map(tasks)
+    with RayPool(job.graph.weights, cluster.address) as pool:
+        _ready(pool, 2)
+        worker_node = next(n for n in cluster.worker_nodes)
+        cluster.remove_node(worker_node)
+        got = pool.map(tasks)
+        assert pool.times.retries >= 1
+    _same(got, want)
