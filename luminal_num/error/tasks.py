@@ -17,6 +17,7 @@ import numpy as np
 from ..codegen.llir import Program
 from ..codegen.serialize import program_from_data, program_to_data
 from ..hlir.weightcache import WEIGHTS
+from ..quant.calibration import CALIBRATION, NO_HESSIANS, Hessians
 from ..quant.stored import CONVERTED
 from ..runtime.blas_threads import set_blas_threads
 from ..runtime.cpu import CpuRuntime
@@ -48,9 +49,10 @@ def run_task(task: RunTask, weights: Mapping[str, np.ndarray] | None = None) -> 
         trim_heap()  # the run's freed temporaries go back to the system, not into a fragmented heap
 
 
-def _worker_init(weights, cache_bytes: int | None = None) -> None:
+def _worker_init(weights, cache_bytes: int | None = None, hessians: Hessians = NO_HESSIANS) -> None:
     global _WEIGHTS
     _WEIGHTS = weights
+    CALIBRATION.install_for_process(hessians)  # GPTQ-filled weights convert under the compile's Hessians
     for cache in (WEIGHTS, CONVERTED):  # entries inherited from the parent count until evicted
         cache.resize(min(cache.budget_bytes, WORKER_CACHE_BYTES if cache_bytes is None else cache_bytes))
     set_blas_threads(1)  # one worker per core: BLAS threads on top only oversubscribe (runtime/blas_threads.py)
@@ -69,8 +71,10 @@ class TaskPool:
     tasks here, in order. Results come back in task order; a task's runtime error comes back as the
     exception it raised, for the caller to turn into a verdict."""
 
-    def __init__(self, weights: Mapping[str, np.ndarray], workers: int = 2, cache_bytes: int | None = None):
-        """`cache_bytes`: each worker's budget for each weight cache (default WORKER_CACHE_BYTES)."""
+    def __init__(self, weights: Mapping[str, np.ndarray], workers: int = 2, cache_bytes: int | None = None,
+                 hessians: Hessians = NO_HESSIANS):
+        """`cache_bytes`: each worker's budget for each weight cache (default WORKER_CACHE_BYTES); `hessians`:
+        the calibration Hessians GPTQ-filled weights are converted under (the compile's, installed here too)."""
         self.weights, self.workers = weights, workers
         self._pool = None
         if workers > 1 and "fork" in mp.get_all_start_methods():
@@ -80,7 +84,7 @@ class TaskPool:
             held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 self._pool = mp.get_context("fork").Pool(workers, initializer=_worker_init,
-                                                     initargs=(weights, cache_bytes))
+                                                     initargs=(weights, cache_bytes, hessians))
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
