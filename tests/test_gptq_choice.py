@@ -235,3 +235,30 @@ def test_random_genomes_with_gptq_choices_are_soundly_bounded(seed, changes):
         with np.errstate(invalid="ignore"):
             ok = (e <= bound) | np.isinf(bound)
         assert ok.all(), (name, sorted(chosen.values()))
+
+
+@pytest.mark.slow
+def test_a_search_offered_gptq_judges_it_per_layer_against_round_to_nearest():
+    """A compile of a 1-layer Llama with calibrated roundings offered (11 s): each Gemm weight's int4 g128
+    store is judged alone both ways (its own class after round-to-nearest's); GPTQ's error is below
+    round-to-nearest's on every layer judged both ways, and passes where round-to-nearest fails."""
+    from luminal_num.compiler import compile
+    from luminal_num.error.budget import Budget
+    from luminal_num.models.registry import llama_tiny_job
+    from luminal_num.search.front import share
+    from luminal_num.search.search import SearchOptions
+    job = llama_tiny_job(seq=8, layers=1)
+    res = compile(job.graph, Budget.parse("atol=inf,rtol=inf,outputs=logits,rel_l2<=0.03"), "h200", job.calibration,
+                  SearchOptions(max_candidates=300, progress=False, workers=1, calibrated=True), use_static=False)
+    singles = {}
+    for e in res.search.evaluated:
+        if len(e.genome) == 1:
+            ((site, cls, tag),) = e.genome
+            singles[(site, cls, tag)] = e
+    pairs = [(singles[(s, c, "store:int4_g128")], e) for (s, c, t), e in singles.items()
+             if t == "store:int4_g128+gptq" and (s, c, "store:int4_g128") in singles]
+    assert len(pairs) >= 6  # q/k/v, o, gate/up, down of the layer and the LM head
+    assert all(share(gq) < share(rtn) for rtn, gq in pairs), [(share(r), share(g)) for r, g in pairs]
+    assert any(gq.verdict.passed and not rtn.verdict.passed for rtn, gq in pairs)
+    filled = sorted(t for _, _, t in res.search.chosen.genome if t.endswith("+gptq"))
+    assert set(filled) <= {g[2] for g in res.plan.data["genome"]}  # the plan records what it chose, filled or not
