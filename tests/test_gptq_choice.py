@@ -262,3 +262,28 @@ def test_a_search_offered_gptq_judges_it_per_layer_against_round_to_nearest():
     assert any(gq.verdict.passed and not rtn.verdict.passed for rtn, gq in pairs)
     filled = sorted(t for _, _, t in res.search.chosen.genome if t.endswith("+gptq"))
     assert set(filled) <= {g[2] for g in res.plan.data["genome"]}  # the plan records what it chose, filled or not
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", ["int8_channel", "int4_g128"])
+def test_minilm_with_gptq_weights_computes_the_fp64_function_of_them_closer_than_rtn(choice):
+    """MiniLM (4 real sentences): every Gemm weight GPTQ-filled; the output is the FP64 function of the filled
+    weights up to FP32 rounding, and nearer FP64 of the original weights than round-to-nearest's."""
+    from luminal_num.models.registry import minilm_job
+    job = minilm_job(batch=4)
+    g, cal = job.graph, job.calibration[:1]
+    space = SearchSpace.build(g, calibrated=True)
+    collector = HessianCollector(g)
+    refs = references(g, cal, space.part, collector)
+    hs = collector.result()
+    name = list(g.outputs)[0]
+    with CALIBRATION.installed(hs):
+        program = space.program(pick(space, lambda t: t == f"store:{choice}+gptq"))
+        out = CpuRuntime(program, g.weights).run(cal[0]).outputs[name]
+        rtn = CpuRuntime(space.program(pick(space, lambda t: t == f"store:{choice}")), g.weights).run(cal[0]).outputs[name]
+    assert sum(k.fill == "gptq" for k in program.kernels) == 36  # 6 layers x (q, k, v, o, up, down)
+    stored = {n: gptq(w, hs.of(w).matrix, choice).dequantize() for n, w in g.weights.items() if hs.of(w) is not None}
+    exact = evaluate(Graph(g.nodes, g.inputs, g.outputs, {**g.weights, **stored}), cal[0])[name]
+    np.testing.assert_allclose(out, exact, rtol=0, atol=1e-5)
+    ref = refs[0].outputs(g)[name]
+    assert np.linalg.norm(out - ref) < np.linalg.norm(rtn - ref)
