@@ -114,7 +114,8 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     print(f"[luminal-num] {memory.describe()}")
     opts = SearchOptions(seed=args.seed, max_candidates=args.candidates, time_limit_s=args.time_limit,
                          target=args.target, progress=not args.quiet,
-                         headroom=getattr(args, "headroom", None), executor=executor_of(args))
+                         headroom=getattr(args, "headroom", None), calibrated=getattr(args, "gptq", False),
+                         executor=executor_of(args))
     try:
         get_target(args.target)
     except KeyError as exc:  # unknown target: refused before any work (an internal KeyError is a bug, not bad input)
@@ -324,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print each compile stage's name and time as it finishes")
         p.add_argument("--headroom", type=_headroom_arg, default=None,
                        help="share of the budget a plan may use on calibration (default: measured on split batches)")
+        p.add_argument("--gptq", action="store_true", default=False,
+                       help="also offer each quantized weight format filled by GPTQ under the weight's calibration "
+                            "Hessian (per layer, judged like any storage choice; plan_weights holds the codes)")
         p.add_argument("--verdict-cache", default=None, metavar="PATH",
                        help="folder where measured verdicts persist, reused by a later compile of the same model, "
                             "inputs and budget (default: <out>/verdicts)")

@@ -19,6 +19,7 @@ from .codegen.llir import Program
 from .error.budget import Budget
 from .error.chunks import ChunkEffects, Propagation
 from .error.headroom import HeadroomEstimate, estimate_headroom
+from .error.hessians import HessianCollector
 from .error.judge import Judge
 from .error.reference import Fp64Reference, reference_bytes, references
 from .error.executors import Executor, ExecutorKind, ExecutorSpec
@@ -28,6 +29,7 @@ from .error.verdict_store import VerdictStore, context_key
 from .hlir.graph import Graph
 from .hlir.partition import Partition, partition
 from .memory import MemoryPlan, plan_memory
+from .quant.calibration import CALIBRATION, NO_HESSIANS, Hessians
 from .search.plan import Plan
 from .search.recipes import baseline_genomes
 from .search.search import Exploration, SearchOptions, SearchResult, confirm, explore
@@ -59,8 +61,16 @@ class CompileResult:
 
 @dataclass(frozen=True)
 class References:
-    """The reference stage: the one FP64 pass per calibration batch, chunk boundaries kept."""
+    """The reference stage: the one FP64 pass per calibration batch, chunk boundaries kept, and the weights'
+    calibration Hessians collected in it (when the space offers calibrated roundings)."""
     batches: tuple[Fp64Reference, ...]
+    hessians: Hessians = NO_HESSIANS
+
+
+def reference_stage(graph: Graph, calibration, space: SearchSpace) -> References:
+    collector = HessianCollector(graph) if space.offers_calibrated() else None
+    batches = tuple(references(graph, calibration, space.part, collector))
+    return References(batches, collector.result() if collector is not None else NO_HESSIANS)
 
 
 @dataclass(frozen=True)
@@ -114,14 +124,15 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
 
     if space is None:
         part = stage("partition", lambda: partition(graph))
-        space = stage("saturate", lambda: SearchSpace.saturated(graph, part))
-    refs = stage("reference", lambda: References(tuple(references(graph, calibration, space.part))),
+        space = stage("saturate", lambda: SearchSpace.saturated(graph, part, calibrated=options.calibrated))
+    refs = stage("reference", lambda: reference_stage(graph, calibration, space),
                  min(reference_bytes(graph, space.part, calibration), memory.boundary))
     with ExitStack() as stack:
+        stack.enter_context(CALIBRATION.installed(refs.hessians))  # what GPTQ-filled weights are filled under
         pool = chunks = exact = None
         if len(space.part.chunks) > 1:
             pool = stack.enter_context(open_executor(options.executor, graph.weights, memory.workers,
-                                                     memory.worker_cache, options.progress))
+                                                     memory.worker_cache, refs.hessians, options.progress))
             chunks, exact = (ChunkEffects(graph, space.part, list(refs.batches), space.lower_chunk,
                                           space.candidates(frozenset()), mode, pool=pool, changes_of=space.knobs_of,
                                           outputs=budget.outputs)
@@ -160,12 +171,13 @@ def plan_stage(ctx: CompileContext, space: SearchSpace, refs: References, judge:
 
 
 def open_executor(spec: ExecutorSpec, weights: Mapping[str, np.ndarray], local_workers: int,
-                  cache_bytes: int | None, progress: bool = False) -> Executor:
+                  cache_bytes: int | None, hessians: Hessians = NO_HESSIANS, progress: bool = False) -> Executor:
     """The executor `spec` names: the local pool of `local_workers` processes (memory.py plans how many fit),
-    or Ray actors (ray itself is imported only then). `cache_bytes`: each worker's budget for each weight cache."""
+    or Ray actors (ray itself is imported only then). `cache_bytes`: each worker's budget for each weight
+    cache; `hessians`: what GPTQ-filled weights are converted under, installed in every worker."""
     if spec.kind is ExecutorKind.RAY:
-        return RayPool(weights, spec.address, spec.workers, cache_bytes, TaskProgress(progress))
-    return TaskPool(weights, local_workers, cache_bytes, TaskProgress(progress))
+        return RayPool(weights, spec.address, spec.workers, cache_bytes, TaskProgress(progress), hessians)
+    return TaskPool(weights, local_workers, cache_bytes, hessians, TaskProgress(progress))
 
 
 def calibration_ranges(graph: Graph, part: Partition, refs: Sequence[Fp64Reference]) -> dict:

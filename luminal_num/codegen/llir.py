@@ -30,6 +30,7 @@ from ..hlir.shape import ShapeTracker, View, contiguous_strides
 from ..hlir.symbolic import Dim, evaluate, prod
 from ..quant.scales import scale_shape
 from ..quant.kv import is_kv_format
+from ..quant.calibration import Fill
 from ..quant.storage import STORAGE_FORMATS
 from .attention import attention_flops, check_attention
 
@@ -160,6 +161,8 @@ class Kernel:
     label: str = ""                    # where it came from (graph node), for op tables
     eclass: str = ""                   # provenance: the e-class (in its chunk's group space) it implements
     storage: str | None = None         # EXTERNAL weights: held in this StorageFormat, widened on load
+    fill: str | None = None            # ... its codes chosen by this calibrated rounding (quant.calibration.Fill;
+                                       # None: the format's round-to-nearest)
     concat: tuple[str, ...] = ()       # EXTERNAL: these weights concatenated (`external` names the result) ...
     concat_axis: int = 0               # ... along this axis
 
@@ -529,6 +532,8 @@ def _check_source(k: Kernel) -> str:
     if k.storage is not None and (k.kind is not KernelKind.EXTERNAL or k.storage not in STORAGE_FORMATS
                                   or len(k.shape) != 2):
         return f"storage {k.storage!r}: only a 2-D EXTERNAL weight is held in a (known) storage format"
+    if k.fill is not None and (k.storage is None or k.fill not in set(Fill)):
+        return f"fill {k.fill!r}: only a weight held in a storage format is filled, by a known calibrated rounding"
     if k.concat and (k.kind is not KernelKind.EXTERNAL or len(k.shape) != 2):
         return f"concatenates {k.concat}: only a 2-D EXTERNAL weight (stored or not) is a concatenation"
     if k.inputs:

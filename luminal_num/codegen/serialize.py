@@ -134,6 +134,7 @@ def _kernel(k: Kernel) -> dict:
             "layout": _layout(k.layout), "aliases": k.aliases, "chunk": k.chunk, "external": k.external,
             "value": None if k.value is None else _scalar(k.value), "label": k.label, "eclass": k.eclass,
             **({"storage": k.storage} if k.storage is not None else {}),
+            **({"fill": k.fill} if k.fill is not None else {}),
             **({"concat": list(k.concat), "concat_axis": k.concat_axis} if k.concat else {})}
 
 
@@ -144,7 +145,7 @@ def _unkernel(x: dict) -> Kernel:
                   body_shape=_undims(x["body_shape"]), axis=x["axis"], acc=get_format(x["acc"]) if x["acc"] else None,
                   precision=x["precision"], layout=_unlayout(x["layout"]), aliases=x["aliases"], chunk=int(x["chunk"]),
                   external=x["external"], value=None if x["value"] is None else _unscalar(x["value"]),
-                  label=x["label"], eclass=x.get("eclass", ""), storage=x.get("storage"),
+                  label=x["label"], eclass=x.get("eclass", ""), storage=x.get("storage"), fill=x.get("fill"),
                   concat=tuple(str(n) for n in x.get("concat", ())), concat_axis=int(x.get("concat_axis", 0)))
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..codegen.serialize import program_from_data, program_to_data
 from ..hlir.store import content_key
+from ..quant.calibration import NO_HESSIANS, Hessians
 from .executors import ExecutorUnavailable
 from .tasks import RunTask, TaskProgress, TaskTimes, run_caught, worker_init
 
@@ -57,8 +58,8 @@ def _lost_worker() -> tuple[type[BaseException], ...]:
 class _Worker:
     """A Ray actor: the weights (resolved from the object store when the actor starts) and warm caches."""
 
-    def __init__(self, weights: Mapping[str, np.ndarray], cache_bytes: int | None):
-        worker_init(weights, cache_bytes)
+    def __init__(self, weights: Mapping[str, np.ndarray], cache_bytes: int | None, hessians: Hessians):
+        worker_init(weights, cache_bytes, hessians)
         self.node = import_ray(False).get_runtime_context().get_node_id()
 
     def where(self) -> tuple[str, int]:
@@ -83,7 +84,8 @@ class RayPool:
     machine for the compile, stopped with it). Same interface as tasks.TaskPool."""
 
     def __init__(self, weights: Mapping[str, np.ndarray], address: str | None = None, workers: int | None = None,
-                 cache_bytes: int | None = None, progress: TaskProgress | None = None):
+                 cache_bytes: int | None = None, progress: TaskProgress | None = None,
+                 hessians: Hessians = NO_HESSIANS):
         self.ray = ray = import_ray(single_host=address is None)
         self.times, self.progress = TaskTimes(), progress or TaskProgress()
         self.weights = weights
@@ -95,7 +97,8 @@ class RayPool:
             except (ConnectionError, ValueError, RuntimeError) as exc:
                 raise ExecutorUnavailable(f"cannot reach a Ray cluster at {address}: {exc}".splitlines()[0]) from None
             self._connected = True
-        self._actor_args = (ray.put(dict(weights)), cache_bytes)  # each node fetches the weights once
+        # each node fetches the weights (and GPTQ's calibration Hessians) once
+        self._actor_args = (ray.put(dict(weights)), cache_bytes, ray.put(hessians))
         self.size = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
         self._actors: list[_Actor] = []  # ready ones, idle or running a task
         self._idle: deque[_Actor] = deque()

@@ -18,12 +18,13 @@ from typing import Collection, Mapping, Sequence
 
 import numpy as np
 
-from ..hlir.evaluate import evaluate_nodes
+from ..hlir.evaluate import GemmObserver, evaluate_nodes
 from ..hlir.graph import Graph
 from ..hlir.partition import Partition
 from ..hlir.store import file_backed, keyed
 from ..hlir.symbolic import evaluate as eval_dim
 from ..runtime.heap import trim_heap
+from .hessians import HessianCollector
 
 
 @dataclass
@@ -43,9 +44,10 @@ class Fp64Reference:
 
     @staticmethod
     def of(graph: Graph, batch: Mapping[str, np.ndarray], keep: Collection[int] | None = None,
-           spill: bool = False) -> "Fp64Reference":
-        """`keep`: the nodes whose values are kept (None: every node); `spill`: held in files, not memory."""
-        values = evaluate_nodes(graph, batch, keep=keep)
+           spill: bool = False, observe: GemmObserver | None = None) -> "Fp64Reference":
+        """`keep`: the nodes whose values are kept (None: every node); `spill`: held in files, not memory;
+        `observe`: sees every weight Gemm's operands (calibration Hessians)."""
+        values = evaluate_nodes(graph, batch, keep=keep, observe=observe)
         trim_heap()  # the pass's freed intermediates (every node's FP64 value) back to the system
         held = {n: keyed(file_backed(v) if spill else v) for n, v in values.items()}
         return Fp64Reference(batch, held, graph.bind_symbols(batch))
@@ -67,13 +69,16 @@ def boundary_nodes(graph: Graph, part: Partition) -> frozenset[int]:
 
 
 def references(graph: Graph, calibration: Sequence[Mapping[str, np.ndarray]],
-               part: Partition | None = None) -> tuple[Fp64Reference, ...]:
+               part: Partition | None = None, hessians: HessianCollector | None = None) -> tuple[Fp64Reference, ...]:
     """One FP64 evaluation per calibration batch (with `part`: keeping its chunk boundaries only); the
-    batches past SPILL's budget are spilled to files."""
+    batches past SPILL's budget are spilled to files. `hessians` collects the weights' calibration
+    Hessians in the same pass."""
     keep = None if part is None else boundary_nodes(graph, part)
     out, held = [], 0
     for batch in calibration:
-        out.append(Fp64Reference.of(graph, batch, keep, spill=held >= SPILL.budget_bytes))
+        if hessians is not None:
+            hessians.batch()
+        out.append(Fp64Reference.of(graph, batch, keep, spill=held >= SPILL.budget_bytes, observe=hessians))
         held += out[-1].nbytes
     return tuple(out)
 

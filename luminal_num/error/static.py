@@ -23,7 +23,7 @@ from ..dtypes.formats import F32, Kind
 from ..dtypes.formats import get as get_format
 from ..dtypes.variants import GEMM_VARIANTS
 from ..quant.kv import cache_error
-from ..quant.stored import storage_error
+from ..quant.stored import MissingCalibration, storage_error
 from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result, read_operand
 from ..hlir.ops import Op
 from ..hlir.symbolic import evaluate as eval_dim
@@ -42,8 +42,11 @@ _ACC = -1  # the buffer id a Gemm epilogue's accumulator is analysed under (no k
 
 
 class StaticAnalyzer:
-    def __init__(self, program: Program, bindings: Mapping[str, int]):
+    def __init__(self, program: Program, bindings: Mapping[str, int], weights: Mapping[str, np.ndarray] | None = None):
+        """`weights`: the graph's (a weight filled by a calibrated rounding is bounded by its own stored values,
+        found from the weight itself)."""
         self.p, self.bindings = program, dict(bindings)
+        self.weights = weights or {}
         self.vals: dict[int, BoundedValue] = {}
         self.norm = NormBound(self)
         self.softmax_rel: dict[int, tuple[np.ndarray, float]] = {}  # see _softmax
@@ -153,7 +156,7 @@ class StaticAnalyzer:
             try:
                 if k.concat:  # concatenated stored weights: each part's own storage error (quant/concat.py)
                     return self._stored_concat(k, inputs)
-                return stored_weight_value(iv, k.storage, shape)
+                return stored_weight_value(iv, k.storage, shape, k.fill, self._weight(k, k.external))
             except ValueError as exc:  # its scales do not fit their format: the run would refuse it too
                 magnitude = float(np.max(np.abs(iv.lo))) if iv.lo.size else 0.0
                 raise OverflowFound(Overflow(k.id, k.label or k.external, k.storage, magnitude, str(exc))) from None
@@ -165,9 +168,19 @@ class StaticAnalyzer:
 
     def _stored_concat(self, k: Kernel, inputs: Mapping[str, Interval]) -> BoundedValue:
         parts = {p.external: p for p in self.p.kernels if p.kind is KernelKind.EXTERNAL and not p.concat}
-        vals = [stored_weight_value(inputs[n], k.storage, self._shape(parts[n])) for n in k.concat]
+        vals = [stored_weight_value(inputs[n], k.storage, self._shape(parts[n]), k.fill, self._weight(k, n))
+                for n in k.concat]
         cat = lambda xs: np.concatenate(xs, axis=k.concat_axis)  # noqa: E731
         return BoundedValue(Interval(cat([v.iv.lo for v in vals]), cat([v.iv.hi for v in vals])), cat([v.err for v in vals]))
+
+    def _weight(self, k: Kernel, name: str):
+        """The weight `name` itself where a fill needs it (its Hessian is found by its content key)."""
+        if k.fill is None:
+            return None
+        if name not in self.weights:
+            raise MissingCalibration(f"the static bound of weight {name!r} stored as {k.storage} filled by {k.fill} "
+                                     f"needs the weight itself (static_bound(..., weights))")
+        return self.weights[name]
 
     def _concat_interval(self, k: Kernel, inputs: Mapping[str, Interval]) -> Interval:
         """Concatenated weights: each part's interval over its own shape, concatenated along the axis."""
@@ -219,7 +232,7 @@ class StaticAnalyzer:
 
     def _unfused(self, k: Kernel, inputs) -> BoundedValue:
         mini, ext = unfused(k, [self.p.kernel(inp.buffer) for inp in k.inputs])
-        sub = StaticAnalyzer(mini, self.bindings)
+        sub = StaticAnalyzer(mini, self.bindings, self.weights)
         for buf, kid in ext.items():
             sub.vals[kid] = self.vals[buf]
         try:
@@ -464,12 +477,17 @@ def _softmax_rows(shape: tuple[int, ...], axis: int) -> tuple[np.ndarray, np.nda
     return row, pos
 
 
-def stored_weight_value(iv: Interval, storage: str, shape) -> BoundedValue:
-    """A weight held in a storage format: the exact (graph) weight, computed with its known storage error."""
+def stored_weight_value(iv: Interval, storage: str, shape, fill: str | None = None, weight=None) -> BoundedValue:
+    """A weight held in a storage format: the exact (graph) weight, computed with its known storage error
+    (a filled weight's: |its stored values - w|, from `weight` itself, which must be the point `iv`)."""
     lo, hi = np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape)
     if not np.array_equal(lo, hi):
         raise ValueError(f"a weight stored as {storage} must be a compile-time point, not a range")
-    return BoundedValue(Interval(lo, hi), storage_error(lo, storage))
+    if fill is None:
+        return BoundedValue(Interval(lo, hi), storage_error(lo, storage))
+    if not np.array_equal(np.asarray(weight, dtype=np.float64), lo):
+        raise ValueError(f"the weight handed in is not the point the bound ranges over ({storage}+{fill})")
+    return BoundedValue(Interval(lo, hi), storage_error(weight, storage, fill=fill))
 
 
 def _mid_rad(iv: Interval) -> tuple[np.ndarray, np.ndarray]:
@@ -490,4 +508,4 @@ def static_bound(program: Program, input_ranges: Mapping[str, Interval], binding
     missing = [n for n, _ in program.inputs if n not in ranges]
     if missing:
         raise KeyError(f"no value range for inputs {missing}")
-    return StaticAnalyzer(program, bindings or {}).run(ranges)
+    return StaticAnalyzer(program, bindings or {}, weights).run(ranges)

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from ..codegen.llir import Program
 from ..codegen.serialize import program_from_data, program_to_data
 from ..hlir.weightcache import WEIGHTS
+from ..quant.calibration import CALIBRATION, NO_HESSIANS, Hessians
 from ..quant.stored import CONVERTED
 from ..runtime.blas_threads import set_blas_threads
 from ..runtime.cpu import CpuRuntime
@@ -120,9 +121,10 @@ class TaskProgress:
             self._bar = None
 
 
-def worker_init(weights, cache_bytes: int | None = None) -> None:
+def worker_init(weights, cache_bytes: int | None = None, hessians: Hessians = NO_HESSIANS) -> None:
     global _WEIGHTS
     _WEIGHTS = weights
+    CALIBRATION.install_for_process(hessians)  # GPTQ-filled weights convert under the compile's Hessians
     for cache in (WEIGHTS, CONVERTED):  # entries inherited from the parent count until evicted
         cache.resize(min(cache.budget_bytes, WORKER_CACHE_BYTES if cache_bytes is None else cache_bytes))
     set_blas_threads(1)  # one worker per core: BLAS threads on top only oversubscribe (runtime/blas_threads.py)
@@ -149,8 +151,9 @@ class TaskPool:
     exception it raised, for the caller to turn into a verdict."""
 
     def __init__(self, weights: Mapping[str, np.ndarray], workers: int = 2, cache_bytes: int | None = None,
-                 progress: TaskProgress | None = None):
-        """`cache_bytes`: each worker's budget for each weight cache (default WORKER_CACHE_BYTES)."""
+                 hessians: Hessians = NO_HESSIANS, progress: TaskProgress | None = None):
+        """`cache_bytes`: each worker's budget for each weight cache (default WORKER_CACHE_BYTES); `hessians`:
+        the calibration Hessians GPTQ-filled weights are converted under (the compile's, installed here too)."""
         self.weights, self.workers = weights, workers
         self.times, self.progress = TaskTimes(), progress or TaskProgress()
         self._pool = None
@@ -161,7 +164,7 @@ class TaskPool:
             held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 self._pool = mp.get_context("fork").Pool(workers, initializer=worker_init,
-                                                     initargs=(weights, cache_bytes))
+                                                     initargs=(weights, cache_bytes, hessians))
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
 

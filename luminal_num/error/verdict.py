@@ -43,7 +43,8 @@ class Verdict:
 
 def program_key(program: Program) -> str:
     """Identity of what runs: kernel kinds, dtypes, precisions, weight storage formats, views, bodies (not
-    names). Storage is part of it: two plans that differ only in how a weight is held compute different values."""
+    names). Storage is part of it (format and fill): two plans that differ only in how a weight is held compute
+    different values."""
     items = [(k.kind.value, k.dtype.name, k.precision, k.acc.name if k.acc else None, k.axis, repr(k.body),
-              tuple((i.buffer, i.view.encode()) for i in k.inputs), k.aliases, k.storage) for k in program.kernels]
+              tuple((i.buffer, i.view.encode()) for i in k.inputs), k.aliases, k.storage, k.fill) for k in program.kernels]
     return hashlib.sha256(repr((items, program.outputs)).encode()).hexdigest()[:20]

@@ -17,13 +17,15 @@ is for.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Collection, Mapping
 
 import numpy as np
 
 from ..dtypes.formats import Kind
 from ..dtypes.rounding import store
-from .gemm import gemm_layouts, gemm_operand_a, gemm_operand_b, gemm_result, read_operand, split_operand
+from .gemm import (GemmLayout, gemm_layouts, gemm_operand_a, gemm_operand_b, gemm_result, read_operand, reads_k_major,
+                   split_operand)
 from .graph import Graph, Node
 from .ops import BINARY_OPS, CUSTOM_KINDS, UNARY_OPS, Op
 from .symbolic import evaluate as eval_dim
@@ -175,10 +177,12 @@ def _indices(idx: np.ndarray, n: int, what: str) -> np.ndarray:
 
 
 def evaluate_nodes(graph: Graph, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
-                   precision: str = "f64", keep: Collection[int] | None = None) -> dict[int, np.ndarray]:
+                   precision: str = "f64", keep: Collection[int] | None = None,
+                   observe: GemmObserver | None = None) -> dict[int, np.ndarray]:
     """Values of every node (Mul nodes folded into a BLAS matmul are skipped: only their sum exists);
     with `keep`, only those (every other value is freed after its last reader: a large model's
-    evaluation holds a few layers' values at a time, not all of them)."""
+    evaluation holds a few layers' values at a time, not all of them). `observe` sees the operands of
+    every WeightGemm as the evaluation computes them (calibration Hessians, error/hessians.py)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     missing = [n for n, info in graph.inputs.items() if not info.is_weight and n not in inputs]
@@ -186,7 +190,7 @@ def evaluate_nodes(graph: Graph, inputs: Mapping[str, np.ndarray], bindings: Map
         raise KeyError(f"missing inputs: {missing}")
     bindings = graph.bind_symbols(inputs, bindings)
     values: dict[int, np.ndarray] = {}
-    _run_nodes(graph, [n.id for n in graph.nodes], values, inputs, bindings, precision, keep)
+    _run_nodes(graph, [n.id for n in graph.nodes], values, inputs, bindings, precision, keep, observe)
     if keep is not None:
         for nid in [n for n in values if n not in keep]:
             del values[nid]
@@ -202,6 +206,37 @@ def _matmul_layout(graph: Graph, node: Node, consumers: dict[int, list[int]]):
         return None
     lays = gemm_layouts(split_operand(mul.srcs[0].view)[1], split_operand(mul.srcs[1].view)[1], node.attr("axis"))
     return (mul, lays[0]) if lays else None
+
+
+@dataclass(frozen=True)
+class WeightGemm:
+    """A Gemm the reference runs as one product whose one operand is a 2-D weight read K-major
+    (hlir.gemm.reads_k_major) and whose other operand is an activation: the weight's calibration
+    Hessian is that activation's K columns, X^T X (quant/calibration.py)."""
+
+    weight: int   # the weight's node id
+    side: int     # the weight's operand side (0: A, 1: B); the activation is the other
+
+
+def weight_gemm(graph: Graph, node: Node, consumers: dict[int, list[int]]) -> WeightGemm | None:
+    """The WeightGemm a SumReduce node is, else None: the one definition the reference's Hessian collection
+    and the search's offer of calibrated roundings (search/encode.py) share."""
+    hit = _matmul_layout(graph, node, consumers)
+    if hit is None:
+        return None
+    mul, lay = hit
+    weights = [graph.weight_name(s.node) is not None for s in mul.srcs]
+    if weights.count(True) != 1:
+        return None
+    side = weights.index(True)
+    w = graph.nodes[mul.srcs[side].node]
+    if w.dtype.kind is not Kind.FLOAT or not reads_k_major(mul.srcs[side].view, lay.k_axis, w.shape):
+        return None
+    return WeightGemm(w.id, side)
+
+
+# (a WeightGemm, the SumReduce's node id, its layout, A as (batch, M, K) and B as (batch, K, N) in FP64 / FP32)
+GemmObserver = Callable[[WeightGemm, int, GemmLayout, np.ndarray, np.ndarray], None]
 
 
 def _gemm_operand(graph: Graph, src, values, bindings, lay, side: int, precision: str) -> np.ndarray:
@@ -259,7 +294,7 @@ def _last_reads(graph: Graph, node_ids, fused: Mapping[int, tuple]) -> dict[int,
 
 
 def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision: str,
-               keep: Collection[int] | None = None) -> None:
+               keep: Collection[int] | None = None, observe: GemmObserver | None = None) -> None:
     """Evaluate nodes in order; Mul+SumReduce matmuls go through BLAS instead of (m, n, k) products.
     `keep`: only these values stay in `values` (each other value is dropped after its last reader)."""
     consumers = _consumers(graph)
@@ -287,6 +322,9 @@ def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision
             a, b = (_gemm_operand(graph, src, values, bindings, lay, side, precision)
                     for side, src in enumerate(mul.srcs))
             a = _wide(a)
+            use = weight_gemm(graph, node, consumers) if observe is not None else None
+            if use is not None:
+                observe(use, nid, lay, a, b)
             out = gemm_result(_matmul_streamed(a, b) if b.dtype == np.float32 else np.matmul(a, b), lay, a_full.shape)
             values[nid] = _round(np.asarray(out, dtype=np.float64), node.dtype, precision)
             continue

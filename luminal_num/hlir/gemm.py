@@ -95,6 +95,21 @@ def gemm_layouts(va: ShapeTracker, vb: ShapeTracker, k_axis: int) -> tuple[GemmL
     return tuple(out)
 
 
+def reads_k_major(st: ShapeTracker, k_axis: int, shape) -> bool:
+    """Whether a Gemm operand view reads a whole 2-D (rows, K) tensor with its last axis along the Gemm's
+    K, its rows along one other axis and every other axis broadcast: then the tensor's storage groups run
+    along the Gemm's K and each of its rows meets every row of the other operand (what a calibration
+    Hessian of the other operand's K columns describes)."""
+    if len(st.views) != 1 or len(shape) != 2:
+        return False
+    v = st.views[0]
+    rows, k = shape
+    if v.mask is not None or v.offset != 0 or v.shape[k_axis] != k or v.strides[k_axis] != 1:
+        return False
+    others = [i for i in range(len(v.shape)) if i != k_axis and v.strides[i] != 0]
+    return len(others) == 1 and v.shape[others[0]] == rows and v.strides[others[0]] == k
+
+
 def _mergeable(shape, strides, axes) -> bool:
     """Adjacent axes whose strides nest (stride_i == size_{i+1} * stride_{i+1}) form one strided axis."""
     if any(b != a + 1 for a, b in zip(axes, axes[1:])):

@@ -64,6 +64,11 @@ _ENCODERS: dict[Scheme, Callable[[StorageFormat, np.ndarray, Mapping[Part, np.nd
     Scheme.INT4_ASYMMETRIC: _encode_int4_asymmetric, Scheme.IEEE: _encode_ieee}
 
 
+def fills(fmt: StorageFormat) -> bool:
+    """Whether GPTQ fills `fmt` (its scheme has a column encoder here)."""
+    return fmt.scheme in _ENCODERS
+
+
 def group_width(fmt: StorageFormat, k: int) -> int:
     """Columns that share one set of group parameters: a group or tile, a whole row, or one column."""
     if fmt.scheme not in _ENCODERS:

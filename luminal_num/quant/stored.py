@@ -22,6 +22,8 @@ import numpy as np
 from ..hlir.store import content_key
 from ..hlir.weightcache import DEFAULT_BUDGET_BYTES, ByteLRU
 from ..models.gguf import kept_source
+from .calibration import Fill, Hessian, hessian_of
+from .gptq import fills, gptq
 from .storage import STORAGE_FORMATS, Quantized, StorageFormat, StoredTensor, from_gguf, gguf_formats, storage_format
 
 # Storage formats the precision rules offer for a 2-D weight: one per kind of recipe (the catalogue
@@ -53,9 +55,50 @@ class SourceBlocks:
         return max(storage_format(f).nominal_bits_per_weight for f in GGUF_KEPT)
 
 
-# storage choices a weight's tag may name: every storage format, and keeping each chunk's source blocks
-STORE_CHOICES: Mapping[str, StorageFormat | SourceBlocks] = MappingProxyType({**STORAGE_FORMATS,
-                                                                            SOURCE_BLOCKS: SourceBlocks()})
+FILL_SEPARATOR = "+"
+
+
+@dataclass(frozen=True)
+class CalibratedChoice:
+    """A searched format filled by a calibration-aware rounding ("int4_g128+gptq"): the same format, bytes and
+    kernels, other codes. Its per-element error is not the format's round-to-nearest bound (GPTQ moves a
+    weight by more than half a step to cancel its neighbours' errors): bounds read the stored values."""
+
+    fmt: StorageFormat
+    fill: Fill
+    keeps_only: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.fmt.name}{FILL_SEPARATOR}{self.fill.value}"
+
+    @property
+    def nominal_bits_per_weight(self) -> float:
+        return self.fmt.nominal_bits_per_weight
+
+
+# The searched formats a calibrated rounding is offered for: the quantized ones (8 bits or fewer per code)
+# that GPTQ fills; a 16-bit float's round-to-nearest error (2^-9 relative) leaves it nothing worth a knob.
+CALIBRATED_STORAGE: tuple[str, ...] = tuple(f for f in SEARCHED_STORAGE if fills(storage_format(f))
+                                            and storage_format(f).element.bits <= 8)
+CALIBRATED_CHOICES: Mapping[str, CalibratedChoice] = MappingProxyType({
+    c.name: c for c in (CalibratedChoice(storage_format(f), Fill.GPTQ) for f in CALIBRATED_STORAGE)})
+
+# storage choices a weight's tag may name: every storage format, keeping each chunk's source blocks, and the
+# calibrated fills of the searched formats
+STORE_CHOICES: Mapping[str, StorageFormat | SourceBlocks | CalibratedChoice] = MappingProxyType(
+    {**STORAGE_FORMATS, SOURCE_BLOCKS: SourceBlocks(), **CALIBRATED_CHOICES})
+
+
+def split_choice(choice: str) -> tuple[str, str | None]:
+    """(storage format or SOURCE_BLOCKS, fill or None) of a storage choice's name."""
+    name, sep, fill = choice.partition(FILL_SEPARATOR)
+    if not sep:
+        return choice, None
+    if choice not in CALIBRATED_CHOICES:
+        raise ValueError(f"storage choice {choice!r}: no calibrated fill of that name "
+                         f"(known: {', '.join(CALIBRATED_CHOICES)})")
+    return name, Fill(fill).value
 
 
 def source_format(w) -> str | None:
@@ -80,18 +123,40 @@ def _kept(w: np.ndarray, fmt: StorageFormat) -> Quantized | None:
     return from_gguf(src.raw, src.format) if src is not None and _GGUF_FORMAT[src.format] == fmt.name else None
 
 
-def stored_key(name: str, fmt: str | StorageFormat) -> str:
-    """The weights-file name of weight `name` stored as `fmt` (one weight may be stored in two formats
-    when two chunks choose differently)."""
-    return f"{name}@{storage_format(fmt).name}"
+def stored_key(name: str, fmt: str | StorageFormat, fill: str | None = None) -> str:
+    """The weights-file name of weight `name` stored as `fmt` (one weight may be stored in two formats, or
+    filled two ways, when two chunks choose differently)."""
+    return f"{name}@{storage_format(fmt).name}" + (f"{FILL_SEPARATOR}{Fill(fill).value}" if fill else "")
 
 
-def convert(w, fmt: str | StorageFormat) -> Quantized:
+def required_hessian(w, fmt: StorageFormat, fill: str | None) -> Hessian | None:
+    """The calibration Hessian a fill needs (None for round-to-nearest); one line when none is installed."""
+    if fill is None:
+        return None
+    Fill(fill)
+    h = hessian_of(w)
+    if h is None:
+        raise MissingCalibration(f"a weight of shape {list(np.shape(w))} stored as {fmt.name}{FILL_SEPARATOR}{fill} "
+                                 f"needs its calibration Hessian: read it from its plan's weights file, or run it in "
+                                 f"the compile that collected its calibration")
+    return h
+
+
+class MissingCalibration(RuntimeError):
+    """A calibrated fill asked for outside the compile that has the weight's Hessian (and with no weights file):
+    not a verdict on a candidate (runtimes and bounds turn ValueErrors into rejects), a caller's mistake."""
+
+
+def convert(w, fmt: str | StorageFormat, fill: str | None = None, hessian: Hessian | None = None) -> Quantized:
     """The compile-time conversion of a weight to its storage format (deterministic): a weight loaded
-    from GGUF blocks of this format keeps them (models.gguf.keep_source), any other is quantized."""
+    from GGUF blocks of this format keeps them (models.gguf.keep_source), any other is quantized; with a
+    fill (GPTQ), filled under the weight's calibration Hessian (given, or the installed one)."""
     fmt = storage_format(fmt)
     if np.ndim(w) != 2:
         raise ValueError(f"storage format {fmt.name}: weights are (rows, K) matrices, got shape {list(np.shape(w))}")
+    if fill is not None:
+        h = hessian if hessian is not None else required_hessian(w, fmt, fill)
+        return gptq(np.asarray(w, dtype=np.float32), h.matrix, fmt)
     kept = _kept(w, fmt)  # by the weight's own content key (np.asarray would give a copy without it)
     return kept if kept is not None else fmt.quantize(np.asarray(w, dtype=np.float32))
 
@@ -110,12 +175,14 @@ class ConvertedWeights:
         self._entries = ByteLRU(budget_bytes)  # (format, content key) -> (quantized, widened)
         self.conversions = 0
 
-    def get(self, w: np.ndarray, fmt: StorageFormat) -> tuple[Quantized, np.ndarray]:
-        key = (fmt.name, content_key(w))
+    def get(self, w: np.ndarray, fmt: StorageFormat, fill: str | None = None,
+            hessian: Hessian | None = None) -> tuple[Quantized, np.ndarray]:
+        """`fill` (with the Hessian it is filled under, looked up by the caller from the original weight)."""
+        key = (fmt.name, content_key(w)) + ((fill, hessian.key) if fill is not None else ())
         hit = self._entries.get(key)
         if hit is not None:
             return hit
-        q = convert(w, fmt)
+        q = convert(w, fmt, fill, hessian)
         widened = q.dequantize().astype(np.float32)
         self.conversions += 1
         self._entries.put(key, (q, widened), widened.nbytes + sum(v.nbytes for v in q.values.values()))
@@ -143,20 +210,32 @@ class ConvertedWeights:
 CONVERTED = ConvertedWeights()  # the process-wide conversions of weights to their storage formats
 
 
-def _converted(w: np.ndarray, fmt: StorageFormat) -> tuple[Quantized, np.ndarray]:
-    return CONVERTED.get(w, fmt)
+def _converted(w, fmt: StorageFormat, fill: str | None = None) -> tuple[Quantized, np.ndarray]:
+    hessian = required_hessian(w, fmt, fill)  # by the original weight's content key (its FP32 copy has none)
+    return CONVERTED.get(_f32_weight(w), fmt, fill, hessian)
 
 
-def widened(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor | None = None) -> np.ndarray:
-    """float32 (rows, K): the values a kernel reads from weight `w` held as `fmt`. `stored` (loaded from a
-    plan's weights file) is used as is; else `w` is converted (cached)."""
+def widened(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor | None = None,
+            fill: str | None = None) -> np.ndarray:
+    """float32 (rows, K): the values a kernel reads from weight `w` held as `fmt` (filled by `fill`, None:
+    round-to-nearest). `stored` (loaded from a plan's weights file) is used as is; else `w` is converted
+    (cached)."""
     fmt = storage_format(fmt)
     if stored is not None:
         if stored.fmt != fmt:
             raise ValueError(f"stored weight is {stored.fmt.name}, the plan reads {fmt.name}")
         q = stored if isinstance(stored, Quantized) else fmt.unpack(stored)
         return q.dequantize().astype(np.float32)
-    return _converted(_f32_weight(w), fmt)[1]
+    return _converted(w, fmt, fill)[1]
+
+
+def stored_values(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor | None = None,
+                  fill: str | None = None) -> Quantized:
+    """The Quantized a kernel reads weight `w` from: `stored` (a weights file's) or the conversion."""
+    fmt = storage_format(fmt)
+    if stored is not None:
+        return stored if isinstance(stored, Quantized) else fmt.unpack(stored)
+    return _converted(w, fmt, fill)[0]
 
 
 def _f32_weight(w) -> np.ndarray:
@@ -164,16 +243,21 @@ def _f32_weight(w) -> np.ndarray:
     return w if isinstance(w, np.ndarray) and w.dtype == np.float32 else np.asarray(w, dtype=np.float32)
 
 
-def storage_error(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor | None = None) -> np.ndarray:
+def storage_error(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor | None = None,
+                  fill: str | None = None) -> np.ndarray:
     """|widened - w| per element in float64 (exact for FP32 weights; a float64 weight also carries its
-    FP32 rounding): the static bound's input error."""
+    FP32 rounding): the static bound's input error. A filled weight's are its own stored values' (a GPTQ
+    weight's error is not its format's round-to-nearest bound)."""
     w64 = np.asarray(w, dtype=np.float64)  # the graph's value; the stored one starts from its FP32 rounding
     w32 = w if isinstance(w, np.ndarray) and w.dtype == np.float32 else w64.astype(np.float32)  # the live array: its entry by identity
-    diff = np.abs(widened(w32, fmt, stored).astype(np.float64) - w64)
+    source = w if fill is not None else w32  # a fill's Hessian is found by the original weight's content key
+    diff = np.abs(widened(source, fmt, stored, fill).astype(np.float64) - w64)
     return diff * (1.0 + 2.0 ** -52)  # the float64 subtraction may round (a float64 weight): never undercut
 
 
-def convert_all(weights: Mapping[str, np.ndarray], wanted: Mapping[str, tuple[str, str]]) -> dict[str, StoredTensor]:
-    """Packed stored tensors for a weights file: wanted maps stored_key -> (weight name, format)."""
-    return {key: storage_format(fmt).pack(_converted(_f32_weight(weights[name]), storage_format(fmt))[0])
+def convert_all(weights: Mapping[str, np.ndarray], wanted: Mapping[str, tuple[str, str]],
+                fills: Mapping[str, str] = MappingProxyType({})) -> dict[str, StoredTensor]:
+    """Packed stored tensors for a weights file: wanted maps stored_key -> (weight name, format); `fills`
+    the stored keys whose codes a calibrated rounding chooses."""
+    return {key: storage_format(fmt).pack(_converted(weights[name], storage_format(fmt), fills.get(key))[0])
             for key, (name, fmt) in sorted(wanted.items())}

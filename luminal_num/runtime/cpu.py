@@ -28,12 +28,13 @@ from ..dtypes.formats import F32, Kind, get as get_format
 from ..dtypes.rounding import store
 from ..hlir.evaluate import softmax
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
-from ..hlir.store import keyed
+from ..hlir.store import digest, keyed
 from ..hlir.weightcache import WEIGHTS, ByteLRU
 from ..quant.codes import quantize_into_codes
 from ..quant.concat import concat_widened
 from ..quant.kv import cache_values
 from ..quant.quantize import quantize_tensor
+from ..quant.calibration import hessian_of
 from ..quant.stored import stored_key, widened
 from .buffers import BufferPlan, plan_buffers
 from .cpu_attention import run_attention
@@ -89,6 +90,7 @@ class CpuRuntime:
         self.static_scales = dict(static_scales or {})
         self._plans: dict[tuple, BufferPlan] = {}
         self.stored_weights = dict(stored_weights or {})  # stored_key -> StoredTensor (a plan's weights file)
+        self._held_digests: dict[str, str] = {}  # stored_key -> digest of a filled weight's file entry
         self._widened: dict[str, np.ndarray] = {}  # stored_key -> its widened values (read-only)
         self._concats: dict[str, np.ndarray] = {}  # concatenated weights (immutable: built once per runtime)
         self._epilogues: dict[int, Kernel] = {}  # Gemm epilogue kernel id -> its body as an ELEMENTWISE kernel
@@ -241,15 +243,17 @@ class _Feed(dict):
 def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
     val = state.feed[k.external]
     if k.storage is not None and k.concat:  # weights held in one format, concatenated: each part as stored
-        return WEIGHTS.get(val, ("widened concat", k.storage, k.dtype.name, k.concat), lambda: _stored_concat(rt, k, state))
+        fills = tuple(_fill_key(rt, k, n, state.feed[n]) for n in k.concat)
+        return WEIGHTS.get(val, ("widened concat", k.storage, k.fill, fills, k.dtype.name, k.concat),
+                           lambda: _stored_concat(rt, k, state))
     if k.storage is not None and k.external not in state.weight_names:  # a KV cache handed in: held in its format
         return cache_values(_store_input(k, val), k.storage)
     if k.storage is not None:  # a weight held in its storage format: readers see it widened
-        key = stored_key(k.external, k.storage)
+        key = stored_key(k.external, k.storage, k.fill)
         held = rt.stored_weights.get(key)
 
         def widen() -> np.ndarray:
-            out = np.array(widened(val, k.storage, held), dtype=k.dtype.storage)  # our own read-only copy
+            out = np.array(widened(val, k.storage, held, k.fill), dtype=k.dtype.storage)  # our own read-only copy
             out.flags.writeable = False
             return out
         if held is not None:  # a plan's weights file: unpacked once per runtime
@@ -257,7 +261,8 @@ def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
                 rt._widened[key] = widen()
             return rt._widened[key]
         if k.external in state.weight_names:  # once per process (quant.stored's own cache is small)
-            return WEIGHTS.get(val, ("widened", k.storage, k.dtype.name), widen)
+            return WEIGHTS.get(val, ("widened", k.storage, k.fill, _fill_key(rt, k, k.external, val), k.dtype.name),
+                               widen)
         return widen()
     if k.external in state.weight_names:
         return WEIGHTS.get(val, ("stored", k.dtype.name), lambda: _store_input(k, val))
@@ -267,10 +272,29 @@ def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
 def _stored_concat(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
     """A KCatStored buffer: every part widened as its own stored weight (a plan's weights file or its
     compile-time conversion), side by side (quant/concat.py checks that no block spans parts)."""
-    parts = [widened(state.feed[n], k.storage, rt.stored_weights.get(stored_key(n, k.storage))) for n in k.concat]
+    parts = [widened(state.feed[n], k.storage, rt.stored_weights.get(stored_key(n, k.storage, k.fill)), k.fill)
+             for n in k.concat]
     out = np.array(concat_widened(parts, k.storage, k.concat_axis), dtype=k.dtype.storage)
     out.flags.writeable = False
     return out
+
+
+def _fill_key(rt: CpuRuntime, k: Kernel, name: str, val) -> tuple | None:
+    """What a filled weight's values depend on beyond the weight, for process-wide caches: the plan's
+    weights-file entry (its bytes) when the runtime holds one, else the installed Hessian (none: the
+    conversion refuses it, quant.stored.MissingCalibration)."""
+    if k.fill is None:
+        return None
+    key = stored_key(name, k.storage, k.fill)
+    held = rt.stored_weights.get(key)
+    if held is not None:
+        if key not in rt._held_digests:
+            arrays = held.arrays if hasattr(held, "arrays") else held.values
+            rt._held_digests[key] = digest(np.concatenate([np.ascontiguousarray(a).view(np.uint8).ravel()
+                                                           for _, a in sorted(arrays.items(), key=lambda kv: kv[0].value)]))
+        return ("file", rt._held_digests[key])
+    h = hessian_of(val)
+    return None if h is None else ("hessian", h.key)
 
 
 def _store_input(k: Kernel, val) -> np.ndarray:
@@ -413,6 +437,8 @@ def gemm_accumulator(rt: CpuRuntime, k: Kernel, state: _Run, out: np.ndarray | N
             scales = rt.static_b_scales(k.id)
             return ("gemm_b", k.inputs[1].view.encode(), k.layout.encode(), k.precision, b_source.dtype.name,
                     b_source.storage,  # the same weight held in two formats prepares two operands
+                    b_source.fill, tuple(_fill_key(rt, b_source, n, state.feed[n])  # ... or filled two ways
+                                         for n in (b_source.concat or (b_source.external,))),
                     tuple(sorted(state.bindings.items())), None if scales is None else scales.tobytes())
         b_key = (state.feed[weight], state.compiled.get(k, "gemm_b_key", state.bindings, operand_key))
     reads = tuple(state.compiled.read(k, i, state.bindings) for i in (0, 1))

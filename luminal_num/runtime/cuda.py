@@ -38,7 +38,7 @@ from ..codegen.llir import Kernel, KernelKind, Program, external_value
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.rounding import to_storage
 from ..quant.storage import storage_format
-from ..quant.stored import convert, stored_key, widened
+from ..quant.stored import stored_key, widened
 from ..quant.kv import cache_values
 from ..hlir.symbolic import evaluate
 from .buffers import BufferPlan, plan_buffers
@@ -159,8 +159,8 @@ class CudaRuntime:
             if w.id in state.parts:
                 continue
             fmt = storage_format(w.storage)
-            stored = fmt.pack(stored_weight(w, feed, self.stored_weights)) if w.concat else \
-                self.stored_weights.get(stored_key(w.external, w.storage)) or fmt.pack(convert(feed[w.external], fmt))
+            stored = self.stored_weights.get(stored_key(w.external, w.storage, w.fill)) if not w.concat else None
+            stored = stored or fmt.pack(stored_weight(w, feed, self.stored_weights))
             state.parts[w.id] = [self._device_copy(state, np.asarray(stored.arrays[p])) for p in fmt.parts]
 
     # -- buffers ----------------------------------------------------------------------------------------
@@ -170,7 +170,8 @@ class CudaRuntime:
         if k.storage is not None and k.id in self.program.cache_buffers():  # a KV cache handed in: its format
             return cache_values(arr.astype(np.float32), k.storage)
         if k.storage is not None:  # the values the plan's stored weight holds, widened (no packed kernel yet)
-            return widened(arr, k.storage)
+            return widened(value, k.storage, self.stored_weights.get(stored_key(k.external, k.storage, k.fill)),
+                           k.fill)
         if k.dtype.kind is Kind.FLOAT:
             if not np.all(np.isfinite(arr)):
                 raise ValueError(f"input {k.external!r} contains NaN or Inf")

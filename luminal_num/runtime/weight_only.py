@@ -31,7 +31,7 @@ from ..dtypes.variants import _gamma, _times
 from ..codegen.llir import Kernel
 from ..quant.concat import concat_quantized
 from ..quant.storage import STORAGE_FORMATS, Quantized, StorageFormat, StoredTensor
-from ..quant.stored import convert, stored_key
+from ..quant.stored import stored_key, stored_values
 
 ACTIVATION_FORMATS = (F32, BF16, F16)
 U32, ETA32 = F32.unit_roundoff, F32.min_subnormal / 2.0
@@ -230,10 +230,8 @@ def stored_weight(w: Kernel, feed: Mapping[str, np.ndarray], stored_weights: Map
     fmt = STORAGE_FORMATS[w.storage]
 
     def one(name: str) -> Quantized:
-        held = (stored_weights or {}).get(stored_key(name, fmt))
-        if held is None:
-            return convert(feed[name], fmt)
-        return fmt.unpack(held) if isinstance(held, StoredTensor) else held
+        held = (stored_weights or {}).get(stored_key(name, fmt, w.fill))
+        return stored_values(feed[name], fmt, held, w.fill)
     if w.concat:
         return concat_quantized([one(n) for n in w.concat], w.concat_axis)
     return one(w.external)

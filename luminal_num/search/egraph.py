@@ -82,6 +82,7 @@ IsWeight = relation("IsWeight", T)                              # compile-time-k
 MatrixWeight = relation("MatrixWeight", T)                      # a 2-D weight: may be held in a storage format
 QuantView = relation("QuantView", i64, i64)                     # (layout, view a Gemm reads its QUANTIZE buffer by)
 GGUFSource = relation("GGUFSource", T, String)                  # a weight loaded from GGUF blocks of this storage format
+CalibratedWeight = relation("CalibratedWeight", T)               # read K-major by a Gemm: has a calibration Hessian
 GGUFSourcePerChunk = relation("GGUFSourcePerChunk", T)           # loaded from GGUF blocks in every chunk, of types that differ
 KVCache = relation("KVCache", T, i64)                           # a cache input a Scatter overwrites in place, its head width (0: unknown)
 

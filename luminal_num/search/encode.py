@@ -11,6 +11,7 @@ from typing import Generic, Hashable, Sequence, TypeVar
 from egglog import EGraph, set_
 
 from ..codegen.llir import quantized_a_view
+from ..hlir.evaluate import weight_gemm
 from ..hlir.gemm import GemmLayout, gemm_layouts, split_operand
 from ..hlir.graph import Graph
 from ..hlir.ops import Op
@@ -69,9 +70,10 @@ class EncodedChunk:
 
 
 def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | None = None,
-                 group_chunks: Sequence[Chunk] = ()) -> EncodedChunk:
+                 group_chunks: Sequence[Chunk] = (), calibrated: bool = False) -> EncodedChunk:
     """`group_chunks`: every chunk sharing this structure (default: `chunk` alone); facts that differ
-    per chunk (who else reads a buffer) hold for the group only when they hold in every chunk."""
+    per chunk (who else reads a buffer) hold for the group only when they hold in every chunk.
+    `calibrated`: weights a Gemm reads K-major get CalibratedWeight (calibrated roundings are offered)."""
     consumers = consumers if consumers is not None else graph.consumers()
     group_chunks = tuple(group_chunks) or (chunk,)
     eg = EGraph()
@@ -148,6 +150,9 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
                 facts.append(E.QuantView(lid, view_id(quantized_a_view(lay))))
                 found = True
             gemm_candidates += found
+            use = weight_gemm(graph, node, consumers) if calibrated else None
+            if use is not None and use.weight in chunk.external:  # its Hessian: error/hessians.py
+                facts.append(E.CalibratedWeight(terms[use.weight]))
     eg.register(*facts)
     local = {nid: i for i, nid in enumerate(chunk.nodes)}
     tables = ChunkTables(tuple(views.values), tuple(consts.values), tuple(dims.values), tuple(layouts.values),

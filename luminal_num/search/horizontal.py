@@ -24,7 +24,7 @@ from ..hlir.shape import ShapeTracker, View, contiguous_strides
 from ..hlir.symbolic import prod
 from ..codegen.llir import quantized_a_view
 from ..quant.concat import concat_refusal
-from ..quant.stored import GGUF_KEPT, SEARCHED_STORAGE
+from ..quant.stored import CALIBRATED_CHOICES, GGUF_KEPT, SEARCHED_STORAGE
 from .encode import ChunkTables
 from .tags import Tag, TagKind
 
@@ -55,8 +55,9 @@ class FusionGroup:
     def storable(self) -> tuple[str, ...]:
         """Storage formats whose parts concatenate keeping every stored value and scale (the others are
         refused: concat_refusal says why)."""
-        return tuple(f for f in SEARCHED_STORAGE + GGUF_KEPT
-                     if not concat_refusal(f, self.stored_shapes(), self.weight_axis))
+        plain = tuple(f for f in SEARCHED_STORAGE + GGUF_KEPT
+                      if not concat_refusal(f, self.stored_shapes(), self.weight_axis))
+        return plain + tuple(c for c, spec in CALIBRATED_CHOICES.items() if spec.fmt.name in plain)
 
 
 def fusion_groups(graph: Graph, chunks: Sequence[Chunk], consumers: Mapping[int, list[int]]) -> list[FusionGroup]:

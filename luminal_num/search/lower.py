@@ -19,7 +19,7 @@ from ..dtypes.formats import get as get_format
 from ..hlir.graph import Graph
 from ..hlir.partition import Partition
 from ..hlir.shape import ShapeTracker
-from ..quant.stored import held_format
+from ..quant.stored import held_format, split_choice
 from .choice import Candidate, ENode
 from .horizontal import compose
 from .saturate import GroupSpace
@@ -175,11 +175,13 @@ def _stored(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     """The weight's buffer held in storage format `fmt` (one per weight and format, shared by chunks);
     SOURCE_BLOCKS names the format of this chunk's own GGUF blocks (data of the chunk, as its weights are)."""
     src = lo.b.kernels[lo.slots[n.arg("slot")]]
-    fmt = held_format(n.arg("fmt"), lo.t.chunk_source(lo.chunk, n.arg("slot")))
-    key = (src.id, fmt)
+    choice, fill = split_choice(n.arg("fmt"))
+    fmt = held_format(choice, lo.t.chunk_source(lo.chunk, n.arg("slot")))
+    key = (src.id, fmt, fill)
     if key not in lo.b.stored:
+        held = fmt + (f" filled by {fill}" if fill else "")
         lo.b.stored[key] = lo.b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=src.shape, dtype=src.dtype,
-                                    external=src.external, storage=fmt, label=f"{src.label} stored as {fmt}")
+                                    external=src.external, storage=fmt, fill=fill, label=f"{src.label} stored as {held}")
     return lo.b.stored[key]
 
 
@@ -187,17 +189,17 @@ def _concat(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     """The weights of the concats entry concatenated along its axis: one buffer per set of weights and
     storage format (shared by chunks); KCatStored holds it in `fmt` (each part's stored values kept)."""
     axis, slots = lo.t.concats[n.arg("cat")]
-    fmt = n.arg("fmt") if n.op == "KCatStored" else None
+    fmt, fill = split_choice(n.arg("fmt")) if n.op == "KCatStored" else (None, None)
     srcs = [lo.b.kernels[lo.slots[s]] for s in slots]
-    key = (axis, *(k.id for k in srcs)) + ((fmt,) if fmt else ())
+    key = (axis, *(k.id for k in srcs)) + ((fmt, fill) if fmt else ())
     if key not in lo.b.concats:
         names = tuple(k.external for k in srcs)
         shape = list(srcs[0].shape)
         shape[axis] = sum(k.shape[axis] for k in srcs)
-        held = f" stored as {fmt}" if fmt else ""
+        held = (f" stored as {fmt}" + (f" filled by {fill}" if fill else "")) if fmt else ""
         lo.b.concats[key] = lo.b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=tuple(shape), dtype=srcs[0].dtype,
                                      external=f"concat{axis}(" + ",".join(names) + ")", concat=names, concat_axis=axis,
-                                     storage=fmt, label=f"{' + '.join(names)} concatenated along axis {axis}{held}")
+                                     storage=fmt, fill=fill, label=f"{' + '.join(names)} concatenated along axis {axis}{held}")
     return lo.b.concats[key]
 
 

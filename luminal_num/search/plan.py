@@ -31,7 +31,7 @@ from ..hlir.partition import Partition, partition
 from ..files import atomic_write_bytes, atomic_write_text
 from ..quant.scales import compute_scales
 from ..quant.storage import STORAGE_FORMATS
-from ..quant.stored import convert_all, stored_key
+from ..quant.stored import FILL_SEPARATOR, convert_all, stored_key
 from ..quant.weights_file import WeightsFileError, content_hash, load_weights, save_weights
 from .space import ChunkSite, Genome, SearchSpace
 
@@ -76,7 +76,8 @@ def _weights_read(program: Program, k, bindings) -> str:
         src = program.kernel(inp.buffer)
         if src.storage is not None:
             shape = tuple(int(d) for d in src.shape)
-            out.append(f"{src.external}:{src.storage}:{STORAGE_FORMATS[src.storage].stored_bytes(shape)}")
+            held = src.storage + (f"{FILL_SEPARATOR}{src.fill}" if src.fill else "")
+            out.append(f"{src.external}:{held}:{STORAGE_FORMATS[src.storage].stored_bytes(shape)}")
     return ";".join(out)
 
 
@@ -137,14 +138,24 @@ def static_weight_scales(program: Program, weights, bindings) -> dict[int, np.nd
 
 
 def stored_layout(program: Program) -> dict[str, tuple[str, str, tuple[int, ...]]]:
-    """stored_key -> (weight name, storage format, shape) of every weight the program holds in a format."""
-    caches = program.cache_buffers()  # KV caches are runtime inputs, converted on entry: not in the file
+    """stored_key -> (weight name, storage format, shape) of every weight the program holds in a format
+    (stored_fills says which are filled by a calibrated rounding)."""
     shapes = {k.external: tuple(int(d) for d in k.shape) for k in program.kernels
               if k.kind is KernelKind.EXTERNAL and not k.concat}
-    # a concatenation held in a format (KCatStored) is its parts' stored tensors: each part is in the file
-    return {stored_key(name, k.storage): (name, k.storage, shapes[name])
-            for k in program.kernels if k.storage is not None and k.kind is KernelKind.EXTERNAL and k.id not in caches
-            for name in (k.concat or (k.external,))}
+    return {stored_key(name, k.storage, k.fill): (name, k.storage, shapes[name]) for k, name in _stored(program)}
+
+
+def stored_fills(program: Program) -> dict[str, str]:
+    """stored_key -> fill of the stored weights whose codes a calibrated rounding chose (quant/calibration.Fill)."""
+    return {stored_key(name, k.storage, k.fill): k.fill for k, name in _stored(program) if k.fill is not None}
+
+
+def _stored(program: Program):
+    """(EXTERNAL kernel, weight name) of every weight the weights file holds: KV caches are runtime inputs,
+    converted on entry; a concatenation held in a format (KCatStored) is its parts' stored tensors."""
+    caches = program.cache_buffers()
+    return [(k, name) for k in program.kernels if k.storage is not None and k.kind is KernelKind.EXTERNAL
+            and k.id not in caches for name in (k.concat or (k.external,))]
 
 
 def weights_path(plan_path: str | Path) -> Path:
@@ -235,12 +246,14 @@ class Plan:
         scales = static_weight_scales(program, weights or {}, bindings)
         data["static_scales"] = {str(kid): {"kernel": kid, "shape": list(arr.shape)} for kid, arr in sorted(scales.items())}
         layout = stored_layout(program)
+        fills = stored_fills(program)
         missing = sorted({name for name, _, _ in layout.values()} - set(weights or {}))
         if missing:
             raise PlanError(f"the plan stores weights it was not given: {', '.join(missing)}")
-        stored = convert_all(weights or {}, {key: (name, fmt) for key, (name, fmt, _) in layout.items()})
+        stored = convert_all(weights or {}, {key: (name, fmt) for key, (name, fmt, _) in layout.items()}, fills)
         if stored:  # the converted weights, tied to this plan by graph hash and content hash
-            data["stored_weights"] = {key: {"weight": name, "format": fmt, "shape": list(shape)}
+            data["stored_weights"] = {key: {"weight": name, "format": fmt, "shape": list(shape),
+                                            **({"fill": fills[key]} if key in fills else {})}
                                       for key, (name, fmt, shape) in sorted(layout.items())}
             data["weights_sha256"] = content_hash(stored)
         return Plan(data, scales, stored or None)
@@ -432,7 +445,7 @@ def _load_stored(path: Path, data: dict) -> dict | None:
     expected = {key: (rec["format"], tuple(rec["shape"])) for key, rec in listed.items()}
     kernels = data["llir"].get("kernels", [])
     caches = {k["inputs"][0][0] for k in kernels if k["kind"] == KernelKind.SCATTER_NOCOPY.value and k.get("storage")}
-    in_llir = {stored_key(name, k["storage"]) for k in kernels
+    in_llir = {stored_key(name, k["storage"], k.get("fill")) for k in kernels
                if k.get("storage") and k["kind"] == KernelKind.EXTERNAL.value and k["id"] not in caches
                for name in (k.get("concat") or [k["external"]])}
     if in_llir != set(expected):

@@ -57,11 +57,12 @@ class GroupSpace:
     stats: SaturationStats
 
 
-def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=None, fusion: bool = True) -> GroupSpace:
+def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=None, fusion: bool = True,
+                   calibrated: bool = False) -> GroupSpace:
     """`fusion`: add the fused-kernel alternatives (one phase after precision); False keeps the
-    unfused space exactly."""
+    unfused space exactly. `calibrated`: offer calibrated weight roundings (GPTQ) too."""
     t0 = time.perf_counter()
-    enc = encode_chunk(graph, group.representative, consumers, group.chunks)
+    enc = encode_chunk(graph, group.representative, consumers, group.chunks, calibrated)
     eg = enc.egraph
     local = {nid: i for i, nid in enumerate(group.representative.nodes)}
     eg.register(*[RootOf(enc.terms[nid], local[nid]) for nid in group.representative.exported])

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from ..codegen.llir import Program
 from ..error.verdict import PREDICTED_SOURCES
+from ..quant.stored import CalibratedChoice
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.latency import program_latency
 from ..error.executors import ExecutorSpec
@@ -40,6 +41,8 @@ class SearchOptions:
     headroom: float | None = None  # share of the budget a plan may use on the calibration set (the rest
                                    # is kept for unseen inputs: audit judges against the full budget);
                                    # None: from data (error/headroom.py), a number overrides it
+    calibrated: bool = False       # weights may also be stored filled by GPTQ under their calibration Hessians
+                                   # (quant/gptq.py): one more storage class per quantized format and Gemm weight
 
 
 @dataclass(frozen=True)
@@ -390,7 +393,9 @@ def variant_classes(tags, target: str) -> list[list[str]]:
     """Non-FP32 tags grouped by speed (fastest first), each group ordered most accurate first.
 
     Speed: a Gemm variant's math peak on the target; a storage variant's bytes per element.
-    Accuracy: the variant's a-priori bound (Gemms) or its unit roundoffs (storage, accumulators).
+    Accuracy: the variant's a-priori bound (Gemms) or its unit roundoffs (storage, accumulators). A format
+    filled by a calibrated rounding (GPTQ) costs what the format costs but has no a-priori order against its
+    round-to-nearest (each wins on some layers: only measuring tells): it forms its own class right after.
     """
     t = get_target(target)
     t = get_target("h200") if t.measured_only else t
@@ -415,12 +420,18 @@ def variant_classes(tags, target: str) -> list[list[str]]:
             return -1e20 - ((t.tensor_cores if tc else t.cuda_cores).rate(math_) or 0.0), v.qk.unit_roundoff
         if kind in (TagKind.STORE, TagKind.KV):  # a weight's (or KV cache's) storage: bits per element, element error
             f = tag.spec()
+            if isinstance(f, CalibratedChoice):  # no a-priori order against round-to-nearest: its own class, next
+                return (f.nominal_bits_per_weight, 1), sum(f.fmt.element_error(1.0))
             return f.nominal_bits_per_weight, sum(f.element_error(1.0))
         return 0.0, 0.0
-    groups: dict[float, list[str]] = {}
+
+    def speed(text: str) -> tuple[float, int]:
+        s = key(text)[0]
+        return s if isinstance(s, tuple) else (s, 0)
+    groups: dict[tuple[float, int], list[str]] = {}
     for tag in tags:
         if tag != "f32":
-            groups.setdefault(key(tag)[0], []).append(tag)
+            groups.setdefault(speed(tag), []).append(tag)
     # equal math and accuracy: the variant that quantizes A in its own prologue (one launch fewer) first
     return [sorted(groups[s], key=lambda tg: (key(tg)[1], not _in_prologue(tg), tg)) for s in sorted(groups)]
 

@@ -14,7 +14,8 @@ from .extract import BASE, Knob, extract, knobs
 from .lower import lower_chunk_program, lower_program
 from .rules.precision import precision
 from .saturate import GroupSpace, saturate_group
-from .tags import priority
+from ..quant.stored import CALIBRATED_CHOICES
+from .tags import Tag, TagKind, is_kind, priority
 
 
 
@@ -69,17 +70,26 @@ class SearchSpace:
     _knobs_of: dict[str, frozenset] = field(default_factory=dict, repr=False)  # candidate key -> knobs
 
     @staticmethod
-    def build(graph: Graph, with_precision: bool = True, fusion: bool = True) -> "SearchSpace":
-        """`fusion=False`: the space without the fusion rules (every kernel as the lowering made it)."""
-        return SearchSpace.saturated(graph, partition(graph), with_precision, fusion)
+    def build(graph: Graph, with_precision: bool = True, fusion: bool = True,
+              calibrated: bool = False) -> "SearchSpace":
+        """`fusion=False`: the space without the fusion rules (every kernel as the lowering made it);
+        `calibrated`: weights may also be stored filled by GPTQ (the compile collects their Hessians)."""
+        return SearchSpace.saturated(graph, partition(graph), with_precision, fusion, calibrated)
 
     @staticmethod
-    def saturated(graph: Graph, part: Partition, with_precision: bool = True, fusion: bool = True) -> "SearchSpace":
+    def saturated(graph: Graph, part: Partition, with_precision: bool = True, fusion: bool = True,
+                  calibrated: bool = False) -> "SearchSpace":
         """The space of an already partitioned graph: each group saturated once."""
         consumers = graph.consumers()
-        groups = {g.key: saturate_group(graph, g, consumers, precision if with_precision else None, fusion=fusion)
+        groups = {g.key: saturate_group(graph, g, consumers, precision if with_precision else None, fusion=fusion,
+                                        calibrated=calibrated)
                   for g in part.groups}
         return SearchSpace(graph, part, groups, {k: knobs(gs.space) for k, gs in groups.items()})
+
+    def offers_calibrated(self) -> bool:
+        """Whether some weight may be stored filled by a calibrated rounding (then its Hessian is needed)."""
+        return any(is_kind(t, TagKind.STORE) and Tag.parse(t).variant in CALIBRATED_CHOICES
+                   for ks in self.knobs.values() for k in ks for t in k.tags)
 
     def group_index(self, key: str) -> int:
         return [g.key for g in self.part.groups].index(key)

@@ -14,7 +14,7 @@ from ...dtypes.formats import BF16, F32
 from ...dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ...hlir.ops import BINARY_OPS, UNARY_OPS, Op
 from ...quant.kv import KV_HEAD_DIMS, KV_HEAD_FORMAT, KV_TOKEN_FORMATS
-from ...quant.stored import GGUF_KEPT, SEARCHED_STORAGE, SOURCE_BLOCKS
+from ...quant.stored import CALIBRATED_CHOICES, GGUF_KEPT, SEARCHED_STORAGE, SOURCE_BLOCKS
 from .. import egraph as E
 
 precision = ruleset(name="precision")
@@ -98,6 +98,12 @@ def _weight_storage():
     # error, which the compiler knows exactly (quant.stored.storage_error); KStored matches no rule
     for fmt in SEARCHED_STORAGE:
         yield rule(eq(t).to(E.KExt(vx, "f32")), E.MatrixWeight(t)).then(union(t).with_(E.CTOR["KStored"](vx, fmt)))
+    # the same format filled by a calibration-aware rounding (GPTQ) where a Gemm reads the weight K-major (so
+    # the compile's FP64 pass collects its Hessian): the same value up to its stored values' error, which the
+    # compiler knows exactly too (storage_error reads the filled values, not the format's rounding bound)
+    for choice in CALIBRATED_CHOICES:
+        yield rule(eq(t).to(E.KExt(vx, "f32")), E.MatrixWeight(t), E.CalibratedWeight(t)).then(
+            union(t).with_(E.CTOR["KStored"](vx, choice)))
     # a weight loaded from GGUF Q4_1 / Q8_0 blocks kept in them: zero storage error (they ARE its values)
     for fmt in GGUF_KEPT:
         yield rule(eq(t).to(E.KExt(vx, "f32")), E.MatrixWeight(t), E.GGUFSource(t, fmt)).then(

@@ -1,0 +1,97 @@
+"""Calibration Hessians of weights, by content key: what a calibration-aware rounding (GPTQ) fills a format with.
+
+A weight's Hessian is sum_x x x^T over the FP64 activation rows x (its Gemm's K columns) the weight
+multiplies on the calibration set (error/hessians.py collects them during the compile's one FP64 pass).
+It is data of the compile, as the weights are: a GPTQ-stored weight's values depend on it, so the
+conversion (quant/stored.py) reads it here, by the weight's content key, while a compile has installed it
+(`CALIBRATION.installed`); the pool's workers receive it when they start. Outside a compile, a GPTQ-stored
+weight comes from its plan's weights file; converting one with no Hessian installed is refused.
+"""
+from __future__ import annotations
+
+import enum
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from ..hlir.store import content_key, digest
+
+
+class Fill(enum.StrEnum):
+    """How a storage format's codes are chosen when not by its own round-to-nearest (the default: no fill)."""
+    GPTQ = "gptq"  # quant/gptq.py under the weight's calibration Hessian
+
+
+@dataclass(frozen=True, eq=False)
+class Hessian:
+    """sum x x^T over `rows` calibration rows x of one activation (or the sum over the activations one weight
+    meets), FP64 and read-only; `key` is its content digest (conversions are cached under it)."""
+
+    sum_xx: np.ndarray
+    rows: int
+    key: str
+
+    @staticmethod
+    def of(sum_xx: np.ndarray, rows: int) -> "Hessian":
+        sum_xx = np.asarray(sum_xx, dtype=np.float64)
+        sum_xx.flags.writeable = False
+        return Hessian(sum_xx, int(rows), digest(sum_xx, int(rows)))
+
+    @property
+    def matrix(self) -> np.ndarray:
+        """The paper's H = 2/n X^T X (GPTQ is invariant to its scale; this is the form it is written in)."""
+        return self.sum_xx * (2.0 / max(self.rows, 1))
+
+
+@dataclass(frozen=True)
+class Hessians:
+    """Weight content key -> its Hessian; weights that meet the same activations share one object."""
+
+    by_weight: Mapping[str, Hessian]
+
+    def __post_init__(self):
+        object.__setattr__(self, "by_weight", MappingProxyType(dict(self.by_weight)))
+
+    def of(self, w) -> Hessian | None:
+        return self.by_weight.get(content_key(w)) if self.by_weight else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.sum_xx.nbytes for h in {id(h): h for h in self.by_weight.values()}.values())
+
+
+NO_HESSIANS = Hessians({})
+
+
+class ActiveCalibration:
+    """The Hessians conversions read now: the innermost installed set (a compile's), else none."""
+
+    def __init__(self):
+        self._stack: list[Hessians] = []
+
+    @property
+    def current(self) -> Hessians:
+        return self._stack[-1] if self._stack else NO_HESSIANS
+
+    @contextmanager
+    def installed(self, hessians: Hessians) -> Iterator[Hessians]:
+        self._stack.append(hessians)
+        try:
+            yield hessians
+        finally:
+            self._stack.pop()
+
+    def install_for_process(self, hessians: Hessians) -> None:
+        """A pool worker's: the Hessians of the compile that started it, for the worker's whole life."""
+        self._stack[:] = [hessians]
+
+
+CALIBRATION = ActiveCalibration()
+
+
+def hessian_of(w) -> Hessian | None:
+    """The installed calibration Hessian of weight `w` (by its content key), or None."""
+    return CALIBRATION.current.of(w)
