@@ -105,7 +105,8 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     print(f"[luminal-num] {memory.describe()}")
     opts = SearchOptions(seed=args.seed, max_candidates=args.candidates, time_limit_s=args.time_limit,
                          target=args.target, progress=not args.quiet,
-                         headroom=getattr(args, "headroom", None))
+                         headroom=getattr(args, "headroom", None),
+                         batch_invariant=getattr(args, "batch_invariant", False))
     try:
         get_target(args.target)
     except KeyError as exc:  # unknown target: refused before any work (an internal KeyError is a bug, not bad input)
@@ -314,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print each compile stage's name and time as it finishes")
         p.add_argument("--headroom", type=_headroom_arg, default=None,
                        help="share of the budget a plan may use on calibration (default: measured on split batches)")
+        p.add_argument("--batch-invariant", action="store_true", default=False,
+                       help="only batch-invariant plans: each input's outputs bit for bit the same alone or in any "
+                            "batch, at any thread count (fixed-order kernels; recorded in plan.json)")
         p.add_argument("--verdict-cache", default=None, metavar="PATH",
                        help="folder where measured verdicts persist, reused by a later compile of the same model, "
                             "inputs and budget (default: <out>/verdicts)")
