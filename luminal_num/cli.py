@@ -231,12 +231,13 @@ def cmd_audit(args) -> int:
 def _check_invariance(plan, job, batches, out: Path) -> int:
     """Each held-out input alone and inside batches of 2, 4, 8: invariance.csv and one line; exit 1 when
     a batch-invariant plan is not invariant."""
-    from .report.invariance import (InvarianceError, check_invariance, job_batch, job_graph_at, plan_runtimes,
-                                    split_items, write_invariance)
+    from .report.invariance import (InvarianceError, check_invariance, job_batch, job_graph_at, job_offsets,
+                                    plan_runtimes, split_items, write_invariance)
     from .search.plan import PlanError
     try:
-        result = check_invariance(plan_runtimes(plan, job_graph_at(job)), split_items(batches, job_batch(job)),
-                                  plan.batch_invariant)
+        offsets = job_offsets(job)
+        result = check_invariance(plan_runtimes(plan, job_graph_at(job)), split_items(batches, job_batch(job), offsets),
+                                  plan.batch_invariant, offsets=offsets)
     except (InvarianceError, PlanError) as exc:
         raise InputError(str(exc)) from None
     with _writing(out):

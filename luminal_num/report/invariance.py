@@ -64,8 +64,12 @@ class InvarianceResult:
                 f"{'requires' if self.batch_invariant else 'does not require'} batch invariance")
 
 
-def split_items(batches: Sequence[Mapping[str, np.ndarray]], batch: int) -> list[dict[str, np.ndarray]]:
-    """Every input of each batch cut into `batch` equal slices along its first axis: one dict per input."""
+def split_items(batches: Sequence[Mapping[str, np.ndarray]], batch: int,
+                offsets: Mapping[str, int] | None = None) -> list[dict[str, np.ndarray]]:
+    """Every input of each batch cut into `batch` equal slices along its first axis: one dict per input.
+    `offsets`: inputs holding row indices into per-sequence blocks of that many rows (an LLM's flat KV-cache
+    rows, b * context + position): an item keeps them relative to its own block (join_items adds its slot's)."""
+    offsets = offsets or {}
     items = []
     for feed in batches:
         for name, a in feed.items():
@@ -73,12 +77,17 @@ def split_items(batches: Sequence[Mapping[str, np.ndarray]], batch: int) -> list
                 raise InvarianceError(f"input {name!r} of shape {np.shape(a)} has no batch axis of {batch} first: "
                                       "cannot run its inputs one by one")
         for i in range(batch):
-            items.append({n: np.asarray(a)[i * (len(a) // batch):(i + 1) * (len(a) // batch)] for n, a in feed.items()})
+            item = {n: np.asarray(a)[i * (len(a) // batch):(i + 1) * (len(a) // batch)] for n, a in feed.items()}
+            items.append({n: a - i * offsets[n] if n in offsets else a for n, a in item.items()})
     return items
 
 
-def join_items(items: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {name: np.concatenate([it[name] for it in items], axis=0) for name in items[0]}
+def join_items(items: Sequence[Mapping[str, np.ndarray]], offsets: Mapping[str, int] | None = None
+               ) -> dict[str, np.ndarray]:
+    """The items as one batch, item j in slot j (its `offsets` inputs moved to slot j's block)."""
+    offsets = offsets or {}
+    return {name: np.concatenate([it[name] + j * offsets[name] if name in offsets else it[name]
+                                  for j, it in enumerate(items)], axis=0) for name in items[0]}
 
 
 def _signature(program: Program) -> list[tuple]:
@@ -106,19 +115,20 @@ def plan_runtimes(plan, graph_at: Callable[[int], Graph]) -> Callable[[int], Cpu
 
 
 def check_invariance(runtime_at: Callable[[int], CpuRuntime], items: Sequence[Mapping[str, np.ndarray]],
-                     batch_invariant: bool, sizes: Sequence[int] = BATCH_SIZES) -> InvarianceResult:
+                     batch_invariant: bool, sizes: Sequence[int] = BATCH_SIZES,
+                     offsets: Mapping[str, int] | None = None) -> InvarianceResult:
     """Each item alone (a batch-1 runtime), then inside batches of `sizes` (item i at slot i mod b among the
     items after it, cyclically): per output, whether its slice is bit-identical to the alone run."""
     if not items:
         raise InvarianceError("no inputs to check")
     alone_rt = runtime_at(1)
-    alone = [alone_rt.run(it).outputs for it in items]
+    alone = [alone_rt.run(join_items([it], offsets)).outputs for it in items]
     rows = []
     for b in sizes:
         rt = runtime_at(b)
         for start in range(0, len(items), b):  # windows of b items, wrapping: every item at one slot per size
             window = [(start + j) % len(items) for j in range(b)]
-            outs = rt.run(join_items([items[i] for i in window])).outputs
+            outs = rt.run(join_items([items[i] for i in window], offsets)).outputs
             for slot, i in enumerate(window):
                 if start + slot >= len(items):
                     continue  # a wrapped filler: its own window already checked it
@@ -151,6 +161,11 @@ def job_graph_at(job) -> Callable[[int], Graph]:
 
 def job_batch(job) -> int:
     return job.llm.workload.batch if job.llm is not None else int(job.graph.inputs["ids"].shape[0])
+
+
+def job_offsets(job) -> dict[str, int]:
+    """An LLM's `positions` are flat cache rows, b * max_cache + position (models/llama.py)."""
+    return {"positions": int(job.llm.built.max_cache)} if job.llm is not None else {}
 
 
 def write_invariance(result: InvarianceResult, out_dir: str | Path) -> Path:
