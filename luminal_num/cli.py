@@ -115,7 +115,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     opts = SearchOptions(seed=args.seed, max_candidates=args.candidates, time_limit_s=args.time_limit,
                          target=args.target, progress=not args.quiet,
                          headroom=getattr(args, "headroom", None), calibrated=getattr(args, "gptq", False),
-                         executor=executor_of(args))
+                         batch_invariant=getattr(args, "batch_invariant", False), executor=executor_of(args))
     try:
         get_target(args.target)
     except KeyError as exc:  # unknown target: refused before any work (an internal KeyError is a bug, not bad input)
@@ -214,6 +214,7 @@ def _load_plan(path: str):
 
 def cmd_audit(args) -> int:
     from .report.audit import AUDIT_FILES
+    from .report.invariance import INVARIANCE_FILE
     plan = _load_plan(args.plan)
     fill_job_args(args, plan)
     if args.inputs and args.calibration:
@@ -228,9 +229,31 @@ def cmd_audit(args) -> int:
         job = registry_job(args.model, args if is_llm(args.model) else None)
         batches = input_batches(args.inputs or args.calibration, job)
     out = Path(args.out or Path(args.plan).parent)
-    _check_out(out, AUDIT_FILES)
+    check = getattr(args, "check_invariance", False)
+    if check and oj is not None:
+        raise InputError("--check-invariance rebuilds the job at batch sizes 1, 2, 4, 8: not an ONNX model's")
+    _check_out(out, AUDIT_FILES + ((INVARIANCE_FILE,) if check else ()))
     with output_lock(out):
-        return _audit_locked(plan, job, batches, out, oj)
+        code = _audit_locked(plan, job, batches, out, oj)
+        return max(code, _check_invariance(plan, job, batches, out)) if check else code
+
+
+def _check_invariance(plan, job, batches, out: Path) -> int:
+    """Each held-out input alone and inside batches of 2, 4, 8: invariance.csv and one line; exit 1 when
+    a batch-invariant plan is not invariant."""
+    from .report.invariance import (InvarianceError, check_invariance, job_batch, job_graph_at, job_offsets,
+                                    plan_runtimes, split_items, write_invariance)
+    from .search.plan import PlanError
+    try:
+        offsets = job_offsets(job)
+        result = check_invariance(plan_runtimes(plan, job_graph_at(job)), split_items(batches, job_batch(job), offsets),
+                                  plan.batch_invariant, offsets=offsets)
+    except (InvarianceError, PlanError) as exc:
+        raise InputError(str(exc)) from None
+    with _writing(out):
+        path = write_invariance(result, out)
+    print(f"{result.summary()}: {'PASSED' if result.passed else 'NOT INVARIANT'}; wrote {path}")
+    return EXIT_OK if result.passed else EXIT_CONTRACT
 
 
 def _audit_locked(plan, job, batches, out: Path, oj=None) -> int:
@@ -328,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--gptq", action="store_true", default=False,
                        help="also offer each quantized weight format filled by GPTQ under the weight's calibration "
                             "Hessian (per layer, judged like any storage choice; plan_weights holds the codes)")
+        p.add_argument("--batch-invariant", action="store_true", default=False,
+                       help="only batch-invariant plans: each input's outputs bit for bit the same alone or in any "
+                            "batch, at any thread count (fixed-order kernels; recorded in plan.json)")
         p.add_argument("--verdict-cache", default=None, metavar="PATH",
                        help="folder where measured verdicts persist, reused by a later compile of the same model, "
                             "inputs and budget (default: <out>/verdicts)")
@@ -362,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "models batches keyed like --calibration")
     onnx_args(au)
     au.add_argument("--out", help="report folder (default: the plan's folder)")
+    au.add_argument("--check-invariance", action="store_true", default=False,
+                    help="also run each held-out input alone and inside batches of 2, 4, 8 and compare its outputs "
+                         "bit for bit (invariance.csv; exit 1 when a --batch-invariant plan is not invariant)")
     ins = sub.add_parser("inspect", help="print a plan's per-op table")
     ins.add_argument("--plan", required=True)
     par = sub.add_parser("pareto", help="print the Pareto front of a compile report folder")

@@ -125,6 +125,7 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
     if space is None:
         part = stage("partition", lambda: partition(graph))
         space = stage("saturate", lambda: SearchSpace.saturated(graph, part, calibrated=options.calibrated))
+    space = space.with_batch_invariance(options.batch_invariant)
     refs = stage("reference", lambda: reference_stage(graph, calibration, space),
                  min(reference_bytes(graph, space.part, calibration), memory.boundary))
     with ExitStack() as stack:

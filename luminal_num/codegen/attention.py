@@ -21,6 +21,9 @@ from ..hlir.symbolic import Dim, evaluate, prod
 
 KEY_TILE = 16        # keys per online-softmax step (the CUDA kernel's tile; the emulation's too)
 DECODE_SPLITS = 4    # key ranges of a one-query (decode) kernel, combined at the end
+# a batch-invariant plan's decode kernels split the keys into ranges of this many keys (a fixed split SIZE,
+# not a count): a key's range, and so its row's order of operations, is the same whatever the KV length
+INVARIANT_SPLIT_KEYS = 64
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,19 @@ ATTENTION_OF_GEMM = {v.gemm: v.name for v in ATTENTION_VARIANTS.values()}
 @dataclass(frozen=True)
 class AttentionSpec:
     """Launch parameters of one attention kernel (Kernel.value): the score scale, the key tile and
-    the number of key splits (1 = one online pass; > 1 = flash decoding)."""
+    the number of key splits (1 = one online pass; > 1 = flash decoding). `split_keys` > 0: each split
+    covers that many keys (whole tiles) from key 0 on, the last split the rest, and `splits` is the count
+    for the kernel's key length (a batch-invariant plan: ranges do not move with the KV length); 0: the
+    tiles are dealt into `splits` equal runs."""
 
     scale: float
     key_tile: int = KEY_TILE
     splits: int = 1
+    split_keys: int = 0
+
+    def __post_init__(self):
+        if self.split_keys and self.split_keys % self.key_tile:
+            raise ValueError(f"split_keys {self.split_keys} is not a whole number of {self.key_tile}-key tiles")
 
 
 def splits_for(queries: Dim) -> int:
@@ -60,9 +71,23 @@ def splits_for(queries: Dim) -> int:
     return DECODE_SPLITS if queries == 1 else 1
 
 
+def spec_for(scale: float, queries: Dim, keys: Dim, batch_invariant: bool = False) -> AttentionSpec:
+    """The launch parameters of one attention kernel. A batch-invariant decode kernel splits at fixed
+    INVARIANT_SPLIT_KEYS boundaries (ceil(keys / that) splits for a known key length; one pass over all
+    keys when the length is symbolic: also an order that no KV length changes)."""
+    if not batch_invariant or queries != 1:
+        return AttentionSpec(scale=scale, splits=splits_for(queries))
+    if not isinstance(keys, int):
+        return AttentionSpec(scale=scale, splits=1)
+    return AttentionSpec(scale=scale, splits=max(1, -(-keys // INVARIANT_SPLIT_KEYS)), split_keys=INVARIANT_SPLIT_KEYS)
+
+
 def key_ranges(t: int, spec: AttentionSpec) -> list[list[tuple[int, int]]]:
     """Per split, its key tiles as [start, stop): tiles dealt out in contiguous runs of whole tiles."""
     tiles = [(s, min(s + spec.key_tile, t)) for s in range(0, t, spec.key_tile)]
+    if spec.split_keys:  # fixed ranges from key 0: as many as the keys need
+        per = spec.split_keys // spec.key_tile
+        return [tiles[i:i + per] for i in range(0, len(tiles), per)] or [[]]
     per = -(-len(tiles) // spec.splits) if tiles else 0
     return [tiles[i * per:(i + 1) * per] for i in range(spec.splits)]
 
@@ -102,4 +127,5 @@ def attention_row(k) -> dict:
     """What the plan's op table says of an attention kernel (search/plan.py)."""
     v, spec = ATTENTION_VARIANTS[k.precision], k.value
     return {"accumulator": "f32 (online softmax)", "quant": f"QK:{v.qk.name} PV:{v.pv.name}",
-            "scales": f"key tile {spec.key_tile}, {spec.splits} split(s)"}
+            "scales": f"key tile {spec.key_tile}, {spec.splits} split(s)"
+                      + (f" of {spec.split_keys} keys" if spec.split_keys else "")}

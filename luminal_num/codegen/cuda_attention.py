@@ -142,7 +142,10 @@ def render_attention(cx) -> tuple[str, tuple[Launch, ...]]:
             f"const long long total = {cx.c_dim(total)};", f"const long long len = {cx.c_dim(k.body_shape[-1])};",
             f"const long long dv = {cx.c_dim(k.shape[-1])};", f"const long long rows = {cx.c_dim(rows)};",
             "const long long t = threadIdx.x;", "const long long sp = t % SPLITS;",
-            "const long long tiles = ln_ceil_div(len, TILE);", "const long long per_split = ln_ceil_div(tiles, SPLITS);",
+            "const long long tiles = ln_ceil_div(len, TILE);",
+            # a fixed split size (a batch-invariant plan): ranges from key 0 whatever len; else SPLITS equal runs
+            f"const long long per_split = {spec.split_keys // spec.key_tile}LL;" if spec.split_keys
+            else "const long long per_split = ln_ceil_div(tiles, SPLITS);",
             "const long long groups = ln_ceil_div(total, THREADS / SPLITS);",
             f"if (len <= {MAX_ROW_KEYS}) {{", *("    " + line for line in row_path), "}",
             # longer rows than shared memory holds: each output recomputes its scores (the grid-stride loop

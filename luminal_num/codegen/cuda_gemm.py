@@ -195,9 +195,11 @@ class _Writer:
     """Index math of one Gemm (or QUANTIZE) kernel: operands as (batch, rows, cols) over the Mul's full
     shape. `prequantized[slot]`: that input is a QUANTIZE kernel's q, to be read as it is."""
 
-    def __init__(self, kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...] = (False, False)):
+    def __init__(self, kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...] = (False, False),
+                 invariant: bool = False):
         self.k, self.formats, self.variant = kernel, formats, variant_of(kernel)
         self.prequantized = prequantized
+        self.invariant = invariant  # a batch-invariant program: one summation order for every M
         lay = kernel.layout
         names = dims_symbols(lay.full_shape).union(*(view_symbols(inp.view) for inp in kernel.inputs),
                                                    body_symbols(kernel.body))
@@ -365,8 +367,10 @@ class EpilogueCode:
 
 
 def _skinny(w: _Writer, suffixes: list[str], offsets: list[int], n_bound: str, finish: list[str]) -> str:
-    """The decode path (codegen/cuda_gemv.py) of this kernel, or "" when its variant orders the K sum."""
-    if not skinny_eligible(w.variant):
+    """The decode path (codegen/cuda_gemv.py) of this kernel, or "" when its variant orders the K sum or the
+    program is batch-invariant (its tree order for M <= SKINNY_M and the sequential one above would give a
+    row other bits in a batch of 8 than alone: such a program keeps the sequential kernel for every M)."""
+    if w.invariant or not skinny_eligible(w.variant):
         return ""
     a_load = w.quantized(0, w.element(0, "bz", "ms", "kk"), w.scale_value(0, "bz", "ms", "kk"))
     b_loads = [w.quantized(1, w.element(1, "bz", "kk", f"ns{x}"), w.scale_value(1, "bz", "kk", f"ns{x}"))
@@ -490,16 +494,19 @@ def _source(code: str, formats) -> str:
 
 
 def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
-                prequantized: tuple[bool, ...] = (False, False), epilogue: EpilogueCode | None = None) -> KernelSource:
-    """The fallback (scales, then the tiled kernel) and, where cuBLAS can, the GemmCall.
+                prequantized: tuple[bool, ...] = (False, False), epilogue: EpilogueCode | None = None,
+                invariant: bool = False) -> KernelSource:
+    """The fallback (scales, then the tiled kernel) and, where cuBLAS can, the GemmCall. `invariant`: a
+    batch-invariant program's Gemm: the tiled kernel's sequential order for every M and no library call
+    (cuBLAS(Lt) picks its algorithm, split-K included, per shape: no order a plan can pin).
 
     Scratch: the scales of each operand this kernel scales itself, then (cuBLASLt) its quantized
     copies; a pre-quantized operand brings both from its QUANTIZE kernel instead."""
-    w = _Writer(kernel, formats, prequantized)
+    w = _Writer(kernel, formats, prequantized, invariant)
     lay = kernel.layout
     # cuBLASLt takes a pre-quantized A as it is: only when read in the (batch, M, K) layout it was written in
     single = all(len(inp.view.views) == 1 for inp in kernel.inputs[:2])  # cuBLAS needs one strided view each
-    lt = epilogue is None and single and _lt_capable(w.variant, kernel.dtype) and (
+    lt = not invariant and epilogue is None and single and _lt_capable(w.variant, kernel.dtype) and (
         not prequantized[0] or kernel.inputs[0].view == quantized_a_view(kernel.layout))
     own = [s for s in (0, 1) if w.specs[s] is not None and not prequantized[s]]
     own_quant = own if lt else []
@@ -524,7 +531,7 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
         call = _lt_call(kernel, w.variant, _geometry(kernel), name_launches(scale_launches + quant, name),
                         (operand_arg[0], operand_arg[1]), (scale_arg[0], scale_arg[1]))
     else:  # an epilogue runs in the tiled kernel only (cuBLAS would store the accumulator first)
-        call = None if epilogue or not single else _cublas_call(kernel, w.variant, formats, _geometry(kernel))
+        call = None if invariant or epilogue or not single else _cublas_call(kernel, w.variant, formats, _geometry(kernel))
     return KernelSource(0, name, source.replace(ENTRY, name), name_launches(scale_launches + (gemm,), name),
                         w.table, scratch, call)
 

@@ -18,7 +18,8 @@ from .llir import Kernel, acc_reads, epilogue_as_elementwise, gemm_output_shape
 _ACC = -1  # the accumulator's buffer id in the elementwise form of the body (no buffer: `total`)
 
 
-def render_gemm_epilogue(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...]) -> KernelSource:
+def render_gemm_epilogue(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...],
+                         invariant: bool = False) -> KernelSource:
     if any(prequantized[2:]):
         raise ValueError(f"kernel {kernel.id}: a Gemm epilogue cannot read a QUANTIZE kernel's buffer")
     body = epilogue_as_elementwise(kernel, _ACC).body
@@ -37,7 +38,8 @@ def render_gemm_epilogue(kernel: Kernel, formats: tuple[Format, ...], prequantiz
         return BodyWriter(load, table, prefix="ep").render(body)
 
     return render_gemm(kernel, formats, prequantized[:2], EpilogueCode(tuple(range(2, len(kernel.inputs))), render,
-                                                                       offsets, kernel.shape[-1] if offsets else None))
+                                                                       offsets, kernel.shape[-1] if offsets else None),
+                       invariant=invariant)
 
 
 def glu_offsets(kernel: Kernel) -> tuple[int, ...]:

@@ -422,7 +422,12 @@ def _structure(kernel: Kernel) -> Kernel:
 
 
 @lru_cache(maxsize=4096)
-def _render_structure(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...]) -> KernelSource:
+def _render_structure(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...],
+                      invariant: bool = False) -> KernelSource:
+    """`invariant`: a batch-invariant program's Gemm (its renderers pin one order; no other kind has a choice:
+    attention's fixed split size is in its spec)."""
+    if invariant and kernel.kind.is_gemm:
+        return RENDERERS[kernel.kind](kernel, formats, prequantized, invariant=True)
     return RENDERERS[kernel.kind](kernel, formats, prequantized)
 
 
@@ -438,7 +443,8 @@ def render_kernel(kernel: Kernel, program: Program) -> KernelSource:
     if not kernel.kind.launches:
         raise ValueError(f"kernel {kernel.id} is {kernel.kind.value}: it has no code")
     structural = _structure(kernel)
-    src = _render_structure(structural, input_formats(kernel, program), program.quantized_inputs(kernel))
+    src = _render_structure(structural, input_formats(kernel, program), program.quantized_inputs(kernel),
+                            program.batch_invariant)
     return _rebind(src, kernel)
 
 

@@ -293,6 +293,9 @@ class Program:
     inputs: tuple[tuple[str, int], ...]    # graph input name -> EXTERNAL kernel id
     outputs: tuple[tuple[str, int], ...]   # graph output name -> kernel id
     exports: tuple[tuple[int, int], ...] = ()  # (graph node id, kernel id) of every chunk export (audits)
+    # every kernel's reduction order fixed per output row, whatever the batch, the row's place in it, the KV
+    # length and the thread count (issue 37): backends run their fixed-order kernels, never an M-dependent one
+    batch_invariant: bool = False
 
     def dtypes(self) -> dict[int, Format]:
         return {k.id: k.dtype for k in self.kernels}

@@ -48,7 +48,8 @@ def _undims(xs) -> tuple[Dim, ...]:
 def _scalar(v: object) -> Any:
     """A CONST / FConstV value: a float (hex, exact) or a symbolic dim; an ATTENTION kernel's spec."""
     if isinstance(v, AttentionSpec):
-        return {"attention": {"scale": float(v.scale).hex(), "key_tile": v.key_tile, "splits": v.splits}}
+        spec = {"scale": float(v.scale).hex(), "key_tile": v.key_tile, "splits": v.splits}
+        return {"attention": {**spec, "split_keys": v.split_keys} if v.split_keys else spec}
     return {"f": float(v).hex()} if isinstance(v, float) else {"dim": _dim(v)}
 
 
@@ -59,7 +60,7 @@ def _unscalar(x: Any) -> object:
         return _undim(x["dim"])
     if isinstance(x, dict) and "attention" in x:
         a = x["attention"]
-        return AttentionSpec(float.fromhex(a["scale"]), int(a["key_tile"]), int(a["splits"]))
+        return AttentionSpec(float.fromhex(a["scale"]), int(a["key_tile"]), int(a["splits"]), int(a.get("split_keys", 0)))
     raise LlirDataError(f"not a constant: {x!r}")
 
 
@@ -152,7 +153,7 @@ def _unkernel(x: dict) -> Kernel:
 def program_to_data(p: Program) -> dict:
     return {"llir_format": LLIR_FORMAT, "kernels": [_kernel(k) for k in p.kernels],
             "inputs": [list(x) for x in p.inputs], "outputs": [list(x) for x in p.outputs],
-            "exports": [list(x) for x in p.exports]}
+            "exports": [list(x) for x in p.exports], **({"batch_invariant": True} if p.batch_invariant else {})}
 
 
 def program_from_data(data: dict) -> Program:
@@ -163,7 +164,7 @@ def program_from_data(data: dict) -> Program:
     try:
         p = Program(tuple(_unkernel(k) for k in data["kernels"]), tuple((str(n), int(i)) for n, i in data["inputs"]),
                     tuple((str(n), int(i)) for n, i in data["outputs"]),
-                    tuple((int(n), int(i)) for n, i in data["exports"]))
+                    tuple((int(n), int(i)) for n, i in data["exports"]), bool(data.get("batch_invariant", False)))
     except (KeyError, TypeError, ValueError) as exc:
         raise LlirDataError(f"corrupt LLIR data: {type(exc).__name__}: {exc}") from None
     try:

@@ -104,8 +104,9 @@ def attention_error(scores: Interval, wide: Interval, err: np.ndarray, v: Interv
         t_row = score_row_total(scores, wide, err, weights)  # (rows..., 1)
         v_mag = np.max(np.maximum(np.abs(v.lo - v_err), np.abs(v.hi + v_err)), axis=-1)  # (rows..., Dv)
         keys = scores.lo.shape[-1]
-        n_tiles = max(len(r) for r in key_ranges(keys, spec))
+        ranges = key_ranges(keys, spec)
+        n_tiles = max(len(r) for r in ranges)
         a_sum = row_term_total(wide.lo, wide.hi, n_tiles)  # >= sum_j A_j / S
-        total = t_row * v_mag + np.max(v_err, axis=-1) + online_error(a_sum, v_mag, keys, spec.splits, n_tiles, pv)
+        total = t_row * v_mag + np.max(v_err, axis=-1) + online_error(a_sum, v_mag, keys, len(ranges), n_tiles, pv)
     # a convex combination of V rows
     return Interval(np.min(v.lo, axis=-1), np.max(v.hi, axis=-1)), nan_as_unbounded(total)

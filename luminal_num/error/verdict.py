@@ -6,7 +6,7 @@ import enum
 import hashlib
 from dataclasses import dataclass
 
-from ..codegen.llir import Program
+from ..codegen.llir import KernelKind, Program
 from .share import Share
 
 
@@ -47,4 +47,7 @@ def program_key(program: Program) -> str:
     different values."""
     items = [(k.kind.value, k.dtype.name, k.precision, k.acc.name if k.acc else None, k.axis, repr(k.body),
               tuple((i.buffer, i.view.encode()) for i in k.inputs), k.aliases, k.storage, k.fill) for k in program.kernels]
-    return hashlib.sha256(repr((items, program.outputs)).encode()).hexdigest()[:20]
+    # a batch-invariant program runs other summation orders (and attention splits): its own key
+    invariant = (("batch_invariant", [repr(k.value) for k in program.kernels if k.kind is KernelKind.ATTENTION]),) \
+        if program.batch_invariant else ()
+    return hashlib.sha256(repr((items, program.outputs) + invariant).encode()).hexdigest()[:20]

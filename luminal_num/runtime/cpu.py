@@ -44,6 +44,8 @@ from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, 
                          rows_values, store32)
 from .cpu_compiled import KernelCache
 from .cpu_gemm import quantize_input, run_gemm, run_quantize  # noqa: F401 (run_quantize: named here for the tests)
+from . import fixed_gemm
+from .fixed_gemm import FixedOrderUnavailable
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,9 @@ class CpuRuntime:
         """`static_scales`: Gemm kernel id -> B's compile-time scales (a plan's scales file); without
         them static scales are computed from the weights, which gives the same values.
         `weights` are treated as immutable: values derived from them are cached per process."""
+        if program.batch_invariant and not fixed_gemm.available():
+            raise FixedOrderUnavailable("a batch-invariant plan needs the fixed-order Gemm kernel, which needs numba "
+                                        "(installed, and LUMINAL_NUM_JIT not 0)")
         self.program = program
         self.weights = {n: keyed(w) for n, w in (weights or {}).items()}  # what is derived: cached by content
         self.static_scales = dict(static_scales or {})
@@ -444,7 +449,8 @@ def gemm_accumulator(rt: CpuRuntime, k: Kernel, state: _Run, out: np.ndarray | N
     reads = tuple(state.compiled.read(k, i, state.bindings) for i in (0, 1))
     parts = tuple(int(np.shape(state.feed[n])[b_source.concat_axis]) for n in b_source.concat) \
         if b_source.kind is KernelKind.EXTERNAL and b_source.concat else ()
-    return run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key, reads, out, parts)
+    return run_gemm(k, state.stored, state.bindings, rt.static_b_scales(k.id), a_scales, b_key, reads, out, parts,
+                    fixed_order=rt.program.batch_invariant)
 
 
 def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:

@@ -23,6 +23,8 @@ from ..hlir.gemm import GemmLayout, gemm_operand_a, gemm_operand_b, gemm_result
 from ..hlir.weightcache import WEIGHTS
 from ..quant import quantize_tensor
 from .cpu_compiled import read_view
+from .fixed_gemm import fixed_matmul
+from .gemm_operand import Operand
 from .numerics import emulate_gemm, prepare_b
 
 
@@ -95,7 +97,7 @@ def _scale_parts(scales: np.ndarray | None, widths: tuple[int, ...], n: int) -> 
 
 def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None,
              a_scales: np.ndarray | None = None, b_cache_key: tuple | None = None, reads=(None, None),
-             out: np.ndarray | None = None, b_parts: tuple[int, ...] = ()) -> np.ndarray:
+             out: np.ndarray | None = None, b_parts: tuple[int, ...] = (), fixed_order: bool = False) -> np.ndarray:
     """C as float32 in the output's axis order; one BLAS call per batch matrix.
 
     a_scales: given when input 0 is a QUANTIZE kernel's q (its side output); else A is raw.
@@ -104,12 +106,13 @@ def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None,
     reads: the operands' compiled views (cpu_compiled.StridedRead), if any.
     out: the kernel's FP32 output buffer, which an FP32 Gemm may write C into (then C is `out`).
     b_parts: the column widths of B's concatenated parts (a horizontally fused Gemm): one call per part.
+    fixed_order: a batch-invariant program: every FP32 sum in runtime/fixed_gemm.py's order, never BLAS's.
     """
     a_full = _operand(k, 0, stored, bindings, reads)
     lay = k.layout
     variant = None if k.precision in (None, "f32") else GEMM_VARIANTS[k.precision]
     if variant is None:
-        return _fp32_gemm(k, a_full, stored, bindings, b_cache_key, reads, out, b_parts)
+        return _fp32_gemm(k, a_full, stored, bindings, b_cache_key, reads, out, b_parts, fixed_order)
     a = gemm_operand_a(a_full, lay)
 
     def b_operand():
@@ -124,13 +127,13 @@ def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None,
 
     def part(b):
         if a_scales is not None:
-            return emulate_gemm(None, None, variant, a_quantized=(a, a_scales), b_prepared=b)
-        return emulate_gemm(a32, None, variant, b_prepared=b)
+            return emulate_gemm(None, None, variant, a_quantized=(a, a_scales), b_prepared=b, fixed_order=fixed_order)
+        return emulate_gemm(a32, None, variant, b_prepared=b, fixed_order=fixed_order)
     c = part(bs[0]) if len(bs) == 1 else np.concatenate([part(b) for b in bs], axis=-1)
     return gemm_result(c, lay, a_full.shape)
 
 
-def _fp32_gemm(k: Kernel, a_full, stored, bindings, b_cache_key, reads, out, b_parts=()) -> np.ndarray:
+def _fp32_gemm(k: Kernel, a_full, stored, bindings, b_cache_key, reads, out, b_parts=(), fixed_order=False) -> np.ndarray:
     lay = k.layout
     full = a_full.shape
     batch = tuple(full[ax] for ax in lay.batch_axes)
@@ -151,6 +154,8 @@ def _fp32_gemm(k: Kernel, a_full, stored, bindings, b_cache_key, reads, out, b_p
     if b_parts:
         parts = column_parts(b, b_parts) if b_cache_key is None else \
             WEIGHTS.get(b_cache_key[0], (*b_cache_key[1], b_parts), lambda: column_parts(b, b_parts))
+    if fixed_order:
+        return gemm_result(_fixed_fp32(a, b, parts, b_cache_key, b_parts), lay, full)
     if parts is not None:
         return gemm_result(np.concatenate([np.matmul(a, p) for p in parts], axis=-1), lay, full)
     order = (*lay.batch_axes, *lay.m_axes, *lay.n_axes)
@@ -160,3 +165,14 @@ def _fp32_gemm(k: Kernel, a_full, stored, bindings, b_cache_key, reads, out, b_p
         np.matmul(a, b, out=out.reshape(*batch, a.shape[-2], b.shape[-1]))
         return out
     return gemm_result(np.matmul(a, b), lay, full)
+
+
+def _fixed_fp32(a: np.ndarray, b: np.ndarray, parts, b_cache_key, b_parts) -> np.ndarray:
+    """C in the fixed order (runtime/fixed_gemm.py); a weight's operands (and their packed panels) are kept
+    per process. Per concatenated part or over all of B: the same bits (each output's sum reads only its
+    own column), so the parts are one call."""
+    def operand() -> Operand:
+        return Operand(np.ascontiguousarray(b, dtype=np.float32), None, None)
+    b_op = operand() if b_cache_key is None else WEIGHTS.get(b_cache_key[0], (*b_cache_key[1], b_parts, "fixed"),
+                                                                operand)
+    return fixed_matmul(a, b_op)

@@ -23,7 +23,6 @@ What a GemmPrecision computes, step by step (every rounding below is round-to-ne
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import math
@@ -36,37 +35,9 @@ from ..dtypes.rounding import Overflow, round_to
 from ..dtypes.variants import ElementwisePrecision, GemmPrecision, ScaleSpec
 from ..quant import QuantOverflow, convert, expand_scales, quantize_tensor, resolved_block
 from . import blas_f16
+from .fixed_gemm import FixedOrderUnavailable, fixed_matmul
+from .gemm_operand import Operand as _Operand
 from .tile_threads import for_each_tile
-
-
-@dataclass(frozen=True, eq=False)
-class _Operand:
-    values: np.ndarray  # float32 in the operand format (the quantized domain when scaled)
-    scales: np.ndarray | None
-    spec: ScaleSpec | None
-    _derived: dict = field(default_factory=dict, repr=False)  # small values computed from it once
-
-    def derived(self, key: str, make: Callable[[], object]):
-        """make() once per operand: a prepared weight lives for the process, so its magnitudes and
-        per-block scale vectors are computed once, not per run (values are never mutated)."""
-        if key not in self._derived:
-            self._derived[key] = make()
-        return self._derived[key]
-
-    def amax(self) -> float:
-        return self.derived("amax", lambda: float(np.max(np.abs(self.values), initial=0.0)))
-
-    def l1max(self, axis: int) -> float:
-        """max of sum |v| along `axis` (K), in float64: a sum of at most 2^20 terms errs below 2^-32."""
-        return self.derived(f"l1max{axis}", lambda: float(np.max(np.sum(np.abs(self.values), axis=axis, dtype=np.float64),
-                                                               initial=0.0)) * (1 + 2.0 ** -32))
-
-    def magnitudes(self) -> tuple[float, float] | None:
-        """(min nonzero |v|, max |v|), or None when every value is zero."""
-        def make():
-            nonzero = np.abs(self.values[self.values != 0])
-            return None if nonzero.size == 0 else (float(nonzero.min()), float(nonzero.max()))
-        return self.derived("magnitudes", make)
 
 
 def _operand(x: np.ndarray, fmt: Format, spec: ScaleSpec | None, scales, overflow: QuantOverflow) -> _Operand:
@@ -266,7 +237,7 @@ def _blocks(x: np.ndarray, items: int) -> np.ndarray:
 
 
 def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: int, k_block: int,
-                  per_product: bool) -> np.ndarray:
+                  per_product: bool, fixed_order: bool = False) -> np.ndarray:
     """acc = RN_acc(acc + group sum), one rounding per MMA group of mma_k products along K (module
     doc, step 2), with promotion every `chunk` and the scales of step 3 (per K-block of k_block;
     per product when per_product) applied per output tile.
@@ -284,6 +255,9 @@ def _grouped_gemm(qa: _Operand, qb: _Operand, acc: Format, group: int, chunk: in
                                 for_each_tile=for_each_tile)
     if jit is not None:
         return jit
+    if fixed_order:  # the numpy path's FP64 group sums are BLAS's order: not an order a plan can fix
+        raise FixedOrderUnavailable(f"a batch-invariant plan needs the jit kernel for its {acc.name}-accumulated "
+                                    "Gemm (numba installed, LUMINAL_NUM_JIT not 0)")
     k = qa.values.shape[-1]
     groups = -(-chunk // group)
     in_place = (_fast_scaled_accumulation if per_product else _fast_accumulation)(qa, qb, acc, chunk, groups)
@@ -356,8 +330,12 @@ def _grouped_sum(qa: np.ndarray, qb: np.ndarray, acc: Format, group: int) -> np.
     return _grouped_gemm(_Operand(qa, None, None), _Operand(qb, None, None), acc, group, k, k, False)
 
 
-def _chunk_sum(qa: np.ndarray, qb: np.ndarray, variant: GemmPrecision) -> np.ndarray:
-    return _exact_integer_sum(qa, qb) if variant.acc_format is INT32 else np.matmul(qa, qb)
+def _chunk_sum(qa: np.ndarray, qb, variant: GemmPrecision, fixed_order: bool = False) -> np.ndarray:
+    """One chunk's FP32 (or exact integer) sum; `qb` may be an Operand of fixed_matmul (its panels kept).
+    An integer sum is exact, so any order gives its bits."""
+    if variant.acc_format is INT32:
+        return _exact_integer_sum(qa, qb.values if isinstance(qb, _Operand) else qb)
+    return fixed_matmul(qa, qb) if fixed_order else np.matmul(qa, qb)
 
 
 def _prequantized(a_quantized, variant: GemmPrecision) -> _Operand:
@@ -379,8 +357,10 @@ def prepare_b(b, variant: GemmPrecision, b_scales: np.ndarray | None = None,
 def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = None,
                  overflow: QuantOverflow = QuantOverflow.SATURATE,
                  a_quantized: tuple[np.ndarray, np.ndarray] | None = None,
-                 b_prepared: _Operand | None = None) -> np.ndarray:
+                 b_prepared: _Operand | None = None, fixed_order: bool = False) -> np.ndarray:
     """a (..., M, K) @ b (..., K, N) computed exactly as `variant` defines it (module doc); float32.
+    fixed_order: every FP32 accumulation in runtime/fixed_gemm.py's order (a batch-invariant plan), the
+    narrow ones in the jit kernel's (which has one), never BLAS's.
 
     b_scales: static weight scales computed at compile time (else computed from b, like A's).
     overflow: what an operand value that does not fit its format becomes (SATURATE) or raises (REJECT).
@@ -406,13 +386,18 @@ def emulate_gemm(a, b, variant: GemmPrecision, b_scales: np.ndarray | None = Non
     k_block = variant.scale_k_block or k
     if variant.grouped:
         chunk = k if variant.scales_per_product else min(variant.promote_every or k_block, k)
-        return _grouped_gemm(qa, qb, variant.accumulator, variant.mma_k, chunk, k_block, variant.scales_per_product)
+        return _grouped_gemm(qa, qb, variant.accumulator, variant.mma_k, chunk, k_block, variant.scales_per_product,
+                             fixed_order)
     if variant.scales_per_product:
-        return _per_product_scaled(qa, qb)
+        return _per_product_scaled(qa, qb, fixed_order)
     chunk = min(variant.promote_every or k_block, k)
     out = None
     for start in range(0, k, chunk):
-        partial = _chunk_sum(qa.values[..., start:start + chunk], qb.values[..., start:start + chunk, :], variant)
+        b_chunk = qb.values[..., start:start + chunk, :]
+        if fixed_order:  # B's unscaled chunk as fixed_matmul's operand, kept with a prepared weight
+            b_chunk = qb.derived(f"fixed{start},{chunk}", lambda b_chunk=b_chunk: _Operand(np.ascontiguousarray(b_chunk),
+                                                                                            None, None))
+        partial = _chunk_sum(qa.values[..., start:start + chunk], b_chunk, variant, fixed_order)
         scale = None if _outer_scaled(partial, qa, qb, start // k_block) else _chunk_scale(qa, qb, start // k_block)
         in_place = scale is not None and np.broadcast_shapes(partial.shape, scale.shape) == partial.shape
         term = np.multiply(partial, scale, out=partial) if in_place else partial if scale is None else partial * scale
@@ -438,7 +423,7 @@ def _outer_scaled(partial: np.ndarray, qa: _Operand, qb: _Operand, k_block_index
     return True
 
 
-def _per_product_scaled(qa: _Operand, qb: _Operand) -> np.ndarray:
+def _per_product_scaled(qa: _Operand, qb: _Operand, fixed_order: bool = False) -> np.ndarray:
     """Power-of-two scales applied to every product (MX). Where max|a s|, max|b s| <= F32 max and
     k max|a s| max|b s| <= F32 max / 2 (every dequantized operand, product and partial sum provably
     finite), q * 2^e is exact in FP32 and so is
@@ -453,9 +438,20 @@ def _per_product_scaled(qa: _Operand, qb: _Operand) -> np.ndarray:
         # a prepared weight's scaled values are made once (derived), not per run
         operands = [op.values if op.scales is None else op.derived("scaled", lambda op=op: op.values * expand_scales(
             op.scales, op.values.shape, op.spec)) for op in (qa, qb)]
+        if fixed_order:
+            return fixed_matmul(operands[0], qb.derived("fixed_scaled", lambda: _Operand(operands[1], None, None)))
         return np.matmul(*operands)
     with np.errstate(over="ignore"):  # an FP32 overflow of the rounded result is the inf being emulated
-        return np.matmul(*wide).astype(np.float32)
+        return (_sequential64(*wide) if fixed_order else np.matmul(*wide)).astype(np.float32)
+
+
+def _sequential64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b in FP64 summed in k order from +0 (vectorized over the outputs): a batch-invariant plan's
+    order for the exact-product path of _per_product_scaled, which BLAS would sum in its own."""
+    out = np.zeros(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]))
+    for k in range(a.shape[-1]):
+        out += a[..., :, k:k + 1] * b[..., k:k + 1, :]
+    return out
 
 
 def _dequantized64(op: _Operand) -> np.ndarray:

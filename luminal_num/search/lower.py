@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from ..codegen.attention import AttentionSpec, splits_for
+from ..codegen.attention import spec_for
 from ..codegen.kinds import TENSOR_DECLS, Sort
 from ..codegen.llir import (FAcc, acc_views, FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel, KernelInput,
                             KernelKind, Program, verify)
@@ -45,9 +45,11 @@ class _Builder:
 
 
 class _ChunkLowering:
-    def __init__(self, b: _Builder, gs: GroupSpace, cand: Candidate, slots: list[int], chunk: int):
+    def __init__(self, b: _Builder, gs: GroupSpace, cand: Candidate, slots: list[int], chunk: int,
+                 batch_invariant: bool = False):
         self.b, self.gs, self.space, self.t = b, gs, gs.space, gs.tables
         self.choice, self.slots, self.chunk = cand.as_dict(), slots, chunk
+        self.batch_invariant = batch_invariant
         self.memo: dict[str, int] = {}
 
     def node(self, cid: str) -> ENode:
@@ -322,7 +324,7 @@ def _attention(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     """One attention kernel: its four operands' views, the scale constant, the launch parameters."""
     ins = lo.operands(n, origin)
     scores = tuple(ins[2].view.shape)
-    spec = AttentionSpec(scale=float(lo.const(n.arg("scale"))), splits=splits_for(scores[-2]))
+    spec = spec_for(float(lo.const(n.arg("scale"))), scores[-2], scores[-1], lo.batch_invariant)
     return lo.b.add(kind=KernelKind.ATTENTION, inputs=ins, shape=scores[:-1] + (ins[3].view.shape[-2],),
                     dtype=get_format(n.arg("dt")), body_shape=scores, axis=len(scores) - 1, precision=n.arg("prec"),
                     value=spec, **lo.common(n, origin))
@@ -339,8 +341,10 @@ assert set(_TENSOR) == {d.name for d in TENSOR_DECLS}, "every tensor constructor
 
 
 def lower_program(graph: Graph, part: Partition, spaces: Mapping[str, GroupSpace],
-                  choices: Mapping[int, Candidate]) -> Program:
-    """The LLIR program for the whole graph: chunk c uses `choices[c]` in its group's space."""
+                  choices: Mapping[int, Candidate], batch_invariant: bool = False) -> Program:
+    """The LLIR program for the whole graph: chunk c uses `choices[c]` in its group's space.
+    `batch_invariant`: the program says so (backends then run fixed-order kernels) and its attention
+    kernels split keys at fixed sizes (codegen/attention.spec_for)."""
     b = _Builder()
     node_kernel: dict[int, int] = {}
     inputs = []
@@ -351,15 +355,16 @@ def lower_program(graph: Graph, part: Partition, spaces: Mapping[str, GroupSpace
     group_of = {c.index: g.key for g in part.groups for c in g.chunks}
     for chunk in part.chunks:
         gs = spaces[group_of[chunk.index]]
-        low = _ChunkLowering(b, gs, choices[chunk.index], [node_kernel[n] for n in chunk.external], chunk.index)
+        low = _ChunkLowering(b, gs, choices[chunk.index], [node_kernel[n] for n in chunk.external], chunk.index,
+                             batch_invariant)
         for local, cid in gs.space.roots:
             node_kernel[chunk.nodes[local]] = low.tensor(cid)
     outputs = tuple((name, node_kernel[nid]) for name, nid in graph.outputs.items())
     exports = tuple((nid, node_kernel[nid]) for c in part.chunks for nid in c.exported)
-    return verify(Program(tuple(b.kernels), tuple(inputs), outputs, exports))
+    return verify(Program(tuple(b.kernels), tuple(inputs), outputs, exports, batch_invariant))
 
 
-def lower_chunk_program(graph: Graph, chunk, gs: GroupSpace, cand: Candidate) -> Program:
+def lower_chunk_program(graph: Graph, chunk, gs: GroupSpace, cand: Candidate, batch_invariant: bool = False) -> Program:
     """One chunk alone: its external sources become inputs named "%<node id>", its exports outputs;
     a weight keeps its name, so the chunk reads it as the whole program does (the runtime's weights:
     held in its storage format, converted once per process), never as a value handed in, which the
@@ -376,6 +381,6 @@ def lower_chunk_program(graph: Graph, chunk, gs: GroupSpace, cand: Candidate) ->
                     label=f"external {name}")
         slots.append(kid)
         inputs.append((name, kid))
-    low = _ChunkLowering(b, gs, cand, slots, chunk.index)
+    low = _ChunkLowering(b, gs, cand, slots, chunk.index, batch_invariant)
     outputs = tuple((f"%{chunk.nodes[local]}", low.tensor(cid)) for local, cid in gs.space.roots)
-    return verify(Program(tuple(b.kernels), tuple(inputs), outputs))
+    return verify(Program(tuple(b.kernels), tuple(inputs), outputs, batch_invariant=batch_invariant))

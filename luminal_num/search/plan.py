@@ -243,6 +243,8 @@ class Plan:
             # kernel names its chunk and e-class, the choices above are its provenance
             "llir": program_to_data(program),
         }
+        if program.batch_invariant:  # a requirement like the budget: audit checks it, runtimes honour it
+            data["requirements"] = {"batch_invariant": True}
         scales = static_weight_scales(program, weights or {}, bindings)
         data["static_scales"] = {str(kid): {"kernel": kid, "shape": list(arr.shape)} for kid, arr in sorted(scales.items())}
         layout = stored_layout(program)
@@ -368,6 +370,15 @@ class Plan:
     def headroom(self) -> float:
         return float(self.data.get("headroom", 1.0))
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether the plan requires batch invariance (issue 37): its LLIR says so too, or it is refused."""
+        required = bool(self.data.get("requirements", {}).get("batch_invariant", False))
+        if required != bool(self.data.get("llir", {}).get("batch_invariant", False)):
+            raise PlanError(f"the plan {'requires' if required else 'does not require'} batch invariance but its "
+                            "LLIR says otherwise (edited plan?)")
+        return required
+
     def describe(self) -> str:
         """One line: version, compiler, target, seed."""
         d = self.data
@@ -410,6 +421,7 @@ class Plan:
             raise PlanError(f"the plan's LLIR cannot be loaded: {exc}") from None
         if space is None:
             return program, partition(graph)
+        space = space.with_batch_invariance(self.batch_invariant)
         genome = self.genome(space)
         cands = space.candidates(genome)
         for grp in self.data["groups"]:

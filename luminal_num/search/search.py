@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from ..codegen.invariance import row_coupled_kernels
 from ..codegen.llir import Program
 from ..error.verdict import PREDICTED_SOURCES
 from ..quant.stored import CalibratedChoice
@@ -43,6 +44,8 @@ class SearchOptions:
                                    # None: from data (error/headroom.py), a number overrides it
     calibrated: bool = False       # weights may also be stored filled by GPTQ under their calibration Hessians
                                    # (quant/gptq.py): one more storage class per quantized format and Gemm weight
+    batch_invariant: bool = False  # every candidate a batch-invariant program (issue 37): fixed reduction
+                                   # orders, fixed attention split sizes, no scale computed across rows
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,11 @@ class Searcher:
         # the band is measured, never decided tentatively
         verdict = self.judge.judge(program() if stage == Stage.BASELINE else program, genome, screen,
                                    predict=not measured, tentative=stage != Stage.BASELINE)
+        if verdict.passed and self.space.batch_invariant:  # no scale taken over other rows (codegen/invariance.py)
+            coupled = row_coupled_kernels(program())
+            if coupled:
+                verdict = dataclasses.replace(verdict, passed=False, reason=f"not batch-invariant: {coupled[0]}"
+                                              + (f" (+{len(coupled) - 1} more)" if len(coupled) > 1 else ""))
         lat = self.latency(program()) if (verdict.passed or force_latency) else None
         if verdict.passed and lat is None:  # the target cannot run this variant (FP8 on an A100)
             verdict = dataclasses.replace(verdict, passed=False, reason=f"not supported on target {self.target}")

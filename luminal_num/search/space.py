@@ -66,6 +66,7 @@ class SearchSpace:
     part: Partition
     groups: dict[str, GroupSpace]
     knobs: dict[str, tuple[Knob, ...]]
+    batch_invariant: bool = False  # every program lowered from it is a batch-invariant one (issue 37)
     _extracted: dict[tuple, Candidate] = field(default_factory=dict, repr=False)
     _knobs_of: dict[str, frozenset] = field(default_factory=dict, repr=False)  # candidate key -> knobs
 
@@ -135,11 +136,20 @@ class SearchSpace:
         return self._knobs_of.get(cand.key)
 
     def program(self, genome: Iterable[Change]) -> Program:
-        return lower_program(self.graph, self.part, self.groups, self.candidates(genome))
+        return lower_program(self.graph, self.part, self.groups, self.candidates(genome), self.batch_invariant)
 
     def lower_chunk(self, chunk: Chunk, cand: Candidate) -> Program:
         """One chunk alone under `cand` (for the per-group error estimate)."""
-        return lower_chunk_program(self.graph, chunk, self.groups[self.group_key_of(chunk.index)], cand)
+        return lower_chunk_program(self.graph, chunk, self.groups[self.group_key_of(chunk.index)], cand,
+                                   self.batch_invariant)
+
+    def with_batch_invariance(self, batch_invariant: bool) -> "SearchSpace":
+        """The same saturated groups, lowering batch-invariant programs or not (extractions are shared:
+        they do not depend on it)."""
+        if batch_invariant == self.batch_invariant:
+            return self
+        return SearchSpace(self.graph, self.part, self.groups, self.knobs, batch_invariant, self._extracted,
+                           self._knobs_of)
 
     def group_key_of(self, chunk_index: int) -> str:
         return next(g.key for g in self.part.groups if any(c.index == chunk_index for c in g.chunks))
