@@ -11,6 +11,7 @@ Writes reports/bench/scale.csv.
     python -m bench.scale --shapes smollm2 --candidates 40
     python -m bench.scale --shapes gemma3-4b-shape --front-end   # loading + teacher forcing only:
                                                                  # reports/bench/scale_front_end.csv
+    python -m bench.scale --executor ray [--layers N]            # bench/executors.py: local-1/-2, ray-2
 """
 from __future__ import annotations
 
@@ -141,7 +142,15 @@ def main(argv=None) -> pd.DataFrame | None:
     ap.add_argument("--max-memory", default=None)
     ap.add_argument("--front-end", action="store_true", help="load and teacher-force only (scale_front_end.csv)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    ap.add_argument("--executor", choices=("ray",), default=None,
+                    help="instead: the SmolLM2 demo's tasks on 1 and 2 local processes and a 2-node Ray cluster "
+                         "(bench/executors.py; --layers N, --candidates N)")
+    args, rest = ap.parse_known_args(argv)
+    if args.executor:
+        from . import executors
+        return executors.main(rest + (["--candidates", str(args.candidates)] if args.candidates else []))
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.one:
         print(json.dumps(one(SHAPES[args.one], args.candidates or SHAPES[args.one].candidates, args.max_memory,
                              args.front_end)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -24,7 +24,7 @@ from .error.judge import Judge
 from .error.reference import Fp64Reference, reference_bytes, references
 from .error.executors import Executor, ExecutorKind, ExecutorSpec
 from .error.ray_pool import RayPool
-from .error.tasks import TaskPool, TaskProgress
+from .error.tasks import TaskPool, TaskProgress, TaskTimes
 from .error.verdict_store import VerdictStore, context_key
 from .hlir.graph import Graph
 from .hlir.partition import Partition, partition
@@ -57,6 +57,8 @@ class CompileResult:
     program: Program
     space: SearchSpace
     search: SearchResult
+    # what the executor's verdict tasks cost (never in plan.json: the plan is the same wherever they ran)
+    tasks: TaskTimes = field(default_factory=TaskTimes)
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,8 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
         explored = stage("search", lambda: explore(space, judge, options, latency_inputs=calibration[0],
                                                    target=target))
         result = stage("confirm", lambda: confirm(explored))
-        return stage("plan", lambda: plan_stage(ctx, space, refs, judge, result))
+        planned = stage("plan", lambda: plan_stage(ctx, space, refs, judge, result))
+        return planned if pool is None else dataclasses.replace(planned, tasks=dataclasses.replace(pool.times))
 
 
 def plan_stage(ctx: CompileContext, space: SearchSpace, refs: References, judge: Judge,

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +27,7 @@ from luminal_num.error.tasks import TaskPool  # noqa: E402
 from luminal_num.memory import plan_memory  # noqa: E402
 from luminal_num.models.registry import transformer_job  # noqa: E402
 from luminal_num.report.compile_report import write_compile_report  # noqa: E402
+from luminal_num.search.plan import Plan  # noqa: E402
 from luminal_num.search.search import SearchOptions  # noqa: E402
 from luminal_num.search.space import SearchSpace  # noqa: E402
 
@@ -170,3 +174,42 @@ def test_a_node_lost_between_tasks_costs_a_retry(cluster, job, space, refs):
         got = pool.map(tasks)
         assert pool.times.retries >= 1
     _same(got, want)
+
+
+def _raylets() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def _as_from_a_terminal() -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("after_s", [3.0, pytest.param(0.5, marks=pytest.mark.slow), pytest.param(10.0, marks=pytest.mark.slow)])
+def test_ctrl_c_on_a_ray_compile_exits_130_and_leaves_no_cluster_behind(tmp_path, after_s):
+    """A compile that started its own cluster, interrupted while its tasks run: one line, exit 130, a plan
+    marked partial (or nothing), and the cluster's processes gone."""
+    before = _raylets()
+    env = {**os.environ, "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg"}
+    proc = subprocess.Popen([sys.executable, "-m", "luminal_num.cli", "compile", "--model", "transformer",
+                             "--candidates", "200", "--quiet", "--no-verdict-cache", "--out", "OUT", "--executor",
+                             "ray"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_from_a_terminal)
+    for _ in range(300):
+        if proc.stdout.readline().startswith("[luminal-num] budget"):
+            break
+    deadline = time.monotonic() + 120
+    while not (_raylets() - before) and time.monotonic() < deadline:  # the compile's own cluster is up
+        time.sleep(0.2)
+    time.sleep(after_s)  # while the cluster starts (0.5 s), its actors start (3 s) or the search runs (10 s)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (err[-2000:], out[-300:])
+    assert [line for line in err.splitlines() if line.strip()][-1].startswith("interrupted: "), err[-2000:]
+    if (tmp_path / "OUT" / "plan.json").exists():
+        assert Plan.load(tmp_path / "OUT" / "plan.json").data["interrupted"]
+    deadline = time.monotonic() + 30
+    while (_raylets() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not (_raylets() - before), "the compile's Ray cluster outlived it"

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from .tasks import RunTask, TaskProgress, TaskTimes, run_caught, worker_init
 
 INPUT_CACHE_BYTES = 512 << 20  # interned task inputs kept in the object store (least recently used dropped)
 START_TIMEOUT_S = 300.0        # how long map() waits for a replacement actor when no other is alive
+WAIT_S = 0.25                  # map() looks for a held Ctrl-C this often while tasks run
 
 
 # Ray finds a node's address by the route to the internet, and maps 127.0.0.1 to it; a cluster of this
@@ -53,6 +56,37 @@ def _lost_worker() -> tuple[type[BaseException], ...]:
     """What a dead worker or node looks like from the driver: the task is run again elsewhere."""
     from ray import exceptions as ex
     return ex.RayActorError, ex.WorkerCrashedError, ex.NodeDiedError, ex.ObjectLostError, ex.OwnerDiedError
+
+
+class HeldInterrupts:
+    """Ctrl-C noted, not raised, while Ray's own code runs, and raised from Python right after: an interrupt
+    raised inside a blocking Ray call (ray.wait, ray.init) can leave its core worker in a state that crashes
+    the process at exit. Only in the main thread, and only over Python's default handler."""
+
+    def __init__(self):
+        self.pending, self._previous = False, None
+
+    def __enter__(self) -> "HeldInterrupts":
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.pending = True
+
+    def check(self) -> None:
+        """Raise the Ctrl-C noted since the last check, if any."""
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        if exc_type is None:
+            self.check()
 
 
 class _Worker:
@@ -90,23 +124,35 @@ class RayPool:
         self.times, self.progress = TaskTimes(), progress or TaskProgress()
         self.weights = weights
         self._connected = False
-        if not ray.is_initialized():
-            try:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                         logging_level=logging.ERROR, **_local_cluster_args(weights, address))
-            except (ConnectionError, ValueError, RuntimeError) as exc:
-                raise ExecutorUnavailable(f"cannot reach a Ray cluster at {address}: {exc}".splitlines()[0]) from None
-            self._connected = True
-        # each node fetches the weights (and GPTQ's calibration Hessians) once
-        self._actor_args = (ray.put(dict(weights)), cache_bytes, ray.put(hessians))
-        self.size = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
         self._actors: list[_Actor] = []  # ready ones, idle or running a task
         self._idle: deque[_Actor] = deque()
         self._starting: dict[object, _Actor] = {}  # where() ref -> actor not yet ready
         self._inputs = InputRefs(ray)
         self._interrupted = False
-        for _ in range(self.size):
-            self._spawn()
+        self._actor_args = None
+        try:
+            with HeldInterrupts():
+                self._join(address, weights)
+                # each node fetches the weights (and GPTQ's calibration Hessians) once
+                self._actor_args = (ray.put(dict(weights)), cache_bytes, ray.put(hessians))
+                self.size = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+                for _ in range(self.size):
+                    self._spawn()
+        except BaseException:  # Ctrl-C while the cluster starts: leave nothing running (a driver that exits
+            self.close()       # still connected can crash at interpreter exit)
+            raise
+
+    def _join(self, address: str | None, weights: Mapping[str, np.ndarray]) -> None:
+        ray = self.ray
+        if ray.is_initialized():  # the caller's own connection: theirs to close
+            return
+        self._connected = True
+        try:
+            # "local": a new cluster for this compile, never one found running on this machine
+            ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.ERROR, **_local_cluster_args(weights, address))
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            raise ExecutorUnavailable(f"cannot reach a Ray cluster at {address}: {exc}".splitlines()[0]) from None
 
     # -- actors ---------------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -157,40 +203,45 @@ class RayPool:
         self.progress.submitted(len(tasks))
         waiting_since = time.perf_counter()
         try:
-            while queue or running:
-                while queue and self._idle:
-                    i, actor = queue.popleft(), self._idle.popleft()
-                    running[actor.handle.run.remote(*payloads[i])] = (i, actor, time.perf_counter())
-                    self.progress.started(actor.node)
-                refs = list(running) + list(self._starting)
-                if not running and time.perf_counter() - waiting_since > START_TIMEOUT_S:
-                    raise ExecutorUnavailable(f"no Ray worker alive for {START_TIMEOUT_S:.0f} s: the cluster has no "
-                                         f"free CPU for the compile's actors")
-                done, _ = self.ray.wait(refs, num_returns=1, timeout=None if running else 5.0)
-                for ref in done:
-                    if ref in self._starting:
-                        self._started(ref)
-                        continue
-                    i, actor, t0 = running.pop(ref)
-                    try:
-                        out, own = self.ray.get(ref)
-                    except _lost_worker():  # its actor or node died: run the task again on another actor
-                        self.times.retries += 1
-                        self.progress.lost(actor.node)
-                        self._actors.remove(actor)
-                        queue.appendleft(i)
-                        self._spawn()
-                        continue
-                    results[i] = out
-                    self.times.add(own, time.perf_counter() - t0)
-                    self.progress.finished(actor.node)
-                    self._idle.append(actor)
-                waiting_since = time.perf_counter() if running else waiting_since
-        except KeyboardInterrupt:
+            with HeldInterrupts() as held:
+                while queue or running:
+                    held.check()
+                    self._step(queue, running, payloads, results)
+                    if running:
+                        waiting_since = time.perf_counter()
+                    elif time.perf_counter() - waiting_since > START_TIMEOUT_S:
+                        raise ExecutorUnavailable(f"no Ray worker alive for {START_TIMEOUT_S:.0f} s: the cluster "
+                                                  f"has no free CPU for the compile's actors")
+        except KeyboardInterrupt:  # the actors (and their tasks) are stopped when the compile closes the pool
             self._interrupted = True
-            self._kill_actors()  # stops the cluster's tasks of this compile
             raise
         return results
+
+    def _step(self, queue: deque, running: dict, payloads: list, results: list) -> None:
+        """Hand idle actors the next tasks, then take what finished (a result, a lost worker, an actor up)."""
+        while queue and self._idle:
+            i, actor = queue.popleft(), self._idle.popleft()
+            running[actor.handle.run.remote(*payloads[i])] = (i, actor, time.perf_counter())
+            self.progress.started(actor.node)
+        done, _ = self.ray.wait(list(running) + list(self._starting), num_returns=1, timeout=WAIT_S)
+        for ref in done:
+            if ref in self._starting:
+                self._started(ref)
+                continue
+            i, actor, t0 = running.pop(ref)
+            try:
+                out, own = self.ray.get(ref)
+            except _lost_worker():  # its actor or node died: run the task again on another actor
+                self.times.retries += 1
+                self.progress.lost(actor.node)
+                self._actors.remove(actor)
+                queue.appendleft(i)
+                self._spawn()
+                continue
+            results[i] = out
+            self.times.add(own, time.perf_counter() - t0)
+            self.progress.finished(actor.node)
+            self._idle.append(actor)
 
     def _kill_actors(self) -> None:
         for actor in [*self._actors, *self._starting.values()]:
@@ -201,14 +252,12 @@ class RayPool:
 
     def close(self) -> None:
         self.progress.close()
-        ray = self.ray
-        if not ray.is_initialized():
-            return
-        self._kill_actors()
+        if self.ray.is_initialized():
+            self._kill_actors()
         self._inputs.clear()
         self._actor_args = None
-        if self._connected:
-            ray.shutdown()  # the driver leaves the cluster (and stops it, when it started it)
+        if self._connected:  # also after a ray.init cut short: what it started is stopped
+            self.ray.shutdown()  # the driver leaves the cluster (and stops it, when it started it)
             self._connected = False
 
     def __enter__(self) -> "RayPool":

@@ -23,14 +23,14 @@ from ..dtypes.formats import F32, Kind
 from ..dtypes.formats import get as get_format
 from ..dtypes.variants import GEMM_VARIANTS
 from ..quant.kv import cache_error
-from ..quant.stored import MissingCalibration, storage_error
+from ..quant.stored import MissingCalibration
 from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result, read_operand
 from ..hlir.ops import Op
 from ..hlir.symbolic import evaluate as eval_dim
 from .indexed import Rows, gather_rows, index_range, scatter_rows
 from .interval import Interval, transfer
 from .static_values import (SLACK, BoundedValue, Overflow, OverflowFound, StaticReport, custom_interval, floor_of, mag_of,
-                            round_f32, slope_bound, store_known, store_rounded)
+                            round_f32, slope_bound, store_known, store_rounded, stored_weight_value)
 from .normalize import NormBound
 from .rounding_bounds import gamma, nan_as_unbounded
 from .softmax_bound import masked_softmax_error, softmax_error
@@ -475,19 +475,6 @@ def _softmax_rows(shape: tuple[int, ...], axis: int) -> tuple[np.ndarray, np.nda
     sizes = [shape[i] for i in range(len(shape)) if i != axis]
     row = (np.ravel_multi_index(rest, sizes) if rest else np.zeros(shape, dtype=np.int64)).astype(np.float64) + 1
     return row, pos
-
-
-def stored_weight_value(iv: Interval, storage: str, shape, fill: str | None = None, weight=None) -> BoundedValue:
-    """A weight held in a storage format: the exact (graph) weight, computed with its known storage error
-    (a filled weight's: |its stored values - w|, from `weight` itself, which must be the point `iv`)."""
-    lo, hi = np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape)
-    if not np.array_equal(lo, hi):
-        raise ValueError(f"a weight stored as {storage} must be a compile-time point, not a range")
-    if fill is None:
-        return BoundedValue(Interval(lo, hi), storage_error(lo, storage))
-    if not np.array_equal(np.asarray(weight, dtype=np.float64), lo):
-        raise ValueError(f"the weight handed in is not the point the bound ranges over ({storage}+{fill})")
-    return BoundedValue(Interval(lo, hi), storage_error(weight, storage, fill=fill))
 
 
 def _mid_rad(iv: Interval) -> tuple[np.ndarray, np.ndarray]:

@@ -14,6 +14,7 @@ from ..codegen.llir import Kernel
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.formats import get as get_format
 from ..hlir.ops import CUSTOM_KINDS, Op
+from ..quant.stored import storage_error
 from .interval import Interval, derivative_bound
 
 SLACK = 1.0 + 2.0 ** -40  # covers FP64's own error in the reference and in these bound computations
@@ -182,3 +183,16 @@ def custom_interval(kind: str, iv: Interval) -> Interval:
     fn = CUSTOM_KINDS[kind].fn  # erf and tanh are increasing: endpoints, widened by a few ulps
     lo, hi = fn(iv.lo), fn(iv.hi)
     return Interval(np.nextafter(np.nextafter(lo, -np.inf), -np.inf), np.nextafter(np.nextafter(hi, np.inf), np.inf))
+
+
+def stored_weight_value(iv: Interval, storage: str, shape, fill: str | None = None, weight=None) -> BoundedValue:
+    """A weight held in a storage format: the exact (graph) weight, computed with its known storage error
+    (a filled weight's: |its stored values - w|, from `weight` itself, which must be the point `iv`)."""
+    lo, hi = np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape)
+    if not np.array_equal(lo, hi):
+        raise ValueError(f"a weight stored as {storage} must be a compile-time point, not a range")
+    if fill is None:
+        return BoundedValue(Interval(lo, hi), storage_error(lo, storage))
+    if not np.array_equal(np.asarray(weight, dtype=np.float64), lo):
+        raise ValueError(f"the weight handed in is not the point the bound ranges over ({storage}+{fill})")
+    return BoundedValue(Interval(lo, hi), storage_error(weight, storage, fill=fill))
