@@ -30,6 +30,7 @@ from .hlir.graph import Graph
 from .hlir.partition import Partition, partition
 from .memory import MemoryPlan, plan_memory
 from .quant.calibration import CALIBRATION, NO_HESSIANS, Hessians
+from .runtime.blas_threads import one_blas_thread
 from .search.plan import Plan
 from .search.recipes import baseline_genomes
 from .search.search import Exploration, SearchOptions, SearchResult, confirm, explore
@@ -131,6 +132,8 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
     refs = stage("reference", lambda: reference_stage(graph, calibration, space),
                  min(reference_bytes(graph, space.part, calibration), memory.boundary))
     with ExitStack() as stack:
+        # every verdict run from here on, here or in a worker, on one BLAS thread: the same bits wherever it runs
+        stack.enter_context(one_blas_thread())
         stack.enter_context(CALIBRATION.installed(refs.hessians))  # what GPTQ-filled weights are filled under
         pool = chunks = exact = None
         if len(space.part.chunks) > 1:

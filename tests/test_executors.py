@@ -71,3 +71,45 @@ def test_without_the_ray_package_the_ray_executor_says_how_to_get_it(monkeypatch
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if it were not installed
     with pytest.raises(ExecutorUnavailable, match=r"pip install 'luminal_num\[ray\]'"):
         ray_pool.RayPool({})
+
+
+def test_verdicts_run_on_one_blas_thread_from_the_headroom_on_and_the_count_comes_back():
+    """What makes the driver's own runs compute the bits a worker's would (runtime/blas_threads.py)."""
+    from luminal_num.cli_jobs import parse_budget
+    from luminal_num.compiler import compile as compile_plan
+    from luminal_num.runtime.blas_threads import blas_threads, set_blas_threads
+    from luminal_num.search.search import SearchOptions
+    if blas_threads() is None:
+        pytest.skip("numpy's BLAS is not its bundled OpenBLAS: its thread count cannot be set")
+    job = transformer_job(2)
+    set_blas_threads(2)
+    seen = {}
+    compile_plan(job.graph, parse_budget(job.default_budget), "h200", job.calibration,
+                 SearchOptions(max_candidates=4, progress=False, workers=1),
+                 on_stage=lambda name, s: seen.__setitem__(name, blas_threads()))
+    assert seen["reference"] == 2 and seen["headroom"] == seen["search"] == seen["confirm"] == 1, seen
+    assert blas_threads() == 2
+
+
+@pytest.mark.slow
+def test_smollm2_plans_are_the_same_bytes_for_one_and_two_local_workers(tmp_path):
+    """The property the one-thread rule exists for: with 2 BLAS threads in the driver, 1 local worker (every
+    verdict run here) and 2 (run in the pool) chose different bytes before it."""
+    from luminal_num.cli_jobs import parse_budget
+    from luminal_num.compiler import compile as compile_plan
+    from luminal_num.memory import plan_memory
+    from luminal_num.models.registry import llm_job
+    from luminal_num.report.compile_report import write_compile_report
+    from luminal_num.runtime.blas_threads import set_blas_threads
+    from luminal_num.search.search import SearchOptions
+    job = llm_job("smollm2", layers=3)
+    set_blas_threads(2)
+    files = []
+    for workers in (1, 2):
+        result = compile_plan(job.graph, parse_budget(job.default_budget), "h200", job.calibration,
+                              SearchOptions(max_candidates=8, progress=False, workers=workers),
+                              memory=plan_memory(job.graph.weights, workers=workers))
+        write_compile_report(result, tmp_path / str(workers), "smollm2")
+        files.append({p.name: p.read_bytes() for p in sorted((tmp_path / str(workers)).iterdir())})
+    assert files[0].keys() == files[1].keys()
+    assert [n for n in files[0] if files[0][n] != files[1][n]] == []

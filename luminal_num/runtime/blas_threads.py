@@ -7,7 +7,9 @@ took 7-48 ms with two threads on a loaded machine and 2-3 ms with one (8 x 1536 
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -48,3 +50,18 @@ def set_blas_threads(n: int) -> bool:
     fn.argtypes = [ctypes.c_int]
     fn(n)
     return True
+
+
+@contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """BLAS on one thread while the block runs (the count before is restored after). Why: OpenBLAS splits a
+    small-M sgemm among its threads in ways that change the bits (a SmolLM2 decode chunk: 4283 of 4608
+    outputs differ between 1 and 2 threads), and a verdict task must compute the same bits in the
+    compiling process as in a pool worker or a Ray actor, which run one thread each."""
+    before = blas_threads()
+    set_blas_threads(1)
+    try:
+        yield
+    finally:
+        if before is not None:
+            set_blas_threads(before)
