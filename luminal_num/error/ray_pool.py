@@ -32,6 +32,9 @@ from .tasks import RunTask, TaskProgress, TaskTimes, run_caught, worker_init
 INPUT_CACHE_BYTES = 512 << 20  # interned task inputs kept in the object store (least recently used dropped)
 START_TIMEOUT_S = 300.0        # how long map() waits for a replacement actor when no other is alive
 WAIT_S = 0.25                  # map() looks for a held Ctrl-C this often while tasks run
+# tasks handed to an actor at once: the next waits in the actor's queue while one runs, so the actor never
+# idles through a round trip to the driver (the bench measured it; bench/executors.py)
+SLOTS = 2
 
 
 # Ray finds a node's address by the route to the internet, and maps 127.0.0.1 to it; a cluster of this
@@ -111,6 +114,7 @@ class _Actor:
     handle: object
     node: str = ""
     pid: int = 0
+    last_result: float = 0.0  # when the driver last took a result of this actor (perf_counter)
 
 
 class RayPool:
@@ -169,7 +173,7 @@ class RayPool:
             self._spawn()
             return
         self._actors.append(actor)
-        self._idle.append(actor)
+        self._idle.extend([actor] * SLOTS)
 
     def wait_for_workers(self, n: int | None = None, timeout_s: float = START_TIMEOUT_S) -> int:
         """Wait until `n` actors (default: all) are ready, or `timeout_s`; the number ready. A compile
@@ -234,12 +238,17 @@ class RayPool:
             except _lost_worker():  # its actor or node died: run the task again on another actor
                 self.times.retries += 1
                 self.progress.lost(actor.node)
-                self._actors.remove(actor)
                 queue.appendleft(i)
-                self._spawn()
+                if actor in self._actors:  # its other task fails the same way: one replacement
+                    self._actors.remove(actor)
+                    self._idle = deque(a for a in self._idle if a is not actor)
+                    self._spawn()
                 continue
+            now = time.perf_counter()
             results[i] = out
-            self.times.add(own, time.perf_counter() - t0)
+            # from when the actor could start it (its previous result, or the dispatch) to its result here
+            self.times.add(own, now - max(t0, actor.last_result))
+            actor.last_result = now
             self.progress.finished(actor.node)
             self._idle.append(actor)
 
