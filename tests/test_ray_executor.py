@@ -84,20 +84,56 @@ def _ready(pool: RayPool, n: int) -> None:
     assert pool.wait_for_workers(n, timeout_s=120) == n, "the Ray actors did not start"
 
 
+@pytest.fixture(scope="module")
+def tasks(job, space, refs):
+    return _tasks(job, space, refs)
+
+
+@pytest.fixture(scope="module")
+def local_results(job, tasks):
+    """The tasks' outputs from the local pool: the truth the Ray runs are compared with."""
+    with TaskPool(job.graph.weights, 2) as local:
+        return local.map(tasks)
+
+
+@pytest.fixture(scope="module")
+def pool(cluster, job):
+    """One pool for the module's task-level tests (its actors start once): two actors, one per node."""
+    with RayPool(job.graph.weights, cluster.address) as p:
+        _ready(p, 2)
+        yield p
+
+
 def test_the_cluster_listens_on_loopback_only(cluster):
     assert os.environ.get(LOOPBACK_ENV) == "0"
     assert cluster.address.startswith("127.0.0.1:")
 
 
-def test_chunk_tasks_on_ray_give_the_local_pool_s_results_in_task_order(cluster, job, space, refs):
-    tasks = _tasks(job, space, refs)
-    with TaskPool(job.graph.weights, 2) as local:
-        want = local.map(tasks)
-    with RayPool(job.graph.weights, cluster.address) as pool:
-        _ready(pool, 2)
-        got = pool.map(tasks)
-        nodes = pool.progress.nodes
-    _same(got, want)
+def _compile_files(job, out: Path, options: SearchOptions, workers: int) -> dict[str, bytes]:
+    result = compile_plan(job.graph, parse_budget(job.default_budget), "h200", job.calibration, options,
+                          memory=plan_memory(job.graph.weights, workers=workers))
+    write_compile_report(result, out, "transformer: error vs latency (h200)")
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def test_plan_and_reports_are_the_same_bytes_for_1_or_2_local_workers_and_a_2_node_ray_cluster(cluster, job,
+                                                                                                tmp_path):
+    """Before any test that holds the module's pool (its actors would hold both nodes' CPUs)."""
+    opts = SearchOptions(max_candidates=8, progress=False)
+    one = _compile_files(job, tmp_path / "local1", opts, 1)
+    two = _compile_files(job, tmp_path / "local2", opts, 2)
+    ray_opts = SearchOptions(max_candidates=8, progress=False,
+                             executor=ExecutorSpec(ExecutorKind.RAY, address=cluster.address))
+    on_ray = _compile_files(job, tmp_path / "ray2", ray_opts, 2)
+    assert one.keys() == two.keys() == on_ray.keys() and "plan.json" in one
+    for name in one:
+        assert one[name] == two[name] == on_ray[name], name
+
+
+def test_chunk_tasks_on_ray_give_the_local_pool_s_results_in_task_order(pool, tasks, local_results):
+    got = pool.map(tasks)
+    nodes = pool.progress.nodes
+    _same(got, local_results)
     assert len(nodes) == 2 and all(c.done > 0 and c.running == 0 for c in nodes.values()), nodes
 
 
@@ -112,10 +148,9 @@ def _payload_checks(pool: RayPool, task) -> tuple[int, int]:
     return len(ray.cloudpickle.dumps(payload)), sum(v.nbytes for b in task.batches for v in b.values())
 
 
-def test_a_task_carries_no_arrays(cluster, job, space, refs):
+def test_a_task_carries_no_arrays(pool, tasks):
     """What travels per task is the program's LLIR data, object refs of its inputs and the bindings."""
-    with RayPool(job.graph.weights, cluster.address) as pool:
-        size, _ = _payload_checks(pool, _tasks(job, space, refs)[1])
+    size, _ = _payload_checks(pool, tasks[1])
     assert size < 1 << 20
 
 
@@ -132,48 +167,22 @@ def test_a_smollm2_chunk_task_is_kilobytes_while_its_inputs_are_megabytes(cluste
     assert inputs > 1 << 20 and size < 64 << 10, sizes
 
 
-def test_a_killed_worker_costs_a_retry_not_the_answer(cluster, job, space, refs):
-    tasks = _tasks(job, space, refs)
-    want = TaskPool(job.graph.weights, 1).map(tasks)
-    with RayPool(job.graph.weights, cluster.address) as pool:
-        _ready(pool, 2)
-        os.kill(pool.worker_pids()[0], signal.SIGKILL)
-        got = pool.map(tasks)
-        assert pool.times.retries >= 1
-    _same(got, want)
+def test_a_killed_worker_costs_a_retry_not_the_answer(pool, tasks, local_results):
+    retries = pool.times.retries
+    os.kill(pool.worker_pids()[0], signal.SIGKILL)
+    got = pool.map(tasks)
+    assert pool.times.retries > retries
+    _same(got, local_results)
+    _ready(pool, 2)  # a replacement started where the killed one was
 
 
-def _compile_files(job, out: Path, options: SearchOptions, workers: int) -> dict[str, bytes]:
-    result = compile_plan(job.graph, parse_budget(job.default_budget), "h200", job.calibration, options,
-                          memory=plan_memory(job.graph.weights, workers=workers))
-    write_compile_report(result, out, "transformer: error vs latency (h200)")
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
-
-
-def test_plan_and_reports_are_the_same_bytes_for_1_or_2_local_workers_and_a_2_node_ray_cluster(cluster, job,
-                                                                                                tmp_path):
-    opts = SearchOptions(max_candidates=12, progress=False)
-    one = _compile_files(job, tmp_path / "local1", opts, 1)
-    two = _compile_files(job, tmp_path / "local2", opts, 2)
-    ray_opts = SearchOptions(max_candidates=12, progress=False,
-                             executor=ExecutorSpec(ExecutorKind.RAY, address=cluster.address))
-    on_ray = _compile_files(job, tmp_path / "ray2", ray_opts, 2)
-    assert one.keys() == two.keys() == on_ray.keys() and "plan.json" in one
-    for name in one:
-        assert one[name] == two[name] == on_ray[name], name
-
-
-def test_a_node_lost_between_tasks_costs_a_retry(cluster, job, space, refs):
-    """Last in this module: the cluster keeps one node afterwards."""
-    tasks = _tasks(job, space, refs)
-    want = TaskPool(job.graph.weights, 1).map(tasks)
-    with RayPool(job.graph.weights, cluster.address) as pool:
-        _ready(pool, 2)
-        worker_node = next(n for n in cluster.worker_nodes)
-        cluster.remove_node(worker_node)
-        got = pool.map(tasks)
-        assert pool.times.retries >= 1
-    _same(got, want)
+def test_a_node_lost_between_tasks_costs_a_retry(cluster, pool, tasks, local_results):
+    """Last of the task-level tests: the cluster keeps one node afterwards."""
+    retries = pool.times.retries
+    cluster.remove_node(next(n for n in cluster.worker_nodes))
+    got = pool.map(tasks)
+    assert pool.times.retries > retries
+    _same(got, local_results)
 
 
 def _raylets() -> set[int]:
