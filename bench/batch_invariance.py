@@ -2,7 +2,7 @@
 seed and candidate count, one plain and one with `--batch-invariant`; the chosen plans' latency ratio
 (invariant / fastest), modelled on `h200` (roofline) and `h200-measured` (the roofline or, where more, the
 per-class fits of this project's kernels on a real H200), and measured on the CPU backend (medians of
-`--repeats` runs of each program, alternating, in one run).
+`--repeats` runs of each program, alternating, in one run; with 1 and with 2 BLAS / tile threads).
 
 Jobs: MiniLM (batch 12 x 41 tokens, all 6 layers) and SmolLM2-135M decode:8@64 with its first `--layers`
 layers (the full 30 layers take minutes per CPU run; the per-layer price is what repeats). The compiles search
@@ -26,12 +26,18 @@ import pandas as pd
 from luminal_num.compiler import compile
 from luminal_num.error.budget import Budget
 from luminal_num.memory import plan_memory
+from luminal_num.runtime import tile_threads
+from luminal_num.runtime.blas_threads import set_blas_threads
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.runtime.latency import modelled_latency
 from luminal_num.search.search import SearchOptions
 
 OUT = Path("reports/bench")
+CPU_THREADS = (1, 2)
 MODELLED = ("h200", "h200-measured")
+# 1 and 2 threads: on a shared 2-core machine OpenBLAS's second thread spins for a busy core (an 8 x 576 @
+# 576 x 1536 FP32 matmul took 16 ms with 2 threads, 0.35 ms with 1 here), which the plain plan pays in every
+# BLAS call and the fixed-order kernel does not: the 1-thread ratio is the price of the order itself
 
 
 def _jobs(layers: int):
@@ -46,8 +52,11 @@ def _tags(genome) -> str:
     return " ".join(tags) if tags else "FP32"
 
 
-def _cpu_ms(programs: dict, weights, feed, repeats: int) -> dict[str, float]:
-    """Median wall time (ms) of each program on the CPU backend, runs alternating so load hits all alike."""
+def _cpu_ms(programs: dict, weights, feed, repeats: int, threads: int) -> dict[str, float]:
+    """Median wall time (ms) of each program on the CPU backend with `threads` BLAS and tile threads, runs
+    alternating so load hits all alike."""
+    set_blas_threads(threads)
+    tile_threads.TILE_THREADS = threads
     runtimes = {key: CpuRuntime(p, weights) for key, p in programs.items()}
     for rt in runtimes.values():
         rt.run(feed)  # warm: weights' stored forms, packed panels, numba's compile
@@ -83,9 +92,11 @@ def measure_job(name: str, job, target: str, candidates: int, seed: int, repeats
     price = results["invariant"].plan.invariance_price
     row["same_genome_ratio"] = price.ratio
     row["same_genome_ratio_target"] = price.target
-    cpu = _cpu_ms(programs, job.graph.weights, job.calibration[0], repeats)
-    row |= {"cpu_plain_ms": cpu["plain"], "cpu_invariant_ms": cpu["invariant"],
-            "cpu_ratio": cpu["invariant"] / cpu["plain"], "cpu_repeats": repeats}
+    for threads in CPU_THREADS:
+        cpu = _cpu_ms(programs, job.graph.weights, job.calibration[0], repeats, threads)
+        row |= {f"cpu{threads}t_plain_ms": cpu["plain"], f"cpu{threads}t_invariant_ms": cpu["invariant"],
+                f"cpu{threads}t_ratio": cpu["invariant"] / cpu["plain"]}
+    row["cpu_repeats"] = repeats
     print(row, flush=True)
     return row
 
