@@ -31,10 +31,11 @@ from .hlir.partition import Partition, partition
 from .memory import MemoryPlan, plan_memory
 from .quant.calibration import CALIBRATION, NO_HESSIANS, Hessians
 from .runtime.blas_threads import one_blas_thread
-from .search.plan import Plan
+from .search.plan import InvariancePrice, Plan
 from .search.recipes import baseline_genomes
 from .search.search import Exploration, SearchOptions, SearchResult, confirm, explore
 from .search.space import SearchSpace
+from .runtime.latency import program_latency
 from .runtime.targets import get_target
 
 STAGES = ("partition", "saturate", "reference", "headroom", "search", "confirm", "plan")
@@ -174,7 +175,19 @@ def plan_stage(ctx: CompileContext, space: SearchSpace, refs: References, judge:
                        chosen.latency, judge.latency_bindings, result.stats.record(with_seconds=False),
                        calibration_ranges(ctx.graph, space.part, refs.batches), ctx.graph.weights,
                        headroom=ctx.headroom.headroom)
+    if space.batch_invariant:
+        plan = plan.with_invariance_price(invariance_price(ctx, space, chosen.genome, chosen.latency,
+                                                           judge.latency_bindings))
     return CompileResult(plan, chosen.program, space, result)
+
+
+def invariance_price(ctx: CompileContext, space: SearchSpace, genome, latency, bindings) -> InvariancePrice:
+    """The chosen genome's latency next to the same genome lowered without invariance, priced the way the
+    search priced the chosen one (the target's model, or the CPU measured)."""
+    plain = space.with_batch_invariance(False).program(genome)
+    calibration = ctx.calibration[0] if ctx.calibration else None
+    plain_latency = program_latency(plain, ctx.target, bindings, ctx.graph.weights, calibration)
+    return InvariancePrice(latency.target, latency.source, latency.total_s, plain_latency.total_s)
 
 
 def open_executor(spec: ExecutorSpec, weights: Mapping[str, np.ndarray], local_workers: int,

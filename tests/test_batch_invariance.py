@@ -3,7 +3,8 @@
 Differential: the fixed-order Gemm against an FP64 numpy reference within the FP32 Gemm's static bound,
 and against its own definition written out in numpy; whole models (MiniLM, SmolLM2 with 2 layers) run
 alone vs inside batches of 2, 4, 8, with 1 vs 2 threads and under two OpenBLAS kernels, bit for bit; the
-same checks on the non-invariant plan find differences (so they can fail); the CUDA tiled Gemm of a
+same checks find differences on a plan whose FP8 activation scale spans the batch (default: a control
+that fails on any CPU) and on the plain plan (slow: BLAS order per M); the CUDA tiled Gemm of a
 batch-invariant program gives a row the same bits at M = 1 and M = 8 in the interpreter.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from luminal_num.codegen.serialize import program_from_data, program_to_data
 from luminal_num.dtypes.formats import F32
 from luminal_num.hlir.gemm import gemm_layouts
 from luminal_num.hlir.shape import ShapeTracker
-from luminal_num.report.invariance import check_invariance, split_items
+from luminal_num.report.invariance import InvarianceResult, check_invariance, split_items
 from luminal_num.runtime import tile_threads
 from luminal_num.runtime.blas_threads import blas_threads, set_blas_threads
 from luminal_num.runtime.cpu import CpuRuntime
@@ -155,13 +156,24 @@ def minilm_items():
     return split_items(job.heldout[:1], 12)[:4]
 
 
-def test_minilm_invariant_plan_is_bit_identical_alone_and_in_a_batch_and_the_plain_one_is_not(minilm_items):
-    """Default (fast): 2 inputs alone and in a batch of 8; the slow test below runs 2, 4 and 8."""
+def test_minilm_invariant_plan_is_bit_identical_alone_and_in_a_batch_and_a_row_coupled_one_is_not(minilm_items):
+    """Default (fast): 2 inputs alone and in a batch of 8; the slow tests below run 2, 4 and 8. The control
+    that can fail on any CPU: a plan whose FP8 activation scale is the amax of the whole batch (the BLAS-order
+    control, which depends on the CPU's kernels, is the slow plain-plan tests')."""
     inv = check_invariance(_minilm_runtimes(True, ("gemm:bf16", "attn:flash_f32")), minilm_items[:2], True, sizes=(8,))
     assert inv.positions == 2 and inv.invariant and inv.passed, inv.summary()
+    coupled = check_invariance(_minilm_runtimes(False, ("gemm:f8e4m3_tensor_dynamic",)), minilm_items[:2], False,
+                               sizes=(8,))
+    assert not coupled.invariant and coupled.passed, coupled.summary()
+    assert not InvarianceResult(coupled.rows, batch_invariant=True).passed  # required but not held: a failure
+
+
+@pytest.mark.slow
+def test_minilm_plain_plan_is_not_bit_identical_in_a_batch(minilm_items):
+    """BLAS picks another order per M (OpenBLAS on x86: true of every kernel this suite runs under)."""
     plain = check_invariance(_minilm_runtimes(False, ("gemm:bf16", "attn:flash_f32")), minilm_items[:2], False,
                              sizes=(8,))
-    assert not plain.invariant and plain.passed, plain.summary()  # BLAS: another order per M
+    assert not plain.invariant and plain.passed, plain.summary()
 
 
 @pytest.mark.slow
@@ -205,8 +217,10 @@ def _smollm2_items(count: int):
     return split_items(job.heldout[:1], 8, OFFSETS)[:count]
 
 
+@pytest.mark.slow
 def test_smollm2_invariant_decode_is_bit_identical_alone_and_in_a_batch():
-    """Default (fast): 2 prompts alone and in a batch of 8 (logits and every KV-cache row written)."""
+    """2 prompts alone and in a batch of 8 (logits and every KV-cache row written); by default an LLM's decode
+    is checked on the tiny GGUF model through the CLI (test_cli_llm.py)."""
     inv = check_invariance(_smollm2_runtimes(True), _smollm2_items(2), True, sizes=(8,), offsets=OFFSETS)
     assert inv.positions == 2 and inv.invariant, inv.summary()
     assert set(inv.rows["output"]) >= {"logits", "k_cache_out.0"}

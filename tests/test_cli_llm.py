@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from luminal_num.cli import EXIT_INPUT, EXIT_OK, main
+from luminal_num.cli import EXIT_CONTRACT, EXIT_INPUT, EXIT_OK, main
 from luminal_num.hlir import evaluate
 from luminal_num.models.gguf import load_gguf
 from luminal_num.models.llama import build_prefill
@@ -45,11 +45,19 @@ def test_gguf_written_like_llama_cpp_loads_back_exactly(tiny):
     assert np.max(np.abs(logits - ref)) <= 1e-10 * np.max(np.abs(ref))
 
 
-def test_compile_audit_generate_a_gguf_by_path(tiny, capsys):
+@pytest.fixture(scope="module")
+def ordinary(tiny):
+    """An ordinary (not batch-invariant) plan of the tiny model: (its folder, compile's exit code)."""
     root, path, _, prompts = tiny
     out = root / "report"
     rc = main(["compile", "--model", str(path), "--workload", WORKLOAD, "--calibration", str(prompts),
                "--candidates", "2", "--out", str(out), "--quiet"])
+    return out, rc
+
+
+def test_compile_audit_generate_a_gguf_by_path(tiny, ordinary, capsys):
+    root, path, _, prompts = tiny
+    out, rc = ordinary
     assert rc == EXIT_OK
     plan = json.loads((out / "plan.json").read_text())
     assert plan["job"] == {"model": str(path), "workload": WORKLOAD, "layers": None}
@@ -154,3 +162,49 @@ def test_generate_on_the_cuda_stand_in_gives_the_cpu_backends_tokens(tiny, fake)
     cuda = generate(plan, str(path), WORKLOAD, None, "the cat", False, 2, backend="cuda")
     assert (cpu.backend, cuda.backend) == ("cpu", "cuda")
     assert cuda.plan == cpu.plan and cuda.fp64 == cpu.fp64
+
+
+def test_batch_invariant_compile_and_check_invariance(tiny, ordinary, capsys, monkeypatch):
+    """`compile --batch-invariant` records the requirement and the price of invariance (plan.json and one
+    line); `audit --check-invariance` finds every position bit-identical and exits 0. An ordinary plan has
+    neither field, and its check only reports (exit 0: it promised no invariance), saying it is not required."""
+    root, path, _, prompts = tiny
+    base = ["--model", str(path), "--workload", WORKLOAD, "--calibration", str(prompts), "--candidates", "2",
+            "--quiet"]
+    out = root / "invariant"
+    assert main(["compile", *base, "--batch-invariant", "--out", str(out)]) == EXIT_OK
+    printed = capsys.readouterr().out
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["requirements"] == {"batch_invariant": True} and plan["llir"]["batch_invariant"] is True
+    price = plan["invariance_price"]
+    assert price["invariant_s"] > 0 and price["plain_s"] > 0 and price["target"] == plan["target"]
+    assert price["ratio"] == pytest.approx(price["invariant_s"] / price["plain_s"])
+    assert price["invariant_s"] == pytest.approx(plan["latency"]["total_s"])
+    assert "price of batch invariance:" in printed
+    assert main(["audit", "--plan", str(out / "plan.json"), "--calibration", str(prompts),
+                 "--check-invariance"]) == EXIT_OK
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("invariance: ") and "requires batch invariance: INVARIANT;" in line, line
+    assert (out / "invariance.csv").is_file()
+    folder, rc = ordinary
+    assert rc == EXIT_OK
+    plain = json.loads((folder / "plan.json").read_text())
+    assert "requirements" not in plain and "invariance_price" not in plain
+    assert main(["audit", "--plan", str(folder / "plan.json"), "--calibration", str(prompts),
+                 "--check-invariance", "--out", str(root / "ordinary_check")]) == EXIT_OK
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "does not require batch invariance: " in line
+    assert ": INVARIANT;" in line or "NOT INVARIANT (not required by this plan" in line, line
+    # a batch-invariant plan found not invariant breaks its contract: exit 1 (one position made to differ)
+    import luminal_num.report.invariance as invariance
+    check = invariance.check_invariance
+
+    def one_differs(*args, **kwargs):
+        result = check(*args, **kwargs)
+        rows = result.rows.copy()
+        rows.loc[0, "identical"] = False
+        return invariance.InvarianceResult(rows, result.batch_invariant)
+    monkeypatch.setattr(invariance, "check_invariance", one_differs)
+    assert main(["audit", "--plan", str(out / "plan.json"), "--calibration", str(prompts), "--check-invariance",
+                 "--out", str(root / "invariant_check")]) == EXIT_CONTRACT
+    assert "requires batch invariance: NOT INVARIANT;" in capsys.readouterr().out

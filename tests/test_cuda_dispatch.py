@@ -90,3 +90,25 @@ def test_the_cost_models_kernel_classes_are_what_the_runtime_launches(fake):
                 seen.add((k.kind.value, impl, work.tensor_core))
     # both classes occur: library calls on tensor cores and fused epilogues on the tiled SIMT kernel
     assert any(tc for _, _, tc in seen) and ("gemm_epilogue", GemmImpl.TILED, False) in seen
+
+
+def test_an_invariant_program_launches_no_library_gemm_and_is_priced_so(fake):
+    """Batch invariance (issue 37) on CUDA: the runtime calls no cuBLAS(Lt) for a batch-invariant program (its
+    algorithm follows the shape), the cost model prices each Gemm as the tiled SIMT kernel it launches, and the
+    measured-class target charges the difference where the plain program had library calls (the roofline
+    may price a memory-bound cuBLAS FP32 Gemm and the tiled one alike: same bytes, same FP32 CUDA-core peak)."""
+    from luminal_num.runtime.latency import modelled_latency
+    name, graph, weights, inputs = next(w for w in workloads() if w[0] == "smollm2")
+    space = SearchSpace.build(graph)
+    plain, invariant = (space.with_batch_invariance(flag).program(frozenset()) for flag in (False, True))
+    bindings = bind_program(plain, {**weights, **inputs})
+    assert any(gemm_implementation(k, plain, bindings).library for k in plain.launched() if k.kind.is_gemm)
+    fake.log.clear()
+    CudaRuntime(invariant, weights).run(inputs)
+    assert set(launched_by_runtime(fake).values()) == {"kernels"}
+    works = kernel_works(invariant, bindings)
+    gemms = [w for w in works if w.implementation in {i.value for i in GemmImpl}]
+    assert gemms and all(w.implementation == GemmImpl.TILED.value and not w.tensor_core for w in gemms)
+    price = {t: modelled_latency(invariant, t, bindings).total_s / modelled_latency(plain, t, bindings).total_s
+             for t in ("h200", "h200-measured")}
+    assert price["h200"] >= 1.0 and price["h200-measured"] > 1.05, price

@@ -56,6 +56,13 @@ class InvarianceResult:
         """A plan that requires invariance fails without it; any other plan only reports."""
         return self.invariant or not self.batch_invariant
 
+    def verdict(self) -> str:
+        """INVARIANT, NOT INVARIANT (exit 1: the plan requires it), or NOT INVARIANT with why that is no failure."""
+        if self.invariant:
+            return "INVARIANT"
+        return "NOT INVARIANT" if self.batch_invariant else \
+            "NOT INVARIANT (not required by this plan: compile with --batch-invariant to require it)"
+
     def summary(self) -> str:
         sizes = ", ".join(str(b) for b in sorted(set(self.rows["batch"]))) if len(self.rows) else "-"
         worst = float(self.rows["max_abs_diff"].max()) if len(self.rows) else 0.0

@@ -193,6 +193,24 @@ class PlanLatency:
 
 
 @dataclass(frozen=True)
+class InvariancePrice:
+    """What batch invariance costs the chosen genome (issue 37): its latency as the invariant plan runs it
+    next to the same genome lowered without invariance, on the plan's target and by the same method."""
+    target: str
+    source: str           # "modelled" or "measured"
+    invariant_s: float
+    plain_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.invariant_s / self.plain_s if self.plain_s > 0 else float("inf")
+
+    def describe(self) -> str:
+        return (f"price of batch invariance: {self.invariant_s * 1e6:.1f} us invariant vs {self.plain_s * 1e6:.1f} us "
+                f"for the same genome without it (x{self.ratio:.2f}, {self.source} on {self.target})")
+
+
+@dataclass(frozen=True)
 class PlanJob:
     """The job the CLI compiled (so audit and generate rebuild the same graph without --model)."""
     model: str | None = None
@@ -326,6 +344,20 @@ class Plan:
         """This plan with top-level fields added or replaced (the job it records, a partial result's mark):
         a new Plan, so no caller edits a plan's data in place."""
         return dataclasses.replace(self, data={**self.data, **fields})
+
+    def with_invariance_price(self, price: InvariancePrice) -> "Plan":
+        """A batch-invariant plan recording its price (a field only such plans have: ordinary plans' bytes stay)."""
+        if not self.batch_invariant:
+            raise PlanError("only a batch-invariant plan has a price of invariance")
+        return self.with_fields(invariance_price={"target": price.target, "source": price.source,
+                                                  "invariant_s": _num(price.invariant_s), "plain_s": _num(price.plain_s),
+                                                  "ratio": _num(price.ratio)})
+
+    @property
+    def invariance_price(self) -> InvariancePrice | None:
+        rec = self.data.get("invariance_price")
+        return None if rec is None else InvariancePrice(str(rec["target"]), str(rec["source"]),
+                                                        _float(rec["invariant_s"]), _float(rec["plain_s"]))
 
     def with_source(self, source: dict) -> "Plan":
         """This plan recording the model file it was compiled from (e.g. {"format", "file", "sha256"})."""
