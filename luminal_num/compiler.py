@@ -31,7 +31,8 @@ from .hlir.partition import Partition, partition
 from .memory import MemoryPlan, plan_memory
 from .quant.calibration import CALIBRATION, NO_HESSIANS, Hessians
 from .runtime.blas_threads import one_blas_thread
-from .search.plan import InvariancePrice, Plan
+from .search.outcome import InvariancePrice
+from .search.plan import Plan
 from .search.recipes import baseline_genomes
 from .search.search import Exploration, SearchOptions, SearchResult, confirm, explore
 from .search.space import SearchSpace

@@ -74,3 +74,21 @@ class SearchResult:
 
     def passing(self) -> list[Evaluated]:
         return [e for e in self.evaluated if e.verdict.passed and e.latency is not None]
+
+
+@dataclass(frozen=True)
+class InvariancePrice:
+    """What batch invariance costs the chosen genome (issue 37): its latency as the invariant plan runs it
+    next to the same genome lowered without invariance, on the plan's target and by the same method."""
+    target: str
+    source: str           # "modelled" or "measured"
+    invariant_s: float
+    plain_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.invariant_s / self.plain_s if self.plain_s > 0 else float("inf")
+
+    def describe(self) -> str:
+        return (f"price of batch invariance: {self.invariant_s * 1e6:.1f} us invariant vs {self.plain_s * 1e6:.1f} us "
+                f"for the same genome without it (x{self.ratio:.2f}, {self.source} on {self.target})")

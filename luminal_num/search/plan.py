@@ -33,6 +33,7 @@ from ..quant.scales import compute_scales
 from ..quant.storage import STORAGE_FORMATS
 from ..quant.stored import FILL_SEPARATOR, convert_all, stored_key
 from ..quant.weights_file import WeightsFileError, content_hash, load_weights, save_weights
+from .outcome import InvariancePrice
 from .space import ChunkSite, Genome, SearchSpace
 
 PLAN_FORMAT = "luminal_num.plan"
@@ -190,24 +191,6 @@ class PlanLatency:
     source: str           # "modelled" or "measured"
     target: str
     cuda_graph: bool
-
-
-@dataclass(frozen=True)
-class InvariancePrice:
-    """What batch invariance costs the chosen genome (issue 37): its latency as the invariant plan runs it
-    next to the same genome lowered without invariance, on the plan's target and by the same method."""
-    target: str
-    source: str           # "modelled" or "measured"
-    invariant_s: float
-    plain_s: float
-
-    @property
-    def ratio(self) -> float:
-        return self.invariant_s / self.plain_s if self.plain_s > 0 else float("inf")
-
-    def describe(self) -> str:
-        return (f"price of batch invariance: {self.invariant_s * 1e6:.1f} us invariant vs {self.plain_s * 1e6:.1f} us "
-                f"for the same genome without it (x{self.ratio:.2f}, {self.source} on {self.target})")
 
 
 @dataclass(frozen=True)
