@@ -92,8 +92,10 @@ class MemoryPlan:
         over, cached = held + need - self.budget, WEIGHTS.bytes + CONVERTED.bytes
         if over > 0 and cached > 0:  # the caches are what the compile can give back: evict before refusing
             keep = max(0.0, 1.0 - over / cached)
-            WEIGHTS.resize(int(WEIGHTS.bytes * keep))
-            CONVERTED.resize(int(CONVERTED.bytes * keep))
+            for cache in (WEIGHTS, CONVERTED):  # entries evicted; the budgets stay (the plan sized them)
+                budget = cache.budget_bytes
+                cache.resize(int(cache.bytes * keep))
+                cache.resize(budget)
             held = tree_pss()
         if held + need > self.budget:
             raise MemoryBudgetError(f"stage {stage} needs {_gb(need)} more memory; the compile holds {_gb(held)} "

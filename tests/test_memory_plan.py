@@ -192,7 +192,8 @@ def test_a_stage_over_the_budget_by_what_the_caches_hold_evicts_them_instead_of_
     cannot free (the SmolLM2 compile at --max-memory 8G stopped at `plan` needing 0.0 GB more)."""
     from luminal_num import memory
     from luminal_num.hlir.weightcache import WEIGHTS
-    before = WEIGHTS._lru.budget_bytes  # restored below: later tests in this worker see the cache as it was
+    from luminal_num.quant.stored import CONVERTED
+    before, converted = WEIGHTS._lru.budget_bytes, CONVERTED.budget_bytes  # later tests in this worker see them
     WEIGHTS.resize(1 << 30)
     WEIGHTS.get("evictable-content-key", "f32", lambda: np.ones(16 << 20, np.float32))  # 64 MiB in the cache
     cached = WEIGHTS.bytes
@@ -204,5 +205,6 @@ def test_a_stage_over_the_budget_by_what_the_caches_hold_evicts_them_instead_of_
     assert WEIGHTS.bytes <= cached - (32 << 20)
     with pytest.raises(memory.MemoryBudgetError, match="stage plan needs"):
         memory.MemoryPlan(base - (1 << 20), 0, 0, 1, 0, 0, 0).check("plan", 0)  # over by more than the caches
+    assert WEIGHTS._lru.budget_bytes == 1 << 30 and CONVERTED.budget_bytes == converted  # entries go, budgets stay
     WEIGHTS.clear()
     WEIGHTS.resize(before)
