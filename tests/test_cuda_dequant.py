@@ -75,16 +75,28 @@ def test_every_storage_format_is_sampled_with_every_activation_somewhere():
     assert {WEIGHT_ONLY_GEMMS[n].activation for n in SAMPLED} == {F32, BF16, F16}
 
 
-@needs_nvrtc
-def test_every_variant_compiles_for_sm_90(tmp_path, monkeypatch):
+def _compiles_for_sm_90(names, tmp_path, monkeypatch):
     monkeypatch.setenv(nvrtc.CACHE_ENV, str(tmp_path))
-    for name in NAMES:
+    for name in names:
         variant = WEIGHT_ONLY_GEMMS[name]
         m, n, k = shape_for(variant)
         for a_format in {F32, variant.activation}:
             src = render_weight_only(variant.weight, variant.activation, m, n, k, a_format)
             compiled = nvrtc.compile_cuda(src.source, src.name, "sm_90")
             assert f".entry {src.name}(" in compiled.ptx, name
+
+
+@needs_nvrtc
+def test_each_storage_format_compiles_for_sm_90(tmp_path, monkeypatch):
+    """Every storage format once (its activation rotating, as SAMPLED): the default suite's share."""
+    _compiles_for_sm_90(SAMPLED, tmp_path, monkeypatch)
+
+
+@pytest.mark.slow
+@needs_nvrtc
+def test_every_variant_compiles_for_sm_90(tmp_path, monkeypatch):
+    """Every format x activation (81 sources, ~36 s of NVRTC on 2 cores)."""
+    _compiles_for_sm_90(NAMES, tmp_path, monkeypatch)
 
 
 def test_bad_shapes_and_activations_are_refused():
