@@ -25,7 +25,6 @@ from luminal_num.error.executors import ExecutorKind, ExecutorSpec  # noqa: E402
 from luminal_num.error.reference import references  # noqa: E402
 from luminal_num.error.tasks import TaskPool  # noqa: E402
 from luminal_num.memory import plan_memory  # noqa: E402
-from luminal_num.models.registry import transformer_job  # noqa: E402
 from luminal_num.report.compile_report import write_compile_report  # noqa: E402
 from luminal_num.search.plan import Plan  # noqa: E402
 from luminal_num.search.search import SearchOptions  # noqa: E402
@@ -45,17 +44,7 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def job():
-    return transformer_job(3)
-
-
-@pytest.fixture(scope="module")
-def space(job):
-    return SearchSpace.build(job.graph)
-
-
-@pytest.fixture(scope="module")
-def refs(job):
+def refs(job):  # job, space: conftest's 2-layer test transformer (its two layers share one group)
     return references(job.graph, job.calibration)
 
 
