@@ -98,7 +98,9 @@ class MemoryPlan:
                 cache.resize(budget)
             held = tree_pss()
         if held + need > self.budget:
-            raise MemoryBudgetError(f"stage {stage} needs {_gb(need)} more memory; the compile holds {_gb(held)} "
+            # "needs 0.0 GB more" read as nonsense where the compile is already over before the stage adds anything
+            what = f"needs {_gb(need)} more memory" if need >= 50 << 20 else "cannot start"
+            raise MemoryBudgetError(f"stage {stage} {what}; the compile holds {_gb(held)} "
                                     f"and its memory budget is {_gb(self.budget)}: raise --max-memory, or compile "
                                     f"fewer layers or calibration prompts")
 

@@ -182,7 +182,7 @@ def test_the_cli_reports_a_stage_that_does_not_fit_in_one_line(tmp_path, capsys,
     rc = main(["compile", "--model", "transformer", "--max-memory", "64G", "--candidates", "1", "--quiet",
                "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err
-    assert rc == EXIT_INPUT and err.count("\n") == 1 and "stage reference needs" in err and "holds 1" in err
+    assert rc == EXIT_INPUT and err.count("\n") == 1 and "stage reference cannot start" in err and "holds 1" in err
     assert not (tmp_path / "r" / "plan.json").exists()
 
 
@@ -203,7 +203,7 @@ def test_a_stage_over_the_budget_by_what_the_caches_hold_evicts_them_instead_of_
     plan = memory.MemoryPlan(base + cached - (32 << 20), 0, 0, 1, 0, 0, 0)
     plan.check("plan", 0)  # 32 MiB over, all of it in the cache: evicted, no error
     assert WEIGHTS.bytes <= cached - (32 << 20)
-    with pytest.raises(memory.MemoryBudgetError, match="stage plan needs"):
+    with pytest.raises(memory.MemoryBudgetError, match="^stage plan cannot start; the compile holds"):
         memory.MemoryPlan(base - (1 << 20), 0, 0, 1, 0, 0, 0).check("plan", 0)  # over by more than the caches
     assert WEIGHTS._lru.budget_bytes == 1 << 30 and CONVERTED.budget_bytes == converted  # entries go, budgets stay
     WEIGHTS.clear()
