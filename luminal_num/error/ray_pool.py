@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -284,9 +285,23 @@ class InputRefs:
         self.ray = ray
         self.refs: OrderedDict[str, tuple[object, int]] = OrderedDict()  # content key -> (ref, bytes)
         self.bytes = 0
+        # the key of an array already hashed, while that array lives: the same reference values come with
+        # every candidate's task, and hashing megabytes per task sat on the driver's dispatch path
+        self._keys: dict[int, tuple[weakref.ref, str]] = {}
+
+    def _key(self, a: np.ndarray) -> str:
+        known = self._keys.get(id(a))
+        if known is not None and known[0]() is a:
+            return known[1]
+        key = content_key(a)
+        try:
+            self._keys[id(a)] = (weakref.ref(a, lambda _, i=id(a): self._keys.pop(i, None)), key)
+        except TypeError:  # not weak-referenceable: hashed each time
+            pass
+        return key
 
     def ref(self, a: np.ndarray):
-        key = content_key(a)
+        key = self._key(a)
         if key in self.refs:
             self.refs.move_to_end(key)
             return self.refs[key][0]
@@ -300,6 +315,7 @@ class InputRefs:
 
     def clear(self) -> None:
         self.refs.clear()
+        self._keys.clear()
         self.bytes = 0
 
 
