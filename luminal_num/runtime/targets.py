@@ -199,17 +199,10 @@ H200 = Target(
 H200_KERNELS = load_measured("h200_kernels")
 
 TARGETS: tuple[Target, ...] = (
-    Target(
-        name="h100",
-        description="NVIDIA H100 SXM5 80GB (HBM3)",
-        hbm_bandwidth=3.35 * TERA,  # H100 SXM datasheet: "GPU Memory Bandwidth 3.35TB/s"
-        tensor_cores=HOPPER_TENSOR_CORES,
-        cuda_cores=HOPPER_CUDA_CORES,
-        efficiency=CARRIED_OVER_EFFICIENCY,
-        launch=PUBLISHED_HOPPER_LAUNCH,
-        l2_bytes=HOPPER_L2_BYTES,
-        sm_count=HOPPER_SMS,
-    ),
+    # the same Hopper chip with HBM3: only the memory and the efficiencies carried over differ
+    replace(H200, name="h100", description="NVIDIA H100 SXM5 80GB (HBM3)",
+            hbm_bandwidth=3.35 * TERA,  # H100 SXM datasheet: "GPU Memory Bandwidth 3.35TB/s"
+            efficiency=CARRIED_OVER_EFFICIENCY),
     H200,
     *(() if H200_KERNELS is None else (replace(
         H200, name="h200-measured", measured_kernels=H200_KERNELS,
