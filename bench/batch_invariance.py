@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -32,7 +31,7 @@ from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.runtime.latency import modelled_latency
 from luminal_num.search.search import SearchOptions
 
-OUT = Path("reports/bench")
+from .summary import write_csv
 CPU_THREADS = (1, 2)
 MODELLED = ("h200", "h200-measured")
 # 1 and 2 threads: on a shared 2-core machine OpenBLAS's second thread spins for a busy core (an 8 x 576 @
@@ -113,8 +112,7 @@ def main(argv=None) -> pd.DataFrame:
     rows = [measure_job(name, job, args.target, args.candidates, args.seed, args.repeats, args.max_memory_gb)
             for name, job in _jobs(args.layers)]
     frame = pd.DataFrame(rows)
-    OUT.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(OUT / "batch_invariance.csv", index=False)
+    write_csv(frame, "batch_invariance.csv")
     print(frame.to_string(index=False))
     return frame
 

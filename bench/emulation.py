@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -17,7 +16,7 @@ from luminal_num.dtypes import GEMM_VARIANTS
 from luminal_num.quant import compute_scales
 from luminal_num.runtime.numerics import emulate_gemm
 
-OUT = Path("reports/bench")
+from .summary import write_csv
 BASELINE = "numpy_f32"
 
 
@@ -60,8 +59,7 @@ def main(argv=None) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     df["ratio_vs_numpy_f32"] = df.ms / df.loc[df.variant == BASELINE, "ms"].item()
     df.insert(0, "size", args.size)
-    OUT.mkdir(parents=True, exist_ok=True)
-    df.to_csv(OUT / "emulation.csv", index=False)
+    write_csv(df, "emulation.csv")
     print(df.to_string(index=False))
     return df
 
