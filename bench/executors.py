@@ -53,6 +53,8 @@ def _run(job, label: str, options: SearchOptions, workers: int, out: Path) -> di
             "task_own_ms": 1e3 * t.own_s / max(t.tasks, 1),
             "task_overhead_ms": 1e3 * (t.turnaround_s - t.own_s) / max(t.tasks, 1) if label.startswith("ray") else None,
             "overhead_share": (t.turnaround_s - t.own_s) / t.own_s if label.startswith("ray") and t.own_s else None,
+            # of the overhead, the share spent in the workers (inputs read, program decoded, outputs packed)
+            "worker_extra_ms": 1e3 * t.worker_extra_s / max(t.tasks, 1),
             "retries": t.retries,
             "plan_sha256": hashlib.sha256((out / "plan.json").read_bytes()).hexdigest()[:16]}
 

@@ -11,7 +11,7 @@ from luminal_num.cli import main
 from luminal_num.error.chunks import ChunkEffects, Propagation
 from luminal_num.error.executors import ExecutorKind, ExecutorSpec, ExecutorUnavailable
 from luminal_num.error.reference import references
-from luminal_num.error.tasks import TaskPool, TaskProgress
+from luminal_num.error.tasks import Fp32Exact, TaskPool, TaskProgress, packed, run_task, unpacked
 from luminal_num.models.registry import transformer_job
 from luminal_num.search.space import SearchSpace
 
@@ -36,10 +36,32 @@ def test_the_local_pool_counts_every_task_done_and_times_it(tasks, workers):
     assert progress.queued == 0 and progress.nodes["local"].running == 0
     assert progress.nodes["local"].done == times.tasks == 2 * len(todo)
     assert 0 < times.own_s and times.retries == 0
-    for a, b in zip(first, again):  # the same task, the same outputs
-        for x, y in zip(a, b):
+    assert (times.worker_extra_s > 0) == (workers > 1)  # reading, decoding and packing a sent task: pool only
+    here = [run_task(t, job.graph.weights) for t in todo]
+    for a, b, c in zip(first, again, here):  # the same task, the same outputs, the bits of a run here
+        for x, y, z in zip(a, b, c):
             for k in x:
-                np.testing.assert_array_equal(x[k], y[k])
+                assert x[k].dtype == y[k].dtype == z[k].dtype == np.float64
+                np.testing.assert_array_equal(x[k].view(np.uint64), z[k].view(np.uint64))
+                np.testing.assert_array_equal(y[k].view(np.uint64), z[k].view(np.uint64))
+
+
+def test_outputs_travel_as_fp32_only_where_widening_gives_back_every_bit():
+    f32 = np.array([1.5, -0.0, np.inf, -np.inf, np.float32(1 / 3), np.nan, 3.4e38], np.float32).astype(np.float64)
+    not_f32 = np.array([1 / 3, 0.0])            # 1/3 in FP64 has bits FP32 drops
+    beyond = np.array([1e39, 2.0])              # past FP32's range: would become inf
+    tiny = np.array([1e-46, 1.0])               # below FP32's subnormals: would become 0
+    payload = np.array([np.nan]).view(np.uint64) | np.uint64(1)  # a NaN payload bit FP32 cannot keep
+    odd_nan = payload.view(np.float64)
+    out = packed([{"a": f32, "b": not_f32, "c": beyond, "d": tiny, "e": odd_nan}])
+    assert isinstance(out[0]["a"], Fp32Exact) and out[0]["a"].values.dtype == np.float32
+    assert all(out[0][k] is v for k, v in (("b", not_f32), ("c", beyond), ("d", tiny), ("e", odd_nan)))
+    back = unpacked(out)[0]
+    for k, want in (("a", f32), ("b", not_f32), ("c", beyond), ("d", tiny), ("e", odd_nan)):
+        assert back[k].dtype == np.float64
+        np.testing.assert_array_equal(back[k].view(np.uint64), want.view(np.uint64))
+    err = ValueError("overflow")
+    assert packed(err) is err and unpacked(err) is err
 
 
 def test_progress_text_names_queued_and_each_node():

@@ -24,11 +24,11 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..codegen.serialize import program_from_data, program_to_data
+from ..codegen.serialize import program_to_data
 from ..hlir.store import content_key
 from ..quant.calibration import NO_HESSIANS, Hessians
 from .executors import ExecutorUnavailable
-from .tasks import RunTask, TaskProgress, TaskTimes, run_caught, worker_init
+from .tasks import RunTask, TaskProgress, TaskTimes, run_caught, run_sent, unpacked, worker_init
 
 INPUT_CACHE_BYTES = 512 << 20  # interned task inputs kept in the object store (least recently used dropped)
 START_TIMEOUT_S = 300.0        # how long map() waits for a replacement actor when no other is alive
@@ -103,11 +103,14 @@ class _Worker:
     def where(self) -> tuple[str, int]:
         return f"node {self.node[:6]}", os.getpid()
 
-    def run(self, data: dict, batches: tuple[Mapping[str, object], ...], bindings) -> tuple[object, float]:
-        names = [list(b) for b in batches]
-        values = iter(import_ray(False).get([ref for b in batches for ref in b.values()]))
-        arrays = tuple({n: next(values) for n in ns} for ns in names)
-        return run_caught(RunTask(program_from_data(data), arrays, bindings))
+    def run(self, data: dict, batches: tuple[Mapping[str, object], ...], bindings) -> tuple[object, float, float]:
+        return run_sent(data, batches, bindings, read=_fetched)
+
+
+def _fetched(batches: tuple[Mapping[str, object], ...]) -> tuple[dict[str, np.ndarray], ...]:
+    """A task's input refs read from the object store, all in one call (zero-copy on the actor's node)."""
+    values = iter(import_ray(False).get([ref for b in batches for ref in b.values()]))
+    return tuple({name: next(values) for name in b} for b in batches)
 
 
 @dataclass
@@ -235,7 +238,7 @@ class RayPool:
                 continue
             i, actor, t0 = running.pop(ref)
             try:
-                out, own = self.ray.get(ref)
+                out, own, extra = self.ray.get(ref)
             except _lost_worker():  # its actor or node died: run the task again on another actor
                 self.times.retries += 1
                 self.progress.lost(actor.node)
@@ -246,9 +249,9 @@ class RayPool:
                     self._spawn()
                 continue
             now = time.perf_counter()
-            results[i] = out
+            results[i] = unpacked(out)
             # from when the actor could start it (its previous result, or the dispatch) to its result here
-            self.times.add(own, now - max(t0, actor.last_result))
+            self.times.add(own, now - max(t0, actor.last_result), extra)
             actor.last_result = now
             self.progress.finished(actor.node)
             self._idle.append(actor)

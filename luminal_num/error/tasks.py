@@ -61,11 +61,13 @@ class TaskTimes:
     own_s: float = 0.0
     turnaround_s: float = 0.0
     retries: int = 0
+    worker_extra_s: float = 0.0  # of the overhead, the workers' own share: inputs read, program decoded, outputs packed
 
-    def add(self, own: float, turnaround: float) -> None:
+    def add(self, own: float, turnaround: float, worker_extra: float = 0.0) -> None:
         self.tasks += 1
         self.own_s += own
         self.turnaround_s += turnaround
+        self.worker_extra_s += worker_extra
 
 
 @dataclass
@@ -140,9 +142,49 @@ def run_caught(task: RunTask, weights: Mapping[str, np.ndarray] | None = None) -
     return out, time.perf_counter() - t0
 
 
+@dataclass(frozen=True)
+class Fp32Exact:
+    """An FP64 output whose every value is an FP32 value (what a CPU run's stored buffers hold), narrowed
+    for the trip back to the driver: half the bytes through the pipe or the object store."""
+    values: np.ndarray
+
+
+def run_sent(data: dict, batches: Sequence[Mapping[str, object]], bindings, read=None) -> tuple[object, float, float]:
+    """A task as a worker receives it (its program as LLIR data; its inputs as they travel, `read` turning them
+    into arrays): (its outputs packed for the trip back, the seconds the run took, the seconds around it)."""
+    t0 = time.perf_counter()
+    out, own = run_caught(RunTask(program_from_data(data), read(batches) if read else tuple(batches), bindings))
+    out = packed(out)
+    return out, own, time.perf_counter() - t0 - own
+
+
+def packed(out: object) -> object:
+    """A task's outputs as a worker sends them: FP64 outputs that FP32 holds exactly travel as Fp32Exact."""
+    if isinstance(out, Exception):
+        return out
+    return [{name: _narrowed(a) for name, a in batch.items()} for batch in out]
+
+
+def unpacked(out: object) -> object:
+    """The outputs as run_task returned them in the worker: Fp32Exact widened back (exactly)."""
+    if isinstance(out, Exception):
+        return out
+    return [{name: a.values.astype(np.float64) if isinstance(a, Fp32Exact) else a for name, a in batch.items()}
+            for batch in out]
+
+
+def _narrowed(a: np.ndarray) -> np.ndarray | Fp32Exact:
+    if a.dtype != np.float64:
+        return a
+    narrow = a.astype(np.float32)
+    # kept only where widening gives back every bit (signed zeros, infinities; a NaN payload FP32 cannot hold stays FP64)
+    if np.array_equal(narrow.astype(np.float64).view(np.uint64), a.view(np.uint64)):
+        return Fp32Exact(narrow)
+    return a
+
+
 def _run_data(args):
-    data, batches, bindings = args
-    return run_caught(RunTask(program_from_data(data), batches, bindings))
+    return run_sent(*args)
 
 
 class TaskPool:
@@ -182,10 +224,10 @@ class TaskPool:
         started = min(len(tasks), width)
         for _ in range(started):
             self.progress.started(NODE)
-        for out_i, own in runs:
-            out.append(out_i)
+        for out_i, own, *extra in runs:
+            out.append(unpacked(out_i))
             now = time.perf_counter()
-            self.times.add(own, now - t0)  # in the pool: from the previous result (tasks overlap)
+            self.times.add(own, now - t0, *extra)  # in the pool: from the previous result (tasks overlap)
             t0 = now
             self.progress.finished(NODE)
             if started < len(tasks):
