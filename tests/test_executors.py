@@ -47,12 +47,13 @@ def test_the_local_pool_counts_every_task_done_and_times_it(tasks, workers):
 
 
 def test_outputs_travel_as_fp32_only_where_widening_gives_back_every_bit():
-    f32 = np.array([1.5, -0.0, np.inf, -np.inf, np.float32(1 / 3), np.nan, 3.4e38], np.float32).astype(np.float64)
+    f32 = np.array([1.5, -0.0, np.inf, -np.inf, np.float32(1 / 3), 3.4e38, 1e-45], np.float32).astype(np.float64)
     not_f32 = np.array([1 / 3, 0.0])            # 1/3 in FP64 has bits FP32 drops
     beyond = np.array([1e39, 2.0])              # past FP32's range: would become inf
     tiny = np.array([1e-46, 1.0])               # below FP32's subnormals: would become 0
-    payload = np.array([np.nan]).view(np.uint64) | np.uint64(1)  # a NaN payload bit FP32 cannot keep
-    odd_nan = payload.view(np.float64)
+    bits = np.array([np.nan, 1.0]).view(np.uint64).copy()
+    bits[0] |= np.uint64(1)                     # a NaN payload bit FP32 cannot keep
+    odd_nan = bits.view(np.float64)             # (any array holding NaN travels as FP64)
     out = packed([{"a": f32, "b": not_f32, "c": beyond, "d": tiny, "e": odd_nan}])
     assert isinstance(out[0]["a"], Fp32Exact) and out[0]["a"].values.dtype == np.float32
     assert all(out[0][k] is v for k, v in (("b", not_f32), ("c", beyond), ("d", tiny), ("e", odd_nan)))

@@ -177,8 +177,9 @@ def _narrowed(a: np.ndarray) -> np.ndarray | Fp32Exact:
     if a.dtype != np.float64:
         return a
     narrow = a.astype(np.float32)
-    # kept only where widening gives back every bit (signed zeros, infinities; a NaN payload FP32 cannot hold stays FP64)
-    if np.array_equal(narrow.astype(np.float64).view(np.uint64), a.view(np.uint64)):
+    # equal values give back every bit when widened (narrowing keeps a zero's sign and infinities); an array
+    # holding NaN compares unequal and stays FP64 (its payload need not survive). One pass, no widened copy.
+    if np.array_equal(narrow, a):
         return Fp32Exact(narrow)
     return a
 
