@@ -6,7 +6,7 @@ cluster is two nodes of one CPU each inside this machine (ray.cluster_utils.Clus
 compile; its actors start with the compile and are up before the search stage, whose time gives the
 candidates per second. A task's overhead is its turnaround at the driver (dispatch to result, one task per actor at a
 time) minus its own run inside the worker: the object-store round trips, the program's decoding and
-the scheduling. All three compiles run in this one process, one after the other, so their ratios share
+the scheduling (`worker_extra_ms`: the part spent inside the worker around the run). All three compiles run in this one process, one after the other, so their ratios share
 the machine's load. Writes reports/bench/executors.csv.
 
     python -m bench.executors                        # the demo job, 12 candidates
