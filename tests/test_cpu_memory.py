@@ -3,6 +3,9 @@ concatenation of weights (a horizontally fused Gemm's B) never in the run's own 
 run of a model whose derived weights exceed the weight cache stays within the cache's budget."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -56,3 +59,37 @@ def test_a_run_holds_no_external_past_its_last_reader_and_no_concatenation(model
         want = CpuRuntime(program, model.graph.weights).run(model.make_inputs(1))
         for name, value in want.outputs.items():
             assert np.array_equal(got.outputs[name], value, equal_nan=True)
+
+
+@pytest.mark.parametrize("model", [m for m in all_test_models() if m.name in ("matmul_chain", "attention_kv")],
+                         ids=lambda m: m.name)
+def test_a_finished_run_is_freed_without_the_cyclic_gc(model):
+    """A run's state (every buffer it wrote) and its runtime go when the last reference does: the stored
+    forms' makers closed over the state, a cycle that kept a whole-model run's GBs in a pool worker until
+    a full collection came by (issue 29: 1.8 GB per SmolLM2 worker after the headroom probes)."""
+    space = SearchSpace.build(model.graph)
+    gc.collect()
+    gc.disable()
+    try:
+        for genome in (frozenset(), _low_precision(space)):
+            rt = CpuRuntime(space.program(genome), model.graph.weights)
+            states = []
+            real = cpu.KERNELS
+
+            def watching(fn):
+                def run(rt_, k, state):
+                    if not states:
+                        states.append(weakref.ref(state))
+                    return fn(rt_, k, state)
+                return run
+            cpu.KERNELS = {kind: watching(fn) for kind, fn in real.items()}
+            try:
+                rt.run(model.make_inputs(1))
+            finally:
+                cpu.KERNELS = real
+            assert states and states[0]() is None, "the run's state outlived the run"
+            freed = weakref.ref(rt)
+            del rt
+            assert freed() is None, "the runtime outlived its last reference"
+    finally:
+        gc.enable()

@@ -133,27 +133,30 @@ class CpuRuntime:
         stored.make = {k.id: (lambda k=k: _external(self, k, state)) for k in self.program.kernels
                        if k.kind is KernelKind.EXTERNAL and k.external in state.weight_names and k.id not in kept}
         exports: dict[int, np.ndarray] = {}
-        with np.errstate(all="ignore"):
-            for k in self.program.kernels:
-                t0 = time.perf_counter()
-                if k.id in stored.make:
-                    pass  # made by its first reader (_Stored)
-                elif k.kind is KernelKind.EXTERNAL and k.external in state.weight_names:
-                    state.stored[k.id] = _external(self, k, state)  # the cached stored weight (never written)
-                else:
-                    state.out = outs[k.id]
-                    value = KERNELS[k.kind](self, k, state)
-                    if value is not state.out:
-                        np.copyto(state.out, value, casting="unsafe")
-                    state.stored[k.id] = state.out
-                if k.id in wanted:
-                    for nid, kid in self.program.exports:
-                        if kid == k.id:
-                            exports[nid] = state.stored[k.id].astype(np.float64)  # the slot may be reused
-                if k.kind.launches:
-                    timings.append((k.id, time.perf_counter() - t0))
-                for buf in drops.get(k.id, ()):  # a weight's stored form after its last reader: the cache's
-                    state.stored.pop(buf, None)     # to keep or evict, not this run's to pin until the end
+        try:
+            with np.errstate(all="ignore"):
+                for k in self.program.kernels:
+                    t0 = time.perf_counter()
+                    if k.id in stored.make:
+                        pass  # made by its first reader (_Stored)
+                    elif k.kind is KernelKind.EXTERNAL and k.external in state.weight_names:
+                        state.stored[k.id] = _external(self, k, state)  # the cached stored weight (never written)
+                    else:
+                        state.out = outs[k.id]
+                        value = KERNELS[k.kind](self, k, state)
+                        if value is not state.out:
+                            np.copyto(state.out, value, casting="unsafe")
+                        state.stored[k.id] = state.out
+                    if k.id in wanted:
+                        for nid, kid in self.program.exports:
+                            if kid == k.id:
+                                exports[nid] = state.stored[k.id].astype(np.float64)  # the slot may be reused
+                    if k.kind.launches:
+                        timings.append((k.id, time.perf_counter() - t0))
+                    for buf in drops.get(k.id, ()):  # a weight's stored form after its last reader: the cache's
+                        state.stored.pop(buf, None)     # to keep or evict, not this run's to pin until the end
+        finally:  # the makers close over the run's state: a cycle that held every buffer of the run (and the
+            stored.make = {}  # runtime) until the cyclic GC came by: GBs in a pool worker between collections
         outputs = {name: state.stored[kid].astype(np.float64) for name, kid in self.program.outputs}
         self._outputs = (key, outs)
         return RunResult(outputs, tuple(timings), plan, exports if keep_exports else None)
