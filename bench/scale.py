@@ -129,7 +129,7 @@ def measure(name: str, candidates: int | None, max_memory: str | None, front_end
         raise RuntimeError(f"{name}: the compile exited {proc.returncode}")
     row = json.loads(out.strip().splitlines()[-1])
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the child and its workers, all exited
-    row.update(wall_s=time.perf_counter() - t0,
+    row.update(max_memory=max_memory or "default", wall_s=time.perf_counter() - t0,
                cpu_s=(cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime), peak_pss_gb=watch.peak_pss / 1e9, peak_rss_sum_gb=watch.peak_rss_sum / 1e9,
                peak_rss_max_gb=watch.peak_rss_max / 1e9, load_before=load0, load_after=os.getloadavg()[0])
     return row
@@ -162,9 +162,13 @@ def main(argv=None) -> pd.DataFrame | None:
     df = pd.DataFrame(rows)
     name = "scale_front_end.csv" if args.front_end else "scale.csv"
     path = OUT / name
-    if path.is_file():  # keep the rows of shapes not run this time
+    if path.is_file():  # keep the rows of shapes (and memory budgets) not run this time
         old = pd.read_csv(path)
-        df = pd.concat([old[~old["shape"].isin(df["shape"])], df], ignore_index=True)
+        if "max_memory" not in old:
+            old["max_memory"] = "default"
+        key = ["shape", "max_memory"] if "max_memory" in df else ["shape"]
+        ran = set(map(tuple, df[key].astype(str).values))
+        df = pd.concat([old[[tuple(r) not in ran for r in old[key].astype(str).values]], df], ignore_index=True)
     write_csv(df, name)
     return df
 
