@@ -34,14 +34,11 @@ from ..quant.storage import STORAGE_FORMATS
 from ..quant.stored import FILL_SEPARATOR, convert_all, stored_key
 from ..quant.weights_file import WeightsFileError, content_hash, load_weights, save_weights
 from .outcome import InvariancePrice
+from .plan_file import PlanError, array_sha256, check_digest, check_fields, with_digest
 from .space import ChunkSite, Genome, SearchSpace
 
 PLAN_FORMAT = "luminal_num.plan"
 PLAN_VERSION = 2  # 2: the lowered LLIR is stored ("llir"); version-1 files are refused
-
-
-class PlanError(ValueError):
-    """A plan file that is missing, corrupt, of another version, or for another graph."""
 
 
 def graph_key(graph: Graph) -> str:
@@ -199,9 +196,12 @@ class PlanJob:
     model: str | None = None
     workload: str | None = None   # an LLM's workload (e.g. decode:8@64)
     layers: int | None = None     # an LLM's first N decoder layers
+    heldout: str | None = None    # compile --heldout FILE: what audit re-checks the plan on by default
 
     def record(self) -> dict:
-        return {"model": self.model, "workload": self.workload, "layers": self.layers}
+        """As plan.json's `job` (heldout only when given: other plans keep their bytes)."""
+        rec = {"model": self.model, "workload": self.workload, "layers": self.layers}
+        return rec if self.heldout is None else {**rec, "heldout": self.heldout}
 
 
 @dataclass(frozen=True)
@@ -247,7 +247,8 @@ class Plan:
         if program.batch_invariant:  # a requirement like the budget: audit checks it, runtimes honour it
             data["requirements"] = {"batch_invariant": True}
         scales = static_weight_scales(program, weights or {}, bindings)
-        data["static_scales"] = {str(kid): {"kernel": kid, "shape": list(arr.shape)} for kid, arr in sorted(scales.items())}
+        data["static_scales"] = {str(kid): {"kernel": kid, "shape": list(arr.shape), "sha256": array_sha256(arr)}
+                                for kid, arr in sorted(scales.items())}
         layout = stored_layout(program)
         fills = stored_fills(program)
         missing = sorted({name for name, _, _ in layout.values()} - set(weights or {}))
@@ -276,7 +277,7 @@ class Plan:
         if self.stored:
             save_weights(weights_path(path), self.stored, self.data["graph_key"])
             data["weights_file"] = weights_path(path).name
-        return atomic_write_text(path, json.dumps(data, sort_keys=True, indent=1) + "\n")
+        return atomic_write_text(path, json.dumps(with_digest(data), sort_keys=True, indent=1) + "\n")
 
     @staticmethod
     def load(path: str | Path) -> "Plan":
@@ -299,6 +300,8 @@ class Plan:
         for key in ("graph_key", "budget", "genome", "groups", "target", "verdict", "latency", "kernels", "llir"):
             if key not in data:
                 raise PlanError(f"plan file {path} is missing the field {key!r}")
+        check_fields(data, f"plan file {path}")
+        data = check_digest(data, f"plan file {path}")
         scales = None
         if data.get("scales_file"):
             sp = path.with_name(data["scales_file"])
@@ -309,8 +312,9 @@ class Plan:
                     scales = {int(k[1:]): f[k] for k in f.files}
             except Exception as exc:  # noqa: BLE001 - any unreadable scales file is a corrupt plan
                 raise PlanError(f"cannot read the plan's static scales {sp}: {exc}") from None
-            if sorted(scales) != sorted(v["kernel"] for v in data.get("static_scales", {}).values()):
-                raise PlanError(f"{sp} does not hold the scales the plan lists")
+            listed = {v["kernel"]: v.get("sha256") for v in data.get("static_scales", {}).values()}
+            if sorted(scales) != sorted(listed) or any(array_sha256(scales[k]) != listed[k] for k in scales):
+                raise PlanError(f"{sp} does not hold the scales the plan lists (content hash differs)")
         return Plan(data, scales, _load_stored(path, data))
 
     # -- use ----------------------------------------------------------------------------------
@@ -372,7 +376,7 @@ class Plan:
     def job(self) -> PlanJob | None:
         """The job the CLI recorded (None when compiled through the API)."""
         rec = self.data.get("job")
-        return PlanJob(rec.get("model"), rec.get("workload"), rec.get("layers")) if rec else None
+        return PlanJob(rec.get("model"), rec.get("workload"), rec.get("layers"), rec.get("heldout")) if rec else None
 
     def with_job(self, job: PlanJob) -> "Plan":
         return self.with_fields(job=job.record())
