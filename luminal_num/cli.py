@@ -19,8 +19,8 @@ import warnings
 from pathlib import Path
 
 from . import __version__
-from .cli_jobs import (LLM_CANDIDATES, LLM_WORKLOAD, InputError, fill_job_args, input_batches, is_llm, llm_job_of,
-                       onnx_job_of, onnx_peer_rows, parse_budget, record_job, registry_job)
+from .cli_jobs import (LLM_CANDIDATES, LLM_WORKLOAD, InputError, fill_audit_set, fill_job_args, input_batches, is_llm,
+                       llm_job_of, onnx_job_of, onnx_peer_rows, parse_budget, record_job, registry_job)
 from .error.executors import ExecutorKind, ExecutorSpec, ExecutorUnavailable
 from .error.verdict_store import VerdictCacheWarning
 from .memory import MemoryBudgetError, parse_size, plan_memory
@@ -90,6 +90,8 @@ def _memory_size(text: str) -> int:
 def cmd_compile(args) -> int:
     from .report.compile_report import COMPILE_FILES
     oj = onnx_job_of(args)
+    if oj is not None and args.heldout is not None:
+        raise InputError("--heldout applies to built-in models and LLMs; audit an ONNX plan with --inputs FILE.npz")
     job = oj.job if oj is not None else registry_job(args.model, args)
     if args.candidates is None:
         args.candidates = LLM_CANDIDATES if job.llm is not None else args.default_candidates
@@ -106,6 +108,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     from .report.compile_report import candidate_rows, write_compile_report
     from .search.search import SearchOptions
     print(f"[luminal-num] {job.description}")
+    _print_notes(job)
     print(f"[luminal-num] budget {budget} on target {args.target}; {len(job.graph)} HLIR nodes")
     try:
         memory = plan_memory(job.graph.weights, args.max_memory)
@@ -170,6 +173,12 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     return EXIT_OK
 
 
+def _print_notes(job, inputs: tuple[str, ...] = ("calibration", "heldout")) -> None:
+    for note in job.notes:  # e.g. shipped prompts cut to a short context
+        if note.inputs in inputs:
+            print(f"[luminal-num] note: {note.text}")
+
+
 def _print_stage(name: str, seconds: float) -> None:
     print(f"[luminal-num] stage {name}: {seconds:.2f} s", flush=True)
 
@@ -219,6 +228,7 @@ def cmd_audit(args) -> int:
     from .report.invariance import INVARIANCE_FILE
     plan = _load_plan(args.plan)
     fill_job_args(args, plan)
+    fill_audit_set(args, plan)
     if args.inputs and args.calibration:
         raise InputError("give --inputs or --calibration, not both")
     oj = onnx_job_of(args)
@@ -230,6 +240,8 @@ def cmd_audit(args) -> int:
     else:
         job = registry_job(args.model, args if is_llm(args.model) else None)
         batches = input_batches(args.inputs or args.calibration, job)
+    if oj is None and not (args.inputs or args.calibration):
+        _print_notes(job, ("heldout",))  # audited on the job's held-out set
     out = Path(args.out or Path(args.plan).parent)
     check = getattr(args, "check_invariance", False)
     if check and oj is not None:
@@ -330,12 +342,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--calibration", help="LLMs: prompts (one per line, 'chat: ' for chat-formatted) or an .npz of "
                        "inputs; ONNX models: .npz of input batches keyed `name` or `name:0`, `name:1`, ...")
 
+    def heldout_arg(p):
+        p.add_argument("--heldout", metavar="FILE", help="held-out set of one's own (LLMs: prompts like --calibration, "
+                       "or an .npz; other models: an .npz): demo audits on it, and audit re-checks the plan on it by "
+                       "default (recorded in plan.json); default: the model's shipped held-out inputs")
+
     def compile_args(p, default_model, default_candidates):
         p.add_argument("--model", default=default_model,
                        help="minilm | llama-tiny | transformer | smollm2 | gemma3 | PATH (.gguf file, HF folder of a "
                             "Llama-family model, or model.onnx)")
         llm_args(p)
         onnx_args(p)
+        heldout_arg(p)
         p.set_defaults(default_candidates=default_candidates)
         p.add_argument("--budget", help='e.g. "atol=1e-3,rtol=0,cosine>=0.9999" (default: the model\'s)')
         p.add_argument("--target", default="h200", help="h200 | h200-measured | h100 | a100 | cpu (cpu is measured; h200-measured: "
