@@ -10,6 +10,8 @@ best plan found so far, marked partial), 141 stdout closed early (e.g. piped int
 """
 from __future__ import annotations
 
+from . import cli_startup  # first: Ctrl-C while the imports below load is one line, exit 130 (not a traceback)
+
 import argparse
 import contextlib
 import dataclasses
@@ -29,7 +31,8 @@ from .report.numbers import fmt_latency, fmt_num
 from .report.pareto import ERROR_COLUMN
 from .runtime.targets import get_target
 
-EXIT_OK, EXIT_CONTRACT, EXIT_INPUT, EXIT_BUSY, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 3, 130, 141
+EXIT_OK, EXIT_CONTRACT, EXIT_INPUT, EXIT_BUSY, EXIT_PIPE = 0, 1, 2, 3, 141
+EXIT_INTERRUPTED = cli_startup.EXIT_INTERRUPTED  # 130, also while the modules load
 
 
 class Interrupted(Exception):
@@ -472,11 +475,11 @@ COMMANDS = {"compile": cmd_compile, "audit": cmd_audit, "inspect": cmd_inspect, 
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    warnings.filterwarnings("ignore", category=RuntimeWarning)  # overflow in bound arithmetic is handled
-    warnings.filterwarnings("always", category=VerdictCacheWarning)  # ... but an ignored cache file is news
-    warnings.showwarning = _one_line_warning
     try:
+        args = build_parser().parse_args(argv)
+        warnings.filterwarnings("ignore", category=RuntimeWarning)  # overflow in bound arithmetic is handled
+        warnings.filterwarnings("always", category=VerdictCacheWarning)  # ... but an ignored cache file is news
+        warnings.showwarning = _one_line_warning
         return COMMANDS[args.command](args)
     except (InputError, OutputDirError) as exc:  # OutputDirError: a folder found unusable only when locking it
         print(f"error: {exc}", file=sys.stderr)
@@ -512,6 +515,8 @@ def _quiet_stdout() -> None:
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
 
+
+cli_startup.release()  # imported: Ctrl-C is a KeyboardInterrupt again, which main turns into one line
 
 if __name__ == "__main__":
     sys.exit(main())

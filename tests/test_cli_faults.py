@@ -133,3 +133,38 @@ def test_a_corrupt_verdict_cache_is_ignored_with_the_promised_warning(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     lines = [ln for ln in again.stderr.splitlines() if "verdict cache" in ln]
     assert len(lines) == 1 and lines[0].startswith("warning: ignoring the unreadable verdict cache"), again.stderr
+
+
+# A SIGINT sent to this process while the CLI's module-level imports load (at pandas, which report.pareto
+# imports): deterministic, unlike a timer racing the import.
+_INTERRUPT_DURING_IMPORTS = """
+import builtins, os, runpy, signal, sys
+_import = builtins.__import__
+def _hook(name, *args, **kwargs):
+    if name == "pandas" and "pandas" not in sys.modules:
+        os.kill(os.getpid(), signal.SIGINT)
+    return _import(name, *args, **kwargs)
+sys.argv = ["luminal-num", "compile", "--model", "transformer", "--quiet", "--out", "never"]
+builtins.__import__ = _hook  # armed from here: the CLI's own imports
+runpy.run_module("luminal_num.cli", run_name="__main__")
+"""
+
+
+def test_ctrl_c_while_the_modules_load_is_one_line_exit_130(tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg"}
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_DURING_IMPORTS], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr == "interrupted: stopped while starting; nothing written\n"
+    assert not (tmp_path / "never").exists()
+
+
+def test_after_the_imports_ctrl_c_is_a_keyboard_interrupt_again():
+    """The startup handler is released once cli.py is imported: in-process callers (tests, notebooks) keep
+    Python's own Ctrl-C, and main turns it into its one line."""
+    import signal
+    import luminal_num.cli  # noqa: F401
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
