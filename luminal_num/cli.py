@@ -163,12 +163,19 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
           f"every metric, <= {fmt_num(headroom)} = headroom x budget; fastest first):")
     _print_table(front, ["candidate", ERROR_COLUMN, "latency_s", "verdict_source", "variants"])
     print("\nBaselines:")
-    _print_table(rows[rows.stage == "baseline"], ["label", ERROR_COLUMN, "latency_s", "passes"])
+    baselines = rows[rows.stage == "baseline"]
+    _print_table(baselines.assign(label=baselines.label.where(~baselines.chosen, baselines.label + " (chosen)")),
+                 ["label", ERROR_COLUMN, "latency_s", "passes"])
     plan = result.plan
-    share = rows.loc[rows.candidate == result.search.chosen.id, ERROR_COLUMN].iloc[0]
-    print(f"\nChosen plan: budget share {fmt_num(share)}, allclose ratio {fmt_num(plan.verdict.error)} "
-          f"({plan.verdict.source}; budget 1, judged against {fmt_num(headroom)}), latency "
-          f"{fmt_latency(plan.latency.total_s)} ({plan.latency.source})")
+    chosen = rows[rows.chosen].iloc[0]
+    named = f" ({chosen.label})" if chosen.label else ""
+    # under atol = rtol = inf (an LLM's top-1/KL budget) allclose is switched off: its ratio (0) says nothing
+    allclose = "" if not budget.allclose_applies else f", allclose ratio {fmt_num(plan.verdict.error)}"
+    print(f"\nChosen plan{named}: budget share {fmt_num(chosen[ERROR_COLUMN])}{allclose} ({plan.verdict.source}; "
+          f"budget 1, judged against {fmt_num(headroom)}), latency {fmt_latency(plan.latency.total_s)} "
+          f"({plan.latency.source})")
+    if not budget.allclose_applies:
+        print(f"  {plan.verdict.reason}")
     if plan.invariance_price is not None:
         print(f"[luminal-num] {plan.invariance_price.describe()}")
     _summary(plan.kernels)
@@ -299,11 +306,12 @@ def cmd_inspect(args) -> int:
     import pandas as pd
     plan = _load_plan(args.plan)
     print(plan.describe())
-    print(f"budget {plan.budget}; verdict {plan.verdict.source}: {plan.verdict.reason}")
+    print(f"budget {plan.budget}; verdict {plan.verdict.source} (budget share {fmt_num(plan.verdict.budget_share)}): "
+          f"{plan.verdict.reason}")
     if plan.interrupted:
         print(f"PARTIAL RESULT: {plan.interrupted}")
     print(f"latency {fmt_latency(plan.latency.total_s)} ({plan.latency.source})\n")
-    print(pd.DataFrame(plan.kernels).to_string(index=False))
+    print(pd.DataFrame(plan.kernels).fillna("").to_string(index=False))  # a kernel without an epilogue: blank
     return EXIT_OK
 
 

@@ -180,6 +180,7 @@ class PlanVerdict:
     max_abs: float
     bound: float | None
     reason: str
+    budget_share: float   # of the user's budget, over allclose and every metric (the reports' error axis)
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,8 @@ class Plan:
     def create(space: SearchSpace, genome: Genome, program: Program, budget: Budget, target: str, seed: int,
                verdict, latency, bindings, search_stats: dict, calibration_ranges: dict,
                weights=None, headroom: float = 1.0) -> "Plan":
-        """`verdict.share.user_allclose` (the allclose share of the user's budget) is the error the plan states."""
+        """`verdict.share.user_allclose` (the allclose share of the user's budget) is the error the plan states,
+        beside the share of the budget over every metric (the reports' error axis)."""
         cands = space.candidates(genome)
         groups = []
         for gi, g in enumerate(space.part.groups):
@@ -232,7 +234,9 @@ class Plan:
             "graph_key": graph_key(space.graph), "budget": budget.to_dict(), "target": target, "seed": seed,
             "genome": sorted(_genome_entry(space, site, c, t) for site, c, t in genome),
             "groups": groups,
+            # error: allclose alone (0 under an LLM's atol=inf); budget_share: over allclose and every metric
             "verdict": {"passed": bool(verdict.passed), "source": verdict.source, "error": _num(verdict.share.user_allclose),
+                        "budget_share": _num(verdict.share.of_budget(headroom)),
                         "max_abs": _num(verdict.max_abs), "bound": _num(verdict.bound), "reason": verdict.reason},
             "latency": {"total_s": _num(latency.total_s), "source": latency.source, "target": latency.target,
                         "cuda_graph": latency.cuda_graph},
@@ -355,7 +359,7 @@ class Plan:
     def verdict(self) -> PlanVerdict:
         v = self.data["verdict"]
         return PlanVerdict(bool(v["passed"]), str(v["source"]), _float(v["error"]), _float(v["max_abs"]),
-                           _float(v["bound"]), str(v["reason"]))
+                           _float(v["bound"]), str(v["reason"]), _float(v["budget_share"]))
 
     @property
     def latency(self) -> PlanLatency:

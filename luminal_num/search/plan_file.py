@@ -103,7 +103,7 @@ TOP_LEVEL: dict[str, tuple[str, Callable[[Any], bool]]] = {
 }
 RECORDS: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {
     "verdict": {"passed": ("true or false", _is(bool)), "source": ("a string", _is(str)),
-                "error": ("a number", _number), "max_abs": ("a number or null", lambda v: _number(v, True)),
+                "error": ("a number", _number), "budget_share": ("a number", _number), "max_abs": ("a number or null", lambda v: _number(v, True)),
                 "bound": ("a number or null", lambda v: _number(v, True)), "reason": ("a string", _is(str))},
     "latency": {"total_s": ("a number", _number), "source": ("a string", _is(str)), "target": ("a string", _is(str)),
                 "cuda_graph": ("true or false", _is(bool))},
