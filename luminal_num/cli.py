@@ -427,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--plan", required=True)
     par = sub.add_parser("pareto", help="print the Pareto front of a compile report folder")
     par.add_argument("report", help="folder holding pareto.csv")
-    gen = sub.add_parser("generate", help="run an LLM plan on a prompt; print its continuation beside FP64's")
+    gen = sub.add_parser("generate", help="check an LLM plan on a prompt: its greedy continuation beside FP64's, and "
+                                          "both rates (it runs the plan's whole compiled batch per step: not a server)")
     gen.add_argument("--plan", required=True)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")

@@ -110,3 +110,16 @@ def test_an_interrupted_searchs_front_holds_no_predicted_plan():
     assert [e.id for e in front([measured, predicted])] == [1]  # a complete search confirms it first
     assert [e.id for e in reported_front([measured, predicted], interrupted=True)] == [0]
     assert [e.id for e in reported_front([measured, predicted], interrupted=False)] == [1]
+
+
+def test_generate_says_it_is_a_check_and_prints_both_rates(compiled, capsys):
+    report, _ = compiled
+    capsys.readouterr()
+    assert main(["generate", "--plan", str(report / "plan.json"), "--prompt", "the cat", "--tokens", "3"]) == EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    prompt_tokens = int(re.match(r"prompt \((\d+) tokens\)", lines[0]).group(1))
+    speed = re.fullmatch(r"speed \(a check, not a server: every step runs all slots of decode:2@32\): plan (\d+) steps "
+                         r"in [\d.]+ s on the cpu backend \(\S+ steps/s, \S+ generated tokens/s\); FP64 reference "
+                         r"(\d+) tokens in [\d.]+ s \(\S+ tokens/s\)", lines[-1])
+    assert speed, lines[-1]
+    assert int(speed.group(1)) == prompt_tokens + 3 - 1 and int(speed.group(2)) == 3  # a decode step per token fed
