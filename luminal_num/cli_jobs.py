@@ -71,11 +71,12 @@ _LLM_JOBS: dict = {}
 
 
 def llm_job_of(args):
-    """The LLM job of --model/--workload/--layers, calibrated on --calibration prompts (or an npz batch)."""
+    """The LLM job of --model/--workload/--layers, calibrated on --calibration prompts (or an npz batch), its
+    held-out set from --heldout (likewise; default: the shipped prompts)."""
     from .models.gguf import GGUFError
+    from .models.llm import PromptTooLong
     from .models.registry import llm_job
     from .models.tokenizer import TokenizerError
-    from .models.llm import PromptTooLong
     workload = getattr(args, "workload", None) or LLM_WORKLOAD
     sets = {option: getattr(args, option, None) for option in ("calibration", "heldout")}
     layers = getattr(args, "layers", None)
