@@ -26,7 +26,7 @@ from .error.executors import ExecutorKind, ExecutorSpec, ExecutorUnavailable
 from .error.verdict_store import VerdictCacheWarning
 from .memory import MemoryBudgetError, plan_memory
 from .report.files import OutputDirError, OutputLocked, check_output_dir, output_lock
-from .report.numbers import fmt_latency, fmt_num
+from .report.numbers import fmt_latency, fmt_num, fmt_numbers_in
 from .report.pareto import ERROR_COLUMN
 from .runtime.targets import get_target
 
@@ -160,7 +160,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
           f"budget 1, judged against {fmt_num(headroom)}), latency {fmt_latency(plan.latency.total_s)} "
           f"({plan.latency.source})")
     if not budget.allclose_applies:
-        print(f"  {plan.verdict.reason}")
+        print(f"  {fmt_numbers_in(plan.verdict.reason)}")
     if plan.invariance_price is not None:
         print(f"[luminal-num] {plan.invariance_price.describe()}")
     _summary(plan.kernels)
@@ -285,7 +285,7 @@ def cmd_inspect(args) -> int:
     plan = _load_plan(args.plan)
     print(plan.describe())
     print(f"budget {plan.budget}; verdict {plan.verdict.source} (budget share {fmt_num(plan.verdict.budget_share)}): "
-          f"{plan.verdict.reason}")
+          f"{fmt_numbers_in(plan.verdict.reason)}")
     if plan.interrupted:
         print(f"PARTIAL RESULT: {plan.interrupted}")
     print(f"latency {fmt_latency(plan.latency.total_s)} ({plan.latency.source})\n")

@@ -123,3 +123,16 @@ def test_generate_says_it_is_a_check_and_prints_both_rates(compiled, capsys):
                          r"(\d+) tokens in [\d.]+ s \(\S+ tokens/s\)", lines[-1])
     assert speed, lines[-1]
     assert int(speed.group(1)) == prompt_tokens + 3 - 1 and int(speed.group(2)) == 3  # a decode step per token fed
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("within budget top1_agreement>=0.964193979565321,kl_logits<=0.0143265432: worst kl_logits 3.056e-14",
+     "within budget top1_agreement>=0.9642,kl_logits<=0.01433: worst kl_logits 3.056e-14"),
+    ("gemm:f8e4m3_tensor T-779 v0.1.0 atol=0.005 x=-12.3456789 y=1.2345678e-05",
+     "gemm:f8e4m3_tensor T-779 v0.1.0 atol=0.005 x=-12.35 y=1.235e-05"),
+])
+def test_long_decimals_in_messages_are_shown_with_4_digits(text, shown):
+    """Limits scaled by the headroom were printed as reprs (top1_agreement>=0.964193979565321); names, short
+    numbers and versions are left as they are. Files (pareto.csv, plan.json) keep the exact text."""
+    from luminal_num.report.numbers import fmt_numbers_in
+    assert fmt_numbers_in(text) == shown

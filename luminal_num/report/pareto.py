@@ -25,7 +25,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from luminal_num.report.files import atomic_files, atomic_write_text
-from luminal_num.report.numbers import fmt_latency, fmt_num
+from luminal_num.report.numbers import fmt_latency, fmt_num, fmt_numbers_in
 
 # the error a plan is judged by: the share of the user's budget it uses, over allclose (max |y - ref| /
 # (atol + rtol |ref|)) and every metric limit (1 - cosine, KL, 1 - top-1 ... over their limits); <= 1 fits.
@@ -194,7 +194,7 @@ def _cell(value: object, column: str = "") -> str:
         key = "" if math.isnan(number) else f"{number:.6e}"
         shown = fmt_latency(number) if column == "latency_s" else fmt_num(number)
         return f'<td data-sort="{key}">{html.escape(shown)}</td>'
-    return f"<td>{html.escape(str(value))}</td>"
+    return f"<td>{html.escape(fmt_numbers_in(str(value)))}</td>"  # reasons: limits scaled by the headroom
 
 
 HEADERS = {"latency_s": "latency", FRONT_COLUMN: "on front (of passing plans)", ALLCLOSE_COLUMN: "allclose ratio"}
