@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from ..search.front import Stage, reported_front
