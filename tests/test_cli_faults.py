@@ -136,9 +136,11 @@ def test_a_corrupt_verdict_cache_is_ignored_with_the_promised_warning(tmp_path):
 
 
 # A SIGINT sent to this process while the CLI's module-level imports load (at pandas, which report.pareto
-# imports): deterministic, unlike a timer racing the import.
+# imports): deterministic, unlike a timer racing the import. Python's own SIGINT handler is installed first, as
+# in a terminal: a test runner started in the background inherits SIGINT ignored, and keeps it ignored.
 _INTERRUPT_DURING_IMPORTS = """
 import builtins, os, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 _import = builtins.__import__
 def _hook(name, *args, **kwargs):
     if name == "pandas" and "pandas" not in sys.modules:
@@ -150,21 +152,26 @@ runpy.run_module("luminal_num.cli", run_name="__main__")
 """
 
 
-def test_ctrl_c_while_the_modules_load_is_one_line_exit_130(tmp_path):
+def _python(code: str, cwd) -> "subprocess.CompletedProcess":
     import os
     import subprocess
     import sys
     env = {**os.environ, "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg"}
-    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_DURING_IMPORTS], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_ctrl_c_while_the_modules_load_is_one_line_exit_130(tmp_path):
+    proc = _python(_INTERRUPT_DURING_IMPORTS, tmp_path)
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
     assert proc.stderr == "interrupted: stopped while starting; nothing written\n"
     assert not (tmp_path / "never").exists()
 
 
-def test_after_the_imports_ctrl_c_is_a_keyboard_interrupt_again():
-    """The startup handler is released once cli.py is imported: in-process callers (tests, notebooks) keep
-    Python's own Ctrl-C, and main turns it into its one line."""
-    import signal
-    import luminal_num.cli  # noqa: F401
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+@pytest.mark.parametrize("before", ["default_int_handler", "SIG_IGN"])
+def test_after_the_imports_sigint_is_handled_as_before(tmp_path, before):
+    """The startup handler is released once cli.py is imported: in-process callers keep Python's own Ctrl-C
+    (main turns it into its one line), and an ignored SIGINT (a background job) stays ignored."""
+    code = (f"import signal; signal.signal(signal.SIGINT, signal.{before}); import luminal_num.cli; "
+            f"print(signal.getsignal(signal.SIGINT) is signal.{before})")
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", (proc.stdout, proc.stderr[-2000:])
