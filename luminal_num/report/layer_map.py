@@ -113,9 +113,10 @@ def write_layer_map(program: Program, groups: list[list[int]], out_dir: str | Pa
     formats = sorted(table["format"].unique())
     colour = {f: i for i, f in enumerate(formats)}
     cmap = plt.get_cmap("tab20", max(len(formats), 1))
-    heights = [table[table.group == g].chunk.nunique() + 1.6 for g in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.0 + 0.42 * sum(heights)), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+    rows = [table[table.group == g].chunk.nunique() for g in panels]
+    # inches: 0.3 per chunk row, plus each panel's title and rotated kernel names, plus the legend
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 0.8 + sum(0.3 * n + 1.5 for n in rows)), squeeze=False,
+                             gridspec_kw={"height_ratios": [max(n, 1) for n in rows]})
     for ax, g in zip(axes[:, 0], panels):
         part = table[table.group == g]
         chunks = sorted(part["chunk"].unique())
