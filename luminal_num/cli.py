@@ -93,7 +93,7 @@ def cmd_compile(args) -> int:
 
 def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     from .compiler import BudgetUnreachable, compile
-    from .report.compile_report import candidate_rows, write_compile_report
+    from .report.compile_report import write_compile_report
     from .search.search import SearchOptions
     print(f"[luminal-num] {job.description}")
     _print_notes(job)
@@ -135,13 +135,25 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
                                      extra_rows=peers)
     if interrupted:
         raise Interrupted(f"{interrupted} written to {files['plan']} (marked partial)")
+    try:
+        _print_compile_summary(result, budget, files, args.cache_dir)
+    except KeyboardInterrupt:  # after the files were moved in: they are complete, "nothing written" would be false
+        raise Interrupted(f"stopped while printing the summary; the compile had finished: its plan and reports are "
+                          f"in {out}") from None
+    return EXIT_OK
+
+
+def _print_compile_summary(result, budget, files: dict, cache_dir: Path | None) -> None:
+    """The front, the baselines, the chosen plan and its per-op summary, once the report is written."""
+    from .report.compile_report import candidate_rows
+    stats = result.search.stats
     rows = candidate_rows(result)
     front = rows[rows.on_front].sort_values(["latency_s", "candidate"])  # the front the search confirmed
     gate = stats.gate
     print(f"[luminal-num] {stats.candidates} candidates; gate: cache={gate.cache}, static={gate.static}, "
           f"measured={gate.measured}, pruned={gate.pruned}")
-    if args.cache_dir is not None:
-        print(f"[luminal-num] verdict cache {args.cache_dir}: {gate.stored} verdicts reused, "
+    if cache_dir is not None:
+        print(f"[luminal-num] verdict cache {cache_dir}: {gate.stored} verdicts reused, "
               f"{gate.measured} measured end to end now")
     headroom = stats.headroom_share
     print(f"\nPareto front of passing plans ({ERROR_COLUMN}: the share of the budget used over allclose and "
@@ -165,7 +177,6 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
         print(f"[luminal-num] {plan.invariance_price.describe()}")
     _summary(plan.kernels)
     print("\nwrote " + ", ".join(str(p) for p in files.values()))
-    return EXIT_OK
 
 
 def _print_notes(job, inputs: tuple[str, ...] = ("calibration", "heldout")) -> None:
@@ -273,10 +284,14 @@ def _audit_locked(plan, job, batches, out: Path, oj=None) -> int:
         raise InputError(f"inputs do not fit the model: {exc}") from None
     with _writing(out):
         files = write_audit_report(result, out)
-    print(result.outputs.to_string(index=False))
-    print(f"\naudit: {'PASSED' if result.passed else 'CONTRACT BROKEN'}: {result.reason}")
-    print(f"{result.outside_range} exported values left the calibration range; wrote "
-          + ", ".join(str(p) for p in files.values()))
+    try:
+        print(result.outputs.to_string(index=False))
+        print(f"\naudit: {'PASSED' if result.passed else 'CONTRACT BROKEN'}: {result.reason}")
+        print(f"{result.outside_range} exported values left the calibration range; wrote "
+              + ", ".join(str(p) for p in files.values()))
+    except KeyboardInterrupt:  # after the files were moved in: say where they are, not "nothing written"
+        raise Interrupted(f"stopped while printing the result; the audit had finished "
+                          f"({'PASSED' if result.passed else 'CONTRACT BROKEN'}): its files are in {out}") from None
     return EXIT_OK if result.passed else EXIT_CONTRACT
 
 

@@ -175,3 +175,22 @@ def test_after_the_imports_sigint_is_handled_as_before(tmp_path, before):
             f"print(signal.getsignal(signal.SIGINT) is signal.{before})")
     proc = _python(code, tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "True", (proc.stdout, proc.stderr[-2000:])
+
+
+def test_ctrl_c_after_the_report_was_written_does_not_say_nothing_was_written(tmp_path, monkeypatch, capsys):
+    """A SIGINT 8.9 s into a llama-tiny compile landed after the report was moved in, while the summary was
+    printed: it said "stopped before a result; nothing written" over a complete plan.json. (In process: the
+    summary's per-op table raises the KeyboardInterrupt a Ctrl-C would.)"""
+    import luminal_num.cli as cli_module
+    from luminal_num.cli import EXIT_INTERRUPTED, main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli_module, "_summary", interrupted)
+    out = tmp_path / "report"
+    assert main(["compile", "--model", "transformer", "--candidates", "2", "--quiet", "--out", str(out)]) \
+        == EXIT_INTERRUPTED
+    err = capsys.readouterr().err.strip()
+    assert err == f"interrupted: stopped while printing the summary; the compile had finished: its plan and " \
+                  f"reports are in {out}", err
+    assert (out / "plan.json").is_file() and "interrupted" not in (out / "plan.json").read_text()
