@@ -46,11 +46,13 @@ def registry_job(name: str, args=None):
     except KeyError:
         raise InputError(f"unknown model {name!r}; known: {', '.join(JOBS)}, or a .gguf file or "
                          f"Hugging Face folder of a Llama-family model") from None
-    calibration = getattr(args, "calibration", None) if args is not None else None
-    if calibration is not None:
-        if Path(calibration).suffix != ".npz":
-            raise InputError(f"--calibration {calibration}: a prompt file applies to LLMs; give {name!r} an .npz")
-        job = dataclasses.replace(job, calibration=tuple(input_batches(calibration, job)))
+    for option in ("calibration", "heldout"):
+        path = getattr(args, option, None) if args is not None else None
+        if path is None:
+            continue
+        if Path(path).suffix != ".npz":
+            raise InputError(f"--{option} {path}: a prompt file applies to LLMs; give {name!r} an .npz")
+        job = dataclasses.replace(job, **{option: tuple(input_batches(path, job))})
     return job
 
 
@@ -69,33 +71,44 @@ _LLM_JOBS: dict = {}
 
 
 def llm_job_of(args):
-    """The LLM job of --model/--workload/--layers, calibrated on --calibration prompts (or an npz batch)."""
+    """The LLM job of --model/--workload/--layers, calibrated on --calibration prompts (or an npz batch), its
+    held-out set from --heldout (likewise; default: the shipped prompts)."""
     from .models.gguf import GGUFError
-    from .models.llm import parse_prompts
+    from .models.llm import PromptTooLong
     from .models.registry import llm_job
     from .models.tokenizer import TokenizerError
     workload = getattr(args, "workload", None) or LLM_WORKLOAD
-    calibration = getattr(args, "calibration", None)
+    sets = {option: getattr(args, option, None) for option in ("calibration", "heldout")}
     layers = getattr(args, "layers", None)
-    key = (args.model, workload, calibration, layers)
+    key = (args.model, workload, sets["calibration"], sets["heldout"], layers)
     if key in _LLM_JOBS:
         return _LLM_JOBS[key]
-    prompts = None
-    if calibration is not None and Path(calibration).suffix != ".npz":
-        p = Path(calibration)
-        if not p.is_file():
-            raise InputError(f"calibration file {p} does not exist")
-        prompts = parse_prompts(p.read_text("utf-8"))
-        if not prompts:
-            raise InputError(f"calibration file {p} holds no prompts (one per line; '#' lines are comments)")
+    prompts = {option: _prompt_file(path, option) for option, path in sets.items()
+               if path is not None and Path(path).suffix != ".npz"}
     try:
-        job = llm_job(args.model, workload, calibration=prompts, layers=layers)
+        job = llm_job(args.model, workload, layers=layers, **prompts)
+    except PromptTooLong as exc:  # only a set of one's own is refused (shipped prompts are cut to fit)
+        raise InputError(f"--{exc.prompt_set} {sets[exc.prompt_set]}: {exc}; shorten it or give a workload with "
+                         "a longer context") from None
     except (GGUFError, TokenizerError, FileNotFoundError, KeyError, ValueError) as exc:
         raise InputError(f"model {args.model!r}: {exc}") from None
-    if calibration is not None and prompts is None:
-        job = dataclasses.replace(job, calibration=tuple(input_batches(calibration, job)))
+    for option, path in sets.items():
+        if path is not None and option not in prompts:  # an .npz batch of inputs
+            job = dataclasses.replace(job, **{option: tuple(input_batches(path, job))})
     _LLM_JOBS[key] = job
     return job
+
+
+def _prompt_file(path: str, option: str) -> list:
+    """The prompts of a --calibration / --heldout text file (one per line), or a one-line refusal."""
+    from .models.llm import parse_prompts
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"--{option} file {p} does not exist")
+    prompts = parse_prompts(p.read_text("utf-8"))
+    if not prompts:
+        raise InputError(f"--{option} file {p} holds no prompts (one per line; '#' lines are comments)")
+    return prompts
 
 
 def record_job(plan, job, args):
@@ -104,7 +117,7 @@ def record_job(plan, job, args):
     from .search.plan import PlanJob
     llm = job.llm is not None
     return plan.with_job(PlanJob(args.model, str(job.llm.workload) if llm else None,
-                                 getattr(args, "layers", None) if llm else None))
+                                 getattr(args, "layers", None) if llm else None, getattr(args, "heldout", None)))
 
 
 def fill_job_args(args, plan) -> None:
@@ -116,6 +129,20 @@ def fill_job_args(args, plan) -> None:
             args.workload = recorded.workload if recorded is not None else None
         if getattr(args, "layers", None) is None:
             args.layers = recorded.layers if recorded is not None else None
+
+
+def fill_audit_set(args, plan) -> None:
+    """Audit without --inputs/--calibration re-checks a plan on the held-out set its compile was given
+    (--heldout, recorded in plan.json), else on the job's own held-out inputs."""
+    recorded = plan.job
+    if recorded is not None and recorded.heldout is not None and not (args.inputs or args.calibration):
+        if not Path(recorded.heldout).is_file():  # the file compile --heldout named: the default audit set
+            raise InputError(f"the plan's held-out set {recorded.heldout} (compile --heldout) does not exist here: "
+                             "give --inputs or --calibration")
+        if Path(recorded.heldout).suffix == ".npz":
+            args.inputs = recorded.heldout
+        else:
+            args.calibration = recorded.heldout  # an LLM's prompts: audited on as given
 
 
 def onnx_job_of(args):

@@ -5,7 +5,7 @@ import argparse
 import numpy as np
 import pytest
 
-from luminal_num.cli import _headroom_arg
+from luminal_num.cli_parser import _headroom_arg
 from luminal_num.compiler import PROBES, compile as compile_plan
 from luminal_num.error.budget import Budget
 from luminal_num.error.headroom import FALLBACK, FLOOR, estimate_headroom, split_ratios

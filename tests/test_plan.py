@@ -87,7 +87,9 @@ def test_pareto_csv_has_every_candidate(report, compiled):
         e = evaluated[row.candidate]
         assert bool(row.passes) == e.verdict.passed and row.verdict_source == e.verdict.source
         assert (np.isnan(row.latency_s) and e.latency is None) or row.latency_s == e.latency_s
-    assert table.loc[table["label"] == "chosen", "candidate"].tolist() == [compiled.search.chosen.id]
+    assert table.loc[table["chosen"], "candidate"].tolist() == [compiled.search.chosen.id]
+    baselines = {e.id: e.label for e in compiled.search.evaluated if e.stage == "baseline"}
+    assert dict(zip(table.candidate[table.stage == "baseline"], table.label[table.stage == "baseline"])) == baselines
     assert table["on_front"].any()
 
 

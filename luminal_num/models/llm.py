@@ -200,13 +200,34 @@ def _groups(prompts: Sequence[Prompt], batch: int) -> list[list[Prompt]]:
     return out
 
 
-def fitting_ids(model: LlmModel, prompt: Prompt, extra: int, limit: int) -> list[int]:
-    """The prompt's ids when they and `extra` more tokens fit `limit` cache rows; refused otherwise."""
+class PromptTooLong(ValueError):
+    """A prompt of one's own that does not fit the workload's KV cache (shipped prompts are cut instead);
+    `prompt_set` names the set it came from ("calibration" or "heldout") once a job knows it."""
+
+    def __init__(self, message: str, prompt_set: str = ""):
+        super().__init__(message)
+        self.prompt_set = prompt_set
+
+
+def fitting_ids(model: LlmModel, prompt: Prompt, extra: int, limit: int, cut: bool = False) -> list[int]:
+    """The prompt's ids when they and `extra` more tokens fit `limit` cache rows; with `cut`, its first
+    tokens that do; refused otherwise."""
     ids = model.encode(prompt)
-    if len(ids) + extra > limit:
-        raise ValueError(f"prompt {prompt.text[:40]!r} has {len(ids)} tokens: with {extra} more it does not fit "
-                         f"the workload's context of {limit} rows")
-    return ids
+    if len(ids) + extra <= limit:
+        return ids
+    if cut and limit - extra >= 1:
+        return ids[:limit - extra]
+    more = f": with {extra} more" if extra else ""
+    raise PromptTooLong(f"prompt {prompt.text[:40]!r} has {len(ids)} tokens{more}: it does not fit the workload's "
+                        f"context of {limit} rows")
+
+
+def prompts_cut(model: LlmModel, workload: Workload, prompts: Sequence[Prompt]) -> int:
+    """How many prompts a decode workload's cache cuts (decode_batches with cut=True): prefill windows
+    always take a prompt's first SEQ tokens, so they cut nothing they were not meant to."""
+    if workload.kind != "decode":
+        return 0
+    return sum(len(model.encode(p)) > workload.context for p in prompts)
 
 
 def _stacked_caches(states: Sequence[Fp64State], graph: LlamaModel | GemmaModel) -> dict[str, np.ndarray]:
@@ -225,14 +246,16 @@ def _stacked_caches(states: Sequence[Fp64State], graph: LlamaModel | GemmaModel)
     return out
 
 
-def decode_batches(model: LlmModel, graph: LlamaModel, prompts: Sequence[Prompt], steps: int = 1) -> list[dict]:
+def decode_batches(model: LlmModel, graph: LlamaModel, prompts: Sequence[Prompt], steps: int = 1,
+                   cut: bool = False) -> list[dict]:
     """Decode inputs: per group of `batch` prompts and per step t < steps, each sequence at position
     len(prompt) - 1 + t, feeding the prompt's last token (t = 0) or FP64's greedy token, with FP64's
-    cache rows before it. Step t's logits thus predict FP64's (t+1)-th generated token. Every prompt
+    cache rows before it. Step t's logits thus predict FP64's (t+1)-th generated token (`cut`: a prompt
+    longer than the cache is cut to its first tokens that fit, else refused). Every prompt
     goes through the FP64 model in one pass per step (Fp64Llama.forward_many: each layer's weights
     converted once, whatever the number of prompts)."""
     groups = _groups(prompts, graph.batch)
-    ids = [fitting_ids(model, p, steps - 1, graph.max_cache) for group in groups for p in group]
+    ids = [fitting_ids(model, p, steps - 1, graph.max_cache, cut) for group in groups for p in group]
     fp64 = model.fp64
     states = [fp64.empty() for _ in ids]
     prefixes = [j for j, row in enumerate(ids) if len(row) > 1]
@@ -279,9 +302,10 @@ def build_workload(model: LlmModel, workload: Workload) -> LlamaModel | GemmaMod
     return model.architecture.build(model.config, model.weights, workload.seq, workload.context, workload.batch)
 
 
-def workload_batches(model: LlmModel, graph: LlamaModel, workload: Workload, prompts: Sequence[Prompt]) -> list[dict]:
+def workload_batches(model: LlmModel, graph: LlamaModel, workload: Workload, prompts: Sequence[Prompt],
+                     cut: bool = False) -> list[dict]:
     if not prompts:
         raise ValueError("an LLM job needs at least one prompt")
     if workload.kind == "decode":
-        return decode_batches(model, graph, prompts)
+        return decode_batches(model, graph, prompts, cut=cut)
     return prefill_batches(model, graph, prompts)

@@ -28,6 +28,14 @@ class ModelJob:
     default_budget: str
     description: str
     llm: "LlmJob | None" = None     # LLM jobs: the model, its workload and the built graph's sizes
+    notes: tuple["JobNote", ...] = ()  # what was adapted to fit the job (shipped prompts cut to the context)
+
+
+@dataclass(frozen=True)
+class JobNote:
+    """One line a command shows about its inputs; `inputs` names the set it concerns."""
+    inputs: str  # "calibration" | "heldout"
+    text: str
 
 
 @dataclass(frozen=True)
@@ -86,20 +94,37 @@ SMOLLM2_WORKLOAD = "decode:8@64"
 def llm_job(model: str = "smollm2", workload: str = SMOLLM2_WORKLOAD, calibration: Sequence | None = None,
             heldout: Sequence | None = None, layers: int | None = None) -> ModelJob:
     """A Llama-family LLM (bundled name, .gguf file or HF folder) under a server workload, judged on
-    real prompts teacher-forced on the FP64 continuation (default: the shipped 24 + 12 prompts)."""
-    from .llm import LLM_DEFAULT_BUDGET, Workload, build_workload, load_llm, load_prompts, workload_batches
+    real prompts teacher-forced on the FP64 continuation (default: the shipped 24 + 12 prompts). Shipped
+    prompts longer than a decode workload's context are cut to its first tokens (and a note says so); a
+    caller's own prompts are refused instead (PromptTooLong names the set)."""
+    from .llm import (LLM_DEFAULT_BUDGET, PromptTooLong, Workload, build_workload, load_llm, load_prompts, prompts_cut,
+                      workload_batches)
     m = load_llm(model, layers)
     w = Workload.parse(workload)
     built = build_workload(m, w)
     family = m.architecture.prompts
-    cal = workload_batches(m, built, w, load_prompts("calibration", family) if calibration is None else calibration)
-    held = workload_batches(m, built, w, load_prompts("heldout", family) if heldout is None else heldout)
+    notes = []
+
+    def batches(which: str, given: Sequence | None) -> list[dict]:
+        shipped = given is None
+        prompts = load_prompts(which, family) if shipped else given
+        label = "held-out" if which == "heldout" else which
+        cut = prompts_cut(m, w, prompts) if shipped else 0
+        if cut:
+            notes.append(JobNote(which, f"{cut} of the {len(prompts)} shipped {label} prompts cut to their first "
+                                        f"{w.context} tokens (the context of {w})"))
+        try:
+            return workload_batches(m, built, w, prompts, cut=shipped)
+        except PromptTooLong as exc:
+            raise PromptTooLong(f"{label} {exc}", which) from None
+
+    cal, held = batches("calibration", calibration), batches("heldout", heldout)
     c = m.config
     return ModelJob(m.name if layers is None else f"{m.name}-{layers}l", built.graph, tuple(cal), tuple(held),
                     LLM_DEFAULT_BUDGET,
                     f"{m.name} ({c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads}/"
                     f"{c.num_key_value_heads} heads, vocab {c.vocab_size}), workload {w}, real prompts",
-                    LlmJob(m, w, built))
+                    LlmJob(m, w, built), tuple(notes))
 
 
 LLM_NAMES = ("smollm2", "gemma3")  # LLMs known by name: the installed files of models.llm.NAMED_MODELS

@@ -4,14 +4,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
-from ..search.front import Stage, front
+from ..search.front import Stage, reported_front
 from ..search.plan import scales_path, weights_path
 from .files import atomic_files
 from .layer_map import write_layer_map
-from .pareto import ALLCLOSE_COLUMN, CSV_NAME, ERROR_COLUMN, FRONT_COLUMN, HTML_NAME, PNG_NAME, write_op_table, write_pareto_report
+from .pareto import (ALLCLOSE_COLUMN, CHOSEN_COLUMN, CSV_NAME, ERROR_COLUMN, FRONT_COLUMN, HTML_NAME, PNG_NAME,
+                     write_op_table, write_pareto_report)
 
 PLAN_NAME, OPS_NAME = "plan.json", "plan_ops.csv"
 LAYER_CSV, LAYER_PNG = "layer_map.csv", "layer_map.png"
@@ -23,15 +23,13 @@ INTERRUPTED_KEY = "interrupted"  # plan.json field marking a partial result (the
 
 def candidate_rows(result) -> pd.DataFrame:
     """One row per evaluated candidate (baselines labelled, the chosen plan and the search's front marked)."""
-    on_front = {e.id for e in front(result.search.evaluated)}
+    on_front = {e.id for e in reported_front(result.search.evaluated, result.search.stats.interrupted)}
     chosen_id = result.search.chosen.id if result.search.chosen is not None else -1
     sources = result.search.stats.baseline_sources  # what each labelled baseline follows
     headroom = result.search.stats.headroom_share
     rows = []
     for e in result.search.evaluated:
-        label = e.label if e.stage == Stage.BASELINE else ""
-        if e.id == chosen_id:
-            label = "chosen"
+        label = e.label if e.stage == Stage.BASELINE else ""  # a chosen baseline keeps its recipe's name
         tags = sorted(t for _, _, t in e.genome)
         rows.append({"candidate": e.id,
                      ERROR_COLUMN: e.verdict.share.of_budget(headroom),
@@ -41,7 +39,7 @@ def candidate_rows(result) -> pd.DataFrame:
                      "stage": e.stage, "changes": len(tags), "max_abs": e.verdict.max_abs,
                      "variants": " ".join(sorted(set(tags))) or "fp32", "reason": e.verdict.reason,
                      "source": sources.get(e.label, "") if e.stage == Stage.BASELINE else "",
-                     FRONT_COLUMN: e.id in on_front})
+                     CHOSEN_COLUMN: e.id == chosen_id, FRONT_COLUMN: e.id in on_front})
     return pd.DataFrame(rows)
 
 
@@ -66,21 +64,23 @@ def write_compile_report(result, out_dir: str | Path, title: str, interrupted: s
     out_dir = Path(out_dir)
     rows = candidate_rows(result)
     if extra_rows is not None and not extra_rows.empty:
-        rows = pd.concat([rows, extra_rows.assign(**{FRONT_COLUMN: False})], ignore_index=True)  # peers: not searched
+        # peers: not searched, never chosen
+        rows = pd.concat([rows, extra_rows.assign(**{CHOSEN_COLUMN: False, FRONT_COLUMN: False})], ignore_index=True)
     headroom = result.search.stats.headroom_share
     if interrupted:
         result = dataclasses.replace(result, plan=result.plan.with_fields(**{INTERRUPTED_KEY: interrupted}))
         title = f"{title} [PARTIAL: {interrupted}]"
     with atomic_files(out_dir) as staging:
+        groups = [[c.index for c in g.chunks] for g in result.space.part.groups]
+        layers = write_layer_map(result.program, groups, staging, frozenset(result.space.graph.weights))
         write_pareto_report(staging, rows, budget_error=1.0, title=title, threshold=headroom,
-                            error_label="share of the budget vs FP64, allclose and every metric (<= 1 is within it)")
+                            error_label="share of the budget vs FP64, allclose and every metric (<= 1 is within it)",
+                            figures=[("The chosen plan per layer: what each kernel computes in, and what its weights "
+                                      "(w:) and KV-cache rows (kv:) are stored in", layers["layer_map_png"].read_bytes())])
         ops = pd.DataFrame(result.plan.kernels)
         write_op_table(staging / OPS_NAME, ops)
-        groups = [[c.index for c in g.chunks] for g in result.space.part.groups]
         write_op_table(staging / CHUNKS_NAME, kernels_per_chunk(ops, groups))
         result.plan.save(staging / PLAN_NAME)
-        layers = write_layer_map(result.program, [[c.index for c in g.chunks] for g in result.space.part.groups],
-                                 staging)
     files = {"csv": CSV_NAME, "png": PNG_NAME, "html": HTML_NAME, "ops": OPS_NAME, "plan": PLAN_NAME, "chunks": CHUNKS_NAME,
              **{key: path.name for key, path in layers.items()}}
     return {key: out_dir / name for key, name in files.items()}

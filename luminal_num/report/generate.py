@@ -1,13 +1,16 @@
 """Greedy generation with a saved LLM plan (CUDA backend where a device is present, else the CPU
-emulation backend), beside the FP64 model's own continuation.
+emulation backend), beside the FP64 model's own continuation: a checking tool, not a server.
 
 Why it runs the plan's own graph: a plan is compiled for one workload, so generation steps through that
 graph exactly as a server would: a decode plan feeds one token per step into its KV cache (the prompt
 token by token, then its own greedy tokens), every batch slot carrying the same sequence; a prefill
-plan reruns its SEQ-token window, right-padded, and reads the last real row.
+plan reruns its SEQ-token window, right-padded, and reads the last real row. So one prompt costs the
+whole batch's work per step (and the FP64 run beside it): the rates it prints (plan steps/s and tokens/s,
+FP64 tokens/s) say how fast this check ran, not how fast a server would decode.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +34,19 @@ class Generation:
     fp64: tuple[int, ...]
     plan: tuple[int, ...]
     backend: str = "cpu"  # the backend the plan ran on
+    workload: str = ""    # the plan's compiled workload (its batch: every slot carries the prompt)
+    plan_steps: int = 0   # runs of the plan's graph (decode: one per prompt token and generated token)
+    plan_s: float = 0.0   # wall time of those runs
+    fp64_s: float = 0.0   # wall time of the FP64 model's greedy continuation
+
+    @property
+    def speed(self) -> str:
+        """One line: the plan's steps/s and tokens/s on its backend and FP64's tokens/s (wall time, this run)."""
+        n = len(self.plan)
+        return (f"speed (a check, not a server: every step runs all slots of {self.workload}): plan {self.plan_steps} "
+                f"steps in {self.plan_s:.2f} s on the {self.backend} backend ({_rate(self.plan_steps, self.plan_s)} "
+                f"steps/s, {_rate(n, self.plan_s)} generated tokens/s); FP64 reference {len(self.fp64)} tokens in "
+                f"{self.fp64_s:.2f} s ({_rate(len(self.fp64), self.fp64_s)} tokens/s)")
 
     @property
     def agreement(self) -> int:
@@ -41,6 +57,10 @@ class Generation:
                 break
             n += 1
         return n
+
+
+def _rate(count: int, seconds: float) -> str:
+    return f"{count / seconds:.3g}" if seconds > 0 else "-"
 
 
 def _decode_steps(rt: Runtime, built: LlamaModel, ids: list[int], tokens: int) -> list[int]:
@@ -91,10 +111,14 @@ def generate(plan: Plan, model: str, workload: str | None, layers: int | None, p
     if room < 1:
         raise ValueError(f"the prompt has {len(ids)} tokens: no room left in the workload {w}")
     tokens = min(tokens, room)
+    t0 = time.perf_counter()
     fp64, _ = m.fp64.greedy(ids, tokens)
+    t1 = time.perf_counter()
     pad = m.tokenizer.eos_id if m.tokenizer.eos_id is not None else 0
     mine = _decode_steps(rt, built, ids, tokens) if w.kind == "decode" else _prefill_steps(rt, built, ids, tokens, pad)
-    return Generation(m, tuple(ids), tuple(fp64), tuple(mine), ran_on)
+    t2 = time.perf_counter()
+    steps = len(ids) + tokens - 1 if w.kind == "decode" else tokens
+    return Generation(m, tuple(ids), tuple(fp64), tuple(mine), ran_on, str(w), steps, t2 - t1, t1 - t0)
 
 
 def _show(tok, ids, mark: int | None) -> str:
@@ -115,3 +139,4 @@ def print_generation(g: Generation) -> None:
     else:
         print(f"the plan agrees with FP64 for {g.agreement} tokens; [[...]] marks the first token that differs")
     print(f"the plan ran on the {g.backend} backend")
+    print(g.speed)

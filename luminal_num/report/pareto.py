@@ -25,7 +25,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from luminal_num.report.files import atomic_files, atomic_write_text
-from luminal_num.report.numbers import fmt_latency, fmt_num
+from luminal_num.report.numbers import fmt_latency, fmt_num, fmt_numbers_in
 
 # the error a plan is judged by: the share of the user's budget it uses, over allclose (max |y - ref| /
 # (atol + rtol |ref|)) and every metric limit (1 - cosine, KL, 1 - top-1 ... over their limits); <= 1 fits.
@@ -37,6 +37,7 @@ REQUIRED_COLUMNS = ("candidate", ERROR_COLUMN, "latency_s", "latency_source", "v
                     FRONT_COLUMN)
 NUMERIC_COLUMNS = (ERROR_COLUMN, "latency_s")
 CHOSEN_LABEL = "chosen"
+CHOSEN_COLUMN = "chosen"  # the plan the search returned; rows without this column mark it by the label "chosen"
 CSV_NAME, PNG_NAME, HTML_NAME = "pareto.csv", "pareto.png", "pareto.html"
 
 
@@ -74,10 +75,24 @@ def _checked_table(rows: pd.DataFrame, baselines: Mapping[str, object] | None) -
         if not match.any():
             raise ValueError(f"baseline {label!r} names candidate {candidate!r}, which is not in the rows")
         table.loc[match, "label"] = label
-    if (table["label"] == CHOSEN_LABEL).sum() > 1:
+    if CHOSEN_COLUMN in table.columns:
+        if not all(isinstance(value, (bool, np.bool_)) for value in table[CHOSEN_COLUMN]):
+            raise ValueError(f"column {CHOSEN_COLUMN!r} must hold booleans")
+        table[CHOSEN_COLUMN] = table[CHOSEN_COLUMN].astype(bool)
+        if table[CHOSEN_COLUMN].sum() > 1:
+            raise ValueError(f"more than one row is marked {CHOSEN_COLUMN!r}")
+    elif (table["label"] == CHOSEN_LABEL).sum() > 1:
         raise ValueError(f"more than one row is labelled {CHOSEN_LABEL!r}")
     table[FRONT_COLUMN] = table.pop(FRONT_COLUMN)  # the last column, as the record has always had it
     return table
+
+
+def chosen_rows(table: pd.DataFrame) -> pd.Series:
+    """Which row is the chosen plan: the `chosen` column (a baseline keeps its recipe's name as its label),
+    else the row labelled "chosen"."""
+    if CHOSEN_COLUMN in table.columns:
+        return table[CHOSEN_COLUMN].astype(bool)
+    return table["label"] == CHOSEN_LABEL
 
 
 def _csv_text(table: pd.DataFrame) -> str:
@@ -112,7 +127,7 @@ def _render_png(table: pd.DataFrame, budget_error: float, threshold: float | Non
     for label, latency, error in zip(labelled["label"], labelled["latency_s"], labelled[ERROR_COLUMN]):
         axes.annotate(label, (latency, error), xytext=(8, 8), textcoords="offset points",
                       fontsize=8, arrowprops=dict(arrowstyle="-", color="0.4"))
-    chosen = plottable[plottable["label"] == CHOSEN_LABEL]
+    chosen = plottable[chosen_rows(plottable)]
     if not chosen.empty:
         axes.scatter(chosen["latency_s"], chosen[ERROR_COLUMN], marker="*", s=280, color="gold",
                      edgecolors="black", zorder=5, label="chosen plan")
@@ -144,6 +159,7 @@ tr.chosen { background: #fff59d; font-weight: bold; }
 <h1>$title</h1>
 <p>$summary</p>
 <img alt="error vs latency" src="data:image/png;base64,$png">
+$figures
 <p>Rows on the Pareto front of passing plans are shaded; click a column header to sort.</p>
 <table class="sortable"><thead><tr>$header</tr></thead>
 <tbody>
@@ -178,26 +194,31 @@ def _cell(value: object, column: str = "") -> str:
         key = "" if math.isnan(number) else f"{number:.6e}"
         shown = fmt_latency(number) if column == "latency_s" else fmt_num(number)
         return f'<td data-sort="{key}">{html.escape(shown)}</td>'
-    return f"<td>{html.escape(str(value))}</td>"
+    return f"<td>{html.escape(fmt_numbers_in(str(value)))}</td>"  # reasons: limits scaled by the headroom
 
 
 HEADERS = {"latency_s": "latency", FRONT_COLUMN: "on front (of passing plans)", ALLCLOSE_COLUMN: "allclose ratio"}
 
 
+def _figure(caption: str, png: bytes) -> str:
+    return (f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+
+
 def _render_html(table: pd.DataFrame, png: bytes, budget_error: float, threshold: float | None, title: str,
-                 error_label: str) -> str:
+                 error_label: str, figures: Sequence[tuple[str, bytes]] = ()) -> str:
     header = "".join(f"<th>{html.escape(error_label if column == ERROR_COLUMN else HEADERS.get(column, column))}</th>"
                      for column in table.columns)
-    is_chosen = table["label"] == CHOSEN_LABEL
+    is_chosen = chosen_rows(table)
     body_rows = []
     for values, front, chosen in zip(table.itertuples(index=False, name=None), table[FRONT_COLUMN], is_chosen):
         classes = " ".join(name for name, flag in (("front", front), ("chosen", chosen)) if flag)
         cells = "".join(_cell(value, column) for value, column in zip(values, table.columns))
         body_rows.append(f'<tr class="{classes}">{cells}</tr>')
-    chosen_rows = table[is_chosen]
-    chosen_text = ("no plan chosen" if chosen_rows.empty else
-                   f"chosen plan: candidate {chosen_rows['candidate'].iloc[0]} (error "
-                   f"{fmt_num(chosen_rows[ERROR_COLUMN].iloc[0])}, latency {fmt_latency(chosen_rows['latency_s'].iloc[0])})")
+    picked = table[is_chosen]
+    chosen_text = ("no plan chosen" if picked.empty else
+                   f"chosen plan: candidate {picked['candidate'].iloc[0]} (error "
+                   f"{fmt_num(picked[ERROR_COLUMN].iloc[0])}, latency {fmt_latency(picked['latency_s'].iloc[0])})")
     judged = budget_error if threshold is None else threshold
     limit = (f"the budget is an error &le; {fmt_num(budget_error)}" if threshold is None else
              f"the budget is an error &le; {fmt_num(budget_error)}; plans were judged against the "
@@ -207,18 +228,20 @@ def _render_html(table: pd.DataFrame, png: bytes, budget_error: float, threshold
                f"{fmt_num(judged)}), {int(table[FRONT_COLUMN].sum())} on the Pareto front of passing plans; "
                f"{limit}. {html.escape(chosen_text)}.")
     return PAGE.substitute(title=html.escape(title), summary=summary, png=base64.b64encode(png).decode("ascii"),
+                           figures="\n".join(_figure(caption, data) for caption, data in figures),
                            header=header, body="\n".join(body_rows))
 
 
 def write_pareto_report(out_dir: str | os.PathLike, rows: pd.DataFrame, budget_error: float, title: str,
                         error_label: str, baselines: Mapping[str, object] | None = None,
-                        threshold: float | None = None) -> ReportFiles:
+                        threshold: float | None = None, figures: Sequence[tuple[str, bytes]] = ()) -> ReportFiles:
     """Write pareto.csv, pareto.png and pareto.html into `out_dir`, all or nothing.
 
     `rows` holds one row per evaluated candidate (REQUIRED_COLUMNS at least); baseline names come from
-    its `label` column, or from `baselines` ({label: candidate id}), which overrides it. The row
-    labelled "chosen" is the plan the search returned. `threshold`: the error plans were judged
-    against, when it is not the budget (headroom x budget). Other files in `out_dir` are left alone.
+    its `label` column, or from `baselines` ({label: candidate id}), which overrides it. The chosen plan
+    (the one the search returned) is the row whose `chosen` column is true, or the row labelled "chosen". `threshold`: the error plans were judged
+    against, when it is not the budget (headroom x budget); `figures`: (caption, PNG bytes) shown on the page
+    below the plot (the compile's layer map). Other files in `out_dir` are left alone.
     """
     if not budget_error > 0:
         raise ValueError(f"budget_error must be > 0 (log axis), got {budget_error!r}")
@@ -230,8 +253,8 @@ def write_pareto_report(out_dir: str | os.PathLike, rows: pd.DataFrame, budget_e
         (staging / CSV_NAME).write_text(_csv_text(table), encoding="utf-8")
         png = _render_png(table, budget_error, threshold, title, error_label)
         (staging / PNG_NAME).write_bytes(png)
-        (staging / HTML_NAME).write_text(_render_html(table, png, budget_error, threshold, title, error_label),
-                                         encoding="utf-8")
+        (staging / HTML_NAME).write_text(_render_html(table, png, budget_error, threshold, title, error_label,
+                                                      figures), encoding="utf-8")
     return ReportFiles(csv=target / CSV_NAME, png=target / PNG_NAME, html=target / HTML_NAME)
 
 

@@ -73,6 +73,15 @@ def front(evaluated: list[Evaluated]) -> list[Evaluated]:
     return out
 
 
+def reported_front(evaluated: list[Evaluated], interrupted: bool) -> list[Evaluated]:
+    """The front reports show. An interrupted search confirms nothing more and chooses among measured and
+    certified verdicts only (search.confirm), so its front does too: a predicted plan could otherwise
+    stand on it dominating the chosen one."""
+    if interrupted:
+        evaluated = [e for e in evaluated if e.verdict.source not in PREDICTED_SOURCES]
+    return front(evaluated)
+
+
 def share(e: Evaluated) -> float:
     """The share of the gate a candidate uses over every metric (allclose alone when not recorded)."""
     return e.verdict.share.rank()

@@ -34,14 +34,11 @@ from ..quant.storage import STORAGE_FORMATS
 from ..quant.stored import FILL_SEPARATOR, convert_all, stored_key
 from ..quant.weights_file import WeightsFileError, content_hash, load_weights, save_weights
 from .outcome import InvariancePrice
+from .plan_file import PlanError, array_sha256, check_digest, check_fields, with_digest
 from .space import ChunkSite, Genome, SearchSpace
 
 PLAN_FORMAT = "luminal_num.plan"
 PLAN_VERSION = 2  # 2: the lowered LLIR is stored ("llir"); version-1 files are refused
-
-
-class PlanError(ValueError):
-    """A plan file that is missing, corrupt, of another version, or for another graph."""
 
 
 def graph_key(graph: Graph) -> str:
@@ -183,6 +180,7 @@ class PlanVerdict:
     max_abs: float
     bound: float | None
     reason: str
+    budget_share: float   # of the user's budget, over allclose and every metric (the reports' error axis)
 
 
 @dataclass(frozen=True)
@@ -199,9 +197,12 @@ class PlanJob:
     model: str | None = None
     workload: str | None = None   # an LLM's workload (e.g. decode:8@64)
     layers: int | None = None     # an LLM's first N decoder layers
+    heldout: str | None = None    # compile --heldout FILE: what audit re-checks the plan on by default
 
     def record(self) -> dict:
-        return {"model": self.model, "workload": self.workload, "layers": self.layers}
+        """As plan.json's `job` (heldout only when given: other plans keep their bytes)."""
+        rec = {"model": self.model, "workload": self.workload, "layers": self.layers}
+        return rec if self.heldout is None else {**rec, "heldout": self.heldout}
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,8 @@ class Plan:
     def create(space: SearchSpace, genome: Genome, program: Program, budget: Budget, target: str, seed: int,
                verdict, latency, bindings, search_stats: dict, calibration_ranges: dict,
                weights=None, headroom: float = 1.0) -> "Plan":
-        """`verdict.share.user_allclose` (the allclose share of the user's budget) is the error the plan states."""
+        """`verdict.share.user_allclose` (the allclose share of the user's budget) is the error the plan states,
+        beside the share of the budget over every metric (the reports' error axis)."""
         cands = space.candidates(genome)
         groups = []
         for gi, g in enumerate(space.part.groups):
@@ -232,7 +234,9 @@ class Plan:
             "graph_key": graph_key(space.graph), "budget": budget.to_dict(), "target": target, "seed": seed,
             "genome": sorted(_genome_entry(space, site, c, t) for site, c, t in genome),
             "groups": groups,
+            # error: allclose alone (0 under an LLM's atol=inf); budget_share: over allclose and every metric
             "verdict": {"passed": bool(verdict.passed), "source": verdict.source, "error": _num(verdict.share.user_allclose),
+                        "budget_share": _num(verdict.share.of_budget(headroom)),
                         "max_abs": _num(verdict.max_abs), "bound": _num(verdict.bound), "reason": verdict.reason},
             "latency": {"total_s": _num(latency.total_s), "source": latency.source, "target": latency.target,
                         "cuda_graph": latency.cuda_graph},
@@ -247,7 +251,8 @@ class Plan:
         if program.batch_invariant:  # a requirement like the budget: audit checks it, runtimes honour it
             data["requirements"] = {"batch_invariant": True}
         scales = static_weight_scales(program, weights or {}, bindings)
-        data["static_scales"] = {str(kid): {"kernel": kid, "shape": list(arr.shape)} for kid, arr in sorted(scales.items())}
+        data["static_scales"] = {str(kid): {"kernel": kid, "shape": list(arr.shape), "sha256": array_sha256(arr)}
+                                for kid, arr in sorted(scales.items())}
         layout = stored_layout(program)
         fills = stored_fills(program)
         missing = sorted({name for name, _, _ in layout.values()} - set(weights or {}))
@@ -276,7 +281,7 @@ class Plan:
         if self.stored:
             save_weights(weights_path(path), self.stored, self.data["graph_key"])
             data["weights_file"] = weights_path(path).name
-        return atomic_write_text(path, json.dumps(data, sort_keys=True, indent=1) + "\n")
+        return atomic_write_text(path, json.dumps(with_digest(data), sort_keys=True, indent=1) + "\n")
 
     @staticmethod
     def load(path: str | Path) -> "Plan":
@@ -299,6 +304,8 @@ class Plan:
         for key in ("graph_key", "budget", "genome", "groups", "target", "verdict", "latency", "kernels", "llir"):
             if key not in data:
                 raise PlanError(f"plan file {path} is missing the field {key!r}")
+        check_fields(data, f"plan file {path}")
+        data = check_digest(data, f"plan file {path}")
         scales = None
         if data.get("scales_file"):
             sp = path.with_name(data["scales_file"])
@@ -309,8 +316,9 @@ class Plan:
                     scales = {int(k[1:]): f[k] for k in f.files}
             except Exception as exc:  # noqa: BLE001 - any unreadable scales file is a corrupt plan
                 raise PlanError(f"cannot read the plan's static scales {sp}: {exc}") from None
-            if sorted(scales) != sorted(v["kernel"] for v in data.get("static_scales", {}).values()):
-                raise PlanError(f"{sp} does not hold the scales the plan lists")
+            listed = {v["kernel"]: v.get("sha256") for v in data.get("static_scales", {}).values()}
+            if sorted(scales) != sorted(listed) or any(array_sha256(scales[k]) != listed[k] for k in scales):
+                raise PlanError(f"{sp} does not hold the scales the plan lists (content hash differs)")
         return Plan(data, scales, _load_stored(path, data))
 
     # -- use ----------------------------------------------------------------------------------
@@ -351,7 +359,7 @@ class Plan:
     def verdict(self) -> PlanVerdict:
         v = self.data["verdict"]
         return PlanVerdict(bool(v["passed"]), str(v["source"]), _float(v["error"]), _float(v["max_abs"]),
-                           _float(v["bound"]), str(v["reason"]))
+                           _float(v["bound"]), str(v["reason"]), _float(v["budget_share"]))
 
     @property
     def latency(self) -> PlanLatency:
@@ -372,7 +380,7 @@ class Plan:
     def job(self) -> PlanJob | None:
         """The job the CLI recorded (None when compiled through the API)."""
         rec = self.data.get("job")
-        return PlanJob(rec.get("model"), rec.get("workload"), rec.get("layers")) if rec else None
+        return PlanJob(rec.get("model"), rec.get("workload"), rec.get("layers"), rec.get("heldout")) if rec else None
 
     def with_job(self, job: PlanJob) -> "Plan":
         return self.with_fields(job=job.record())
