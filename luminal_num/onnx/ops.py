@@ -16,12 +16,14 @@ import onnx
 
 from ..dtypes.formats import F32
 from ..hlir.tensor import GraphTensor, concat
+from .kinds import ANY_KIND, EXACT_KINDS, INTEGER_KINDS
 from .loader import BOOL, FLOAT, INT
 from .values import NodeCtx, Tensor, Value
 from .ops_cast import abs_, cast, castlike, compare, extreme
+from .ops_numeric import arith, mod, neg
 
-ANY = (FLOAT, BOOL, INT)
-DATA = (FLOAT, BOOL)
+ANY = ANY_KIND  # movement: every kind
+DATA = EXACT_KINDS + (BOOL,)  # values (not indices): selection and reductions that pick a value
 
 
 @dataclass(frozen=True)
@@ -47,10 +49,6 @@ def _out(t: GraphTensor, kind: str = FLOAT) -> list[Value]:
 
 
 # -- elementwise ------------------------------------------------------------------------------
-def _binary(fn: Callable[[GraphTensor, GraphTensor], GraphTensor]):
-    return lambda c: _out(fn(c.tensor(0).t, c.tensor(1).t))
-
-
 def _unary(fn: Callable[[GraphTensor], GraphTensor]):
     return lambda c: _out(fn(c.tensor(0).t))
 
@@ -84,29 +82,40 @@ def _pow(c: NodeCtx) -> list[Value]:
 
 
 def _where(c: NodeCtx) -> list[Value]:
+    """cond*x + (1-cond)*y: exact for finite values of one kind (integers: held exactly in FP32)."""
     x, y = c.values[1], c.values[2]
     for i, v in ((1, x), (2, y)):
         if isinstance(v, np.ndarray) and not np.all(np.isfinite(v.astype(np.float64))):
             raise c.refuse(f"input {c.names[i]!r} holds inf/nan: Where is built as cond*x + (1-cond)*y, "
                            "which is exact only for finite values")
+    integer = [isinstance(v, np.ndarray) and v.dtype.kind in "iu" or isinstance(v, Tensor) and v.kind in
+               INTEGER_KINDS + (INT,) for v in (x, y)]
+    a, b = ((c.integer(1), c.integer(2)) if any(integer) else (c.tensor(1, EXACT_KINDS), c.tensor(2, EXACT_KINDS)))
+    if a.kind != b.kind:
+        raise c.refuse(f"x and y hold {a.kind} and {b.kind} values")
     cond = c.values[0]
     if isinstance(cond, np.ndarray) and cond.size and np.all(cond == cond.flat[0]):
-        pick = c.tensor(1 if bool(cond.flat[0]) else 2)
-        shape = np.broadcast_shapes(cond.shape, tuple(c.tensor(1).shape), tuple(c.tensor(2).shape))
-        return _out(pick.t.broadcast_to(shape))
+        pick = a if bool(cond.flat[0]) else b
+        shape = np.broadcast_shapes(cond.shape, a.shape, b.shape)
+        return _out(pick.t.broadcast_to(shape), a.kind)
     m = c.tensor(0, (BOOL,)).t
-    return _out(m * c.tensor(1).t + (1.0 - m) * c.tensor(2).t)
+    return _out(m * a.t + (1.0 - m) * b.t, a.kind)
 
 
 def _clip(c: NodeCtx) -> list[Value]:
-    x = c.tensor(0).t
+    """max then min with constant bounds: selections, exact for floats and integers (held exactly)."""
+    v = c.values[0]
+    integer = isinstance(v, Tensor) and v.kind in INTEGER_KINDS + (INT,) or isinstance(v, np.ndarray) and \
+        v.dtype.kind in "iu"
+    x = c.integer(0) if integer else c.tensor(0)
+    kind, x = x.kind, x.t
     lo = c.attr("min") if c.opset < 11 else (float(c.const(1, "min")) if c.has(1) else None)
     hi = c.attr("max") if c.opset < 11 else (float(c.const(2, "max")) if c.has(2) else None)
     if lo is not None:
         x = x.maximum(float(lo))
     if hi is not None:
         x = -((-x).maximum(-float(hi)))
-    return _out(x)
+    return _out(x, kind)
 
 
 # -- logic on bool masks (held as 0/1 floats): each form below is exact on 0/1 ---------------------
@@ -212,8 +221,16 @@ def _gemm(c: NodeCtx) -> list[Value]:
 
 
 # -- movement and indexing --------------------------------------------------------------------
+def _table(c: NodeCtx) -> Tensor:
+    """A Gather's data: values of any kind but indices, which are taken as integer data (exact in FP32)."""
+    v = c.values[0]
+    if isinstance(v, Tensor) and v.kind == INT or isinstance(v, np.ndarray) and v.dtype.kind in "iu":
+        return c.integer(0)
+    return c.tensor(0, DATA)
+
+
 def _gather(c: NodeCtx) -> list[Value]:
-    data = c.tensor(0, DATA)
+    data = _table(c)
     axis = _ax(c.attr("axis", 0), len(data.shape))
     n = data.shape[axis]
     idx_v = c.values[1]
@@ -243,7 +260,7 @@ def _gather(c: NodeCtx) -> list[Value]:
 def _gather_nd(c: NodeCtx) -> list[Value]:
     """GatherND with indices known at import (the exporters' mask indexing): the first k axes of data
     flattened into one, the index tuples raveled into it, then one Gather."""
-    data = c.tensor(0, DATA)
+    data = _table(c)
     if c.attr("batch_dims", 0) != 0:
         raise c.refuse("batch_dims other than 0 is not supported")
     idx = c.const(1, "the indices").astype(np.int64)
@@ -312,10 +329,10 @@ def _squeeze(c: NodeCtx) -> list[Value]:
 
 
 def _concat(c: NodeCtx) -> list[Value]:
-    parts = [c.tensor(i, DATA) for i in range(len(c.values))]
+    parts = [c.tensor(i, ANY) for i in range(len(c.values))]
     kinds = {p.kind for p in parts}
     if len(kinds) != 1:
-        raise c.refuse("inputs mix float data and bool masks")
+        raise c.refuse(f"inputs mix {' and '.join(sorted(kinds))} values")
     return _out(concat([p.t for p in parts], _ax(c.attr("axis"), len(parts[0].shape))), parts[0].kind)
 
 
@@ -413,10 +430,11 @@ REDUCE_ATTRS = "axes keepdims noop_with_empty_axes"
 NORM_ATTRS = "axis epsilon stash_type"
 
 OPS: dict[str, OpSpec] = {
-    "Add": _spec(_binary(lambda a, b: a + b)),
-    "Sub": _spec(_binary(lambda a, b: a - b)),
-    "Mul": _spec(_binary(lambda a, b: a * b)),
-    "Div": _spec(_binary(lambda a, b: a / b)),
+    "Add": _spec(arith("Add")),
+    "Sub": _spec(arith("Sub")),
+    "Mul": _spec(arith("Mul")),
+    "Div": _spec(arith("Div")),
+    "Mod": _spec(mod, "fmod", exact=True),
     "Pow": _spec(_pow, static=(1,)),
     "Sqrt": _spec(_unary(GraphTensor.sqrt)),
     "Reciprocal": _spec(_unary(GraphTensor.recip)),
@@ -426,7 +444,7 @@ OPS: dict[str, OpSpec] = {
     "Erf": _spec(_unary(GraphTensor.erf)),
     "Relu": _spec(_unary(GraphTensor.relu), exact=True),
     "Sigmoid": _spec(_unary(GraphTensor.sigmoid)),
-    "Neg": _spec(_unary(lambda t: -t), exact=True),
+    "Neg": _spec(neg, exact=True),
     "Clip": _spec(_clip, "min max", exact=True, static=(1, 2)),
     "Where": _spec(_where, exact=True),
     "Cast": _spec(cast, "to saturate", exact=True),
@@ -466,6 +484,14 @@ OPS: dict[str, OpSpec] = {
     "Constant": OpSpec(None, frozenset("value value_float value_floats value_int value_ints".split()), True),
     "ConstantOfShape": OpSpec(None, frozenset({"value"}), True, (0,)),
     # shape-subgraph arithmetic: folded on known values, refused on run-time tensors
-    **{op: _fold_only() for op in ("Range", "Floor", "Ceil", "Mod",
+    **{op: _fold_only() for op in ("Range", "Floor", "Ceil",
                                    "ReduceProd", "Tile", "NonZero")},
 }
+
+# Ops whose integer results are values of some of their inputs (moved or selected): the importer gives
+# such a result the range of those inputs (None: every input); every other op records its own range step.
+VALUE_INPUTS: dict[str, tuple[int, ...] | None] = {
+    **{op: (0,) for op in ("Reshape", "Transpose", "Flatten", "Unsqueeze", "Squeeze", "Slice", "Expand", "Split",
+                           "Identity", "Gather", "GatherND", "ReduceMax", "Tile", "Cast", "CastLike")},
+    "Concat": None, "Max": None, "Min": None, "Clip": None, "Where": (1, 2)}
+
