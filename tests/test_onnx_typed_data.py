@@ -9,8 +9,6 @@ ONNX's numpy code) and numpy integer arithmetic; each checked on the FP64 refere
 """
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import onnx
 import pytest
@@ -19,7 +17,7 @@ from onnx import TensorProto as T, helper
 from luminal_num.hlir.evaluate import evaluate
 from luminal_num.onnx import OnnxImportError, import_model, load_proto
 
-from onnx_cases import fp32_plan_outputs, run_case
+from onnx_cases import cases_by_name, fp32_plan_outputs, run_case
 
 CASES = (
     # integer data: arithmetic, comparisons, selections, casts
@@ -36,10 +34,7 @@ CASES = (
 
 @pytest.fixture(scope="module")
 def by_name():
-    from onnx.backend.test.case.node import collect_testcases
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {c.name: c for c in collect_testcases(None) if c.name in CASES}
+    return cases_by_name()
 
 
 @pytest.mark.parametrize("name", CASES)

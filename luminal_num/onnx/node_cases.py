@@ -7,6 +7,7 @@ an exported model's would be.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -27,13 +28,18 @@ def as_array(x) -> np.ndarray:
     return numpy_helper.to_array(x) if isinstance(x, onnx.TensorProto) else np.asarray(x)
 
 
-def claimed_cases() -> list:
-    """ONNX's node cases whose every node is an op of the import table (folded-only ops included)."""
+@functools.lru_cache(maxsize=1)
+def cases_by_name() -> dict:
+    """Every node case of the installed onnx wheel by name, built once per process (it takes seconds)."""
     from onnx.backend.test.case.node import collect_testcases
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [c for c in collect_testcases(None)
-                if c.model is not None and all(n.op_type in OPS for n in c.model.graph.node)]
+        return {c.name: c for c in collect_testcases(None) if c.model is not None}
+
+
+def claimed_cases() -> list:
+    """ONNX's node cases whose every node is an op of the import table (folded-only ops included)."""
+    return [c for c in cases_by_name().values() if all(n.op_type in OPS for n in c.model.graph.node)]
 
 
 def fp32_plan_outputs(model: OnnxModel, feed: dict) -> dict:

@@ -14,6 +14,7 @@ from ..hlir.tensor import GraphTensor
 from .kinds import ANY_KIND, EXACT_KINDS, INTEGER_KINDS, VALUE_TYPES, data_kind_of_elem, holds
 from .loader import BOOL, FLOAT, INT
 from .ranges import RangeStep
+from .round_cast import ROUNDING_TARGETS, round_to
 from .values import NodeCtx, Tensor, Value
 
 ANY = ANY_KIND
@@ -78,6 +79,10 @@ def _cast_to(c: NodeCtx, to: int) -> list[Value]:
             if src.kind == BOOL and VALUE_TYPES[dst].integer:
                 c.importer.record(RangeStep(c.node.output[0], "const", (), dst, c.where, const=(0.0, 1.0, False)))
             return _out(src.t, dst)
+    exact_float = src.kind in EXACT_KINDS and src.kind not in INTEGER_KINDS  # FP32 values (kinds.py)
+    if exact_float and dst in ROUNDING_TARGETS:
+        fp8 = dst.startswith("float8")  # ONNX's saturate applies to FP8 targets only
+        return _out(round_to(src.t, VALUE_TYPES[dst], saturate=fp8 and c.attr("saturate", 1) == 1), dst)
     if c.attr("saturate", 1) != 1:
         raise c.refuse(f"saturate=0 is not supported (cast of a run-time {src.kind} tensor to {name})")
     raise c.refuse(f"cast of a run-time {src.kind} tensor to {name} is not supported: it rounds or wraps values, "
