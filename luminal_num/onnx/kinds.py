@@ -83,6 +83,11 @@ def value_type(kind: str) -> ValueType | None:
     return VALUE_TYPES.get(kind)
 
 
+def np_dtype(kind: str) -> np.dtype:
+    """The numpy dtype of a kind's ONNX values (masks bool, indices int64)."""
+    return np.dtype(np.bool_) if kind == BOOL else np.dtype(np.int64) if kind == INT else VALUE_TYPES[kind].dtype
+
+
 def data_kind_of_elem(elem: int) -> str | None:
     """The data kind of an ONNX element type (int32/int64 give their integer-data kind), None if unknown."""
     t = BY_ELEM.get(elem)

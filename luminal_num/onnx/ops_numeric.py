@@ -12,6 +12,7 @@ from typing import Callable
 
 from ..hlir.tensor import GraphTensor
 from .kinds import INTEGER_KINDS, NARROW_FLOAT_KINDS
+from .round_cast import clamp
 from .loader import FLOAT, INT
 from .values import NodeCtx, Tensor, Value
 
@@ -97,3 +98,19 @@ def mod(c: NodeCtx) -> list[Value]:
     if a.kind != b.kind:
         raise c.refuse(f"operands of kinds {a.kind} and {b.kind}")
     return [Tensor(a.t % b.t, a.kind)]
+
+
+# |x| at or past this is an integer in FP32 and FP64 alike: fmod(x, 1) is taken of x clamped to it, so an
+# infinite x gives 0 (then floor(inf) = inf - 0) instead of fmod(inf, 1) = NaN
+_ALL_INTEGERS = 2.0 ** 52
+
+
+def floor_ceil(ceil: bool):
+    """Floor / Ceil: x minus its fraction fmod(x, 1) (exact: trunc), then -1 / +1 where the fraction is
+    negative / positive. NaN stays NaN; +-inf stay (their fraction is 0 through the clamp)."""
+    def build(c: NodeCtx) -> list[Value]:
+        x = c.tensor(0, (FLOAT, "double") + NARROW_FLOAT_KINDS)  # a float's floor is a value of its type
+        frac = clamp(x.t, -_ALL_INTEGERS, _ALL_INTEGERS) % 1.0
+        whole = x.t - frac
+        return [Tensor(whole + (frac > 0.0) if ceil else whole - (frac < 0.0), x.kind)]
+    return build

@@ -22,11 +22,16 @@ from .kinds import ValueType
 ROUNDING_TARGETS = ("float16", "float8e4m3fn", "float8e4m3fnuz", "float8e5m2", "float8e5m2fnuz")
 
 
-def _clamp_magnitude(a: GraphTensor, bound: float) -> GraphTensor:
-    """min(a, bound) for a >= 0 (or NaN) with no arithmetic on a: -max(-a, -bound) over a stacked axis."""
+def _max_with(a: GraphTensor, bound: float) -> GraphTensor:
+    """max(a, bound) with no arithmetic on a (inf stays inf, NaN stays NaN): a max over a stacked axis."""
     shape = tuple(a.shape)
-    col = a.graph.constant(-bound).reshape((1,) * (len(shape) + 1)).broadcast_to(shape + (1,))
-    return -(concat([(-a).unsqueeze(len(shape)), col], len(shape)).max(len(shape)))
+    col = a.graph.constant(bound).reshape((1,) * (len(shape) + 1)).broadcast_to(shape + (1,))
+    return concat([a.unsqueeze(len(shape)), col], len(shape)).max(len(shape))
+
+
+def clamp(x: GraphTensor, lo: float, hi: float) -> GraphTensor:
+    """x clamped to [lo, hi], infinities included (NaN stays NaN): maxes over stacked axes, then negations."""
+    return -_max_with(-_max_with(x, lo), -hi)
 
 
 def round_to(x: GraphTensor, t: ValueType, saturate: bool) -> GraphTensor:
@@ -34,7 +39,7 @@ def round_to(x: GraphTensor, t: ValueType, saturate: bool) -> GraphTensor:
     emin = round(math.log2(t.min_subnormal)) + t.p - 1   # exponent of the least normal
     emax = math.floor(math.log2(t.hi))                   # binade of max_finite
     sign = 1.0 - 2.0 * (x < 0.0)                         # -1 or 1 (1 for NaN and -0)
-    a = _clamp_magnitude(x * sign, 2.0 ** (emax + 1))
+    a = clamp(x * sign, 0.0, 2.0 ** (emax + 1))
     q = a.graph.constant(t.min_subnormal)
     for k in range(emin + 1, emax + 1):
         q = q * (2.0 - (a < 2.0 ** k))                   # x2 once a reaches binade k
