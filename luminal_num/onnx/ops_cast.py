@@ -10,6 +10,7 @@ import math
 import numpy as np
 import onnx
 
+from ..dtypes.formats import F32
 from ..hlir.tensor import GraphTensor
 from .kinds import ANY_KIND, EXACT_KINDS, INTEGER_KINDS, VALUE_TYPES, data_kind_of_elem, holds
 from .loader import BOOL, FLOAT, INT
@@ -57,8 +58,8 @@ def _cast_to(c: NodeCtx, to: int) -> list[Value]:
     if dst == BOOL:
         if src.kind == BOOL:
             return [src]
-        if src.kind in NUMBERS:  # x != 0; exact integers
-            x = c.integer(0).t
+        if src.kind in NUMBERS:  # x != 0 at any magnitude: FP32 rounding never turns a nonzero into 0
+            x = src.t.cast(F32) if src.kind == INT else src.t
             return _out((x > 0.0) + (x < 0.0), BOOL)  # the two tests are disjoint: the sum is 0 or 1
     elif dst is not None:
         as_kind = FLOAT if src.kind == "double" else src.kind  # "double" values are FP32 values (kinds.py)
