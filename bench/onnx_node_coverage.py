@@ -2,8 +2,8 @@
 
 Every case of the `onnx` wheel whose every node is in the import table (onnx/ops.py) runs through
 luminal_num.onnx.node_cases.run_case: import, FP64 reference and FP32 CPU plan against ONNX's expected
-outputs. Outcomes: `pass` (both), `pass_fp64` (the runtime refuses the case's NaN/Inf inputs, so only the
-FP64 reference ran), `refused` (one-line OnnxImportError or CaseRefused, with its reason class), `wrong`
+outputs. Outcomes: `pass` (both), `pass_fp64` (only the FP64 reference ran: the runtime refuses the case's
+NaN/Inf inputs, or the model holds double data, which no plan may run at FP32), `refused` (one-line OnnxImportError or CaseRefused, with its reason class), `wrong`
 (an output outside the case's tolerance), `crash` (any other exception). Writes
 reports/bench/onnx_node_coverage.csv (case, op, outcome, reason_class, reason).
 
@@ -66,7 +66,10 @@ def run_one(case) -> dict:
     except Exception as exc:  # noqa: BLE001 - a crash is what this bench counts
         return {**row, "outcome": "crash", "reason_class": type(exc).__name__,
                 "reason": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
-    return {**row, "outcome": "pass" if result.fp32_plan_ran else "pass_fp64", "reason_class": "", "reason": ""}
+    if result.fp32_plan_ran:
+        return {**row, "outcome": "pass", "reason_class": "", "reason": ""}
+    why = ("double data: FP64 only", result.fp64_only) if result.fp64_only else ("NaN/Inf inputs", "")
+    return {**row, "outcome": "pass_fp64", "reason_class": why[0], "reason": why[1]}
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     refused = df[df.outcome == "refused"]
     print("refused by reason class:")
     print(refused.reason_class.value_counts().to_string())
+    print("passed on the FP64 reference only, by why:")
+    print(df[df.outcome == "pass_fp64"].reason_class.value_counts().to_string())
     for bad in ("wrong", "crash"):
         for _, r in df[df.outcome == bad].iterrows():
             print(f"{bad}: {r.case}: {r.reason}")

@@ -3,8 +3,8 @@
 Integer data (int8 .. uint64, and int32/int64 used as numbers) is held in FP32, exact while every value
 stays within +-2^24 and its ONNX type (OnnxModel.feed checks the fed batch's ranges); narrow floats
 (float16, FP8, FP4, int2/int4) are FP32 values, so selections, comparisons and casts that change no value
-are exact; a DOUBLE tensor is honoured only where the graph's value is ONNX's (exact casts, selections)
-and refused where ONNX would compute in double. Truths: ONNX's own node cases (expected outputs from
+are exact; double data is computed in double by the FP64 reference and its model refused for plans
+(which would run it at FP32). Truths: ONNX's own node cases (expected outputs from
 ONNX's numpy code) and numpy integer arithmetic; each checked on the FP64 reference and the FP32 plan.
 """
 from __future__ import annotations
@@ -120,25 +120,50 @@ def test_index_input_cast_to_a_narrower_integer_is_checked_per_batch():
         model.feed({"a": np.array([0, 128, 1])})
 
 
-def test_double_is_honoured_or_refused():
-    """FLOAT -> DOUBLE is exact and stays DOUBLE: arithmetic on it (which ONNX does in double) is refused,
-    as are DOUBLE inputs that are not only cast to float; a selection of it is exact and kept."""
+def test_double_is_honoured_or_refused(tmp_path):
+    """Double data (a DOUBLE input, or arithmetic after a Cast to DOUBLE) is computed in double by the FP64
+    reference, as ONNX does, and the model is FP64-only: compile refuses it in one line (every plan would
+    run it at FP32). A Cast to DOUBLE that only exact ops follow stays a plan like any other."""
+    from luminal_num.onnx.job import onnx_job
     cast = helper.make_node("Cast", ["a"], ["d"], to=T.DOUBLE)
-    add = helper.make_node("Add", ["d", "d"], ["y"])
+    add = helper.make_node("Add", ["d", "d3"], ["y"])
+    third = helper.make_tensor("d3", T.DOUBLE, (), [1.0 / 3.0])
     g = helper.make_graph([cast, add], "g", [helper.make_tensor_value_info("a", T.FLOAT, (4,))],
-                          [helper.make_tensor_value_info("y", T.DOUBLE, (4,))])
-    with pytest.raises(OnnxImportError, match="holds double values"):
-        import_model(load_proto(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])))
-    with pytest.raises(OnnxImportError, match="element type DOUBLE"):
-        import_model(load_proto(_model("Add", T.DOUBLE, shape=(4,))))
+                          [helper.make_tensor_value_info("y", T.DOUBLE, (4,))], initializer=[third])
+    a = np.array([1.5, -2.25, 3e-8, 7.0], np.float32)
+    for proto, feed in ((helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), {"a": a}),
+                        (_model("Add", T.DOUBLE, shape=(4,)), {"a": a.astype(np.float64) + 0.1, "b": np.full(4, 1 / 3)})):
+        model = import_model(load_proto(proto))
+        assert model.fp64_only
+        out = model.restore(evaluate(model.graph, model.feed(feed)))["y"]
+        want = (a.astype(np.float64) + 1.0 / 3.0) if "b" not in feed else feed["a"] + feed["b"]
+        assert out.dtype == np.float64
+        np.testing.assert_array_equal(out, want)  # double arithmetic: not the FP32 sum
+        path = tmp_path / "m.onnx"
+        onnx.save(proto, path)
+        np.savez(tmp_path / "cal.npz", **feed)
+        with pytest.raises(OnnxImportError, match="only the FP64 reference does") as err:
+            onnx_job(str(path), None, str(tmp_path / "cal.npz"))
+        assert "\n" not in str(err.value)
     mx = helper.make_node("Max", ["d", "d"], ["y"])
     g = helper.make_graph([cast, mx], "g", [helper.make_tensor_value_info("a", T.FLOAT, (4,))],
                           [helper.make_tensor_value_info("y", T.DOUBLE, (4,))])
     model = import_model(load_proto(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])))
-    a = np.array([1.5, -2.25, 3e-8, 7.0], np.float32)
-    out = model.restore(evaluate(model.graph, model.feed({"a": a})))["y"]
-    assert out.dtype == np.float64
-    np.testing.assert_array_equal(out, a.astype(np.float64))
+    assert not model.fp64_only
+    fed = model.feed({"a": a})
+    for out in (model.restore(evaluate(model.graph, fed))["y"], fp32_plan_outputs(model, fed)["y"]):
+        assert out.dtype == np.float64
+        np.testing.assert_array_equal(out, a.astype(np.float64))
+    with pytest.raises(OnnxImportError, match="float64 tensor to FLOAT is not supported"):  # double -> float rounds
+        import_model(load_proto(_double_then_float()))
+
+
+def _double_then_float() -> onnx.ModelProto:
+    """A DOUBLE input used as data, then cast to FLOAT (a rounding the graph does not express)."""
+    nodes = [helper.make_node("Neg", ["a"], ["n"]), helper.make_node("Cast", ["n"], ["y"], to=T.FLOAT)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", T.DOUBLE, (4,))],
+                          [helper.make_tensor_value_info("y", T.FLOAT, (4,))])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
 
 
 def test_narrow_float_arithmetic_is_refused():

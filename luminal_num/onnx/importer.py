@@ -17,9 +17,9 @@ import onnx
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from ..dtypes.formats import F32, INT32
+from ..dtypes.formats import F32, F64, INT32
 from ..hlir.graph import Graph
-from .kinds import FP32_EXACT_INTEGER, INTEGER_KINDS, VALUE_TYPES, data_kind_of_elem
+from .kinds import FLOAT64, FP32_EXACT_INTEGER, INTEGER_KINDS, VALUE_TYPES, data_kind_of_elem
 from .loader import BOOL, FLOAT, INT, LoadedModel, OnnxImportError, bind_input_shapes, elem_kind, graph_inputs, \
     initializer_arrays
 from .ops import OPS, OpSpec, VALUE_INPUTS
@@ -47,6 +47,7 @@ class OnnxModel:
     sha256: str
     opset: int
     ranges: tuple[RangeStep, ...] = ()  # how integer data's ranges follow from the inputs' (checked per batch)
+    fp64_only: str | None = None  # why only the FP64 reference may run it (double data), None for any plan
 
     def feed(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """ONNX input arrays -> graph inputs (bool masks as 0/1 float32, indices as int64, integer data and
@@ -68,7 +69,10 @@ class OnnxModel:
             if spec.kind in INTEGER_KINDS and a.size and float(np.max(np.abs(a.astype(np.float64)))) > FP32_EXACT_INTEGER:
                 raise OnnxImportError(f"input {spec.name!r} holds integers beyond 2^24 in magnitude; integer data is "
                                       "exact in the graph only within +-2^24")
-            out[spec.name] = a.astype(np.int64) if spec.kind == INT else a.astype(np.float32)
+            if spec.kind == FLOAT64 and a.dtype.kind != "f":
+                raise OnnxImportError(f"input {spec.name!r} takes double data; got {a.dtype}")
+            out[spec.name] = a.astype(np.int64) if spec.kind == INT else \
+                a.astype(np.float64) if spec.kind == FLOAT64 else a.astype(np.float32)
         check_ranges(self.ranges, {n: np.asarray(a) for n, a in arrays.items()})
         return out
 
@@ -110,6 +114,7 @@ class _Importer:
     materialized: dict[str, Tensor] = field(default_factory=dict)
     ranges: list[RangeStep] = field(default_factory=list)
     ranged: set[str] = field(default_factory=set)  # values with a range step
+    fp64_only: str | None = None  # the first node that computes on double data
 
     def record(self, step: RangeStep) -> None:
         self.ranges.append(step)
@@ -118,7 +123,7 @@ class _Importer:
     def materialize(self, name: str, value: np.ndarray) -> Tensor:
         """A known array entering the graph: one-element floats as constants, others as weights."""
         kind = kind_of_array(value, name)
-        if kind == FLOAT and value.size == 1:  # constants live in their chunk (no cross-chunk edges)
+        if kind in (FLOAT, FLOAT64) and value.size == 1:  # constants live in their chunk (no cross-chunk edges)
             return Tensor(self.graph.constant(float(value.reshape(()))).reshape(value.shape), kind)
         if name in self.materialized:
             return self.materialized[name]
@@ -130,7 +135,8 @@ class _Importer:
             if not np.all(np.isfinite(value)):  # refused here, in one line, not by the run
                 raise OnnxImportError(f"known tensor {name!r} holds NaN or Inf and would enter the graph as a "
                                       "weight; the runtime refuses non-finite values")
-            t = self.graph.weight(name, value.astype(np.float32), F32)
+            wide = kind == FLOAT64  # double data keeps its values (the FP64 reference reads them exactly)
+            t = self.graph.weight(name, value.astype(np.float64 if wide else np.float32), F64 if wide else F32)
         self.materialized[name] = Tensor(t, kind)
         return self.materialized[name]
 
@@ -183,7 +189,9 @@ def import_model(loaded: LoadedModel, shapes: Mapping[str, tuple[int, ...]] | No
             imp.env[inp.name] = np.asarray(known[inp.name])
             continue
         kind = _input_kind(proto, inp, elem_types)
-        dtype = INT32 if kind == INT else F32
+        dtype = INT32 if kind == INT else F64 if kind == FLOAT64 else F32
+        if kind == FLOAT64:
+            imp.fp64_only = imp.fp64_only or f"input {inp.name!r} holds double data"
         t = imp.graph.input(inp.name, bound[inp.name], dtype, value_range=_value_range(kind))
         imp.env[inp.name] = Tensor(t, kind)
         inputs.append(IOSpec(inp.name, bound[inp.name], kind))
@@ -201,11 +209,13 @@ def import_model(loaded: LoadedModel, shapes: Mapping[str, tuple[int, ...]] | No
                                   else "double"))
         else:
             want = data_kind_of_elem(elem_types.get(out.name, 0))
-            if want not in (None, v.kind) and not (v.kind == INT and want in ("int32", "int64")):
+            if want not in (None, v.kind) and not (v.kind == INT and want in ("int32", "int64")) and \
+                    not (v.kind == FLOAT64 and want == "double"):
                 raise OnnxImportError(f"output {out.name!r} is {want} in the model, but the graph holds {v.kind} values")
             imp.graph.output(v.t, out.name)
             outputs.append(IOSpec(out.name, v.shape, v.kind))
-    return OnnxModel(imp.graph, tuple(inputs), tuple(outputs), constants, loaded.sha256, imp.opset, tuple(imp.ranges))
+    return OnnxModel(imp.graph, tuple(inputs), tuple(outputs), constants, loaded.sha256, imp.opset, tuple(imp.ranges),
+                     imp.fp64_only)
 
 
 def _value_range(kind: str) -> tuple[float, float] | None:
@@ -219,9 +229,9 @@ def _value_range(kind: str) -> tuple[float, float] | None:
     return (max(t.lo, -FP32_EXACT_INTEGER), min(t.hi, FP32_EXACT_INTEGER))
 
 
-# DOUBLE inputs are accepted when every consumer is Cast(to=FLOAT) or CastLike to a FLOAT: feeding them as
-# FP32 is then exactly that cast (double -> fp32 rounds to nearest, as Cast does). Inputs of the narrower
-# types (kinds.py) are their own kinds: every value is an FP32 value.
+# DOUBLE inputs whose every consumer is Cast(to=FLOAT) or CastLike to a FLOAT are fed as FP32: exactly that
+# cast (double -> fp32 rounds to nearest, as Cast does); other DOUBLE inputs are double data (FLOAT64,
+# FP64-only). Inputs of the narrower types (kinds.py) are their own kinds: every value is an FP32 value.
 _T = onnx.TensorProto
 _CAST_ONLY_INPUTS = (_T.DOUBLE,)
 
@@ -240,8 +250,7 @@ def _input_kind(proto: onnx.ModelProto, inp: onnx.ValueInfoProto, elem_types: Ma
             if n.op_type == "CastLike" and n.input[0] == inp.name and len(n.input) > 1:
                 return _like_type(proto, n.input[1], elem_types) == _T.FLOAT
             return False
-        if users and all(to_float(n) for n in users):
-            return FLOAT
+        return FLOAT if users and all(to_float(n) for n in users) else FLOAT64
     return elem_kind(elem, f"input {inp.name!r}")
 
 
@@ -289,6 +298,10 @@ def _import_node(imp: _Importer, node: onnx.NodeProto, table: Mapping[str, OpSpe
             raise
         except (ValueError, IndexError) as exc:  # the frontend's shape checks: the model does not fit
             raise OnnxImportError(f"{where}: {' '.join(str(exc).split())}") from None
+    if node.op_type not in ("Cast", "CastLike") and any(isinstance(v, Tensor) and v.kind in (FLOAT64, "double") or
+                                                         isinstance(v, np.ndarray) and v.dtype == np.float64
+                                                         for v in values):
+        results = _as_double(imp, results, where)
     live = [o for o in node.output]
     if len(results) < len([o for o in live if o]):
         raise OnnxImportError(f"{where}: produces only {len(results)} of its outputs")
@@ -298,6 +311,18 @@ def _import_node(imp: _Importer, node: onnx.NodeProto, table: Mapping[str, OpSpe
             imp.env[name] = val
             if isinstance(val, Tensor) and (val.kind == INT or val.kind in INTEGER_KINDS) and name not in imp.ranged:
                 _range_through(imp, node, name, val, values, where)
+
+
+def _as_double(imp: _Importer, results: list, where: str) -> list:
+    """An op on double values computes in double in ONNX: its FP32-data results are double data (FLOAT64),
+    which only the FP64 reference computes so (the model becomes FP64-only)."""
+    out = []
+    for r in results:
+        if isinstance(r, Tensor) and r.kind == FLOAT:
+            imp.fp64_only = imp.fp64_only or f"{where} computes on double data"
+            r = Tensor(r.t, FLOAT64)
+        out.append(r)
+    return out
 
 
 def _range_through(imp: _Importer, node: onnx.NodeProto, name: str, val: Tensor, values: list, where: str) -> None:

@@ -9,8 +9,10 @@ tensor may hold the values of a narrower ONNX type, each of which is an FP32 val
 - narrow floats (float16, bfloat16, FP8, FP4): every value is an FP32 value, so ops that only select,
   compare, negate or move values give ONNX's result exactly; arithmetic (which ONNX rounds to the narrow
   type) is refused;
-- "double": an FP32 value cast to DOUBLE (exact). ONNX computes in double from there, the graph in FP32,
-  so only the exact ops above take it; DOUBLE graph inputs are refused unless only cast to FLOAT.
+- "double": an FP32 value cast to DOUBLE (exact); exact ops keep it;
+- FLOAT64: double data (DOUBLE inputs and constants, and what arithmetic on double values computes). The FP64
+  reference computes it as ONNX does, in double; an FP32 plan would run it at FP32, so a model holding it is
+  FP64-only (OnnxModel.fp64_only): its reference is honoured, its compile refused.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from onnx import TensorProto as T
 from .loader import BOOL, FLOAT, INT
 
 FP32_EXACT_INTEGER = float(2 ** 24)  # every integer of magnitude <= 2^24 is an FP32 value
+FLOAT64 = "float64"  # double data: the FP64 reference only (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ NARROW_FLOAT_KINDS = tuple(k for k, t in VALUE_TYPES.items() if not t.integer an
 # kinds whose every value is an FP32 value the graph holds exactly; ops that select, compare or move
 # values take them (arithmetic takes FLOAT, and integers with their ranges checked)
 EXACT_KINDS = (FLOAT, "double") + NARROW_FLOAT_KINDS + INTEGER_KINDS
-ANY_KIND = EXACT_KINDS + (BOOL, INT)
+ANY_KIND = EXACT_KINDS + (BOOL, INT, FLOAT64)
 
 
 def value_type(kind: str) -> ValueType | None:
@@ -85,6 +88,8 @@ def value_type(kind: str) -> ValueType | None:
 
 def np_dtype(kind: str) -> np.dtype:
     """The numpy dtype of a kind's ONNX values (masks bool, indices int64)."""
+    if kind == FLOAT64:
+        return np.dtype(np.float64)
     return np.dtype(np.bool_) if kind == BOOL else np.dtype(np.int64) if kind == INT else VALUE_TYPES[kind].dtype
 
 

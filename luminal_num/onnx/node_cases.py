@@ -59,6 +59,7 @@ class CaseResult:
     max_err_f64: float
     max_err_f32: float
     fp32_plan_ran: bool  # False where the runtime refuses the case's NaN/Inf inputs (FP64 checked only)
+    fp64_only: str | None = None  # why no plan may run it (double data), where that is why the plan did not run
 
 
 def _gather_indices(model: OnnxModel) -> set[str]:
@@ -73,20 +74,22 @@ def run_case(case) -> CaseResult:
     graph = case.model.graph
     static = {n.input[i] for n in graph.node if n.op_type in OPS for i in OPS[n.op_type].static if i < len(n.input)}
     loaded = load_proto(case.model)
-    errs, plan_ran = [0.0, 0.0], True
+    errs, plan_ran, fp64_only = [0.0, 0.0], True, None
     for ins, outs in case.data_sets:
         feeds = {i.name: as_array(v) for i, v in zip(graph.input, ins)}
         known = {n: v for n, v in feeds.items() if n in static}
         model = import_model(loaded, known_inputs=known)
         feed = model.feed({n: v for n, v in feeds.items() if n not in known})
         finite = all(np.all(np.isfinite(v)) for v in feed.values() if v.dtype.kind == "f")
-        plan_ran = plan_ran and finite
+        fp64_only = model.fp64_only if finite else None
+        plan_ran = plan_ran and finite and not model.fp64_only
         indices = _gather_indices(model)
         for spec in model.inputs:
             if spec.kind == INT and spec.name in indices and np.any(feed[spec.name] < 0):
                 raise CaseRefused(f"input {spec.name!r} holds negative run-time indices (the graph's Gather takes [0, n))")
         ref = model.restore(evaluate(model.graph, feed)) if model.graph.outputs else model.restore({})
-        f32 = fp32_plan_outputs(model, feed) if finite else None  # the runtime refuses NaN/Inf inputs
+        # the runtime refuses NaN/Inf inputs; a plan would run double data at FP32 (onnx_job refuses it)
+        f32 = fp32_plan_outputs(model, feed) if finite and not model.fp64_only else None
         for out, expected in zip(graph.output, outs):
             expected = as_array(expected)
             for slot, got in enumerate((ref[out.name], f32[out.name]) if f32 else (ref[out.name],)):
@@ -100,4 +103,4 @@ def run_case(case) -> CaseResult:
                 both = np.isfinite(want) & np.isfinite(got)
                 if both.any():
                     errs[slot] = max(errs[slot], float(np.max(np.abs(got[both] - want[both]))))
-    return CaseResult(*errs, plan_ran)
+    return CaseResult(*errs, plan_ran, fp64_only)

@@ -12,7 +12,7 @@ import onnx
 
 from ..dtypes.formats import F32
 from ..hlir.tensor import GraphTensor
-from .kinds import ANY_KIND, EXACT_KINDS, INTEGER_KINDS, VALUE_TYPES, data_kind_of_elem, holds
+from .kinds import ANY_KIND, EXACT_KINDS, FLOAT64, INTEGER_KINDS, VALUE_TYPES, data_kind_of_elem, holds
 from .loader import BOOL, FLOAT, INT
 from .ranges import RangeStep
 from .round_cast import ROUNDING_TARGETS, round_to
@@ -55,6 +55,8 @@ def _cast_to(c: NodeCtx, to: int) -> list[Value]:
     name = onnx.TensorProto.DataType.Name(to) if to in onnx.TensorProto.DataType.values() else str(to)
     if dst in ("int32", "int64") and src.kind == INT:
         return [src]  # indices stay indices
+    if src.kind == FLOAT64 and dst == "double":
+        return [src]
     if dst == BOOL:
         if src.kind == BOOL:
             return [src]
@@ -80,7 +82,7 @@ def _cast_to(c: NodeCtx, to: int) -> list[Value]:
             if src.kind == BOOL and VALUE_TYPES[dst].integer:
                 c.importer.record(RangeStep(c.node.output[0], "const", (), dst, c.where, const=(0.0, 1.0, False)))
             return _out(src.t, dst)
-    exact_float = src.kind in EXACT_KINDS and src.kind not in INTEGER_KINDS  # FP32 values (kinds.py)
+    exact_float = src.kind in EXACT_KINDS + (FLOAT64,) and src.kind not in INTEGER_KINDS  # exact in the reference
     if exact_float and dst in ROUNDING_TARGETS:
         fp8 = dst.startswith("float8")  # ONNX's saturate applies to FP8 targets only
         return _out(round_to(src.t, VALUE_TYPES[dst], saturate=fp8 and c.attr("saturate", 1) == 1), dst)

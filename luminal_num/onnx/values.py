@@ -11,7 +11,7 @@ from onnx import helper
 from ..dtypes.formats import F32
 from ..hlir.graph import Graph
 from ..hlir.tensor import GraphTensor
-from .kinds import FP32_EXACT_INTEGER, INTEGER_KINDS, VALUE_TYPES, data_kind_of_elem
+from .kinds import FLOAT64, FP32_EXACT_INTEGER, INTEGER_KINDS, VALUE_TYPES, data_kind_of_elem
 from .loader import BOOL, FLOAT, INT, OnnxImportError
 from .ranges import RangeStep
 
@@ -71,6 +71,8 @@ class NodeCtx:
     def tensor(self, i: int, kinds: tuple[str, ...] = (FLOAT,)) -> Tensor:
         v = self.values[i]
         t = self.importer.materialize(self.names[i], v) if isinstance(v, np.ndarray) else v
+        if t.kind in (FLOAT64, "double") and FLOAT in kinds:  # double data where FP32 data goes: FP64-only
+            return t
         if t.kind not in kinds:
             raise OnnxImportError(f"{self.where}: input {self.names[i]!r} holds {t.kind} values; "
                                   f"this op takes {'/'.join(kinds)}")
@@ -121,10 +123,12 @@ def kind_of_array(a: np.ndarray, name: str) -> str:
         return BOOL
     if a.dtype.kind in "iu":
         return INT
+    if a.dtype == np.float64:
+        return FLOAT64
     kind = data_kind_of_elem(onnx.helper.np_dtype_to_tensor_dtype(a.dtype)) if a.dtype != np.float64 else None
     if kind is not None and kind in VALUE_TYPES and not VALUE_TYPES[kind].integer:
         return kind
-    raise OnnxImportError(f"value {name!r} has dtype {a.dtype}; supported: float32 data, narrow floats, integers, "
-                          "bool masks (double data only where it is cast to float)")
+    raise OnnxImportError(f"value {name!r} has dtype {a.dtype}; supported: float32 and float64 data, narrow floats, "
+                          "integers, bool masks")
 
 
