@@ -12,10 +12,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import onnx
 
-from ..dtypes.formats import F32
-from ..hlir.tensor import GraphTensor, concat
+from ..hlir.tensor import GraphTensor
 from .kinds import ANY_KIND, EXACT_KINDS, INTEGER_KINDS
 from .loader import BOOL, FLOAT, INT
 from .values import NodeCtx, Tensor, Value
