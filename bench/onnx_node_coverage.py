@@ -3,8 +3,9 @@
 Every case of the `onnx` wheel whose every node is in the import table (onnx/ops.py) runs through
 luminal_num.onnx.node_cases.run_case: import, FP64 reference and FP32 CPU plan against ONNX's expected
 outputs. Outcomes: `pass` (both), `pass_fp64` (only the FP64 reference ran: the runtime refuses the case's
-NaN/Inf inputs, or the model holds double data, which no plan may run at FP32), `refused` (one-line OnnxImportError or CaseRefused, with its reason class), `wrong`
-(an output outside the case's tolerance), `crash` (any other exception). Writes
+NaN/Inf inputs, or the model holds double data, which no plan may run at FP32), `refused` (one-line
+OnnxImportError or CaseRefused, with its reason class), `wrong` (an output outside the case's tolerance),
+`crash` (any other exception). Writes
 reports/bench/onnx_node_coverage.csv (case, op, outcome, reason_class, reason).
 
     python -m bench.onnx_node_coverage
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     cases = claimed_cases()
     df = pd.DataFrame([run_one(c) for c in cases])
     path = write_csv(df, args.out)
-    print(f"onnx {onnx.__version__}: {len(df)} node cases of claimed ops, {time.process_time() - t0:.0f} s CPU -> {path}")
+    cpu = time.process_time() - t0
+    print(f"onnx {onnx.__version__}: {len(df)} node cases of claimed ops, {cpu:.0f} s CPU -> {path}")
     print(df.outcome.value_counts().to_string())
     refused = df[df.outcome == "refused"]
     print("refused by reason class:")

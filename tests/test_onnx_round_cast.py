@@ -31,8 +31,8 @@ def _cast_model(to: int, saturate: int, n: int, src: int = T.FLOAT) -> onnx.Mode
 def _probe_values(dt, rng) -> np.ndarray:
     """Every finite value of the format (a sample of float16's), the midpoints between neighbours, the FP32
     values on each side of them, values past the largest, and random ones across the range."""
-    bits = np.arange(256, dtype=np.uint8) if np.dtype(dt).itemsize == 1 else \
-        np.unique(np.concatenate([np.arange(0, 65536, 37), np.arange(0x7B00, 0x7C00), np.arange(0, 0x0400)])).astype(np.uint16)
+    f16_bits = np.concatenate([np.arange(0, 65536, 37), np.arange(0x7B00, 0x7C00), np.arange(0, 0x0400)])
+    bits = np.arange(256, dtype=np.uint8) if np.dtype(dt).itemsize == 1 else np.unique(f16_bits).astype(np.uint16)
     grid = np.unique(bits.view(dt).astype(np.float64))
     grid = grid[np.isfinite(grid)]
     mids = ((grid[1:] + grid[:-1]) / 2).astype(np.float32)

@@ -114,8 +114,9 @@ def test_batches_that_would_leave_an_exact_range_are_refused_in_one_line(op, ele
 
 def test_index_input_cast_to_a_narrower_integer_is_checked_per_batch():
     model = import_model(load_proto(_model("Cast", T.INT64, T.INT8, n_in=1, shape=(3,), to=T.INT8)))
-    np.testing.assert_array_equal(model.restore(evaluate(model.graph, model.feed({"a": np.array([-128, 0, 127])})))["y"],
-                                  np.array([-128, 0, 127], np.int8))
+    out = model.restore(evaluate(model.graph, model.feed({"a": np.array([-128, 0, 127])})))["y"]
+    np.testing.assert_array_equal(out, np.array([-128, 0, 127], np.int8))
+    assert out.dtype == np.int8
     with pytest.raises(OnnxImportError, match="outside int8's range"):
         model.feed({"a": np.array([0, 128, 1])})
 
@@ -131,8 +132,9 @@ def test_double_is_honoured_or_refused(tmp_path):
     g = helper.make_graph([cast, add], "g", [helper.make_tensor_value_info("a", T.FLOAT, (4,))],
                           [helper.make_tensor_value_info("y", T.DOUBLE, (4,))], initializer=[third])
     a = np.array([1.5, -2.25, 3e-8, 7.0], np.float32)
+    doubles = {"a": a.astype(np.float64) + 0.1, "b": np.full(4, 1 / 3)}
     for proto, feed in ((helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), {"a": a}),
-                        (_model("Add", T.DOUBLE, shape=(4,)), {"a": a.astype(np.float64) + 0.1, "b": np.full(4, 1 / 3)})):
+                        (_model("Add", T.DOUBLE, shape=(4,)), doubles)):
         model = import_model(load_proto(proto))
         assert model.fp64_only
         out = model.restore(evaluate(model.graph, model.feed(feed)))["y"]

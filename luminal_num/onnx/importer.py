@@ -66,7 +66,8 @@ class OnnxModel:
                 raise OnnxImportError(f"input {spec.name!r} takes integers; got {a.dtype} data")
             if spec.kind == INT and a.size and (a.min() < _I32.min or a.max() > _I32.max):
                 raise OnnxImportError(f"input {spec.name!r} holds integers outside int32 (the graph's index type)")
-            if spec.kind in INTEGER_KINDS and a.size and float(np.max(np.abs(a.astype(np.float64)))) > FP32_EXACT_INTEGER:
+            magnitude = float(np.max(np.abs(a.astype(np.float64)))) if a.size and spec.kind in INTEGER_KINDS else 0.0
+            if magnitude > FP32_EXACT_INTEGER:
                 raise OnnxImportError(f"input {spec.name!r} holds integers beyond 2^24 in magnitude; integer data is "
                                       "exact in the graph only within +-2^24")
             if spec.kind == FLOAT64 and a.dtype.kind != "f":
@@ -211,7 +212,8 @@ def import_model(loaded: LoadedModel, shapes: Mapping[str, tuple[int, ...]] | No
             want = data_kind_of_elem(elem_types.get(out.name, 0))
             if want not in (None, v.kind) and not (v.kind == INT and want in ("int32", "int64")) and \
                     not (v.kind == FLOAT64 and want == "double"):
-                raise OnnxImportError(f"output {out.name!r} is {want} in the model, but the graph holds {v.kind} values")
+                raise OnnxImportError(f"output {out.name!r} is {want} in the model, but the graph holds {v.kind} "
+                                      "values")
             imp.graph.output(v.t, out.name)
             outputs.append(IOSpec(out.name, v.shape, v.kind))
     return OnnxModel(imp.graph, tuple(inputs), tuple(outputs), constants, loaded.sha256, imp.opset, tuple(imp.ranges),

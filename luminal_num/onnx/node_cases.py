@@ -86,7 +86,8 @@ def run_case(case) -> CaseResult:
         indices = _gather_indices(model)
         for spec in model.inputs:
             if spec.kind == INT and spec.name in indices and np.any(feed[spec.name] < 0):
-                raise CaseRefused(f"input {spec.name!r} holds negative run-time indices (the graph's Gather takes [0, n))")
+                raise CaseRefused(f"input {spec.name!r} holds negative run-time indices "
+                                  "(the graph's Gather takes [0, n))")
         ref = model.restore(evaluate(model.graph, feed)) if model.graph.outputs else model.restore({})
         # the runtime refuses NaN/Inf inputs; a plan would run double data at FP32 (onnx_job refuses it)
         f32 = fp32_plan_outputs(model, feed) if finite and not model.fp64_only else None
