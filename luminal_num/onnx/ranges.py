@@ -105,9 +105,11 @@ def check_ranges(steps: tuple[RangeStep, ...], arrays: Mapping[str, np.ndarray])
         else:
             r, reach = _step(s, [ranges[n] for n in s.args])
         if reach > s.limit:
-            raise OnnxImportError(f"{s.where}: integer values reach magnitude {reach:.17g}, beyond {s.limit:.17g}: "
-                                  "integer data is exact here only within that range (FP32 holds every integer "
-                                  "up to 2^24); refused")
+            why = ("its exact truncating division takes dividends up to 2^21" if s.op == "div" else
+                   "FP32 holds every integer up to 2^24" if s.limit == FP32_EXACT_INTEGER else
+                   "the target type holds every integer up to there")
+            raise OnnxImportError(f"{s.where}: integer values reach magnitude {reach:.17g}, beyond {s.limit:.17g} "
+                                  f"({why}); refused")
         t = VALUE_TYPES.get(s.kind) if s.kind else None
         if t is not None and (r.lo < t.lo or r.hi > t.hi):
             raise OnnxImportError(f"{s.where}: the {s.kind} result may reach [{r.lo:.17g}, {r.hi:.17g}], outside "
