@@ -12,8 +12,8 @@ from typing import Callable
 
 from ..hlir.tensor import GraphTensor
 from .kinds import INTEGER_KINDS, NARROW_FLOAT_KINDS
-from .round_cast import clamp
 from .loader import FLOAT, INT
+from .round_cast import clamp
 from .values import NodeCtx, Tensor, Value
 
 # |dividend| below which the truncating division below is exact: its quotient estimate q(1 + e), |e| <=
