@@ -170,3 +170,20 @@ def test_two_layer_transformer_fp32_error_within_gamma_n_of_longest_dot():
     gamma_n = n * u / (1 - n * u)
     err = np.max(np.abs(y32 - y64)) / np.max(np.abs(y64))
     assert 0 < err <= gamma_n
+
+
+def test_cast_of_integers_to_float_computes_on_floats_in_the_reference():
+    """An INT32 input cast to F32 then divided: the FP64 reference divides floats (numpy's reciprocal of an
+    int64 array would be an integer division: 1/2 -> 0), as the CPU runtime's FP32 buffers do."""
+    from luminal_num.dtypes.formats import F32, INT32
+    from luminal_num.runtime.cpu import CpuRuntime
+    from luminal_num.search.space import SearchSpace
+    g = Graph()
+    a = g.input("a", (4,), INT32)
+    b = g.input("b", (4,), INT32)
+    g.output(a.cast(F32) / b.cast(F32), "q")
+    feed = {"a": np.array([1, 3, -7, 8]), "b": np.array([2, 4, 2, -3])}
+    want = np.array([0.5, 0.75, -3.5, -8 / 3])
+    np.testing.assert_allclose(evaluate(g, feed)["q"], want, rtol=1e-15)
+    program = SearchSpace.build(g, with_precision=False).program(frozenset())
+    np.testing.assert_allclose(CpuRuntime(program).run(feed).outputs["q"], want, rtol=2 ** -23)

@@ -7,22 +7,18 @@ run-time integer arithmetic) are counted per op with their one-line reason, neve
 from __future__ import annotations
 
 import collections
-import warnings
 
 import pytest
 
 from luminal_num.onnx import OnnxImportError
 from luminal_num.onnx.ops import OPS
 
-from onnx_cases import CaseRefused, run_case
+from onnx_cases import CaseRefused, cases_by_name, run_case
 
 # Ops in the table that ONNX's wheel has no runnable single-node case for, with the reason.
 NO_NODE_CASES = {
     # an ONNX Runtime contrib op: the onnx wheel has no case; test_onnx_import checks it against ORT
     "SimplifiedLayerNormalization": "no ONNX node case",
-    # every Equal node case compares integers or strings (refused: as FP32 they would merge past 2^24);
-    # Equal on floats runs in the '_expanded' LessOrEqual/GreaterOrEqual cases (tests/test_onnx_coverage.py)
-    "Equal": "no float node case",
 }
 
 # Ops whose every importable case feeds NaN/Inf inputs: the CPU runtime refuses those by policy, so
@@ -32,10 +28,7 @@ NAN_INPUT_ONLY = {"Cast"}
 
 @pytest.fixture(scope="module")
 def cases():
-    from onnx.backend.test.case.node import collect_testcases
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return [c for c in collect_testcases(None) if c.model is not None]
+    return list(cases_by_name().values())
 
 
 def _primary_op(case) -> str | None:

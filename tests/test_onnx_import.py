@@ -309,6 +309,7 @@ def test_unsupported_attribute_and_runtime_only_ops_are_refused_not_approximated
                   [_f("x", [2, 3])], [_f("y", [2, 3])], opset=onnx.defs.get_schema("Cast").since_version)
     with pytest.raises(OnnxImportError, match=r"unsupported attribute\(s\) \['round_mode'\]"):
         import_model(load_proto(cast))
-    floor = _model([helper.make_node("Floor", ["x"], ["y"])], [_f("x", [2, 3])], [_f("y", [2, 3])])
+    nonzero = _model([helper.make_node("NonZero", ["x"], ["y"])], [_f("x", [2, 3])],
+                     [helper.make_tensor_value_info("y", TensorProto.INT64, [2, None])])  # its shape is the values'
     with pytest.raises(OnnxImportError, match="only on values known at import"):
-        import_model(load_proto(floor))
+        import_model(load_proto(nonzero))

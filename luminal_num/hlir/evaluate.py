@@ -125,6 +125,14 @@ def _elementwise(node: Node, srcs, graph, inputs, bindings, precision) -> np.nda
         return _round(fn(*srcs), node.dtype, precision)
 
 
+def _cast(node: Node, x: np.ndarray, precision: str) -> np.ndarray:
+    """A Cast's value: integers (an INT32 input's int64 values) cast to a float dtype become float64, so the
+    ops reading them compute on floats (numpy's reciprocal of an int64 array is an integer division)."""
+    if node.dtype.kind is Kind.FLOAT and np.asarray(x).dtype.kind in "iub":
+        x = np.asarray(x, dtype=np.float64)
+    return _round(x, node.dtype, precision)
+
+
 def _sum_reduce(node: Node, srcs, graph, inputs, bindings, precision) -> np.ndarray:
     acc = np.float32 if precision == "f32" else np.float64
     return _round(np.sum(srcs[0].astype(acc), axis=node.attr("axis")).astype(np.float64), node.dtype, precision)
@@ -151,7 +159,7 @@ def _scatter(node: Node, srcs, graph, inputs, bindings, precision) -> np.ndarray
 EVALUATORS: dict[Op, Callable[..., np.ndarray]] = {
     Op.INPUT: _input, Op.CONSTANT: _constant, Op.IOTA: _iota,
     Op.OUTPUT: lambda node, srcs, *_: srcs[0],
-    Op.CAST: lambda node, srcs, graph, inputs, bindings, precision: _round(srcs[0], node.dtype, precision),
+    Op.CAST: lambda node, srcs, graph, inputs, bindings, precision: _cast(node, srcs[0], precision),
     **{op: _elementwise for op in (*UNARY_OPS, *BINARY_OPS, Op.CUSTOM)},
     Op.SUM_REDUCE: _sum_reduce,
     Op.MAX_REDUCE: lambda node, srcs, *_: np.max(srcs[0], axis=node.attr("axis")),

@@ -8,6 +8,7 @@ so the FP64 reference computes it exactly. Input shapes are concrete (symbolic d
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -16,14 +17,15 @@ import onnx
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from ..dtypes.formats import F32, INT32
+from ..dtypes.formats import F32, F64, INT32
 from ..hlir.graph import Graph
+from .kinds import FLOAT64, FP32_EXACT_INTEGER, INTEGER_KINDS, VALUE_TYPES, data_kind_of_elem
 from .loader import BOOL, FLOAT, INT, LoadedModel, OnnxImportError, bind_input_shapes, elem_kind, graph_inputs, \
     initializer_arrays
-from .ops import OPS, OpSpec
+from .ops import OPS, OpSpec, VALUE_INPUTS
+from .ranges import RangeStep, check_ranges
 from .values import Tensor, NodeCtx, Value, kind_of_array
 
-_NP_OF_KIND = {FLOAT: np.float32, BOOL: np.bool_, INT: np.int64}
 _I32 = np.iinfo(np.int32)
 
 
@@ -44,9 +46,13 @@ class OnnxModel:
     constant_outputs: Mapping[str, np.ndarray]  # outputs fully known at import (folded)
     sha256: str
     opset: int
+    ranges: tuple[RangeStep, ...] = ()  # how integer data's ranges follow from the inputs' (checked per batch)
+    fp64_only: str | None = None  # why only the FP64 reference may run it (double data), None for any plan
 
     def feed(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """ONNX input arrays -> graph inputs (bool masks as 0/1 float32, indices as int64)."""
+        """ONNX input arrays -> graph inputs (bool masks as 0/1 float32, indices as int64, integer data and
+        narrow floats as their exact FP32 values); a batch whose integer data could leave its exact range
+        is refused in one line (onnx/ranges.py)."""
         out = {}
         for spec in self.inputs:
             if spec.name not in arrays:
@@ -54,23 +60,48 @@ class OnnxModel:
             a = np.asarray(arrays[spec.name])
             if tuple(a.shape) != spec.shape:
                 raise OnnxImportError(f"input {spec.name!r}: shape {a.shape}, the model was imported for {spec.shape}")
-            if spec.kind == INT and a.dtype.kind not in "iu":  # a cast would truncate 2.7 to token 2, NaN to 0
-                raise OnnxImportError(f"input {spec.name!r} takes integers (indices); got {a.dtype} data")
+            integer = spec.kind == INT or spec.kind in INTEGER_KINDS
+            exact_type = spec.kind in VALUE_TYPES and a.dtype == VALUE_TYPES[spec.kind].dtype  # int4/int2: ml_dtypes
+            if integer and a.dtype.kind not in "iu" and not exact_type:  # a cast would truncate 2.7 to 2, NaN to 0
+                raise OnnxImportError(f"input {spec.name!r} takes integers; got {a.dtype} data")
             if spec.kind == INT and a.size and (a.min() < _I32.min or a.max() > _I32.max):
                 raise OnnxImportError(f"input {spec.name!r} holds integers outside int32 (the graph's index type)")
-            out[spec.name] = a.astype(np.int64) if spec.kind == INT else a.astype(np.float32)
+            magnitude = float(np.max(np.abs(a.astype(np.float64)))) if a.size and spec.kind in INTEGER_KINDS else 0.0
+            if magnitude > FP32_EXACT_INTEGER:
+                raise OnnxImportError(f"input {spec.name!r} holds integers beyond 2^24 in magnitude; integer data is "
+                                      "exact in the graph only within +-2^24")
+            if spec.kind == FLOAT64 and a.dtype.kind != "f":
+                raise OnnxImportError(f"input {spec.name!r} takes double data; got {a.dtype}")
+            out[spec.name] = a.astype(np.int64) if spec.kind == INT else \
+                a.astype(np.float64) if spec.kind == FLOAT64 else a.astype(np.float32)
+        check_ranges(self.ranges, {n: np.asarray(a) for n, a in arrays.items()})
         return out
 
     def restore(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Graph outputs -> ONNX outputs (masks back to bool), with the folded outputs added."""
+        """Graph outputs -> ONNX outputs (masks back to bool, typed values to their ONNX dtype), with the
+        folded outputs added."""
         out = {}
         for spec in self.outputs:
             if spec.name in self.constant_outputs:
                 out[spec.name] = self.constant_outputs[spec.name]
             else:
-                v = np.asarray(values[spec.name])
-                out[spec.name] = v > 0.5 if spec.kind == BOOL else v
+                out[spec.name] = _as_onnx(np.asarray(values[spec.name]), spec)
         return out
+
+
+def _as_onnx(v: np.ndarray, spec: IOSpec) -> np.ndarray:
+    """A graph output as its ONNX type: exact (every value of a typed output is a value of its type)."""
+    if spec.kind == BOOL:
+        return v > 0.5
+    t = VALUE_TYPES.get("int64" if spec.kind == INT else spec.kind)
+    if t is None or spec.kind == FLOAT:
+        return v
+    with np.errstate(invalid="ignore", over="ignore"):
+        typed = v.astype(t.dtype)
+    same = typed.astype(np.float64) == v.astype(np.float64)
+    if not np.all(same | (np.isnan(v) & (not t.integer))):
+        raise ValueError(f"output {spec.name!r}: a value is not a {spec.kind} value (a bug: typed outputs are exact)")
+    return typed
 
 
 @dataclass
@@ -82,11 +113,18 @@ class _Importer:
     inferred: dict[str, tuple]  # ONNX shape inference's output shapes (None for unknown dims)
     env: dict[str, Value] = field(default_factory=dict)
     materialized: dict[str, Tensor] = field(default_factory=dict)
+    ranges: list[RangeStep] = field(default_factory=list)
+    ranged: set[str] = field(default_factory=set)  # values with a range step
+    fp64_only: str | None = None  # the first node that computes on double data
+
+    def record(self, step: RangeStep) -> None:
+        self.ranges.append(step)
+        self.ranged.add(step.out)
 
     def materialize(self, name: str, value: np.ndarray) -> Tensor:
         """A known array entering the graph: one-element floats as constants, others as weights."""
         kind = kind_of_array(value, name)
-        if kind == FLOAT and value.size == 1:  # constants live in their chunk (no cross-chunk edges)
+        if kind in (FLOAT, FLOAT64) and value.size == 1:  # constants live in their chunk (no cross-chunk edges)
             return Tensor(self.graph.constant(float(value.reshape(()))).reshape(value.shape), kind)
         if name in self.materialized:
             return self.materialized[name]
@@ -98,7 +136,8 @@ class _Importer:
             if not np.all(np.isfinite(value)):  # refused here, in one line, not by the run
                 raise OnnxImportError(f"known tensor {name!r} holds NaN or Inf and would enter the graph as a "
                                       "weight; the runtime refuses non-finite values")
-            t = self.graph.weight(name, value.astype(np.float32), F32)
+            wide = kind == FLOAT64  # double data keeps its values (the FP64 reference reads them exactly)
+            t = self.graph.weight(name, value.astype(np.float64 if wide else np.float32), F64 if wide else F32)
         self.materialized[name] = Tensor(t, kind)
         return self.materialized[name]
 
@@ -151,10 +190,15 @@ def import_model(loaded: LoadedModel, shapes: Mapping[str, tuple[int, ...]] | No
             imp.env[inp.name] = np.asarray(known[inp.name])
             continue
         kind = _input_kind(proto, inp, elem_types)
-        dtype = INT32 if kind == INT else F32
-        t = imp.graph.input(inp.name, bound[inp.name], dtype, value_range=(0.0, 1.0) if kind == BOOL else None)
+        dtype = INT32 if kind == INT else F64 if kind == FLOAT64 else F32
+        if kind == FLOAT64:
+            imp.fp64_only = imp.fp64_only or f"input {inp.name!r} holds double data"
+        t = imp.graph.input(inp.name, bound[inp.name], dtype, value_range=_value_range(kind))
         imp.env[inp.name] = Tensor(t, kind)
         inputs.append(IOSpec(inp.name, bound[inp.name], kind))
+        if kind == INT or kind in INTEGER_KINDS:  # indices: no range limit (feed checks int32)
+            imp.record(RangeStep(inp.name, "input", (inp.name,), kind if kind != INT else None, f"input {inp.name!r}",
+                                 limit=FP32_EXACT_INTEGER if kind != INT else math.inf))
     for node in proto.graph.node:
         _import_node(imp, node, OPS)
     outputs, constants = [], {}
@@ -162,27 +206,43 @@ def import_model(loaded: LoadedModel, shapes: Mapping[str, tuple[int, ...]] | No
         v = imp.env[out.name]
         if isinstance(v, np.ndarray):
             constants[out.name] = v
-            outputs.append(IOSpec(out.name, tuple(v.shape), kind_of_array(v, out.name)))
+            outputs.append(IOSpec(out.name, tuple(v.shape), kind_of_array(v, out.name) if v.dtype != np.float64
+                                  else "double"))
         else:
-            if v.kind == INT:
-                raise OnnxImportError(f"output {out.name!r} holds integers computed at run time; only float "
-                                      "and bool outputs are supported")
+            want = data_kind_of_elem(elem_types.get(out.name, 0))
+            if want not in (None, v.kind) and not (v.kind == INT and want in ("int32", "int64")) and \
+                    not (v.kind == FLOAT64 and want == "double"):
+                raise OnnxImportError(f"output {out.name!r} is {want} in the model, but the graph holds {v.kind} "
+                                      "values")
             imp.graph.output(v.t, out.name)
             outputs.append(IOSpec(out.name, v.shape, v.kind))
-    return OnnxModel(imp.graph, tuple(inputs), tuple(outputs), constants, loaded.sha256, imp.opset)
+    return OnnxModel(imp.graph, tuple(inputs), tuple(outputs), constants, loaded.sha256, imp.opset, tuple(imp.ranges),
+                     imp.fp64_only)
 
 
-# Inputs of these types are accepted when every consumer is Cast(to=FLOAT) or CastLike to a FLOAT: feeding
-# them as FP32 is then exactly that cast (every value of these types is an FP32 value; double -> fp32
-# rounds to nearest, as Cast does).
+def _value_range(kind: str) -> tuple[float, float] | None:
+    """The static analysis' declared range of an input: masks 0/1, integer data within its type and +-2^24
+    (feed refuses other batches)."""
+    if kind == BOOL:
+        return (0.0, 1.0)
+    t = VALUE_TYPES.get(kind)
+    if t is None or not t.integer:
+        return None
+    return (max(t.lo, -FP32_EXACT_INTEGER), min(t.hi, FP32_EXACT_INTEGER))
+
+
+# DOUBLE inputs whose every consumer is Cast(to=FLOAT) or CastLike to a FLOAT are fed as FP32: exactly that
+# cast (double -> fp32 rounds to nearest, as Cast does); other DOUBLE inputs are double data (FLOAT64,
+# FP64-only). Inputs of the narrower types (kinds.py) are their own kinds: every value is an FP32 value.
 _T = onnx.TensorProto
-_CAST_ONLY_INPUTS = (_T.DOUBLE, _T.FLOAT16, _T.BFLOAT16, _T.FLOAT8E4M3FN, _T.FLOAT8E4M3FNUZ, _T.FLOAT8E5M2,
-                     _T.FLOAT8E5M2FNUZ, _T.FLOAT4E2M1, _T.INT2, _T.UINT2, _T.INT4, _T.UINT4, _T.INT8, _T.UINT8, _T.INT16,
-                     _T.UINT16)
+_CAST_ONLY_INPUTS = (_T.DOUBLE,)
 
 
 def _input_kind(proto: onnx.ModelProto, inp: onnx.ValueInfoProto, elem_types: Mapping[str, int]) -> str:
     elem = inp.type.tensor_type.elem_type
+    kind = data_kind_of_elem(elem)
+    if kind is not None and kind not in (FLOAT, "double", "int32", "int64"):
+        return kind
     if elem in _CAST_ONLY_INPUTS:
         users = [n for n in proto.graph.node if inp.name in n.input]
 
@@ -192,8 +252,7 @@ def _input_kind(proto: onnx.ModelProto, inp: onnx.ValueInfoProto, elem_types: Ma
             if n.op_type == "CastLike" and n.input[0] == inp.name and len(n.input) > 1:
                 return _like_type(proto, n.input[1], elem_types) == _T.FLOAT
             return False
-        if users and all(to_float(n) for n in users):
-            return FLOAT
+        return FLOAT if users and all(to_float(n) for n in users) else FLOAT64
     return elem_kind(elem, f"input {inp.name!r}")
 
 
@@ -241,6 +300,10 @@ def _import_node(imp: _Importer, node: onnx.NodeProto, table: Mapping[str, OpSpe
             raise
         except (ValueError, IndexError) as exc:  # the frontend's shape checks: the model does not fit
             raise OnnxImportError(f"{where}: {' '.join(str(exc).split())}") from None
+    if node.op_type not in ("Cast", "CastLike") and any(isinstance(v, Tensor) and v.kind in (FLOAT64, "double") or
+                                                         isinstance(v, np.ndarray) and v.dtype == np.float64
+                                                         for v in values):
+        results = _as_double(imp, results, where)
     live = [o for o in node.output]
     if len(results) < len([o for o in live if o]):
         raise OnnxImportError(f"{where}: produces only {len(results)} of its outputs")
@@ -248,6 +311,43 @@ def _import_node(imp: _Importer, node: onnx.NodeProto, table: Mapping[str, OpSpe
         if name:
             _check_shape(imp, name, val, where)
             imp.env[name] = val
+            if isinstance(val, Tensor) and (val.kind == INT or val.kind in INTEGER_KINDS) and name not in imp.ranged:
+                _range_through(imp, node, name, val, values, where)
+
+
+def _as_double(imp: _Importer, results: list, where: str) -> list:
+    """An op on double values computes in double in ONNX: its FP32-data results are double data (FLOAT64),
+    which only the FP64 reference computes so (the model becomes FP64-only)."""
+    out = []
+    for r in results:
+        if isinstance(r, Tensor) and r.kind == FLOAT:
+            imp.fp64_only = imp.fp64_only or f"{where} computes on double data"
+            r = Tensor(r.t, FLOAT64)
+        out.append(r)
+    return out
+
+
+def _range_through(imp: _Importer, node: onnx.NodeProto, name: str, val: Tensor, values: list, where: str) -> None:
+    """The range step of an integer result of an op that only moves or selects its inputs' values: the hull
+    of the inputs that carry them (ops.VALUE_INPUTS); any other op must record its own step."""
+    if node.op_type not in VALUE_INPUTS:
+        raise OnnxImportError(f"{where}: no range rule for its integer result {name!r}")
+    slots = VALUE_INPUTS[node.op_type] or tuple(range(len(node.input)))
+    args = []
+    for i in slots:
+        arg = node.input[i] if i < len(node.input) else ""
+        if not arg:
+            continue
+        if arg not in imp.ranged:
+            v = values[i]
+            if not isinstance(v, np.ndarray) or v.dtype.kind not in "iub":
+                raise OnnxImportError(f"{where}: no range for its integer operand {arg!r}")
+            lo, hi = (float(v.min()), float(v.max())) if v.size else (0.0, 0.0)
+            imp.record(RangeStep(arg, "const", (), None, f"constant {arg!r}", math.inf, (lo, hi, bool(np.all(v != 0)))))
+        args.append(arg)
+    index = val.kind == INT
+    imp.record(RangeStep(name, "hull", tuple(args), None if index else val.kind, where,
+                         math.inf if index else FP32_EXACT_INTEGER))
 
 
 def _check_shape(imp: _Importer, name: str, val: Value, where: str) -> None:

@@ -77,6 +77,9 @@ def onnx_job(path: str, shape_text: str | None, calibration: str | None) -> Onnx
     batches = read_batches(calibration)
     shapes = parse_shapes(shape_text)
     model = import_model(loaded, shapes)
+    if model.fp64_only:
+        raise OnnxImportError(f"{model.fp64_only}: ONNX computes it in double, which only the FP64 reference does; "
+                              "every plan would run it at FP32, so the model is refused")
     feeds = []
     for i, b in enumerate(batches):
         extra = sorted(set(b) - {s.name for s in model.inputs})

@@ -64,7 +64,8 @@ class LoadedModel:
 def elem_kind(elem_type: int, what: str) -> str:
     if elem_type not in ELEM_KINDS:
         name = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() else elem_type
-        raise OnnxImportError(f"{what} has element type {name}; supported: float32 data, int64/int32 indices, bool masks")
+        raise OnnxImportError(f"{what} has element type {name}; supported: float32 and double data, integers, "
+                              "narrow floats (float16, bfloat16, FP8, FP4), bool masks")
     return ELEM_KINDS[elem_type]
 
 

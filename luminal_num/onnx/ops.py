@@ -12,16 +12,17 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import onnx
 
-from ..dtypes.formats import F32
-from ..hlir.tensor import GraphTensor, concat
+from ..hlir.tensor import GraphTensor
+from .kinds import ANY_KIND, EXACT_KINDS, INTEGER_KINDS
 from .loader import BOOL, FLOAT, INT
 from .values import NodeCtx, Tensor, Value
 from .ops_cast import abs_, cast, castlike, compare, extreme
+from .ops_index import concat_, gather, gather_nd, slice_, tile
+from .ops_numeric import arith, floor_ceil, mod, neg
 
-ANY = (FLOAT, BOOL, INT)
-DATA = (FLOAT, BOOL)
+ANY = ANY_KIND  # movement: every kind
+DATA = EXACT_KINDS + (BOOL,)  # values (not indices): selection and reductions that pick a value
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,6 @@ def _out(t: GraphTensor, kind: str = FLOAT) -> list[Value]:
 
 
 # -- elementwise ------------------------------------------------------------------------------
-def _binary(fn: Callable[[GraphTensor, GraphTensor], GraphTensor]):
-    return lambda c: _out(fn(c.tensor(0).t, c.tensor(1).t))
-
-
 def _unary(fn: Callable[[GraphTensor], GraphTensor]):
     return lambda c: _out(fn(c.tensor(0).t))
 
@@ -84,29 +81,40 @@ def _pow(c: NodeCtx) -> list[Value]:
 
 
 def _where(c: NodeCtx) -> list[Value]:
+    """cond*x + (1-cond)*y: exact for finite values of one kind (integers: held exactly in FP32)."""
     x, y = c.values[1], c.values[2]
     for i, v in ((1, x), (2, y)):
         if isinstance(v, np.ndarray) and not np.all(np.isfinite(v.astype(np.float64))):
             raise c.refuse(f"input {c.names[i]!r} holds inf/nan: Where is built as cond*x + (1-cond)*y, "
                            "which is exact only for finite values")
+    integer = [isinstance(v, np.ndarray) and v.dtype.kind in "iu" or isinstance(v, Tensor) and v.kind in
+               INTEGER_KINDS + (INT,) for v in (x, y)]
+    a, b = ((c.integer(1), c.integer(2)) if any(integer) else (c.tensor(1, EXACT_KINDS), c.tensor(2, EXACT_KINDS)))
+    if a.kind != b.kind:
+        raise c.refuse(f"x and y hold {a.kind} and {b.kind} values")
     cond = c.values[0]
     if isinstance(cond, np.ndarray) and cond.size and np.all(cond == cond.flat[0]):
-        pick = c.tensor(1 if bool(cond.flat[0]) else 2)
-        shape = np.broadcast_shapes(cond.shape, tuple(c.tensor(1).shape), tuple(c.tensor(2).shape))
-        return _out(pick.t.broadcast_to(shape))
+        pick = a if bool(cond.flat[0]) else b
+        shape = np.broadcast_shapes(cond.shape, a.shape, b.shape)
+        return _out(pick.t.broadcast_to(shape), a.kind)
     m = c.tensor(0, (BOOL,)).t
-    return _out(m * c.tensor(1).t + (1.0 - m) * c.tensor(2).t)
+    return _out(m * a.t + (1.0 - m) * b.t, a.kind)
 
 
 def _clip(c: NodeCtx) -> list[Value]:
-    x = c.tensor(0).t
+    """max then min with constant bounds: selections, exact for floats and integers (held exactly)."""
+    v = c.values[0]
+    integer = isinstance(v, Tensor) and v.kind in INTEGER_KINDS + (INT,) or isinstance(v, np.ndarray) and \
+        v.dtype.kind in "iu"
+    x = c.integer(0) if integer else c.tensor(0)
+    kind, x = x.kind, x.t
     lo = c.attr("min") if c.opset < 11 else (float(c.const(1, "min")) if c.has(1) else None)
     hi = c.attr("max") if c.opset < 11 else (float(c.const(2, "max")) if c.has(2) else None)
     if lo is not None:
         x = x.maximum(float(lo))
     if hi is not None:
         x = -((-x).maximum(-float(hi)))
-    return _out(x)
+    return _out(x, kind)
 
 
 # -- logic on bool masks (held as 0/1 floats): each form below is exact on 0/1 ---------------------
@@ -148,6 +156,31 @@ def _reduce(kind: str):
             out = t.square().sum(axes, keep).sqrt()
         return _out(out, x.kind if kind == "max" else FLOAT)
     return run
+
+
+PROD_MAX_FACTORS = 256  # a ReduceProd is a chain of products: refused past this many per output value
+
+
+def _reduce_prod(c: NodeCtx) -> list[Value]:
+    """The product over the axes as a chain of FP32 products in index order (each rounds once, as every
+    FP32 op of the graph; the FP64 reference multiplies exactly)."""
+    x = c.tensor(0)
+    axes = _reduce_axes(c, len(x.shape))
+    if axes is None:
+        return [x]
+    if math.prod(x.shape[a] for a in axes) > PROD_MAX_FACTORS:
+        raise c.refuse(f"a product of more than {PROD_MAX_FACTORS} factors per value is not supported")
+    t = x.t
+    for a in axes:
+        parts = [t.slice(*[(i, i + 1) if ax == a else (0, d) for ax, d in enumerate(t.shape)])
+                 for i in range(t.shape[a])]
+        acc = parts[0]
+        for p in parts[1:]:
+            acc = acc * p
+        t = acc  # the axis kept with size 1
+    if not c.attr("keepdims", 1):
+        t = t.reshape(tuple(d for ax, d in enumerate(t.shape) if ax not in axes))
+    return _out(t)
 
 
 def _softmax(c: NodeCtx) -> list[Value]:
@@ -212,56 +245,6 @@ def _gemm(c: NodeCtx) -> list[Value]:
 
 
 # -- movement and indexing --------------------------------------------------------------------
-def _gather(c: NodeCtx) -> list[Value]:
-    data = c.tensor(0, DATA)
-    axis = _ax(c.attr("axis", 0), len(data.shape))
-    n = data.shape[axis]
-    idx_v = c.values[1]
-    if isinstance(idx_v, np.ndarray):
-        idx = idx_v.astype(np.int64)
-        if np.any((idx < -n) | (idx >= n)):
-            raise c.refuse(f"index out of range [-{n}, {n})")
-        idx = np.where(idx < 0, idx + n, idx)
-        if idx.ndim == 0:  # one index: a slice view that drops the axis
-            ranges = [(0, d) for d in data.shape]
-            ranges[axis] = (int(idx), int(idx) + 1)
-            shape = data.shape[:axis] + data.shape[axis + 1:]
-            return _out(data.t.slice(*ranges).reshape(shape), data.kind)
-        indices = c.importer.materialize(f"{c.names[1]}:normalized:{n}", idx).t
-    else:
-        indices = c.tensor(1, (INT,)).t
-    order = [axis] + [i for i in range(len(data.shape)) if i != axis]
-    table = data.t.permute(order) if axis else data.t
-    out = table.gather(indices)  # (idx..., other dims in order)
-    k = indices.ndim
-    if axis:
-        perm = list(range(k, k + axis)) + list(range(k)) + list(range(k + axis, out.ndim))
-        out = out.permute(perm)
-    return _out(out, data.kind)
-
-
-def _gather_nd(c: NodeCtx) -> list[Value]:
-    """GatherND with indices known at import (the exporters' mask indexing): the first k axes of data
-    flattened into one, the index tuples raveled into it, then one Gather."""
-    data = c.tensor(0, DATA)
-    if c.attr("batch_dims", 0) != 0:
-        raise c.refuse("batch_dims other than 0 is not supported")
-    idx = c.const(1, "the indices").astype(np.int64)
-    k, shape = idx.shape[-1] if idx.ndim else 0, data.shape
-    if not 1 <= k <= len(shape):
-        raise c.refuse(f"index tuples of length {k} do not fit data of rank {len(shape)}")
-    lead = np.array(shape[:k], dtype=np.int64)
-    if np.any((idx < -lead) | (idx >= lead)):
-        raise c.refuse(f"index out of range for the leading dims {tuple(shape[:k])}")
-    flat = np.ravel_multi_index(tuple(np.moveaxis(np.where(idx < 0, idx + lead, idx), -1, 0)), tuple(shape[:k]))
-    table = data.t.reshape(math.prod(shape[:k]), *shape[k:])
-    if idx.ndim == 1:  # one index tuple: a slice view
-        return _out(table.slice((int(flat), int(flat) + 1), *[(0, d) for d in shape[k:]]).reshape(shape[k:]),
-                    data.kind)
-    indices = c.importer.materialize(f"{c.names[1]}:raveled:{shape[:k]}", flat.astype(np.int64)).t
-    return _out(table.gather(indices), data.kind)
-
-
 def _reshape(c: NodeCtx) -> list[Value]:
     x = c.tensor(0, ANY)
     want = [int(d) for d in c.const(1, "shape")]
@@ -311,61 +294,6 @@ def _squeeze(c: NodeCtx) -> list[Value]:
     return [Tensor(x.t.reshape(tuple(d for i, d in enumerate(x.shape) if i not in drop)), x.kind)]
 
 
-def _concat(c: NodeCtx) -> list[Value]:
-    parts = [c.tensor(i, DATA) for i in range(len(c.values))]
-    kinds = {p.kind for p in parts}
-    if len(kinds) != 1:
-        raise c.refuse("inputs mix float data and bool masks")
-    return _out(concat([p.t for p in parts], _ax(c.attr("axis"), len(parts[0].shape))), parts[0].kind)
-
-
-def _step_slice(t: GraphTensor, axis: int, start: int, stop: int, step: int) -> GraphTensor:
-    """Every `step`-th element of [start, stop) on `axis`, as views: slice, pad to n*step, fold, pick column 0."""
-    n = -(-(stop - start) // step)
-    shape = list(t.shape)
-    ranges = [(0, d) for d in shape]
-    ranges[axis] = (start, min(start + n * step, shape[axis]))
-    t = t.slice(*ranges)
-    pads = [(0, 0)] * len(shape)
-    pads[axis] = (0, n * step - (ranges[axis][1] - start))
-    t = t.pad(*pads) if pads[axis][1] else t
-    folded = shape[:axis] + [n, step] + shape[axis + 1:]
-    t = t.reshape(tuple(folded))
-    pick = [(0, d) for d in folded]
-    pick[axis + 1] = (0, 1)
-    return t.slice(*pick).reshape(tuple(shape[:axis] + [n] + shape[axis + 1:]))
-
-
-def _slice(c: NodeCtx) -> list[Value]:
-    x = c.tensor(0, ANY)
-    ndim = len(x.shape)
-    if c.opset < 10:
-        starts, ends = list(c.attr("starts")), list(c.attr("ends"))
-        axes, steps = list(c.attr("axes", range(len(starts)))), [1] * len(starts)
-    else:
-        starts = [int(v) for v in c.const(1, "starts")]
-        ends = [int(v) for v in c.const(2, "ends")]
-        axes = [int(v) for v in c.const(3, "axes")] if c.has(3) else list(range(len(starts)))
-        steps = [int(v) for v in c.const(4, "steps")] if c.has(4) else [1] * len(starts)
-    t = x.t
-    for s, e, a, st in zip(starts, ends, axes, steps):
-        a = _ax(a, ndim)
-        d = x.shape[a]
-        if st <= 0:
-            raise c.refuse("Slice with a negative or zero step is not supported")
-        s = min(max(s + d if s < 0 else s, 0), d)
-        e = min(max(e + d if e < 0 else e, 0), d)
-        if e <= s:
-            raise c.refuse("an empty slice (zero-sized tensor) is not supported")
-        if st == 1:
-            ranges = [(0, dd) for dd in t.shape]
-            ranges[a] = (s, e)
-            t = t.slice(*ranges)
-        else:
-            t = _step_slice(t, a, s, e, st)
-    return [Tensor(t, x.kind)]
-
-
 def _expand(c: NodeCtx) -> list[Value]:
     x = c.tensor(0, ANY)
     shape = np.broadcast_shapes(x.shape, tuple(int(d) for d in c.const(1, "shape")))
@@ -413,10 +341,11 @@ REDUCE_ATTRS = "axes keepdims noop_with_empty_axes"
 NORM_ATTRS = "axis epsilon stash_type"
 
 OPS: dict[str, OpSpec] = {
-    "Add": _spec(_binary(lambda a, b: a + b)),
-    "Sub": _spec(_binary(lambda a, b: a - b)),
-    "Mul": _spec(_binary(lambda a, b: a * b)),
-    "Div": _spec(_binary(lambda a, b: a / b)),
+    "Add": _spec(arith("Add")),
+    "Sub": _spec(arith("Sub")),
+    "Mul": _spec(arith("Mul")),
+    "Div": _spec(arith("Div")),
+    "Mod": _spec(mod, "fmod", exact=True),
     "Pow": _spec(_pow, static=(1,)),
     "Sqrt": _spec(_unary(GraphTensor.sqrt)),
     "Reciprocal": _spec(_unary(GraphTensor.recip)),
@@ -426,7 +355,7 @@ OPS: dict[str, OpSpec] = {
     "Erf": _spec(_unary(GraphTensor.erf)),
     "Relu": _spec(_unary(GraphTensor.relu), exact=True),
     "Sigmoid": _spec(_unary(GraphTensor.sigmoid)),
-    "Neg": _spec(_unary(lambda t: -t), exact=True),
+    "Neg": _spec(neg, exact=True),
     "Clip": _spec(_clip, "min max", exact=True, static=(1, 2)),
     "Where": _spec(_where, exact=True),
     "Cast": _spec(cast, "to saturate", exact=True),
@@ -445,8 +374,8 @@ OPS: dict[str, OpSpec] = {
     "ReduceL2": _spec(_reduce("l2"), REDUCE_ATTRS, static=(1,)),
     "MatMul": _spec(_matmul),
     "Gemm": _spec(_gemm, "alpha beta transA transB"),
-    "Gather": _spec(_gather, "axis", exact=True),
-    "GatherND": _spec(_gather_nd, "batch_dims", exact=True, static=(1,)),
+    "Gather": _spec(gather, "axis", exact=True),
+    "GatherND": _spec(gather_nd, "batch_dims", exact=True, static=(1,)),
     "And": _spec(_logic(lambda a, b: a * b), exact=True),
     "Or": _spec(_logic(lambda a, b: a + b - a * b), exact=True),
     "Xor": _spec(_logic(lambda a, b: (a - b).square()), exact=True),
@@ -456,8 +385,8 @@ OPS: dict[str, OpSpec] = {
     "Flatten": _spec(_flatten, "axis", exact=True),
     "Unsqueeze": _spec(_unsqueeze, "axes", exact=True, static=(1,)),
     "Squeeze": _spec(_squeeze, "axes", exact=True, static=(1,)),
-    "Concat": _spec(_concat, "axis", exact=True),
-    "Slice": _spec(_slice, "starts ends axes", exact=True, static=(1, 2, 3, 4)),
+    "Concat": _spec(concat_, "axis", exact=True),
+    "Slice": _spec(slice_, "starts ends axes", exact=True, static=(1, 2, 3, 4)),
     "Expand": _spec(_expand, exact=True, static=(1,)),
     "Split": _spec(_split, "axis split num_outputs", exact=True, static=(1,)),
     "Identity": _spec(lambda c: [c.values[0]], exact=True),
@@ -466,6 +395,17 @@ OPS: dict[str, OpSpec] = {
     "Constant": OpSpec(None, frozenset("value value_float value_floats value_int value_ints".split()), True),
     "ConstantOfShape": OpSpec(None, frozenset({"value"}), True, (0,)),
     # shape-subgraph arithmetic: folded on known values, refused on run-time tensors
-    **{op: _fold_only() for op in ("Range", "Floor", "Ceil", "Mod",
-                                   "ReduceProd", "Tile", "NonZero")},
+    "Floor": _spec(floor_ceil(ceil=False), exact=True),
+    "Ceil": _spec(floor_ceil(ceil=True), exact=True),
+    "ReduceProd": _spec(_reduce_prod, REDUCE_ATTRS, static=(1,)),
+    "Tile": _spec(tile, exact=True, static=(1,)),
+    **{op: _fold_only() for op in ("Range", "NonZero")},
 }
+
+# Ops whose integer results are values of some of their inputs (moved or selected): the importer gives
+# such a result the range of those inputs (None: every input); every other op records its own range step.
+VALUE_INPUTS: dict[str, tuple[int, ...] | None] = {
+    **{op: (0,) for op in ("Reshape", "Transpose", "Flatten", "Unsqueeze", "Squeeze", "Slice", "Expand", "Split",
+                           "Identity", "Gather", "GatherND", "ReduceMax", "Tile", "Cast", "CastLike")},
+    "Concat": None, "Max": None, "Min": None, "Clip": None, "Where": (1, 2)}
+
