@@ -112,3 +112,26 @@ def test_one_share_answers_each_question_a_verdict_was_asked():
     assert measured.times(2.0) == Share(1.2, 0.4, 0.2)
     gone = Share.unreachable()
     assert gone.rank() == float("inf") and gone.of_budget(0.5) == float("inf")
+
+
+def test_first_order_deltas_keep_only_the_compared_outputs_and_predict_as_from_all_of_them():
+    """An LLM step's budget compares the logits; its other outputs (KV caches, 16x the logits) are never
+    read by a prediction, so a single change's deviations of them are not kept."""
+    from luminal_num.error.predict import FirstOrderDeltas, ShareCheck
+    rng = np.random.default_rng(0)
+    refs = tuple({"logits": rng.normal(size=(4, 50)), "cache": rng.normal(size=(64, 8))} for _ in range(2))
+    singles = {c: tuple({k: v + rng.normal(scale=s, size=v.shape) for k, v in r.items()} for r in refs)
+               for c, s in (("a", 1e-3), ("b", 3e-3))}
+
+    def by_hand(budget: Budget, changes) -> list:  # FP64 reference plus the sum of the singles' deviations
+        return [{k: r[k] + sum(singles[c][b][k] - r[k] for c in changes) for k in r} for b, r in enumerate(refs)]
+
+    for text, kept in (("atol=1e-2,rtol=0,outputs=logits", {"logits"}), ("atol=1e-2,rtol=0", {"logits", "cache"})):
+        budget = Budget.parse(text)
+        check = ShareCheck(budget, budget, refs)
+        deltas = FirstOrderDeltas(check)
+        for c, outs in singles.items():
+            deltas.record(c, outs)
+        assert all(set(b) == kept for d in deltas.deltas.values() for b in d)
+        for changes in (["a"], ["a", "b"]):
+            assert deltas.predict(changes) == check.check(by_hand(budget, changes))

@@ -61,6 +61,11 @@ class ShareCheck:
     budget: Budget
     refs: Sequence[Outputs]
 
+    @property
+    def compared(self) -> tuple[str, ...]:
+        """The outputs the budget compares (a predicted batch needs only these)."""
+        return tuple(self.budget.outputs or (self.refs[0] if self.refs else ()))
+
     def check(self, predicted: Sequence[Outputs]) -> Prediction:
         """The budget checked on predicted outputs (one dict per calibration batch), every metric."""
         ratio = allclose = user = 0.0
@@ -84,11 +89,13 @@ class FirstOrderDeltas:
     deltas: dict[Change, tuple[dict[str, np.ndarray], ...]] = field(default_factory=dict)
 
     def record(self, change: Change, outputs: Sequence[Outputs]) -> None:
-        """A single change's measured outputs on every calibration batch."""
-        refs = self.checker.refs
+        """A single change's measured outputs on every calibration batch: the deviations of the outputs the
+        budget compares, no others (an LLM step's KV caches are 16x its logits, and one set is kept per
+        single change: 150 MB each on SmolLM2, GBs over a search)."""
+        refs, names = self.checker.refs, self.checker.compared
         if len(outputs) != len(refs):
             raise ValueError(f"{len(outputs)} batches of outputs for {len(refs)} references")
-        self.deltas[change] = tuple({k: np.asarray(o[k], np.float64) - np.asarray(r[k], np.float64) for k in r}
+        self.deltas[change] = tuple({k: np.asarray(o[k], np.float64) - np.asarray(r[k], np.float64) for k in names}
                                     for o, r in zip(outputs, refs))
 
     def alias(self, change: Change, measured: Change) -> None:
@@ -100,8 +107,9 @@ class FirstOrderDeltas:
         changes = sorted(changes)
         if not changes or any(c not in self.deltas for c in changes):
             return None
-        return self.checker.check([{k: np.asarray(r, np.float64) + sum(self.deltas[c][b][k] for c in changes)
-                                    for k, r in ref.items()} for b, ref in enumerate(self.checker.refs)])
+        names = self.checker.compared
+        return self.checker.check([{k: np.asarray(ref[k], np.float64) + sum(self.deltas[c][b][k] for c in changes)
+                                    for k in names} for b, ref in enumerate(self.checker.refs)])
 
 
 @dataclass
