@@ -170,3 +170,37 @@ def test_random_genomes_of_two_layer_steps_are_soundly_bounded(seq, scale, seed,
 @given(layers=st.sampled_from([2, 3]), **GENOMES)
 def test_many_random_genomes_of_multi_layer_steps_are_soundly_bounded(layers, seq, scale, seed, cached):
     _check_genome(layers, seq, scale, seed, cached)
+
+
+# -- SmolLM2 (real GGUF weights) --------------------------------------------------------------------------
+
+def _smollm2_bounds(layers: int, workload: str, prompts, names):
+    """(bound, measured) of the logits for baseline genomes of a SmolLM2 decode step, every output sound."""
+    from luminal_num.models.llm import Prompt
+    from luminal_num.models.registry import llm_job
+    from luminal_num.search.recipes import baseline_genomes
+    job = llm_job("smollm2", workload, calibration=[Prompt(p, False) for p in prompts],
+                  heldout=[Prompt(prompts[0], False)], layers=layers)
+    space = SearchSpace.build(job.graph)
+    genomes = baseline_genomes(space)
+    out = {}
+    for name in names:
+        rep, err = _bound_and_error(space.program(genomes[name]), job.graph, job.calibration[0])
+        _assert_sound(rep, err)
+        out[name] = (rep.max_bound("logits"), float(np.max(err["logits"])))
+    return out
+
+
+def test_smollm2_two_layer_fp32_decode_bound_is_finite_and_sound():
+    """Two real layers: the FP32 bound was infinite (every per-element |W| |e| compounding); now finite."""
+    got = _smollm2_bounds(2, "decode:2@48", ["The capital of France is", "def add(a, b):"], ["FP32 everywhere"])
+    bound, measured = got["FP32 everywhere"]
+    assert np.isfinite(bound) and measured <= bound
+
+
+@pytest.mark.slow
+def test_smollm2_decode_bounds_are_sound_for_baselines_up_to_three_layers():
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "What is 2 + 2?"]
+    for layers in (1, 2, 3):
+        got = _smollm2_bounds(layers, "decode:4@64", prompts, ["FP32 everywhere", "BF16 autocast", "W8A16 INT8 per-channel"])
+        assert np.isfinite(got["FP32 everywhere"][0]), (layers, got)

@@ -137,7 +137,7 @@ class StaticAnalyzer:
             if op is Op.CUSTOM and e.kind in ("tanh", "erf"):  # both in [-1, 1] (a libm's few ulps past it)
                 err = np.minimum(err, np.maximum(iv.hi, 1.0) - np.minimum(iv.lo, -1.0) + 2.0 ** -20)
             return BoundedValue(iv, err * SLACK, floor_of(op, args),
-                                ball=apply_ball(op, args, slope, np.broadcast_shapes(iv.lo.shape, np.shape(a.err))))
+                                ball=apply_ball(op, args, slope, iv.lo.shape))
 
     def run(self, inputs: Mapping[str, Interval]) -> StaticReport:
         try:
@@ -211,7 +211,8 @@ class StaticAnalyzer:
     def elementwise(self, k: Kernel, inputs) -> BoundedValue:
         v = self.body(k.body, k)
         shape = self._shape(k)
-        keeps_rows = v.ball is not None and shape and v.iv.lo.shape[-1:] == shape[-1:]
+        keeps_rows = v.ball is not None and shape and v.iv.lo.shape[-1:] == shape[-1:] \
+            and np.shape(v.ball) == v.iv.lo.shape[:-1]
         v = BoundedValue(Interval(np.broadcast_to(v.iv.lo, shape), np.broadcast_to(v.iv.hi, shape),
                           np.broadcast_to(v.iv.nan, shape)), np.broadcast_to(v.err, shape), v.floor,
                          None if v.masked is None else np.broadcast_to(v.masked, shape),

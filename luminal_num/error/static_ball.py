@@ -40,7 +40,7 @@ def ball_in(v, shape: tuple[int, ...]) -> np.ndarray:
     """The row-norm bound of a value used in a result of `shape`: its own ball where its rows are the
     result's rows (same last axis), else the norm of its elementwise bound broadcast to the result."""
     own = v.iv.lo.shape
-    if v.ball is not None and own and shape and own[-1] == shape[-1]:
+    if v.ball is not None and own and shape and own[-1] == shape[-1] and np.shape(v.ball) == own[:-1]:
         try:
             return np.minimum(np.broadcast_to(v.ball, shape[:-1]), row_norm(v.err, shape))
         except ValueError:
@@ -69,6 +69,13 @@ def apply_ball(op: Op, args: list, slope, shape: tuple[int, ...]) -> np.ndarray 
     """The result's row-norm bound before its rounding (None: rebuild it from the elementwise bound)."""
     if not shape or op in (Op.LESS_THAN, Op.MOD):
         return None
+    try:
+        return _apply_ball(op, args, slope, shape)
+    except ValueError:  # an operand whose bound does not broadcast to the result's rows: rebuilt from err
+        return None
+
+
+def _apply_ball(op: Op, args: list, slope, shape: tuple[int, ...]) -> np.ndarray | None:
     balls = [ball_in(a, shape) for a in args]
     with np.errstate(all="ignore"):
         if op is Op.ADD:
@@ -86,10 +93,10 @@ def apply_ball(op: Op, args: list, slope, shape: tuple[int, ...]) -> np.ndarray 
 
 def rounded_ball(ball: np.ndarray | None, rounding: np.ndarray, err: np.ndarray, shape) -> np.ndarray | None:
     """The ball after a rounding whose elementwise term is `rounding`, cut at the rounded elementwise bound."""
-    if ball is None or not shape:
+    if ball is None or not shape or np.shape(ball) != shape[:-1]:
         return None
     with np.errstate(all="ignore"):
-        out = (np.broadcast_to(ball, shape[:-1]) + row_norm(rounding, shape)) * NORM_SLACK
+        out = (ball + row_norm(rounding, shape)) * NORM_SLACK
     return np.minimum(np.where(np.isnan(out), np.inf, out), row_norm(err, shape))
 
 
