@@ -67,7 +67,7 @@ class StaticAnalyzer:
         floor = None if src.floor is None else (0.0 if masked else src.floor)
         minus_inf = None if src.masked is None else inp.view.realize(
             np.broadcast_to(src.masked, src.iv.lo.shape).astype(np.float64), self.bindings) > 0
-        ball = view_ball(inp.view, src.iv.lo.shape, src.ball, self.bindings)  # error/static_ball.py
+        ball = view_ball(inp.view, src.iv.lo.shape, src.ball, self.bindings, src.parts)  # error/static_ball.py
         return BoundedValue(Interval(lo, hi, nan > 0), err, floor, minus_inf, ball)
 
     def body(self, e: FExpr, k: Kernel) -> BoundedValue:
@@ -334,13 +334,14 @@ class StaticAnalyzer:
         finally:
             del self.vals[_ACC], self.norm.by_id[_ACC]
 
-    def spectral_norm(self, k: Kernel, b: np.ndarray) -> np.ndarray:
-        """||B||_2 of a Gemm's point B operand, kept in `norms` when B is read from the graph's weights."""
+    def spectral_norm(self, k: Kernel, b: np.ndarray, part: tuple = ()) -> np.ndarray:
+        """||B||_2 of a Gemm's point B operand (or of its columns `part`), kept in `norms` when B is read from
+        the graph's weights."""
         src = self.norm.by_id.get(k.inputs[1].buffer)
         names = () if src is None or src.kind is not KernelKind.EXTERNAL else (src.concat or (src.external,))
         key = None
         if names and all(n in self.weights for n in names):
-            key = (names, k.inputs[1].view.encode(), repr(k.layout), b.shape)
+            key = (names, k.inputs[1].view.encode(), repr(k.layout), b.shape, part)
         if key is None or key not in self.norms:
             value = spectral_norm(b)
             if key is None:

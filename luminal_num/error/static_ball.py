@@ -135,13 +135,51 @@ def _pick(src_ball: np.ndarray, src_shape, rows: np.ndarray) -> np.ndarray:
     return np.where(rows > 0, flat[np.maximum(rows, 1) - 1], 0.0)
 
 
-def view_ball(view, src_shape: tuple[int, ...], src_ball, bindings) -> np.ndarray | None:
-    """The ball of a read of a value with `src_ball` through `view` (None where the rows do not map)."""
+def view_ball(view, src_shape: tuple[int, ...], src_ball, bindings, parts=None) -> np.ndarray | None:
+    """The ball of a read of a value with `src_ball` through `view` (None where the rows do not map); a read
+    row whose positions all lie in one of the source's `parts` (start, stop, ball) takes that part's ball."""
     if src_ball is None or not src_shape or not src_shape[-1]:
         return None
     row, pos = _row_probes(src_shape)
-    rows = _rows_read(view.realize(row, bindings), view.realize(pos, bindings))
-    return None if rows is None else _pick(src_ball, src_shape, rows)
+    read_pos = view.realize(pos, bindings)
+    rows = _rows_read(view.realize(row, bindings), read_pos)
+    if rows is None:
+        return None
+    ball = _pick(src_ball, src_shape, rows)
+    if parts:
+        live = view.realize(row, bindings) > 0
+        first = np.min(np.where(live, read_pos, np.inf), axis=-1) - 1
+        last = np.max(np.where(live, read_pos, -np.inf), axis=-1) - 1
+        for start, stop, part_ball in parts:
+            inside = (rows > 0) & (first >= start) & (last < stop)
+            ball = np.where(inside, np.minimum(ball, _pick(part_ball, src_shape, rows)), ball)
+    return ball
+
+
+def rounded_parts(parts, rounding: np.ndarray, err: np.ndarray, shape) -> tuple | None:
+    """Each part's ball after a rounding (rounded_ball over the part's positions)."""
+    if not parts or not shape:
+        return None
+    rounding, err = np.broadcast_to(rounding, shape), np.broadcast_to(err, shape)
+    out = []
+    for start, stop, ball in parts:
+        if np.shape(ball) != shape[:-1]:
+            return None
+        with np.errstate(all="ignore"):
+            b = (ball + row_norm(rounding[..., start:stop], shape[:-1] + (stop - start,))) * NORM_SLACK
+        out.append((start, stop, np.minimum(np.where(np.isnan(b), np.inf, b),
+                                            row_norm(err[..., start:stop], shape[:-1] + (stop - start,)))))
+    return tuple(out)
+
+
+def cut_parts(err: np.ndarray, parts, shape) -> np.ndarray:
+    """|e_i| <= the ball of i's part."""
+    if not parts or not shape:
+        return err
+    err = np.array(np.broadcast_to(err, shape))
+    for start, stop, ball in parts:
+        err[..., start:stop] = np.minimum(err[..., start:stop], np.asarray(ball)[..., None])
+    return err
 
 
 def operand_a_ball(view, layout, src_shape: tuple[int, ...], src_ball, bindings) -> np.ndarray | None:

@@ -76,6 +76,31 @@ def _ball_of_result(ball: np.ndarray, c_shape: tuple[int, ...], lay, full) -> np
     return ball.reshape(-1)[(first[:, 0] // n).astype(np.int64)].reshape(out.shape[:-1])
 
 
+def _b_parts(an, k: Kernel) -> list[tuple[int, int]] | None:
+    """(start, stop) along N of each part of a B read from weights concatenated along N (q|k|v, gate|up),
+    checked on a probe of part ids through B's view and layout; None for any other B."""
+    src = an.norm.by_id.get(k.inputs[1].buffer)
+    if src is None or src.kind is not KernelKind.EXTERNAL or len(src.concat) < 2:
+        return None
+    by_name = {p.external: p for p in an.p.kernels if p.kind is KernelKind.EXTERNAL and not p.concat}
+    if not all(n in by_name for n in src.concat):
+        return None
+    shape = an.vals[src.id].iv.lo.shape
+    sizes = [an._shape(by_name[n])[src.concat_axis] for n in src.concat]
+    ids = np.repeat(np.arange(1, len(sizes) + 1, dtype=np.float64), sizes)
+    probe = np.ascontiguousarray(np.broadcast_to(
+        ids.reshape([-1 if a == src.concat_axis else 1 for a in range(len(shape))]), shape))
+    b = gemm_operand_b(read_operand(k.inputs[1].view, probe, an.bindings), k.layout)
+    col = b[..., :1, :]
+    if not np.all(b == col) or not np.all(col == col[:1]):
+        return None
+    col = col[0, 0]
+    edges = [0] + [i for i in range(1, col.size) if col[i] != col[i - 1]] + [col.size]
+    if len(edges) - 1 != len(set(col.tolist())):  # a part in two places
+        return None
+    return list(zip(edges[:-1], edges[1:]))
+
+
 def gemm_value(an, k: Kernel) -> BoundedValue:
     lay = k.layout
     variant = GEMM_VARIANTS[k.precision or "f32"]
@@ -118,16 +143,31 @@ def gemm_value(an, k: Kernel) -> BoundedValue:
         rounding = variant.a_priori_bound(alo.shape[-1], abs_dot, float(np.max(wa)) if wa.size else 0.0,
                                           float(np.max(wb)) if wb.size else 0.0)
         err = nan_as_unbounded(prop + rounding) * SLACK
-        ball = None
-        if b_point:  # ||e_A B + A e_B + e_A e_B + rounding|| over each row of C
-            c_shape = err.shape
-            ball = (a_ball * an.spectral_norm(k, blo)[..., 0] * scale
-                    + row_norm(nan_as_unbounded(rest * scale + rounding), c_shape)) * SLACK * NORM_SLACK
-            ball = _ball_of_result(np.minimum(np.where(np.isnan(ball), np.inf, ball), row_norm(err, c_shape)),
-                                   c_shape, lay, full)
+        ball, parts = None, None
+        if b_point:  # ||e_A B + A e_B + e_A e_B + rounding|| over each row of C (and of each part of it)
+            other = nan_as_unbounded(rest * scale + rounding)
+            ball = _ball(an, k, a_ball, blo, other, err, scale, lay, full, (0, err.shape[-1]))
+            cuts = _b_parts(an, k) if ball is not None else None
+            if cuts:
+                parts = tuple((s0, s1, _ball(an, k, a_ball, blo, other, err, scale, lay, full, (s0, s1)))
+                              for s0, s1 in cuts)
+                parts = None if any(p[2] is None for p in parts) else parts
     lo = gemm_result(np.where(np.isnan(lo), -np.inf, lo), lay, full)
     hi = gemm_result(np.where(np.isnan(hi), np.inf, hi), lay, full)
-    return BoundedValue(Interval(lo, hi), gemm_result(err, lay, full), ball=ball)
+    return BoundedValue(Interval(lo, hi), gemm_result(err, lay, full), ball=ball, parts=parts)
+
+
+def _ball(an, k: Kernel, a_ball, blo, other, err, scale, lay, full, cols: tuple[int, int]):
+    """The ball of C's rows over columns [start, stop) on the result's rows: ||e_A B|| <= ||e_A|| ||B||_2 plus
+    the norm of the other terms (A e_B, e_A e_B, rounding); None where the result's rows are not C's."""
+    s0, s1 = cols
+    part = () if (s0, s1) == (0, err.shape[-1]) else cols
+    sub = err[..., s0:s1]
+    with np.errstate(all="ignore"):
+        ball = (a_ball * an.spectral_norm(k, blo[..., s0:s1], part)[..., 0] * scale
+                + row_norm(other[..., s0:s1], sub.shape)) * SLACK * NORM_SLACK
+        ball = np.minimum(np.where(np.isnan(ball), np.inf, ball), row_norm(sub, sub.shape))
+    return _ball_of_result(ball, err.shape, lay, full)
 
 
 def _col_norms(b: np.ndarray) -> np.ndarray:

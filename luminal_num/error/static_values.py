@@ -16,7 +16,7 @@ from ..dtypes.formats import get as get_format
 from ..hlir.ops import CUSTOM_KINDS, Op
 from ..quant.stored import storage_error
 from .interval import Interval, derivative_bound
-from .static_ball import cut, rounded_ball
+from .static_ball import cut, cut_parts, rounded_ball, rounded_parts
 
 SLACK = 1.0 + 2.0 ** -40  # covers FP64's own error in the reference and in these bound computations
 
@@ -76,6 +76,9 @@ class BoundedValue:
     # a bound on the 2-norm of each row's error (rows along the last axis; shape iv.lo.shape[:-1]), or None:
     # the norm of `err` over the row then (error/static_ball.py)
     ball: np.ndarray | None = None
+    # tighter balls of parts of each row, ((start, stop, ball), ...) along the last axis: a Gemm over weights
+    # concatenated along N (q|k|v, gate|up) bounds each part's rows by that part's own spectral norm
+    parts: tuple | None = None
 
     @property
     def wide(self) -> Interval:
@@ -122,7 +125,9 @@ def store_rounded(v: BoundedValue, fmt: Format, k: Kernel, origin: str = "", mas
     err = _known_rounding(v, fmt, np.where(maybe, np.inf, (v.err + rounding) * SLACK))
     shape = v.iv.lo.shape
     ball = rounded_ball(v.ball, np.where(maybe, np.inf, rounding), err, shape)
-    return BoundedValue(v.iv, cut(err, ball, shape), rounded_floor(v.floor, fmt), masked, ball)
+    parts = rounded_parts(v.parts, np.where(maybe, np.inf, rounding), err, shape) if ball is not None else None
+    return BoundedValue(v.iv, cut_parts(cut(err, ball, shape), parts, shape), rounded_floor(v.floor, fmt), masked,
+                        ball, parts)
 
 
 def store_known(v: BoundedValue, fmt: Format, k: Kernel) -> BoundedValue:
