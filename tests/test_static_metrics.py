@@ -90,15 +90,17 @@ def _head_graph():
 
 
 def test_metric_budget_certified_statically_and_above_the_measured_share():
-    """A KL / top-1 / cosine budget (atol=inf) is certified from the bound alone, without a run; the share
-    it states is at least the share the measurement finds (the bound is an upper bound of each metric)."""
+    """A KL / top-1 / cosine budget (atol=inf) is certified from the bound alone, without a run (with the static
+    stage on: "auto" leaves metric budgets to measurement); the share it states is at least the share the
+    measurement finds (the bound is an upper bound of each metric)."""
     from luminal_num.error.budget import Budget
     from luminal_num.error.judge import Judge
     from luminal_num.search.space import SearchSpace
     g, cal = _head_graph()
     program = SearchSpace.build(g).program(frozenset())
     budget = Budget.parse("atol=inf,rtol=inf,kl_logits<=1e-3,kl_max<=1e-2,top1>=0.9,cosine>=0.999")
-    judge = Judge(g, budget, cal, use_static="auto")
+    assert Judge(g, budget, cal, use_static="auto").judge(program).source == "measured"  # "auto": metrics measured
+    judge = Judge(g, budget, cal, use_static=True)
     v = judge.judge(program)
     assert v.passed and v.source == "static" and judge.stats.measured == 0
     measured = Judge(g, budget, cal, use_static=False).judge(program)
@@ -113,6 +115,6 @@ def test_metric_budgets_the_bound_cannot_decide_are_measured():
     g, cal = _head_graph()
     program = SearchSpace.build(g).program(frozenset())
     for text in ("atol=inf,rtol=inf,kl_logits<=1e-30", "atol=inf,rtol=inf,max_ulp_f32<=4"):
-        judge = Judge(g, Budget.parse(text), cal, use_static="auto")
+        judge = Judge(g, Budget.parse(text), cal, use_static=True)
         v = judge.judge(program)
         assert v.source == "measured" and judge.stats.static == 0, text

@@ -24,7 +24,7 @@ from .predict import Change, FirstOrderDeltas, Prediction, ShareCheck
 from .share import Share
 from .metrics import METRICS, Direction
 from .static import static_bound
-from .static_metrics import METRIC_BOUNDS, metric_bound
+from .static_metrics import metric_bound
 from .verdict import Verdict, VerdictSource, program_key
 
 
@@ -151,9 +151,11 @@ class StaticBound:
 
     def __init__(self, counts: Counter, ev: Evidence, known: KnownPrograms, mode: bool | str):
         self.counts, self.ev, self.known = counts, ev, known
-        # a metric with no bound derived from the error bound (ULP distances) needs a measurement every time
-        underived = any(m.name not in METRIC_BOUNDS for m in ev.budget.metrics)
-        self.mode = False if mode == "auto" and underived else mode
+        # "auto" leaves metric budgets (LLMs, embeddings) to measurement: their models' bounds certify nothing
+        # yet (MiniLM's FP32 bound is infinite, SmolLM2's 1e8x its error at 1-3 layers) and the analysis of the
+        # FP32 baseline would cost 40 s (MiniLM) to minutes and > 6 GB (SmolLM2, 30 layers); use_static=True
+        # certifies them (error/static_metrics.py), except metrics with no bound derived (ULP distances)
+        self.mode = False if mode == "auto" and ev.budget.metrics else mode
         self.ranges = None  # value intervals of every input, per batch (built on first use)
         self.norms: dict = {}  # spectral norms of the graph's weights, computed once (error/static_ball.py)
         self.note = ""
