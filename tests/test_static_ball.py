@@ -191,8 +191,9 @@ def _smollm2_bounds(layers: int, workload: str, prompts, names):
     return out
 
 
+@pytest.mark.slow
 def test_smollm2_two_layer_fp32_decode_bound_is_finite_and_sound():
-    """Two real layers: the FP32 bound was infinite (every per-element |W| |e| compounding); now finite."""
+    """Two real layers (30 s): the FP32 bound was infinite (every per-element |W| |e| compounding); now finite."""
     got = _smollm2_bounds(2, "decode:2@48", ["The capital of France is", "def add(a, b):"], ["FP32 everywhere"])
     bound, measured = got["FP32 everywhere"]
     assert np.isfinite(bound) and measured <= bound
