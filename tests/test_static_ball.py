@@ -180,7 +180,7 @@ def _smollm2_bounds(layers: int, workload: str, prompts, names):
     from luminal_num.models.registry import llm_job
     from luminal_num.search.recipes import baseline_genomes
     job = llm_job("smollm2", workload, calibration=[Prompt(p, False) for p in prompts],
-                  heldout=[Prompt(prompts[0], False)], layers=layers)
+                  heldout=[Prompt(p, False) for p in prompts], layers=layers)
     space = SearchSpace.build(job.graph)
     genomes = baseline_genomes(space)
     out = {}
