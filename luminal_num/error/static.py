@@ -49,6 +49,7 @@ class StaticAnalyzer:
         self.p, self.bindings = program, dict(bindings)
         self.weights = weights or {}
         self.norms = {} if norms is None else norms
+        self.read_by_kernels = {inp.buffer for k in program.kernels for inp in k.inputs}  # a ball only they use
         self.vals: dict[int, BoundedValue] = {}
         self.norm = NormBound(self)
         self.softmax_rel: dict[int, tuple[np.ndarray, float]] = {}  # see _softmax

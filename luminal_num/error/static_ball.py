@@ -21,6 +21,7 @@ from ..hlir.gemm import gemm_operand_a, read_operand
 from ..hlir.ops import Op
 
 NORM_SLACK = 1.0 + 2.0 ** -40  # FP64 rounding of these norm computations (sums of squares, square roots)
+MAX_GRAM = 1024  # the largest Gram matrix whose top eigenvalue bounds a spectral norm (hidden sizes up to 1024)
 
 
 def row_norm(x, shape: tuple[int, ...]) -> np.ndarray:
@@ -29,6 +30,10 @@ def row_norm(x, shape: tuple[int, ...]) -> np.ndarray:
     x = np.abs(np.broadcast_to(np.asarray(x, dtype=np.float64), shape))
     if not shape:
         return x
+    top = float(np.max(x)) if x.size else 0.0
+    if top < 1e150 and not np.any(np.asarray(x) < 1e-150 * top):  # squares neither overflow nor lose a term
+        with np.errstate(all="ignore"):
+            return np.sqrt(np.einsum("...i,...i->...", x, x)) * NORM_SLACK
     with np.errstate(all="ignore"):
         scale = np.max(x, axis=-1, keepdims=True) if shape[-1] else np.zeros(shape[:-1] + (1,))
         safe = np.where((scale == 0) | ~np.isfinite(scale), 1.0, scale)
@@ -52,6 +57,10 @@ def weighted(scale, err, ball: np.ndarray, shape: tuple[int, ...]) -> np.ndarray
     """sup ||scale * e||_2 over each row's e with |e_i| <= err_i and ||e||_2 <= ball: the row's error mass
     goes to the largest |scale_i| first, each up to err_i (a fractional knapsack, solved exactly by sorting);
     at most both max|scale| ball and ||scale * err||."""
+    with np.errstate(all="ignore"):
+        box = row_norm(np.asarray(scale, dtype=np.float64) * np.asarray(err, dtype=np.float64), shape)
+        if np.all(np.asarray(ball) >= row_norm(err, shape)):  # the ball cuts nothing: the box's norm is the sup
+            return np.where(np.isnan(box), np.inf, box) * NORM_SLACK
     s2 = np.broadcast_to(np.asarray(scale, dtype=np.float64) ** 2, shape)
     e2 = np.broadcast_to(np.asarray(err, dtype=np.float64) ** 2, shape)
     with np.errstate(all="ignore"):
@@ -97,7 +106,7 @@ def rounded_ball(ball: np.ndarray | None, rounding: np.ndarray, err: np.ndarray,
         return None
     with np.errstate(all="ignore"):
         out = (ball + row_norm(rounding, shape)) * NORM_SLACK
-    return np.minimum(np.where(np.isnan(out), np.inf, out), row_norm(err, shape))
+    return np.where(np.isnan(out), np.inf, out)  # ball_in cuts it at the elementwise bound's norm where used
 
 
 def cut(err: np.ndarray, ball: np.ndarray | None, shape) -> np.ndarray:
@@ -196,9 +205,12 @@ def spectral_norm(b: np.ndarray) -> float:
 
     lambda_max of the smaller Gram matrix G = b b^T, computed in FP64: |fl(G) - G| <= gamma_N |b| |b|^T,
     whose 2-norm is at most gamma_N ||b||_F^2, and a symmetric eigensolver's eigenvalues are exact for a
-    matrix within p(n) u ||G||_2 <= p(n) u ||b||_F^2: 1e-9 ||b||_F^2 covers both for N, p(n) up to 10^6."""
+    matrix within p(n) u ||G||_2 <= p(n) u ||b||_F^2: 1e-9 ||b||_F^2 covers both for N, p(n) up to 10^6. Past
+    MAX_GRAM the Frobenius norm stands for it (an upper bound, looser by up to sqrt(rank))."""
     b = np.asarray(b, dtype=np.float64)
+    frob = np.sum(b * b, axis=(-2, -1))
+    if min(b.shape[-2:]) > MAX_GRAM:  # an eigensolver of that size costs seconds: ||b||_2 <= ||b||_F
+        return (np.sqrt(frob) * (1 + 2.0 ** -40))[..., None, None]
     gram = b @ np.swapaxes(b, -1, -2) if b.shape[-2] <= b.shape[-1] else np.swapaxes(b, -1, -2) @ b
     top = np.linalg.eigvalsh(gram)[..., -1]
-    frob = np.sum(b * b, axis=(-2, -1))
     return (np.sqrt(np.maximum(top, 0.0) + 1e-9 * frob) * (1 + 2.0 ** -40))[..., None, None]

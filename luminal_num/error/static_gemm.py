@@ -144,7 +144,7 @@ def gemm_value(an, k: Kernel) -> BoundedValue:
                                           float(np.max(wb)) if wb.size else 0.0)
         err = nan_as_unbounded(prop + rounding) * SLACK
         ball, parts = None, None
-        if b_point:  # ||e_A B + A e_B + e_A e_B + rounding|| over each row of C (and of each part of it)
+        if b_point and k.id in an.read_by_kernels:  # ||e_A B + A e_B + e_A e_B + rounding|| over C's rows (and parts)
             other = nan_as_unbounded(rest * scale + rounding)
             ball = _ball(an, k, a_ball, blo, other, err, scale, lay, full, (0, err.shape[-1]))
             cuts = _b_parts(an, k) if ball is not None else None
