@@ -13,6 +13,7 @@ twice, and the interval it carries is the exact value's, which quantizing does n
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Callable, Mapping
 
 import numpy as np
@@ -24,6 +25,7 @@ from ..dtypes.formats import get as get_format
 from ..quant.kv import cache_error
 from ..quant.stored import MissingCalibration
 from ..hlir.ops import Op
+from ..hlir.weightcache import WEIGHTS
 from ..hlir.symbolic import evaluate as eval_dim
 from .indexed import Rows, gather_rows, index_range, scatter_rows
 from .interval import Interval, transfer
@@ -344,7 +346,9 @@ class StaticAnalyzer:
         if names and all(n in self.weights for n in names):
             key = (names, k.inputs[1].view.encode(), repr(k.layout), b.shape, part)
         if key is None or key not in self.norms:
-            value = spectral_norm(b)
+            # by content (a weight's, or an operand's bytes): the same matrix in another analysis is not solved again
+            content = "spectral:" + hashlib.blake2b(np.ascontiguousarray(b).tobytes(), digest_size=16).hexdigest()
+            value = WEIGHTS.get(content, b.shape, lambda: spectral_norm(b))
             if key is None:
                 return value
             self.norms[key] = value
