@@ -22,7 +22,9 @@ from .chunks import ChunkEffects
 from .interval import Interval
 from .predict import Change, FirstOrderDeltas, Prediction, ShareCheck
 from .share import Share
+from .metrics import METRICS, Direction
 from .static import static_bound
+from .static_metrics import metric_bound
 from .verdict import Verdict, VerdictSource, program_key
 
 
@@ -143,14 +145,19 @@ class PrunedChanges:
 
 
 class StaticBound:
-    """The static error bound certifies a candidate (allclose budgets only) or finds an overflow. "auto":
-    the first candidate (the FP32 baseline) decides whether the stage stays on."""
+    """The static error bound certifies a candidate (allclose and the metric limits error/static_metrics.py
+    derives from it) or finds an overflow. "auto": the first candidate (the FP32 baseline) decides whether
+    the stage stays on."""
 
     def __init__(self, counts: Counter, ev: Evidence, known: KnownPrograms, mode: bool | str):
         self.counts, self.ev, self.known = counts, ev, known
-        # bounds certify allclose only: with cosine/KL/top-1 limits every verdict needs a measurement
+        # "auto" leaves metric budgets (LLMs, embeddings) to measurement: their models' bounds certify nothing
+        # yet (MiniLM's FP32 bound is infinite, SmolLM2's 1e8x its error at 1-3 layers) and the analysis of the
+        # FP32 baseline would cost 40 s (MiniLM) to minutes and > 6 GB (SmolLM2, 30 layers); use_static=True
+        # certifies them (error/static_metrics.py), except metrics with no bound derived (ULP distances)
         self.mode = False if mode == "auto" and ev.budget.metrics else mode
         self.ranges = None  # value intervals of every input, per batch (built on first use)
+        self.norms: dict = {}  # spectral norms of the graph's weights, computed once (error/static_ball.py)
         self.note = ""
 
     def decide(self, c: Candidate) -> Verdict | None:
@@ -172,9 +179,9 @@ class StaticBound:
         if self.ranges is None:
             self.ranges = [{k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in inp.items()}
                            for inp in self.ev.calibration]
-        worst, user, bound, gate = 0.0, 0.0, 0.0, self.ev.gate
+        worst, user, bound, metric, gate = 0.0, 0.0, 0.0, 0.0, self.ev.gate
         for ranges, bindings, ref in zip(self.ranges, self.ev.bindings, self.ev.refs):
-            rep = static_bound(program, ranges, bindings, self.ev.graph.weights)
+            rep = static_bound(program, ranges, bindings, self.ev.graph.weights, self.norms)
             if rep.overflow is not None:
                 self.counts[Count.STATIC] += 1
                 return Verdict(False, VerdictSource.STATIC, Share.unreachable(), np.nan, np.inf, rep.overflow.message())
@@ -183,18 +190,40 @@ class StaticBound:
                 worst = max(worst, _bound_ratio(err, ref[name], gate))
                 user = max(user, _bound_ratio(err, ref[name], self.ev.budget))
                 bound = max(bound, float(np.max(err)) if err.size else 0.0)
-            if gate.metrics or not worst <= 1.0:
-                return None  # other metrics need measurement; a bound above budget proves nothing
+                metric = max(metric, _metric_ratio(err, ref[name], gate))
+            if not max(worst, metric) <= 1.0:
+                return None  # a bound above budget proves nothing
         self.counts[Count.STATIC] += 1
-        return Verdict(True, VerdictSource.STATIC, Share(np.nan, worst, user), np.nan, bound,
-                       f"certified: static bound ratio {worst!r} <= 1")
+        share = Share(max(worst, metric), worst, user) if gate.metrics else Share(np.nan, worst, user)
+        return Verdict(True, VerdictSource.STATIC, share, np.nan, bound,
+                       f"certified: static bound ratio {max(worst, metric)!r} <= 1")
 
 
 def _bound_ratio(err: np.ndarray, ref, budget: Budget) -> float:
     """Worst bound / allowance over the elements (an exact element needs no allowance)."""
-    tol = budget.atol + budget.rtol * np.abs(np.asarray(ref))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return float(np.max(np.where(err == 0, 0.0, err / tol))) if err.size else 0.0
+    if not budget.allclose_applies:
+        return 0.0
+    ref = np.abs(np.asarray(ref))
+    with np.errstate(invalid="ignore"):
+        tol = budget.atol + np.where(ref == 0, 0.0, budget.rtol * ref)  # rtol=inf at ref=0 is 0, not NaN
+    with np.errstate(divide="ignore", invalid="ignore"):  # an unbounded element breaks any allowance (inf / inf)
+        return float(np.max(np.where(err == 0, 0.0, np.where(np.isinf(err), np.inf, err / tol)))) if err.size else 0.0
+
+
+def _metric_ratio(err: np.ndarray, ref, budget: Budget) -> float:
+    """The worst share of a metric limit the bound allows (error/predict.budget_ratio's, of the metric's
+    bound); inf where a metric has no bound derived from the error bound."""
+    worst = 0.0
+    for m in budget.metrics:
+        value = metric_bound(m.name, err, ref)
+        if value is None:
+            return np.inf
+        if METRICS[m.name].direction is Direction.LOWER:
+            r = value / m.limit if m.limit > 0 else (0.0 if value <= 0 else np.inf)
+        else:
+            r = (1.0 - value) / (1.0 - m.limit) if m.limit < 1 else (0.0 if value >= 1 else np.inf)
+        worst = max(worst, float(r))
+    return worst
 
 
 class Composed:

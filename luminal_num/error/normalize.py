@@ -27,6 +27,7 @@ from ..dtypes.formats import F32, Format, Kind
 from ..hlir.ops import Op
 from .interval import Interval, transfer
 from .rounding_bounds import gamma, nan_as_unbounded
+from .static_ball import NORM_SLACK, ball_in, row_norm
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,19 @@ def _loads(e: FExpr, k: Kernel) -> tuple:
     if isinstance(e, FConstV):
         return ("const", repr(e.value))
     raise AssertionError("roundings are stripped first")
+
+
+def _executed(e: FExpr, k: Kernel) -> tuple:
+    """The expression with every load replaced by (buffer, view), roundings kept: equal means the same
+    executed values (elementwise FP32 arithmetic is deterministic)."""
+    if isinstance(e, FRoundTo):
+        return ("round", e.fmt.name, _executed(e.x, k))
+    if isinstance(e, FLoad):
+        inp = k.inputs[e.slot]
+        return ("load", inp.buffer, inp.view.encode())
+    if isinstance(e, FApply):
+        return (e.op, e.kind, tuple(_executed(a, k) for a in e.args))
+    return ("const", repr(getattr(e, "value", e)))
 
 
 class NormBound:
@@ -159,7 +173,8 @@ class NormBound:
         return value.shape == pre and np.array_equal(value, expected)
 
     def bound(self, e: FApply, k: Kernel):
-        """(interval, error) of the product before its own rounding, or None when it is not the pattern."""
+        """(interval, error, row-norm bound or None) of the product before its own rounding, or None when it
+        is not the pattern."""
         if not (e.op is Op.MUL and len(e.args) == 2):
             return None
         for p_e, r_e in ((e.args[0], e.args[1]), (e.args[1], e.args[0])):
@@ -212,7 +227,16 @@ class NormBound:
             big_k = 1.0 / math.sqrt(c) * (1 + 2.0 ** -50)
             E = np.broadcast_to(a.err, shape)
             F = np.broadcast_to(b.err, shape)
+            # every executed value on the chain (the sum of squares, c s + eps) is at most sum (|b| + F)^2 growth
+            # + eps: past a format's max it may overflow (inf -> rsqrt 0), which no relative rounding term covers
+            largest = float(np.max(np.sum((b.iv.magnitude + F) ** 2, axis=axis) * growth * (1 + 2.0 ** -40) + eps,
+                                   initial=0.0))
+            if not np.isfinite(largest) or any(largest > f.max_finite for f in (*formats, acc)):
+                return None
             D = np.sqrt(c * np.sum(F * F, axis=axis, keepdims=True)) * (1 + 2.0 ** -50)
+            last = axis in (-1, len(shape) - 1)
+            if last and b.ball is not None:  # D bounds sqrt(c) ||b^ - x|| over the row: so does the row's ball
+                D = np.minimum(D, (np.sqrt(c) * ball_in(b, shape) * (1 + 2.0 ** -50))[..., None])
             lo, hi = np.broadcast_to(a.iv.lo, shape), np.broadcast_to(a.iv.hi, shape)
             sq_lo = np.where((lo <= 0) & (hi >= 0), 0.0, np.minimum(lo * lo, hi * hi))
             sigma = np.sqrt(c * np.sum(sq_lo, axis=axis, keepdims=True) + eps) * (1 - 2.0 ** -50)
@@ -226,8 +250,17 @@ class NormBound:
             mag = np.maximum(np.abs(lo), np.abs(hi))
             ratio = np.minimum(big_k, mag / sigma * (1 + 2.0 ** -50))  # |x_i| / sigma
             executed = np.minimum(big_k + (E + F) / sigma_min, (mag + E) / sigma_min)  # |a_i| / sigma_b
+            if _executed(p_e, k) == _executed(q_e, ks):  # a is b: |a_i| / sqrt(c sum a^2 + eps) <= K
+                executed = np.minimum(executed, big_k)
             err = ((E + ratio * D) / sigma_min + executed * rho) * (1 + 2.0 ** -50)
+            # |executed - exact| <= |executed| + |exact|: a row whose error passes its values stays bounded
+            err = np.minimum(err, (ratio + executed * (1 + rho)) * (1 + 2.0 ** -50))
+            ball = None
+            if last:  # the same terms as row norms: ||E|| <= the numerator's ball (error/static_ball.py)
+                ball = ((ball_in(a, shape) + row_norm(ratio, shape) * D[..., 0]) / sigma_min[..., 0]
+                        + row_norm(executed, shape) * rho[..., 0]) * (1 + 2.0 ** -50) * NORM_SLACK
+                ball = np.minimum(np.where(np.isnan(ball), np.inf, ball), row_norm(err, shape))
         generic = an.body(r_e, k)
         product = transfer(Op.MUL, Interval(lo, hi), generic.iv)
         iv = Interval(np.maximum(product.lo, -big_k), np.minimum(product.hi, big_k), product.nan)
-        return iv, nan_as_unbounded(err)
+        return iv, nan_as_unbounded(err), ball

@@ -13,6 +13,7 @@ twice, and the interval it carries is the exact value's, which quantizing does n
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Callable, Mapping
 
 import numpy as np
@@ -21,14 +22,15 @@ from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, Kern
 from ..codegen.rows import unfused
 from ..dtypes.formats import F32, Kind
 from ..dtypes.formats import get as get_format
-from ..dtypes.variants import GEMM_VARIANTS
 from ..quant.kv import cache_error
 from ..quant.stored import MissingCalibration
-from ..hlir.gemm import gemm_operand_a, gemm_operand_b, gemm_result, read_operand
 from ..hlir.ops import Op
+from ..hlir.weightcache import WEIGHTS
 from ..hlir.symbolic import evaluate as eval_dim
 from .indexed import Rows, gather_rows, index_range, scatter_rows
 from .interval import Interval, transfer
+from .static_ball import apply_ball, spectral_norm, view_ball
+from .static_gemm import gemm_operand, gemm_value
 from .static_values import (SLACK, BoundedValue, Overflow, OverflowFound, StaticReport, custom_interval, floor_of, mag_of,
                             round_f32, slope_bound, store_known, store_rounded, stored_weight_value)
 from .normalize import NormBound
@@ -42,11 +44,14 @@ _ACC = -1  # the buffer id a Gemm epilogue's accumulator is analysed under (no k
 
 
 class StaticAnalyzer:
-    def __init__(self, program: Program, bindings: Mapping[str, int], weights: Mapping[str, np.ndarray] | None = None):
+    def __init__(self, program: Program, bindings: Mapping[str, int], weights: Mapping[str, np.ndarray] | None = None,
+                 norms: dict | None = None):
         """`weights`: the graph's (a weight filled by a calibrated rounding is bounded by its own stored values,
-        found from the weight itself)."""
+        found from the weight itself); `norms`: spectral norms of those weights, kept by the caller across runs."""
         self.p, self.bindings = program, dict(bindings)
         self.weights = weights or {}
+        self.norms = {} if norms is None else norms
+        self.read_by_kernels = {inp.buffer for k in program.kernels for inp in k.inputs}  # a ball only they use
         self.vals: dict[int, BoundedValue] = {}
         self.norm = NormBound(self)
         self.softmax_rel: dict[int, tuple[np.ndarray, float]] = {}  # see _softmax
@@ -65,7 +70,8 @@ class StaticAnalyzer:
         floor = None if src.floor is None else (0.0 if masked else src.floor)
         minus_inf = None if src.masked is None else inp.view.realize(
             np.broadcast_to(src.masked, src.iv.lo.shape).astype(np.float64), self.bindings) > 0
-        return BoundedValue(Interval(lo, hi, nan > 0), err, floor, minus_inf)
+        ball = view_ball(inp.view, src.iv.lo.shape, src.ball, self.bindings, src.parts)  # error/static_ball.py
+        return BoundedValue(Interval(lo, hi, nan > 0), err, floor, minus_inf, ball)
 
     def body(self, e: FExpr, k: Kernel) -> BoundedValue:
         if isinstance(e, FLoad):
@@ -82,9 +88,10 @@ class StaticAnalyzer:
         generic = self._apply(e, args)
         norm = self.norm.bound(e, k) if e.op is Op.MUL else None
         if norm is not None:  # x * rsqrt(c * sum(x^2) + eps): the correlated bound (error/normalize.py)
-            iv, err = norm  # both are sound: keep the tighter of each
+            iv, err, ball = norm  # both are sound: keep the tighter of each
+            ball = generic.ball if ball is None else ball if generic.ball is None else np.minimum(ball, generic.ball)
             generic = BoundedValue(Interval(np.maximum(iv.lo, generic.iv.lo), np.minimum(iv.hi, generic.iv.hi), generic.iv.nan),
-                           np.minimum(err, generic.err), generic.floor)
+                                   np.minimum(err, generic.err), generic.floor, ball=ball)
         return round_f32(generic, k)
 
     @staticmethod
@@ -104,13 +111,15 @@ class StaticAnalyzer:
         with np.errstate(all="ignore"):
             if op is Op.ADD:
                 a, b = args
-                return BoundedValue(transfer(Op.ADD, a.iv, b.iv), (a.err + b.err) * SLACK, floor_of(op, args),
-                                    _masked_through(op, a, b))
+                iv = transfer(Op.ADD, a.iv, b.iv)
+                return BoundedValue(iv, (a.err + b.err) * SLACK, floor_of(op, args), _masked_through(op, a, b),
+                                    apply_ball(op, args, None, iv.lo.shape))
             if op is Op.MUL:
                 a, b = args
                 err = mag_of(a.iv) * b.err + mag_of(b.iv) * a.err + a.err * b.err
-                return BoundedValue(transfer(Op.MUL, a.iv, b.iv), nan_as_unbounded(err) * SLACK, floor_of(op, args),
-                                    _masked_through(op, a, b))
+                iv = transfer(Op.MUL, a.iv, b.iv)
+                return BoundedValue(iv, nan_as_unbounded(err) * SLACK, floor_of(op, args), _masked_through(op, a, b),
+                                    apply_ball(op, args, None, iv.lo.shape))
             if op is Op.LESS_THAN:
                 a, b = args
                 out = transfer(Op.LESS_THAN, a.iv, b.iv)
@@ -125,8 +134,13 @@ class StaticAnalyzer:
             (a,) = args
             iv = custom_interval(e.kind, a.iv) if op is Op.CUSTOM else transfer(op, a.iv)
             slope = slope_bound(op, e.kind, a.wide)
-            err = np.where(a.err > 0, slope * a.err, 0.0)
-            return BoundedValue(iv, nan_as_unbounded(err) * SLACK, floor_of(op, args))
+            err = nan_as_unbounded(np.where(a.err > 0, slope * a.err, 0.0))
+            if op is Op.RECIP and a.floor is not None and a.floor > 0:  # executed in (0, 1/floor], exact in iv
+                err = np.minimum(err, np.maximum(1 / a.floor * (1 + 2.0 ** -40), iv.hi) - np.minimum(iv.lo, 0.0))
+            if op is Op.CUSTOM and e.kind in ("tanh", "erf"):  # both in [-1, 1] (a libm's few ulps past it)
+                err = np.minimum(err, np.maximum(iv.hi, 1.0) - np.minimum(iv.lo, -1.0) + 2.0 ** -20)
+            return BoundedValue(iv, err * SLACK, floor_of(op, args),
+                                ball=apply_ball(op, args, slope, iv.lo.shape))
 
     def run(self, inputs: Mapping[str, Interval]) -> StaticReport:
         try:
@@ -194,15 +208,18 @@ class StaticAnalyzer:
         return store_rounded(BoundedValue(Interval.point(np.asarray(c)), np.asarray(0.0), c if c >= 0 else None), k.dtype, k)
 
     def iota(self, k: Kernel, inputs) -> BoundedValue:
-        n = eval_dim(k.value, self.bindings)
-        return store_rounded(BoundedValue(Interval.point(np.arange(n, dtype=np.float64)), np.zeros(n), 0.0), k.dtype, k)
+        n = eval_dim(k.value, self.bindings)  # integers, exact where the format holds them: comparisons cannot flip
+        return store_known(BoundedValue(Interval.point(np.arange(n, dtype=np.float64)), np.zeros(n), 0.0), k.dtype, k)
 
     def elementwise(self, k: Kernel, inputs) -> BoundedValue:
         v = self.body(k.body, k)
         shape = self._shape(k)
+        keeps_rows = v.ball is not None and shape and v.iv.lo.shape[-1:] == shape[-1:] \
+            and np.shape(v.ball) == v.iv.lo.shape[:-1]
         v = BoundedValue(Interval(np.broadcast_to(v.iv.lo, shape), np.broadcast_to(v.iv.hi, shape),
                           np.broadcast_to(v.iv.nan, shape)), np.broadcast_to(v.err, shape), v.floor,
-                         None if v.masked is None else np.broadcast_to(v.masked, shape))
+                         None if v.masked is None else np.broadcast_to(v.masked, shape),
+                         np.broadcast_to(v.ball, shape[:-1]) if keeps_rows else None)
         return store_rounded(v, k.dtype, k, masked_ok=k.id in self.softmax_fed)
 
     def sum(self, k: Kernel, inputs) -> BoundedValue:
@@ -243,7 +260,7 @@ class StaticAnalyzer:
         return sub.vals[mini.outputs[0][1]]
 
     def quantize(self, k: Kernel, inputs) -> BoundedValue:
-        lo, hi, err = self._gemm_operand(k, 0)
+        lo, hi, err = gemm_operand(self, k, 0)
         return BoundedValue(Interval(lo, hi), err)
 
     def gather(self, k: Kernel, inputs) -> BoundedValue:
@@ -307,98 +324,42 @@ class StaticAnalyzer:
         self.softmax_rel[k.id] = (bound.row_total * SLACK, bound.absolute * SLACK)
         return BoundedValue(iv, bound.err * SLACK, 0.0)
 
-    def _softmax_rows_of_a(self, k: Kernel):
-        """(rel, abs) per (batch, M, 1) row of A when the Gemm reads, along K, each full row of a SOFTMAX
-        output once (checked on index probes through A's view and operand layout: a masked or partial
-        read fails it); else None."""
-        src = next((s for s in self.p.kernels if s.id == k.inputs[0].buffer), None)
-        if src is None or src.kind is not KernelKind.SOFTMAX:
-            return None
-        shape = np.shape(self.vals[src.id].iv.lo)
-        row, pos = _softmax_rows(shape, src.axis)
-        view = k.inputs[0].view
-        rows = gemm_operand_a(read_operand(view, row, self.bindings), k.layout)
-        at = gemm_operand_a(read_operand(view, pos, self.bindings), k.layout)
-        n = shape[src.axis]
-        if not (at.shape[-1] == n and bool(np.all(rows == rows[..., :1])) and bool(np.all(rows > 0))
-                and np.array_equal(np.sort(at, axis=-1), np.broadcast_to(np.arange(1, n + 1), at.shape))):
-            return None
-        rel, absolute = self.softmax_rel[src.id]
-        rel_rows = np.broadcast_to(rel, _keep(shape, src.axis)).reshape(-1)
-        return rel_rows[rows[..., :1].astype(np.int64) - 1], absolute
-
-    def _gemm_operand(self, k: Kernel, i: int):
-        """(lo, hi, err) of a Gemm (or QUANTIZE) operand as (batch, M, K) / (batch, K, N) arrays: the
-        broadcast axes are dropped before any elementwise work, so nothing of the Mul's full size is
-        materialised."""
-        inp = k.inputs[i]
-        src = self.vals[inp.buffer]
-        pick = gemm_operand_a if i == 0 else gemm_operand_b
-        shape = src.iv.lo.shape
-        arrays = (src.iv.lo, src.iv.hi, np.broadcast_to(src.err, shape))
-        return tuple(pick(read_operand(inp.view, np.ascontiguousarray(x), self.bindings), k.layout) for x in arrays)
-
     def gemm(self, k: Kernel, inputs=None) -> BoundedValue:
-        return store_rounded(self._gemm(k), k.dtype, k)
+        return store_rounded(gemm_value(self, k), k.dtype, k)
 
     def gemm_epilogue(self, k: Kernel, inputs=None) -> BoundedValue:
         """The Gemm's value as its FP32 accumulator holds it (the unfused Gemm's F32 store: the same value),
         then the epilogue exactly as the unfused elementwise kernel's transfer, then the one store."""
-        self.vals[_ACC] = round_f32(self._gemm(k), k)
+        self.vals[_ACC] = round_f32(gemm_value(self, k), k)
         self.norm.by_id[_ACC] = k  # the accumulator is this Gemm's: a norm pattern stops at it
         try:
             return self.elementwise(epilogue_as_elementwise(k, _ACC), inputs)
         finally:
             del self.vals[_ACC], self.norm.by_id[_ACC]
 
-    def _gemm(self, k: Kernel) -> BoundedValue:
-        lay = k.layout
-        variant = GEMM_VARIANTS[k.precision or "f32"]
-        (alo, ahi, aerr), (blo, bhi, berr) = self._gemm_operand(k, 0), self._gemm_operand(k, 1)
-        full = [eval_dim(d, self.bindings) for d in lay.full_shape]
-        with np.errstate(all="ignore"):
-            a_iv, b_iv = Interval(alo, ahi), Interval(blo, bhi)
-            mid_a, rad_a = _mid_rad(a_iv)
-            mid_b, rad_b = _mid_rad(b_iv)
-            mm = np.matmul
-            center = mm(mid_a, mid_b)
-            scale = 1.0 + 2.0 ** -30  # BLAS rounding in these non-negative bound products
-            radius = (mm(np.abs(mid_a), rad_b) + mm(rad_a, np.abs(mid_b)) + mm(rad_a, rad_b)) * scale \
-                + np.abs(center) * 2.0 ** -50
-            lo, hi = center - radius, center + radius
-            mag_a, mag_b = a_iv.magnitude, b_iv.magnitude
-            prop = (mm(mag_a, berr) + mm(aerr, mag_b) + mm(aerr, berr)) * scale
-            wa, wb = mag_a + aerr, mag_b + berr
-            abs_dot = mm(wa, wb) * scale
-            rows = self._softmax_rows_of_a(k)
-            if rows is not None:
-                # A's rows are softmax rows along K (p >= 0, sum p = 1 exactly): C is a convex combination
-                # of B's rows; with |p^ - p| <= rel p + abs: sum_k |p^_k - p_k| w_k <= (rel + n abs) max w
-                n_k = alo.shape[-1]
-                rel, absolute = rows
-                lo = np.maximum(lo, np.min(blo, axis=-2, keepdims=True))
-                hi = np.minimum(hi, np.max(bhi, axis=-2, keepdims=True))
-                a_total = rel + n_k * absolute  # >= sum_k err_A over the row
-                prop = (np.minimum(mm(mag_a, berr), np.max(berr, axis=-2, keepdims=True))
-                        + np.minimum(mm(aerr, mag_b), a_total * np.max(mag_b, axis=-2, keepdims=True))
-                        + np.minimum(mm(aerr, berr), a_total * np.max(berr, axis=-2, keepdims=True))) * scale
-                total = (1 + np.minimum(np.sum(aerr, axis=-1, keepdims=True), a_total)) \
-                    * np.max(wb, axis=-2, keepdims=True)
-                abs_dot = np.minimum(abs_dot, total * scale)
-            rounding = variant.a_priori_bound(alo.shape[-1], abs_dot, float(np.max(wa)) if wa.size else 0.0,
-                                              float(np.max(wb)) if wb.size else 0.0)
-            err = nan_as_unbounded(prop + rounding) * SLACK
-        lo = gemm_result(np.where(np.isnan(lo), -np.inf, lo), lay, full)
-        hi = gemm_result(np.where(np.isnan(hi), np.inf, hi), lay, full)
-        return BoundedValue(Interval(lo, hi), gemm_result(err, lay, full))
-
+    def spectral_norm(self, k: Kernel, b: np.ndarray, part: tuple = ()) -> np.ndarray:
+        """||B||_2 of a Gemm's point B operand (or of its columns `part`), kept in `norms` when B is read from
+        the graph's weights."""
+        src = self.norm.by_id.get(k.inputs[1].buffer)
+        names = () if src is None or src.kind is not KernelKind.EXTERNAL else (src.concat or (src.external,))
+        key = None
+        if names and all(n in self.weights for n in names):
+            key = (names, k.inputs[1].view.encode(), repr(k.layout), b.shape, part)
+        if key is None or key not in self.norms:
+            # by content (a weight's, or an operand's bytes): the same matrix in another analysis is not solved again
+            content = "spectral:" + hashlib.blake2b(np.ascontiguousarray(b).tobytes(), digest_size=16).hexdigest()
+            value = WEIGHTS.get(content, b.shape, lambda: spectral_norm(b))
+            if key is None:
+                return value
+            self.norms[key] = value
+        return self.norms[key]
 
     def attention(self, k: Kernel, inputs=None) -> BoundedValue:
         """The fused attention kernel: error/attention_bound.py (stages (a) and (b) there)."""
         variant, spec = ATTENTION_VARIANTS[k.precision], k.value
         qk = dataclasses.replace(k, kind=KernelKind.GEMM, inputs=k.inputs[:2], precision=variant.gemm,
                                  layout=gemm_layouts(k.inputs[0].view, k.inputs[1].view, len(k.inputs[0].view.shape) - 1)[0])
-        dot = self._gemm(qk)  # the same operand rounding and FP32 accumulation, not stored
+        dot = gemm_value(self, qk)  # the same operand rounding and FP32 accumulation, not stored
         scale = BoundedValue(Interval.point(spec.scale), np.asarray(abs(float(np.float32(spec.scale)) - spec.scale)))
         scaled = round_f32(self._apply(FApply(Op.MUL, ()), [dot, scale]), k)
         s = round_f32(self._apply(FApply(Op.ADD, ()), [scaled, self.read(k, 2)]), k)
@@ -463,36 +424,14 @@ def _rows_of(v: BoundedValue, shape: tuple[int, ...]) -> Rows:
     return Rows(*(np.array(np.broadcast_to(x, shape), dtype=np.float64) for x in (v.iv.lo, v.iv.hi, v.err)))
 
 
-def _keep(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
-    return tuple(1 if i == axis else d for i, d in enumerate(shape))
-
-
-def _softmax_rows(shape: tuple[int, ...], axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """(row id, position in the row) of every element of a softmax output, numbered from 1."""
-    index = np.indices(shape)
-    pos = index[axis].astype(np.float64) + 1
-    rest = [index[i] for i in range(len(shape)) if i != axis]
-    sizes = [shape[i] for i in range(len(shape)) if i != axis]
-    row = (np.ravel_multi_index(rest, sizes) if rest else np.zeros(shape, dtype=np.int64)).astype(np.float64) + 1
-    return row, pos
-
-
-def _mid_rad(iv: Interval) -> tuple[np.ndarray, np.ndarray]:
-    """Center/radius form; an unbounded interval is centred at 0 with infinite radius."""
-    finite = np.isfinite(iv.lo) & np.isfinite(iv.hi)
-    with np.errstate(all="ignore"):
-        mid = np.where(finite, iv.lo / 2 + iv.hi / 2, 0.0)
-        rad = np.where(finite, np.maximum(iv.hi - mid, mid - iv.lo), np.inf)
-    return mid, rad
-
-
 def static_bound(program: Program, input_ranges: Mapping[str, Interval], bindings: Mapping[str, int] | None = None,
-                 weights: Mapping[str, np.ndarray] | None = None) -> StaticReport:
-    """Bounds for every output given intervals of every activation input (weights are exact points)."""
+                 weights: Mapping[str, np.ndarray] | None = None, norms: dict | None = None) -> StaticReport:
+    """Bounds for every output given intervals of every activation input (weights are exact points);
+    `norms`: a dict the caller keeps to reuse the weights' spectral norms across calls with these weights."""
     ranges = dict(input_ranges)
     for name, w in (weights or {}).items():
         ranges.setdefault(name, Interval.point(np.asarray(w, dtype=np.float64)))
     missing = [n for n, _ in program.inputs if n not in ranges]
     if missing:
         raise KeyError(f"no value range for inputs {missing}")
-    return StaticAnalyzer(program, bindings or {}, weights).run(ranges)
+    return StaticAnalyzer(program, bindings or {}, weights, norms).run(ranges)

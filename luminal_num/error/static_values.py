@@ -16,6 +16,7 @@ from ..dtypes.formats import get as get_format
 from ..hlir.ops import CUSTOM_KINDS, Op
 from ..quant.stored import storage_error
 from .interval import Interval, derivative_bound
+from .static_ball import cut, cut_parts, rounded_ball, rounded_parts
 
 SLACK = 1.0 + 2.0 ** -40  # covers FP64's own error in the reference and in these bound computations
 
@@ -72,6 +73,12 @@ class BoundedValue:
     # where True the EXECUTED value is exactly -inf: a mask entry (-1e9) stored in a format it overflows
     # (FP16), read only by a softmax, which gives it weight 0 as the exact e^-1e9 nearly is (its error is inf)
     masked: np.ndarray | None = None
+    # a bound on the 2-norm of each row's error (rows along the last axis; shape iv.lo.shape[:-1]), or None:
+    # the norm of `err` over the row then (error/static_ball.py)
+    ball: np.ndarray | None = None
+    # tighter balls of parts of each row, ((start, stop, ball), ...) along the last axis: a Gemm over weights
+    # concatenated along N (q|k|v, gate|up) bounds each part's rows by that part's own spectral norm
+    parts: tuple | None = None
 
     @property
     def wide(self) -> Interval:
@@ -115,22 +122,24 @@ def store_rounded(v: BoundedValue, fmt: Format, k: Kernel, origin: str = "", mas
         raise OverflowFound(Overflow(k.id, where, fmt.name, float(np.max(lo_abs))))
     maybe = mag_of(wide) > fmt.max_finite
     rounding = fmt.unit_roundoff * mag_of(wide) + fmt.min_subnormal / 2
-    err = np.where(maybe, np.inf, (v.err + rounding) * SLACK)
-    return BoundedValue(v.iv, err, rounded_floor(v.floor, fmt), masked)
+    err = _known_rounding(v, fmt, np.where(maybe, np.inf, (v.err + rounding) * SLACK))
+    shape = v.iv.lo.shape
+    ball = rounded_ball(v.ball, np.where(maybe, np.inf, rounding), err, shape)
+    parts = rounded_parts(v.parts, np.where(maybe, np.inf, rounding), err, shape) if ball is not None else None
+    return BoundedValue(v.iv, cut_parts(cut(err, ball, shape), parts, shape), rounded_floor(v.floor, fmt), masked,
+                        ball, parts)
 
 
 def store_known(v: BoundedValue, fmt: Format, k: Kernel) -> BoundedValue:
-    """store_rounded of a value handed in (an input or a weight): a point with no error that the
-    format holds exactly is stored exactly (round to nearest leaves it), so a representable -1e9 mask, an
-    FP32 weight or a zero cache row carries no rounding term (the mask had a 60-unit one)."""
-    out = store_rounded(v, fmt, k)
-    if fmt.kind is not Kind.FLOAT or fmt.name == "f64":
-        return out
-    return BoundedValue(out.iv, _known_rounding(v, fmt, out.err), out.floor, out.masked)
+    """store_rounded of a value handed in (an input or a weight): a representable -1e9 mask, an FP32 weight
+    or a zero cache row carries no rounding term (the mask had a 60-unit one)."""
+    return store_rounded(v, fmt, k)
 
 
 def _known_rounding(v: BoundedValue, fmt: Format, err: np.ndarray) -> np.ndarray:
-    if fmt.compute_only or fmt.storage is None:
+    """A point with no error that the format holds exactly is stored exactly (round to nearest leaves it):
+    an input, an iota's integers, i + 1 of them (a causal mask built by comparing them then cannot flip)."""
+    if fmt.compute_only or fmt.storage is None or not np.any(np.asarray(v.err) == 0):
         return err
     known = (v.iv.lo == v.iv.hi) & (np.asarray(v.err) == 0) & ~np.asarray(v.iv.nan)
     if not np.any(known):
