@@ -30,8 +30,9 @@ from .summary import OUT, write_csv
 TARGET = "h200"
 # the gate's stages, in the order it tries them; `pruned` and `stored` (read from the on-disk cache) are
 # subsets of the cache's verdicts
-VERDICT_STAGES = tuple(f.name for f in fields(GateStats)
-                       if f.name not in ("pruned", "stored", "tentative", "deferred", "deferred_measured", "exact"))
+# the counters of deciding stages (inside_band groups the in-band counters, read from the stats dict by name)
+VERDICT_STAGES = tuple(f.name for f in fields(GateStats) if f.type in (int, "int")
+                       and f.name not in ("pruned", "stored", "tentative", "deferred", "deferred_measured", "exact"))
 
 
 @dataclass(frozen=True)
