@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .cli_jobs import (LLM_CANDIDATES, InputError, fill_audit_set, fill_job_args, input_batches, is_llm,
                        llm_job_of, onnx_job_of, onnx_peer_rows, parse_budget, record_job, registry_job)
+from . import interrupts
 from .cli_parser import build_parser
 from .error.executors import ExecutorKind, ExecutorSpec, ExecutorUnavailable
 from .error.verdict_store import VerdictCacheWarning
@@ -367,7 +368,8 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", category=RuntimeWarning)  # overflow in bound arithmetic is handled
         warnings.filterwarnings("always", category=VerdictCacheWarning)  # ... but an ignored cache file is news
         warnings.showwarning = _one_line_warning
-        return COMMANDS[args.command](args)
+        with interrupts.noted():  # a Ctrl-C a finalizer swallows is raised at the search's next candidate
+            return COMMANDS[args.command](args)
     except (InputError, OutputDirError) as exc:  # OutputDirError: a folder found unusable only when locking it
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT

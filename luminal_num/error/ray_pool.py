@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from .. import interrupts
 from ..codegen.serialize import program_to_data
 from ..hlir.store import content_key
 from ..quant.calibration import NO_HESSIANS, Hessians
@@ -65,14 +66,14 @@ def _lost_worker() -> tuple[type[BaseException], ...]:
 class HeldInterrupts:
     """Ctrl-C noted, not raised, while Ray's own code runs, and raised from Python right after: an interrupt
     raised inside a blocking Ray call (ray.wait, ray.init) can leave its core worker in a state that crashes
-    the process at exit. Only in the main thread, and only over Python's default handler."""
+    the process at exit. Only in the main thread, and only over Python's own handlers (interrupts.py)."""
 
     def __init__(self):
         self.pending, self._previous = False, None
 
     def __enter__(self) -> "HeldInterrupts":
         if threading.current_thread() is threading.main_thread() \
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                and signal.getsignal(signal.SIGINT) in interrupts.python_handlers():
             self._previous = signal.signal(signal.SIGINT, self._note)
         return self
 

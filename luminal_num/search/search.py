@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from .. import interrupts
 from ..codegen.invariance import row_coupled_kernels
 from ..codegen.llir import Program
 from ..error.verdict import PREDICTED_SOURCES
@@ -87,6 +88,7 @@ class Searcher:
             return None
 
     def evaluate(self, genome: Genome, stage: Stage, label: str = "", force_latency: bool = False) -> Evaluated:
+        interrupts.check()  # a Ctrl-C a finalizer swallowed since the last candidate (interrupts.py)
         if genome in self.seen:
             return self.seen[genome]
         lowered: list[Program] = []
@@ -128,6 +130,7 @@ class Searcher:
     def explore(self) -> "Exploration":
         """The search's phases, from the baselines to the mutations (Ctrl-C stops it: the candidates so far)."""
         interrupted = False
+        interrupts.handled()  # a note left by an earlier compile in this process is not this search's Ctrl-C
         try:
             baselines = {name: self.evaluate(g, Stage.BASELINE, name, force_latency=True)
                          for name, g in baseline_genomes(self.space).items()}
@@ -138,6 +141,7 @@ class Searcher:
             self.per_layer()
             self.mutate(singles)
         except KeyboardInterrupt:  # Ctrl-C: stop cleanly and return what was evaluated, marked interrupted
+            interrupts.handled()
             self.bar.close()
             if not self.evaluated:
                 raise
