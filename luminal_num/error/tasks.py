@@ -176,7 +176,8 @@ def unpacked(out: object) -> object:
 def _narrowed(a: np.ndarray) -> np.ndarray | Fp32Exact:
     if a.dtype != np.float64:
         return a
-    narrow = a.astype(np.float32)
+    with np.errstate(over="ignore"):  # a value past FP32's range becomes inf, compares unequal and stays FP64
+        narrow = a.astype(np.float32)
     # equal values give back every bit when widened (narrowing keeps a zero's sign and infinities); an array
     # holding NaN compares unequal and stays FP64 (its payload need not survive). One pass, no widened copy.
     if np.array_equal(narrow, a):
