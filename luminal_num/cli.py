@@ -368,8 +368,11 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", category=RuntimeWarning)  # overflow in bound arithmetic is handled
         warnings.filterwarnings("always", category=VerdictCacheWarning)  # ... but an ignored cache file is news
         warnings.showwarning = _one_line_warning
-        with interrupts.noted():  # a Ctrl-C a finalizer swallows is raised at the search's next candidate
-            return COMMANDS[args.command](args)
+        with interrupts.noted():  # a Ctrl-C a finalizer swallows is raised at the compile's next stage or candidate
+            code = COMMANDS[args.command](args)
+            if interrupts.pending():  # dropped after the last check: the output is whole, the exit says Ctrl-C
+                raise Interrupted("Ctrl-C arrived as the command finished; its output is complete")
+            return code
     except (InputError, OutputDirError) as exc:  # OutputDirError: a folder found unusable only when locking it
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT

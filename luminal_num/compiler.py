@@ -15,6 +15,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from . import interrupts
 from .codegen.llir import Program
 from .error.budget import Budget
 from .error.chunks import ChunkEffects, Propagation
@@ -121,6 +122,7 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
     _check_job(graph, budget, target, calibration, options)
 
     def stage(name: str, run: Callable[[], object], need: int = 0):
+        interrupts.check()  # a Ctrl-C a finalizer swallowed during the last stage stops the compile here
         memory.check(name, need)  # stops with one line, before the stage, when it cannot fit (memory.py)
         t0 = time.perf_counter()
         out = run()

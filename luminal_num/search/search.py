@@ -130,7 +130,6 @@ class Searcher:
     def explore(self) -> "Exploration":
         """The search's phases, from the baselines to the mutations (Ctrl-C stops it: the candidates so far)."""
         interrupted = False
-        interrupts.handled()  # a note left by an earlier compile in this process is not this search's Ctrl-C
         try:
             baselines = {name: self.evaluate(g, Stage.BASELINE, name, force_latency=True)
                          for name, g in baseline_genomes(self.space).items()}
@@ -140,6 +139,7 @@ class Searcher:
             self.greedy(base, singles)
             self.per_layer()
             self.mutate(singles)
+            interrupts.check()  # dropped during the last candidate: the search was interrupted all the same
         except KeyboardInterrupt:  # Ctrl-C: stop cleanly and return what was evaluated, marked interrupted
             interrupts.handled()
             self.bar.close()
