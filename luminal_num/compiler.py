@@ -20,6 +20,7 @@ from .codegen.llir import Program
 from .error.budget import Budget
 from .error.chunks import ChunkEffects, Propagation
 from .error.headroom import HeadroomEstimate, estimate_headroom
+from .error.held import HeldArrays
 from .error.hessians import HessianCollector
 from .error.judge import Judge
 from .error.reference import Fp64Reference, reference_bytes, references
@@ -143,9 +144,10 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
         if len(space.part.chunks) > 1:
             pool = stack.enter_context(open_executor(options.executor, graph.weights, memory.workers,
                                                      memory.worker_cache, refs.hessians, options.progress))
+            held = HeldArrays(memory.judging)  # what both keep past the plan's share goes to a scratch file
             chunks, exact = (ChunkEffects(graph, space.part, list(refs.batches), space.lower_chunk,
                                           space.candidates(frozenset()), mode, pool=pool, changes_of=space.knobs_of,
-                                          outputs=budget.outputs)
+                                          outputs=budget.outputs, held=held)
                              for mode in (Propagation.SCALED, Propagation.EXACT))
         memory.fit("search")  # the caches sized to what the budget leaves now, or one line
         ran: dict[str, list] = {}  # the headroom probes' outputs: the same programs are baselines of the search

@@ -78,6 +78,7 @@ class MemoryPlan:
     converted_cache: int    # its cache of weights in storage formats (quant.stored)
     worker_cache: int       # each worker's budget for each of those two caches
     boundary: int = 2 << 30  # FP64 chunk-boundary values kept in memory before the rest spill to files
+    judging: int = 1 << 30   # deviations the per-chunk verdicts keep in memory before the rest go to a file
 
     def describe(self) -> str:
         pool = f"{self.workers} workers" if self.workers > 1 else "no worker pool"
@@ -205,4 +206,4 @@ def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, wo
     derived = min(3 * total, int(0.6 * left))
     converted = min(2 * total, left - derived)
     return MemoryPlan(budget, total, largest, fit, derived, converted, worker_cache if fit > 1 else 0,
-                      max(256 << 20, budget // 16))
+                      max(256 << 20, budget // 16), max(256 << 20, budget // 16))

@@ -34,6 +34,7 @@ from ..hlir.graph import Graph
 from ..hlir.partition import Chunk, Partition, chunk_key
 from .reference import Fp64Reference
 from .executors import Executor
+from .held import HeldArrays, Spilled, load
 from .tasks import RunTask, run_task
 
 Outputs = dict[str, np.ndarray]
@@ -65,14 +66,13 @@ class ChunkEffect:
     per chunk choice: on SmolLM2 each is a batch of 49152-wide logits) and scales them when read."""
 
     local: float                  # relative L2 of the chunk's exports vs FP64 (all exports together)
-    basis: tuple[Outputs, ...]    # per batch: deviation of every final output caused by this chunk alone ...
-    scale: float = 1.0            # ... times this
+    basis: tuple[Mapping[str, np.ndarray | Spilled], ...]  # per batch: deviation of every final output caused
+    scale: float = 1.0            # ... by this chunk alone, times this (arrays past a budget held in a file)
 
     @property
     def outputs(self) -> tuple[Outputs, ...]:
-        if self.scale == 1.0:
-            return self.basis
-        return tuple({k: self.scale * v for k, v in out.items()} for out in self.basis)
+        return tuple({k: self.scale * load(v) if self.scale != 1.0 else load(v) for k, v in out.items()}
+                     for out in self.basis)
 
 
 @dataclass(frozen=True)
@@ -172,8 +172,12 @@ class LocalComposition:
         base = self.singles[(i, ())]
         out = []
         for b, d0 in enumerate(base[:min(len(self.singles[(i, k)]) for k in knobs)]):
-            out.append({n: np.asarray(v, np.float64) + sum(np.asarray(self.singles[(i, k)][b][n], np.float64) - v
-                                                          for k in sorted(knobs)) for n, v in d0.items()})
+            row = {}
+            for n, held in d0.items():
+                v = load(held)
+                row[n] = np.asarray(v, np.float64) + sum(np.asarray(load(self.singles[(i, k)][b][n]), np.float64) - v
+                                                         for k in sorted(knobs))
+            out.append(row)
         return out
 
     def check(self, composed: float, run: float) -> None:
@@ -222,13 +226,15 @@ class ChunkEffects:
     names, exports as outputs), supplied by the search; `base` is each chunk's FP32 candidate (the
     SCALED basis). `pool` runs the chunk programs a genome needs in parallel; `changes_of` gives the knobs
     a chunk choice sets (enables local composition); `local_batches`: SCALED: batches a non-FP32 choice
-    runs on (None: all); `outputs`: the final outputs effects are kept for (None: all)."""
+    runs on (None: all); `outputs`: the final outputs effects are kept for (None: all); `held`: where the
+    kept deviations live (error/held.py; None: all in memory)."""
 
     def __init__(self, graph: Graph, part: Partition, references: Sequence[Fp64Reference],
                  lower_chunk: Callable[[Chunk, ChunkChoice], Program], base: Mapping[int, ChunkChoice],
                  propagation: Propagation = Propagation.SCALED, pool: Executor | None = None,
                  changes_of: Callable[[ChunkChoice], frozenset | None] | None = None,
-                 local_batches: int | None = 1, outputs: Sequence[str] | None = None):
+                 local_batches: int | None = 1, outputs: Sequence[str] | None = None,
+                 held: HeldArrays | None = None):
         if not references:
             raise ValueError("per-chunk verdicts need at least one FP64 reference batch")
         self.layout = ChunkLayout.of(graph, part, references, outputs)
@@ -237,6 +243,7 @@ class ChunkEffects:
         self.local = LocalComposition(changes_of)
         self.ratios = SharedRatios(self.layout)
         self.cache: dict = {}  # (structure, chunk, choice key, propagation) -> ChunkEffect
+        self.held = held if held is not None else HeldArrays()
         self.injections = 0    # FP64 runs of the rest of the model
         self._base_total: tuple | None = None  # (refs, compose(base, refs)) for alone()
         self._nb = len(references) if propagation is Propagation.EXACT or local_batches is None \
@@ -291,7 +298,8 @@ class ChunkEffects:
             devs = self._local(chunk, choice, every_batch=True)
         # kept in float32 (a deviation to 7 digits of itself): an EXACT effect holds its own arrays, on
         # SmolLM2 3 batches of 8 x 49152 logits per chunk choice
-        return ChunkEffect(local, tuple({k: v.astype(np.float32) for k, v in self._inject(chunk, ref, dev).items()}
+        return ChunkEffect(local, tuple({k: self.held.hold(v.astype(np.float32))
+                                         for k, v in self._inject(chunk, ref, dev).items()}
                                         for ref, dev in zip(refs, devs)))
 
     def _task(self, chunk: Chunk, choice: ChunkChoice, every_batch: bool = False) -> RunTask:
@@ -311,7 +319,7 @@ class ChunkEffects:
         devs = self._local(chunk, choice)
         if knobs is not None and len(knobs) <= 1:
             lc.singles[(chunk.index, tuple(knobs)[0] if knobs else ())] = \
-                [{n: v.astype(np.float32) for n, v in d.items()} for d in devs]
+                [{n: self.held.hold(v.astype(np.float32)) for n, v in d.items()} for d in devs]
         elif knobs is not None and lc.has_singles(chunk.index, knobs):
             composed = lc.devs(chunk.index, knobs)
             lc.check(_rel(composed, refs, chunk), _rel(devs[:len(composed)], refs, chunk))
@@ -384,7 +392,7 @@ class ChunkEffects:
         """Predicted outputs per batch: FP64 plus the sum of the chunks' effects (`only`: those chunks)."""
         idx = sorted(candidates) if only is None else list(only)
         effects = [self.effect(i, candidates[i]) for i in idx]
-        return [{k: _accumulate(np.array(r, np.float64), ((e.scale, e.basis[b][k]) for e in effects))
+        return [{k: _accumulate(np.array(r, np.float64), ((e.scale, load(e.basis[b][k])) for e in effects))
                  for k, r in ref.items()} for b, ref in enumerate(refs)]
 
     def alone(self, i: int, choice: ChunkChoice, refs: Sequence[Mapping[str, np.ndarray]]) -> list[Outputs]:
@@ -393,7 +401,7 @@ class ChunkEffects:
         if self._base_total is None or self._base_total[0] is not refs:
             self._base_total = (refs, self.compose(self.base, refs))
         e, e0 = self.effect(i, choice), self.effect(i, self.base[i])
-        return [{k: _accumulate(np.array(v), ((e.scale, e.basis[b][k]), (-e0.scale, e0.basis[b][k])))
+        return [{k: _accumulate(np.array(v), ((e.scale, load(e.basis[b][k])), (-e0.scale, load(e0.basis[b][k]))))
                  for k, v in tot.items()} for b, tot in enumerate(self._base_total[1])]
 
 
