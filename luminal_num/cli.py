@@ -25,6 +25,7 @@ from . import interrupts
 from .cli_parser import build_parser
 from .error.executors import ExecutorKind, ExecutorSpec, ExecutorUnavailable
 from .error.verdict_store import VerdictCacheWarning
+from .quant.converted_disk import ConvertedCacheWarning
 from .memory import MemoryBudgetError, plan_memory
 from .report.files import OutputDirError, OutputLocked, check_output_dir, output_lock
 from .report.numbers import fmt_latency, fmt_num, fmt_numbers_in
@@ -367,6 +368,7 @@ def main(argv=None) -> int:
         args = build_parser(__doc__).parse_args(argv)
         warnings.filterwarnings("ignore", category=RuntimeWarning)  # overflow in bound arithmetic is handled
         warnings.filterwarnings("always", category=VerdictCacheWarning)  # ... but an ignored cache file is news
+        warnings.filterwarnings("always", category=ConvertedCacheWarning)
         warnings.showwarning = _one_line_warning
         with interrupts.noted():  # a Ctrl-C a finalizer swallows is raised at the compile's next stage or candidate
             code = COMMANDS[args.command](args)
@@ -403,8 +405,8 @@ _SHOW_WARNING = warnings.showwarning
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """An ignored verdict cache as one `warning: ...` line on stderr, as errors are shown; others as before."""
-    if issubclass(category, VerdictCacheWarning):
+    """An ignored verdict cache or converted-weight file as one `warning: ...` line on stderr, as errors are shown; others as before."""
+    if issubclass(category, (VerdictCacheWarning, ConvertedCacheWarning)):
         print(f"warning: {message}", file=file or sys.stderr)
     else:
         _SHOW_WARNING(message, category, filename, lineno, file, line)

@@ -21,6 +21,7 @@ from .error.budget import Budget
 from .error.chunks import ChunkEffects, Propagation
 from .error.headroom import HeadroomEstimate, estimate_headroom
 from .error.held import HeldArrays
+from .quant.stored import CONVERTED
 from .error.hessians import HessianCollector
 from .error.judge import Judge
 from .error.reference import Fp64Reference, reference_bytes, references
@@ -112,7 +113,7 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     memory and `options.workers`). `space`: an already saturated space (partition and saturate skipped)."""
     options = options or SearchOptions(target=target)
     memory = memory or plan_memory(graph.weights, workers=options.workers)
-    with memory.applied():
+    with memory.applied(), CONVERTED.on_disk(Path(cache_dir) / "converted" if cache_dir else None):
         return _compile(graph, budget, target, calibration, options, space, use_static, cache_dir, memory,
                         on_stage or (lambda name, seconds: None))
 

@@ -13,9 +13,11 @@ byte budget (ConvertedWeights).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -23,6 +25,7 @@ from ..hlir.store import content_key
 from ..hlir.weightcache import DEFAULT_BUDGET_BYTES, ByteLRU
 from ..models.gguf import kept_source
 from .calibration import Fill, Hessian, hessian_of
+from .converted_disk import ConvertedDisk
 from .gptq import fills, gptq
 from .storage import STORAGE_FORMATS, Quantized, StorageFormat, StoredTensor, from_gguf, gguf_formats, storage_format
 
@@ -174,6 +177,17 @@ class ConvertedWeights:
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
         self._entries = ByteLRU(budget_bytes)  # (format, content key) -> (quantized, widened)
         self.conversions = 0
+        self.disk: ConvertedDisk | None = None  # entries also on disk (a compile with a cache folder)
+
+    @contextmanager
+    def on_disk(self, folder: str | Path | None) -> Iterator[None]:
+        """Conversions read from and written to `folder` while the block runs (None: memory only); forked
+        workers started inside it inherit it."""
+        previous, self.disk = self.disk, ConvertedDisk(folder) if folder is not None else None
+        try:
+            yield
+        finally:
+            self.disk = previous
 
     def get(self, w: np.ndarray, fmt: StorageFormat, fill: str | None = None,
             hessian: Hessian | None = None) -> tuple[Quantized, np.ndarray]:
@@ -182,9 +196,15 @@ class ConvertedWeights:
         hit = self._entries.get(key)
         if hit is not None:
             return hit
-        q = convert(w, fmt, fill, hessian)
+        # a weight's own GGUF blocks of this format are read from the model file, never from the disk cache
+        cacheable = self.disk is not None and (fill is not None or _kept(w, fmt) is None)
+        q = self.disk.load(key, fmt, tuple(np.shape(w))) if cacheable else None
+        if q is None:
+            q = convert(w, fmt, fill, hessian)
+            self.conversions += 1
+            if cacheable:
+                self.disk.save(key, q)
         widened = q.dequantize().astype(np.float32)
-        self.conversions += 1
         self._entries.put(key, (q, widened), widened.nbytes + sum(v.nbytes for v in q.values.values()))
         return q, widened
 
