@@ -75,7 +75,7 @@ class ConvertedDisk:
         path, tag = self._path(key)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            save_weights(path, {_NAME: q.fmt.pack(q)}, tag)
+            save_weights(path, {_NAME: q.fmt.pack(q)}, tag, durable=False)  # verified on load: no fsync
         except OSError as exc:
             self.off = f"cannot write {path} ({exc.strerror or exc})"
             warnings.warn(ConvertedCacheWarning(f"converted-weight cache: {self.off}; continuing without it"),

@@ -56,8 +56,9 @@ def content_hash(tensors: Mapping[str, StoredTensor]) -> str:
     return digest.hexdigest()
 
 
-def save_weights(path: str | Path, tensors: Mapping[str, StoredTensor], graph_hash: str) -> str:
-    """Write `tensors` atomically; returns the content hash recorded in the file."""
+def save_weights(path: str | Path, tensors: Mapping[str, StoredTensor], graph_hash: str, durable: bool = True) -> str:
+    """Write `tensors` atomically; returns the content hash recorded in the file. `durable`: flushed to disk
+    before the rename (a cache whose entries are verified on load and can be made again skips it)."""
     path = Path(path)
     if not graph_hash:
         raise ValueError("a weights file needs the graph hash of its plan")
@@ -74,8 +75,9 @@ def save_weights(path: str | Path, tensors: Mapping[str, StoredTensor], graph_ha
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_safetensors(temporary, arrays, metadata)
-        with open(temporary, "rb+") as f:
-            os.fsync(f.fileno())
+        if durable:
+            with open(temporary, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
