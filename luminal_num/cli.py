@@ -336,7 +336,9 @@ def cmd_pareto(args) -> int:
     if "on_front" not in df.columns or "passes" not in df.columns or not set(columns) <= set(df.columns):
         raise InputError(f"{p} is not a luminal_num Pareto table (of this version)")
     front = df[df.on_front & df.passes].sort_values("latency_s", kind="stable")  # the front of passing plans
-    _print_table(front.fillna({"label": ""}), columns, n=len(front))
+    from .error.metrics import METRICS
+    metrics = [c for c in df.columns if c in METRICS and c != "max_abs"]  # the budget's metric columns, as compile shows
+    _print_table(front.fillna({"label": ""}), columns[:2] + metrics + columns[2:], n=len(front))
     return EXIT_OK
 
 
