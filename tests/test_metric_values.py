@@ -222,3 +222,18 @@ def test_onnx_runtime_peers_record_their_metric_values():
     assert _close(fp32.metrics["cosine"], want)
     rows = peer_rows(peers, "cpu")
     np.testing.assert_array_equal(rows["cosine"], [p.metrics.get("cosine", math.nan) for p in peers])
+
+
+def test_a_plan_written_before_metric_values_loads_and_records_none(compiled, tmp_path):
+    """A plan from before verdicts held metric values (no verdict.metrics, its digest over that record) is read
+    as recording none: audit's plan column is blank, not 0."""
+    from luminal_num.search.plan_file import with_digest
+    job, result, _ = compiled
+    path = result.plan.save(tmp_path / "plan.json")
+    data = json.loads(path.read_text())
+    del data["verdict"]["metrics"]
+    path.write_text(json.dumps(with_digest(data)))
+    plan = Plan.load(path)
+    assert len(plan.verdict.metrics) == 0
+    table = audit(plan, job.graph, job.heldout[:1]).metrics.set_index("metric")
+    assert table["plan"].isna().all() and not table["audit"].isna().any()
