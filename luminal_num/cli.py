@@ -28,7 +28,7 @@ from .error.verdict_store import VerdictCacheWarning
 from .quant.converted_disk import ConvertedCacheWarning
 from .memory import MemoryBudgetError, plan_memory
 from .report.files import OutputDirError, OutputLocked, check_output_dir, output_lock
-from .report.numbers import fmt_latency, fmt_num, fmt_numbers_in
+from .report.numbers import fmt_latency, fmt_metric_values, fmt_num, fmt_numbers_in
 from .report.pareto import ERROR_COLUMN
 from .runtime.targets import get_target
 
@@ -147,7 +147,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
 
 def _print_compile_summary(result, budget, files: dict, cache_dir: Path | None) -> None:
     """The front, the baselines, the chosen plan and its per-op summary, once the report is written."""
-    from .report.compile_report import candidate_rows
+    from .report.compile_report import candidate_rows, metric_columns
     stats = result.search.stats
     rows = candidate_rows(result)
     front = rows[rows.on_front].sort_values(["latency_s", "candidate"])  # the front the search confirmed
@@ -160,11 +160,12 @@ def _print_compile_summary(result, budget, files: dict, cache_dir: Path | None) 
     headroom = stats.headroom_share
     print(f"\nPareto front of passing plans ({ERROR_COLUMN}: the share of the budget used over allclose and "
           f"every metric, <= {fmt_num(headroom)} = headroom x budget; fastest first):")
-    _print_table(front, ["candidate", ERROR_COLUMN, "latency_s", "verdict_source", "variants"])
+    metrics = list(metric_columns(budget))  # each budget metric's value (measured or predicted: verdict_source)
+    _print_table(front, ["candidate", ERROR_COLUMN, *metrics, "latency_s", "verdict_source", "variants"])
     print("\nBaselines:")
     baselines = rows[rows.stage == "baseline"]
     _print_table(baselines.assign(label=baselines.label.where(~baselines.chosen, baselines.label + " (chosen)")),
-                 ["label", ERROR_COLUMN, "latency_s", "passes"])
+                 ["label", ERROR_COLUMN, *metrics, "latency_s", "verdict_source", "passes"])
     plan = result.plan
     chosen = rows[rows.chosen].iloc[0]
     named = f" ({chosen.label})" if chosen.label else ""
@@ -173,12 +174,20 @@ def _print_compile_summary(result, budget, files: dict, cache_dir: Path | None) 
     print(f"\nChosen plan{named}: budget share {fmt_num(chosen[ERROR_COLUMN])}{allclose} ({plan.verdict.source}; "
           f"budget 1, judged against {fmt_num(headroom)}), latency {fmt_latency(plan.latency.total_s)} "
           f"({plan.latency.source})")
-    if not budget.allclose_applies:
+    if plan.verdict.metrics:  # the metric values it was judged on (the worst calibration batch)
+        print(f"  {_metric_line(plan)}")
+    elif not budget.allclose_applies:
         print(f"  {fmt_numbers_in(plan.verdict.reason)}")
     if plan.invariance_price is not None:
         print(f"[luminal-num] {plan.invariance_price.describe()}")
     _summary(plan.kernels)
     print("\nwrote " + ", ".join(str(p) for p in files.values()))
+
+
+def _metric_line(plan) -> str:
+    """The plan's metric values, worst over the calibration batches, beside the limits they were judged by."""
+    return (f"{plan.verdict.source}, worst over the calibration batches: "
+            f"{fmt_metric_values(plan.verdict.metrics, plan.budget, plan.headroom)}")
 
 
 def _print_notes(job, inputs: tuple[str, ...] = ("calibration", "heldout")) -> None:
@@ -288,6 +297,9 @@ def _audit_locked(plan, job, batches, out: Path, oj=None) -> int:
         files = write_audit_report(result, out)
     try:
         print(result.outputs.to_string(index=False))
+        if len(result.metrics):  # the plan's recorded value of each metric next to the one measured now
+            print("\nmetrics (plan: worst over the calibration batches; audit: worst over these batches):")
+            _print_table(result.metrics, list(result.metrics.columns), n=len(result.metrics))
         print(f"\naudit: {'PASSED' if result.passed else 'CONTRACT BROKEN'}: {result.reason}")
         print(f"{result.outside_range} exported values left the calibration range; wrote "
               + ", ".join(str(p) for p in files.values()))
@@ -303,6 +315,8 @@ def cmd_inspect(args) -> int:
     print(plan.describe())
     print(f"budget {plan.budget}; verdict {plan.verdict.source} (budget share {fmt_num(plan.verdict.budget_share)}): "
           f"{fmt_numbers_in(plan.verdict.reason)}")
+    if plan.verdict.metrics:
+        print(_metric_line(plan))
     if plan.interrupted:
         print(f"PARTIAL RESULT: {plan.interrupted}")
     print(f"latency {fmt_latency(plan.latency.total_s)} ({plan.latency.source})\n")
@@ -323,7 +337,9 @@ def cmd_pareto(args) -> int:
     if "on_front" not in df.columns or "passes" not in df.columns or not set(columns) <= set(df.columns):
         raise InputError(f"{p} is not a luminal_num Pareto table (of this version)")
     front = df[df.on_front & df.passes].sort_values("latency_s", kind="stable")  # the front of passing plans
-    _print_table(front.fillna({"label": ""}), columns, n=len(front))
+    from .error.metrics import METRICS
+    metrics = [c for c in df.columns if c in METRICS and c != "max_abs"]  # the budget's metric columns, as compile shows
+    _print_table(front.fillna({"label": ""}), columns[:2] + metrics + columns[2:], n=len(front))
     return EXIT_OK
 
 

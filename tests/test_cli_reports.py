@@ -18,6 +18,7 @@ from luminal_num.cli import EXIT_OK, main
 from luminal_num.error.share import Share
 from luminal_num.error.verdict import Verdict, VerdictSource
 from luminal_num.report.layer_map import weight_role
+from luminal_num.report.numbers import fmt_num
 from luminal_num.runtime.cost import Latency
 from luminal_num.search.front import Evaluated, Stage, front, reported_front
 from tiny_gguf import tiny_config, write_tiny_gguf
@@ -57,12 +58,18 @@ def test_an_llm_plan_is_summed_up_by_its_metrics_not_allclose_0(compiled):
     report, stdout = compiled
     line = next(ln for ln in stdout.splitlines() if ln.startswith("Chosen plan"))
     assert "allclose ratio" not in line and "budget share" in line
-    reason = stdout.splitlines()[stdout.splitlines().index(line) + 1]
-    assert "worst top1_agreement" in reason and "kl_logits" in reason
+    values = stdout.splitlines()[stdout.splitlines().index(line) + 1]
     plan = json.loads((report / "plan.json").read_text())
+    recorded = plan["verdict"]["metrics"]
+    assert set(recorded) == {"top1_agreement", "kl_logits", "kl_max"}  # every metric of the LLM budget
+    assert "worst over the calibration batches: " in values
+    for name, value in recorded.items():  # each value beside the limit it was judged by and the user's
+        assert re.search(rf"{name} {re.escape(fmt_num(value, 4))} \(judged [<>]=\S+, budget [<>]=\S+\)", values)
     table = pd.read_csv(report / "pareto.csv", keep_default_na=False)
     chosen = table[table.chosen.astype(str) == "True"].iloc[0]
     assert plan["verdict"]["budget_share"] == pytest.approx(float(chosen.budget_share), rel=1e-12)
+    for name, value in recorded.items():  # pareto.csv: one column per metric
+        assert float(chosen[name]) == pytest.approx(value, rel=1e-12, abs=0)
     assert plan["verdict"]["error"] == 0.0  # allclose alone, switched off by atol=rtol=inf: why it is not shown
 
 
@@ -73,6 +80,32 @@ def test_inspect_prints_no_nan_for_a_kernel_without_an_epilogue(compiled, capsys
     out = capsys.readouterr().out
     assert "epilogue" in out and "NaN" not in out and "nan" not in out.split("\n", 3)[3]
     assert "(budget share " in out.splitlines()[1]
+    assert out.splitlines()[2].startswith("measured, worst over the calibration batches: top1_agreement ")
+
+
+def test_pareto_prints_the_metric_columns_compile_printed(compiled, capsys):
+    report, stdout = compiled
+    capsys.readouterr()
+    assert main(["pareto", str(report)]) == EXIT_OK
+    header = capsys.readouterr().out.splitlines()[0].split()
+    printed = stdout[stdout.index("Pareto front"):].splitlines()[1].split()
+    assert header[:5] == printed[:5] == ["candidate", "budget_share", "top1_agreement", "kl_logits", "kl_max"]
+
+
+def test_audit_prints_each_recorded_metric_value_next_to_the_remeasured_one(compiled, capsys):
+    report, _ = compiled
+    plan = json.loads((report / "plan.json").read_text())
+    capsys.readouterr()
+    assert main(["audit", "--plan", str(report / "plan.json"), "--out", str(report.parent / "audit")]) == EXIT_OK
+    out = capsys.readouterr().out
+    table = out[out.index("metrics (plan: "):out.index("audit: PASSED")].splitlines()
+    assert table[1].split() == ["metric", "limit", "plan", "audit"]
+    rows = {r.split()[0]: r.split()[1:] for r in table[2:] if r.strip()}
+    assert set(rows) == set(plan["verdict"]["metrics"])
+    for name, value in plan["verdict"]["metrics"].items():
+        assert rows[name][1] == fmt_num(value)
+    assert "(plan recorded top1_agreement " in out  # not its allclose share, 0 under atol=inf
+    assert "Metrics: the plan's value" in (report.parent / "audit" / "audit.html").read_text()
 
 
 def test_the_layer_map_names_gemms_by_their_weights_draws_every_group_and_is_on_the_page(compiled):

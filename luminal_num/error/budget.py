@@ -275,6 +275,11 @@ class Budget:
         """atol = rtol = inf (an LLM budget) passes every value: its allclose ratio, 0, says nothing."""
         return not (math.isinf(self.atol) and math.isinf(self.rtol))
 
+    def within(self, metric_values: Mapping[str, float], worst_allclose: float) -> str:
+        """The reason of a pass over several batches: its worst values over all of them (a verdict's
+        recorded metric values, error/metric_values.py), not one batch's."""
+        return f"within budget {self}: {self.summary([metric_values], worst_allclose)}"
+
     def summary(self, metric_values, worst_allclose: float) -> str:
         """What a pass is reported with: the worst allclose ratio, or where allclose does not apply the
         worst value of each metric limit over `metric_values` (dicts of metric name -> value)."""

@@ -309,7 +309,7 @@ class Composed:
                 self.bad[ids[i]] = f"predicted {alone.ratio:.3g}x the budget: {alone.reason}"
                 return Verdict(False, VerdictSource.CHUNKS, alone.share, np.nan, None,
                                f"chunk {i}'s choice alone is predicted {alone.ratio:.3g}x the budget "
-                               f"(margin {band.margin:.3g}): {alone.reason}"), p, None
+                               f"(margin {band.margin:.3g}): {alone.reason}", metrics=alone.metrics), p, None
         decided, exact, how = band.decides(p), None, "composed from"
         if decided is None and self.exact is not None:  # inside SCALED's band: the exact composition
             p = exact = self.exact_prediction(candidates)
@@ -328,7 +328,7 @@ class Composed:
         # under-predicted point would look better than the measured ones and take their place)
         b = band.bias
         return Verdict(decided, VerdictSource.CHUNKS, p.share.times(b), np.nan, None, f"{how}): {p.reason}",
-                       tentative, b, exact is not None), scaled, exact
+                       tentative, b, exact is not None, metrics=p.metrics), scaled, exact
 
 
 class FirstOrder:
@@ -351,7 +351,8 @@ class FirstOrder:
             return None  # too close to call: measured
         self.counts[Count.PREDICTED] += 1
         return Verdict(decided, VerdictSource.PREDICTED, p.share, np.nan, None,
-                       f"predicted from the changes' measured errors (margin {band.margin:.3g}): {p.reason}")
+                       f"predicted from the changes' measured errors (margin {band.margin:.3g}): {p.reason}",
+                       metrics=p.metrics)
 
 
 class Measurement:

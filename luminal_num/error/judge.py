@@ -23,6 +23,7 @@ from .calibrate import BandKind, Calibrator
 from .chunks import ChunkEffects
 from .deciders import (Candidate, Change, Composed, Count, Evidence, FirstOrder, KnownPrograms, Lowering,
                        Measurement, PrunedChanges, StaticBound)
+from .metric_values import MetricValues
 from .metrics import METRICS, Compared
 from .predict import FirstOrderDeltas, budget_ratio
 from .reference import Fp64Reference, references
@@ -122,6 +123,7 @@ class EndToEnd:
         self.counts[Count.MEASURED] += 1
         ev = self.ev
         worst, user, worst_abs, reason, passed, ratio = 0.0, 0.0, 0.0, "", True, 0.0
+        values = MetricValues()  # the worst of each budget metric over the batches run
         outs: list | None = [] if keep_outputs else None
         ran = self.outputs_cache.pop(program_key(program), None) if self.outputs_cache is not None else None
         if ran is None and self.pool is not None and len(ev.calibration) > 1:
@@ -142,6 +144,7 @@ class EndToEnd:
             compared = {n: Compared(out[n], ref[n]) for n in names}  # one pair per output for both budgets
             verdict = ev.gate.check(compared, ref)
             ratio = max(ratio, budget_ratio(ev.gate, verdict))
+            values = values.worse(MetricValues.worst_of([verdict]))
             user = max(user, ev.budget.check(compared, ref).worst_allclose)
             worst_abs = max([worst_abs] + [float(METRICS["max_abs"].of(c)) for c in compared.values()])
             if verdict.worst_allclose >= worst:
@@ -150,7 +153,10 @@ class EndToEnd:
                 passed, reason = False, verdict.reason
                 if outs is None:
                     break
-        return Verdict(passed, VerdictSource.MEASURED, Share(ratio, worst, user), worst_abs, None, reason), outs
+        if passed and not ev.gate.allclose_applies:  # summed up by the worst values over the batches, as recorded
+            reason = ev.gate.within(values, worst)
+        return Verdict(passed, VerdictSource.MEASURED, Share(ratio, worst, user), worst_abs, None, reason,
+                       metrics=values), outs
 
 
 class Judge:

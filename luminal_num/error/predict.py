@@ -16,6 +16,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from .budget import Budget, BudgetVerdict
+from .metric_values import MetricValues
 from .metrics import METRICS, Compared, Direction, allclose_of
 from .share import Share
 
@@ -47,6 +48,7 @@ def budget_ratio(budget: Budget, verdict: BudgetVerdict) -> float:
 class Prediction:
     share: Share  # of the predicted outputs (max over batches)
     reason: str
+    metrics: MetricValues = field(default=MetricValues(), kw_only=True)  # of the predicted outputs (worst over batches)
 
     @property
     def ratio(self) -> float:
@@ -69,7 +71,7 @@ class ShareCheck:
     def check(self, predicted: Sequence[Outputs]) -> Prediction:
         """The budget checked on predicted outputs (one dict per calibration batch), every metric."""
         ratio = allclose = user = 0.0
-        reason = ""
+        reason, values = "", MetricValues()
         for pred, ref in zip(predicted, self.refs):
             compared = {n: Compared(pred[n], ref[n]) for n in self.budget.outputs or ref}
             v = self.gate.check(compared, ref)
@@ -77,9 +79,12 @@ class ShareCheck:
             if r >= ratio:
                 ratio, reason = r, v.reason
             allclose = max(allclose, v.worst_allclose)
+            values = values.worse(MetricValues.worst_of([v]))
             # the user's allclose only (its metrics are the gate's, loosened: not needed for the ratio)
             user = max([user] + [allclose_of(c, self.budget.atol, self.budget.rtol) for c in compared.values()])
-        return Prediction(Share(ratio, allclose, user), reason)
+        if ratio <= 1.0 and not self.gate.allclose_applies:  # a pass: the worst values over the batches
+            reason = self.gate.within(values, allclose)
+        return Prediction(Share(ratio, allclose, user), reason, metrics=values)
 
 
 @dataclass

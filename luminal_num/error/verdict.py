@@ -1,12 +1,14 @@
 """A verdict on one candidate: passed or not, what decided it (VerdictSource), the share of the budget its
-error uses (error/share.py), and why."""
+error uses (error/share.py), the value of every budget metric it was judged on (error/metric_values.py),
+and why."""
 from __future__ import annotations
 
 import enum
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..codegen.llir import KernelKind, Program
+from .metric_values import MetricValues
 from .share import Share
 
 
@@ -36,6 +38,11 @@ class Verdict:
     tentative: bool = False
     bias: float | None = None  # a composed verdict: the bias its errors were multiplied by (None: not composed)
     exact: bool = False        # composed with EXACT propagation (its band is the calibrator's EXACT band)
+    # the worst value of each budget metric over the calibration batches: measured (source MEASURED, or CACHE
+    # for a known program), or predicted from composed outputs (CHUNKS, PREDICTED: before the bias its share
+    # was multiplied by); empty where nothing was measured or predicted (static bounds, pruned changes). A
+    # reject measured end to end stops at its first failing batch: its values are those of the batches run
+    metrics: MetricValues = field(default=MetricValues(), kw_only=True)
 
     def __post_init__(self):
         object.__setattr__(self, "source", VerdictSource(self.source))  # one read back from a verdict store

@@ -21,11 +21,15 @@ from ..files import atomic_write_text
 from ..hlir.graph import Graph
 from ..hlir.store import content_key
 from .budget import Budget
+from .metric_values import MetricValues
 from .share import Share
 from .verdict import Verdict
 
 STORE_FORMAT = "luminal_num.verdicts"
-STORE_VERSION = 2  # 2: a verdict's share of the budget is one record ("share"), not three loose numbers
+# 2: a verdict's share of the budget is one record ("share"), not three loose numbers; 3: a verdict records the
+# value of every budget metric ("metrics"). A file of an older version is ignored with a warning and measured
+# again: its verdicts would give the chosen plan no metric values.
+STORE_VERSION = 3
 
 
 def context_key(graph: Graph, calibration: Sequence[Mapping[str, np.ndarray]], gate: Budget, budget: Budget) -> str:
@@ -70,6 +74,10 @@ class VerdictStore:
         if store.path.exists():
             try:
                 data = json.loads(store.path.read_text())
+                if data.get("format") == STORE_FORMAT and isinstance(data.get("version"), int) \
+                        and data["version"] < STORE_VERSION:
+                    raise ValueError(f"written by an older compiler (version {data['version']}, this one writes "
+                                     f"{STORE_VERSION}): its verdicts hold no metric values; measuring again")
                 if data.get("format") != STORE_FORMAT or data.get("version") != STORE_VERSION \
                         or data.get("context") != context or not isinstance(data.get("verdicts"), dict):
                     raise ValueError("not a verdict cache of this version and context")
@@ -103,7 +111,8 @@ def verdict_record(v: Verdict) -> dict:
             "exact": bool(v.exact), "bias": None if v.bias is None else _num(v.bias),
             "max_abs": _num(v.max_abs), "bound": None if v.bound is None else _num(v.bound),
             "share": {"gate": _num(v.share.gate), "allclose": _num(v.share.allclose),
-                      "user_allclose": _num(v.share.user_allclose)}}
+                      "user_allclose": _num(v.share.user_allclose)},
+            "metrics": v.metrics.record()}
 
 
 def verdict_of(rec: dict) -> Verdict:
@@ -113,4 +122,4 @@ def verdict_of(rec: dict) -> Verdict:
     return Verdict(bool(rec["passed"]), rec["source"],
                    Share(float(share["gate"]), float(share["allclose"]), float(share["user_allclose"])),
                    float(rec["max_abs"]), num(rec["bound"]), str(rec["reason"]), bool(rec["tentative"]),
-                   num(rec["bias"]), bool(rec["exact"]))
+                   num(rec["bias"]), bool(rec["exact"]), metrics=MetricValues.from_record(rec["metrics"]))

@@ -18,6 +18,7 @@ import pandas as pd
 
 from ..error.budget import Budget
 from ..report.numbers import fmt_latency
+from ..error.metric_values import MetricValues
 from ..error.predict import budget_ratio
 from ..report.pareto import ALLCLOSE_COLUMN, ERROR_COLUMN
 
@@ -33,6 +34,7 @@ class PeerResult:
     latency_s: float    # median wall time of one batch on this machine's CPU
     reason: str
     allclose: float = float("nan")  # worst allclose ratio alone
+    metrics: MetricValues = MetricValues()  # each budget metric's worst value over the batches (none if it did not run)
 
 
 def ort_available() -> bool:
@@ -77,7 +79,7 @@ def run_peers(model: onnx.ModelProto, batches: Sequence[Mapping[str, np.ndarray]
         worst = max(verdicts, key=lambda v: budget_ratio(budget, v))
         failed = next((v for v in verdicts if not v.passed), None)
         out.append(PeerResult(label, budget_ratio(budget, worst), failed is None, latency, (failed or worst).reason,
-                              max(v.worst_allclose for v in verdicts)))
+                              max(v.worst_allclose for v in verdicts), MetricValues.worst_of(verdicts)))
     return out
 
 
@@ -91,5 +93,5 @@ def peer_rows(peers: Sequence[PeerResult], target: str) -> pd.DataFrame:
                      "latency_source": PEER_LATENCY_SOURCE + ("" if target == "cpu" else
                                                               f": {fmt_latency(p.latency_s)} on this CPU, not comparable to {target}"),
                      "verdict_source": "measured", "passes": bool(p.passes), "label": p.label, "stage": "peer",
-                     "changes": 0, "max_abs": float("nan"), "variants": p.label, "reason": p.reason})
+                     "changes": 0, "max_abs": float("nan"), **p.metrics, "variants": p.label, "reason": p.reason})
     return pd.DataFrame(rows)

@@ -7,6 +7,7 @@ any output leaves the budget.
 """
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from ..error.metric_values import MetricValues
 from ..error.metrics import max_abs, rel_l2
 from ..error.predict import budget_ratio
 from ..hlir.evaluate import evaluate_nodes
@@ -35,6 +37,9 @@ class AuditResult:
     plan_error: float
     audit_error: float
     budget_share: float = float("nan")  # worst share of the budget used over allclose and every metric (<= 1 passes)
+    # each budget metric: the plan's recorded value (worst over the calibration batches) and the audit's
+    # (worst over the audited batches); columns metric, limit, plan, audit
+    metrics: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
 
     @property
     def outside_range(self) -> int:
@@ -55,7 +60,7 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
     ranges = plan.calibration_ranges
     out_names = {nid: name for name, nid in graph.outputs.items()}
     chunk_of = {nid: c.index for c in part.chunks for nid in c.exported}
-    out_rows, drift_rows, passed, reason, worst, share = [], [], True, "", 0.0, 0.0
+    out_rows, drift_rows, passed, reason, worst, share, measured = [], [], True, "", 0.0, 0.0, MetricValues()
     for b, inp in enumerate(batches):
         ref_nodes = evaluate_nodes(graph, inp)
         res = rt.run(inp, keep_exports=True)
@@ -63,6 +68,7 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
         verdict = budget.check(res.outputs, refs)
         worst = max(worst, verdict.worst_allclose)
         share = max(share, budget_ratio(budget, verdict))
+        measured = measured.worse(MetricValues.worst_of([verdict]))
         if not verdict.passed and passed:
             passed, reason = False, f"batch {b}: {verdict.reason}"
         for ov in verdict.outputs:
@@ -80,10 +86,21 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
     finite = math.isfinite(plan_err)
     if passed:
         recorded = fmt_num(plan_err) if finite else repr(plan_err)
+        if not budget.allclose_applies and plan.verdict.metrics:  # its allclose share (0) says nothing
+            recorded = plan.verdict.metrics.describe((m.name for m in budget.metrics), lambda v: fmt_num(v, 4))
         shown = f"worst allclose ratio {fmt_num(worst)}" if budget.allclose_applies else budget.summary(out_rows, worst)
         reason = f"within budget {budget}: {shown} (plan recorded {recorded})"
     return AuditResult(passed, reason, pd.DataFrame(out_rows), pd.DataFrame(drift_rows),
-                       plan_err if finite else float("nan"), worst, share)
+                       plan_err if finite else float("nan"), worst, share,
+                       metric_comparison(budget, plan.verdict.metrics, measured))
+
+
+def metric_comparison(budget, recorded: MetricValues, measured: MetricValues) -> pd.DataFrame:
+    """Per budget metric: its limit, the value the plan recorded on the calibration set and the audit's on
+    new inputs (NaN where the plan recorded none: a plan from before verdicts held them, a static verdict)."""
+    return pd.DataFrame([{"metric": m.name, "limit": f"{m.operator}{fmt_num(m.limit, 4)}",
+                          "plan": recorded.get(m.name, math.nan), "audit": measured.get(m.name, math.nan)}
+                         for m in budget.metrics], columns=["metric", "limit", "plan", "audit"])
 
 
 AUDIT_FILES = ("audit.csv", "audit_drift.csv", "audit.html")
@@ -113,6 +130,8 @@ def write_audit_report(result: AuditResult, out_dir: str | Path) -> dict[str, Pa
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>audit</title></head><body>"
             f"<h1>Audit: {status}</h1><p>{html.escape(result.reason)}</p>"
             f"<p>{result.outside_range} exported values left the calibration range.</p>"
+            + (f"<h2>Metrics: the plan's value (calibration set) and the audit's (worst batch)</h2>"
+               f"{_html_table(result.metrics)}" if len(result.metrics) else "") +
             f"<h2>Outputs</h2>{_html_table(result.outputs)}"
             f"<h2>Drift per chunk</h2>{_html_table(result.drift)}</body></html>")
     csv_name, drift_name, html_name = AUDIT_FILES

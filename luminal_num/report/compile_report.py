@@ -21,8 +21,15 @@ COMPILE_FILES = (CSV_NAME, PNG_NAME, HTML_NAME, OPS_NAME, PLAN_NAME, LAYER_CSV, 
 INTERRUPTED_KEY = "interrupted"  # plan.json field marking a partial result (the search was stopped)
 
 
+def metric_columns(budget) -> tuple[str, ...]:
+    """One report column per metric the budget limits, named by the metric (its verdict's worst value over the
+    calibration batches; blank where the verdict has none: a static bound, a pruned change)."""
+    return tuple(m.name for m in budget.metrics)
+
+
 def candidate_rows(result) -> pd.DataFrame:
     """One row per evaluated candidate (baselines labelled, the chosen plan and the search's front marked)."""
+    metrics = metric_columns(result.plan.budget)
     on_front = {e.id for e in reported_front(result.search.evaluated, result.search.stats.interrupted)}
     chosen_id = result.search.chosen.id if result.search.chosen is not None else -1
     sources = result.search.stats.baseline_sources  # what each labelled baseline follows
@@ -34,9 +41,11 @@ def candidate_rows(result) -> pd.DataFrame:
         rows.append({"candidate": e.id,
                      ERROR_COLUMN: e.verdict.share.of_budget(headroom),
                      ALLCLOSE_COLUMN: e.verdict.share.user_allclose,  # against the user's budget
+                     **{m: e.verdict.metrics.get(m, float("nan")) for m in metrics},  # a limited max_abs: its value
                      "latency_s": e.latency_s, "latency_source": e.latency.source if e.latency else "not profiled",
                      "verdict_source": e.verdict.source, "passes": bool(e.verdict.passed), "label": label,
-                     "stage": e.stage, "changes": len(tags), "max_abs": e.verdict.max_abs,
+                     "stage": e.stage, "changes": len(tags),
+                     **({} if "max_abs" in metrics else {"max_abs": e.verdict.max_abs}),
                      "variants": " ".join(sorted(set(tags))) or "fp32", "reason": e.verdict.reason,
                      "source": sources.get(e.label, "") if e.stage == Stage.BASELINE else "",
                      CHOSEN_COLUMN: e.id == chosen_id, FRONT_COLUMN: e.id in on_front})

@@ -48,3 +48,13 @@ def fmt_numbers_in(text: str, digits: int = 4) -> str:
     """A message for people: every long decimal in it shown with `digits` significant digits (a limit scaled
     by the headroom, top1_agreement>=0.964193979565321, reads top1_agreement>=0.9642). Files keep the text."""
     return _LONG_NUMBER.sub(lambda m: fmt_num(float(m.group(1)), digits), text)
+
+
+def fmt_metric_values(values, budget, headroom: float) -> str:
+    """Each metric the budget limits with its recorded value (error/metric_values.py), the limit it was judged
+    against (the budget scaled by the headroom) and the user's: 'kl_logits 3.056e-14 (judged <=0.01433,
+    budget <=0.02)'; a metric without a value reads '-'."""
+    gate = {m.name: m for m in budget.gate(headroom).metrics}
+    return ", ".join(f"{m.name} {fmt_num(values.get(m.name), 4)} (judged {gate[m.name].operator}"
+                     f"{fmt_num(gate[m.name].limit, 4)}, budget {m.operator}{fmt_num(m.limit, 4)})"
+                     for m in budget.metrics)

@@ -25,6 +25,7 @@ from ..codegen.rows import row_sums
 from ..codegen.serialize import LlirDataError, program_from_data, program_to_data
 from ..dtypes.variants import GEMM_VARIANTS
 from ..error.budget import Budget
+from ..error.metric_values import MetricValues
 from ..hlir.gemm import gemm_operand_b, read_operand
 from ..hlir.graph import Graph
 from ..hlir.partition import Partition, partition
@@ -181,6 +182,7 @@ class PlanVerdict:
     bound: float | None
     reason: str
     budget_share: float   # of the user's budget, over allclose and every metric (the reports' error axis)
+    metrics: MetricValues  # each budget metric's worst value on the calibration set (empty: none recorded)
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,8 @@ class Plan:
             # error: allclose alone (0 under an LLM's atol=inf); budget_share: over allclose and every metric
             "verdict": {"passed": bool(verdict.passed), "source": verdict.source, "error": _num(verdict.share.user_allclose),
                         "budget_share": _num(verdict.share.of_budget(headroom)),
-                        "max_abs": _num(verdict.max_abs), "bound": _num(verdict.bound), "reason": verdict.reason},
+                        "max_abs": _num(verdict.max_abs), "bound": _num(verdict.bound), "reason": verdict.reason,
+                        "metrics": verdict.metrics.record()},
             "latency": {"total_s": _num(latency.total_s), "source": latency.source, "target": latency.target,
                         "cuda_graph": latency.cuda_graph},
             "kernels": op_table(program, bindings),
@@ -359,7 +362,8 @@ class Plan:
     def verdict(self) -> PlanVerdict:
         v = self.data["verdict"]
         return PlanVerdict(bool(v["passed"]), str(v["source"]), _float(v["error"]), _float(v["max_abs"]),
-                           _float(v["bound"]), str(v["reason"]), _float(v["budget_share"]))
+                           _float(v["bound"]), str(v["reason"]), _float(v["budget_share"]),
+                           MetricValues.from_record(v.get("metrics", {})))  # checked on load (plan_file.py)
 
     @property
     def latency(self) -> PlanLatency:

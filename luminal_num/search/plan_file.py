@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..error.budget import Budget
+from ..error.metric_values import MetricValues
 
 DIGEST_KEY = "digest"
 DIGEST_ALGORITHM = "sha256"
@@ -86,6 +87,15 @@ def _optional(kind: type) -> Callable[[Any], bool]:
     return lambda v: v is None or _is(kind)(v)
 
 
+def _metric_values(value: Any) -> bool:
+    """A verdict's metric values as plan.json holds them (error/metric_values.py's record)."""
+    try:
+        MetricValues.from_record(value)
+    except (TypeError, ValueError, KeyError):
+        return False
+    return all(_number(v) for v in value.values())
+
+
 def _fraction(value: Any) -> bool:
     return _number(value) and not isinstance(value, str) and 0 < float(value) <= 1
 
@@ -104,13 +114,15 @@ TOP_LEVEL: dict[str, tuple[str, Callable[[Any], bool]]] = {
 RECORDS: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {
     "verdict": {"passed": ("true or false", _is(bool)), "source": ("a string", _is(str)),
                 "error": ("a number", _number), "budget_share": ("a number", _number), "max_abs": ("a number or null", lambda v: _number(v, True)),
-                "bound": ("a number or null", lambda v: _number(v, True)), "reason": ("a string", _is(str))},
+                "bound": ("a number or null", lambda v: _number(v, True)), "reason": ("a string", _is(str)),
+                "metrics": ("an object of metric name: number", _metric_values)},
     "latency": {"total_s": ("a number", _number), "source": ("a string", _is(str)), "target": ("a string", _is(str)),
                 "cuda_graph": ("true or false", _is(bool))},
     "job": {"model": ("a string or null", _optional(str)), "workload": ("a string or null", _optional(str)),
             "layers": ("an integer or null", _optional(int)), "heldout": ("a string or null", _optional(str))},
 }
-OPTIONAL = {("job", "heldout")}  # recorded only when given
+OPTIONAL = {("job", "heldout"),  # recorded only when given
+            ("verdict", "metrics")}  # plans written before verdicts recorded metric values have none
 
 
 def check_fields(data: Mapping[str, Any], where: str) -> None:
