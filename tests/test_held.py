@@ -94,3 +94,37 @@ def test_the_memory_plan_gives_the_judging_caches_a_share_of_the_budget(budget):
     job = load_job("llama-tiny")
     plan = plan_memory(job.graph.weights, parse_size(budget))
     assert 256 << 20 <= plan.judging <= plan.budget // 8
+
+
+@pytest.mark.parametrize("genome_tag", ["gemm:bf16", "gemm:tf32"])
+def test_the_weight_cache_holds_no_more_than_its_budget_of_prepared_gemm_operands(genome_tag):
+    """Measured by tracemalloc, not by the cache's own count: a BF16/TF32 Gemm's prepared B (a tuple of
+    Operand records) counted as 0 bytes, so the cache held every variant's operands past its budget
+    (SmolLM2 worker: 0.3 GB over a 0.2 GB budget after the headroom's four probes)."""
+    import gc
+    import tracemalloc
+    from luminal_num.hlir.weightcache import WEIGHTS
+    from luminal_num.runtime.cpu import CpuRuntime
+    job = load_job("llama-tiny")
+    space = SearchSpace.build(job.graph)
+    genome = frozenset((gk, k.cls, genome_tag) for gk, ks in space.knobs.items() for k in ks if genome_tag in k.tags)
+    assert genome
+    program = space.program(genome)
+    old = WEIGHTS.budget_bytes
+    WEIGHTS.clear()
+    budget = 64 << 10
+    try:
+        WEIGHTS.resize(budget)
+        gc.collect()
+        tracemalloc.start()
+        CpuRuntime(program, job.graph.weights).run(job.calibration[0])
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        WEIGHTS.clear()
+        gc.collect()
+        cache_bytes = held - tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        assert cache_bytes <= budget + (16 << 10), (cache_bytes, budget)  # + the entries' small records
+    finally:
+        WEIGHTS.clear()
+        WEIGHTS.resize(old)

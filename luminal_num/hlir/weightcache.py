@@ -14,7 +14,7 @@ is evicted; its bytes count.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable, Sequence, TypeVar
+from typing import Callable, Hashable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -24,14 +24,23 @@ T = TypeVar("T")
 DEFAULT_BUDGET_BYTES = 4 << 30  # a 135M-parameter model's float64 weights plus its FP32 stored weights and Gemm operands
 
 
-def nbytes(value, source: np.ndarray | None = None) -> int:
-    """Bytes held by an array, or by the arrays among a dataclass's fields / a tuple's items; arrays
-    that are views of `source` (an FP32 weight stored as is) hold nothing of their own: the weight's
-    pages are the graph's (often a file's), alive whether or not the entry is."""
+def nbytes(value, source: np.ndarray | None = None, _depth: int = 0) -> int:
+    """Bytes held by an array, or by the arrays anywhere inside a tuple, list, mapping or object (a
+    prepared Gemm operand is a tuple of Operand records holding arrays: counting only a container's
+    direct arrays gave it 0 bytes, and the cache grew past its budget with every variant's operands);
+    arrays that are views of `source` (an FP32 weight stored as is) hold nothing of their own: the
+    weight's pages are the graph's (often a file's), alive whether or not the entry is."""
     if isinstance(value, np.ndarray):
         return 0 if source is not None and np.may_share_memory(value, source) else value.nbytes
-    items = value if isinstance(value, tuple) else getattr(value, "__dict__", {}).values()
-    return sum(nbytes(v, source) for v in items if isinstance(v, np.ndarray))
+    if _depth > 6 or value is None or isinstance(value, (str, bytes, int, float, complex, bool)):
+        return 0
+    if isinstance(value, (tuple, list)):
+        items = value
+    elif isinstance(value, Mapping):
+        items = value.values()
+    else:
+        items = getattr(value, "__dict__", {}).values()
+    return sum(nbytes(v, source, _depth + 1) for v in items)
 
 
 class ByteLRU:
