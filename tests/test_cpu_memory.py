@@ -93,3 +93,32 @@ def test_a_finished_run_is_freed_without_the_cyclic_gc(model):
             assert freed() is None, "the runtime outlived its last reference"
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "transformer"])
+def test_a_run_gives_no_buffer_slot_to_a_weight_it_reads_from_the_weight_cache(model, monkeypatch):
+    """Each weight EXTERNAL had a slot the size of the weight that the CPU backend never wrote (its value comes
+    from the weight cache): the plan was the model's weights again, and a SmolLM2 whole-model run's heap held
+    ~0.5 GB of them. Truths: the program's own kernel list (which kernels are weights) and the same outputs
+    from a runtime whose plan gives every kernel a slot."""
+    from luminal_num.models.registry import load_job
+    from luminal_num.runtime import buffers
+    job = load_job(model)
+    space = SearchSpace.build(job.graph)
+    batch = job.calibration[0]
+    bindings = job.graph.bind_symbols(batch)
+    for genome in (frozenset(), _low_precision(space)):
+        program = space.program(genome)
+        weights = {k.id for k in program.kernels if k.kind is KernelKind.EXTERNAL and k.external in job.graph.weights}
+        assert weights
+        lean = CpuRuntime(program, job.graph.weights).run(batch)
+        assert not weights & set(lean.plan.slot_of)
+        others = sum(max(int(k.numel(bindings) * k.dtype.storage.itemsize), 1)
+                     for k in program.kernels if k.id not in weights)
+        assert lean.plan.total_bytes <= others
+        with monkeypatch.context() as m:  # every kernel a slot, as before
+            m.setattr(cpu, "plan_buffers", lambda prog, b, unbacked=frozenset(): buffers.plan_buffers(prog, b))
+            full = CpuRuntime(program, job.graph.weights).run(batch)
+        assert weights <= set(full.plan.slot_of) and full.plan.total_bytes > lean.plan.total_bytes
+        for name in full.outputs:
+            np.testing.assert_array_equal(lean.outputs[name], full.outputs[name], err_msg=name)

@@ -22,17 +22,21 @@ class PlanningError(RuntimeError):
     pass
 
 
-def plan_buffers(program: Program, bindings: Mapping[str, int]) -> BufferPlan:
+def plan_buffers(program: Program, bindings: Mapping[str, int], unbacked: frozenset[int] = frozenset()) -> BufferPlan:
     """Greedy best-fit reuse of dead buffers, in kernel (topological) order.
 
     A buffer dies after its last reader; graph outputs never die. An aliasing kernel (in-place
-    scatter) takes its destination's slot, which must die at that kernel.
+    scatter) takes its destination's slot, which must die at that kernel. `unbacked`: kernels whose
+    value the runtime holds elsewhere and never writes to a slot (the CPU backend's weights come from
+    its weight cache): they get none (a slot per weight sized the plan at the model's weights again,
+    and the heap pages it reused were resident: ~0.5 GB per SmolLM2 whole-model run).
     """
-    kernels = program.kernels
+    kernels = [k for k in program.kernels if k.id not in unbacked]
     last_use = {k.id: k.id for k in kernels}
     for k in kernels:
         for inp in k.inputs:
-            last_use[inp.buffer] = max(last_use[inp.buffer], k.id)
+            if inp.buffer not in unbacked:
+                last_use[inp.buffer] = max(last_use[inp.buffer], k.id)
     pinned = {kid for _, kid in program.outputs}
     need = {k.id: max(int(k.numel(bindings) * k.dtype.storage.itemsize), 1) for k in kernels}
     slot_of: dict[int, int] = {}
@@ -41,7 +45,7 @@ def plan_buffers(program: Program, bindings: Mapping[str, int]) -> BufferPlan:
     for k in kernels:
         if k.aliases is not None:
             dest = k.inputs[k.aliases].buffer
-            if last_use[dest] != k.id or dest in pinned:
+            if last_use[dest] != k.id or dest in pinned or dest in unbacked:
                 raise PlanningError(f"kernel {k.id} overwrites buffer {dest}, which is read later")
             slot_of[k.id] = slot_of[dest]
             slot_bytes[slot_of[k.id]] = max(slot_bytes[slot_of[k.id]], need[k.id])
@@ -56,6 +60,8 @@ def plan_buffers(program: Program, bindings: Mapping[str, int]) -> BufferPlan:
             slot_of[k.id] = s
         for inp in k.inputs:
             b = inp.buffer
+            if b in unbacked:
+                continue
             if last_use[b] == k.id and b not in pinned and slot_of[b] != slot_of[k.id] and slot_of[b] not in free:
                 free.append(slot_of[b])
         if last_use[k.id] == k.id and k.id not in pinned and k.kind is not KernelKind.EXTERNAL \

@@ -115,15 +115,17 @@ class CpuRuntime:
         feed.lazy = {k.external: k for k in self.program.kernels if k.external in weight_concats}
         feed.update(self._concatenated(feed, inputs, skip=weight_concats))
         bindings = {**bind_program(self.program, feed), **(bindings or {})}
-        key = tuple(sorted(bindings.items()))
+        weight_names = frozenset(n for n in self.weights if n not in inputs) | weight_concats
+        from_cache = frozenset(k.id for k in self.program.kernels  # never written to a slot: no slot
+                               if k.kind is KernelKind.EXTERNAL and k.external in weight_names)
+        key = (tuple(sorted(bindings.items())), from_cache)
         if key not in self._plans:
-            self._plans[key] = plan_buffers(self.program, bindings)
+            self._plans[key] = plan_buffers(self.program, bindings, from_cache)
         plan = self._plans[key]
         held, self._outputs = self._outputs, None  # a run that starts meanwhile allocates its own
         outs = held[1] if held is not None and held[0] == key else self._output_views(plan, bindings)
         stored = _Stored()
-        state = _Run(stored, {}, feed, bindings, frozenset(n for n in self.weights if n not in inputs)
-                     | weight_concats, self._compiled)
+        state = _Run(stored, {}, feed, bindings, weight_names, self._compiled)
         drops = self._weight_drops()
         timings = []
         wanted = {kid for _, kid in self.program.exports} if keep_exports else set()
@@ -166,6 +168,8 @@ class CpuRuntime:
         slots = [np.empty(n, dtype=np.uint8) for n in plan.slot_bytes]
         outs = {}
         for k in self.program.kernels:
+            if k.id not in plan.slot_of:  # read from the weight cache (plan_buffers' `unbacked`)
+                continue
             shape = tuple(eval_dim(d, bindings) for d in k.shape)
             nbytes = max(int(np.prod(shape, dtype=np.int64)) * k.dtype.storage.itemsize, 0)
             outs[k.id] = slots[plan.slot_of[k.id]][:nbytes].view(k.dtype.storage).reshape(shape)
