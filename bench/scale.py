@@ -9,6 +9,7 @@ Writes reports/bench/scale.csv.
 
     python -m bench.scale                      # every shape with its default candidates
     python -m bench.scale --shapes smollm2 --candidates 40
+    python -m bench.scale --shapes smollm2 --max-memory default,4G  # the same plan and time within 4 GB?
     python -m bench.scale --shapes gemma3-4b-shape --front-end   # loading + teacher forcing only:
                                                                  # reports/bench/scale_front_end.csv
     python -m bench.scale --executor ray [--layers N]            # bench/executors.py: local-1/-2, ray-2
@@ -139,7 +140,9 @@ def main(argv=None) -> pd.DataFrame | None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--candidates", type=int, default=None, help="default: each shape's own")
-    ap.add_argument("--max-memory", default=None)
+    ap.add_argument("--max-memory", default=None,
+                    help="the compile's memory budget; several, comma-separated ('default' for none), are each "
+                         "run on every shape, one after the other in this run (e.g. default,4G)")
     ap.add_argument("--front-end", action="store_true", help="load and teacher-force only (scale_front_end.csv)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--executor", choices=("ray",), default=None,
@@ -156,9 +159,11 @@ def main(argv=None) -> pd.DataFrame | None:
                              args.front_end)))
         return None
     rows = []
+    budgets = [None if b in (None, "default") else b for b in (args.max_memory or "default").split(",")]
     for name in args.shapes.split(","):
-        rows.append(measure(name, args.candidates, args.max_memory, args.front_end))
-        print(json.dumps(rows[-1]), flush=True)
+        for budget in budgets:
+            rows.append(measure(name, args.candidates, budget, args.front_end))
+            print(json.dumps(rows[-1]), flush=True)
     df = pd.DataFrame(rows)
     name = "scale_front_end.csv" if args.front_end else "scale.csv"
     path = OUT / name
