@@ -39,7 +39,7 @@ from .search.plan import Plan
 from .search.recipes import baseline_genomes
 from .search.search import Exploration, SearchOptions, SearchResult, confirm, explore
 from .search.space import SearchSpace
-from .runtime.latency import program_latency
+from .runtime.launch_form import program_latency
 from .runtime.targets import get_target
 
 STAGES = ("partition", "saturate", "reference", "headroom", "search", "confirm", "plan")

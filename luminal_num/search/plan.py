@@ -191,6 +191,10 @@ class PlanLatency:
     source: str           # "modelled" or "measured"
     target: str
     cuda_graph: bool
+    form: str = "kernels"  # the launch form the search chose (runtime/launch_form.py); older plans: kernels
+    kernels_s: float | None = None     # each form's price where both were priced
+    megakernel_s: float | None = None
+    megakernel_refusal: str = ""       # why the program cannot be one megakernel ("" when it can)
 
 
 @dataclass(frozen=True)
@@ -242,7 +246,9 @@ class Plan:
                         "max_abs": _num(verdict.max_abs), "bound": _num(verdict.bound), "reason": verdict.reason,
                         "metrics": verdict.metrics.record()},
             "latency": {"total_s": _num(latency.total_s), "source": latency.source, "target": latency.target,
-                        "cuda_graph": latency.cuda_graph},
+                        "cuda_graph": latency.cuda_graph, "form": latency.form.value,
+                        "kernels_s": _num(latency.kernels_s), "megakernel_s": _num(latency.megakernel_s),
+                        "megakernel_refusal": latency.megakernel_refusal},
             "kernels": op_table(program, bindings),
             "calibration_ranges": {k: [_num(lo), _num(hi)] for k, (lo, hi) in sorted(calibration_ranges.items())},
             "search": search_stats,
@@ -368,7 +374,9 @@ class Plan:
     @property
     def latency(self) -> PlanLatency:
         lat = self.data["latency"]
-        return PlanLatency(_float(lat["total_s"]), str(lat["source"]), str(lat["target"]), bool(lat["cuda_graph"]))
+        return PlanLatency(_float(lat["total_s"]), str(lat["source"]), str(lat["target"]), bool(lat["cuda_graph"]),
+                           str(lat.get("form", "kernels")), _float(lat.get("kernels_s")),
+                           _float(lat.get("megakernel_s")), str(lat.get("megakernel_refusal", "")))
 
     @property
     def kernels(self) -> list[dict]:

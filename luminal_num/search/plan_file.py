@@ -117,12 +117,18 @@ RECORDS: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {
                 "bound": ("a number or null", lambda v: _number(v, True)), "reason": ("a string", _is(str)),
                 "metrics": ("an object of metric name: number", _metric_values)},
     "latency": {"total_s": ("a number", _number), "source": ("a string", _is(str)), "target": ("a string", _is(str)),
-                "cuda_graph": ("true or false", _is(bool))},
+                "cuda_graph": ("true or false", _is(bool)),
+                "form": ("'kernels' or 'megakernel'", lambda v: v in ("kernels", "megakernel")),
+                "kernels_s": ("a number or null", lambda v: _number(v, True)),
+                "megakernel_s": ("a number or null", lambda v: _number(v, True)),
+                "megakernel_refusal": ("a string", _is(str))},
     "job": {"model": ("a string or null", _optional(str)), "workload": ("a string or null", _optional(str)),
             "layers": ("an integer or null", _optional(int)), "heldout": ("a string or null", _optional(str))},
 }
 OPTIONAL = {("job", "heldout"),  # recorded only when given
-            ("verdict", "metrics")}  # plans written before verdicts recorded metric values have none
+            ("verdict", "metrics"),  # plans written before verdicts recorded metric values have none
+            # plans written before the launch form was a search choice ran kernel by kernel
+            ("latency", "form"), ("latency", "kernels_s"), ("latency", "megakernel_s"), ("latency", "megakernel_refusal")}
 
 
 def check_fields(data: Mapping[str, Any], where: str) -> None:

@@ -19,7 +19,7 @@ from ..codegen.llir import Program
 from ..error.verdict import PREDICTED_SOURCES
 from ..quant.stored import CalibratedChoice
 from ..runtime.cost import Latency, UnsupportedOnTarget
-from ..runtime.latency import program_latency
+from ..runtime.launch_form import program_latency
 from ..error.executors import ExecutorSpec
 from ..runtime.targets import OPERAND_MATH, gemm_math, get_target
 from . import allocate
