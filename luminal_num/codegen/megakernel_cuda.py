@@ -239,7 +239,7 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             if threads % 32 or threads > BLOCK_THREADS:
                 raise MegakernelError(f"kernel {kernel.id} ({kernel.kind.value}): a block of {threads} threads is not "
                                       f"whole warps under {BLOCK_THREADS}: the megakernel cannot run its body")
-            args = tuple(_arg_slot(a, scratch) for a in launch.args) + ((dyn,) if dyn is not None else ())
+            args = tuple(_arg_slot(a, scratch, kernel) for a in launch.args) + ((dyn,) if dyn is not None else ())
             ops.append(CudaOp(qi, li, kernel.id, launch.entry, launch.grid, tuple(launch.block), args,
                               li == len(src.launches) - 1))
             sources.append(src)
@@ -256,9 +256,10 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
     return MegakernelSource(source, ENTRY_NAME, tuple(ops), tuple(sources), slot)
 
 
-def _arg_slot(arg, scratch: list[int]) -> int:
+def _arg_slot(arg, scratch: list[int], kernel) -> int:
     if arg.role == "scratch":
         return scratch[arg.index]
     if arg.role == "scales":  # a QUANTIZE kernel's scales: its scratch, held beside its buffer by the runtime
-        raise MegakernelError("a Gemm reading a QUANTIZE kernel's scales has no megakernel slot for them yet")
+        raise MegakernelError(f"kernel {kernel.id} ({kernel.kind.value}) reads a QUANTIZE kernel's scales, "
+                              "which have no megakernel slot yet")
     return arg.buffer
