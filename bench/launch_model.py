@@ -5,11 +5,10 @@ The old constants (targets.LEGACY_LAUNCH): 1 us per CUDA graph node, no minimum 
 quantization. The new (targets.PUBLISHED_HOPPER_LAUNCH): 1.3 us per node (Hazy Research, H100), a 1.0 us
 minimum kernel time (sglang #24733, H100) and wave quantization of each kernel's tiles over the 132 SMs
 (codegen/blockops.py). The megakernel column is runtime/megakernel_cost.py: the same work queue's tiles
-on the SMs, barrier waits along the critical path, one launch, pricing what the device megakernel runs
-(every Gemm its tiled body, a stored weight read widened to FP32: runtime/cuda_megakernel.py);
-`megakernel_stored_us` is the same schedule if its bodies read the plan's stored bytes (a
-dequantize-on-load megakernel body, not built). `floor_us` is the plan's bytes / 4.8 TB/s (the
-published bandwidth). `critical_hops` is the number of tiles on the longest barrier chain, each paying
+on the SMs, barrier waits along the critical path, one launch, pricing the bodies the device megakernel
+runs (a Gemm over a stored weight its dequantize-on-load body, every other Gemm its tiled body:
+runtime/cuda_megakernel.py). `floor_us` is the plan's bytes (weights at their stored bytes) / 4.8 TB/s
+(the published bandwidth). `critical_hops` is the number of tiles on the longest barrier chain, each paying
 the assumed per-tile overhead (megakernel_cost.TILE_OVERHEAD_S); `overhead_share` the part of the
 critical path that overhead is. `chosen_form`: the launch form the search records
 (runtime/launch_form.py), `chosen_us` its price. The step is a SmolLM2-135M-shaped decode (bench/storage_decode.py's config, random
@@ -19,7 +18,6 @@ Writes reports/bench/launch_model.csv.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from pathlib import Path
 
@@ -34,17 +32,6 @@ from .storage_decode import SMOLLM2
 
 OUT = Path("reports/bench")
 TARGET = "h200"
-
-
-def _stored_bytes_schedule(queue, program, bindings):
-    """The megakernel schedule with every body reading the plan's stored bytes (the tiled bodies' math,
-    the kernel form's bytes): what a dequantize-on-load megakernel body would move."""
-    from luminal_num.runtime.cost import LaunchForm
-    from luminal_num.runtime.megakernel_cost import megakernel_latency
-    stored = kernel_works(program, bindings)
-    tiled = kernel_works(program, bindings, LaunchForm.MEGAKERNEL)
-    works = [dataclasses.replace(t, bytes_read=s.bytes_read) for s, t in zip(stored, tiled)]
-    return megakernel_latency(queue, program, TARGET, bindings, works=works)
 
 
 def rows_for(name: str, graph, bindings) -> list[dict]:
@@ -62,15 +49,12 @@ def rows_for(name: str, graph, bindings) -> list[dict]:
         new = modelled_latency(program, TARGET, bindings).total_s
         queue = build_queue(program)
         mega = megakernel_latency(queue, program, TARGET, bindings)
-        stored = _stored_bytes_schedule(queue, program, bindings)
         chosen = priced_latency(program, TARGET, bindings)
         floor = moved / target.hbm_bandwidth
-        rows.append(dict(model=name, genome=label, kernels=len(works), bytes_moved=moved,
-                         megakernel_bytes_moved=mega.bytes_moved, floor_us=1e6 * floor,
+        rows.append(dict(model=name, genome=label, kernels=len(works), bytes_moved=moved, floor_us=1e6 * floor,
                          old_us=1e6 * old, new_us=1e6 * new, megakernel_us=1e6 * mega.total_s,
                          megakernel_critical_path_us=1e6 * mega.critical_path_s, critical_hops=mega.critical_hops,
                          overhead_share=mega.overhead_share, megakernel_over_floor=mega.total_s / floor,
-                         megakernel_stored_us=1e6 * stored.total_s, megakernel_stored_over_floor=stored.total_s / floor,
                          chosen_form=chosen.form.value, chosen_us=1e6 * chosen.total_s,
                          chosen_over_floor=chosen.total_s / floor, new_over_old=new / old))
     for key in ("old_us", "new_us", "megakernel_us", "chosen_us"):
@@ -90,7 +74,7 @@ def run(layers: int = SMOLLM2.num_hidden_layers, max_cache: int = 256) -> dict:
     df.to_csv(OUT / "launch_model.csv", index=False)
     with pd.option_context("display.width", 250, "display.max_columns", 20):
         print(df[["genome", "kernels", "floor_us", "old_us", "new_us", "megakernel_us", "megakernel_over_floor",
-                  "megakernel_stored_us", "megakernel_stored_over_floor", "critical_hops", "overhead_share",
+                  "critical_hops", "overhead_share",
                   "chosen_form", "chosen_us", "rank_old", "rank_new", "rank_megakernel", "rank_chosen"]
                  ].round(2).to_string(index=False))
     print(f"[{time.perf_counter() - start:.1f} s]")

@@ -38,32 +38,28 @@ def serial_extent(k: Kernel, bindings: Mapping[str, int]) -> int:
 
 def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm = LaunchForm.KERNELS) -> list[KernelWork]:
     """A QUANTIZE kernel runs on CUDA cores in FP32 (amax, divide, convert); a Gemm reading its buffer
-    also reads the scales kept beside it. `form`: what each launch form runs. In the megakernel
-    (runtime/cuda_megakernel.py) a Gemm is the dequantize-on-load body where kernel by kernel it is that
-    kernel (its weight read in its stored bytes), else its tiled body (a library call cannot be inlined),
-    and every other reader of a weight held in a storage format reads it widened to its FP32 buffer; a KV
-    cache keeps its format in both forms."""
+    also reads the scales kept beside it. A weight held in a storage format is priced at its stored bytes
+    in either form (the plan's storage choice; the CUDA runtime still uploads a widened copy for readers
+    other than the dequantize-on-load Gemm: see the README). `form`: in the megakernel
+    (runtime/cuda_megakernel.py) a Gemm that is not dequantize-on-load runs its tiled body (a library call
+    cannot be inlined)."""
     dtypes = program.dtypes()
     scales = {k.id: k.scales_bytes(bindings) for k in program.kernels if k.kind is KernelKind.QUANTIZE}
     element_bytes = program.element_bytes(bindings)  # weights held in a storage format: their stored bytes
-    caches = program.cache_buffers()
-    widened = {kid: b for kid, b in element_bytes.items() if kid in caches}
     works = []
     for k in program.launched():
         math, tc = "fp32", False
-        implementation, stored = None, element_bytes
+        implementation = None
         if k.kind.is_gemm:
             implementation = gemm_implementation(k, program, bindings)
             if form is LaunchForm.MEGAKERNEL and implementation is not GemmImpl.WEIGHT_ONLY:
                 implementation = GemmImpl.TILED
-        if form is LaunchForm.MEGAKERNEL and implementation is not GemmImpl.WEIGHT_ONLY:
-            stored = widened
         if implementation is not None and implementation.library:
             math, tc = gemm_math(GEMM_VARIANTS[k.precision or "f32"])
         elif k.kind is KernelKind.ATTENTION:  # its two products run in the Q K^T operand format
             math, tc = OPERAND_MATH[ATTENTION_VARIANTS[k.precision].qk.name]
         side = sum(scales.get(inp.buffer, 0) for inp in k.inputs)
-        works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes, stored) + side,
+        works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes, element_bytes) + side,
                                 bytes_written=k.bytes_stored(bindings), flops=k.flops(bindings), math=math,
                                 tensor_core=tc, tiles=tile_count(k, bindings),
                                 implementation=implementation.value if implementation is not None else k.kind.value,
