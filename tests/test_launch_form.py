@@ -40,6 +40,27 @@ def test_both_forms_are_priced_and_the_cheaper_one_is_chosen():
     assert got.form is (LaunchForm.MEGAKERNEL if mega < kernels else LaunchForm.KERNELS)
 
 
+def test_the_megakernel_form_prices_the_bodies_it_inlines():
+    """A W4A16 llama-tiny layer: a dequantize-on-load Gemm keeps its implementation and stored bytes in
+    the megakernel; every other Gemm becomes its tiled FP32 body on CUDA cores, with the same bytes."""
+    from luminal_num.codegen.cuda_weight_only import weight_only_gemm
+    from luminal_num.runtime.latency import kernel_works
+    program, bindings = _job_program(llama_tiny_job(seq=4, layers=1), ("store:int4_g128", "gemm:bf16"))
+    kernels = kernel_works(program, bindings)
+    mega = kernel_works(program, bindings, LaunchForm.MEGAKERNEL)
+    checked = set()
+    for k, kw, mw in zip(program.launched(), kernels, mega):
+        assert mw.bytes_moved == kw.bytes_moved and mw.flops == kw.flops
+        if k.kind.is_gemm:
+            dequantizing = weight_only_gemm(k, program) is not None
+            checked.add(dequantizing)
+            assert mw.implementation == ("weight_only" if dequantizing else "tiled")
+            assert mw.math == "fp32" and not mw.tensor_core
+        else:
+            assert mw == kw
+    assert checked == {True, False}
+
+
 def _square_matmul(n: int) -> Graph:
     g = Graph()
     a = g.input("a", (n, n))
