@@ -192,7 +192,8 @@ def invariance_price(ctx: CompileContext, space: SearchSpace, genome, latency, b
     search priced the chosen one (the target's model, or the CPU measured)."""
     plain = space.with_batch_invariance(False).program(genome)
     calibration = ctx.calibration[0] if ctx.calibration else None
-    plain_latency = program_latency(plain, ctx.target, bindings, ctx.graph.weights, calibration)
+    plain_latency = program_latency(plain, ctx.target, bindings, ctx.graph.weights, calibration,
+                                    ctx.options.megakernel)
     return InvariancePrice(latency.target, latency.source, latency.total_s, plain_latency.total_s)
 
 

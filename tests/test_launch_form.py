@@ -98,8 +98,17 @@ def test_the_measured_cpu_target_chooses_no_form():
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("launch_form") / "report"
-    assert main(["compile", "--model", "transformer", "--candidates", "2", "--quiet", "--out", str(out)]) == EXIT_OK
+    assert main(["compile", "--model", "transformer", "--candidates", "2", "--quiet", "--megakernel",
+                 "--out", str(out)]) == EXIT_OK
     return out
+
+
+def test_without_the_option_every_candidate_is_priced_kernel_by_kernel(tmp_path):
+    """The megakernel's model is opt-in until a device confirms it (the last device run measured it slower)."""
+    out = tmp_path / "report"
+    assert main(["compile", "--model", "transformer", "--candidates", "2", "--quiet", "--out", str(out)]) == EXIT_OK
+    lat = json.loads((out / "plan.json").read_text())["latency"]
+    assert lat["form"] == "kernels" and lat.get("megakernel_s") is None
 
 
 def test_the_plan_records_the_chosen_form_and_its_digest_covers_it(compiled, tmp_path, capsys):

@@ -37,9 +37,12 @@ def megakernel_refusal(program: Program) -> str:
     return ""
 
 
-def priced_latency(program: Program, target: str, bindings: Mapping[str, int]) -> Latency:
-    """Modelled latency of the cheaper launch form (kernel by kernel on a tie), with both prices."""
+def priced_latency(program: Program, target: str, bindings: Mapping[str, int], megakernel: bool = True) -> Latency:
+    """Modelled latency of the cheaper launch form (kernel by kernel on a tie), with both prices
+    (`megakernel` False: kernel by kernel only)."""
     kernels = modelled_latency(program, target, bindings)
+    if not megakernel:
+        return kernels
     refusal = megakernel_refusal(program)
     if refusal:
         return dataclasses.replace(kernels, kernels_s=kernels.total_s, megakernel_refusal=refusal)
@@ -51,11 +54,14 @@ def priced_latency(program: Program, target: str, bindings: Mapping[str, int]) -
     return dataclasses.replace(kernels, **both)
 
 
-def program_latency(program: Program, target: str, bindings: Mapping[str, int], weights=None, inputs=None) -> Latency:
-    """The search's price of a lowered program: measured on the CPU (kernel by kernel), else modelled in
-    the cheaper launch form."""
+def program_latency(program: Program, target: str, bindings: Mapping[str, int], weights=None, inputs=None,
+                    megakernel: bool = False) -> Latency:
+    """The search's price of a lowered program: measured on the CPU (kernel by kernel), else modelled kernel
+    by kernel, or (`megakernel`) in the cheaper launch form. Opt-in: the megakernel's model is not yet
+    confirmed on a device, where the one measurement so far (1-layer SmolLM2, before its bodies were
+    priced as run) found it 4.7x slower than kernel by kernel (1.03 ms vs 0.22 ms)."""
     if get_target(target).measured_only:
         if inputs is None:
             raise ValueError("the cpu target is measured: calibration inputs are needed")
         return measured_cpu_latency(program, weights, inputs)
-    return priced_latency(program, target, bindings)
+    return priced_latency(program, target, bindings, megakernel)
