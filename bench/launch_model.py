@@ -5,8 +5,13 @@ The old constants (targets.LEGACY_LAUNCH): 1 us per CUDA graph node, no minimum 
 quantization. The new (targets.PUBLISHED_HOPPER_LAUNCH): 1.3 us per node (Hazy Research, H100), a 1.0 us
 minimum kernel time (sglang #24733, H100) and wave quantization of each kernel's tiles over the 132 SMs
 (codegen/blockops.py). The megakernel column is runtime/megakernel_cost.py: the same work queue's tiles
-on the SMs, barrier waits along the critical path, one launch. `floor_us` is bytes / 4.8 TB/s (the
-published bandwidth). The step is a SmolLM2-135M-shaped decode (bench/storage_decode.py's config, random
+on the SMs, barrier waits along the critical path, one launch, pricing the bodies the device megakernel
+runs (a Gemm over a stored weight its dequantize-on-load body, every other Gemm its tiled body:
+runtime/cuda_megakernel.py). `floor_us` is the plan's bytes (weights at their stored bytes) / 4.8 TB/s
+(the published bandwidth). `critical_hops` is the number of tiles on the longest barrier chain, each paying
+the assumed per-tile overhead (megakernel_cost.TILE_OVERHEAD_S); `overhead_share` the part of the
+critical path that overhead is. `chosen_form`: the launch form the search records
+(runtime/launch_form.py), `chosen_us` its price. The step is a SmolLM2-135M-shaped decode (bench/storage_decode.py's config, random
 weights: the model reads shapes), one sequence, fusion on, each genome of bench/fusion.py.
 Writes reports/bench/launch_model.csv.
 """
@@ -31,6 +36,7 @@ TARGET = "h200"
 
 def rows_for(name: str, graph, bindings) -> list[dict]:
     from luminal_num.codegen.megakernel import build_queue
+    from luminal_num.runtime.launch_form import priced_latency
     from luminal_num.runtime.megakernel_cost import megakernel_latency
     space = SearchSpace.build(graph, fusion=True)
     target = get_target(TARGET)
@@ -41,13 +47,17 @@ def rows_for(name: str, graph, bindings) -> list[dict]:
         moved = sum(w.bytes_moved for w in works)
         old = modelled_latency(program, TARGET, bindings, launch=LEGACY_LAUNCH).total_s
         new = modelled_latency(program, TARGET, bindings).total_s
-        mega = megakernel_latency(build_queue(program), program, TARGET, bindings)
+        queue = build_queue(program)
+        mega = megakernel_latency(queue, program, TARGET, bindings)
+        chosen = priced_latency(program, TARGET, bindings)
         floor = moved / target.hbm_bandwidth
         rows.append(dict(model=name, genome=label, kernels=len(works), bytes_moved=moved, floor_us=1e6 * floor,
                          old_us=1e6 * old, new_us=1e6 * new, megakernel_us=1e6 * mega.total_s,
-                         megakernel_critical_path_us=1e6 * mega.critical_path_s,
-                         megakernel_over_floor=mega.total_s / floor, new_over_old=new / old))
-    for key in ("old_us", "new_us", "megakernel_us"):
+                         megakernel_critical_path_us=1e6 * mega.critical_path_s, critical_hops=mega.critical_hops,
+                         overhead_share=mega.overhead_share, megakernel_over_floor=mega.total_s / floor,
+                         chosen_form=chosen.form.value, chosen_us=1e6 * chosen.total_s,
+                         chosen_over_floor=chosen.total_s / floor, new_over_old=new / old))
+    for key in ("old_us", "new_us", "megakernel_us", "chosen_us"):
         order = sorted(range(len(rows)), key=lambda i: rows[i][key])
         for rank, i in enumerate(order, 1):
             rows[i][f"rank_{key[:-3]}"] = rank
@@ -64,14 +74,19 @@ def run(layers: int = SMOLLM2.num_hidden_layers, max_cache: int = 256) -> dict:
     df.to_csv(OUT / "launch_model.csv", index=False)
     with pd.option_context("display.width", 250, "display.max_columns", 20):
         print(df[["genome", "kernels", "floor_us", "old_us", "new_us", "megakernel_us", "megakernel_over_floor",
-                  "rank_old", "rank_new", "rank_megakernel"]].round(2).to_string(index=False))
+                  "critical_hops", "overhead_share",
+                  "chosen_form", "chosen_us", "rank_old", "rank_new", "rank_megakernel", "rank_chosen"]
+                 ].round(2).to_string(index=False))
     print(f"[{time.perf_counter() - start:.1f} s]")
     best_old, best_new = df.loc[df.old_us.idxmin()], df.loc[df.new_us.idxmin()]
     best_mega = df.loc[df.megakernel_us.idxmin()]
+    best_chosen = df.loc[df.chosen_us.idxmin()]
     return {"SmolLM2 decode fastest (old constants)": f"{best_old.genome}: {best_old.old_us:.1f} us",
             "SmolLM2 decode fastest (new constants)": f"{best_new.genome}: {best_new.new_us:.1f} us",
             "SmolLM2 decode megakernel": f"{best_mega.genome}: {best_mega.megakernel_us:.1f} us, "
-                                         f"{best_mega.megakernel_over_floor:.2f}x the bytes floor"}
+                                         f"{best_mega.megakernel_over_floor:.2f}x the bytes floor",
+            "SmolLM2 decode as the search prices it": f"{best_chosen.genome}: {best_chosen.chosen_form}, "
+                                                     f"{best_chosen.chosen_us:.1f} us"}
 
 
 def main(argv=None) -> dict:

@@ -19,7 +19,7 @@ import pandas as pd
 from luminal_num.error.budget import Budget
 from luminal_num.error.judge import Judge
 from luminal_num.runtime.cost import UnsupportedOnTarget
-from luminal_num.runtime.latency import program_latency
+from luminal_num.runtime.launch_form import program_latency
 from luminal_num.search.front import LATENCY_TIE
 from luminal_num.search.space import group_of
 

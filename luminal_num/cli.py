@@ -28,7 +28,7 @@ from .error.verdict_store import VerdictCacheWarning
 from .quant.converted_disk import ConvertedCacheWarning
 from .memory import MemoryBudgetError, plan_memory
 from .report.files import OutputDirError, OutputLocked, check_output_dir, output_lock
-from .report.numbers import fmt_latency, fmt_metric_values, fmt_num, fmt_numbers_in
+from .report.numbers import fmt_latency, fmt_launch_form, fmt_metric_values, fmt_num, fmt_numbers_in
 from .report.pareto import ERROR_COLUMN
 from .runtime.targets import get_target
 
@@ -108,7 +108,8 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     opts = SearchOptions(seed=args.seed, max_candidates=args.candidates, time_limit_s=args.time_limit,
                          target=args.target, progress=not args.quiet,
                          headroom=getattr(args, "headroom", None), calibrated=getattr(args, "gptq", False),
-                         batch_invariant=getattr(args, "batch_invariant", False), executor=executor_of(args))
+                         batch_invariant=getattr(args, "batch_invariant", False), executor=executor_of(args),
+                         megakernel=getattr(args, "megakernel", False))
     try:
         get_target(args.target)
     except KeyError as exc:  # unknown target: refused before any work (an internal KeyError is a bug, not bad input)
@@ -173,7 +174,7 @@ def _print_compile_summary(result, budget, files: dict, cache_dir: Path | None) 
     allclose = "" if not budget.allclose_applies else f", allclose ratio {fmt_num(plan.verdict.error)}"
     print(f"\nChosen plan{named}: budget share {fmt_num(chosen[ERROR_COLUMN])}{allclose} ({plan.verdict.source}; "
           f"budget 1, judged against {fmt_num(headroom)}), latency {fmt_latency(plan.latency.total_s)} "
-          f"({plan.latency.source})")
+          f"({_latency_how(plan)})")
     if plan.verdict.metrics:  # the metric values it was judged on (the worst calibration batch)
         print(f"  {_metric_line(plan)}")
     elif not budget.allclose_applies:
@@ -309,6 +310,12 @@ def _audit_locked(plan, job, batches, out: Path, oj=None) -> int:
     return EXIT_OK if result.passed else EXIT_CONTRACT
 
 
+def _latency_how(plan) -> str:
+    """Where the latency came from and, when modelled, the launch form the search chose."""
+    form = fmt_launch_form(plan.latency)
+    return f"{plan.latency.source}, {form}" if form else plan.latency.source
+
+
 def cmd_inspect(args) -> int:
     import pandas as pd
     plan = _load_plan(args.plan)
@@ -319,7 +326,7 @@ def cmd_inspect(args) -> int:
         print(_metric_line(plan))
     if plan.interrupted:
         print(f"PARTIAL RESULT: {plan.interrupted}")
-    print(f"latency {fmt_latency(plan.latency.total_s)} ({plan.latency.source})\n")
+    print(f"latency {fmt_latency(plan.latency.total_s)} ({_latency_how(plan)})\n")
     print(pd.DataFrame(plan.kernels).fillna("").to_string(index=False))  # a kernel without an epilogue: blank
     return EXIT_OK
 

@@ -95,6 +95,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         p.add_argument("--batch-invariant", action="store_true", default=False,
                        help="only batch-invariant plans: each input's outputs bit for bit the same alone or in any "
                             "batch, at any thread count (fixed-order kernels; recorded in plan.json)")
+        p.add_argument("--megakernel", action="store_true", default=False,
+                       help="also price each candidate as one persistent megakernel and keep the cheaper launch form "
+                            "(a model not yet confirmed on a device; recorded in plan.json)")
         p.add_argument("--verdict-cache", default=None, metavar="PATH",
                        help="folder where measured verdicts persist, reused by a later compile of the same model, "
                             "inputs and budget (default: <out>/verdicts)")

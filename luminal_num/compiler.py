@@ -39,7 +39,7 @@ from .search.plan import Plan
 from .search.recipes import baseline_genomes
 from .search.search import Exploration, SearchOptions, SearchResult, confirm, explore
 from .search.space import SearchSpace
-from .runtime.latency import program_latency
+from .runtime.launch_form import program_latency
 from .runtime.targets import get_target
 
 STAGES = ("partition", "saturate", "reference", "headroom", "search", "confirm", "plan")
@@ -192,7 +192,8 @@ def invariance_price(ctx: CompileContext, space: SearchSpace, genome, latency, b
     search priced the chosen one (the target's model, or the CPU measured)."""
     plain = space.with_batch_invariance(False).program(genome)
     calibration = ctx.calibration[0] if ctx.calibration else None
-    plain_latency = program_latency(plain, ctx.target, bindings, ctx.graph.weights, calibration)
+    plain_latency = program_latency(plain, ctx.target, bindings, ctx.graph.weights, calibration,
+                                    ctx.options.megakernel)
     return InvariancePrice(latency.target, latency.source, latency.total_s, plain_latency.total_s)
 
 

@@ -171,7 +171,7 @@ def test_plan_round_trips_a_per_chunk_genome(job3, space3, refs3, tmp_path):
                   references=refs3)
     prog = space3.program(genome)
     v = judge.judge(prog, genome)
-    from luminal_num.runtime.latency import program_latency
+    from luminal_num.runtime.launch_form import program_latency
     lat = program_latency(prog, "h200", judge.latency_bindings, job3.graph.weights, job3.calibration[0])
     plan = Plan.create(space3, genome, prog, judge.ev.budget, "h200", 0, v, lat, judge.latency_bindings, {}, {},
                        job3.graph.weights)

@@ -3,6 +3,8 @@ the arguments the interpreter loop's switch passes it, computes what the CPU bac
 (tests/cuda_interpreter.py runs the bodies single-threaded, or block by block where they synchronise)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -10,11 +12,15 @@ from cuda_interpreter import Buffer, compile_entry, entry_body, launch
 from luminal_num.codegen import nvrtc
 from luminal_num.codegen.llir import KernelKind
 from luminal_num.codegen.megakernel import build_queue
+from luminal_num.codegen.cuda_weight_only import weight_only_gemm
 from luminal_num.codegen.megakernel_cuda import ENTRY_NAME, render_megakernel
 from luminal_num.dtypes.formats import Kind
 from luminal_num.hlir.symbolic import evaluate
 from luminal_num.models.llama import build_decode, random_weights
-from luminal_num.runtime.cpu import bind_program
+from luminal_num.models.registry import llama_tiny_job
+from luminal_num.quant.storage import STORAGE_FORMATS
+from luminal_num.runtime.cpu import CpuRuntime, bind_program
+from luminal_num.runtime.weight_only import stored_weight
 from luminal_num.search.recipes import BF16_WEIGHTS, STORAGE_RECIPES, pick
 from luminal_num.search.space import SearchSpace
 from test_cuda_codegen import MODELS, needs_nvrtc, stored_values, tolerance
@@ -23,17 +29,28 @@ from test_megakernel import chain_program, feed
 SMOLLM2_LAYER = None
 
 
-def _transformer_program():
+def _transformer_program(tags=()):
     model = next(m for name, m in MODELS.items() if name.startswith("transformer"))
     space = SearchSpace.build(model.graph)
-    return space.program(()), {**model.graph.weights, **model.make_inputs(5)}
+    return space.program(pick(space, set(tags).__contains__)), {**model.graph.weights, **model.make_inputs(5)}
 
 
-def _run_ops(mega, program, stored, bindings):
-    """Every CudaOp's body from the megakernel source, with its switch's argument slots; returns
-    kernel id -> its output as the body wrote it."""
+def _stored_part(program, weight: int, part: int, inputs) -> Buffer:
+    """A stored weight's part as the runtime uploads it (CudaRuntime._stored_parts): packed codes, scales."""
+    w = program.kernel(weight)
+    fmt = STORAGE_FORMATS[w.storage]
+    arr = np.asarray(fmt.pack(stored_weight(w, inputs)).arrays[fmt.parts[part]])
+    return Buffer(arr.astype(np.float64).reshape(-1), arr.dtype.kind in "iu")
+
+
+def _run_ops(mega, program, stored, bindings, inputs=None, only=None):
+    """Every CudaOp's body (or those of the kernels in `only`) from the megakernel source, with its
+    switch's argument slots, reading the CPU backend's values; returns kernel id -> its output."""
     results, scratch_bufs = {}, {}
+    uses = {u.slot: u for u in mega.uses}
     for op, src in zip(mega.ops, mega.sources):
+        if only is not None and op.kernel not in only:
+            continue
         k = program.kernel(op.kernel)
         fn, params = compile_entry(mega.source, op.entry)
         out = results.get(k.id)
@@ -41,15 +58,18 @@ def _run_ops(mega, program, stored, bindings):
             first = stored[k.inputs[0].buffer] if k.kind.in_place else np.zeros(k.numel(bindings))
             out = results[k.id] = Buffer(np.array(first, dtype=np.float64).reshape(-1), k.dtype.kind is Kind.INT)
         args = {}
-        scratch_slots = range(len(program.kernels), mega.slots)
         for name, slot in zip(params, op.arg_slots):
+            use = uses.get(slot)
             if slot == k.id:
                 args[name] = out
-            elif slot in scratch_slots and name == "dyn_dims":
+            elif use is not None and use.part is not None:  # a dequantize-on-load body's stored part
+                assert src is None and name.startswith("w_")
+                args[name] = _stored_part(program, use.kernel, use.part, inputs)
+            elif use is not None and use.index is None:
+                assert name == "dyn_dims"
                 args[name] = Buffer(np.asarray(src.dyn_values(bindings), dtype=np.float64), True)
-            elif slot in scratch_slots:
-                index = slot - min(s for s in op.arg_slots if s in scratch_slots)
-                scratch_bufs.setdefault(slot, Buffer(np.zeros(src.scratch[index].numel(bindings)), False))
+            elif use is not None:
+                scratch_bufs.setdefault(slot, Buffer(np.zeros(src.scratch[use.index].numel(bindings)), False))
                 args[name] = scratch_bufs[slot]
             else:
                 args[name] = Buffer(np.array(stored[slot], dtype=np.float64).reshape(-1),
@@ -75,6 +95,29 @@ def test_each_inlined_op_body_computes_what_the_cpu_backend_computes(case):
         ref = stored[k.id].reshape(got[k.id].shape)
         np.testing.assert_allclose(got[k.id], ref, rtol=0, atol=_tolerance(k, ref, bindings),
                                    err_msg=f"kernel {k.id} {k.kind.value}")
+
+
+def test_a_gemm_over_a_stored_weight_inlines_the_dequantize_on_load_body():
+    """A W4A16 llama-tiny layer: its Gemms over int4 weights run the dequantize-on-load body on the packed
+    codes and scales (slots of their own, shared by the readers of one weight), as kernel by kernel."""
+    job = llama_tiny_job(seq=4, layers=1)
+    space = SearchSpace.build(job.graph)
+    program = space.program(pick(space, {"store:int4_g128", "gemm:bf16"}.__contains__))
+    mega = render_megakernel(program, build_queue(program))
+    dequantizing = {op.kernel for op, src in zip(mega.ops, mega.sources) if src is None}
+    assert dequantizing == {k.id for k in program.launched() if weight_only_gemm(k, program)} != set()
+    assert {u.part for u in mega.uses if u.part is not None} == {0, 1}  # the int4 codes and their scales
+    inputs = {**job.graph.weights, **job.calibration[0]}
+    bindings = bind_program(program, inputs)
+    computed = tuple((f"k{k.id}", k.id) for k in program.launched() if not k.kind.in_place)  # no stored weights
+    run = CpuRuntime(dataclasses.replace(program, outputs=computed), job.graph.weights).run(job.calibration[0])
+    stored = {int(name[1:]): value for name, value in run.outputs.items()}
+    got = _run_ops(mega, program, stored, bindings, inputs, only=dequantizing)
+    for kid in dequantizing:  # BF16 x BF16 products are exact in FP32: only the order of the K-sum differs
+        k = program.kernel(kid)
+        ref = stored[kid].reshape(got[kid].shape)
+        envelope = evaluate(k.layout.k, bindings) * 2.0 ** -23 * (float(np.max(np.abs(ref))) + 1.0) * 2
+        np.testing.assert_allclose(got[kid], ref, rtol=0, atol=envelope, err_msg=f"kernel {kid}")
 
 
 def _tolerance(k, ref, bindings) -> float:
@@ -119,3 +162,5 @@ def test_megakernel_compiles_with_nvrtc_for_sm90(genome):
     assert KernelKind.ROWS in kinds and any(k.is_gemm for k in kinds)
     if "attention" in genome:
         assert KernelKind.ATTENTION in kinds
+    if genome != "FP32":  # the Gemms over stored weights inline the dequantize-on-load body
+        assert any(src is None for src in mega.sources)

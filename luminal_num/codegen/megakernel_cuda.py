@@ -9,6 +9,11 @@ macros over the current tile (`blockIdx`, `gridDim`, `blockDim`, `threadIdx` fro
 `__syncthreads()` a named barrier over the body's threads); every body loops grid-stride, so any
 virtual grid computes its whole output, and the grids are the launches' own.
 
+A Gemm the kernel-by-kernel runtime runs as the dequantize-on-load kernel (codegen/cuda_weight_only.py:
+B a weight held in a storage format) inlines that kernel's body, reading the weight's stored parts
+(packed codes, scales) from slots of their own (`MegakernelSource.parts`), so the megakernel moves the
+plan's stored bytes; every other Gemm inlines its tiled fallback.
+
 The table the loop reads (ops, waits, counters) is built per run from the symbolic queue
 (`MegakernelSource.table`): a launch whose blocks are the queue op's tiles keeps its flat barrier
 (one counter per tile); any other (a Gemm's scale prologue, a short-row reduction's 128-row blocks)
@@ -25,6 +30,7 @@ from ..hlir.symbolic import evaluate
 from .blockops import Partition
 from .cuda_kernels import render_kernel
 from .cuda_source import KernelSource, Launch, ceil_count
+from .cuda_weight_only import weight_only_gemm
 from .llir import Program
 from .megakernel import MegakernelError, WorkQueue
 
@@ -48,12 +54,24 @@ class CudaOp:
 
 
 @dataclass(frozen=True)
+class SlotUse:
+    """What one bufs[] entry past the LLIR values points at: a kernel's scratch `index`, its dyn_dims
+    (`index` None), or, for a stored weight a dequantize-on-load body reads, its stored `part`."""
+
+    slot: int
+    kernel: int
+    index: int | None = None
+    part: int | None = None
+
+
+@dataclass(frozen=True)
 class MegakernelSource:
     source: str
     name: str
     ops: tuple[CudaOp, ...]
-    sources: tuple[KernelSource, ...]  # per CudaOp, the kernel's own source (scratch, symbols)
+    sources: tuple[KernelSource | None, ...]  # per CudaOp, the kernel's own source (None: a dequantize-on-load body)
     slots: int                         # bufs[] entries
+    uses: tuple[SlotUse, ...] = ()     # every entry past the LLIR values, in slot order
 
     def table(self, queue: WorkQueue, bindings: Mapping[str, int]) -> tuple[list[tuple], list[tuple]]:
         """(ops rows, waits rows) as the loop reads them, for one run's shapes:
@@ -220,26 +238,49 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
     includes: list[str] = []
     items: list[str] = []
     ops: list[CudaOp] = []
-    sources: list[KernelSource] = []
+    sources: list[KernelSource | None] = []
+    uses: list[SlotUse] = []
+    part_slots: dict[tuple[int, int], int] = {}
     slot = len(program.kernels)
-    for qi, q in enumerate(queue.ops):
-        kernel = program.kernel(q.kernel)
-        src = render_kernel(kernel, program)
-        for chunk in _chunks(src.source):
+
+    def inline(source: str) -> None:
+        for chunk in _chunks(source):
             bucket = includes if chunk.startswith("#include") else items
             text = _ENTRY.sub(r"static __device__ __forceinline__ void \1(", chunk)
             if text not in bucket:
                 bucket.append(text)
+    for qi, q in enumerate(queue.ops):
+        kernel = program.kernel(q.kernel)
+        stored = weight_only_gemm(kernel, program)
+        if stored is not None:  # B read in its storage format: the parts get slots of their own (shared)
+            inline(stored.source)
+            weight = kernel.inputs[1].buffer
+            args = [kernel.id, kernel.inputs[0].buffer]
+            for index in range(len(stored.params) - 2):
+                if (weight, index) not in part_slots:
+                    part_slots[(weight, index)] = slot
+                    uses.append(SlotUse(slot, weight, part=index))
+                    slot += 1
+                args.append(part_slots[(weight, index)])
+            grid = tuple(((g, 1),) for g in stored.grid)
+            ops.append(CudaOp(qi, 0, kernel.id, stored.name, grid, tuple(stored.block), tuple(args), True))
+            sources.append(None)
+            continue
+        src = render_kernel(kernel, program)
+        inline(src.source)
         scratch = list(range(slot, slot + len(src.scratch)))
+        uses += [SlotUse(s, kernel.id, index=i) for i, s in enumerate(scratch)]
         slot += len(src.scratch)
         dyn = slot if src.symbols.symbols else None
+        if dyn is not None:
+            uses.append(SlotUse(dyn, kernel.id))
         slot += dyn is not None
         for li, launch in enumerate(src.launches):
             threads = math.prod(launch.block)
             if threads % 32 or threads > BLOCK_THREADS:
                 raise MegakernelError(f"kernel {kernel.id} ({kernel.kind.value}): a block of {threads} threads is not "
                                       f"whole warps under {BLOCK_THREADS}: the megakernel cannot run its body")
-            args = tuple(_arg_slot(a, scratch) for a in launch.args) + ((dyn,) if dyn is not None else ())
+            args = tuple(_arg_slot(a, scratch, kernel) for a in launch.args) + ((dyn,) if dyn is not None else ())
             ops.append(CudaOp(qi, li, kernel.id, launch.entry, launch.grid, tuple(launch.block), args,
                               li == len(src.launches) - 1))
             sources.append(src)
@@ -253,12 +294,13 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
     loop = _LOOP.replace("CASES", "\n".join(cases)).replace("ENTRY_NAME", ENTRY_NAME).replace(
         "BLOCK", str(BLOCK_THREADS))
     source = "\n".join(head) + _PRELUDE + '#include "common.cuh"\n' + "\n".join(items) + "\n" + loop
-    return MegakernelSource(source, ENTRY_NAME, tuple(ops), tuple(sources), slot)
+    return MegakernelSource(source, ENTRY_NAME, tuple(ops), tuple(sources), slot, tuple(uses))
 
 
-def _arg_slot(arg, scratch: list[int]) -> int:
+def _arg_slot(arg, scratch: list[int], kernel) -> int:
     if arg.role == "scratch":
         return scratch[arg.index]
     if arg.role == "scales":  # a QUANTIZE kernel's scales: its scratch, held beside its buffer by the runtime
-        raise MegakernelError("a Gemm reading a QUANTIZE kernel's scales has no megakernel slot for them yet")
+        raise MegakernelError(f"kernel {kernel.id} ({kernel.kind.value}) reads a QUANTIZE kernel's scales, "
+                              "which have no megakernel slot yet")
     return arg.buffer

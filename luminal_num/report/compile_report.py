@@ -43,6 +43,7 @@ def candidate_rows(result) -> pd.DataFrame:
                      ALLCLOSE_COLUMN: e.verdict.share.user_allclose,  # against the user's budget
                      **{m: e.verdict.metrics.get(m, float("nan")) for m in metrics},  # a limited max_abs: its value
                      "latency_s": e.latency_s, "latency_source": e.latency.source if e.latency else "not profiled",
+                     "launch_form": e.latency.form.value if e.latency else "",
                      "verdict_source": e.verdict.source, "passes": bool(e.verdict.passed), "label": label,
                      "stage": e.stage, "changes": len(tags),
                      **({} if "max_abs" in metrics else {"max_abs": e.verdict.max_abs}),

@@ -18,7 +18,9 @@ import numpy as np
 from ..models.llm import LlmModel, Prompt, Workload, build_workload, load_llm
 from ..models.llama import LlamaModel
 from ..runtime.cpu import CpuRuntime
+from ..runtime.cost import LaunchForm
 from ..runtime.cuda import CudaRuntime
+from ..runtime.cuda_megakernel import MegakernelCudaRuntime
 from ..runtime.cuda_device import cuda_available
 from ..search.plan import Plan
 
@@ -92,7 +94,9 @@ def _runtime(program, built: LlamaModel, plan: Plan, backend: str) -> tuple[Runt
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "cpu" or (backend == "auto" and not cuda_available()):
-        return CpuRuntime(program, built.graph.weights, plan.scales), "cpu"
+        return CpuRuntime(program, built.graph.weights, plan.scales), "cpu"  # the same bodies in either form
+    if plan.latency.form == LaunchForm.MEGAKERNEL.value:  # the launch form the search chose
+        return MegakernelCudaRuntime(program, built.graph.weights), "cuda megakernel"
     return CudaRuntime(program, built.graph.weights), "cuda"
 
 

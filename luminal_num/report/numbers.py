@@ -58,3 +58,17 @@ def fmt_metric_values(values, budget, headroom: float) -> str:
     return ", ".join(f"{m.name} {fmt_num(values.get(m.name), 4)} (judged {gate[m.name].operator}"
                      f"{fmt_num(gate[m.name].limit, 4)}, budget {m.operator}{fmt_num(m.limit, 4)})"
                      for m in budget.metrics)
+
+
+def fmt_launch_form(latency) -> str:
+    """How the plan launches and what the other form was priced at: 'megakernel; kernel by kernel 699 us',
+    'kernel by kernel; no megakernel: <why>' ('' for a measured latency, which runs kernel by kernel)."""
+    if latency.source != "modelled":
+        return ""
+    if latency.form == "megakernel":
+        return f"megakernel; kernel by kernel {fmt_latency(latency.kernels_s)}"
+    if latency.megakernel_refusal:
+        return f"kernel by kernel; no megakernel: {latency.megakernel_refusal}"
+    if latency.megakernel_s is None:
+        return "kernel by kernel"
+    return f"kernel by kernel; megakernel {fmt_latency(latency.megakernel_s)}"

@@ -9,13 +9,21 @@ max(bytes / bandwidth, flops / peak) (divided by the wave efficiency, at least t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-
+import enum
 import math
+from dataclasses import dataclass
 
 from luminal_num.runtime.targets import MATH_MODES, LaunchConstants, Target, get_target
 
 LATENCY_SOURCES = ("modelled", "measured")
+
+
+class LaunchForm(enum.Enum):
+    """How a lowered program is launched on a GPU: a property of the program the search prices both ways
+    (runtime/launch_form.py) and records in the plan; the CPU backend runs the same bodies either way."""
+
+    KERNELS = "kernels"        # one launch per kernel, replayed as a CUDA graph
+    MEGAKERNEL = "megakernel"  # one persistent kernel over the work queue (codegen/megakernel.py)
 
 
 class UnsupportedOnTarget(ValueError):
@@ -83,8 +91,16 @@ class Latency:
     source: str
     target: str
     cuda_graph: bool
+    form: LaunchForm = LaunchForm.KERNELS
+    # both forms' prices where the search priced both (None: not priced), and why the program cannot be a
+    # megakernel ("" when it can, or when the target is measured and runs kernel by kernel)
+    kernels_s: float | None = None
+    megakernel_s: float | None = None
+    megakernel_refusal: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.form, LaunchForm):
+            raise ValueError(f"latency form must be a LaunchForm, got {self.form!r}")
         if self.source not in LATENCY_SOURCES:
             raise ValueError(f"latency source must be one of {LATENCY_SOURCES}, got {self.source!r}")
         if not self.total_s >= 0.0:

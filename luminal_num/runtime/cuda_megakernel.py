@@ -5,9 +5,9 @@ lives do not overlap in program order, which is sound only when kernels run one 
 megakernel, tiles of different ops run at once under barriers that order only producer -> consumer
 (read after write), so a slot reused by a later op could be overwritten while an earlier op still reads
 it. Here every LLIR value gets its own device buffer (an in-place kernel keeps its destination's, as
-everywhere). Gemms run their own tiled bodies (never cuBLAS: a library call cannot be inlined) and a
-stored weight is read widened to FP32 (the dequantize-on-load kernel is not a megakernel body yet), so
-this runs the plan's arithmetic, not yet its bytes.
+everywhere). Gemms run their own tiled bodies (never cuBLAS: a library call cannot be inlined); a Gemm
+the kernel-by-kernel runtime runs dequantize-on-load runs that body here too, on the weight's stored
+parts (uploaded as kernel by kernel), and any other reader of a stored weight reads it widened.
 
 Per run: the queue's table for the run's shapes (`MegakernelSource.table`), zeroed barrier counters and
 queue head, then one launch of `ln_megakernel` on a grid of co-resident blocks. The loop's spin on a
@@ -21,7 +21,7 @@ from typing import Mapping
 import numpy as np
 
 from ..codegen import nvrtc
-from ..codegen.llir import KernelKind, Program
+from ..codegen.llir import Program
 from ..codegen.megakernel import build_queue
 from ..codegen.megakernel_cuda import BLOCK_THREADS, ENTRY_NAME, render_megakernel
 from .buffers import BufferPlan
@@ -59,13 +59,9 @@ class MegakernelCudaRuntime(CudaRuntime):
 
     def __init__(self, program: Program, weights: Mapping[str, np.ndarray] | None = None,
                  blocks_per_sm: int | None = None):
+        # the dequantize-on-load Gemms (self.weight_only) read their weights' stored parts, inlined as
+        # bodies of the megakernel; any other reader of a stored weight reads it widened, as kernel by kernel
         super().__init__(program, weights, gemm="kernel")
-        # the megakernel's Gemm bodies read the weights widened: upload every external anything reads
-        readers = {i.buffer for k in program.kernels for i in k.inputs}
-        outputs = {kid for _, kid in program.outputs}
-        self.weight_only = {}
-        self.stored_only = frozenset(k.id for k in program.kernels if k.kind is KernelKind.EXTERNAL
-                                     and k.id not in readers and k.id not in outputs)
         self.queue = build_queue(program)
         self.mega = render_megakernel(program, self.queue)
         compiled = nvrtc.compile_cuda(self.mega.source, self.mega.name, self.arch)
@@ -92,20 +88,19 @@ class MegakernelCudaRuntime(CudaRuntime):
         return private_buffers(self.program, bindings)
 
     def _slot_pointers(self, state: _Prepared) -> np.ndarray:
-        """bufs[]: LLIR values, then each queue op's scratch and dyn_dims, in render_megakernel's order."""
+        """bufs[]: LLIR values, then what render_megakernel gave each further slot (MegakernelSource.uses):
+        a scratch, a dyn_dims array, or a stored weight's part."""
         pointers = np.zeros(self.mega.slots, dtype=np.uint64)
         for k in self.program.kernels:
             pointers[k.id] = state.slots[state.plan.slot_of[k.id]].data.ptr
-        slot = len(self.program.kernels)
-        for q in self.queue.ops:
-            src = self.sources[q.kernel]
-            for i in range(len(src.scratch)):
-                pointers[slot] = state.scratch[(q.kernel, i)].data.ptr
-                slot += 1
-            if src.symbols.symbols:
-                pointers[slot] = state.dyn[src.dyn_values(state.bindings)].data.ptr
-                slot += 1
-        assert slot == self.mega.slots, (slot, self.mega.slots)
+        for use in self.mega.uses:
+            if use.part is not None:
+                pointer = state.parts[use.kernel][use.part]
+            elif use.index is not None:
+                pointer = state.scratch[(use.kernel, use.index)]
+            else:
+                pointer = state.dyn[self.sources[use.kernel].dyn_values(state.bindings)]
+            pointers[use.slot] = pointer.data.ptr
         return pointers
 
     def _tables(self, state: _Prepared):

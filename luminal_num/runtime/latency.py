@@ -1,4 +1,5 @@
-"""Latency of an LLIR program: modelled (roofline, runtime/cost.py) for GPU targets, measured for `cpu`.
+"""Latency of an LLIR program kernel by kernel: modelled (roofline, runtime/cost.py) for GPU targets, measured
+for `cpu` (runtime/launch_form.py prices the megakernel form beside it and picks).
 
 Each launched kernel becomes a `KernelWork`: bytes it loads and stores, flops, the math mode its
 flops run in and its tiles (codegen/blockops.py), which the model quantizes into waves over the SMs.
@@ -15,15 +16,15 @@ from typing import Mapping
 import numpy as np
 
 from ..codegen.blockops import tile_count
-from ..codegen.cuda_dispatch import gemm_implementation
+from ..codegen.cuda_dispatch import GemmImpl, gemm_implementation
 from ..codegen.llir import Kernel, KernelKind, Program
 from ..hlir.symbolic import evaluate
 from ..dtypes.variants import GEMM_VARIANTS
 from .cpu import CpuRuntime
-from .cost import KernelWork, Latency, model_latency
+from .cost import KernelWork, LaunchForm, Latency, model_latency
 from .targets import LaunchConstants
 from ..codegen.attention import ATTENTION_VARIANTS
-from .targets import OPERAND_MATH, gemm_math, get_target
+from .targets import OPERAND_MATH, gemm_math
 
 
 def serial_extent(k: Kernel, bindings: Mapping[str, int]) -> int:
@@ -35,16 +36,24 @@ def serial_extent(k: Kernel, bindings: Mapping[str, int]) -> int:
     return 0
 
 
-def kernel_works(program: Program, bindings: Mapping[str, int]) -> list[KernelWork]:
+def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm = LaunchForm.KERNELS) -> list[KernelWork]:
     """A QUANTIZE kernel runs on CUDA cores in FP32 (amax, divide, convert); a Gemm reading its buffer
-    also reads the scales kept beside it."""
+    also reads the scales kept beside it. A weight held in a storage format is priced at its stored bytes
+    in either form (the plan's storage choice; the CUDA runtime still uploads a widened copy for readers
+    other than the dequantize-on-load Gemm: see the README). `form`: in the megakernel
+    (runtime/cuda_megakernel.py) a Gemm that is not dequantize-on-load runs its tiled body (a library call
+    cannot be inlined)."""
     dtypes = program.dtypes()
     scales = {k.id: k.scales_bytes(bindings) for k in program.kernels if k.kind is KernelKind.QUANTIZE}
     element_bytes = program.element_bytes(bindings)  # weights held in a storage format: their stored bytes
     works = []
     for k in program.launched():
         math, tc = "fp32", False
-        implementation = gemm_implementation(k, program, bindings) if k.kind.is_gemm else None
+        implementation = None
+        if k.kind.is_gemm:
+            implementation = gemm_implementation(k, program, bindings)
+            if form is LaunchForm.MEGAKERNEL and implementation is not GemmImpl.WEIGHT_ONLY:
+                implementation = GemmImpl.TILED
         if implementation is not None and implementation.library:
             math, tc = gemm_math(GEMM_VARIANTS[k.precision or "f32"])
         elif k.kind is KernelKind.ATTENTION:  # its two products run in the Q K^T operand format
@@ -72,13 +81,3 @@ def measured_cpu_latency(program: Program, weights, inputs, repeats: int = 3) ->
     best = runs[int(np.argsort(totals)[len(totals) // 2])]
     return Latency(total_s=float(np.median(totals)), per_kernel=tuple((f"k{i}", s) for i, s in best.kernel_seconds),
                    source="measured", target="cpu", cuda_graph=False)
-
-
-def program_latency(program: Program, target: str, bindings: Mapping[str, int], weights=None, inputs=None) -> Latency:
-    if get_target(target).measured_only:
-        if inputs is None:
-            raise ValueError("the cpu target is measured: calibration inputs are needed")
-        return measured_cpu_latency(program, weights, inputs)
-    return modelled_latency(program, target, bindings)
-
-

@@ -15,14 +15,16 @@ acquire are two L2 round trips, and a tile's first load a DRAM round trip, toget
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..codegen.blockops import Partition
 from ..codegen.llir import Program
-from ..codegen.megakernel import WorkQueue, wait_counters
-from .cost import roofline_s
+from ..codegen.megakernel import Wait, WorkQueue, wait_counters
+from .cost import KernelWork, LaunchForm, roofline_s
 from .latency import kernel_works
-from .targets import LaunchConstants, get_target
+from .targets import LaunchConstants, Target, get_target
 
 TILE_OVERHEAD_S = 0.5e-6
 
@@ -35,39 +37,88 @@ class MegakernelLatency:
     launch_s: float
     tiles: int
     busy_fraction: float    # SM time spent in tiles / (SMs * makespan)
+    critical_hops: int = 0  # tiles on that longest chain: each pays TILE_OVERHEAD_S once
+    bytes_moved: int = 0    # what the megakernel's bodies move (stored weights read widened: kernel_works)
+
+    @property
+    def overhead_share(self) -> float:
+        """The part of the critical path that is per-tile overhead rather than bytes and flops."""
+        return self.critical_hops * TILE_OVERHEAD_S / self.critical_path_s if self.critical_path_s else 0.0
 
 
-def megakernel_latency(queue: WorkQueue, program: Program, target: str, bindings: Mapping[str, int],
-                       launch: LaunchConstants | None = None, tile_overhead_s: float = TILE_OVERHEAD_S) -> MegakernelLatency:
+def _tile_seconds(work: KernelWork, tiles: int, target: Target, tile_overhead_s: float) -> float:
+    """One tile's share of its kernel on one SM: the roofline at 1 / SMs of the machine, or, where the
+    target measured this implementation (h200-measured), one wave's share of the measured kernel time."""
+    sms = target.sm_count
+    body = roofline_s(work, target) * sms / tiles
+    measured = target.measured_kernels.get(work.implementation) if target.measured_kernels else None
+    if measured is not None:
+        waves = math.ceil(tiles / sms)
+        body = max(body, measured.seconds(work.bytes_moved, work.flops, work.tiles, work.serial_extent, sms) / waves)
+    return body + tile_overhead_s
+
+
+def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target, bindings: Mapping[str, int],
+                       launch: LaunchConstants | None = None, tile_overhead_s: float = TILE_OVERHEAD_S,
+                       works: list[KernelWork] | None = None) -> MegakernelLatency:
+    """`works`: per launched kernel, other work than what the megakernel runs (a bench's what-if)."""
     resolved = get_target(target)
     constants = launch or resolved.launch
     sms = resolved.sm_count
-    works = {k.id: w for k, w in zip(program.launched(), kernel_works(program, bindings))}
+    if works is None:
+        works = kernel_works(program, bindings, LaunchForm.MEGAKERNEL)
+    works = {k.id: w for k, w in zip(program.launched(), works)}
     table = queue.evaluate(bindings)
     counter_done = [0.0] * sum(t.counters for t in table)  # latest finish of the tiles signalling each counter
     counter_path = [0.0] * len(counter_done)
+    counter_hops = [0] * len(counter_done)
     free = [0.0] * sms
     heapq.heapify(free)
     busy = makespan = longest = 0.0
-    tiles_total = 0
+    longest_hops = tiles_total = 0
     for i, (op, launch_row) in enumerate(zip(queue.ops, table)):
-        tile_s = roofline_s(works[op.kernel], resolved) * sms / launch_row.tiles + tile_overhead_s
+        tile_s = _tile_seconds(works[op.kernel], launch_row.tiles, resolved, tile_overhead_s)
+        # a wait on a whole producer is the same for every tile: its latest counter, found once
+        whole = [_whole_wait(queue, table, w, counter_done, counter_path, counter_hops)
+                 for w in op.waits if not _per_tile(queue, w)]
+        base_ready = max((r for r, _, _ in whole), default=0.0)
+        base_path, base_hops = max(((p, h) for _, p, h in whole), default=(0.0, 0))
+        per_tile = [w for w in op.waits if _per_tile(queue, w)]
         for t in range(launch_row.tiles):
-            ready = path = 0.0
-            for wait in op.waits:
+            ready, path, hops = base_ready, base_path, base_hops
+            for wait in per_tile:
                 for index, _ in wait_counters(queue, table, i, t, wait, bindings):
                     ready = max(ready, counter_done[index])
-                    path = max(path, counter_path[index])
+                    if counter_path[index] > path:
+                        path, hops = counter_path[index], counter_hops[index]
             start = max(heapq.heappop(free), ready)
             finish = start + tile_s
             heapq.heappush(free, finish)
             signal = launch_row.counter_base + t * op.signals_with
             counter_done[signal] = max(counter_done[signal], finish)
-            counter_path[signal] = max(counter_path[signal], path + tile_s)
+            if path + tile_s > counter_path[signal]:
+                counter_path[signal], counter_hops[signal] = path + tile_s, hops + 1
             busy += tile_s
             makespan = max(makespan, finish)
-            longest = max(longest, path + tile_s)
+            if path + tile_s > longest:
+                longest, longest_hops = path + tile_s, hops + 1
             tiles_total += 1
     launch_s = constants.graph_node_s + constants.min_kernel_s
     return MegakernelLatency(makespan + launch_s, longest, makespan, launch_s, tiles_total,
-                             busy / (sms * makespan) if makespan else 0.0)
+                             busy / (sms * makespan) if makespan else 0.0, longest_hops,
+                             sum(w.bytes_moved for w in works.values()))
+
+
+def _per_tile(queue: WorkQueue, wait: Wait) -> bool:
+    """The wait depends on the consumer tile (a flat producer read in step): wait_counters per tile."""
+    return wait.read_elements is not None and queue.ops[wait.producer].block.partition is Partition.FLAT
+
+
+def _whole_wait(queue: WorkQueue, table, wait: Wait, done: list[float], path: list[float],
+                hops: list[int]) -> tuple[float, float, int]:
+    """(ready, longest path, its hops) over every counter of a producer read whole."""
+    producer, row = queue.ops[wait.producer], table[wait.producer]
+    indices = range(row.counter_base, row.counter_base + row.counters) if producer.stride else (row.counter_base,)
+    ready = max(done[j] for j in indices)
+    j = max(indices, key=lambda j: path[j])
+    return ready, path[j], hops[j]

@@ -13,7 +13,6 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -35,7 +34,8 @@ from ..quant.storage import STORAGE_FORMATS
 from ..quant.stored import FILL_SEPARATOR, convert_all, stored_key
 from ..quant.weights_file import WeightsFileError, content_hash, load_weights, save_weights
 from .outcome import InvariancePrice
-from .plan_file import PlanError, array_sha256, check_digest, check_fields, with_digest
+from .plan_file import PlanError, PlanLatency, array_sha256, check_digest, check_fields, with_digest
+from .plan_file import json_number as _num, number_from_json as _float
 from .space import ChunkSite, Genome, SearchSpace
 
 PLAN_FORMAT = "luminal_num.plan"
@@ -45,13 +45,6 @@ PLAN_VERSION = 2  # 2: the lowered LLIR is stored ("llir"); version-1 files are 
 def graph_key(graph: Graph) -> str:
     """Structure plus input/output names (a plan names the outputs it was judged on)."""
     return graph.structural_key(extra=("io", tuple(sorted(graph.inputs)), tuple(sorted(graph.outputs))))
-
-
-def _num(x) -> Any:
-    if x is None:
-        return None
-    x = float(x)
-    return x if np.isfinite(x) else repr(x)  # JSON has no inf/nan: keep them as "inf"/"nan" strings
 
 
 def op_table(program: Program, bindings) -> list[dict]:
@@ -167,11 +160,6 @@ def scales_path(plan_path: str | Path) -> Path:
     return p.with_name(p.stem + "_scales.npz")
 
 
-def _float(x) -> float | None:
-    """A number as plan.json holds it (non-finite ones as their repr) back as a float."""
-    return None if x is None else float(x)
-
-
 @dataclass(frozen=True)
 class PlanVerdict:
     """The chosen plan's verdict as the plan states it."""
@@ -183,14 +171,6 @@ class PlanVerdict:
     reason: str
     budget_share: float   # of the user's budget, over allclose and every metric (the reports' error axis)
     metrics: MetricValues  # each budget metric's worst value on the calibration set (empty: none recorded)
-
-
-@dataclass(frozen=True)
-class PlanLatency:
-    total_s: float
-    source: str           # "modelled" or "measured"
-    target: str
-    cuda_graph: bool
 
 
 @dataclass(frozen=True)
@@ -241,8 +221,7 @@ class Plan:
                         "budget_share": _num(verdict.share.of_budget(headroom)),
                         "max_abs": _num(verdict.max_abs), "bound": _num(verdict.bound), "reason": verdict.reason,
                         "metrics": verdict.metrics.record()},
-            "latency": {"total_s": _num(latency.total_s), "source": latency.source, "target": latency.target,
-                        "cuda_graph": latency.cuda_graph},
+            "latency": PlanLatency.record(latency),
             "kernels": op_table(program, bindings),
             "calibration_ranges": {k: [_num(lo), _num(hi)] for k, (lo, hi) in sorted(calibration_ranges.items())},
             "search": search_stats,
@@ -367,8 +346,7 @@ class Plan:
 
     @property
     def latency(self) -> PlanLatency:
-        lat = self.data["latency"]
-        return PlanLatency(_float(lat["total_s"]), str(lat["source"]), str(lat["target"]), bool(lat["cuda_graph"]))
+        return PlanLatency.from_record(self.data["latency"])
 
     @property
     def kernels(self) -> list[dict]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,48 @@ DIGEST_ALGORITHM = "sha256"
 
 class PlanError(ValueError):
     """A plan file that is missing, corrupt, edited, of another version, or for another graph."""
+
+
+def json_number(x) -> Any:
+    if x is None:
+        return None
+    x = float(x)
+    return x if np.isfinite(x) else repr(x)  # JSON has no inf/nan: keep them as "inf"/"nan" strings
+
+
+def number_from_json(x) -> float | None:
+    """A number as plan.json holds it (non-finite ones as their repr) back as a float."""
+    return None if x is None else float(x)
+
+
+@dataclass(frozen=True)
+class PlanLatency:
+    """plan.json's `latency` record: the chosen plan's latency, and the launch form the search chose."""
+
+    total_s: float
+    source: str           # "modelled" or "measured"
+    target: str
+    cuda_graph: bool
+    form: str = "kernels"  # the launch form the search chose (runtime/launch_form.py); older plans: kernels
+    kernels_s: float | None = None     # each form's price where both were priced
+    megakernel_s: float | None = None
+    megakernel_refusal: str = ""       # why the program cannot be one megakernel ("" when it can)
+
+    @staticmethod
+    def record(latency) -> dict:
+        """The record of a runtime Latency (runtime/cost.py)."""
+        return {"total_s": json_number(latency.total_s), "source": latency.source, "target": latency.target,
+                "cuda_graph": latency.cuda_graph, "form": latency.form.value,
+                "kernels_s": json_number(latency.kernels_s), "megakernel_s": json_number(latency.megakernel_s),
+                "megakernel_refusal": latency.megakernel_refusal}
+
+    @staticmethod
+    def from_record(lat: Mapping[str, Any]) -> "PlanLatency":
+        """Checked by check_fields on load; a plan written before the form was recorded ran kernel by kernel."""
+        return PlanLatency(number_from_json(lat["total_s"]), str(lat["source"]), str(lat["target"]),
+                           bool(lat["cuda_graph"]), str(lat.get("form", "kernels")),
+                           number_from_json(lat.get("kernels_s")), number_from_json(lat.get("megakernel_s")),
+                           str(lat.get("megakernel_refusal", "")))
 
 
 def _canonical(value: Any) -> bytes:
@@ -117,12 +160,18 @@ RECORDS: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {
                 "bound": ("a number or null", lambda v: _number(v, True)), "reason": ("a string", _is(str)),
                 "metrics": ("an object of metric name: number", _metric_values)},
     "latency": {"total_s": ("a number", _number), "source": ("a string", _is(str)), "target": ("a string", _is(str)),
-                "cuda_graph": ("true or false", _is(bool))},
+                "cuda_graph": ("true or false", _is(bool)),
+                "form": ("'kernels' or 'megakernel'", lambda v: v in ("kernels", "megakernel")),
+                "kernels_s": ("a number or null", lambda v: _number(v, True)),
+                "megakernel_s": ("a number or null", lambda v: _number(v, True)),
+                "megakernel_refusal": ("a string", _is(str))},
     "job": {"model": ("a string or null", _optional(str)), "workload": ("a string or null", _optional(str)),
             "layers": ("an integer or null", _optional(int)), "heldout": ("a string or null", _optional(str))},
 }
 OPTIONAL = {("job", "heldout"),  # recorded only when given
-            ("verdict", "metrics")}  # plans written before verdicts recorded metric values have none
+            ("verdict", "metrics"),  # plans written before verdicts recorded metric values have none
+            # plans written before the launch form was a search choice ran kernel by kernel
+            ("latency", "form"), ("latency", "kernels_s"), ("latency", "megakernel_s"), ("latency", "megakernel_refusal")}
 
 
 def check_fields(data: Mapping[str, Any], where: str) -> None:

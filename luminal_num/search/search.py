@@ -19,7 +19,7 @@ from ..codegen.llir import Program
 from ..error.verdict import PREDICTED_SOURCES
 from ..quant.stored import CalibratedChoice
 from ..runtime.cost import Latency, UnsupportedOnTarget
-from ..runtime.latency import program_latency
+from ..runtime.launch_form import program_latency
 from ..error.executors import ExecutorSpec
 from ..runtime.targets import OPERAND_MATH, gemm_math, get_target
 from . import allocate
@@ -47,6 +47,8 @@ class SearchOptions:
                                    # (quant/gptq.py): one more storage class per quantized format and Gemm weight
     batch_invariant: bool = False  # every candidate a batch-invariant program (issue 37): fixed reduction
                                    # orders, fixed attention split sizes, no scale computed across rows
+    megakernel: bool = False       # price each candidate also as one persistent megakernel, keep the cheaper
+                                   # form (runtime/launch_form.py; a model not yet confirmed on a device)
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ class Searcher:
     def latency(self, program) -> Latency | None:
         g = self.space.graph
         try:
-            return program_latency(program, self.target, self.judge.latency_bindings, g.weights, self.latency_inputs)
+            return program_latency(program, self.target, self.judge.latency_bindings, g.weights, self.latency_inputs,
+                                   self.opt.megakernel)
         except UnsupportedOnTarget:
             return None
 
