@@ -21,7 +21,10 @@ from .error.budget import Budget
 from .error.chunks import ChunkEffects, Propagation
 from .error.headroom import HeadroomEstimate, estimate_headroom
 from .error.hessians import HessianCollector
+from .error import pooled
 from .error.judge import Judge
+from .error.metrics import METRICS
+from .error.pooled import PositionSource
 from .error.reference import Fp64Reference, reference_bytes, references
 from .error.executors import Executor, ExecutorKind, ExecutorSpec
 from .error.ray_pool import RayPool
@@ -32,7 +35,7 @@ from .hlir.partition import Partition, partition
 from .memory import MemoryPlan, plan_memory
 from .quant.calibration import CALIBRATION, NO_HESSIANS, Hessians
 from .runtime.blas_threads import one_blas_thread
-from .search.outcome import InvariancePrice
+from .search.outcome import InvariancePrice, PositionsRecord
 from .search.plan import Plan
 from .search.recipes import baseline_genomes
 from .search.search import Exploration, SearchOptions, SearchResult, confirm, explore
@@ -40,7 +43,7 @@ from .search.space import SearchSpace
 from .runtime.latency import program_latency
 from .runtime.targets import get_target
 
-STAGES = ("partition", "saturate", "reference", "headroom", "search", "confirm", "plan")
+STAGES = ("partition", "saturate", "reference", "headroom", "search", "confirm", "positions", "plan")
 
 
 class BudgetUnreachable(RuntimeError):
@@ -103,22 +106,24 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
             calibration: Sequence[Mapping[str, np.ndarray]] = (), options: SearchOptions | None = None,
             space: SearchSpace | None = None, use_static: bool | str = "auto",
             cache_dir: str | Path | None = None, memory: MemoryPlan | None = None,
-            on_stage: StageListener | None = None) -> CompileResult:
+            on_stage: StageListener | None = None, positions: PositionSource | None = None) -> CompileResult:
     """The fastest plan found whose error vs FP64 on `calibration` is within `budget` on `target`
     (`target` wins over `options.target`). `cache_dir`: measured verdicts persist there (keyed by graph,
     weights, inputs and budget), so a second or interrupted compile of the same job reuses them.
     `memory`: the worker count and cache sizes (memory.py; default: planned for 80% of the available
-    memory and `options.workers`). `space`: an already saturated space (partition and saturate skipped)."""
+    memory and `options.workers`). `space`: an already saturated space (partition and saturate skipped).
+    `positions`: teacher-forced positions (an LLM's, models/llm_positions.py) the chosen plan is judged on
+    again, pooled, before it is returned (error/pooled.py)."""
     options = options or SearchOptions(target=target)
     memory = memory or plan_memory(graph.weights, workers=options.workers)
     with memory.applied():
         return _compile(graph, budget, target, calibration, options, space, use_static, cache_dir, memory,
-                        on_stage or (lambda name, seconds: None))
+                        on_stage or (lambda name, seconds: None), positions)
 
 
 def _compile(graph: Graph, budget: Budget, target: str, calibration, options: SearchOptions,
              space: SearchSpace | None, use_static, cache_dir, memory: MemoryPlan,
-             on_stage: StageListener) -> CompileResult:
+             on_stage: StageListener, positions: PositionSource | None = None) -> CompileResult:
     _check_job(graph, budget, target, calibration, options)
 
     def stage(name: str, run: Callable[[], object], need: int = 0):
@@ -160,8 +165,37 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
         explored = stage("search", lambda: explore(space, judge, options, latency_inputs=calibration[0],
                                                    target=target))
         result = stage("confirm", lambda: confirm(explored))
+        if positions is not None:
+            result = stage("positions", lambda: positions_stage(ctx, explored, result, positions))
         planned = stage("plan", lambda: plan_stage(ctx, space, refs, judge, result))
         return planned if pool is None else dataclasses.replace(planned, tasks=dataclasses.replace(pool.times))
+
+
+POSITIONS_JUDGED = 4  # plans the positions stage judges at most (each a pass over every position)
+
+
+def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchResult,
+                    source: PositionSource) -> SearchResult:
+    """The chosen plan judged again on every teacher-forced position pooled (thousands, where the search's
+    calibration batches hold a few dozen): its pooled verdict replaces the batches' one; a rejected plan
+    fails, and the next choice is confirmed and judged (at most POSITIONS_JUDGED plans). An interrupted
+    search, or a budget that row statistics cannot judge, skips the stage and says why."""
+    why = "the search was interrupted" if explored.interrupted else pooled.refusal(ctx.gate)
+    if why is not None or result.chosen is None:
+        record = PositionsRecord(0, 0, {}, why or "no plan passed the calibration batches")
+        return dataclasses.replace(result, stats=dataclasses.replace(result.stats, positions=record))
+    kept: dict[int, pooled.RowStats] = {}
+
+    def judge(e):
+        program = e.program if e.program is not None else explored.searcher.space.program(e.genome)
+        verdict, kept[e.id] = pooled.judge_positions(program, ctx.graph.weights, source, ctx.gate, ctx.budget)
+        return verdict
+    chosen, judged = explored.searcher.judged_again(judge, POSITIONS_JUDGED)  # on one BLAS thread, as every verdict
+    stats = kept[chosen.id] if chosen is not None else None
+    values = {} if stats is None else {n: float(m.of(pooled.PooledRows(stats))) for n, m in METRICS.items() if m.rows}
+    record = PositionsRecord(source.positions, judged, values)
+    return dataclasses.replace(result, chosen=chosen, evaluated=list(explored.searcher.evaluated),
+                               stats=dataclasses.replace(result.stats, positions=record))
 
 
 def plan_stage(ctx: CompileContext, space: SearchSpace, refs: References, judge: Judge,
