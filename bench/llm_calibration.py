@@ -34,6 +34,7 @@ ROW_METRICS = ("kl_logits", "kl_p99", "kl_max", "top1_agreement", "ppl_ratio")
 
 
 def stage_rows(genomes, minimum: int) -> list[dict]:
+    from luminal_num.compiler import POSITION_ROWS, WidenedPositions
     from luminal_num.error.budget import Budget
     from luminal_num.error.metrics import METRICS, Compared
     from luminal_num.error.pooled import PooledRows, RowStats, judge_positions
@@ -55,16 +56,18 @@ def stage_rows(genomes, minimum: int) -> list[dict]:
         rows.append({"part": "stage", "what": "make windows", "positions": made, "seconds": time.perf_counter() - t0})
         space = SearchSpace.saturated(job.graph, partition(job.graph))
         recipes = baseline_genomes(space)
-        refs = [r.outputs(job.graph)["logits"] for r in references(job.graph, job.calibration)]
+        wide = WidenedPositions(space, source, POSITION_ROWS, False)
         for name in genomes:
             program = space.program(recipes[name])
             runtime = CpuRuntime(program, job.graph.weights)
-            batch_rows = RowStats.concat([RowStats.of(Compared(runtime.run(b).outputs["logits"], ref))
-                                          for b, ref in zip(job.calibration, refs)])
+            batch_rows = RowStats.concat([RowStats.of(Compared(runtime.run(b).outputs["logits"], ref.outputs(job.graph)["logits"]))
+                                          for b, ref in zip(job.calibration, references(job.graph, job.calibration))])
+            del runtime
             t0 = time.perf_counter()
-            verdict, stats = judge_positions(program, job.graph.weights, source, budget, budget)
+            run, on = wide.program(recipes[name], program)
+            verdict, stats = judge_positions(run, on.graph.weights, on, budget, budget)
             seconds = time.perf_counter() - t0
-            row = {"part": "stage", "what": name, "positions": stats.rows, "seconds": seconds,
+            row = {"part": "stage", "what": name, "positions": stats.rows, "rows_per_run": on.rows, "seconds": seconds,
                    "passes_budget": verdict.passed}
             for m in ROW_METRICS:
                 row[m] = float(METRICS[m].of(PooledRows(stats)))

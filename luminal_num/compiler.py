@@ -16,6 +16,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from . import interrupts
+from .codegen.invariance import row_coupled_kernels
 from .codegen.llir import Program
 from .error.budget import Budget
 from .error.chunks import ChunkEffects, Propagation
@@ -39,7 +40,7 @@ from .search.outcome import InvariancePrice, PositionsRecord
 from .search.plan import Plan
 from .search.recipes import baseline_genomes
 from .search.search import Exploration, SearchOptions, SearchResult, confirm, explore
-from .search.space import SearchSpace
+from .search.space import ChunkSite, SearchSpace
 from .runtime.latency import program_latency
 from .runtime.targets import get_target
 
@@ -172,6 +173,7 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
 
 
 POSITIONS_JUDGED = 4  # plans the positions stage judges at most (each a pass over every position)
+POSITION_ROWS = 32    # decode rows per run on the positions (fewer runs of a wider step; see positions_stage)
 
 
 def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchResult,
@@ -179,23 +181,75 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
     """The chosen plan judged again on every teacher-forced position pooled (thousands, where the search's
     calibration batches hold a few dozen): its pooled verdict replaces the batches' one; a rejected plan
     fails, and the next choice is confirmed and judged (at most POSITIONS_JUDGED plans). An interrupted
-    search, or a budget that row statistics cannot judge, skips the stage and says why."""
+    search, or a budget that row statistics cannot judge, skips the stage and says why.
+
+    A decode step's rows are independent sequences, so the positions run POSITION_ROWS rows a step: the
+    plan's genome lowered on the step rebuilt with that many rows, used only when it launches the plan's
+    own kernels (kind, precision, dtype, storage, in order) and none of them couples rows (a scale taken
+    over the batch, codegen/invariance.py); otherwise the plan's own program runs at the workload's rows."""
     why = "the search was interrupted" if explored.interrupted else pooled.refusal(ctx.gate)
     if why is not None or result.chosen is None:
         record = PositionsRecord(0, 0, {}, why or "no plan passed the calibration batches")
         return dataclasses.replace(result, stats=dataclasses.replace(result.stats, positions=record))
+    space = explored.searcher.space
+    wide = WidenedPositions(space, source, POSITION_ROWS, ctx.options.calibrated)
     kept: dict[int, pooled.RowStats] = {}
 
     def judge(e):
-        program = e.program if e.program is not None else explored.searcher.space.program(e.genome)
-        verdict, kept[e.id] = pooled.judge_positions(program, ctx.graph.weights, source, ctx.gate, ctx.budget)
+        program = e.program if e.program is not None else space.program(e.genome)
+        run, on = wide.program(e.genome, program)
+        verdict, kept[e.id] = pooled.judge_positions(run, on.graph.weights, on, ctx.gate, ctx.budget)
         return verdict
     chosen, judged = explored.searcher.judged_again(judge, POSITIONS_JUDGED)  # on one BLAS thread, as every verdict
     stats = kept[chosen.id] if chosen is not None else None
     values = {} if stats is None else {n: float(m.of(pooled.PooledRows(stats))) for n, m in METRICS.items() if m.rows}
-    record = PositionsRecord(source.positions, judged, values)
+    record = PositionsRecord(source.positions, judged, values, rows=wide.rows_used)
     return dataclasses.replace(result, chosen=chosen, evaluated=list(explored.searcher.evaluated),
                                stats=dataclasses.replace(result.stats, positions=record))
+
+
+class WidenedPositions:
+    """The positions `rows` rows a step, and a genome lowered there (saturated once, when first needed)."""
+
+    def __init__(self, space: SearchSpace, source: PositionSource, rows: int, calibrated: bool):
+        self.own, self.source, self.rows, self.calibrated = space, source, rows, calibrated
+        self.wide: tuple[SearchSpace, PositionSource] | None = None
+        self.rows_used = 0
+
+    def program(self, genome, program: Program) -> tuple[Program, PositionSource]:
+        """What runs on the positions: the genome at `rows` rows if it is the same program row by row, else
+        the program itself on the workload's own rows."""
+        own_rows = self.source.rows
+        if self.rows > own_rows:
+            if self.wide is None:
+                source = self.source.widened(self.rows)
+                self.wide = (SearchSpace.saturated(source.graph, partition(source.graph), calibrated=self.calibrated)
+                             .with_batch_invariance(self.own.batch_invariant), source)
+            space, source = self.wide
+            widened = _genome_on(genome, self.own, space)
+            if widened is not None:
+                wide = space.program(widened)
+                if _kernels(wide) == _kernels(program) and not row_coupled_kernels(wide):
+                    self.rows_used = max(self.rows_used, self.rows)
+                    return wide, source
+        self.rows_used = max(self.rows_used, own_rows)
+        return program, self.source
+
+
+def _kernels(program: Program) -> list[tuple]:
+    return [(k.kind.value, k.precision, k.dtype.name, k.acc.name if k.acc else None, k.storage, k.fill)
+            for k in program.kernels]
+
+
+def _genome_on(genome, space: SearchSpace, other: SearchSpace):
+    """The genome's choices on another build of the same model (its groups in the same order, e-classes
+    numbered alike), or None where the partitions differ."""
+    keys, others = [g.key for g in space.part.groups], [g.key for g in other.part.groups]
+    if len(keys) != len(others):
+        return None
+    at = dict(zip(keys, others))
+    return frozenset((ChunkSite(at[site.group], site.chunk) if isinstance(site, ChunkSite) else at[site], cls, tag)
+                     for site, cls, tag in genome)
 
 
 def plan_stage(ctx: CompileContext, space: SearchSpace, refs: References, judge: Judge,

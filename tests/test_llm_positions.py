@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from luminal_num.cli import EXIT_OK, main
-from luminal_num.compiler import POSITIONS_JUDGED, BudgetUnreachable, compile
+from luminal_num.compiler import POSITION_ROWS, POSITIONS_JUDGED, BudgetUnreachable, compile
 from luminal_num.error.budget import Budget
 from luminal_num.error.pooled import PositionBatch
 from luminal_num.hlir.evaluate import evaluate_nodes
@@ -18,6 +18,7 @@ from luminal_num.models.llm import Prompt
 from luminal_num.models.registry import llm_job
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.search import SearchOptions
+from luminal_num.search.space import SearchSpace
 from tiny_gguf import tiny_config, write_tiny_gguf
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -57,6 +58,29 @@ def test_windows_stream_the_fp64_function_at_every_position(tiny):
         assert list(b.targets[:b.rows]) == want
 
 
+def test_a_wider_step_computes_each_row_as_the_workloads_step(tiny):
+    """The positions run 32 rows a step: each row is the same function as in the workload's 2-row step (bit for
+    bit under a batch-invariant lowering, so any difference would be the rows' coupling, not BLAS order)."""
+    _, model = tiny
+    source = _job(model).llm.positions
+    wide = source.widened(POSITION_ROWS)
+    rows = {}
+    for s, width in ((source, 2), (wide, POSITION_ROWS)):
+        space = SearchSpace.build(s.graph).with_batch_invariance(True)
+        runtime = CpuRuntime(space.program(frozenset()), s.graph.weights)
+        got = rows.setdefault(width, {})
+        for i, b in enumerate(s.batches()):
+            group, step = divmod(i, 16)
+            y = np.asarray(runtime.run(b.inputs).outputs["logits"]).reshape(b.reference.shape)
+            for j in range(b.rows):
+                got[(group * width + j, step)] = (y[j], b.reference[j], b.targets[j])
+    assert len(rows[2]) == len(rows[POSITION_ROWS]) == 48
+    for key, (y, ref, target) in rows[2].items():
+        y_wide, ref_wide, target_wide = rows[POSITION_ROWS][key]
+        assert np.array_equal(y, y_wide) and target == target_wide
+        assert np.max(np.abs(ref - ref_wide)) <= 1e-12 * np.max(np.abs(ref))  # FP64 at 2 or 32 sequences a pass
+
+
 def _metrics(ys, refs, targets):
     """KL mean/max, top-1 rate and perplexity ratio over all rows, from softmax rows computed here."""
     y, r, t = np.concatenate(ys), np.concatenate(refs), np.concatenate(targets)
@@ -82,9 +106,12 @@ def test_the_chosen_plan_is_judged_on_every_position_pooled(tiny):
     record = result.search.stats.positions
     assert record.positions == 48 and record.judged == 1 and not record.skipped
     assert "on 48 teacher-forced positions" in result.plan.verdict.reason
-    runtime = CpuRuntime(result.program, job.graph.weights)
+    assert record.rows == POSITION_ROWS  # the plan's genome ran 32 rows a step: the plan, lowered there
+    wide = job.llm.positions.widened(POSITION_ROWS)
+    space = SearchSpace.build(wide.graph)
+    runtime = CpuRuntime(space.program(result.plan.genome(space)), wide.graph.weights)
     ys, refs, targets = [], [], []
-    for b in job.llm.positions.batches():
+    for b in wide.batches():
         ys.append(np.asarray(runtime.run(b.inputs).outputs["logits"], np.float64).reshape(b.reference.shape)[:b.rows])
         refs.append(b.reference[:b.rows])
         targets.append(b.targets[:b.rows])
@@ -99,14 +126,18 @@ class _Skewed:
     inner: object
     bad: int
     output: str = "logits"
-    passes: int = 0
+    count: list = dataclasses.field(default_factory=lambda: [0])  # passes, shared with the widened source
 
-    @property
-    def positions(self) -> int:
-        return self.inner.positions
+    positions = property(lambda self: self.inner.positions)
+    graph = property(lambda self: self.inner.graph)
+    rows = property(lambda self: self.inner.rows)
+    passes = property(lambda self: self.count[0])
+
+    def widened(self, rows: int) -> "_Skewed":
+        return _Skewed(self.inner.widened(rows), self.bad, self.output, self.count)
 
     def batches(self):
-        self.passes += 1
+        self.count[0] += 1
         rng = np.random.default_rng(self.passes)
         for b in self.inner.batches():
             ref = b.reference + (50 * rng.normal(size=b.reference.shape) if self.passes <= self.bad else 0)

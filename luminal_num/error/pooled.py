@@ -17,6 +17,7 @@ from typing import Iterator, Protocol, Sequence
 import numpy as np
 
 from ..codegen.llir import Program
+from ..hlir.graph import Graph
 from ..runtime.cpu import CpuRuntime
 from .budget import Budget, BudgetVerdict
 from .metrics import METRICS, Compared
@@ -89,11 +90,20 @@ class PositionBatch:
 
 
 class PositionSource(Protocol):
-    """Teacher-forced positions streamed batch by batch (models/llm_positions.py)."""
+    """Teacher-forced positions streamed batch by batch (models/llm_positions.py) through `graph`; `widened(n)`
+    streams the same positions n rows a step, through the graph rebuilt with n rows."""
     output: str
 
     @property
     def positions(self) -> int: ...
+
+    @property
+    def graph(self) -> Graph: ...
+
+    @property
+    def rows(self) -> int: ...  # decode rows per step
+
+    def widened(self, rows: int) -> "PositionSource": ...
 
     def batches(self) -> Iterator[PositionBatch]: ...
 

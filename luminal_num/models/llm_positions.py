@@ -14,7 +14,7 @@ step's inputs are cut from that pass's cache rows when the step runs.
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -30,11 +30,12 @@ class TeacherForcedWindows:
     cut to its first tokens, else refused, as decode_batches does), made when first read (the continuation
     costs FP64 passes), and streamed through the workload's decode graph."""
     model: LlmModel
-    graph: object                       # the workload's built LlamaModel | GemmaModel (batch, max_cache)
+    built: object                       # a decode workload's built LlamaModel | GemmaModel (batch, max_cache)
     prompts: tuple[Prompt, ...]
     minimum: int
     cut: bool = False
     output: str = "logits"
+    _made: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # windows, shared by widened()
 
     def __post_init__(self):
         if not self.prompts:
@@ -42,9 +43,31 @@ class TeacherForcedWindows:
         if self.minimum < 1:
             raise ValueError(f"the positions' minimum must be >= 1, got {self.minimum}")
 
-    @functools.cached_property
+    @property
+    def graph(self):
+        """The decode step's HLIR graph these positions run through."""
+        return self.built.graph
+
+    @property
+    def rows(self) -> int:
+        return self.built.batch
+
+    def widened(self, rows: int) -> "TeacherForcedWindows":
+        """The same windows run `rows` at a time: the workload rebuilt with that many sequences per step (a
+        decode step's rows are independent; the compile checks the program it runs there is the plan's)."""
+        if rows == self.built.batch:
+            return self
+        built = self.model.architecture.build(self.model.config, self.model.weights, 1, self.built.max_cache, rows)
+        return dataclasses.replace(self, built=built)
+
+    @property
     def windows(self) -> tuple[tuple[int, ...], ...]:
-        ctx, prompts = self.graph.max_cache, self.prompts
+        if "windows" not in self._made:
+            self._made["windows"] = self._windows()
+        return self._made["windows"]
+
+    def _windows(self) -> tuple[tuple[int, ...], ...]:
+        ctx, prompts = self.built.max_cache, self.prompts
         count = -(-self.minimum // ctx)  # windows needed
         per_prompt = [count // len(prompts) + (i < count % len(prompts)) for i in range(len(prompts))]
         used = [(fitting_ids(self.model, p, 0, ctx, self.cut), n) for p, n in zip(prompts, per_prompt) if n]
@@ -58,25 +81,25 @@ class TeacherForcedWindows:
 
     def batches(self) -> Iterator[PositionBatch]:
         """Every step of every group of `batch` windows, group after group."""
-        b = self.graph.batch
+        b = self.built.batch
         for start in range(0, len(self.windows), b):
             group = list(self.windows[start:start + b])
             real = len(group)
-            group += group[:b - real]  # a short last group: its own first windows again, not counted
+            group += [group[i % real] for i in range(b - real)]  # a short last group: its own windows again, not counted
             yield from self._group(group, real)
 
     def _group(self, group: list[tuple[int, ...]], real: int) -> Iterator[PositionBatch]:
-        ran = self.model.fp64.forward_many([list(w) for w in group])
-        length = len(group[0])
-        for s in range(length):
+        fp64 = self.model.fp64
+        ran = fp64.hidden_many([list(w) for w in group])  # one pass; each step's logits from its own rows
+        for s in range(len(group[0])):
             states = [Fp64State(tuple(k[:s] for k in st.k), tuple(v[:s] for v in st.v)) for _, st in ran]
             positions = [s] * len(group)
-            inputs = self.graph.make_batch_inputs(np.array([w[s] for w in group])[:, None],
-                                                  np.array(positions)[:, None], stacked_caches(states, self.graph),
+            inputs = self.built.make_batch_inputs(np.array([w[s] for w in group])[:, None],
+                                                  np.array(positions)[:, None], stacked_caches(states, self.built),
                                                   positions)
-            reference = np.stack([logits[s] for logits, _ in ran])
-            targets = np.array([w[s + 1] if s + 1 < len(w) else int(np.argmax(logits[s]))
-                                for w, (logits, _) in zip(group, ran)])
+            reference = fp64.head(np.stack([x[s] for x, _ in ran]))
+            targets = np.array([w[s + 1] if s + 1 < len(w) else int(np.argmax(reference[j]))
+                                for j, w in enumerate(group)])
             yield PositionBatch(inputs, reference, targets, real)
 
 

@@ -77,9 +77,10 @@ class PositionsRecord:
     judged: int
     metrics: Mapping[str, float]
     skipped: str = ""
+    rows: int = 0  # decode rows per run the positions ran at (the workload's, or wider: compiler.POSITION_ROWS)
 
     def as_dict(self) -> dict:
-        out = {"positions": self.positions, "judged": self.judged,
+        out = {"positions": self.positions, "judged": self.judged, "rows": self.rows,
                "metrics": {k: repr(float(v)) for k, v in sorted(self.metrics.items())}}
         if self.skipped:
             out["skipped"] = self.skipped
