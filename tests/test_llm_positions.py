@@ -12,9 +12,9 @@ import pytest
 from luminal_num.cli import EXIT_OK, main
 from luminal_num.compiler import POSITION_ROWS, POSITIONS_JUDGED, BudgetUnreachable, compile
 from luminal_num.error.budget import Budget
-from luminal_num.error.pooled import PositionBatch
 from luminal_num.hlir.evaluate import evaluate_nodes
 from luminal_num.models.llm import Prompt
+from luminal_num.models.llm_positions import PositionBatch
 from luminal_num.models.registry import llm_job
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.search import SearchOptions

@@ -79,10 +79,9 @@ def refusal(budget: Budget) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class PositionBatch:
-    """One step of the workload over real positions: its inputs, the FP64 reference of `output` and each
-    row's next token; only the first `rows` rows are positions (a short last group repeats windows)."""
+class PositionBatch(Protocol):
+    """One step of the workload over real positions: its inputs, the FP64 reference of the source's output
+    and each row's next token; only the first `rows` rows are positions (models/llm_positions.py makes them)."""
     inputs: dict[str, np.ndarray]
     reference: np.ndarray  # (batch rows, vocab) FP64 logits
     targets: np.ndarray    # (batch rows,) next tokens

@@ -20,9 +20,18 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ..error.pooled import PositionBatch
 from .llm import LlmModel, Prompt, fitting_ids, stacked_caches
 from .reference import Fp64State
+
+@dataclass(frozen=True)
+class PositionBatch:
+    """One step of the workload over real positions (what error/pooled.py judges): its inputs, FP64's logits
+    and each row's next token; only the first `rows` rows are positions (a short last group repeats windows)."""
+    inputs: dict[str, np.ndarray]
+    reference: np.ndarray  # (batch rows, vocab) FP64 logits
+    targets: np.ndarray    # (batch rows,) next tokens
+    rows: int
+
 
 @dataclass(frozen=True)
 class TeacherForcedWindows:
