@@ -46,6 +46,8 @@ def test_windows_stream_the_fp64_function_at_every_position(tiny):
     assert source.positions == 48 and len(source.windows) == 3  # ceil(40 / 16) windows, one per prompt here
     first = job.llm.model.encode(Prompt(PROMPTS[0], False))
     assert source.windows[0][:len(first)] == tuple(first) and all(len(w) == 16 for w in source.windows)
+    greedy, _ = job.llm.model.fp64.greedy(first, 16 - len(first))  # the continuation is FP64's own
+    assert source.windows[0][len(first):] == tuple(greedy)
     batches = list(source.batches())
     assert len(batches) == 2 * 16 and [b.rows for b in batches[::16]] == [2, 1]  # the short group counts once
     out = job.graph.outputs["logits"]

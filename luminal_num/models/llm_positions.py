@@ -113,14 +113,19 @@ class TeacherForcedWindows:
 
 
 def _continued(model: LlmModel, ids: list[list[int]], lengths: list[int]) -> list[list[int]]:
-    """Each prompt's ids followed by FP64's greedy continuation to `lengths` tokens (sequences needing as many
-    tokens generate together: Fp64Llama.greedy_many)."""
+    """Each prompt's ids followed by FP64's greedy continuation to `lengths` tokens: every sequence that needs
+    tokens steps together (one pass over the weights per step), and only each step's next token is kept
+    (Fp64Llama.greedy_many keeps every step's logits: a 49152-wide row per token)."""
+    fp64 = model.fp64
     out = [list(row[:n]) for row, n in zip(ids, lengths)]
-    by_need: dict[int, list[int]] = {}
-    for j, (row, n) in enumerate(zip(ids, lengths)):
-        if len(row) < n:
-            by_need.setdefault(n - len(row), []).append(j)
-    for need, js in sorted(by_need.items()):
-        for j, (cont, _) in zip(js, model.fp64.greedy_many([ids[j] for j in js], need)):
-            out[j] = ids[j] + list(cont)
+    live = [j for j, (row, n) in enumerate(zip(ids, lengths)) if len(row) < n]
+    ran = fp64.hidden_many([ids[j] for j in live]) if live else []
+    while live:
+        logits = fp64.head(np.stack([x[-1] for x, _ in ran]))
+        for j, row in zip(live, logits):
+            out[j].append(int(np.argmax(row)))
+        more = [i for i, j in enumerate(live) if len(out[j]) < lengths[j]]
+        if more:
+            ran = fp64.hidden_many([[out[live[i]][-1]] for i in more], [ran[i][1] for i in more])
+        live = [live[i] for i in more]
     return out
