@@ -63,6 +63,7 @@ def test_pooled_row_metrics_match_fp64_written_from_the_definitions(seed):
     assert stats.rows == 21
     for name, value in want.items():
         assert METRICS[name].of(pooled) == pytest.approx(value, rel=1e-10, abs=1e-15), name
+    assert stats.max_abs.max() == max(float(np.max(np.abs(y - r))) for y, r in zip(ys, refs))
 
 
 def test_pooling_is_not_the_worst_batch():

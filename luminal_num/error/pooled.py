@@ -28,24 +28,30 @@ from .verdict import Verdict, VerdictSource
 
 @dataclass(frozen=True)
 class RowStats:
-    """Per row: KL(FP64 || plan), whether the argmax agrees, and -log q(t), -log p(t) of its next token t."""
+    """Per row: KL(FP64 || plan), whether the argmax agrees, -log q(t), -log p(t) of its next token t, and
+    max |y - ref| (what the verdict reports as its max_abs; inf on a blown row)."""
     kl: np.ndarray
     top1: np.ndarray
     nll: np.ndarray
     nll_ref: np.ndarray
+    max_abs: np.ndarray
 
     @staticmethod
     def of(compared: Compared, rows: int | None = None) -> "RowStats":
         """The first `rows` rows' statistics (None: every row)."""
         nll, nll_ref = compared.target_nll
         keep = slice(None) if rows is None else slice(0, rows)
-        return RowStats(compared.kl_rows[keep], compared.top1_agrees[keep], nll[keep], nll_ref[keep])
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(compared.y - compared.ref).reshape(compared.kl_rows.size, -1)
+        worst = np.where(np.isinf(compared.kl_rows), np.inf, np.nan_to_num(diff, nan=np.inf).max(axis=1))
+        return RowStats(compared.kl_rows[keep], compared.top1_agrees[keep], nll[keep], nll_ref[keep], worst[keep])
 
     @staticmethod
     def concat(parts: Sequence["RowStats"]) -> "RowStats":
         if not parts:
-            return RowStats(np.zeros(0), np.zeros(0, bool), np.zeros(0), np.zeros(0))
-        return RowStats(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("kl", "top1", "nll", "nll_ref")))
+            return RowStats(np.zeros(0), np.zeros(0, bool), np.zeros(0), np.zeros(0), np.zeros(0))
+        return RowStats(*(np.concatenate([getattr(p, f) for p in parts])
+                          for f in ("kl", "top1", "nll", "nll_ref", "max_abs")))
 
     @property
     def rows(self) -> int:
@@ -141,4 +147,4 @@ def judge_positions(program: Program, weights, source: PositionSource, gate: Bud
     on = f" on {stats.rows} teacher-forced positions"
     return Verdict(verdict.passed, VerdictSource.MEASURED, Share(ratio, verdict.worst_allclose,
                                                                   check_pooled(budget, source.output, stats).worst_allclose),
-                   math.nan, None, verdict.reason + on), stats
+                   float(stats.max_abs.max()) if stats.rows else 0.0, None, verdict.reason + on), stats
