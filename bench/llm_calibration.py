@@ -7,7 +7,8 @@ Two parts, one CSV (reports/bench/llm_calibration.csv):
   the time of one pooled judgement (every position through the decode plan) with its pooled metrics next
   to the same metrics on the search's calibration batches (3 steps of 8: 24 positions).
 - `demo` (--demo): `luminal-num demo` wall time with the positions stage off (`--positions 0`: the compile
-  main runs) and on (default), one after the other in this run, each a fresh process.
+  main runs) and on (default), one after the other in this run, each a fresh process, both under the same
+  `--max-memory` (default 6G: the machine is shared).
 
 `python -m bench.llm_calibration [--demo] [--genomes "FP32 everywhere" ...]`
 """
@@ -30,12 +31,14 @@ CSV = "llm_calibration.csv"
 WORKLOAD = "decode:8@64"
 GENOMES = ("FP32 everywhere", "BF16 autocast", "W8A16 INT8 per-channel", "FP8 W8A8 dynamic per-token",
            "W4A16 INT4 group 128")
+MEMORY = 5 << 30  # the stage part's memory plan (the job alone holds ~2 GB)
 ROW_METRICS = ("kl_logits", "kl_p99", "kl_max", "top1_agreement", "ppl_ratio")
 
 
 def stage_rows(genomes, minimum: int) -> list[dict]:
     from luminal_num.compiler import POSITION_ROWS, WidenedPositions
     from luminal_num.error.budget import Budget
+    from luminal_num.memory import plan_memory
     from luminal_num.error.metrics import METRICS, Compared
     from luminal_num.error.pooled import PooledRows, RowStats, judge_positions
     from luminal_num.hlir.partition import partition
@@ -50,18 +53,21 @@ def stage_rows(genomes, minimum: int) -> list[dict]:
     budget = Budget.parse(job.default_budget)
     source = job.llm.positions
     rows = []
-    with one_blas_thread():
+    memory = plan_memory(job.graph.weights, MEMORY, workers=1)  # caches sized as a compile within MEMORY sizes them
+    print(memory.describe(), flush=True)
+    with one_blas_thread(), memory.applied():
         t0 = time.perf_counter()
         made = source.positions
         rows.append({"part": "stage", "what": "make windows", "positions": made, "seconds": time.perf_counter() - t0})
         space = SearchSpace.saturated(job.graph, partition(job.graph))
         recipes = baseline_genomes(space)
         wide = WidenedPositions(space, source, POSITION_ROWS, False)
+        refs = [r.outputs(job.graph)["logits"] for r in references(job.graph, job.calibration)]
         for name in genomes:
             program = space.program(recipes[name])
             runtime = CpuRuntime(program, job.graph.weights)
-            batch_rows = RowStats.concat([RowStats.of(Compared(runtime.run(b).outputs["logits"], ref.outputs(job.graph)["logits"]))
-                                          for b, ref in zip(job.calibration, references(job.graph, job.calibration))])
+            batch_rows = RowStats.concat([RowStats.of(Compared(runtime.run(b).outputs["logits"], ref))
+                                          for b, ref in zip(job.calibration, refs)])
             del runtime
             t0 = time.perf_counter()
             run, on = wide.program(recipes[name], program)
@@ -78,24 +84,28 @@ def stage_rows(genomes, minimum: int) -> list[dict]:
 
 
 STAGE_LINE = re.compile(r"stage (\w+): ([0-9.]+) s")
+CHOSEN_LINE = re.compile(r"^Chosen plan(.*?): budget share (.*)$", re.MULTILINE)
 
 
-def demo_rows() -> list[dict]:
+def demo_rows(max_memory: str) -> list[dict]:
     rows = []
     for positions in (0, 2000):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "demo"
             t0 = time.perf_counter()
             run = subprocess.run([sys.executable, "-m", "luminal_num.cli", "demo", "--quiet", "-v", "--no-verdict-cache",
-                                  "--positions", str(positions), "--out", str(out)], capture_output=True, text=True)
+                                  "--positions", str(positions), "--max-memory", max_memory, "--out", str(out)],
+                                 capture_output=True, text=True)
             wall = time.perf_counter() - t0
             stages = {m.group(1): float(m.group(2)) for m in STAGE_LINE.finditer(run.stdout)}
             plan = json.loads((out / "plan.json").read_text()) if (out / "plan.json").is_file() else {}
             record = plan.get("search", {}).get("positions", {})
-            row = {"part": "demo", "what": f"--positions {positions}", "positions": record.get("positions", 0),
+            row = {"part": "demo", "what": f"--positions {positions} --max-memory {max_memory}",
+                   "positions": record.get("positions", 0),
                    "seconds": wall, "rc": run.returncode, "positions_stage_s": stages.get("positions", 0.0),
                    "search_s": stages.get("search"), "plans_judged_on_positions": record.get("judged", 0),
                    "chosen_share": plan.get("verdict", {}).get("budget_share"),
+                   "chosen": m.group(1).strip(" ()") if (m := CHOSEN_LINE.search(run.stdout)) else "",
                    **{m: float(v) for m, v in record.get("metrics", {}).items()}}
             if run.returncode:
                 row["error"] = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ""
@@ -109,10 +119,11 @@ def main(argv=None) -> None:
     ap.add_argument("--demo", action="store_true", help="also time the demo with the positions stage off and on")
     ap.add_argument("--genomes", nargs="*", default=list(GENOMES))
     ap.add_argument("--positions", type=int, default=2000)
+    ap.add_argument("--max-memory", default="6G", help="the demos' --max-memory (both runs alike)")
     args = ap.parse_args(argv)
     rows = stage_rows(args.genomes, args.positions) if args.genomes else []
     if args.demo:
-        rows += demo_rows()
+        rows += demo_rows(args.max_memory)
     path = write_csv(pd.DataFrame(rows), CSV)
     print(f"wrote {path}")
 
