@@ -187,7 +187,7 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
     plan's genome lowered on the step rebuilt with that many rows, used only when it launches the plan's
     own kernels (kind, precision, dtype, storage, in order) and none of them couples rows (a scale taken
     over the batch, codegen/invariance.py); otherwise the plan's own program runs at the workload's rows."""
-    why = "the search was interrupted" if explored.interrupted else pooled.refusal(ctx.gate)
+    why = "the search was interrupted" if explored.interrupted else pooled.refusal(ctx.gate, source.output)
     if why is not None or result.chosen is None:
         record = PositionsRecord(0, 0, {}, why or "no plan passed the calibration batches")
         return dataclasses.replace(result, stats=dataclasses.replace(result.stats, positions=record))

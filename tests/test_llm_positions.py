@@ -183,3 +183,14 @@ def test_cli_text_calibration_and_positions_option(tiny, capsys):
     record = json.loads((root / "on" / "plan.json").read_text())["search"]["positions"]
     assert record["positions"] == 48 and set(record["metrics"]) == {"kl_logits", "kl_p99", "kl_max",
                                                                      "top1_agreement", "ppl_ratio"}
+
+
+@pytest.mark.slow
+def test_a_budget_row_statistics_cannot_judge_skips_the_stage_and_says_why(tiny):
+    _, model = tiny
+    job = _job(model, minimum=16)
+    result = compile(job.graph, Budget.parse("atol=inf,rtol=inf,outputs=logits,cosine>=0.9"), "h200",
+                     job.calibration, _options(), positions=job.llm.positions)
+    record = result.search.stats.positions
+    assert record.judged == 0 and "cosine is not a row metric" in record.skipped
+    assert "teacher-forced" not in result.plan.verdict.reason

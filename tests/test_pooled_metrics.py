@@ -120,8 +120,11 @@ def test_check_pooled_and_refusals():
     verdict = check_pooled(budget, "logits", stats)
     ppl_share = max(want["ppl_ratio"] - 1, 0.0) / 0.5  # a ratio below 1 (better than FP64 on these tokens) uses 0
     assert verdict.passed and budget_ratio(budget, verdict) == pytest.approx(max(0.5, ppl_share), rel=1e-9)
-    assert not check_pooled(Budget.parse(f"atol=inf,rtol=inf,kl_max<={want['kl_max'] / 2!r}"), "logits", stats).passed
-    assert refusal(Budget.parse("atol=1e-3,rtol=0")) is not None
-    assert "cosine" in refusal(Budget.parse("atol=inf,rtol=inf,cosine>=0.99"))
+    assert not check_pooled(Budget.parse(f"atol=inf,rtol=inf,outputs=logits,kl_max<={want['kl_max'] / 2!r}"),
+                            "logits", stats).passed
+    assert "allclose" in refusal(Budget.parse("atol=1e-3,rtol=0,outputs=logits"))
+    assert "cosine" in refusal(Budget.parse("atol=inf,rtol=inf,outputs=logits,cosine>=0.99"))
+    assert "every output" in refusal(Budget.parse("atol=inf,rtol=inf,kl<=0.1"))
+    assert "k_cache" in refusal(Budget.parse("atol=inf,rtol=inf,outputs=logits|k_cache,kl<=0.1"))
     with pytest.raises(ValueError, match="cannot be judged on pooled positions"):
-        check_pooled(Budget.parse("atol=inf,rtol=inf,max_abs<=1"), "logits", stats)
+        check_pooled(Budget.parse("atol=inf,rtol=inf,outputs=logits,max_abs<=1"), "logits", stats)

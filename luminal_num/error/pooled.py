@@ -10,6 +10,7 @@ another metric (max_abs, cosine ...) cannot be judged from row statistics: `refu
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
@@ -41,17 +42,17 @@ class RowStats:
         """The first `rows` rows' statistics (None: every row)."""
         nll, nll_ref = compared.target_nll
         keep = slice(None) if rows is None else slice(0, rows)
+        kl = compared.kl_rows
         with np.errstate(invalid="ignore"):
-            diff = np.abs(compared.y - compared.ref).reshape(compared.kl_rows.size, -1)
-        worst = np.where(np.isinf(compared.kl_rows), np.inf, np.nan_to_num(diff, nan=np.inf).max(axis=1))
-        return RowStats(compared.kl_rows[keep], compared.top1_agrees[keep], nll[keep], nll_ref[keep], worst[keep])
+            diff = np.abs(compared.y - compared.ref).reshape(kl.size, -1) if kl.size else np.zeros((0, 1))
+        worst = np.where(np.isinf(kl), np.inf, np.nan_to_num(diff, nan=np.inf).max(axis=1))
+        return RowStats(kl[keep], compared.top1_agrees[keep], nll[keep], nll_ref[keep], worst[keep])
 
     @staticmethod
     def concat(parts: Sequence["RowStats"]) -> "RowStats":
         if not parts:
             return RowStats(np.zeros(0), np.zeros(0, bool), np.zeros(0), np.zeros(0), np.zeros(0))
-        return RowStats(*(np.concatenate([getattr(p, f) for p in parts])
-                          for f in ("kl", "top1", "nll", "nll_ref", "max_abs")))
+        return RowStats(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(RowStats)))
 
     @property
     def rows(self) -> int:
@@ -63,7 +64,6 @@ class PooledRows(Compared):
     output's comparison). Only row metrics may read it: anything else fails loudly."""
 
     def __init__(self, stats: RowStats):  # no logits to compare: the rows' statistics are given
-
         self.stats = stats
         self.kl_rows, self.top1_agrees = stats.kl, stats.top1
         self.target_nll = (stats.nll, stats.nll_ref)
@@ -74,8 +74,11 @@ class PooledRows(Compared):
         raise TypeError("pooled positions keep row statistics only: no elementwise metric can be computed")
 
 
-def refusal(budget: Budget) -> str | None:
-    """Why `budget` cannot be judged from pooled row statistics (None: it can)."""
+def refusal(budget: Budget, output: str = "logits") -> str | None:
+    """Why `budget` cannot be judged from pooled row statistics of `output` (None: it can)."""
+    others = [name for name in budget.outputs or () if name != output]
+    if budget.outputs is None or others:
+        return f"it judges {', '.join(others) or 'every output'}, the positions keep {output} only"
     if budget.allclose_applies and not math.isinf(budget.atol):
         return f"its allclose test (atol={budget.atol!r}) needs every logit, not row statistics"
     other = [m.name for m in budget.metrics if not METRICS[m.name].rows]
@@ -121,7 +124,7 @@ def batch_stats(y: np.ndarray, batch: PositionBatch) -> RowStats:
 
 def check_pooled(budget: Budget, output: str, stats: RowStats) -> BudgetVerdict:
     """The budget's row metrics over the pooled rows (a budget refusal() refuses raises ValueError)."""
-    why = refusal(budget)
+    why = refusal(budget, output)
     if why is not None:
         raise ValueError(f"budget {budget} cannot be judged on pooled positions: {why}")
     pooled = PooledRows(stats)
