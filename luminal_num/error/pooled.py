@@ -83,8 +83,8 @@ def refusal(budget: Budget, output: str = "logits") -> str | None:
         return f"its allclose test (atol={budget.atol!r}) needs every logit, not row statistics"
     other = [m.name for m in budget.metrics if not METRICS[m.name].rows]
     if other:
-        return f"{', '.join(other)} {'is' if len(other) == 1 else 'are'} not row metrics " \
-               f"(row metrics: {', '.join(n for n, m in METRICS.items() if m.rows)})"
+        verb = "is not a row metric" if len(other) == 1 else "are not row metrics"
+        return f"{', '.join(other)} {verb} (row metrics: {', '.join(n for n, m in METRICS.items() if m.rows)})"
     return None
 
 
