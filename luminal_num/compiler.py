@@ -7,6 +7,7 @@ is known (budget, gate, headroom, target, the task pool); `on_stage` hears each 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from .hlir.partition import Partition, partition
 from .memory import MemoryPlan, plan_memory
 from .quant.calibration import CALIBRATION, NO_HESSIANS, Hessians
 from .runtime.blas_threads import one_blas_thread
+from .runtime.heap import trim_heap
 from .search.outcome import InvariancePrice, PositionsRecord
 from .search.plan import Plan
 from .search.recipes import baseline_genomes
@@ -201,9 +203,13 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
         verdict, kept[e.id] = pooled.judge_positions(run, on.graph.weights, on, ctx.gate, ctx.budget)
         return verdict
     chosen, judged = explored.searcher.judged_again(judge, POSITIONS_JUDGED)  # on one BLAS thread, as every verdict
+    rows_used = wide.rows_used
+    del wide  # the wider step's space and graph, before the plan stage's memory check (issue 29)
+    gc.collect()
+    trim_heap()
     stats = kept[chosen.id] if chosen is not None else None
     values = {} if stats is None else {n: float(m.of(pooled.PooledRows(stats))) for n, m in METRICS.items() if m.rows}
-    record = PositionsRecord(source.positions, judged, values, rows=wide.rows_used)
+    record = PositionsRecord(source.positions, judged, values, rows=rows_used)
     return dataclasses.replace(result, chosen=chosen, evaluated=list(explored.searcher.evaluated),
                                stats=dataclasses.replace(result.stats, positions=record))
 
