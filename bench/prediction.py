@@ -5,7 +5,9 @@ For each job: 30 random genomes give every chunk of each multi-chunk group (the 
 Gemm format (FP32, TF32, BF16, FP16, FP8 E4M3 block, INT8 per channel: one per layer, drawn at random),
 and single-chunk groups a random one too. Each genome's outputs are predicted from its chunks judged
 alone on their exact FP64 inputs (SCALED propagation, as the compiler does, and EXACT injection into the
-FP64 rest of the model), checked against the budget (every metric), then measured end to end. Writes
+FP64 rest of the model), checked against the budget (every metric), then measured end to end, and with
+`--positions N` (smollm2) also judged on N teacher-forced positions pooled: the prediction from the
+calibration batches' 24 positions against the KL over all of them (issue 32's must-show). Writes
 reports/bench/prediction.csv and prediction.png (scatter, the [0.5x, 2x] band drawn).
 """
 from __future__ import annotations
@@ -21,9 +23,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from luminal_num.compiler import POSITION_ROWS, WidenedPositions  # noqa: E402
 from luminal_num.error.budget import Budget  # noqa: E402
 from luminal_num.error.chunks import ChunkEffects, Propagation  # noqa: E402
 from luminal_num.error.judge import Judge  # noqa: E402
+from luminal_num.error.metrics import METRICS  # noqa: E402
+from luminal_num.error.pooled import PooledRows, judge_positions  # noqa: E402
 from luminal_num.error.predict import budget_ratio  # noqa: E402
 from luminal_num.error.reference import references  # noqa: E402
 from luminal_num.models.registry import llm_job, minilm_job, transformer_job  # noqa: E402
@@ -63,8 +68,9 @@ def metric_shares(gate: Budget, outputs, refs) -> dict[str, float]:
     return out
 
 
-def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...] = tuple(Propagation)) -> list[dict]:
-    job = JOBS[name]()
+def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...] = tuple(Propagation),
+                 positions: int = 0) -> list[dict]:
+    job = JOBS[name]() if not positions or name != "smollm2" else llm_job(positions_minimum=positions)
     space = SearchSpace.build(job.graph)
     refs = references(job.graph, job.calibration)
     base = space.candidates(frozenset())
@@ -77,6 +83,8 @@ def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...
                   references=refs, chunks=effects[Propagation.SCALED], use_prediction=False)
     rng = np.random.default_rng(seed)
     rows = []
+    source = job.llm.positions if positions and job.llm is not None else None
+    wide = WidenedPositions(space, source, POSITION_ROWS, False) if source is not None else None
     for i in range(n):
         genome, formats = random_per_layer_genome(space, rng)
         cands = space.candidates(genome)
@@ -97,6 +105,18 @@ def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...
             row[f"measured_{part}"] = share
             p = row.get(f"predicted_scaled_{part}", float("nan"))
             row[f"within_2x_scaled_{part}"] = bool(0.5 <= share / p <= 2.0) if p > 0 else share == p == 0
+        if wide is not None:  # the same genome judged on every teacher-forced position, pooled (issue 32)
+            t0 = time.perf_counter()
+            run, on = wide.program(genome, space.program(genome))
+            pooled_verdict, stats = judge_positions(run, on.graph.weights, on, judge.ev.gate, budget)
+            kl = float(METRICS["kl_logits"].of(PooledRows(stats)))
+            predicted_kl = float(np.mean([METRICS["kl_logits"](o[k], r[k]) for o, r in zip(
+                composed[Propagation.SCALED], judge.ev.gated_refs) for k in o]))
+            row.update(positions=stats.rows, positions_share=pooled_verdict.share.gate, positions_kl=kl,
+                       predicted_scaled_kl=predicted_kl, positions_s=time.perf_counter() - t0,
+                       within_2x_positions_kl=bool(0.5 <= kl / predicted_kl <= 2.0) if predicted_kl > 0 else kl == 0,
+                       within_2x_positions_share=bool(0.5 <= pooled_verdict.share.gate / row["predicted_scaled"] <= 2.0)
+                       if row["predicted_scaled"] > 0 else False)
         if "measured_top1_agreement" in row:  # top-1 flips predicted where they happen (a share > 0 is a flip)
             row["same_top1_flips"] = (row["measured_top1_agreement"] > 0) == (row["predicted_scaled_top1_agreement"] > 0)
         for m in effects:
@@ -145,16 +165,20 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--n", type=int, default=30)
     ap.add_argument("--jobs", default="minilm,smollm2", help=f"comma-separated, of {', '.join(JOBS)}")
+    ap.add_argument("--positions", type=int, default=0,
+                    help="smollm2: also judge each genome on at least N teacher-forced positions, pooled (0: off)")
     ap.add_argument("--exact-for", default="minilm,smollm2,transformer",
                     help="jobs that also get EXACT propagation (an FP64 run of the rest per chunk choice)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore", category=RuntimeWarning)
     exact = set(args.exact_for.split(","))
     df = pd.DataFrame([r for name in args.jobs.split(",")
-                       for r in scatter_rows(name, args.n, modes=(Propagation.EXACT,) if name in exact else ())])
+                       for r in scatter_rows(name, args.n, modes=(Propagation.EXACT,) if name in exact else (),
+                                             positions=args.positions)])
     write_csv(df, "prediction.csv")
     plot(df)
-    cols = [c for c in df if c.startswith("within_2x") or c in ("same_top1_flips", "predict_scaled_s", "measure_s")]
+    cols = [c for c in df if c.startswith("within_2x") or c in ("same_top1_flips", "predict_scaled_s", "measure_s",
+                                                                 "positions_s")]
     print(df.groupby("job")[cols].mean())
 
 

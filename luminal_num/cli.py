@@ -116,7 +116,8 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
         raise InputError(str(exc.args[0])) from None
     try:
         result = compile(job.graph, budget, args.target, job.calibration, opts, cache_dir=args.cache_dir,
-                         memory=memory, on_stage=_print_stage if getattr(args, "verbose", False) else None)
+                         memory=memory, on_stage=_print_stage if getattr(args, "verbose", False) else None,
+                         positions=job.llm.positions if job.llm is not None else None)
     except BudgetUnreachable as exc:
         if exc.result.stats.interrupted:
             raise Interrupted("interrupted before any plan passed the budget: nothing written") from None
@@ -146,6 +147,16 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     return EXIT_OK
 
 
+def _print_positions(record) -> None:
+    """The positions stage: the chosen plan's row metrics over every teacher-forced position, or why none."""
+    if record.skipped:
+        print(f"[luminal-num] teacher-forced positions: not judged ({record.skipped})")
+        return
+    values = ", ".join(f"{k} {fmt_num(v)}" for k, v in sorted(record.metrics.items()))
+    print(f"[luminal-num] chosen plan on {record.positions} teacher-forced positions (pooled; {record.judged} "
+          f"plan(s) judged there): {values or 'none passed'}")
+
+
 def _print_compile_summary(result, budget, files: dict, cache_dir: Path | None) -> None:
     """The front, the baselines, the chosen plan and its per-op summary, once the report is written."""
     from .report.compile_report import candidate_rows, metric_columns
@@ -155,6 +166,8 @@ def _print_compile_summary(result, budget, files: dict, cache_dir: Path | None) 
     gate = stats.gate
     print(f"[luminal-num] {stats.candidates} candidates; gate: cache={gate.cache}, static={gate.static}, "
           f"measured={gate.measured}, pruned={gate.pruned}")
+    if stats.positions is not None:
+        _print_positions(stats.positions)
     if cache_dir is not None:
         print(f"[luminal-num] verdict cache {cache_dir}: {gate.stored} verdicts reused, "
               f"{gate.measured} measured end to end now")

@@ -80,13 +80,14 @@ def llm_job_of(args):
     workload = getattr(args, "workload", None) or LLM_WORKLOAD
     sets = {option: getattr(args, option, None) for option in ("calibration", "heldout")}
     layers = getattr(args, "layers", None)
-    key = (args.model, workload, sets["calibration"], sets["heldout"], layers)
+    minimum = getattr(args, "positions", 0)  # audit judges no pooled positions
+    key = (args.model, workload, sets["calibration"], sets["heldout"], layers, minimum)
     if key in _LLM_JOBS:
         return _LLM_JOBS[key]
     prompts = {option: _prompt_file(path, option) for option, path in sets.items()
                if path is not None and Path(path).suffix != ".npz"}
     try:
-        job = llm_job(args.model, workload, layers=layers, **prompts)
+        job = llm_job(args.model, workload, layers=layers, positions_minimum=minimum, **prompts)
     except PromptTooLong as exc:  # only a set of one's own is refused (shipped prompts are cut to fit)
         raise InputError(f"--{exc.prompt_set} {sets[exc.prompt_set]}: {exc}; shorten it or give a workload with "
                          "a longer context") from None
@@ -95,6 +96,8 @@ def llm_job_of(args):
     for option, path in sets.items():
         if path is not None and option not in prompts:  # an .npz batch of inputs
             job = dataclasses.replace(job, **{option: tuple(input_batches(path, job))})
+            if option == "calibration":  # input batches, not prompts: no windows to teacher-force
+                job = dataclasses.replace(job, llm=dataclasses.replace(job.llm, positions=None))
     _LLM_JOBS[key] = job
     return job
 

@@ -9,6 +9,7 @@ import argparse
 
 from . import __version__
 from .cli_jobs import LLM_CANDIDATES, LLM_WORKLOAD
+from .models.registry import DEFAULT_POSITIONS
 from .error.executors import ExecutorKind
 from .memory import parse_size
 
@@ -25,6 +26,13 @@ def _memory_size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -87,6 +95,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         p.add_argument("--quiet", action="store_true", default=False, help="no progress bar")
         p.add_argument("-v", "--verbose", action="store_true", default=False,
                        help="print each compile stage's name and time as it finishes")
+        p.add_argument("--positions", type=_non_negative, default=DEFAULT_POSITIONS, metavar="N",
+                       help="LLM decode workloads: the chosen plan is judged again on at least N teacher-forced "
+                            "positions over the calibration prompts, metrics pooled (0: off)")
         p.add_argument("--headroom", type=_headroom_arg, default=None,
                        help="share of the budget a plan may use on calibration (default: measured on split batches)")
         p.add_argument("--gptq", action="store_true", default=False,

@@ -7,6 +7,7 @@ is known (budget, gate, headroom, target, the task pool); `on_stage` hears each 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from . import interrupts
+from .codegen.invariance import row_coupled_kernels
 from .codegen.llir import Program
 from .error.budget import Budget
 from .error.chunks import ChunkEffects, Propagation
@@ -23,7 +25,10 @@ from .error.headroom import HeadroomEstimate, estimate_headroom
 from .error.held import HeldArrays
 from .quant.stored import CONVERTED
 from .error.hessians import HessianCollector
+from .error import pooled
 from .error.judge import Judge
+from .error.metrics import METRICS
+from .error.pooled import PositionSource
 from .error.reference import Fp64Reference, reference_bytes, references
 from .error.executors import Executor, ExecutorKind, ExecutorSpec
 from .error.ray_pool import RayPool
@@ -34,15 +39,16 @@ from .hlir.partition import Partition, partition
 from .memory import MemoryPlan, plan_memory
 from .quant.calibration import CALIBRATION, NO_HESSIANS, Hessians
 from .runtime.blas_threads import one_blas_thread
-from .search.outcome import InvariancePrice
+from .runtime.heap import trim_heap
+from .search.outcome import InvariancePrice, PositionsRecord
 from .search.plan import Plan
 from .search.recipes import baseline_genomes
 from .search.search import Exploration, SearchOptions, SearchResult, confirm, explore
-from .search.space import SearchSpace
+from .search.space import ChunkSite, SearchSpace
 from .runtime.launch_form import program_latency
 from .runtime.targets import get_target
 
-STAGES = ("partition", "saturate", "reference", "headroom", "search", "confirm", "plan")
+STAGES = ("partition", "saturate", "reference", "headroom", "search", "confirm", "positions", "plan")
 
 
 class BudgetUnreachable(RuntimeError):
@@ -105,22 +111,24 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
             calibration: Sequence[Mapping[str, np.ndarray]] = (), options: SearchOptions | None = None,
             space: SearchSpace | None = None, use_static: bool | str = "auto",
             cache_dir: str | Path | None = None, memory: MemoryPlan | None = None,
-            on_stage: StageListener | None = None) -> CompileResult:
+            on_stage: StageListener | None = None, positions: PositionSource | None = None) -> CompileResult:
     """The fastest plan found whose error vs FP64 on `calibration` is within `budget` on `target`
     (`target` wins over `options.target`). `cache_dir`: measured verdicts persist there (keyed by graph,
     weights, inputs and budget), so a second or interrupted compile of the same job reuses them.
     `memory`: the worker count and cache sizes (memory.py; default: planned for 80% of the available
-    memory and `options.workers`). `space`: an already saturated space (partition and saturate skipped)."""
+    memory and `options.workers`). `space`: an already saturated space (partition and saturate skipped).
+    `positions`: teacher-forced positions (an LLM's, models/llm_positions.py) the chosen plan is judged on
+    again, pooled, before it is returned (error/pooled.py)."""
     options = options or SearchOptions(target=target)
     memory = memory or plan_memory(graph.weights, workers=options.workers)
     with memory.applied(), CONVERTED.on_disk(Path(cache_dir) / "converted" if cache_dir else None):
         return _compile(graph, budget, target, calibration, options, space, use_static, cache_dir, memory,
-                        on_stage or (lambda name, seconds: None))
+                        on_stage or (lambda name, seconds: None), positions)
 
 
 def _compile(graph: Graph, budget: Budget, target: str, calibration, options: SearchOptions,
              space: SearchSpace | None, use_static, cache_dir, memory: MemoryPlan,
-             on_stage: StageListener) -> CompileResult:
+             on_stage: StageListener, positions: PositionSource | None = None) -> CompileResult:
     _check_job(graph, budget, target, calibration, options)
 
     def stage(name: str, run: Callable[[], object], need: int = 0):
@@ -163,8 +171,94 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
         explored = stage("search", lambda: explore(space, judge, options, latency_inputs=calibration[0],
                                                    target=target))
         result = stage("confirm", lambda: confirm(explored))
+        if positions is not None:
+            result = stage("positions", lambda: positions_stage(ctx, explored, result, positions))
         planned = stage("plan", lambda: plan_stage(ctx, space, refs, judge, result))
         return planned if pool is None else dataclasses.replace(planned, tasks=dataclasses.replace(pool.times))
+
+
+POSITIONS_JUDGED = 4  # plans the positions stage judges at most (each a pass over every position)
+POSITION_ROWS = 32    # decode rows per run on the positions (fewer runs of a wider step; see positions_stage)
+
+
+def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchResult,
+                    source: PositionSource) -> SearchResult:
+    """The chosen plan judged again on every teacher-forced position pooled (thousands, where the search's
+    calibration batches hold a few dozen): its pooled verdict replaces the batches' one; a rejected plan
+    fails, and the next choice is confirmed and judged (at most POSITIONS_JUDGED plans). An interrupted
+    search, or a budget that row statistics cannot judge, skips the stage and says why.
+
+    A decode step's rows are independent sequences, so the positions run POSITION_ROWS rows a step: the
+    plan's genome lowered on the step rebuilt with that many rows, used only when it launches the plan's
+    own kernels (kind, precision, dtype, storage, in order) and none of them couples rows (a scale taken
+    over the batch, codegen/invariance.py); otherwise the plan's own program runs at the workload's rows."""
+    why = "the search was interrupted" if explored.interrupted else pooled.refusal(ctx.gate, source.output)
+    if why is not None or result.chosen is None:
+        record = PositionsRecord(0, 0, {}, why or "no plan passed the calibration batches")
+        return dataclasses.replace(result, stats=dataclasses.replace(result.stats, positions=record))
+    space = explored.searcher.space
+    wide = WidenedPositions(space, source, POSITION_ROWS, ctx.options.calibrated)
+    kept: dict[int, pooled.RowStats] = {}
+
+    def judge(e):
+        program = e.program if e.program is not None else space.program(e.genome)
+        run, on = wide.program(e.genome, program)
+        verdict, kept[e.id] = pooled.judge_positions(run, on.graph.weights, on, ctx.gate, ctx.budget)
+        return verdict
+    chosen, judged = explored.searcher.judged_again(judge, POSITIONS_JUDGED)  # on one BLAS thread, as every verdict
+    rows_used = wide.rows_used
+    del wide  # the wider step's space and graph, before the plan stage's memory check (issue 29)
+    gc.collect()
+    trim_heap()
+    stats = kept[chosen.id] if chosen is not None else None
+    values = {} if stats is None else {n: float(m.of(pooled.PooledRows(stats))) for n, m in METRICS.items() if m.rows}
+    record = PositionsRecord(source.positions, judged, values, rows=rows_used)
+    return dataclasses.replace(result, chosen=chosen, evaluated=list(explored.searcher.evaluated),
+                               stats=dataclasses.replace(result.stats, positions=record))
+
+
+class WidenedPositions:
+    """The positions `rows` rows a step, and a genome lowered there (saturated once, when first needed)."""
+
+    def __init__(self, space: SearchSpace, source: PositionSource, rows: int, calibrated: bool):
+        self.own, self.source, self.rows, self.calibrated = space, source, rows, calibrated
+        self.wide: tuple[SearchSpace, PositionSource] | None = None
+        self.rows_used = 0
+
+    def program(self, genome, program: Program) -> tuple[Program, PositionSource]:
+        """What runs on the positions: the genome at `rows` rows if it is the same program row by row, else
+        the program itself on the workload's own rows."""
+        own_rows = self.source.rows
+        if self.rows > own_rows:
+            if self.wide is None:
+                source = self.source.widened(self.rows)
+                self.wide = (SearchSpace.saturated(source.graph, partition(source.graph), calibrated=self.calibrated)
+                             .with_batch_invariance(self.own.batch_invariant), source)
+            space, source = self.wide
+            widened = _genome_on(genome, self.own, space)
+            if widened is not None:
+                wide = space.program(widened)
+                if _kernels(wide) == _kernels(program) and not row_coupled_kernels(wide):
+                    self.rows_used = max(self.rows_used, self.rows)
+                    return wide, source
+        self.rows_used = max(self.rows_used, own_rows)
+        return program, self.source
+
+
+def _kernels(program: Program) -> list[tuple]:
+    return [(k.kind.value, k.precision, k.dtype.name, k.acc.name if k.acc else None, k.storage, k.fill)
+            for k in program.kernels]
+
+
+def _genome_on(genome, space: SearchSpace, other: SearchSpace):
+    """The genome's choices on another build of the same model (its groups in the same order, e-classes
+    numbered alike), or None where the partitions differ."""
+    keys, others = [g.key for g in space.part.groups], [g.key for g in other.part.groups]
+    if len(keys) != len(others):
+        return None
+    at = dict(zip(keys, others))
+    return frozenset((ChunkSite(at[site.group], site.chunk) if isinstance(site, ChunkSite) else at[site], cls, tag)
+                     for site, cls, tag in genome)
 
 
 def plan_stage(ctx: CompileContext, space: SearchSpace, refs: References, judge: Judge,

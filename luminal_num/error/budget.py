@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from luminal_num.error.metrics import METRICS, Compared, Direction, allclose_of, get_metric
+from luminal_num.error.metrics import METRICS, Compared, allclose_of, get_metric
 
 
 class BudgetSyntaxError(ValueError):
@@ -46,6 +46,10 @@ class MetricLimit:
         low, high = METRICS[self.name].values
         if not low <= self.limit <= high:  # cosine>=2 or kl<=-1 can never pass: refuse it before any work
             raise ValueError(f"{self.name} lies in [{low:g}, {high:g}]; a limit of {self.limit!r} is outside it")
+        metric = METRICS[self.name]
+        if metric.better_than_perfect(self.limit):  # ppl_ratio<=0.9: asks for a plan better than FP64 itself
+            raise ValueError(f"{self.name} of FP64 itself is {metric.perfect:g}; a limit of {self.limit!r} asks for "
+                             f"a plan better than the reference")
 
     @property
     def operator(self) -> str:
@@ -147,13 +151,7 @@ class Budget:
         calibration set keeps the rest of the budget for inputs it has not seen."""
         if not 0 < headroom <= 1:
             raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
-        limits = []
-        for m in self.metrics:
-            metric = METRICS[m.name]
-            if metric.direction is Direction.LOWER:
-                limits.append(MetricLimit(m.name, m.limit * headroom))
-            else:  # higher is better, perfect is 1 (cosine, top-1 agreement)
-                limits.append(MetricLimit(m.name, 1.0 - (1.0 - m.limit) * headroom))
+        limits = [MetricLimit(m.name, METRICS[m.name].tightened(m.limit, headroom)) for m in self.metrics]
         return Budget(self.atol * headroom, self.rtol * headroom, self.outputs, tuple(limits))
 
     # ---- text form ----

@@ -22,7 +22,7 @@ from .chunks import ChunkEffects
 from .interval import Interval
 from .predict import Change, FirstOrderDeltas, Prediction, ShareCheck
 from .share import Share
-from .metrics import METRICS, Direction
+from .metrics import METRICS
 from .static import static_bound
 from .static_metrics import metric_bound
 from .verdict import Verdict, VerdictSource, program_key
@@ -218,11 +218,7 @@ def _metric_ratio(err: np.ndarray, ref, budget: Budget) -> float:
         value = metric_bound(m.name, err, ref)
         if value is None:
             return np.inf
-        if METRICS[m.name].direction is Direction.LOWER:
-            r = value / m.limit if m.limit > 0 else (0.0 if value <= 0 else np.inf)
-        else:
-            r = (1.0 - value) / (1.0 - m.limit) if m.limit < 1 else (0.0 if value >= 1 else np.inf)
-        worst = max(worst, float(r))
+        worst = max(worst, METRICS[m.name].share(value, m.limit))
     return worst
 
 

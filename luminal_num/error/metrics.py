@@ -49,10 +49,33 @@ class Metric:
     description: str
     aliases: tuple[str, ...] = ()
     values: tuple[float, float] = (0.0, math.inf)  # the closed range the metric's value lies in
+    perfect: float | None = None  # the value of y = ref (None: 0 for lower-is-better metrics, 1 otherwise)
+    rows: bool = False  # computed from per-row statistics alone: poolable over batches (error/pooled.py)
+
+    def __post_init__(self):
+        if self.perfect is None:
+            object.__setattr__(self, "perfect", 0.0 if self.direction is Direction.LOWER else 1.0)
 
     def passes(self, value: float, limit: float) -> bool:
         """value within limit in this metric's direction (NaN never passes)."""
         return bool(value <= limit) if self.direction is Direction.LOWER else bool(value >= limit)
+
+    def better_than_perfect(self, value: float) -> bool:
+        return value < self.perfect if self.direction is Direction.LOWER else value > self.perfect
+
+    def share(self, value: float, limit: float) -> float:
+        """The share of the allowance `limit` the value uses, both measured from perfect (<= 1 passes): KL over
+        its limit, (1 - top1) over (1 - limit), (ppl_ratio - 1) over (limit - 1); inf for a non-finite value."""
+        if not math.isfinite(value):
+            return math.inf
+        distance, allowance = abs(value - self.perfect), abs(limit - self.perfect)
+        if self.better_than_perfect(value):  # a ppl ratio below 1: uses nothing
+            distance = 0.0
+        return distance / allowance if allowance > 0 else (0.0 if distance == 0 else math.inf)
+
+    def tightened(self, limit: float, headroom: float) -> float:
+        """The limit that keeps only `headroom` of the allowance (its distance from perfect)."""
+        return self.perfect + (limit - self.perfect) * headroom
 
     def __call__(self, y, ref) -> float:
         return self.fn(Compared(y, ref))
@@ -68,8 +91,9 @@ class Compared:
     content key: error/reference.py keys them, hlir/store.py). Every value equals the one computed
     from scratch: the same operations on the same arrays."""
 
-    def __init__(self, y, ref):
+    def __init__(self, y, ref, targets=None):
         self._ref_source = ref if isinstance(ref, WeightArray) else None
+        self.targets = None if targets is None else np.asarray(targets, dtype=np.int64).reshape(-1)
         self.y = np.asarray(y, dtype=np.float64)
         self.ref = np.asarray(ref, dtype=np.float64)
         if self.y.shape != self.ref.shape:
@@ -127,6 +151,26 @@ class Compared:
         y2, blown = self.logit_rows
         ref_top = self._derived("argmax", lambda: np.argmax(_rows(self.ref), -1))
         return (np.argmax(y2, -1) == ref_top) & ~blown
+
+
+    @cached_property
+    def target_nll(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per row: -log q(t) of the plan and -log p(t) of FP64 for the row's next token t: `targets` where
+        given (the teacher-forced tokens), else FP64's own argmax (the greedy token teacher forcing feeds
+        next); inf on a blown row."""
+        y2, blown = self.logit_rows
+        if not y2.size:
+            return np.zeros(0), np.zeros(0)
+        log_p = self._derived("log_softmax", lambda: _log_softmax(_rows(self.ref)))
+        t = self._derived("argmax", lambda: np.argmax(_rows(self.ref), -1)) if self.targets is None else self.targets
+        if t.shape != (y2.shape[0],) or t.min() < 0 or t.max() >= y2.shape[1]:
+            raise ValueError(f"{t.size} target tokens for {y2.shape[0]} rows of {y2.shape[1]} logits")
+        rows = np.arange(y2.shape[0])
+        nll_ref = -log_p[rows, t]
+        if not np.isfinite(nll_ref).all():
+            raise ValueError("a target token has probability 0 under the FP64 reference: no perplexity")
+        nll_y = -_log_softmax(y2)[rows, t]
+        return np.where(blown, np.inf, nll_y), nll_ref
 
 
 _REFERENCE_DERIVED = WeightCache(256 << 20)  # facts and log-softmax rows of the references being judged against
@@ -243,6 +287,31 @@ def kl_max(y, ref) -> float:
     return _kl_max(Compared(y, ref))
 
 
+def _kl_p99(c: Compared) -> float:
+    rows = c.kl_rows
+    return float(np.quantile(rows, 0.99, method="inverted_cdf")) if rows.size else 0.0
+
+
+def kl_p99(y, ref) -> float:
+    """The 99th percentile of the rows' KL(softmax(ref) || softmax(y)): the smallest row value that at least
+    99% of the rows do not exceed (llama-perplexity's "99.0%" KL line)."""
+    return _kl_p99(Compared(y, ref))
+
+
+def _ppl_ratio(c: Compared) -> float:
+    nll_y, nll_ref = c.target_nll
+    if not nll_y.size:
+        return 1.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.exp(np.mean(nll_y) - np.mean(nll_ref)))
+
+
+def ppl_ratio(y, ref, targets=None) -> float:
+    """Perplexity of the plan over perplexity of FP64 on the rows' next tokens (`targets`, else FP64's
+    argmax): exp(mean(-log q(t)) - mean(-log p(t))); 1 is FP64's, inf where a row blew up."""
+    return _ppl_ratio(Compared(y, ref, targets))
+
+
 def _greedy_agreement_length(c: Compared) -> int:
     agree = c.top1_agrees
     return int(agree.size if agree.all() else np.argmin(agree))
@@ -338,11 +407,11 @@ def allclose_violation(y, ref, atol: float, rtol: float) -> float:
 
 def allclose_of(c: Compared, atol: float, rtol: float) -> float:
     """allclose_violation of a Compared pair; atol = inf (allclose off) needs no pass over the values."""
-    p = c.pair
     if c.blown_any:
         return np.inf
     if atol == np.inf:  # every finite error is within an infinite tolerance: ratio 0
         return 0.0
+    p = c.pair
     err = np.abs(p.y - p.ref)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         tolerance = atol + np.where(p.ref == 0, 0.0, rtol * np.abs(p.ref))  # rtol=inf at ref=0 is 0, not NaN
@@ -362,10 +431,16 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("rel_l2", _rel_l2, Direction.LOWER, "||y - ref||_2 / ||ref||_2", ("l2",)),
     Metric("cosine", _cosine, Direction.HIGHER, "min over rows of the cosine similarity (last axis)", ("cos",),
            (-1.0, 1.0)),
-    Metric("kl_logits", _kl_logits, Direction.LOWER, "mean over rows of KL(softmax(ref) || softmax(y))", ("kl",)),
+    Metric("kl_logits", _kl_logits, Direction.LOWER, "mean over rows of KL(softmax(ref) || softmax(y))", ("kl",),
+           rows=True),
     Metric("top1_agreement", _top1_agreement, Direction.HIGHER, "fraction of rows with the same argmax",
-           ("top1",), (0.0, 1.0)),
-    Metric("kl_max", _kl_max, Direction.LOWER, "max over rows of KL(softmax(ref) || softmax(y))", ()),
+           ("top1",), (0.0, 1.0), rows=True),
+    Metric("kl_max", _kl_max, Direction.LOWER, "max over rows of KL(softmax(ref) || softmax(y))", (), rows=True),
+    Metric("kl_p99", _kl_p99, Direction.LOWER, "99th percentile over rows of KL(softmax(ref) || softmax(y))", (),
+           rows=True),
+    # perfect (y = ref) is 1, and a plan may beat FP64 on the next tokens (below 1): a share counts only above 1
+    Metric("ppl_ratio", _ppl_ratio, Direction.LOWER, "perplexity of y over perplexity of ref on the next tokens",
+           ("ppl",), (0.0, math.inf), perfect=1.0, rows=True),
     Metric("greedy_agreement", _greedy_agreement, Direction.HIGHER,
            "leading rows with the same argmax before the first that differs, as a fraction of the rows",
            ("greedy",), (0.0, 1.0)),

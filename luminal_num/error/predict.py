@@ -17,7 +17,7 @@ import numpy as np
 
 from .budget import Budget, BudgetVerdict
 from .metric_values import MetricValues
-from .metrics import METRICS, Compared, Direction, allclose_of
+from .metrics import METRICS, Compared, allclose_of
 from .share import Share
 
 Change = tuple  # one precision change: (group key or one chunk of a group (search.space.ChunkSite), e-class, tag)
@@ -35,12 +35,7 @@ def budget_ratio(budget: Budget, verdict: BudgetVerdict) -> float:
     limits = {m.name: m.limit for m in budget.metrics}
     for out in verdict.outputs:
         for name, value in out.metric_values:
-            limit = limits[name]
-            if METRICS[name].direction is Direction.LOWER:
-                r = value / limit if limit > 0 else (0.0 if value <= 0 else np.inf)
-            else:
-                r = (1.0 - value) / (1.0 - limit) if limit < 1 else (0.0 if value >= 1 else np.inf)
-            worst = max(worst, float(r) if np.isfinite(value) else np.inf)
+            worst = max(worst, METRICS[name].share(value, limits[name]))
     return float(worst)
 
 

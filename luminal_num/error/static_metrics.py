@@ -79,6 +79,13 @@ def _kl_max(err, ref) -> float:
     return float(np.max(rows)) if rows.size else 0.0
 
 
+def _ppl_ratio(err, ref) -> float:
+    """Per row |(-log q(t)) - (-log p(t))| <= |y_t - r_t| + |lse(y) - lse(r)| <= 2 max|e| (log-sum-exp moves by at
+    most the largest change), so the ratio of the perplexities is at most exp(2 max over rows of max|e|)."""
+    e2 = _rows(err) * REL_SLACK
+    return float(np.exp(2.0 * np.max(e2))) if e2.size else 1.0
+
+
 def _top1_kept(err, ref) -> np.ndarray:
     """Per row: the reference's argmax is certainly the argmax of every y within the bound."""
     e2, r2 = _rows(err) * REL_SLACK, _rows(ref)
@@ -109,6 +116,8 @@ def _greedy(err, ref) -> float:
 METRIC_BOUNDS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
     "max_abs": _max_abs, "max_rel": _max_rel, "rel_l2": _rel_l2, "cosine": _cosine,
     "kl_logits": _kl_logits, "kl_max": _kl_max, "top1_agreement": _top1, "greedy_agreement": _greedy,
+    "kl_p99": _kl_max,  # a percentile of the rows' KL is at most their max
+    "ppl_ratio": _ppl_ratio,
 }
 
 

@@ -230,7 +230,7 @@ def prompts_cut(model: LlmModel, workload: Workload, prompts: Sequence[Prompt]) 
     return sum(len(model.encode(p)) > workload.context for p in prompts)
 
 
-def _stacked_caches(states: Sequence[Fp64State], graph: LlamaModel | GemmaModel) -> dict[str, np.ndarray]:
+def stacked_caches(states: Sequence[Fp64State], graph: LlamaModel | GemmaModel) -> dict[str, np.ndarray]:
     """The sequences' FP64 cache rows in the graph's layout, as the previous step's cache outputs:
     position j of sequence i in row i * rows + j % rows (a ring of `rows` keeps the last `rows`)."""
     out = {}
@@ -276,7 +276,7 @@ def decode_batches(model: LlmModel, graph: LlamaModel, prompts: Sequence[Prompt]
             group_states = step_states[rows]
             positions = [state.length for state in group_states]
             out.append(graph.make_batch_inputs(np.array(step_tokens[rows])[:, None], np.array(positions)[:, None],
-                                               _stacked_caches(group_states, graph), positions))
+                                               stacked_caches(group_states, graph), positions))
     return out
 
 

@@ -172,6 +172,14 @@ class Fp64Llama:
                      logits: bool = True) -> list[tuple[np.ndarray | None, Fp64State]]:
         """forward() of each sequence (after its state), all of them through one layer before the next:
         each layer's weights are converted once per call. `logits=False` skips the head (cache rows only)."""
+        ran = self.hidden_many(seqs, states)
+        with self.w.layer():
+            return [(self._head(x) if logits else None, state) for x, state in ran]
+
+    def hidden_many(self, seqs: Sequence[Sequence[int]],
+                    states: Sequence[Fp64State] | None = None) -> list[tuple[np.ndarray, Fp64State]]:
+        """forward_many without the head: each sequence's hidden rows after the last layer (n, hidden) and its
+        grown state; head() turns any rows of them into logits (a few positions' logits, not every one's)."""
         states = [self.empty() for _ in seqs] if states is None else list(states)
         if len(states) != len(seqs):
             raise ValueError(f"forward_many: {len(seqs)} sequences but {len(states)} states")
@@ -180,8 +188,12 @@ class Fp64Llama:
             with self.w.layer():
                 if runs:
                     self._layer(i, runs)
+        return [(r.x, Fp64State(tuple(r.k), tuple(r.v))) for r in runs]
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        """Logits of hidden rows hidden_many returned (the final norm and the LM head)."""
         with self.w.layer():
-            return [(self._head(r.x) if logits else None, Fp64State(tuple(r.k), tuple(r.v))) for r in runs]
+            return self._head(x)
 
     def _start(self, ids: np.ndarray, state: Fp64State) -> _Sequence:
         c, n, start = self.config, len(ids), state.length  # noqa: F841

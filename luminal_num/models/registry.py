@@ -17,6 +17,9 @@ from ..hlir.graph import Graph
 if TYPE_CHECKING:  # the model modules load lazily: a job pulls in only its own model's dependencies
     from .llama import LlamaModel
     from .llm import LlmModel, Workload
+    from .llm_positions import TeacherForcedWindows
+
+DEFAULT_POSITIONS = 2000  # teacher-forced positions an LLM's chosen plan is judged on by default (issue 32)
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class LlmJob:
     model: "LlmModel"
     workload: "Workload"
     built: "LlamaModel"
+    # the calibration prompts' teacher-forced windows (decode workloads; windows made when first read), or None
+    positions: "TeacherForcedWindows | None" = None
 
 
 def _batches(items, size):
@@ -92,13 +97,17 @@ SMOLLM2_WORKLOAD = "decode:8@64"
 
 
 def llm_job(model: str = "smollm2", workload: str = SMOLLM2_WORKLOAD, calibration: Sequence | None = None,
-            heldout: Sequence | None = None, layers: int | None = None) -> ModelJob:
+            heldout: Sequence | None = None, layers: int | None = None,
+            positions_minimum: int = DEFAULT_POSITIONS) -> ModelJob:
     """A Llama-family LLM (bundled name, .gguf file or HF folder) under a server workload, judged on
     real prompts teacher-forced on the FP64 continuation (default: the shipped 24 + 12 prompts). Shipped
     prompts longer than a decode workload's context are cut to its first tokens (and a note says so); a
-    caller's own prompts are refused instead (PromptTooLong names the set)."""
+    caller's own prompts are refused instead (PromptTooLong names the set). A decode workload also has
+    `positions_minimum` teacher-forced positions over the calibration prompts (0: none), on which compile
+    judges the chosen plan again (models/llm_positions.py)."""
     from .llm import (LLM_DEFAULT_BUDGET, PromptTooLong, Workload, build_workload, load_llm, load_prompts, prompts_cut,
                       workload_batches)
+    from .llm_positions import TeacherForcedWindows
     m = load_llm(model, layers)
     w = Workload.parse(workload)
     built = build_workload(m, w)
@@ -119,12 +128,17 @@ def llm_job(model: str = "smollm2", workload: str = SMOLLM2_WORKLOAD, calibratio
             raise PromptTooLong(f"{label} {exc}", which) from None
 
     cal, held = batches("calibration", calibration), batches("heldout", heldout)
+    positions = None
+    if w.kind == "decode" and positions_minimum > 0:  # a prefill step already judges every position of its windows
+        given = calibration is not None
+        positions = TeacherForcedWindows(m, built, tuple(calibration if given else load_prompts("calibration", family)),
+                                         positions_minimum, cut=not given)
     c = m.config
     return ModelJob(m.name if layers is None else f"{m.name}-{layers}l", built.graph, tuple(cal), tuple(held),
                     LLM_DEFAULT_BUDGET,
                     f"{m.name} ({c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads}/"
                     f"{c.num_key_value_heads} heads, vocab {c.vocab_size}), workload {w}, real prompts",
-                    LlmJob(m, w, built), tuple(notes))
+                    LlmJob(m, w, built, positions), tuple(notes))
 
 
 LLM_NAMES = ("smollm2", "gemma3")  # LLMs known by name: the installed files of models.llm.NAMED_MODELS

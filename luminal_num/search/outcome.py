@@ -42,6 +42,7 @@ class SearchStats:
     allocation: Mapping[str, float | int | str]
     interrupted: bool = False
     headroom: HeadroomEstimate | None = None
+    positions: PositionsRecord | None = None  # the chosen plan judged on pooled teacher-forced positions
 
     @property
     def gate(self):
@@ -62,6 +63,27 @@ class SearchStats:
             out["interrupted"] = True
         if self.headroom is not None:
             out.update(self.headroom.as_dict())
+        if self.positions is not None:
+            out["positions"] = self.positions.as_dict()
+        return out
+
+
+@dataclass(frozen=True)
+class PositionsRecord:
+    """The positions stage: how many teacher-forced positions the chosen plan was judged on (pooled), how
+    many plans were judged there, and every row metric of the chosen plan over them (llama-perplexity's
+    KL mean / p99 / max, same-top-1 rate, perplexity ratio), or why the stage did not judge."""
+    positions: int
+    judged: int
+    metrics: Mapping[str, float]
+    skipped: str = ""
+    rows: int = 0  # decode rows per run the positions ran at (the workload's, or wider: compiler.POSITION_ROWS)
+
+    def as_dict(self) -> dict:
+        out = {"positions": self.positions, "judged": self.judged, "rows": self.rows,
+               "metrics": {k: repr(float(v)) for k, v in sorted(self.metrics.items())}}
+        if self.skipped:
+            out["skipped"] = self.skipped
         return out
 
 

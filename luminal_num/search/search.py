@@ -10,13 +10,14 @@ import dataclasses
 import time
 from types import MappingProxyType
 from dataclasses import dataclass
+from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
 from .. import interrupts
 from ..codegen.invariance import row_coupled_kernels
 from ..codegen.llir import Program
-from ..error.verdict import PREDICTED_SOURCES
+from ..error.verdict import PREDICTED_SOURCES, Verdict
 from ..quant.stored import CalibratedChoice
 from ..runtime.cost import Latency, UnsupportedOnTarget
 from ..runtime.launch_form import program_latency
@@ -193,6 +194,24 @@ class Searcher:
             for e in {e.id: e for e in todo}.values():
                 self._remeasure(e)
                 self.follow_bias()
+
+    def judged_again(self, judge: Callable[[Evaluated], Verdict], limit: int) -> tuple[Evaluated | None, int]:
+        """The chosen plan judged once more by `judge` (the pooled teacher-forced positions, whose verdict
+        replaces the calibration batches'); a rejection fails that candidate and the next choice is confirmed
+        and judged, at most `limit` judgements in all (then nothing is chosen). Returns the chosen plan and
+        how many were judged."""
+        chosen, judged = choose(self.passing()), 0
+        while chosen is not None:
+            if judged == limit:
+                return None, judged
+            v = judge(chosen)
+            judged += 1
+            new = dataclasses.replace(chosen, verdict=v, latency=chosen.latency if v.passed else None)
+            self.evaluated[chosen.id] = self.seen[chosen.genome] = new
+            if v.passed:
+                return new, judged
+            chosen = self.confirm_finalists()
+        return None, judged
 
     def _remeasure(self, e: Evaluated) -> None:
         """An end-to-end run replaces a candidate's predicted verdict (a tentative reject is timed now:

@@ -1,0 +1,196 @@
+"""Teacher-forced positions over the calibration prompts (models/llm_positions.py) and the compile's positions
+stage (compiler.positions_stage): the streamed decode steps compute the FP64 runner's function, the chosen
+plan's pooled metrics equal a recomputation written here, and a plan the positions reject is replaced."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from luminal_num.cli import EXIT_OK, main
+from luminal_num.compiler import POSITION_ROWS, POSITIONS_JUDGED, BudgetUnreachable, compile
+from luminal_num.error.budget import Budget
+from luminal_num.hlir.evaluate import evaluate_nodes
+from luminal_num.models.llm import Prompt
+from luminal_num.models.llm_positions import PositionBatch
+from luminal_num.models.registry import llm_job
+from luminal_num.runtime.cpu import CpuRuntime
+from luminal_num.search.search import SearchOptions
+from luminal_num.search.space import SearchSpace
+from tiny_gguf import tiny_config, write_tiny_gguf
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+PROMPTS = ("the cat sat on", "a dog ran", "the end of the")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("positions")
+    model = root / "tiny.gguf"
+    write_tiny_gguf(model, tiny_config(max_position_embeddings=256))
+    (root / "mine.txt").write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
+    return root, model
+
+
+def _job(model, minimum=40):
+    return llm_job(str(model), "decode:2@16", [Prompt(p, False) for p in PROMPTS], [Prompt("a cat", False)],
+                   positions_minimum=minimum)
+
+
+def test_windows_stream_the_fp64_function_at_every_position(tiny):
+    _, model = tiny
+    job = _job(model)
+    source = job.llm.positions
+    assert source.positions == 48 and len(source.windows) == 3  # ceil(40 / 16) windows, one per prompt here
+    first = job.llm.model.encode(Prompt(PROMPTS[0], False))
+    assert source.windows[0][:len(first)] == tuple(first) and all(len(w) == 16 for w in source.windows)
+    greedy, _ = job.llm.model.fp64.greedy(first, 16 - len(first))  # the continuation is FP64's own
+    assert source.windows[0][len(first):] == tuple(greedy)
+    batches = list(source.batches())
+    assert len(batches) == 2 * 16 and [b.rows for b in batches[::16]] == [2, 1]  # the short group counts once
+    out = job.graph.outputs["logits"]
+    for i, b in enumerate(batches):
+        group, step = divmod(i, 16)
+        y = np.asarray(evaluate_nodes(job.graph, b.inputs, keep={out})[out]).reshape(b.reference.shape)
+        assert np.max(np.abs(y - b.reference)) <= 1e-12 * np.max(np.abs(b.reference))  # the graph's FP64 = the runner's
+        windows = source.windows[2 * group:2 * group + b.rows]
+        want = [w[step + 1] if step + 1 < 16 else int(np.argmax(b.reference[j])) for j, w in enumerate(windows)]
+        assert list(b.targets[:b.rows]) == want
+
+
+def test_a_wider_step_computes_each_row_as_the_workloads_step(tiny):
+    """The positions run 32 rows a step: each row is the same function as in the workload's 2-row step (bit for
+    bit under a batch-invariant lowering, so any difference would be the rows' coupling, not BLAS order)."""
+    _, model = tiny
+    source = _job(model).llm.positions
+    wide = source.widened(POSITION_ROWS)
+    rows = {}
+    for s, width in ((source, 2), (wide, POSITION_ROWS)):
+        space = SearchSpace.build(s.graph).with_batch_invariance(True)
+        runtime = CpuRuntime(space.program(frozenset()), s.graph.weights)
+        got = rows.setdefault(width, {})
+        for i, b in enumerate(s.batches()):
+            group, step = divmod(i, 16)
+            y = np.asarray(runtime.run(b.inputs).outputs["logits"]).reshape(b.reference.shape)
+            for j in range(b.rows):
+                got[(group * width + j, step)] = (y[j], b.reference[j], b.targets[j])
+    assert len(rows[2]) == len(rows[POSITION_ROWS]) == 48
+    for key, (y, ref, target) in rows[2].items():
+        y_wide, ref_wide, target_wide = rows[POSITION_ROWS][key]
+        assert np.array_equal(y, y_wide) and target == target_wide
+        assert np.max(np.abs(ref - ref_wide)) <= 1e-12 * np.max(np.abs(ref))  # FP64 at 2 or 32 sequences a pass
+
+
+def _metrics(ys, refs, targets):
+    """KL mean/max, top-1 rate and perplexity ratio over all rows, from softmax rows computed here."""
+    y, r, t = np.concatenate(ys), np.concatenate(refs), np.concatenate(targets)
+    log_q = y - y.max(1, keepdims=True)
+    log_q -= np.log(np.exp(log_q).sum(1, keepdims=True))
+    log_p = r - r.max(1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(1, keepdims=True))
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(1)
+    rows = np.arange(len(t))
+    return {"kl_logits": kl.mean(), "kl_max": kl.max(), "top1_agreement": np.mean(y.argmax(1) == r.argmax(1)),
+            "ppl_ratio": np.exp(np.mean(-log_q[rows, t]) - np.mean(-log_p[rows, t]))}
+
+
+def _options():
+    return SearchOptions(max_candidates=3, progress=False, workers=1, headroom=0.5)
+
+
+def test_the_chosen_plan_is_judged_on_every_position_pooled(tiny):
+    _, model = tiny
+    job = _job(model)
+    result = compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration, _options(),
+                     positions=job.llm.positions)
+    record = result.search.stats.positions
+    assert record.positions == 48 and record.judged == 1 and not record.skipped
+    assert "on 48 teacher-forced positions" in result.plan.verdict.reason
+    assert record.rows == POSITION_ROWS  # the plan's genome ran 32 rows a step: the plan, lowered there
+    wide = job.llm.positions.widened(POSITION_ROWS)
+    space = SearchSpace.build(wide.graph)
+    runtime = CpuRuntime(space.program(result.plan.genome(space)), wide.graph.weights)
+    ys, refs, targets = [], [], []
+    for b in wide.batches():
+        ys.append(np.asarray(runtime.run(b.inputs).outputs["logits"], np.float64).reshape(b.reference.shape)[:b.rows])
+        refs.append(b.reference[:b.rows])
+        targets.append(b.targets[:b.rows])
+    for name, value in _metrics(ys, refs, targets).items():
+        assert record.metrics[name] == pytest.approx(value, rel=1e-9, abs=1e-15), name
+    assert record.metrics["kl_p99"] <= record.metrics["kl_max"]
+
+
+@dataclasses.dataclass
+class _Skewed:
+    """A source whose references are replaced by noise in the first `bad` passes (every plan fails there)."""
+    inner: object
+    bad: int
+    output: str = "logits"
+    count: list = dataclasses.field(default_factory=lambda: [0])  # passes, shared with the widened source
+
+    positions = property(lambda self: self.inner.positions)
+    graph = property(lambda self: self.inner.graph)
+    rows = property(lambda self: self.inner.rows)
+    passes = property(lambda self: self.count[0])
+
+    def widened(self, rows: int) -> "_Skewed":
+        return _Skewed(self.inner.widened(rows), self.bad, self.output, self.count)
+
+    def batches(self):
+        self.count[0] += 1
+        rng = np.random.default_rng(self.passes)
+        for b in self.inner.batches():
+            ref = b.reference + (50 * rng.normal(size=b.reference.shape) if self.passes <= self.bad else 0)
+            yield PositionBatch(b.inputs, ref, b.targets, b.rows)
+
+
+def _rejected_on_positions(result):
+    return [e for e in result.evaluated if not e.verdict.passed and "teacher-forced positions" in e.verdict.reason]
+
+
+def test_a_plan_the_positions_reject_is_replaced_by_the_next_choice(tiny):
+    _, model = tiny
+    job = _job(model, minimum=16)
+    skewed = _Skewed(job.llm.positions, bad=1)
+    result = compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration, _options(),
+                     positions=skewed)
+    assert result.search.stats.positions.judged == 2 and skewed.passes == 2
+    (first,) = _rejected_on_positions(result.search)
+    assert result.search.chosen.id != first.id and result.search.chosen.verdict.passed
+    assert "on 16 teacher-forced positions" in result.search.chosen.verdict.reason
+
+
+@pytest.mark.slow
+def test_when_the_positions_reject_every_plan_the_budget_is_unreachable(tiny):
+    _, model = tiny
+    job = _job(model, minimum=16)
+    with pytest.raises(BudgetUnreachable) as caught:
+        compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration, _options(),
+                positions=_Skewed(job.llm.positions, bad=99))
+    rejected = _rejected_on_positions(caught.value.result)
+    assert 1 <= len(rejected) <= POSITIONS_JUDGED and caught.value.result.chosen is None
+
+
+def test_cli_text_calibration_and_positions_option(tiny, capsys):
+    root, model = tiny
+    args = ["compile", "--model", str(model), "--workload", "decode:2@16", "--candidates", "1", "--quiet",
+            "--calibration", str(root / "mine.txt")]
+    assert main([*args, "--positions", "40", "--out", str(root / "on")]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "chosen plan on 48 teacher-forced positions (pooled" in out
+    record = json.loads((root / "on" / "plan.json").read_text())["search"]["positions"]
+    assert record["positions"] == 48 and set(record["metrics"]) == {"kl_logits", "kl_p99", "kl_max",
+                                                                     "top1_agreement", "ppl_ratio"}
+
+
+@pytest.mark.slow
+def test_a_budget_row_statistics_cannot_judge_skips_the_stage_and_says_why(tiny):
+    _, model = tiny
+    job = _job(model, minimum=16)
+    result = compile(job.graph, Budget.parse("atol=inf,rtol=inf,outputs=logits,cosine>=0.9"), "h200",
+                     job.calibration, _options(), positions=job.llm.positions)
+    record = result.search.stats.positions
+    assert record.judged == 0 and "cosine is not a row metric" in record.skipped
+    assert "teacher-forced" not in result.plan.verdict.reason
