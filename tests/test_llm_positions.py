@@ -120,6 +120,11 @@ def test_the_chosen_plan_is_judged_on_every_position_pooled(tiny):
     for name, value in _metrics(ys, refs, targets).items():
         assert record.metrics[name] == pytest.approx(value, rel=1e-9, abs=1e-15), name
     assert record.metrics["kl_p99"] <= record.metrics["kl_max"]
+    recorded = result.plan.verdict.metrics  # plan.json's verdict.metrics: the pooled values the budget limits
+    limited = {m.name for m in Budget.parse(job.default_budget).metrics}
+    assert recorded and set(recorded) <= limited
+    for name, value in recorded.items():
+        assert value == pytest.approx(record.metrics[name], rel=1e-9, abs=1e-15), name
 
 
 @dataclasses.dataclass

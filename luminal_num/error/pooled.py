@@ -21,6 +21,7 @@ from ..codegen.llir import Program
 from ..hlir.graph import Graph
 from ..runtime.cpu import CpuRuntime
 from .budget import Budget, BudgetVerdict
+from .metric_values import MetricValues
 from .metrics import METRICS, Compared
 from .predict import budget_ratio
 from .share import Share
@@ -150,4 +151,5 @@ def judge_positions(program: Program, weights, source: PositionSource, gate: Bud
     on = f" on {stats.rows} teacher-forced positions"
     return Verdict(verdict.passed, VerdictSource.MEASURED, Share(ratio, verdict.worst_allclose,
                                                                   check_pooled(budget, source.output, stats).worst_allclose),
-                   float(stats.max_abs.max()) if stats.rows else 0.0, None, verdict.reason + on), stats
+                   float(stats.max_abs.max()) if stats.rows else 0.0, None, verdict.reason + on,
+                   metrics=MetricValues.worst_of([verdict])), stats
