@@ -37,6 +37,7 @@ class ConvertedDisk:
         self.folder, self.max_bytes = Path(folder), max_bytes
         self.hits = self.writes = self.evicted = 0
         self._last_ns = 0
+        self._held: int | None = None  # the folder's entry bytes as last listed plus this cache's writes since
         self.off = ""  # why writing stopped (a folder that cannot be written is reported once)
 
     def _path(self, key: tuple) -> tuple[Path, str]:
@@ -83,7 +84,10 @@ class ConvertedDisk:
             return
         self.writes += 1
         self._touch(path)
-        self._trim()
+        if self._held is not None:
+            self._held += path.stat().st_size
+        if self._held is None or self._held > self.max_bytes:  # the folder is listed once, then when over
+            self._trim()
 
     def _trim(self) -> None:
         """Delete least-recently-used entries until the folder's entries fit max_bytes."""
@@ -101,3 +105,4 @@ class ConvertedDisk:
             p.unlink(missing_ok=True)
             total -= size
             self.evicted += 1
+        self._held = total

@@ -197,10 +197,11 @@ class ConvertedWeights:
         if hit is not None:
             return hit
         # a weight's own GGUF blocks of this format are read from the model file, never from the disk cache
-        cacheable = self.disk is not None and (fill is not None or _kept(w, fmt) is None)
+        kept = _kept(w, fmt) if fill is None else None
+        cacheable = self.disk is not None and kept is None
         q = self.disk.load(key, fmt, tuple(np.shape(w))) if cacheable else None
         if q is None:
-            q = convert(w, fmt, fill, hessian)
+            q = kept if kept is not None else convert(w, fmt, fill, hessian)
             self.conversions += 1
             if cacheable:
                 self.disk.save(key, q)
