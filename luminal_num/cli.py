@@ -271,8 +271,11 @@ def cmd_audit(args) -> int:
     if check and oj is not None:
         raise InputError("--check-invariance rebuilds the job at batch sizes 1, 2, 4, 8: not an ONNX model's")
     _check_out(out, AUDIT_FILES + ((INVARIANCE_FILE,) if check else ()))
+    positions = None
+    if oj is None and job.llm is not None and not args.inputs:  # LLM prompts: their teacher-forced windows
+        positions = job.llm.positions if args.calibration else job.llm.heldout_positions
     with output_lock(out):
-        code = _audit_locked(plan, job, batches, out, oj)
+        code = _audit_locked(plan, job, batches, out, oj, positions)
         return max(code, _check_invariance(plan, job, batches, out)) if check else code
 
 
@@ -294,7 +297,7 @@ def _check_invariance(plan, job, batches, out: Path) -> int:
     return EXIT_OK if result.passed else EXIT_CONTRACT
 
 
-def _audit_locked(plan, job, batches, out: Path, oj=None) -> int:
+def _audit_locked(plan, job, batches, out: Path, oj=None, positions=None) -> int:
     from .report.audit import audit, write_audit_report
     from .search.plan import PlanError
     if plan.interrupted:
@@ -302,7 +305,7 @@ def _audit_locked(plan, job, batches, out: Path, oj=None) -> int:
     try:
         if oj is not None:
             plan.check_source(oj.source)
-        result = audit(plan, job.graph, batches)
+        result = audit(plan, job.graph, batches, positions=positions)
     except PlanError as exc:
         raise InputError(str(exc)) from None
     except (KeyError, ValueError) as exc:
@@ -311,8 +314,12 @@ def _audit_locked(plan, job, batches, out: Path, oj=None) -> int:
         files = write_audit_report(result, out)
     try:
         print(result.outputs.to_string(index=False))
+        if result.not_pooled:
+            print(f"\n[luminal-num] note: judged per batch, not on pooled positions: {result.not_pooled}")
         if len(result.metrics):  # the plan's recorded value of each metric next to the one measured now
-            print("\nmetrics (plan: worst over the calibration batches; audit: worst over these batches):")
+            audited = (f"pooled over {result.positions} teacher-forced positions of the audited prompts"
+                       if result.positions else "worst over these batches")
+            print(f"\nmetrics (plan: as its compile judged it; audit: {audited}):")
             _print_table(result.metrics, list(result.metrics.columns), n=len(result.metrics))
         print(f"\naudit: {'PASSED' if result.passed else 'CONTRACT BROKEN'}: {result.reason}")
         print(f"{result.outside_range} exported values left the calibration range; wrote "

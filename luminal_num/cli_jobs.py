@@ -80,7 +80,7 @@ def llm_job_of(args):
     workload = getattr(args, "workload", None) or LLM_WORKLOAD
     sets = {option: getattr(args, option, None) for option in ("calibration", "heldout")}
     layers = getattr(args, "layers", None)
-    minimum = getattr(args, "positions", 0)  # audit judges no pooled positions
+    minimum = getattr(args, "positions", 0)
     key = (args.model, workload, sets["calibration"], sets["heldout"], layers, minimum)
     if key in _LLM_JOBS:
         return _LLM_JOBS[key]
@@ -96,8 +96,9 @@ def llm_job_of(args):
     for option, path in sets.items():
         if path is not None and option not in prompts:  # an .npz batch of inputs
             job = dataclasses.replace(job, **{option: tuple(input_batches(path, job))})
-            if option == "calibration":  # input batches, not prompts: no windows to teacher-force
-                job = dataclasses.replace(job, llm=dataclasses.replace(job.llm, positions=None))
+            # input batches, not prompts: no windows to teacher-force
+            windows = "positions" if option == "calibration" else "heldout_positions"
+            job = dataclasses.replace(job, llm=dataclasses.replace(job.llm, **{windows: None}))
     _LLM_JOBS[key] = job
     return job
 

@@ -143,6 +143,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                     "models batches keyed like --calibration")
     onnx_args(au)
     au.add_argument("--out", help="report folder (default: the plan's folder)")
+    au.add_argument("--positions", type=_non_negative, default=DEFAULT_POSITIONS, metavar="N",
+                    help="LLM decode plans: judge the budget on at least N teacher-forced positions over the held-out "
+                         "prompts (or --calibration's), metrics pooled, as compile judged the plan (0: per batch)")
     au.add_argument("--check-invariance", action="store_true", default=False,
                     help="also run each held-out input alone and inside batches of 2, 4, 8 and compare its outputs "
                          "bit for bit (invariance.csv; exit 1 when a --batch-invariant plan is not invariant; an "

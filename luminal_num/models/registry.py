@@ -48,6 +48,8 @@ class LlmJob:
     built: "LlamaModel"
     # the calibration prompts' teacher-forced windows (decode workloads; windows made when first read), or None
     positions: "TeacherForcedWindows | None" = None
+    # the held-out prompts' windows, which audit judges a plan's row metrics on (pooled), or None
+    heldout_positions: "TeacherForcedWindows | None" = None
 
 
 def _batches(items, size):
@@ -104,7 +106,8 @@ def llm_job(model: str = "smollm2", workload: str = SMOLLM2_WORKLOAD, calibratio
     prompts longer than a decode workload's context are cut to its first tokens (and a note says so); a
     caller's own prompts are refused instead (PromptTooLong names the set). A decode workload also has
     `positions_minimum` teacher-forced positions over the calibration prompts (0: none), on which compile
-    judges the chosen plan again (models/llm_positions.py)."""
+    judges the chosen plan again (models/llm_positions.py), and as many over the held-out prompts, on which
+    audit re-checks it."""
     from .llm import (LLM_DEFAULT_BUDGET, PromptTooLong, Workload, build_workload, load_llm, load_prompts, prompts_cut,
                       workload_batches)
     from .llm_positions import TeacherForcedWindows
@@ -128,17 +131,18 @@ def llm_job(model: str = "smollm2", workload: str = SMOLLM2_WORKLOAD, calibratio
             raise PromptTooLong(f"{label} {exc}", which) from None
 
     cal, held = batches("calibration", calibration), batches("heldout", heldout)
-    positions = None
-    if w.kind == "decode" and positions_minimum > 0:  # a prefill step already judges every position of its windows
-        given = calibration is not None
-        positions = TeacherForcedWindows(m, built, tuple(calibration if given else load_prompts("calibration", family)),
-                                         positions_minimum, cut=not given)
+    def windows(which: str, given: Sequence | None) -> TeacherForcedWindows | None:
+        if w.kind != "decode" or positions_minimum <= 0:  # a prefill step already judges every position of its windows
+            return None
+        prompts = tuple(given if given is not None else load_prompts(which, family))
+        return TeacherForcedWindows(m, built, prompts, positions_minimum, cut=given is None)
     c = m.config
     return ModelJob(m.name if layers is None else f"{m.name}-{layers}l", built.graph, tuple(cal), tuple(held),
                     LLM_DEFAULT_BUDGET,
                     f"{m.name} ({c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads}/"
                     f"{c.num_key_value_heads} heads, vocab {c.vocab_size}), workload {w}, real prompts",
-                    LlmJob(m, w, built, positions), tuple(notes))
+                    LlmJob(m, w, built, windows("calibration", calibration), windows("heldout", heldout)),
+                    tuple(notes))
 
 
 LLM_NAMES = ("smollm2", "gemma3")  # LLMs known by name: the installed files of models.llm.NAMED_MODELS

@@ -4,6 +4,10 @@ Per output: the budget's metrics and the allclose ratio, against the error recor
 Per chunk (layer): drift of every exported value. Scale saturation: values outside the ranges seen on
 the calibration set (static scales and the contract were judged there). The contract is broken when
 any output leaves the budget.
+
+An LLM decode plan is judged the way its compile judged it (issue 32): a budget of row metrics (KL, top-1,
+perplexity ratio) over thousands of teacher-forced positions of held-out prompts, pooled (error/pooled.py);
+a batch of 8 rows moves top-1 by 1/8 per flipped token, so each batch's own values are reported, not judged.
 """
 from __future__ import annotations
 
@@ -18,12 +22,13 @@ import numpy as np
 import pandas as pd
 
 from ..error.metric_values import MetricValues
+from ..error import pooled
 from ..error.metrics import max_abs, rel_l2
 from ..error.predict import budget_ratio
 from ..hlir.evaluate import evaluate_nodes
 from ..hlir.graph import Graph
 from ..runtime.cpu import CpuRuntime
-from ..search.plan import Plan
+from ..search.plan import Plan, graph_key
 from .files import atomic_files
 from .numbers import fmt_num
 
@@ -40,13 +45,19 @@ class AuditResult:
     # each budget metric: the plan's recorded value (worst over the calibration batches) and the audit's
     # (worst over the audited batches); columns metric, limit, plan, audit
     metrics: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
+    positions: int = 0         # teacher-forced positions the row metrics were pooled over (0: judged per batch)
+    not_pooled: str = ""       # why positions were given but the budget was judged per batch
 
     @property
     def outside_range(self) -> int:
         return int(self.drift["outside_calibration"].sum()) if len(self.drift) else 0
 
 
-def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]], space=None) -> AuditResult:
+def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]], space=None,
+          positions: pooled.PositionSource | None = None) -> AuditResult:
+    """The plan on `batches` against FP64 (outputs, drift per chunk); with `positions` (an LLM decode job's
+    held-out windows, through this graph), the budget is judged on their rows pooled, unless it names a
+    metric row statistics cannot judge (then per batch, and `not_pooled` says why)."""
     if not batches:
         raise ValueError("audit needs at least one input batch")
     for i, inp in enumerate(batches):
@@ -82,17 +93,46 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
             outside = lo is not None and ref.size > 0 and (float(np.min(ref)) < float(lo) or float(np.max(ref)) > float(hi))
             drift_rows.append({"batch": b, "chunk": chunk_of[nid], "value": key, "max_abs": float(max_abs(value, ref)),
                                "rel_l2": float(rel_l2(value, ref)), "outside_calibration": bool(outside)})
+    not_pooled = "" if positions is None else (pooled.refusal(budget, positions.output) or "")
+    judged_on = 0
+    if positions is not None and not not_pooled:
+        if positions.graph is not graph and graph_key(positions.graph) != graph_key(graph):
+            raise ValueError("the held-out positions run through another graph than the audited one")
+        passed, reason, measured, share, judged_on = _pooled(rt, budget, positions)
     plan_err = plan.verdict.error
     finite = math.isfinite(plan_err)
     if passed:
         recorded = fmt_num(plan_err) if finite else repr(plan_err)
         if not budget.allclose_applies and plan.verdict.metrics:  # its allclose share (0) says nothing
             recorded = plan.verdict.metrics.describe((m.name for m in budget.metrics), lambda v: fmt_num(v, 4))
-        shown = f"worst allclose ratio {fmt_num(worst)}" if budget.allclose_applies else budget.summary(out_rows, worst)
+        if judged_on:
+            shown = (measured.describe((m.name for m in budget.metrics), lambda v: fmt_num(v, 4))
+                     + f" on {judged_on} teacher-forced positions of the audited prompts (pooled)")
+        elif budget.allclose_applies:
+            shown = f"worst allclose ratio {fmt_num(worst)}"
+        else:
+            shown = budget.summary(out_rows, worst)
         reason = f"within budget {budget}: {shown} (plan recorded {recorded})"
     return AuditResult(passed, reason, pd.DataFrame(out_rows), pd.DataFrame(drift_rows),
                        plan_err if finite else float("nan"), worst, share,
-                       metric_comparison(budget, plan.verdict.metrics, measured))
+                       metric_comparison(budget, plan.verdict.metrics, measured), judged_on, not_pooled)
+
+
+def _pooled(runtime: CpuRuntime, budget, source: pooled.PositionSource):
+    """(passed, reason, metric values, budget share, positions) of the plan's runtime on every position of
+    `source`, its row statistics pooled (the compile's positions stage judges the same way)."""
+    parts = []
+    for batch in source.batches():  # one step's inputs live only while it runs
+        try:
+            out = runtime.run(batch.inputs).outputs[source.output]
+        except (ValueError, FloatingPointError) as exc:  # e.g. a REJECT overflow policy
+            return False, f"run failed on the audited positions: {exc}", MetricValues(), math.inf, 0
+        parts.append(pooled.batch_stats(out, batch))
+    stats = pooled.RowStats.concat(parts)
+    verdict = pooled.check_pooled(budget, source.output, stats)
+    on = f" on {stats.rows} teacher-forced positions of the audited prompts (pooled)"
+    return verdict.passed, "" if verdict.passed else verdict.reason + on, MetricValues.worst_of([verdict]), \
+        budget_ratio(budget, verdict), stats.rows
 
 
 def metric_comparison(budget, recorded: MetricValues, measured: MetricValues) -> pd.DataFrame:
@@ -130,6 +170,8 @@ def write_audit_report(result: AuditResult, out_dir: str | Path) -> dict[str, Pa
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>audit</title></head><body>"
             f"<h1>Audit: {status}</h1><p>{html.escape(result.reason)}</p>"
             f"<p>{result.outside_range} exported values left the calibration range.</p>"
+            + (f"<p>The budget was judged on {result.positions} teacher-forced positions, pooled; the per-batch "
+               f"values below are reported, not judged.</p>" if result.positions else "")
             + (f"<h2>Metrics: the plan's value (calibration set) and the audit's (worst batch)</h2>"
                f"{_html_table(result.metrics)}" if len(result.metrics) else "") +
             f"<h2>Outputs</h2>{_html_table(result.outputs)}"
