@@ -96,11 +96,16 @@ def one(shape: Shape, candidates: int, max_memory: str | None, front_end_only: b
         return {"shape": shape.name, "params_m": params / 1e6, "front_end_s": t1 - t0,
                 "batches": len(job.calibration) + len(job.heldout)}
     memory = plan_memory(job.graph.weights, None if max_memory is None else parse_size(max_memory))
+    ended = {"front end": time.monotonic()}  # each stage's end on the machine's monotonic clock (the parent's too)
+
+    def on_stage(name: str, seconds: float) -> None:
+        ended[name] = time.monotonic()
     result = compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration,
-                     SearchOptions(max_candidates=candidates, progress=False), memory=memory)
+                     SearchOptions(max_candidates=candidates, progress=False), memory=memory, on_stage=on_stage)
     t2 = time.perf_counter()
     chosen = result.search.chosen
     return {"shape": shape.name, "params_m": params / 1e6, "candidates": result.search.stats.candidates,
+            "stage_ends": ended,
             "front_end_s": t1 - t0, "compile_s": t2 - t1, "memory_plan": memory.describe(),
             "chosen": chosen.label or f"candidate {chosen.id}", "chosen_latency_us": chosen.latency.total_s * 1e6,
             "plan_sha256": hashlib.sha256(result.plan.to_json().encode()).hexdigest()[:16]}
@@ -122,18 +127,34 @@ def measure(name: str, candidates: int | None, max_memory: str | None, front_end
         cmd += ["--front-end"]
     load0 = os.getloadavg()[0]
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     with MemWatch(pid=proc.pid, period=2.0) as watch:  # smaps_rollup of a big tree costs ~10% of a core at 0.5 s
         out, _ = proc.communicate()
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: the compile exited {proc.returncode}")
     row = json.loads(out.strip().splitlines()[-1])
+    row.update(stage_columns(t0, row.pop("stage_ends", {}), watch.samples))
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the child and its workers, all exited
-    row.update(max_memory=max_memory or "default", wall_s=time.perf_counter() - t0,
+    row.update(max_memory=max_memory or "default", wall_s=time.monotonic() - t0,
                cpu_s=(cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime), peak_pss_gb=watch.peak_pss / 1e9, peak_rss_sum_gb=watch.peak_rss_sum / 1e9,
                peak_rss_max_gb=watch.peak_rss_max / 1e9, load_before=load0, load_after=os.getloadavg()[0])
     return row
+
+
+def stage_columns(started: float, ends: dict[str, float], samples) -> dict:
+    """`stage_s`: each stage's seconds ("front end 26; partition 0; ..."); `peak_stage`: the stage during which
+    the tree's PSS peaked, and `stage_peak_gb`: each stage's peak PSS (what to shrink first)."""
+    if not ends:
+        return {}
+    spans, start = [], started
+    for name, end in ends.items():
+        spans.append((name, start, end))
+        start = end
+    peaks = {name: max((s.pss for s in samples if lo <= s.t <= hi), default=0) for name, lo, hi in spans}
+    return {"stage_s": "; ".join(f"{name} {hi - lo:.0f}" for name, lo, hi in spans),
+            "peak_stage": max(peaks, key=peaks.get),
+            "stage_peak_gb": "; ".join(f"{name} {gb / 1e9:.2f}" for name, gb in peaks.items())}
 
 
 def main(argv=None) -> pd.DataFrame | None:

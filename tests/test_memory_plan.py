@@ -110,6 +110,37 @@ def test_a_cache_makes_room_before_it_makes_a_value_and_counts_views_of_the_weig
     assert cache.bytes == 2 * 4000 and cache.holds(ws[1], "as is")
 
 
+def test_a_scan_keeps_what_the_cache_holds_instead_of_evicting_it_before_its_next_read():
+    """Whole-model runs read every weight in order, run after run. Least-recently-used eviction with a cache
+    of 2 of 3 operands misses every read; inside scanning() the first run's 2 stay and every later run hits
+    them, and entries made outside the scan (the search's) survive it."""
+    from luminal_num.hlir.store import keyed
+    from luminal_num.hlir.weightcache import WeightCache
+    ws = [keyed(np.full((100, 10), i, np.float32)) for i in range(3)]  # 4000 bytes each
+
+    def runs(cache, n, scanning):
+        made = []
+        for _ in range(n):
+            for i, w in enumerate(ws):
+                if scanning:
+                    with cache.scanning():
+                        cache.get(w, "op", lambda i=i, w=w: made.append(i) or w * 2.0)
+                else:
+                    cache.get(w, "op", lambda i=i, w=w: made.append(i) or w * 2.0)
+        return made
+    assert runs(WeightCache(2 * 4000), 4, scanning=False) == [0, 1, 2] * 4  # every read a miss
+    cache = WeightCache(2 * 4000)
+    assert runs(cache, 4, scanning=True) == [0, 1, 2] + [2] * 3  # after the first run, 2 of 3 reads hit
+    assert cache.uncached == 4 and cache.bytes == 2 * 4000
+    searched = WeightCache(2 * 4000)
+    searched.get(ws[2], "op", lambda: ws[2] * 2.0)  # the search's entry
+    runs(searched, 2, scanning=True)
+    assert searched.holds(ws[2], "op") and searched.bytes <= 2 * 4000
+    with searched.scanning():
+        values = searched.get(ws[0], "other", lambda: ws[0] * 3.0)  # made, returned, not kept
+    assert np.array_equal(values, ws[0] * 3.0) and not searched.holds(ws[0], "other")
+
+
 def test_a_stage_that_cannot_fit_stops_with_one_line_naming_it():
     from luminal_num.memory import MemoryPlan, tree_pss
     plan = MemoryPlan(tree_pss() + 512 * (1 << 20), 0, 0, 1, 0, 0, 0)

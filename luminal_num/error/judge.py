@@ -17,6 +17,7 @@ import numpy as np
 
 from ..codegen.llir import Program
 from ..hlir.graph import Graph
+from ..hlir.weightcache import WEIGHTS
 from ..runtime.cpu import CpuRuntime
 from .budget import Budget
 from .calibrate import BandKind, Calibrator
@@ -132,7 +133,8 @@ class EndToEnd:
         rt = CpuRuntime(program, ev.graph.weights) if ran is None else None  # runs here, batch by batch
         for b, (inp, ref) in enumerate(zip(ev.calibration, ev.refs)):
             try:
-                out = ran[b] if ran is not None else rt.run(inp).outputs
+                with WEIGHTS.scanning():  # a whole-model run (hlir/weightcache.py)
+                    out = ran[b] if ran is not None else rt.run(inp).outputs
                 if isinstance(out, Exception):
                     raise out
             except (ValueError, FloatingPointError) as exc:  # e.g. a REJECT overflow policy

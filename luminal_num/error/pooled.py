@@ -19,6 +19,7 @@ import numpy as np
 
 from ..codegen.llir import Program
 from ..hlir.graph import Graph
+from ..hlir.weightcache import WEIGHTS
 from ..runtime.cpu import CpuRuntime
 from .budget import Budget, BudgetVerdict
 from .metric_values import MetricValues
@@ -140,7 +141,8 @@ def judge_positions(program: Program, weights, source: PositionSource, gate: Bud
     parts = []
     for batch in source.batches():  # one step's inputs (its KV caches) live only while it runs
         try:
-            out = runtime.run(batch.inputs).outputs[source.output]
+            with WEIGHTS.scanning():  # a whole-model run per step (hlir/weightcache.py)
+                out = runtime.run(batch.inputs).outputs[source.output]
         except (ValueError, FloatingPointError) as exc:  # e.g. a REJECT overflow policy
             return Verdict(False, VerdictSource.MEASURED, Share(np.inf, np.inf, np.inf), np.inf, None,
                            f"run failed on the pooled positions: {exc}"), RowStats.concat(parts)

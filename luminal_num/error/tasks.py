@@ -47,7 +47,8 @@ def run_task(task: RunTask, weights: Mapping[str, np.ndarray] | None = None) -> 
     """The program's outputs on every batch (raises what the runtime raises, e.g. a REJECT overflow)."""
     rt = CpuRuntime(task.program, _WEIGHTS if weights is None else weights)
     try:
-        return [dict(rt.run(b, bind).outputs) for b, bind in zip(task.batches, task.bindings)]
+        with WEIGHTS.scanning():  # a whole-model run (hlir/weightcache.py)
+            return [dict(rt.run(b, bind).outputs) for b, bind in zip(task.batches, task.bindings)]
     finally:
         del rt
         trim_heap()  # the run's freed temporaries go back to the system, not into a fragmented heap

@@ -10,11 +10,19 @@ and room for a new value is made before it is computed, so the cache and the val
 within the budget together (evicting after would hold both: a 1 GB head's operand over a full cache).
 An entry that is a view of its source (an FP32 weight stored as is) keeps the source alive until it
 is evicted; its bytes count.
+
+Whole-model runs read every weight once, in order, again and again (end-to-end verdicts, the headroom's
+probes, the positions' steps); when a model's operands exceed the budget, least-recently-used eviction
+then evicts each operand just before the next run reads it, and every read misses (a 1B compile spent
+half its time re-making operands). Inside `scanning()`, a miss is cached only where it fits without
+evicting: what the cache holds stays for the next run (a share budget / working set of the reads hit),
+and the search's per-layer entries survive its end-to-end runs.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable, Mapping, Sequence, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Hashable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -93,6 +101,17 @@ class WeightCache:
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
         self._lru = ByteLRU(budget_bytes)  # (content key(s), what) -> value
         self.hits = self.misses = 0
+        self.uncached = 0  # misses a scan made without keeping (no room without evicting)
+        self._scans = 0
+
+    @contextmanager
+    def scanning(self) -> Iterator[None]:
+        """While the block runs (a whole-model run), a miss is kept only where it fits without evicting."""
+        self._scans += 1
+        try:
+            yield
+        finally:
+            self._scans -= 1
 
     def get(self, source, key: Hashable, make: Callable[[], T]) -> T:
         """make() once per (weight content, key); the value must not be mutated. `source` is a weight
@@ -106,10 +125,18 @@ class WeightCache:
             self.hits += 1
             return hit
         self.misses += 1
-        if isinstance(source, WeightArray):  # what is derived from a weight is at most its size in FP32
-            self._lru.make_room(min(4 * source.size, self._lru.budget_bytes))
+        # what is derived from a weight is at most its size in FP32
+        need = min(4 * source.size, self._lru.budget_bytes) if isinstance(source, WeightArray) else 0
+        if self._scans and self._lru.bytes + need > self._lru.budget_bytes:
+            self.uncached += 1  # evicting would evict what the scan reads next (module docstring)
+            return make()
+        self._lru.make_room(need)
         value = make()
-        self._lru.put(k, value, nbytes(value, source if isinstance(source, np.ndarray) else None))
+        size = nbytes(value, source if isinstance(source, np.ndarray) else None)
+        if self._scans and self._lru.bytes + size > self._lru.budget_bytes:
+            self.uncached += 1
+            return value
+        self._lru.put(k, value, size)
         return value
 
     def holds(self, source, key: Hashable) -> bool:

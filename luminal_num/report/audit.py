@@ -26,6 +26,7 @@ from ..error import pooled
 from ..error.metrics import max_abs, rel_l2
 from ..error.predict import budget_ratio
 from ..hlir.evaluate import evaluate_nodes
+from ..hlir.weightcache import WEIGHTS
 from ..hlir.graph import Graph
 from ..runtime.cpu import CpuRuntime
 from ..search.plan import Plan, graph_key
@@ -74,7 +75,8 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
     out_rows, drift_rows, passed, reason, worst, share, measured = [], [], True, "", 0.0, 0.0, MetricValues()
     for b, inp in enumerate(batches):
         ref_nodes = evaluate_nodes(graph, inp)
-        res = rt.run(inp, keep_exports=True)
+        with WEIGHTS.scanning():
+            res = rt.run(inp, keep_exports=True)
         refs = {name: ref_nodes[nid] for name, nid in graph.outputs.items()}
         verdict = budget.check(res.outputs, refs)
         worst = max(worst, verdict.worst_allclose)
@@ -124,7 +126,8 @@ def _pooled(runtime: CpuRuntime, budget, source: pooled.PositionSource):
     parts = []
     for batch in source.batches():  # one step's inputs live only while it runs
         try:
-            out = runtime.run(batch.inputs).outputs[source.output]
+            with WEIGHTS.scanning():  # a whole-model run per step (hlir/weightcache.py)
+                out = runtime.run(batch.inputs).outputs[source.output]
         except (ValueError, FloatingPointError) as exc:  # e.g. a REJECT overflow policy
             return False, f"run failed on the audited positions: {exc}", MetricValues(), math.inf, 0
         parts.append(pooled.batch_stats(out, batch))
