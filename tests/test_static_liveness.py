@@ -1,4 +1,4 @@
-"""The static analysis drops a buffer's bound after its last reader (error/static.py _last_readers): the
+"""The static analysis drops a buffer's bound after its last reader (error/liveness.py): the
 bounds must be exactly those of an analysis that keeps every buffer, on fused and unfused programs (the norm
 pattern reaches back through elementwise kernels to a SUM and its inputs), and a 30-layer model must not
 hold every layer's bounds at once."""
@@ -39,7 +39,7 @@ def _bounds(program, graph, inputs, keep_all: bool, monkeypatch):
     ranges = {k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in inputs.items()}
     with monkeypatch.context() as mp:
         if keep_all:
-            mp.setattr(static, "_last_readers", lambda program: {})
+            mp.setattr(static, "last_readers", lambda program: {})
         return static.static_bound(program, ranges, graph.bind_symbols(inputs), graph.weights)
 
 

@@ -28,6 +28,7 @@ from ..hlir.ops import Op
 from ..hlir.weightcache import WEIGHTS
 from ..hlir.symbolic import evaluate as eval_dim
 from .indexed import Rows, gather_rows, index_range, scatter_rows
+from .liveness import last_readers
 from .interval import Interval, transfer
 from .static_ball import apply_ball, spectral_norm, view_ball
 from .static_gemm import gemm_operand, gemm_value
@@ -144,9 +145,9 @@ class StaticAnalyzer:
 
     def run(self, inputs: Mapping[str, Interval], keep: frozenset[int] = frozenset()) -> StaticReport:
         """Every kernel in order; a buffer's bound is dropped after the last kernel that may read it
-        (_last_readers), so the analysis holds a few layers' bounds at a time, not the whole model's.
+        (error/liveness.py), so the analysis holds a few layers' bounds at a time, not the whole model's.
         `keep`: buffers whose bounds stay in `vals` afterwards besides the outputs' (for inspection)."""
-        last = _last_readers(self.p)
+        last = last_readers(self.p)
         keep = keep | {kid for _, kid in self.p.outputs}
         try:
             for i, k in enumerate(self.p.kernels):
@@ -417,37 +418,6 @@ def _read_only_by_softmax(program: Program) -> set[int]:
             readers.setdefault(inp.buffer, set()).add(k.kind)
     outputs = {kid for _, kid in program.outputs}
     return {b for b, kinds in readers.items() if kinds == {KernelKind.SOFTMAX} and b not in outputs}
-
-
-def _last_readers(program: Program) -> dict[int, list[int]]:
-    """Kernel index -> the buffers no later kernel reads (an unread buffer: its own kernel's). A kernel reads its inputs' bounds, and the norm
-    pattern (error/normalize.py) also reaches back through elementwise kernels to a SUM kernel, reading that
-    SUM's bound and its inputs': those count as read by the kernel the pattern starts from."""
-    by_id = {k.id: k for k in program.kernels}
-    sums: dict[int, frozenset[int]] = {}  # per elementwise kernel: the SUM kernels reached through elementwise ones
-    last: dict[int, int] = {}
-    for i, k in enumerate(program.kernels):
-        last[k.id] = i  # a buffer no kernel reads (a weight read only through its concatenation) goes at once
-        reached: set[int] = set()
-        for inp in k.inputs:
-            last[inp.buffer] = i
-            src = by_id.get(inp.buffer)
-            if src is None:
-                continue
-            if src.kind is KernelKind.SUM:
-                reached.add(src.id)
-            elif src.kind is KernelKind.ELEMENTWISE:
-                reached |= sums.get(src.id, frozenset())
-        for s in reached:
-            last[s] = i
-            for inp in by_id[s].inputs:
-                last[inp.buffer] = i
-        if k.kind is KernelKind.ELEMENTWISE:
-            sums[k.id] = frozenset(reached)
-    out: dict[int, list[int]] = {}
-    for buf, i in last.items():
-        out.setdefault(i, []).append(buf)
-    return out
 
 
 def _masked_through(op: Op, a: BoundedValue, b: BoundedValue) -> np.ndarray | None:
