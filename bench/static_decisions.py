@@ -6,7 +6,8 @@ search_efficiency.csv counts `decided_by_static`; this shows the numbers behind 
 certified when its bound uses at most the whole gate (allclose and every metric the bound can speak to,
 error/static_metrics.py); a bound never drops below the measured error (checked here on every element:
 a violation stops the run). Writes reports/bench/static_decisions.csv (one row per program) and
-static_growth.csv (per kernel of the FP32 program: the largest elementwise bound and row-norm bound).
+static_growth.csv (per kernel of the FP32 program: the largest elementwise bound and row-norm bound);
+`--smollm2-layers N` instead bounds a SmolLM2 decode step of N layers (static_smollm2.csv).
 """
 from __future__ import annotations
 
@@ -116,6 +117,36 @@ def run(jobs: tuple[str, ...], candidates: int, programs: int | None) -> tuple[p
     return pd.DataFrame(rows), pd.DataFrame(growth)
 
 
+def smollm2_row(layers: int, workload: str, genome: str = "FP32 everywhere") -> dict:
+    """A SmolLM2 decode step's static logit bound against its measured error (calibration batch 0), every
+    output checked within its bound, with the analysis' time and this process's peak memory."""
+    from luminal_num.hlir import evaluate
+    from luminal_num.models.registry import llm_job
+    from luminal_num.search.recipes import baseline_genomes
+    from luminal_num.search.space import SearchSpace
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
+    job = llm_job("smollm2", workload, layers=layers)
+    space = SearchSpace.build(job.graph)
+    program, g, inputs = space.program(baseline_genomes(space)[genome]), job.graph, job.calibration[0]
+    model_gb = _peak_rss_gb()
+    t0 = time.perf_counter()
+    rep = static_bound(program, _point_ranges(inputs), g.bind_symbols(inputs), g.weights)
+    static_s, static_gb = time.perf_counter() - t0, _peak_rss_gb()
+    out = CpuRuntime(program, g.weights).run(inputs).outputs
+    ref = evaluate(g, inputs)
+    diff = {n: np.abs(np.asarray(out[n], dtype=np.float64) - ref[n]) for n in ref}
+    if not all(np.all(diff[n] <= rep.error_bounds[n]) for n in diff):
+        raise AssertionError(f"SmolLM2 {layers} layers {genome}: a static bound below the measured error")
+    return dict(layers=layers, workload=workload, genome=genome, bound_max=float(np.max(rep.error_bounds["logits"])),
+                measured_max=float(np.max(diff["logits"])), outputs_within_bound=len(diff), static_s=static_s,
+                peak_rss_model_gb=model_gb, peak_rss_static_gb=static_gb)
+
+
+def _peak_rss_gb() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
 def _merged(df: pd.DataFrame, name: str) -> pd.DataFrame:
     """The jobs run replace their rows; other jobs' rows already in the table are kept."""
     path = OUT / name
@@ -131,7 +162,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--candidates", type=int, default=40, help="the search's candidate budget per job")
     ap.add_argument("--programs", type=int, default=None,
                     help="bound at most this many distinct programs per job (MiniLM: ~80 s each at batch 16)")
+    ap.add_argument("--smollm2-layers", type=int, default=None,
+                    help="instead: the FP32 bound of a SmolLM2 decode:8@64 step of this many layers "
+                         "(reports/bench/static_smollm2.csv; 30 layers: ~2 min, ~4 GB)")
     args = ap.parse_args(argv)
+    if args.smollm2_layers is not None:
+        row = smollm2_row(args.smollm2_layers, "decode:8@64")
+        old = pd.read_csv(OUT / "static_smollm2.csv") if (OUT / "static_smollm2.csv").exists() else None
+        df = pd.DataFrame([row])
+        if old is not None:
+            df = pd.concat([old[(old.layers != row["layers"]) | (old.genome != row["genome"])], df], ignore_index=True)
+        write_csv(df, "static_smollm2.csv")
+        print(row)
+        return row
     df, growth = run(tuple(args.jobs.split(",")), args.candidates, args.programs)
     write_csv(_merged(df, "static_decisions.csv"), "static_decisions.csv")
     write_csv(_merged(growth, "static_growth.csv"), "static_growth.csv")
