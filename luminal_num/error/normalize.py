@@ -12,6 +12,13 @@ What the math allows instead (a, b: the executed numerator and squared values of
 - the executed rsqrt is (1/sigma_b)(1 + rho): a product of N roundings of positive terms, |rho| <= gamma_N,
   plus underflow (absolute, at most eta / eps relative since sigma_b^2 >= eps)
 so |a_i r^ - x_i / sigma| <= (E_i + K D) / sigma_min + (K + (E_i + F_i) / sigma_min) rho.
+Where a is b (the same executed values: rms_norm, a layer_norm whose centred row is squared), the map
+f(z) = z / sqrt(c ||z||^2 + eps) has Jacobian (I - c z z^T / s^2) / s, s = sqrt(c ||z||^2 + eps), whose
+eigenvalues are 1/s and eps/s^3: ||J||_2 = 1/s. Along the segment from x to a, s >= sqrt(c (||x|| - ||a - x||)^2
++ eps) >= sigma_min (the triangle inequality on (sqrt(c) z, sqrt(eps))), so ||f(a) - f(x)|| <= ||a - x|| /
+sigma_min for each row and |f_i(a) - f_i(x)| too (a row of J has norm <= ||J||_2): the rsqrt's rounding is
+one factor per row, f(a)(1 + rho), and the row's error is at most ||a - x|| / sigma_min + ||f(a)|| rho, half
+of the triangle bound's (||E|| + sqrt(n) K D) / sigma_min when the numerator's error is the squares'.
 The pattern is matched on the LLIR (kernel chain and views) and refused (generic bound) unless every
 piece is checked: same exact numerator and squared values, rows mapped by the views, constants c, eps > 0.
 """
@@ -250,15 +257,22 @@ class NormBound:
             mag = np.maximum(np.abs(lo), np.abs(hi))
             ratio = np.minimum(big_k, mag / sigma * (1 + 2.0 ** -50))  # |x_i| / sigma
             executed = np.minimum(big_k + (E + F) / sigma_min, (mag + E) / sigma_min)  # |a_i| / sigma_b
-            if _executed(p_e, k) == _executed(q_e, ks):  # a is b: |a_i| / sqrt(c sum a^2 + eps) <= K
+            same = _executed(p_e, k) == _executed(q_e, ks)
+            if same:  # a is b: |a_i| / sqrt(c sum a^2 + eps) <= K
                 executed = np.minimum(executed, big_k)
             err = ((E + ratio * D) / sigma_min + executed * rho) * (1 + 2.0 ** -50)
+            lipschitz = None
+            if same and last:  # ||f(a) - f(x)|| <= ||a - x|| / sigma_min (module docstring): each element too
+                lipschitz = ball_in(a, shape) / sigma_min[..., 0] * (1 + 2.0 ** -50)
+                err = np.minimum(err, (lipschitz[..., None] + executed * rho) * (1 + 2.0 ** -50))
             # |executed - exact| <= |executed| + |exact|: a row whose error passes its values stays bounded
             err = np.minimum(err, (ratio + executed * (1 + rho)) * (1 + 2.0 ** -50))
             ball = None
             if last:  # the same terms as row norms: ||E|| <= the numerator's ball (error/static_ball.py)
-                ball = ((ball_in(a, shape) + row_norm(ratio, shape) * D[..., 0]) / sigma_min[..., 0]
-                        + row_norm(executed, shape) * rho[..., 0]) * (1 + 2.0 ** -50) * NORM_SLACK
+                moved = ball_in(a, shape) / sigma_min[..., 0] * (1 + 2.0 ** -50) if lipschitz is None else lipschitz
+                if lipschitz is None:
+                    moved = moved + row_norm(ratio, shape) * D[..., 0] / sigma_min[..., 0]
+                ball = (moved + row_norm(executed, shape) * rho[..., 0]) * (1 + 2.0 ** -50) * NORM_SLACK
                 ball = np.minimum(np.where(np.isnan(ball), np.inf, ball), row_norm(err, shape))
         generic = an.body(r_e, k)
         product = transfer(Op.MUL, Interval(lo, hi), generic.iv)

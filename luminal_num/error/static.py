@@ -28,6 +28,7 @@ from ..hlir.ops import Op
 from ..hlir.weightcache import WEIGHTS
 from ..hlir.symbolic import evaluate as eval_dim
 from .indexed import Rows, gather_rows, index_range, scatter_rows
+from .liveness import last_readers
 from .interval import Interval, transfer
 from .static_ball import apply_ball, spectral_norm, view_ball
 from .static_gemm import gemm_operand, gemm_value
@@ -142,10 +143,18 @@ class StaticAnalyzer:
             return BoundedValue(iv, err * SLACK, floor_of(op, args),
                                 ball=apply_ball(op, args, slope, iv.lo.shape))
 
-    def run(self, inputs: Mapping[str, Interval]) -> StaticReport:
+    def run(self, inputs: Mapping[str, Interval], keep: frozenset[int] = frozenset()) -> StaticReport:
+        """Every kernel in order; a buffer's bound is dropped after the last kernel that may read it
+        (error/liveness.py), so the analysis holds a few layers' bounds at a time, not the whole model's.
+        `keep`: buffers whose bounds stay in `vals` afterwards besides the outputs' (for inspection)."""
+        last = last_readers(self.p)
+        keep = keep | {kid for _, kid in self.p.outputs}
         try:
-            for k in self.p.kernels:
+            for i, k in enumerate(self.p.kernels):
                 self.vals[k.id] = self.kernel(k, inputs)
+                for buf in last.get(i, ()):
+                    if buf not in keep:
+                        self.vals.pop(buf, None)
         except OverflowFound as exc:
             return StaticReport({}, {}, exc.ov)
         outs = {name: self.vals[kid] for name, kid in self.p.outputs}
@@ -160,7 +169,7 @@ class StaticAnalyzer:
 
     def external(self, k: Kernel, inputs: Mapping[str, Interval]) -> BoundedValue:
         shape = self._shape(k)
-        iv = self._concat_interval(k, inputs) if k.concat else inputs[k.external]
+        iv = self._concat_interval(k, inputs) if k.concat else self._range(inputs, k.external)
         if k.storage is not None and k.id in self.caches:  # a KV cache handed in, held in its format
             iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
             low = float(np.min(iv.lo)) if iv.lo.size else 0.0
@@ -182,10 +191,17 @@ class StaticAnalyzer:
 
     def _stored_concat(self, k: Kernel, inputs: Mapping[str, Interval]) -> BoundedValue:
         parts = {p.external: p for p in self.p.kernels if p.kind is KernelKind.EXTERNAL and not p.concat}
-        vals = [stored_weight_value(inputs[n], k.storage, self._shape(parts[n]), k.fill, self._weight(k, n))
+        vals = [stored_weight_value(self._range(inputs, n), k.storage, self._shape(parts[n]), k.fill, self._weight(k, n))
                 for n in k.concat]
         cat = lambda xs: np.concatenate(xs, axis=k.concat_axis)  # noqa: E731
         return BoundedValue(Interval(cat([v.iv.lo for v in vals]), cat([v.iv.hi for v in vals])), cat([v.err for v in vals]))
+
+    def _range(self, inputs: Mapping[str, Interval], name: str) -> Interval:
+        """An input's interval; a weight not among them is the point of its values in FP64, made when its
+        kernel runs (dropped after its last reader: a model's weights are never all held in FP64 at once)."""
+        if name in inputs:
+            return inputs[name]
+        return Interval.point(np.asarray(self.weights[name], dtype=np.float64))
 
     def _weight(self, k: Kernel, name: str):
         """The weight `name` itself where a fill needs it (its Hessian is found by its content key)."""
@@ -199,7 +215,7 @@ class StaticAnalyzer:
     def _concat_interval(self, k: Kernel, inputs: Mapping[str, Interval]) -> Interval:
         """Concatenated weights: each part's interval over its own shape, concatenated along the axis."""
         parts = {p.external: p for p in self.p.kernels if p.kind is KernelKind.EXTERNAL and not p.concat}
-        ivs = [(inputs[n], self._shape(parts[n])) for n in k.concat]
+        ivs = [(self._range(inputs, n), self._shape(parts[n])) for n in k.concat]
         return Interval(np.concatenate([np.broadcast_to(iv.lo, s) for iv, s in ivs], axis=k.concat_axis),
                         np.concatenate([np.broadcast_to(iv.hi, s) for iv, s in ivs], axis=k.concat_axis))
 
@@ -347,7 +363,7 @@ class StaticAnalyzer:
             key = (names, k.inputs[1].view.encode(), repr(k.layout), b.shape, part)
         if key is None or key not in self.norms:
             # by content (a weight's, or an operand's bytes): the same matrix in another analysis is not solved again
-            content = "spectral:" + hashlib.blake2b(np.ascontiguousarray(b).tobytes(), digest_size=16).hexdigest()
+            content = "spectral:" + hashlib.blake2b(np.ascontiguousarray(b).data, digest_size=16).hexdigest()  # no copy
             value = WEIGHTS.get(content, b.shape, lambda: spectral_norm(b))
             if key is None:
                 return value
@@ -429,9 +445,7 @@ def static_bound(program: Program, input_ranges: Mapping[str, Interval], binding
     """Bounds for every output given intervals of every activation input (weights are exact points);
     `norms`: a dict the caller keeps to reuse the weights' spectral norms across calls with these weights."""
     ranges = dict(input_ranges)
-    for name, w in (weights or {}).items():
-        ranges.setdefault(name, Interval.point(np.asarray(w, dtype=np.float64)))
-    missing = [n for n, _ in program.inputs if n not in ranges]
+    missing = [n for n, _ in program.inputs if n not in ranges and n not in (weights or {})]
     if missing:
         raise KeyError(f"no value range for inputs {missing}")
     return StaticAnalyzer(program, bindings or {}, weights, norms).run(ranges)

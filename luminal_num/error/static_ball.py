@@ -208,7 +208,7 @@ def spectral_norm(b: np.ndarray) -> float:
     matrix within p(n) u ||G||_2 <= p(n) u ||b||_F^2: 1e-9 ||b||_F^2 covers both for N, p(n) up to 10^6. Past
     MAX_GRAM the Frobenius norm stands for it (an upper bound, looser by up to sqrt(rank))."""
     b = np.asarray(b, dtype=np.float64)
-    frob = np.sum(b * b, axis=(-2, -1))
+    frob = np.einsum("...kn,...kn->...", b, b)  # no b * b temporary
     if min(b.shape[-2:]) > MAX_GRAM:  # an eigensolver of that size costs seconds: ||b||_2 <= ||b||_F
         return (np.sqrt(frob) * (1 + 2.0 ** -40))[..., None, None]
     gram = b @ np.swapaxes(b, -1, -2) if b.shape[-2] <= b.shape[-1] else np.swapaxes(b, -1, -2) @ b

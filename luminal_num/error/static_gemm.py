@@ -25,8 +25,12 @@ def gemm_operand(an, k: Kernel, i: int):
     src = an.vals[inp.buffer]
     pick = gemm_operand_a if i == 0 else gemm_operand_b
     shape = src.iv.lo.shape
-    arrays = (src.iv.lo, src.iv.hi, np.broadcast_to(src.err, shape))
-    return tuple(pick(read_operand(inp.view, np.ascontiguousarray(x), an.bindings), k.layout) for x in arrays)
+    read = lambda x: pick(read_operand(inp.view, np.ascontiguousarray(x), an.bindings), k.layout)  # noqa: E731
+    lo = read(src.iv.lo)
+    hi = lo if np.array_equal(src.iv.lo, src.iv.hi) else read(src.iv.hi)  # a point (a weight): one copy, not two
+    if not np.any(src.err):  # an exact operand (an FP32 weight): its zero error as a view, not a copy
+        return lo, hi, np.broadcast_to(0.0, lo.shape)
+    return lo, hi, read(np.broadcast_to(src.err, shape))
 
 
 def softmax_rows_of_a(an, k: Kernel):
@@ -111,19 +115,29 @@ def gemm_value(an, k: Kernel) -> BoundedValue:
     with np.errstate(all="ignore"):
         a_iv, b_iv = Interval(alo, ahi), Interval(blo, bhi)
         mid_a, rad_a = _mid_rad(a_iv)
-        mid_b, rad_b = _mid_rad(b_iv)
         mm = np.matmul
-        center = mm(mid_a, mid_b)
         scale = 1.0 + 2.0 ** -30  # BLAS rounding in these non-negative bound products
-        radius = (mm(np.abs(mid_a), rad_b) + mm(rad_a, np.abs(mid_b)) + mm(rad_a, rad_b)) * scale \
-            + np.abs(center) * 2.0 ** -50
+        # a point B with exact entries (an FP32 weight) and a finite A: the terms of rad_B and e_B are exact
+        # zeros, left out (a weight the size of SmolLM2's LM head is 226 MB per FP64 copy)
+        finite_a = bool(np.all(np.isfinite(rad_a))) and bool(np.all(np.isfinite(aerr)))
+        exact_b = b_point and finite_a and not np.any(berr)
+        if b_point and finite_a:
+            mid_b, mag_b = blo, np.abs(blo)
+            center = mm(mid_a, mid_b)
+            radius = mm(rad_a, mag_b) * scale + np.abs(center) * 2.0 ** -50
+        else:
+            mid_b, rad_b = _mid_rad(b_iv)
+            center = mm(mid_a, mid_b)
+            radius = (mm(np.abs(mid_a), rad_b) + mm(rad_a, np.abs(mid_b)) + mm(rad_a, rad_b)) * scale \
+                + np.abs(center) * 2.0 ** -50
+            mag_b = b_iv.magnitude
         lo, hi = center - radius, center + radius
-        mag_a, mag_b = a_iv.magnitude, b_iv.magnitude
+        mag_a = a_iv.magnitude
         # |e_A| |B|, and |e_A . B[:, n]| <= ||e_A row|| || |B|[:, n] ||
         through_b = np.minimum(mm(aerr, mag_b), a_ball[..., None] * _col_norms(mag_b))
-        rest = mm(mag_a, berr) + mm(aerr, berr)
+        rest = np.zeros(through_b.shape) if exact_b else mm(mag_a, berr) + mm(aerr, berr)
         prop = (rest + through_b) * scale
-        wa, wb = mag_a + aerr, mag_b + berr
+        wa, wb = mag_a + aerr, (mag_b if exact_b else mag_b + berr)
         abs_dot = mm(wa, wb) * scale
         rows = softmax_rows_of_a(an, k)
         if rows is not None:
@@ -172,8 +186,8 @@ def _ball(an, k: Kernel, a_ball, blo, other, err, scale, lay, full, cols: tuple[
 
 def _col_norms(b: np.ndarray) -> np.ndarray:
     """||B[:, n]||_2 per column of each (K, N) matrix, as (batch, 1, N)."""
-    with np.errstate(all="ignore"):
-        return np.sqrt(np.sum(b * b, axis=-2, keepdims=True)) * NORM_SLACK
+    with np.errstate(all="ignore"):  # no b * b temporary (B may be a 226 MB LM head)
+        return np.sqrt(np.einsum("...kn,...kn->...n", b, b))[..., None, :] * NORM_SLACK
 
 
 def _keep(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
