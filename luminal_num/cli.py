@@ -108,6 +108,7 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     opts = SearchOptions(seed=args.seed, max_candidates=args.candidates, time_limit_s=args.time_limit,
                          target=args.target, progress=not args.quiet,
                          headroom=getattr(args, "headroom", None), calibrated=getattr(args, "gptq", False),
+                         rotation=getattr(args, "rotate", False),
                          batch_invariant=getattr(args, "batch_invariant", False), executor=executor_of(args),
                          megakernel=getattr(args, "megakernel", False))
     try:

@@ -199,7 +199,7 @@ class StaticAnalyzer:
             except ValueError as exc:
                 magnitude = float(np.max(np.abs(iv.lo))) if iv.lo.size else 0.0
                 raise OverflowFound(Overflow(k.id, k.label or k.external, k.storage, magnitude, str(exc))) from None
-            return BoundedValue(v.iv, v.err + err, v.floor, v.mask)
+            return dataclasses.replace(v, err=v.err + err)
         return store_known(BoundedValue(iv, err), k.dtype, k)
 
     def _stored_concat(self, k: Kernel, inputs: Mapping[str, Interval]) -> BoundedValue:

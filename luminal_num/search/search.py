@@ -46,6 +46,8 @@ class SearchOptions:
                                    # None: from data (error/headroom.py), a number overrides it
     calibrated: bool = False       # weights may also be stored filled by GPTQ under their calibration Hessians
                                    # (quant/gptq.py): one more storage class per quantized format and Gemm weight
+    rotation: bool = False         # weight Gemms may also run with their K Hadamard-rotated (search/rules/rotate.py):
+                                   # one more alternative per Gemm, its rotated weight stored in any format
     batch_invariant: bool = False  # every candidate a batch-invariant program (issue 37): fixed reduction
                                    # orders, fixed attention split sizes, no scale computed across rows
     megakernel: bool = False       # price each candidate also as one persistent megakernel, keep the cheaper
