@@ -15,6 +15,7 @@ the recipe's format. One CSV: reports/bench/rotation.csv.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 import pandas as pd
@@ -23,7 +24,8 @@ from .summary import write_csv
 
 CSV = "rotation.csv"
 WORKLOAD = "decode:8@64"
-MEMORY = 5 << 30  # the memory plan the caches are sized from (as bench/llm_calibration.py)
+MEMORY = 5 << 30  # the memory plan the caches are sized from (as bench/llm_calibration.py) ...
+DERIVED_CACHE = 3 << 30  # ... but the derived cache at least this (see rows())
 ROW_METRICS = ("kl_logits", "kl_p99", "kl_max", "top1_agreement", "ppl_ratio")
 W4 = frozenset({"store:int4_g128", "gemm:bf16"})
 W4_GPTQ = frozenset({"store:int4_g128+gptq", "gemm:bf16"})
@@ -55,6 +57,8 @@ def rows(names, minimum: int, layers: int | None) -> list[dict]:
     from luminal_num.memory import plan_memory
     from luminal_num.models.registry import llm_job
     from luminal_num.quant.calibration import CALIBRATION
+    from luminal_num.quant.stored import CONVERTED
+    from luminal_num.hlir.weightcache import WEIGHTS
     from luminal_num.runtime.blas_threads import one_blas_thread
     from luminal_num.runtime.cpu import CpuRuntime
     from luminal_num.search.space import SearchSpace
@@ -64,8 +68,12 @@ def rows(names, minimum: int, layers: int | None) -> list[dict]:
     source = job.llm.positions
     out = []
     memory = plan_memory(job.graph.weights, MEMORY, workers=1)
-    print(memory.describe(), flush=True)
-    with one_blas_thread(), memory.applied():
+    print(memory.describe(), f"; derived cache raised to {DERIVED_CACHE >> 20} MB", flush=True)
+    with one_blas_thread(), memory.applied(), tempfile.TemporaryDirectory() as converted, CONVERTED.on_disk(converted):
+        # GPTQ fills evicted from the in-memory caches are read back from disk, not filled again (a compile keeps
+        # them beside its verdict cache the same way); the rotated weights (FP32, one per weight) and what is
+        # derived from them need about twice the derived cache the memory plan gives a model without them
+        WEIGHTS.resize(max(WEIGHTS.budget_bytes, DERIVED_CACHE))
         t0 = time.perf_counter()
         made = source.positions
         out.append({"what": "make windows", "positions": made, "seconds": time.perf_counter() - t0})

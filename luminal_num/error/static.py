@@ -185,9 +185,8 @@ class StaticAnalyzer:
         return store_known(BoundedValue(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
 
     def _rotated(self, k: Kernel, shape: tuple[int, ...]) -> BoundedValue:
-        """x W^T = (x H)(W H)^T exactly, so the rotated weight's exact value is W H: its FP64 value is off by
-        at most rotation_error, then held in FP32 (rounded) or in its storage format (that format's error
-        from the FP64 value, plus the same FP64 term)."""
+        """x W^T = (x H)(W H)^T exactly, so the rotated weight's exact value is W H: the FP32 value every kernel
+        reads is off by at most rotation_error, and a storage format adds its own error from that value."""
         if k.rotation.source is not None and k.rotation.source not in self.weights:
             raise KeyError(f"no value for weight {k.rotation.source!r}, which {k.external!r} rotates")
         w = external_value(k, self.weights)
@@ -200,7 +199,7 @@ class StaticAnalyzer:
                 magnitude = float(np.max(np.abs(iv.lo))) if iv.lo.size else 0.0
                 raise OverflowFound(Overflow(k.id, k.label or k.external, k.storage, magnitude, str(exc))) from None
             return dataclasses.replace(v, err=v.err + err)
-        return store_known(BoundedValue(iv, err), k.dtype, k)
+        return BoundedValue(iv, err)  # held in FP32 as computed (an FP32 EXTERNAL stores it exactly)
 
     def _stored_concat(self, k: Kernel, inputs: Mapping[str, Interval]) -> BoundedValue:
         parts = {p.external: p for p in self.p.kernels if p.kind is KernelKind.EXTERNAL and not p.concat}

@@ -6,9 +6,9 @@ H_b = S_b / sqrt(b) (S_b has +-1 entries, is symmetric, S_b S_b = b I, so H_b H_
 of 4: 1/sqrt(b) = 2^-log4(b) is exact in every float format, so H_b is exact in FP32/BF16/FP8 and a
 product with it rounds only in its sums.
 
-The rotated weight W H is a value derived from the weight, computed in FP64 (`rotated_weight`): the
-kernel that reads it holds it in FP32 or in a storage format (that rounding is the plan's, bounded by
-the static analysis against this FP64 value plus `rotation_error`). The online rotation x H is an FP32
+The rotated weight W H is a value derived from the weight, computed in FP64 and rounded once to FP32
+(`rotated_weight`): the kernel that reads it holds it so or in a storage format (the static analysis
+charges the FP32 rounding and the FP64 product's error, `rotation_error`, on top of the format's). The online rotation x H is an FP32
 Gemm (batched over the K/b blocks) reading H_b as a compile-time operand: a dot product of length b per
 element (gamma_b), priced and emulated as the Gemm it is. Lowered kernels name a rotated weight with a
 `Rotation` (codegen/llir.py `Kernel.rotation`), never by a string to parse.
@@ -91,38 +91,43 @@ def rotate_rows(x: np.ndarray, b: int) -> np.ndarray:
 
 
 class RotatedWeight(WeightArray):
-    """A rotated weight (float64), knowing its source and block: a calibrated fill of it (GPTQ) finds its
-    Hessian from the source's (quant/calibration.py). A copy sent to another process is a plain weight."""
+    """A rotated weight, knowing its source and block: a calibrated fill of it (GPTQ) finds its Hessian from
+    the source's (quant/calibration.py). A copy sent to another process is a plain weight."""
 
     source: np.ndarray | None = None
     block: int = 0
 
 
 def rotated_weight(w: np.ndarray, b: int) -> RotatedWeight:
-    """W H in FP64, keyed by the source's content key and the block (the same source: the same key)."""
-    out = rotate_rows(w, b).view(RotatedWeight)
+    """W H computed in FP64 and rounded once to FP32 (what every kernel reads, or quantizes to its storage
+    format), keyed by the source's content key and the block (the same source: the same key). The static
+    bound charges its distance to the exact W H (error/static.py: rounding plus rotation_error)."""
+    out = rotate_rows(w, b).astype(np.float32).view(RotatedWeight)
     out.flags.writeable = False
-    out._key = derived_key("hadamard", b, content_key(w))
+    out._key = derived_key("hadamard", b, "f32", content_key(w))
     out.source, out.block = w, b
     return out
 
 
 def rotation_value(rot: Rotation, feed: Mapping[str, np.ndarray]) -> np.ndarray:
-    """The value a Rotation names, from the weights by name: H_b, or its source rotated (kept process-wide
-    in the weight cache, as every value derived from a weight is)."""
+    """The FP32 value a Rotation names, from the weights by name: H_b (exact), or its source rotated (kept
+    process-wide in the weight cache, as every value derived from a weight is)."""
     if rot.source is None:
-        return keyed(hadamard(rot.block), derived_key("hadamard", rot.block))
+        return keyed(hadamard(rot.block).astype(np.float32), derived_key("hadamard", rot.block, "f32"))
     w = feed[rot.source]
     return WEIGHTS.get(w, ("hadamard", rot.block), lambda: rotated_weight(w, rot.block))
 
 
 def rotation_error(rot: Rotation, feed: Mapping[str, np.ndarray]) -> np.ndarray:
-    """A bound on |rotation_value - exact W H| per element: each FP64 entry is a sum of b products that are
-    exact (H_b's entries are powers of 2), so the sum's error <= gamma_b(u64) * (|W| |H_b|) (0 for H_b)."""
+    """A bound on |rotation_value - exact W H| per element: its FP32 rounding of the FP64 product, plus the
+    FP64 product's own error (each entry a sum of b products that are exact, H_b's entries being powers of 2:
+    <= gamma_b(u64) * (|W| |H_b|)); 0 for H_b itself."""
     if rot.source is None:
         return np.zeros((rot.block, rot.block))
-    w = np.abs(np.asarray(feed[rot.source], dtype=np.float64))
+    w = np.asarray(feed[rot.source], dtype=np.float64)
     b = rot.block
+    exact = rotate_rows(w, b)
+    rounding = np.abs(np.asarray(rotation_value(rot, feed), dtype=np.float64) - exact)
     gamma = b * U64 / (1 - b * U64)
-    mag = (w.reshape(*w.shape[:-1], -1, b) @ np.abs(hadamard(b))).reshape(w.shape)  # |W| |H_b|, rounded up below
-    return gamma * mag * (1 + 4 * U64)
+    mag = (np.abs(w).reshape(*w.shape[:-1], -1, b) @ np.abs(hadamard(b))).reshape(w.shape)  # |W| |H_b|
+    return (rounding + gamma * mag) * (1 + 4 * U64)
