@@ -141,8 +141,8 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
 
     if space is None:
         part = stage("partition", lambda: partition(graph))
-        space = stage("saturate", lambda: SearchSpace.saturated(graph, part, calibrated=options.calibrated,
-                                                                  rotation=options.rotation))
+        space = stage("saturate", lambda: SearchSpace.saturated(graph, part, calibrated=options.offers.calibrated,
+                                                                  rotation=options.offers.rotation))
     space = space.with_batch_invariance(options.batch_invariant)
     refs = stage("reference", lambda: reference_stage(graph, calibration, space),
                  min(reference_bytes(graph, space.part, calibration), memory.boundary))
@@ -198,7 +198,8 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
         record = PositionsRecord(0, 0, {}, why or "no plan passed the calibration batches")
         return dataclasses.replace(result, stats=dataclasses.replace(result.stats, positions=record))
     space = explored.searcher.space
-    wide = WidenedPositions(space, source, POSITION_ROWS, ctx.options.calibrated, ctx.options.rotation)
+    wide = WidenedPositions(space, source, POSITION_ROWS, ctx.options.offers.calibrated,
+                            ctx.options.offers.rotation)
     kept: dict[int, pooled.RowStats] = {}
 
     def judge(e):

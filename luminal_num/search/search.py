@@ -32,6 +32,16 @@ from .tags import Tag, TagKind, is_kind, priority
 
 
 @dataclass(frozen=True)
+class Offers:
+    """What the space offers beyond formats and fusions (each adds e-classes and compile time)."""
+
+    calibrated: bool = False  # weights may also be stored filled by GPTQ under their calibration Hessians
+                              # (quant/gptq.py): one more storage class per quantized format and Gemm weight
+    rotation: bool = False    # weight Gemms may also run with their K Hadamard-rotated (search/rules/rotate.py):
+                              # one more alternative per Gemm, its rotated weight stored in any format
+
+
+@dataclass(frozen=True)
 class SearchOptions:
     seed: int = 0
     max_candidates: int = 300      # evaluated candidates (numerics-gated), excluding the baselines
@@ -44,10 +54,7 @@ class SearchOptions:
     headroom: float | None = None  # share of the budget a plan may use on the calibration set (the rest
                                    # is kept for unseen inputs: audit judges against the full budget);
                                    # None: from data (error/headroom.py), a number overrides it
-    calibrated: bool = False       # weights may also be stored filled by GPTQ under their calibration Hessians
-                                   # (quant/gptq.py): one more storage class per quantized format and Gemm weight
-    rotation: bool = False         # weight Gemms may also run with their K Hadamard-rotated (search/rules/rotate.py):
-                                   # one more alternative per Gemm, its rotated weight stored in any format
+    offers: Offers = Offers()      # alternatives beyond formats and fusions: GPTQ fills, Hadamard rotations
     batch_invariant: bool = False  # every candidate a batch-invariant program (issue 37): fixed reduction
                                    # orders, fixed attention split sizes, no scale computed across rows
     megakernel: bool = False       # price each candidate also as one persistent megakernel, keep the cheaper
