@@ -96,7 +96,8 @@ def cmd_compile(args) -> int:
 def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     from .compiler import BudgetUnreachable, compile
     from .report.compile_report import write_compile_report
-    from .search.search import Offers, SearchOptions
+    from .search.search import SearchOptions
+    from .search.space import Offers
     print(f"[luminal-num] {job.description}")
     _print_notes(job)
     print(f"[luminal-num] budget {budget} on target {args.target}; {len(job.graph)} HLIR nodes")

@@ -250,3 +250,49 @@ def test_random_genomes_with_rotations_are_soundly_bounded(seed, scale):
         with np.errstate(invalid="ignore"):
             ok = (e <= bound) | np.isinf(bound)
         assert ok.all(), (name, float(np.nanmax(np.where(ok, 0, e))))
+
+
+def _rotated_linear():
+    from luminal_num.hlir.graph import Graph
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((20, 256)) / 16).astype(np.float32)
+    g = Graph()
+    x = g.input("x", (2, 256))
+    g.output(x @ g.weight("w", w).transpose(), "y")
+    space = SearchSpace.build(g, rotation=True)
+    program = space.program(rotated_recipe(space, frozenset({"store:int4_g128"})))
+    assert [k.rotation.block for k in program.kernels if k.rotation is not None] == [256, 256]
+    return g, program, {"x": _outlier_rows(rng, 2, 256).astype(np.float32)}
+
+
+from test_cuda_dequant import fake  # noqa: E402,F401  (the executing CUDA stand-in, a fixture)
+from test_cuda_codegen import needs_nvrtc  # noqa: E402
+
+
+@needs_nvrtc
+def test_a_rotated_int4_gemm_runs_on_the_executing_cuda_stand_in(fake):  # noqa: F811
+    """The CUDA backend uploads H_b and the rotated weight's stored bytes as the CPU backend reads them and runs
+    both Gemms: the CPU backend's output up to FP32 sums in another order."""
+    from luminal_num.runtime.cuda import CudaRuntime
+    g, program, inputs = _rotated_linear()
+    got = CudaRuntime(program, g.weights).run(inputs).outputs["y"]
+    want = CpuRuntime(program, g.weights).run(inputs).outputs["y"]
+    np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -22 * 256 * 2 * np.abs(want).max())
+    assert np.abs(want - evaluate(g, inputs)["y"]).max() > 0  # int4: not the FP32 function, a rounded one
+
+
+def test_a_compile_offered_rotations_judges_each_storage_recipe_rotated():
+    """compile with Offers(rotation=True): the search's uniform stage starts from every storage recipe with its
+    Gemms rotated; those candidates are judged like any other (chunk verdicts, pruning)."""
+    from luminal_num.compiler import compile
+    from luminal_num.error.budget import Budget
+    from luminal_num.models.registry import llama_tiny_job
+    from luminal_num.search.search import SearchOptions
+    from luminal_num.search.space import Offers
+    job = llama_tiny_job(seq=8, layers=1)
+    res = compile(job.graph, Budget.parse("atol=inf,rtol=inf,outputs=logits,rel_l2<=0.03"), "h200", job.calibration,
+                  SearchOptions(max_candidates=30, progress=False, workers=1, offers=Offers(rotation=True)))
+    rotated = {e.label: e for e in res.search.evaluated if any(t.startswith("rot:") for _, _, t in e.genome)}
+    assert {"W4A16 INT4 group 128 + Hadamard rotation", "W8A16 INT8 per-channel + Hadamard rotation"} <= set(rotated)
+    assert all(e.verdict.reason for e in rotated.values())
+    assert rotated["W8A16 INT8 per-channel + Hadamard rotation"].verdict.passed

@@ -213,6 +213,12 @@ def rotated_recipe(space: SearchSpace, tags: frozenset[str]) -> Genome:
     return first | frozenset(ch for ch in pick(space, tags.__contains__) if (ch[0], ch[1]) not in rotated)
 
 
+def rotated_recipes(space: SearchSpace) -> dict[str, Genome]:
+    """Each storage recipe with every Gemm the space may rotate rotated (none where it rotates nothing)."""
+    out = {f"{name} + Hadamard rotation": rotated_recipe(space, tags) for name, tags in STORAGE_RECIPES.items()}
+    return {name: g for name, g in out.items() if any(is_kind(t, TagKind.ROT) for _, _, t in g)}
+
+
 def recipe_genomes(space: SearchSpace) -> dict[str, Genome]:
     """Every storage recipe as a genome; a KV-cache recipe only where the graph has a KV cache (elsewhere
     it would repeat the weights-only recipe under another name)."""

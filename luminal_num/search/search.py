@@ -26,19 +26,9 @@ from ..runtime.targets import OPERAND_MATH, gemm_math, get_target
 from . import allocate
 from .front import Evaluated, Stage, choose, front, share
 from .outcome import Gate, SearchResult, SearchStats
-from .recipes import BASELINE_SOURCES, baseline_genomes
-from .space import ChunkSite, Genome, SearchSpace
+from .recipes import BASELINE_SOURCES, baseline_genomes, rotated_recipes
+from .space import ChunkSite, Genome, Offers, SearchSpace
 from .tags import Tag, TagKind, is_kind, priority
-
-
-@dataclass(frozen=True)
-class Offers:
-    """What the space offers beyond formats and fusions (each adds e-classes and compile time)."""
-
-    calibrated: bool = False  # weights may also be stored filled by GPTQ under their calibration Hessians
-                              # (quant/gptq.py): one more storage class per quantized format and Gemm weight
-    rotation: bool = False    # weight Gemms may also run with their K Hadamard-rotated (search/rules/rotate.py):
-                              # one more alternative per Gemm, its rotated weight stored in any format
 
 
 @dataclass(frozen=True)
@@ -187,6 +177,9 @@ class Searcher:
                 if not self.budget_left():
                     return
                 self.evaluate(genome, Stage.UNIFORM, f"{Tag.parse(tag).variant} on every Gemm")
+        for name, genome in rotated_recipes(self.space).items():  # a rotation pays only with a format
+            if self.budget_left():
+                self.evaluate(genome, Stage.UNIFORM, name)
 
     def confirm_finalists(self) -> Evaluated | None:
         """Measure end to end every predicted member of the front and the chosen plan, until the front

@@ -57,6 +57,16 @@ def group_of(site: "str | ChunkSite") -> str:
     return site.group if isinstance(site, ChunkSite) else site
 
 
+@dataclass(frozen=True)
+class Offers:
+    """What the space offers beyond formats and fusions (each adds e-classes and compile time)."""
+
+    calibrated: bool = False  # weights may also be stored filled by GPTQ under their calibration Hessians
+                              # (quant/gptq.py): one more storage class per quantized format and Gemm weight
+    rotation: bool = False    # weight Gemms may also run with their K Hadamard-rotated (search/rules/rotate.py):
+                              # one more alternative per Gemm, its rotated weight stored in any format
+
+
 Genome = frozenset  # of Change (declared once, error/predict.py: the judge keys its verdicts by it)
 
 
