@@ -10,7 +10,11 @@ the storage recipes of search/recipes.py applied to every Gemm; "+ rotation" rot
 offered block divides (all of SmolLM2's: K = 576 = 9 x 64, 1536 = 6 x 256) and stores its rotated weight in
 the recipe's format. One CSV: reports/bench/rotation.csv.
 
-`python -m bench.rotation [--layers N] [--positions 2000] [--genomes NAME ...]`
+With --hessian-positions N, GPTQ's Hessians come instead from >= N teacher-forced positions over the 12
+held-out prompts (FP64 decode steps of the graph evaluator, 32 rows a step; the judged positions are the
+calibration prompts', so none of them calibrated the fill): how far GPTQ gets with enough calibration rows.
+
+`python -m bench.rotation [--layers N] [--positions 2000] [--hessian-positions N] [--genomes NAME ...]`
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ ROW_METRICS = ("kl_logits", "kl_p99", "kl_max", "top1_agreement", "ppl_ratio")
 W4 = frozenset({"store:int4_g128", "gemm:bf16"})
 W4_GPTQ = frozenset({"store:int4_g128+gptq", "gemm:bf16"})
 W8A8 = frozenset({"store:f8e4m3_channel", "gemm:f8e4m3_channel_prologue"})
+W8A8_GPTQ = frozenset({"store:f8e4m3_channel+gptq", "gemm:f8e4m3_channel_prologue"})
 # name -> (recipe tags, rotated)
 GENOMES: dict[str, tuple[frozenset[str], bool]] = {
     "W4A16 INT4 g128 RTN": (W4, False),
@@ -38,6 +43,7 @@ GENOMES: dict[str, tuple[frozenset[str], bool]] = {
     "W4A16 INT4 g128 + rotation + GPTQ": (W4_GPTQ, True),
     "FP8 W8A8 dynamic per-token RTN": (W8A8, False),
     "FP8 W8A8 dynamic per-token + rotation": (W8A8, True),
+    "FP8 W8A8 dynamic per-token + rotation + GPTQ": (W8A8_GPTQ, True),
 }
 
 
@@ -46,7 +52,27 @@ def genome_of(space, tags: frozenset[str], rotated: bool):
     return rotated_recipe(space, tags) if rotated else pick(space, tags.__contains__)
 
 
-def rows(names, minimum: int, layers: int | None) -> list[dict]:
+def heldout_hessians(job, minimum: int, rows: int):
+    """Calibration Hessians from teacher-forced positions over the 12 held-out prompts (never the positions the
+    genomes are judged on): each decode step's FP64 evaluation feeds the collector, `rows` windows a step (a
+    short last group repeats its own windows, as the positions stage runs them: those rows count twice)."""
+    from luminal_num.error.hessians import HessianCollector
+    from luminal_num.hlir.evaluate import evaluate_nodes
+    from luminal_num.models.llm import load_prompts
+    from luminal_num.models.llm_positions import TeacherForcedWindows
+    m = job.llm.model
+    source = TeacherForcedWindows(m, job.llm.built, tuple(load_prompts("heldout", m.architecture.prompts)), minimum,
+                                  cut=True).widened(rows)
+    collector = HessianCollector(source.graph)
+    steps = 0
+    for batch in source.batches():
+        collector.batch()
+        evaluate_nodes(source.graph, batch.inputs, keep=(), observe=collector)
+        steps += 1
+    return collector.result(), source.positions, steps * rows
+
+
+def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0) -> list[dict]:
     from luminal_num.compiler import POSITION_ROWS, WidenedPositions
     from luminal_num.error.budget import Budget
     from luminal_num.error.hessians import HessianCollector
@@ -82,7 +108,11 @@ def rows(names, minimum: int, layers: int | None) -> list[dict]:
         out.append({"what": "saturate (rotation + GPTQ offered)", "seconds": time.perf_counter() - t0})
         collector = HessianCollector(job.graph)
         refs = [r.outputs(job.graph)["logits"] for r in references(job.graph, job.calibration, space.part, collector)]
-        hessians = collector.result()
+        hessians, hessian_rows = collector.result(), sum(len(b["ids"]) for b in job.calibration)
+        if hessian_positions:
+            t0 = time.perf_counter()
+            hessians, made, hessian_rows = heldout_hessians(job, hessian_positions, POSITION_ROWS)
+            out.append({"what": "held-out Hessians", "positions": made, "seconds": time.perf_counter() - t0})
         wide = WidenedPositions(space, source, POSITION_ROWS, True, True)
         with CALIBRATION.installed(hessians):
             for name in names:
@@ -97,6 +127,7 @@ def rows(names, minimum: int, layers: int | None) -> list[dict]:
                 run, on = wide.program(genome, program)
                 verdict, stats = judge_positions(run, on.graph.weights, on, budget, budget)
                 row = {"what": name, "positions": stats.rows, "rows_per_run": on.rows,
+                       "hessian_rows": hessian_rows if "+gptq" in " ".join(tags) else 0,
                        "seconds": time.perf_counter() - t0, "passes_budget": verdict.passed,
                        "rotated_gemms": sum(1 for k in program.kernels if k.rotation is not None and k.rotation.source),
                        "hadamard_gemms": sum(1 for k in program.kernels if k.kind.is_gemm and _reads_hadamard(program, k)),
@@ -116,12 +147,15 @@ def _reads_hadamard(program, k) -> bool:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--genomes", nargs="*", default=list(GENOMES), choices=list(GENOMES))
+    ap.add_argument("--genomes", nargs="*", default=list(GENOMES)[:6], choices=list(GENOMES))
     ap.add_argument("--positions", type=int, default=2000)
     ap.add_argument("--layers", type=int, default=None, help="the first N layers only (a quick look; default all 30)")
+    ap.add_argument("--hessian-positions", type=int, default=0,
+                    help="GPTQ's Hessians from at least N teacher-forced positions over the held-out prompts (default 0: "
+                         "the compile's, the calibration batches' 24 rows)")
     ap.add_argument("--csv", default=CSV)
     args = ap.parse_args(argv)
-    path = write_csv(pd.DataFrame(rows(args.genomes, args.positions, args.layers)), args.csv)
+    path = write_csv(pd.DataFrame(rows(args.genomes, args.positions, args.layers, args.hessian_positions)), args.csv)
     print(f"wrote {path}")
 
 

@@ -8,9 +8,9 @@ product with it rounds only in its sums.
 
 The rotated weight W H is a value derived from the weight, computed in FP64 and rounded once to FP32
 (`rotated_weight`): the kernel that reads it holds it so or in a storage format (the static analysis
-charges the FP32 rounding and the FP64 product's error, `rotation_error`, on top of the format's). The online rotation x H is an FP32
-Gemm (batched over the K/b blocks) reading H_b as a compile-time operand: a dot product of length b per
-element (gamma_b), priced and emulated as the Gemm it is. Lowered kernels name a rotated weight with a
+charges the FP32 rounding and the FP64 product's error, `rotation_error`, on top of the format's). The
+online rotation x H is an FP32 Gemm (batched over the K/b blocks) reading H_b as a compile-time operand: a
+dot product of length b per element (gamma_b), priced and emulated as the Gemm it is. Lowered kernels name a rotated weight with a
 `Rotation` (codegen/llir.py `Kernel.rotation`), never by a string to parse.
 """
 from __future__ import annotations

@@ -28,7 +28,7 @@ def _rotate_k():
         # the two Gemms and the rotated weight differ from it by their roundings only (static bounds)
         x_rot = E.KGemm(x, var_, E.CTOR["KHadamard"](b), vbr, layr, "f32", "f32")
         rotated = E.KGemm(x_rot, vam, E.CTOR["KRotW"](slot, b), vy, lay, "f32", "f32")
-        yield rule(eq(t).to(E.KGemm(x, vx, w, vy, lay, "f32", "f32")), eq(w).to(E.KExt(slot, "f32")),
+        yield rule(eq(t).to(E.KGemm(x, vx, w, vy, lay, "f32", "f32")), eq(w).to(E.KExt(slot, "f32")), E.MatrixWeight(w),
                    E.RotationOf(vx, vy, lay, b, var_, vbr, layr, vam)).then(
             union(t).with_(E.CTOR["KRotated"](rotated, Rotation(b).tag_variant)),
             E.IsWeight(E.CTOR["KRotW"](slot, b)))  # a compile-time value: static weight scales apply
