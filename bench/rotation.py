@@ -93,7 +93,7 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0) ->
     budget = Budget.parse(job.default_budget)
     source = job.llm.positions
     out = []
-    memory = plan_memory(job.graph.weights, MEMORY, workers=1)
+    memory = plan_memory(job.graph.weights, MEMORY, workers=1, rotation=True)
     print(memory.describe(), f"; derived cache raised to {DERIVED_CACHE >> 20} MB", flush=True)
     with one_blas_thread(), memory.applied(), tempfile.TemporaryDirectory() as converted, CONVERTED.on_disk(converted):
         # GPTQ fills evicted from the in-memory caches are read back from disk, not filled again (a compile keeps

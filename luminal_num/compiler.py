@@ -120,7 +120,7 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     `positions`: teacher-forced positions (an LLM's, models/llm_positions.py) the chosen plan is judged on
     again, pooled, before it is returned (error/pooled.py)."""
     options = options or SearchOptions(target=target)
-    memory = memory or plan_memory(graph.weights, workers=options.workers)
+    memory = memory or plan_memory(graph.weights, workers=options.workers, rotation=options.offers.rotation)
     with memory.applied(), CONVERTED.on_disk(Path(cache_dir) / "converted" if cache_dir else None):
         return _compile(graph, budget, target, calibration, options, space, use_static, cache_dir, memory,
                         on_stage or (lambda name, seconds: None), positions)
