@@ -296,3 +296,29 @@ def test_a_compile_offered_rotations_judges_each_storage_recipe_rotated():
     assert {"W4A16 INT4 group 128 + Hadamard rotation", "W8A16 INT8 per-channel + Hadamard rotation"} <= set(rotated)
     assert all(e.verdict.reason for e in rotated.values())
     assert rotated["W8A16 INT8 per-channel + Hadamard rotation"].verdict.passed
+
+
+@pytest.mark.slow
+def test_smollm2_rotated_recipes_are_soundly_bounded_on_real_weights():
+    """Two real SmolLM2 layers (K = 576 and 1536: blocks 64 and 256, outlier channels in real activations):
+    each storage recipe with every Gemm rotated runs within its static bound of FP64, every output."""
+    from luminal_num.models.llm import Prompt
+    from luminal_num.models.registry import llm_job
+    from luminal_num.search.recipes import rotated_recipes
+    prompts = ["The capital of France is", "def add(a, b):"]
+    job = llm_job("smollm2", "decode:2@48", calibration=[Prompt(p, False) for p in prompts],
+                  heldout=[Prompt(p, False) for p in prompts], layers=2, positions_minimum=0)
+    space = SearchSpace.build(job.graph, rotation=True)
+    batch = job.calibration[0]
+    ref = evaluate(job.graph, batch)
+    ranges = {k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in batch.items()}
+    recipes = rotated_recipes(space)
+    assert len(recipes) == 4  # W8A16, W4A16, FP8 W8A8, BF16 weights + FP8 KV cache
+    for name, genome in recipes.items():
+        program = space.program(genome)
+        assert {k.rotation.block for k in program.kernels if k.rotation is not None} == {64, 256}, name
+        rep = static_bound(program, ranges, job.graph.bind_symbols(batch), job.graph.weights)
+        assert rep.overflow is None, name
+        out = CpuRuntime(program, job.graph.weights).run(batch).outputs
+        for o, r in ref.items():
+            assert np.all(np.abs(np.asarray(out[o], dtype=np.float64) - r) <= rep.error_bounds[o]), (name, o)
