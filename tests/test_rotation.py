@@ -107,6 +107,7 @@ def test_every_weight_gemm_gets_a_rotation_knob_and_the_rotated_weight_every_for
     online = [k for k in program.kernels if k.kind.is_gemm and program.kernel(k.inputs[1].buffer).rotation is not None
               and program.kernel(k.inputs[1].buffer).rotation.source is None]
     assert len(online) == 5  # qkv, o, gate/up, down, head
+    assert all("Hadamard rotation" in k.label for k in online)  # op tables say what the extra Gemm is
     plain = space.program(pick(space, W4.__contains__))
     assert not any(k.rotation for k in plain.kernels)  # the knob left at BASE: nothing rotated
 

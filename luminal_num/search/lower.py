@@ -67,10 +67,10 @@ class _ChunkLowering:
 
     def tensor(self, cid: str, reader: str | None = None) -> int:
         """The kernel computing e-class `cid`. A QUANTIZE class implements no HLIR op of its own: it is
-        labelled by the op of the Gemm reading it (`reader`)."""
+        labelled by the op of the Gemm reading it (`reader`), as the Gemms a rotation adds are (KRotated's)."""
         if cid not in self.memo:
             n = self.node(cid)
-            hint = reader if n.decl.kind is KernelKind.QUANTIZE else None
+            hint = reader if n.decl.kind in (KernelKind.QUANTIZE, KernelKind.GEMM) else None
             self.memo[cid] = self.b.provenance(_TENSOR[n.op](self, n, self.space.class_origin.get(cid) or hint or n.op),
                                                cid)
         return self.memo[cid]
@@ -250,6 +250,10 @@ def _variant(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     return lo.tensor(n.cls("inner"))  # an alias: consumers read the low-precision buffer and widen on load
 
 
+def _rotated(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    return lo.tensor(n.cls("inner"), f"{origin} rotated")  # an alias: the Gemm of the rotated operands
+
+
 def _const(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     return lo.b.add(kind=KernelKind.CONST, inputs=(), shape=(), dtype=get_format(n.arg("dt")),
                     value=lo.const(n.arg("cid")), **lo.common(n, origin))
@@ -300,6 +304,8 @@ def _reduction(lo: _ChunkLowering, n: ENode, origin: str) -> int:
 
 def _gemm(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     layout = lo.t.layouts[n.arg("layout")]
+    if lo.node(n.cls("b")).op == "KHadamard":
+        origin = f"{origin.removesuffix(' rotated')}: x H (Hadamard rotation)"
     ins = lo.operands(n, origin)
     shape = tuple(d for i, d in enumerate(layout.full_shape) if i != layout.k_axis)
     return lo.b.add(kind=KernelKind.GEMM, inputs=ins, shape=shape, dtype=get_format(n.arg("dt")), layout=layout,
@@ -360,7 +366,7 @@ _TENSOR: dict[str, Callable[[_ChunkLowering, ENode, str], int]] = {
     "KExt": _ext, "KStored": _stored, "KVariant": _variant, "KConst": _const, "KIota": _iota, "Ew": _elementwise,
     "KSum": _reduction, "KMax": _reduction, "KSoftmax": _reduction, "KGemm": _gemm, "KQuantize": _quantize,
     "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter, "KGemmEpi": _gemm_epilogue,
-    "KRotW": _rotated_weight, "KRotStored": _rotated_weight, "KHadamard": _rotated_weight, "KRotated": _variant,
+    "KRotW": _rotated_weight, "KRotStored": _rotated_weight, "KHadamard": _rotated_weight, "KRotated": _rotated,
     "KCatW": _concat, "KCatStored": _concat, "KSlice": _slice, "KCacheStored": _cache_stored, "KAttention": _attention,
     "KRows": _rows, "KScatterEw": _scatter_ew,
 }
