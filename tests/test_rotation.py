@@ -184,14 +184,16 @@ def test_gptq_of_a_rotated_weight_uses_the_rotated_hessian():
     assert np.all(np.isfinite(out))
 
 
-def test_a_rotated_plan_round_trips_its_llir_and_weights_file(tmp_path):
+@pytest.mark.parametrize("tags", [W4, frozenset({"store:f8e4m3_channel", "gemm:f8e4m3_channel_prologue"})],
+                         ids=["w4a16", "fp8_w8a8"])
+def test_a_rotated_plan_round_trips_its_llir_and_weights_file(tmp_path, tags):
     from luminal_num.compiler import calibration_ranges
     from luminal_num.error.budget import Budget
     from luminal_num.error.judge import Judge
     from luminal_num.runtime.latency import modelled_latency
     from luminal_num.search.plan import Plan
     m, space, batches, hs = _llama()
-    genome = rotated_recipe(space, W4)
+    genome = rotated_recipe(space, tags)
     program = space.program(genome)
     assert program_from_data(program_to_data(program)).kernels == program.kernels
     budget = Budget.parse("atol=10,rtol=1")
@@ -202,12 +204,17 @@ def test_a_rotated_plan_round_trips_its_llir_and_weights_file(tmp_path):
     plan = Plan.create(space, genome, program, budget, "h200", 0, verdict, modelled_latency(program, "h200", bind),
                        bind, {}, calibration_ranges(m.graph, space.part, refs), m.graph.weights)
     listed = plan.data["stored_weights"]
-    assert any(key.startswith("hadamard64(") and key.endswith("@int4_g128") for key in listed)
+    fmt = next(t for t in tags if t.startswith("store:")).removeprefix("store:")
+    assert any(key.startswith("hadamard64(") and key.endswith(f"@{fmt}") for key in listed)
+    if "gemm:f8e4m3_channel_prologue" in tags:  # static weight scales of the rotated weights, kept with the plan
+        assert plan.scales
     loaded = Plan.load(plan.save(tmp_path / "plan.json"))
     again, _ = loaded.program(m.graph)
     out = CpuRuntime(program, m.graph.weights).run(batches[0]).outputs["logits"]
     rerun = CpuRuntime(again, m.graph.weights, loaded.scales, loaded.stored_weights).run(batches[0]).outputs["logits"]
     assert np.array_equal(out, rerun)
+    from luminal_num.report.audit import audit
+    assert audit(loaded, m.graph, list(batches)).passed  # re-judged from the plan file, its weights file and the model
 
 
 def test_the_llir_verifier_refuses_a_rotation_it_cannot_hold():
