@@ -103,6 +103,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         p.add_argument("--gptq", action="store_true", default=False,
                        help="also offer each quantized weight format filled by GPTQ under the weight's calibration "
                             "Hessian (per layer, judged like any storage choice; plan_weights holds the codes)")
+        p.add_argument("--rotate", action="store_true", default=False,
+                       help="also offer each weight Gemm with its K rotated by a block Hadamard matrix (x W^T = "
+                            "(x H)(W H)^T: an FP32 Gemm rotates x online, W H is stored in any format), per layer")
         p.add_argument("--batch-invariant", action="store_true", default=False,
                        help="only batch-invariant plans: each input's outputs bit for bit the same alone or in any "
                             "batch, at any thread count (fixed-order kernels; recorded in plan.json)")

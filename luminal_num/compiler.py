@@ -120,7 +120,7 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     `positions`: teacher-forced positions (an LLM's, models/llm_positions.py) the chosen plan is judged on
     again, pooled, before it is returned (error/pooled.py)."""
     options = options or SearchOptions(target=target)
-    memory = memory or plan_memory(graph.weights, workers=options.workers)
+    memory = memory or plan_memory(graph.weights, workers=options.workers, rotation=options.offers.rotation)
     with memory.applied(), CONVERTED.on_disk(Path(cache_dir) / "converted" if cache_dir else None):
         return _compile(graph, budget, target, calibration, options, space, use_static, cache_dir, memory,
                         on_stage or (lambda name, seconds: None), positions)
@@ -141,7 +141,8 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
 
     if space is None:
         part = stage("partition", lambda: partition(graph))
-        space = stage("saturate", lambda: SearchSpace.saturated(graph, part, calibrated=options.calibrated))
+        space = stage("saturate", lambda: SearchSpace.saturated(graph, part, calibrated=options.offers.calibrated,
+                                                                  rotation=options.offers.rotation))
     space = space.with_batch_invariance(options.batch_invariant)
     refs = stage("reference", lambda: reference_stage(graph, calibration, space),
                  min(reference_bytes(graph, space.part, calibration), memory.boundary))
@@ -197,7 +198,8 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
         record = PositionsRecord(0, 0, {}, why or "no plan passed the calibration batches")
         return dataclasses.replace(result, stats=dataclasses.replace(result.stats, positions=record))
     space = explored.searcher.space
-    wide = WidenedPositions(space, source, POSITION_ROWS, ctx.options.calibrated)
+    wide = WidenedPositions(space, source, POSITION_ROWS, ctx.options.offers.calibrated,
+                            ctx.options.offers.rotation)
     kept: dict[int, pooled.RowStats] = {}
 
     def judge(e):
@@ -220,8 +222,9 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
 class WidenedPositions:
     """The positions `rows` rows a step, and a genome lowered there (saturated once, when first needed)."""
 
-    def __init__(self, space: SearchSpace, source: PositionSource, rows: int, calibrated: bool):
-        self.own, self.source, self.rows, self.calibrated = space, source, rows, calibrated
+    def __init__(self, space: SearchSpace, source: PositionSource, rows: int, calibrated: bool,
+                 rotation: bool = False):
+        self.own, self.source, self.rows, self.calibrated, self.rotation = space, source, rows, calibrated, rotation
         self.wide: tuple[SearchSpace, PositionSource] | None = None
         self.rows_used = 0
 
@@ -232,7 +235,8 @@ class WidenedPositions:
         if self.rows > own_rows:
             if self.wide is None:
                 source = self.source.widened(self.rows)
-                self.wide = (SearchSpace.saturated(source.graph, partition(source.graph), calibrated=self.calibrated)
+                self.wide = (SearchSpace.saturated(source.graph, partition(source.graph), calibrated=self.calibrated,
+                                                   rotation=self.rotation)
                              .with_batch_invariance(self.own.batch_invariant), source)
             space, source = self.wide
             widened = _genome_on(genome, self.own, space)

@@ -185,11 +185,13 @@ def weight_bytes(weights: Mapping[str, np.ndarray]) -> tuple[int, int]:
     return sum(sizes), max(sizes, default=0)
 
 
-def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, workers: int = 2) -> MemoryPlan:
+def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, workers: int = 2,
+                rotation: bool = False) -> MemoryPlan:
     """The plan for a compile of a model with these weights within `budget` bytes (default: what this
     process holds now plus 80% of the machine's available memory). Each cache gets what the model can use (the derived cache: FP64 copies
-    of every weight plus one FP32 form of each; the stored-format cache: two formats of each), at most its
-    share of what the budget leaves after the processes and the weights."""
+    of every weight plus one FP32 form of each, and with `rotation` each weight's FP32 rotation and its widened
+    stored form too; the stored-format cache: two formats of each), at most its share of what the budget
+    leaves after the processes and the weights."""
     budget = tree_pss() + int(0.8 * available_bytes()) if budget is None else budget
     total, largest = weight_bytes(weights)
     # one process must hold its baseline, the weights, the caches' minimum and the transient reserve
@@ -204,7 +206,7 @@ def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, wo
     while fit > 1 and budget - PROCESS_BASE - total - fit * per_worker < (MIN_CACHE + TRANSIENT) * largest:
         fit -= 1
     left = budget - PROCESS_BASE - total - (fit * per_worker if fit > 1 else 0) - TRANSIENT * largest
-    derived = min(3 * total, int(0.6 * left))
+    derived = min((5 if rotation else 3) * total, int(0.6 * left))
     converted = min(2 * total, left - derived)
     return MemoryPlan(budget, total, largest, fit, derived, converted, worker_cache if fit > 1 else 0,
                       max(256 << 20, budget // 16), max(256 << 20, budget // 16))

@@ -248,9 +248,10 @@ def test_a_search_offered_gptq_judges_it_per_layer_against_round_to_nearest():
     from luminal_num.models.registry import llama_tiny_job
     from luminal_num.search.front import share
     from luminal_num.search.search import SearchOptions
+    from luminal_num.search.space import Offers
     job = llama_tiny_job(seq=8, layers=1)
     res = compile(job.graph, Budget.parse("atol=inf,rtol=inf,outputs=logits,rel_l2<=0.03"), "h200", job.calibration,
-                  SearchOptions(max_candidates=300, progress=False, workers=1, calibrated=True), use_static=False)
+                  SearchOptions(max_candidates=300, progress=False, workers=1, offers=Offers(calibrated=True)), use_static=False)
     singles = {}
     for e in res.search.evaluated:
         if len(e.genome) == 1:

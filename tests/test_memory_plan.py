@@ -42,6 +42,7 @@ def test_caches_hold_what_the_model_can_use_within_the_budget():
     big = plan_memory(w, 64 * GiB)
     assert big.workers == 2 and big.weight_cache == 3 * total and big.converted_cache == 2 * total
     assert big.worker_cache == 2 * largest
+    assert plan_memory(w, 64 * GiB, rotation=True).weight_cache == 5 * total  # rotated weights and their stored forms
     tight = plan_memory(w, PROCESS_BASE + total + 2 * (WORKER_BASE + 2 * big.worker_cache) + 5 * largest)
     assert tight.workers == 2 and tight.weight_cache + tight.converted_cache <= 5 * largest
     assert PROCESS_BASE + total + 2 * (WORKER_BASE + 2 * tight.worker_cache) + tight.weight_cache \

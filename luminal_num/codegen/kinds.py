@@ -119,6 +119,15 @@ TENSOR_DECLS: tuple[ENodeDecl, ...] = (
     # A KV-cache input (chunk source `slot`, overwritten in place by the step's Scatter) held in KV format
     # `fmt` (luminal_num.quant.kv): the Scatter writes its rows converted, attention reads them widened.
     ENodeDecl("KCacheStored", _T, params("slot:i64 fmt:S"), dtype_const="f32", knob=("fmt", "kv:")),
+    # Hadamard rotation of a Gemm's K (hlir/rotation.py, search/rules/rotate.py). No launch for any of them:
+    # weight `slot` with its rows rotated by the block-diagonal H of blocks `block` (computed in FP64 once);
+    ENodeDecl("KRotW", _T, params("slot:i64 block:i64"), dtype_const="f32"),
+    # ... the same rotated weight held in storage format `fmt` (widened on load, as KStored);
+    ENodeDecl("KRotStored", _T, params("slot:i64 block:i64 fmt:S"), dtype_const="f32", knob=("fmt", "store:")),
+    # ... H_b itself, the (b, b) operand of the FP32 Gemm that rotates the activation online;
+    ENodeDecl("KHadamard", _T, params("block:i64"), dtype_const="f32"),
+    # ... and an alias: the value is `inner`'s (a Gemm of the rotated activation and weight), a knob `rot:`.
+    ENodeDecl("KRotated", _T, params("inner:T rot:S"), dtype_const="f32", knob=("rot", "rot:")),
     # softmax(Q K^T * scale + bias) V as one kernel (codegen/attention.py); `scale` is a constant id
     ENodeDecl("KAttention", _T, params("q:T vq:i64 k:T vk:i64 bias:T vb:i64 v:T vv:i64 scale:i64 prec:S dt:S"),
               K.ATTENTION, operands=(("q", "vq"), ("k", "vk"), ("bias", "vb"), ("v", "vv")), dtype="dt",

@@ -23,6 +23,7 @@ import numpy as np
 from ..dtypes.formats import F32, Format
 from ..dtypes.variants import GEMM_VARIANTS, ScaleSpec
 from ..hlir.gemm import GemmLayout
+from ..hlir.rotation import Rotation, rotation_value
 from ..hlir.store import WeightArray, derived_key, keyed
 from ..hlir.weightcache import WEIGHTS
 from ..hlir.ops import Op
@@ -165,9 +166,23 @@ class Kernel:
                                        # None: the format's round-to-nearest)
     concat: tuple[str, ...] = ()       # EXTERNAL: these weights concatenated (`external` names the result) ...
     concat_axis: int = 0               # ... along this axis
+    rotation: Rotation | None = None   # EXTERNAL: a weight rotated along K (or H_b itself), hlir/rotation.py
 
     def numel(self, bindings: Mapping[str, int]) -> int:
         return int(evaluate(prod(self.shape), bindings)) if self.shape else 1
+
+    @property
+    def derived(self) -> bool:
+        """An EXTERNAL whose value the compiler makes from named weights (external_value), not an input."""
+        return bool(self.concat) or self.rotation is not None
+
+    @property
+    def weight_sources(self) -> tuple[str, ...]:
+        """The graph inputs an EXTERNAL's value is made from: its concatenated parts, a rotated weight's
+        source (none for H_b itself), else the input it names."""
+        if self.rotation is not None:
+            return () if self.rotation.source is None else (self.rotation.source,)
+        return self.concat or ((self.external,) if self.external else ())
 
     # -- QUANTIZE: the scales kept beside the buffer ---------------------------------------------
     @property
@@ -523,7 +538,10 @@ def _concatenated(parts, axis: int) -> np.ndarray:
 
 
 def external_value(k: Kernel, feed: Mapping[str, object]) -> np.ndarray:
-    """An EXTERNAL kernel's value from graph inputs by name: the input, or its weights concatenated."""
+    """An EXTERNAL kernel's value from graph inputs by name: the input, its weights concatenated, or a
+    weight rotated (FP64, hlir/rotation.py; the kernel's dtype or storage format rounds it)."""
+    if k.rotation is not None:
+        return rotation_value(k.rotation, feed)
     if k.concat:  # the same parts give the same array, kept process-wide: what is derived from it (its Gemm
         # operand per variant, hlir.weightcache) is then kept too, not rebuilt by every runtime
         parts = [feed[n] for n in k.concat]
@@ -539,6 +557,10 @@ def _check_source(k: Kernel) -> str:
         return f"fill {k.fill!r}: only a weight held in a storage format is filled, by a known calibrated rounding"
     if k.concat and (k.kind is not KernelKind.EXTERNAL or len(k.shape) != 2):
         return f"concatenates {k.concat}: only a 2-D EXTERNAL weight (stored or not) is a concatenation"
+    if k.rotation is not None and (k.kind is not KernelKind.EXTERNAL or len(k.shape) != 2 or k.concat
+                                   or k.external != k.rotation.name or k.shape[-1] % k.rotation.block):
+        return (f"rotation {k.rotation}: only a 2-D EXTERNAL weight named {k.rotation.name!r} with K divisible by "
+                "its block is rotated")
     if k.inputs:
         return "a source kernel reads nothing"
     if k.kind is KernelKind.EXTERNAL and not k.external:

@@ -12,6 +12,7 @@ from typing import Any
 from ..dtypes.formats import get as get_format
 from ..hlir.gemm import GemmLayout
 from ..hlir.ops import Op
+from ..hlir.rotation import Rotation
 from ..hlir.shape import ShapeTracker, View
 from ..hlir.symbolic import Dim, Poly
 from .attention import AttentionSpec
@@ -136,7 +137,8 @@ def _kernel(k: Kernel) -> dict:
             "value": None if k.value is None else _scalar(k.value), "label": k.label, "eclass": k.eclass,
             **({"storage": k.storage} if k.storage is not None else {}),
             **({"fill": k.fill} if k.fill is not None else {}),
-            **({"concat": list(k.concat), "concat_axis": k.concat_axis} if k.concat else {})}
+            **({"concat": list(k.concat), "concat_axis": k.concat_axis} if k.concat else {}),
+            **({"rotation": {"block": k.rotation.block, "source": k.rotation.source}} if k.rotation else {})}
 
 
 def _unkernel(x: dict) -> Kernel:
@@ -147,7 +149,16 @@ def _unkernel(x: dict) -> Kernel:
                   precision=x["precision"], layout=_unlayout(x["layout"]), aliases=x["aliases"], chunk=int(x["chunk"]),
                   external=x["external"], value=None if x["value"] is None else _unscalar(x["value"]),
                   label=x["label"], eclass=x.get("eclass", ""), storage=x.get("storage"), fill=x.get("fill"),
-                  concat=tuple(str(n) for n in x.get("concat", ())), concat_axis=int(x.get("concat_axis", 0)))
+                  concat=tuple(str(n) for n in x.get("concat", ())), concat_axis=int(x.get("concat_axis", 0)),
+                  rotation=_unrotation(x.get("rotation")))
+
+
+def _unrotation(x) -> Rotation | None:
+    if x is None:
+        return None
+    if not isinstance(x, dict) or set(x) != {"block", "source"}:
+        raise LlirDataError(f"not a rotation: {x!r}")
+    return Rotation(int(x["block"]), None if x["source"] is None else str(x["source"]))
 
 
 def program_to_data(p: Program) -> dict:

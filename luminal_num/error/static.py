@@ -18,13 +18,15 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..codegen.llir import FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program, epilogue_as_elementwise
+from ..codegen.llir import (FApply, FConstV, FExpr, FLoad, FRoundTo, Kernel, KernelKind, Program, epilogue_as_elementwise,
+                            external_value)
 from ..codegen.rows import unfused
 from ..dtypes.formats import F32, Kind
 from ..dtypes.formats import get as get_format
 from ..quant.kv import cache_error
 from ..quant.stored import MissingCalibration
 from ..hlir.ops import Op
+from ..hlir.rotation import rotation_error
 from ..hlir.weightcache import WEIGHTS
 from ..hlir.symbolic import evaluate as eval_dim
 from .indexed import Rows, gather_rows, index_range, scatter_rows
@@ -169,6 +171,8 @@ class StaticAnalyzer:
 
     def external(self, k: Kernel, inputs: Mapping[str, Interval]) -> BoundedValue:
         shape = self._shape(k)
+        if k.rotation is not None:  # a rotated weight or H_b: its FP64 value, within rotation_error of W H
+            return self._rotated(k, shape)
         iv = self._concat_interval(k, inputs) if k.concat else self._range(inputs, k.external)
         if k.storage is not None and k.id in self.caches:  # a KV cache handed in, held in its format
             iv = Interval(np.broadcast_to(iv.lo, shape), np.broadcast_to(iv.hi, shape))
@@ -188,6 +192,23 @@ class StaticAnalyzer:
             return BoundedValue(iv, np.zeros(shape))
         low = float(np.min(iv.lo)) if iv.lo.size else 0.0
         return store_known(BoundedValue(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
+
+    def _rotated(self, k: Kernel, shape: tuple[int, ...]) -> BoundedValue:
+        """x W^T = (x H)(W H)^T exactly, so the rotated weight's exact value is W H: the FP32 value every kernel
+        reads is off by at most rotation_error, and a storage format adds its own error from that value."""
+        if k.rotation.source is not None and k.rotation.source not in self.weights:
+            raise KeyError(f"no value for weight {k.rotation.source!r}, which {k.external!r} rotates")
+        w = external_value(k, self.weights)
+        iv = Interval.point(np.asarray(w, dtype=np.float64))
+        err = rotation_error(k.rotation, self.weights)
+        if k.storage is not None:
+            try:
+                v = stored_weight_value(iv, k.storage, shape, k.fill, w if k.fill is not None else None)
+            except ValueError as exc:
+                magnitude = float(np.max(np.abs(iv.lo))) if iv.lo.size else 0.0
+                raise OverflowFound(Overflow(k.id, k.label or k.external, k.storage, magnitude, str(exc))) from None
+            return dataclasses.replace(v, err=v.err + err)
+        return BoundedValue(iv, err)  # held in FP32 as computed (an FP32 EXTERNAL stores it exactly)
 
     def _stored_concat(self, k: Kernel, inputs: Mapping[str, Interval]) -> BoundedValue:
         parts = {p.external: p for p in self.p.kernels if p.kind is KernelKind.EXTERNAL and not p.concat}

@@ -17,6 +17,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from ..hlir.rotation import RotatedWeight, rotate_rows
 from ..hlir.store import content_key, digest
 
 
@@ -93,5 +94,21 @@ CALIBRATION = ActiveCalibration()
 
 
 def hessian_of(w) -> Hessian | None:
-    """The installed calibration Hessian of weight `w` (by its content key), or None."""
+    """The installed calibration Hessian of weight `w` (by its content key), or None. A rotated weight W H
+    (hlir/rotation.py) meets the rotated activations x H: its Hessian is H^T (sum x x^T) H, from its source's."""
+    if isinstance(w, RotatedWeight) and w.source is not None:
+        source = CALIBRATION.current.of(w.source)
+        return None if source is None else _rotated_hessian(source, w.block)
     return CALIBRATION.current.of(w)
+
+
+_ROTATED: dict[tuple[str, int], Hessian] = {}  # (source Hessian key, block) -> rotated Hessian, the last few
+
+
+def _rotated_hessian(h: Hessian, block: int) -> Hessian:
+    key = (h.key, block)
+    if key not in _ROTATED:
+        if len(_ROTATED) >= 8:  # recomputed when evicted (two products); never grows with the model
+            _ROTATED.pop(next(iter(_ROTATED)))
+        _ROTATED[key] = Hessian.of(rotate_rows(rotate_rows(h.sum_xx, block).T, block), h.rows)  # H^T S H, H symmetric
+    return _ROTATED[key]

@@ -45,14 +45,17 @@ def _weights_of(program: Program, k: Kernel, weights: frozenset[str]) -> list[Ke
     out = []
     for inp in k.inputs:
         src = program.kernel(inp.buffer)
-        if src.kind is KernelKind.EXTERNAL and (src.concat or src.external in weights):
+        if src.kind is KernelKind.EXTERNAL and (src.derived or src.external in weights):
             out.append(src)
     return out
 
 
 def kernel_name(program: Program, k: Kernel, weights: frozenset[str]) -> str:
     """What a reader calls the kernel: the role of the weights it reads, else its kind."""
-    roles = [weight_role(n) for src in _weights_of(program, k, weights) for n in (src.concat or (src.external,))]
+    srcs = _weights_of(program, k, weights)
+    roles = [weight_role(n) for src in srcs for n in src.weight_sources]
+    if any(src.rotation is not None for src in srcs):  # a rotated weight's Gemm, or the online rotation (H_b)
+        return "+".join(dict.fromkeys(roles)) + " (rotated)" if roles else "hadamard"
     return "+".join(dict.fromkeys(roles)) if roles else k.kind.value
 
 

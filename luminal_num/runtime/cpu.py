@@ -176,9 +176,9 @@ class CpuRuntime:
         return outs
 
     def _weight_concats(self, inputs) -> frozenset[str]:
-        """The concatenated-weights EXTERNALs whose parts are all this runtime's weights."""
+        """The derived EXTERNALs (concatenated or rotated weights) made from this runtime's weights only."""
         return frozenset(k.external for k in self.program.kernels
-                         if k.concat and all(n in self.weights and n not in inputs for n in k.concat))
+                         if k.derived and all(n in self.weights and n not in inputs for n in k.weight_sources))
 
     def _weight_drops(self) -> dict[int, tuple[int, ...]]:
         """Kernel id -> the EXTERNAL buffers it is the last reader of (program outputs excluded); an
@@ -203,9 +203,9 @@ class CpuRuntime:
         (A run skips the weights' own: its feed reads them from the weight cache when a kernel needs them.)"""
         out = {}
         for k in self.program.kernels:
-            if not k.concat or k.external in skip:
+            if not k.derived or k.external in skip:
                 continue
-            if any(n in inputs or n not in self.weights for n in k.concat):
+            if any(n in inputs or n not in self.weights for n in k.weight_sources):
                 out[k.external] = external_value(k, feed)
                 self._concats.pop(k.external, None)
             else:

@@ -28,7 +28,7 @@ import numpy as np
 from ..dtypes.formats import BF16, F16, F32, Format
 from ..dtypes.rounding import Overflow, round_to
 from ..dtypes.variants import _gamma, _times
-from ..codegen.llir import Kernel
+from ..codegen.llir import Kernel, external_value
 from ..quant.concat import concat_quantized
 from ..quant.storage import STORAGE_FORMATS, Quantized, StorageFormat, StoredTensor
 from ..quant.stored import stored_key, stored_values
@@ -229,9 +229,10 @@ def stored_weight(w: Kernel, feed: Mapping[str, np.ndarray], stored_weights: Map
     scales (quant/concat.py), never a quantization of the joined FP32 weights."""
     fmt = STORAGE_FORMATS[w.storage]
 
-    def one(name: str) -> Quantized:
+    def one(name: str, value=None) -> Quantized:
         held = (stored_weights or {}).get(stored_key(name, fmt, w.fill))
-        return stored_values(feed[name], fmt, held, w.fill)
+        return stored_values(feed[name] if value is None else value, fmt, held, w.fill)
     if w.concat:
         return concat_quantized([one(n) for n in w.concat], w.concat_axis)
-    return one(w.external)
+    # a rotated weight (hlir/rotation.py) is converted from its FP64 rotation, stored under its own name
+    return one(w.external, external_value(w, feed) if w.rotation is not None else None)

@@ -84,6 +84,9 @@ QuantView = relation("QuantView", i64, i64)                     # (layout, view 
 GGUFSource = relation("GGUFSource", T, String)                  # a weight loaded from GGUF blocks of this storage format
 CalibratedWeight = relation("CalibratedWeight", T)               # read K-major by a Gemm: has a calibration Hessian
 GGUFSourcePerChunk = relation("GGUFSourcePerChunk", T)           # loaded from GGUF blocks in every chunk, of types that differ
+# (va, vb, layout, block, rotation's A view, its B view, its layout, the rotated Gemm's A view): a Gemm x W^T
+# whose weight may be rotated along K, with the views and layouts of the two Gemms that compute it rotated
+RotationOf = relation("RotationOf", i64, i64, i64, i64, i64, i64, i64, i64)
 KVCache = relation("KVCache", T, i64)                           # a cache input a Scatter overwrites in place, its head width (0: unknown)
 
 

@@ -16,7 +16,8 @@ from ..hlir.gemm import GemmLayout, gemm_layouts, split_operand
 from ..hlir.graph import Graph
 from ..hlir.ops import Op
 from ..hlir.partition import Chunk
-from ..hlir.shape import ShapeTracker
+from ..hlir.rotation import rotation_block
+from ..hlir.shape import ShapeTracker, View, contiguous_strides
 from ..quant.stored import source_format
 from . import egraph as E
 
@@ -70,10 +71,11 @@ class EncodedChunk:
 
 
 def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | None = None,
-                 group_chunks: Sequence[Chunk] = (), calibrated: bool = False) -> EncodedChunk:
+                 group_chunks: Sequence[Chunk] = (), calibrated: bool = False, rotation: bool = False) -> EncodedChunk:
     """`group_chunks`: every chunk sharing this structure (default: `chunk` alone); facts that differ
     per chunk (who else reads a buffer) hold for the group only when they hold in every chunk.
-    `calibrated`: weights a Gemm reads K-major get CalibratedWeight (calibrated roundings are offered)."""
+    `calibrated`: weights a Gemm reads K-major get CalibratedWeight (calibrated roundings are offered);
+    `rotation`: such Gemms get RotationOf (their K may be Hadamard-rotated, search/rules/rotate.py)."""
     consumers = consumers if consumers is not None else graph.consumers()
     group_chunks = tuple(group_chunks) or (chunk,)
     eg = EGraph()
@@ -150,9 +152,11 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
                 facts.append(E.QuantView(lid, view_id(quantized_a_view(lay))))
                 found = True
             gemm_candidates += found
-            use = weight_gemm(graph, node, consumers) if calibrated else None
-            if use is not None and use.weight in chunk.external:  # its Hessian: error/hessians.py
+            use = weight_gemm(graph, node, consumers) if calibrated or rotation else None
+            if calibrated and use is not None and use.weight in chunk.external:  # its Hessian: error/hessians.py
                 facts.append(E.CalibratedWeight(terms[use.weight]))
+            if rotation and use is not None and use.side == 1 and use.weight in chunk.external:
+                facts += _rotation_facts(va, vb, ax, view_id, layouts)
     eg.register(*facts)
     local = {nid: i for i, nid in enumerate(chunk.nodes)}
     tables = ChunkTables(tuple(views.values), tuple(consts.values), tuple(dims.values), tuple(layouts.values),
@@ -211,6 +215,42 @@ def _head_width(graph: Graph, nid: int, consumers: dict[int, list[int]]) -> int:
                 found |= {d for d, st in zip(v.shape, v.strides) if st == 1}
     head = next(iter(found)) if len(found) == 1 else 0
     return head if isinstance(head, int) and isinstance(width, int) and 0 < head < width and width % head == 0 else 0
+
+
+def _rotation_facts(va: ShapeTracker, vb: ShapeTracker, ax: int, view_id, layouts: Interner) -> list:
+    """RotationOf for a Gemm x W^T (W read K-major as B, every other axis of A an M axis of static size)
+    whose K an offered Hadamard block divides: x H as a Gemm over (M..., K/b, b_out, b_in) reading x through
+    its own strides and H_b (b, b), then the rotated weight's Gemm reading x H (contiguous (M..., K)) with
+    the original layout. Nothing when the shapes are symbolic or the layout does not carry over."""
+    a, wv = va.views[0], vb.views[0]
+    k = a.shape[ax]
+    b = rotation_block(k)
+    n_axes = [i for i in range(len(a.shape)) if i != ax and wv.strides[i] != 0]
+    m_axes = [i for i in range(len(a.shape)) if i != ax and i not in n_axes]
+    if (b is None or len(n_axes) != 1 or a.strides[n_axes[0]] != 0 or a.mask is not None
+            or not all(isinstance(d, int) for d in a.shape)
+            or any(a.strides[i] == 0 and a.shape[i] != 1 for i in m_axes)):
+        return []
+    ms = tuple(a.shape[i] for i in m_axes)
+    rot_shape = (*ms, k // b, b, b)  # (M..., block, output column, input column = the rotation's K)
+    rot_a = ShapeTracker((View.create(rot_shape, (*(a.strides[i] for i in m_axes), b * a.strides[ax], 0,
+                                                  a.strides[ax]), a.offset),))
+    rot_b = ShapeTracker((View.create(rot_shape, (*(0 for _ in m_axes), 0, 1, b)),))
+    rot_lays = gemm_layouts(rot_a, rot_b, len(rot_shape) - 1)
+    if not rot_lays:
+        return []
+    rot_lay = next((lay for lay in rot_lays if lay.variant == "flattened"), rot_lays[0])
+    out_strides = dict(zip(m_axes, contiguous_strides((*ms, k))[:len(ms)]))  # x H is (M..., K) contiguous
+    main_a = ShapeTracker((View.create(a.shape, tuple(out_strides.get(i, 0) if i != ax else 1
+                                                      for i in range(len(a.shape)))),))
+    kept = gemm_layouts(main_a, vb, ax)
+    rot_lid = layouts(rot_lay)
+    facts = [E.QuantView(rot_lid, view_id(quantized_a_view(rot_lay)))]
+    for lay in gemm_layouts(va, vb, ax):
+        if lay in kept:
+            facts.append(E.RotationOf(view_id(va), view_id(vb), layouts(lay), b, view_id(rot_a), view_id(rot_b),
+                                      rot_lid, view_id(main_a)))
+    return facts if len(facts) > 1 else []
 
 
 def _gemm_operand_views(mul) -> tuple[ShapeTracker, ShapeTracker]:

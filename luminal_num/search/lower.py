@@ -15,9 +15,11 @@ from ..codegen.attention import spec_for
 from ..codegen.kinds import TENSOR_DECLS, Sort
 from ..codegen.llir import (FAcc, acc_views, FApply, FAt, FConstV, FExpr, FLoad, FRoundTo, FRowSum, Kernel, KernelInput,
                             KernelKind, Program, verify)
+from ..dtypes.formats import F32
 from ..dtypes.formats import get as get_format
 from ..hlir.graph import Graph
 from ..hlir.partition import Partition
+from ..hlir.rotation import Rotation
 from ..hlir.shape import ShapeTracker
 from ..quant.stored import held_format, split_choice
 from .choice import Candidate, ENode
@@ -30,6 +32,7 @@ class _Builder:
     kernels: list[Kernel] = field(default_factory=list)
     stored: dict[tuple[int, str], int] = field(default_factory=dict)  # (weight buffer, format) -> its stored buffer
     concats: dict[tuple[int, ...], int] = field(default_factory=dict)  # (axis, weight buffers) -> concatenation
+    rotated: dict[tuple, int] = field(default_factory=dict)  # (Rotation, format, fill) -> its derived buffer
 
     def add(self, **kw) -> int:
         k = Kernel(id=len(self.kernels), **kw)
@@ -64,10 +67,10 @@ class _ChunkLowering:
 
     def tensor(self, cid: str, reader: str | None = None) -> int:
         """The kernel computing e-class `cid`. A QUANTIZE class implements no HLIR op of its own: it is
-        labelled by the op of the Gemm reading it (`reader`)."""
+        labelled by the op of the Gemm reading it (`reader`), as the Gemms a rotation adds are (KRotated's)."""
         if cid not in self.memo:
             n = self.node(cid)
-            hint = reader if n.decl.kind is KernelKind.QUANTIZE else None
+            hint = reader if n.decl.kind in (KernelKind.QUANTIZE, KernelKind.GEMM) else None
             self.memo[cid] = self.b.provenance(_TENSOR[n.op](self, n, self.space.class_origin.get(cid) or hint or n.op),
                                                cid)
         return self.memo[cid]
@@ -220,8 +223,35 @@ def _cache_stored(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     return _stored(lo, n, origin)
 
 
+def _rotated_weight(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """KRotW / KRotStored / KHadamard: a buffer the compiler derives (hlir/rotation.py), one per weight, block
+    and format (shared by chunks); a rotated weight needs its chunk source to be a graph weight."""
+    block = n.arg("block")
+    source = None
+    if n.op != "KHadamard":
+        src = lo.b.kernels[lo.slots[n.arg("slot")]]
+        if src.kind is not KernelKind.EXTERNAL or src.derived:
+            raise ValueError(f"{origin}: chunk source {n.arg('slot')} is kernel {src.id} ({src.kind.value}), not a "
+                             "weight to rotate")
+        source = src.external
+    rot = Rotation(block, source)
+    fmt, fill = split_choice(n.arg("fmt")) if n.op == "KRotStored" else (None, None)
+    key = (rot, fmt, fill)
+    if key not in lo.b.rotated:
+        shape = (block, block) if source is None else lo.b.kernels[lo.slots[n.arg("slot")]].shape
+        held = (f" stored as {fmt}" + (f" filled by {fill}" if fill else "")) if fmt else ""
+        lo.b.rotated[key] = lo.b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=tuple(shape), dtype=F32,
+                                     external=rot.name, rotation=rot, storage=fmt, fill=fill,
+                                     label=f"{rot.name}{held}")
+    return lo.b.rotated[key]
+
+
 def _variant(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     return lo.tensor(n.cls("inner"))  # an alias: consumers read the low-precision buffer and widen on load
+
+
+def _rotated(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    return lo.tensor(n.cls("inner"), f"{origin} rotated")  # an alias: the Gemm of the rotated operands
 
 
 def _const(lo: _ChunkLowering, n: ENode, origin: str) -> int:
@@ -274,6 +304,8 @@ def _reduction(lo: _ChunkLowering, n: ENode, origin: str) -> int:
 
 def _gemm(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     layout = lo.t.layouts[n.arg("layout")]
+    if lo.node(n.cls("b")).op == "KHadamard":
+        origin = f"{origin.removesuffix(' rotated')}: x H (Hadamard rotation)"
     ins = lo.operands(n, origin)
     shape = tuple(d for i, d in enumerate(layout.full_shape) if i != layout.k_axis)
     return lo.b.add(kind=KernelKind.GEMM, inputs=ins, shape=shape, dtype=get_format(n.arg("dt")), layout=layout,
@@ -334,6 +366,7 @@ _TENSOR: dict[str, Callable[[_ChunkLowering, ENode, str], int]] = {
     "KExt": _ext, "KStored": _stored, "KVariant": _variant, "KConst": _const, "KIota": _iota, "Ew": _elementwise,
     "KSum": _reduction, "KMax": _reduction, "KSoftmax": _reduction, "KGemm": _gemm, "KQuantize": _quantize,
     "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter, "KGemmEpi": _gemm_epilogue,
+    "KRotW": _rotated_weight, "KRotStored": _rotated_weight, "KHadamard": _rotated_weight, "KRotated": _rotated,
     "KCatW": _concat, "KCatStored": _concat, "KSlice": _slice, "KCacheStored": _cache_stored, "KAttention": _attention,
     "KRows": _rows, "KScatterEw": _scatter_ew,
 }

@@ -121,7 +121,7 @@ def static_weight_scales(program: Program, weights, bindings) -> dict[int, np.nd
         if v.b_scale is None or not v.b_scale.static:
             continue
         src = ext.get(k.inputs[1].buffer)
-        if src is None or any(n not in weights for n in (src.concat or (src.external,))):
+        if src is None or src.kind is not KernelKind.EXTERNAL or any(n not in weights for n in src.weight_sources):
             raise PlanError(f"kernel {k.id} uses static weight scales but its B operand is not a weight")
         b = gemm_operand_b(read_operand(k.inputs[1].view, external_value(src, weights).astype(np.float32), bindings),
                            k.layout)
@@ -237,10 +237,12 @@ class Plan:
                                 for kid, arr in sorted(scales.items())}
         layout = stored_layout(program)
         fills = stored_fills(program)
-        missing = sorted({name for name, _, _ in layout.values()} - set(weights or {}))
+        missing = sorted({n for k, _ in _stored(program) for n in k.weight_sources} - set(weights or {}))
         if missing:
             raise PlanError(f"the plan stores weights it was not given: {', '.join(missing)}")
-        stored = convert_all(weights or {}, {key: (name, fmt) for key, (name, fmt, _) in layout.items()}, fills)
+        rotated = {k.external: external_value(k, weights) for k, _ in _stored(program) if k.rotation is not None}
+        stored = convert_all({**(weights or {}), **rotated},
+                             {key: (name, fmt) for key, (name, fmt, _) in layout.items()}, fills)
         if stored:  # the converted weights, tied to this plan by graph hash and content hash
             data["stored_weights"] = {key: {"weight": name, "format": fmt, "shape": list(shape),
                                             **({"fill": fills[key]} if key in fills else {})}

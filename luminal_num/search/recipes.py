@@ -205,6 +205,20 @@ def pick(space: SearchSpace, pred: Callable[[str], bool]) -> Genome:
     return frozenset((g, c, t) for (g, c), t in out.items())
 
 
+def rotated_recipe(space: SearchSpace, tags: frozenset[str]) -> Genome:
+    """A storage recipe's `tags` with every Gemm the space may rotate rotated (search/rules/rotate.py): its
+    rot: tag first, then the recipe's tags on every other knob, the rotated Gemms and weights included."""
+    first = pick(space, lambda t: is_kind(t, TagKind.ROT))
+    rotated = {(g, c) for g, c, _ in first}
+    return first | frozenset(ch for ch in pick(space, tags.__contains__) if (ch[0], ch[1]) not in rotated)
+
+
+def rotated_recipes(space: SearchSpace) -> dict[str, Genome]:
+    """Each storage recipe with every Gemm the space may rotate rotated (none where it rotates nothing)."""
+    out = {f"{name} + Hadamard rotation": rotated_recipe(space, tags) for name, tags in STORAGE_RECIPES.items()}
+    return {name: g for name, g in out.items() if any(is_kind(t, TagKind.ROT) for _, _, t in g)}
+
+
 def recipe_genomes(space: SearchSpace) -> dict[str, Genome]:
     """Every storage recipe as a genome; a KV-cache recipe only where the graph has a KV cache (elsewhere
     it would repeat the weights-only recipe under another name)."""

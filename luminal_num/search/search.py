@@ -26,8 +26,8 @@ from ..runtime.targets import OPERAND_MATH, gemm_math, get_target
 from . import allocate
 from .front import Evaluated, Stage, choose, front, share
 from .outcome import Gate, SearchResult, SearchStats
-from .recipes import BASELINE_SOURCES, baseline_genomes
-from .space import ChunkSite, Genome, SearchSpace
+from .recipes import BASELINE_SOURCES, baseline_genomes, rotated_recipes
+from .space import ChunkSite, Genome, Offers, SearchSpace
 from .tags import Tag, TagKind, is_kind, priority
 
 
@@ -44,8 +44,7 @@ class SearchOptions:
     headroom: float | None = None  # share of the budget a plan may use on the calibration set (the rest
                                    # is kept for unseen inputs: audit judges against the full budget);
                                    # None: from data (error/headroom.py), a number overrides it
-    calibrated: bool = False       # weights may also be stored filled by GPTQ under their calibration Hessians
-                                   # (quant/gptq.py): one more storage class per quantized format and Gemm weight
+    offers: Offers = Offers()      # alternatives beyond formats and fusions: GPTQ fills, Hadamard rotations
     batch_invariant: bool = False  # every candidate a batch-invariant program (issue 37): fixed reduction
                                    # orders, fixed attention split sizes, no scale computed across rows
     megakernel: bool = False       # price each candidate also as one persistent megakernel, keep the cheaper
@@ -178,6 +177,9 @@ class Searcher:
                 if not self.budget_left():
                     return
                 self.evaluate(genome, Stage.UNIFORM, f"{Tag.parse(tag).variant} on every Gemm")
+        for name, genome in rotated_recipes(self.space).items():  # a rotation pays only with a format
+            if self.budget_left():
+                self.evaluate(genome, Stage.UNIFORM, name)
 
     def confirm_finalists(self) -> Evaluated | None:
         """Measure end to end every predicted member of the front and the chosen plan, until the front

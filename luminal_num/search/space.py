@@ -57,6 +57,16 @@ def group_of(site: "str | ChunkSite") -> str:
     return site.group if isinstance(site, ChunkSite) else site
 
 
+@dataclass(frozen=True)
+class Offers:
+    """What the space offers beyond formats and fusions (each adds e-classes and compile time)."""
+
+    calibrated: bool = False  # weights may also be stored filled by GPTQ under their calibration Hessians
+                              # (quant/gptq.py): one more storage class per quantized format and Gemm weight
+    rotation: bool = False    # weight Gemms may also run with their K Hadamard-rotated (search/rules/rotate.py):
+                              # one more alternative per Gemm, its rotated weight stored in any format
+
+
 Genome = frozenset  # of Change (declared once, error/predict.py: the judge keys its verdicts by it)
 
 
@@ -72,18 +82,19 @@ class SearchSpace:
 
     @staticmethod
     def build(graph: Graph, with_precision: bool = True, fusion: bool = True,
-              calibrated: bool = False) -> "SearchSpace":
+              calibrated: bool = False, rotation: bool = False) -> "SearchSpace":
         """`fusion=False`: the space without the fusion rules (every kernel as the lowering made it);
-        `calibrated`: weights may also be stored filled by GPTQ (the compile collects their Hessians)."""
-        return SearchSpace.saturated(graph, partition(graph), with_precision, fusion, calibrated)
+        `calibrated`: weights may also be stored filled by GPTQ (the compile collects their Hessians);
+        `rotation`: weight Gemms may also run with their K Hadamard-rotated (search/rules/rotate.py)."""
+        return SearchSpace.saturated(graph, partition(graph), with_precision, fusion, calibrated, rotation)
 
     @staticmethod
     def saturated(graph: Graph, part: Partition, with_precision: bool = True, fusion: bool = True,
-                  calibrated: bool = False) -> "SearchSpace":
+                  calibrated: bool = False, rotation: bool = False) -> "SearchSpace":
         """The space of an already partitioned graph: each group saturated once."""
         consumers = graph.consumers()
         groups = {g.key: saturate_group(graph, g, consumers, precision if with_precision else None, fusion=fusion,
-                                        calibrated=calibrated)
+                                        calibrated=calibrated, rotation=rotation)
                   for g in part.groups}
         return SearchSpace(graph, part, groups, {k: knobs(gs.space) for k, gs in groups.items()})
 

@@ -13,13 +13,14 @@ from typing import Mapping
 from ..codegen.attention import ATTENTION_VARIANTS
 from ..dtypes.formats import FORMATS
 from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
+from ..hlir.rotation import ROTATIONS
 from ..quant.storage import STORAGE_FORMATS
 from ..quant.stored import STORE_CHOICES
 
 
 class TagKind(enum.StrEnum):
     """What a knob chooses: a Gemm's math, a value's storage (elementwise or reduction), a softmax's or an
-    attention kernel's precision, a weight's or the KV cache's storage format."""
+    attention kernel's precision, a weight's or the KV cache's storage format, a Gemm's K rotation."""
     GEMM = "gemm"
     ATTN = "attn"
     SUM = "sum"
@@ -27,13 +28,14 @@ class TagKind(enum.StrEnum):
     EW = "ew"
     STORE = "store"
     KV = "kv"
+    ROT = "rot"
 
 
 # kind -> the registry its variant names are declared in (softmax precisions are plain number formats)
 REGISTRIES: Mapping[TagKind, Mapping] = {
     TagKind.GEMM: GEMM_VARIANTS, TagKind.ATTN: ATTENTION_VARIANTS, TagKind.SUM: REDUCE_VARIANTS,
     TagKind.SOFTMAX: FORMATS, TagKind.EW: ELEMENTWISE_VARIANTS, TagKind.STORE: STORE_CHOICES,
-    TagKind.KV: STORAGE_FORMATS,
+    TagKind.KV: STORAGE_FORMATS, TagKind.ROT: ROTATIONS,
 }
 
 # the order single changes are tried and sorted in: Gemms first (where the time goes), attention (one
