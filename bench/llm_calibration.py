@@ -35,12 +35,24 @@ MEMORY = 5 << 30  # the stage part's memory plan (the job alone holds ~2 GB)
 ROW_METRICS = ("kl_logits", "kl_p99", "kl_max", "top1_agreement", "ppl_ratio")
 
 
+def row_metrics(stats, batch_rows) -> dict[str, float]:
+    """Each row metric over the pooled positions (`stats`) and, as `name@rows`, over the calibration batches'
+    rows (`batch_rows`): the columns both positions benches write."""
+    from luminal_num.error.metrics import METRICS
+    from luminal_num.error.pooled import PooledRows
+    out = {}
+    for m in ROW_METRICS:
+        out[m] = float(METRICS[m].of(PooledRows(stats)))
+        out[f"{m}@{batch_rows.rows}"] = float(METRICS[m].of(PooledRows(batch_rows)))
+    return out
+
+
 def stage_rows(genomes, minimum: int) -> list[dict]:
     from luminal_num.compiler import POSITION_ROWS, WidenedPositions
     from luminal_num.error.budget import Budget
     from luminal_num.memory import plan_memory
-    from luminal_num.error.metrics import METRICS, Compared
-    from luminal_num.error.pooled import PooledRows, RowStats, judge_positions
+    from luminal_num.error.metrics import Compared
+    from luminal_num.error.pooled import RowStats, judge_positions
     from luminal_num.hlir.partition import partition
     from luminal_num.models.registry import llm_job
     from luminal_num.runtime.blas_threads import one_blas_thread
@@ -75,9 +87,7 @@ def stage_rows(genomes, minimum: int) -> list[dict]:
             seconds = time.perf_counter() - t0
             row = {"part": "stage", "what": name, "positions": stats.rows, "rows_per_run": on.rows, "seconds": seconds,
                    "passes_budget": verdict.passed}
-            for m in ROW_METRICS:
-                row[m] = float(METRICS[m].of(PooledRows(stats)))
-                row[f"{m}@{batch_rows.rows}"] = float(METRICS[m].of(PooledRows(batch_rows)))
+            row.update(row_metrics(stats, batch_rows))
             rows.append(row)
             print(row, flush=True)
     return rows

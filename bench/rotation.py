@@ -24,13 +24,13 @@ import time
 
 import pandas as pd
 
+from .llm_calibration import row_metrics
 from .summary import write_csv
 
 CSV = "rotation.csv"
 WORKLOAD = "decode:8@64"
 MEMORY = 5 << 30  # the memory plan the caches are sized from (as bench/llm_calibration.py) ...
 DERIVED_CACHE = 3 << 30  # ... but the derived cache at least this (see rows())
-ROW_METRICS = ("kl_logits", "kl_p99", "kl_max", "top1_agreement", "ppl_ratio")
 W4 = frozenset({"store:int4_g128", "gemm:bf16"})
 W4_GPTQ = frozenset({"store:int4_g128+gptq", "gemm:bf16"})
 W8A8 = frozenset({"store:f8e4m3_channel", "gemm:f8e4m3_channel_prologue"})
@@ -76,8 +76,8 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0) ->
     from luminal_num.compiler import POSITION_ROWS, WidenedPositions
     from luminal_num.error.budget import Budget
     from luminal_num.error.hessians import HessianCollector
-    from luminal_num.error.metrics import METRICS, Compared
-    from luminal_num.error.pooled import PooledRows, RowStats, judge_positions
+    from luminal_num.error.metrics import Compared
+    from luminal_num.error.pooled import RowStats, judge_positions
     from luminal_num.error.reference import references
     from luminal_num.hlir.partition import partition
     from luminal_num.memory import plan_memory
@@ -132,9 +132,7 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0) ->
                        "rotated_gemms": sum(1 for k in program.kernels if k.rotation is not None and k.rotation.source),
                        "hadamard_gemms": sum(1 for k in program.kernels if k.kind.is_gemm and _reads_hadamard(program, k)),
                        "gemms": sum(1 for k in program.kernels if k.kind.is_gemm)}
-                for m in ROW_METRICS:
-                    row[m] = float(METRICS[m].of(PooledRows(stats)))
-                    row[f"{m}@{batch_rows.rows}"] = float(METRICS[m].of(PooledRows(batch_rows)))
+                row.update(row_metrics(stats, batch_rows))
                 out.append(row)
                 print(row, flush=True)
     return out

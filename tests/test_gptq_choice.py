@@ -32,6 +32,7 @@ from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.plan import Plan
 from luminal_num.search.recipes import pick
 from luminal_num.search.space import SearchSpace
+from bound_checks import assert_within_bounds, errors_of
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 CFG = LLAMA_TINY.with_layers(1)
@@ -230,12 +231,7 @@ def test_random_genomes_with_gptq_choices_are_soundly_bounded(seed, changes):
     if rep.overflow is not None:
         return
     ref = evaluate(m.graph, inputs)
-    for name, r in ref.items():
-        e = np.abs(np.asarray(out[name], dtype=np.float64) - r)
-        bound = rep.error_bounds[name]
-        with np.errstate(invalid="ignore"):
-            ok = (e <= bound) | np.isinf(bound)
-        assert ok.all(), (name, sorted(chosen.values()))
+    assert_within_bounds(rep.error_bounds, errors_of(out, ref), sorted(chosen.values()))
 
 
 @pytest.mark.slow

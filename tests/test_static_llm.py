@@ -22,6 +22,7 @@ from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.choice import random_candidate
 from luminal_num.search.lower import lower_program
 from luminal_num.search.space import SearchSpace
+from bound_checks import assert_within_bounds
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 CFG = LLAMA_TINY.with_layers(1)
@@ -116,11 +117,7 @@ def _assert_sound(program, m, inputs) -> bool:
     rep, err = _bound_and_error(program, m, inputs)
     if rep.overflow is not None or err is None:
         return False
-    for name, e in err.items():
-        bound = rep.error_bounds[name]
-        with np.errstate(invalid="ignore"):
-            ok = (e <= bound) | np.isinf(bound)  # NaN/inf outputs need an infinite bound
-        assert ok.all(), (name, float(np.nanmax(np.where(ok, 0, e))), float(np.max(np.where(ok, 0, bound))))
+    assert_within_bounds(rep.error_bounds, err)  # NaN/inf outputs need an infinite bound
     return bool(np.all(np.isfinite(rep.error_bounds["logits"])))
 
 
