@@ -17,18 +17,11 @@ then evicts each operand just before the next run reads it, and every read misse
 half its time re-making operands). Inside `scanning()`, a miss is cached only where it fits without
 evicting: what the cache holds stays for the next run (a share budget / working set of the reads hit),
 and the search's per-layer entries survive its end-to-end runs.
-
-Under a compile's memory budget (`PRESSURE.applied`), a miss first checks the process tree's memory: where
-it plus the value about to be made would pass the budget, the caches give entries back first (least
-recently used, the largest cache first). The budget's plan sizes the caches from estimates of everything
-else; this is what keeps the compile within it when those estimates are short (a 1B compile peaked 2 GB
-over its 12.9 GB plan).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import contextmanager
-import weakref
 from typing import Callable, Hashable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -97,15 +90,6 @@ class ByteLRU:
         if entry is not None:
             self.bytes -= entry[1]
 
-    def evict(self, nbytes: int) -> int:
-        """Evict least-recently-used entries until `nbytes` are given back (or none is left): the bytes given."""
-        given = 0
-        while self._items and given < nbytes:
-            key = next(iter(self._items))
-            given += self._items[key][1]
-            self.drop(key)
-        return given
-
     def resize(self, budget_bytes: int) -> None:
         """A new byte budget, least-recently-used entries evicted down to it."""
         self.budget_bytes = budget_bytes
@@ -117,47 +101,9 @@ class ByteLRU:
         self.bytes = 0
 
 
-class MemoryPressure:
-    """The memory budget the caches yield to while a compile runs (module docstring)."""
-
-    def __init__(self):
-        self.budget: int | None = None
-        self.measure: Callable[[], int] | None = None  # the process tree's bytes now (memory.tree_pss)
-        self.caches: weakref.WeakSet[ByteLRU] = weakref.WeakSet()
-        self.given = 0  # bytes the caches gave back under pressure
-
-    def watch(self, cache: ByteLRU) -> ByteLRU:
-        self.caches.add(cache)
-        return cache
-
-    @contextmanager
-    def applied(self, budget: int, measure: Callable[[], int]) -> Iterator[None]:
-        old = self.budget, self.measure
-        self.budget, self.measure = budget, measure
-        try:
-            yield
-        finally:
-            self.budget, self.measure = old
-
-    def relieve(self, need: int) -> None:
-        """Before `need` bytes are made: evict from the caches what keeps the tree within the budget."""
-        if self.budget is None or self.measure is None:
-            return
-        over = self.measure() + need - self.budget
-        for cache in sorted(self.caches, key=lambda c: -c.bytes):
-            if over <= 0:
-                break
-            given = cache.evict(over)
-            self.given += given
-            over -= given
-
-
-PRESSURE = MemoryPressure()
-
-
 class WeightCache:
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
-        self._lru = PRESSURE.watch(ByteLRU(budget_bytes))  # (content key(s), what) -> value
+        self._lru = ByteLRU(budget_bytes)  # (content key(s), what) -> value
         self.hits = self.misses = 0
         self.uncached = 0  # misses a scan made without keeping (no room without evicting)
         self._scans = 0
@@ -189,7 +135,6 @@ class WeightCache:
             self.uncached += 1  # evicting would evict what the scan reads next (module docstring)
             return make()
         self._lru.make_room(need)
-        PRESSURE.relieve(need)
         value = make()
         size = nbytes(value, source if isinstance(source, np.ndarray) else None)
         if self._scans and self._lru.bytes + size > self._lru.budget_bytes:

@@ -22,7 +22,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from ..hlir.store import content_key
-from ..hlir.weightcache import DEFAULT_BUDGET_BYTES, PRESSURE, ByteLRU
+from ..hlir.weightcache import DEFAULT_BUDGET_BYTES, ByteLRU
 from ..models.gguf import kept_source
 from .calibration import Fill, Hessian, hessian_of
 from .converted_disk import ConvertedDisk
@@ -175,7 +175,7 @@ class ConvertedWeights:
     """
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
-        self._entries = PRESSURE.watch(ByteLRU(budget_bytes))  # (format, content key) -> (quantized, widened)
+        self._entries = ByteLRU(budget_bytes)  # (format, content key) -> (quantized, widened)
         self.conversions = 0
         self.disk: ConvertedDisk | None = None  # entries also on disk (a compile with a cache folder)
 
@@ -198,7 +198,6 @@ class ConvertedWeights:
             return hit
         # a weight's own GGUF blocks of this format are read from the model file, never from the disk cache
         kept = _kept(w, fmt) if fill is None else None
-        PRESSURE.relieve(8 * int(np.size(w)))  # the widened FP32 copy and the conversion's working copy
         cacheable = self.disk is not None and kept is None
         q = self.disk.load(key, fmt, tuple(np.shape(w))) if cacheable else None
         if q is None:
