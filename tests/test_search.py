@@ -408,16 +408,15 @@ def test_each_candidate_counts_the_end_to_end_runs_it_cost(job, space, compiled)
     "decided without an end-to-end run" is read from the runs, not from the verdict's source."""
     evaluated, stats = compiled.search.evaluated, compiled.search.stats
     assert sum(e.end_to_end_runs for e in evaluated) == stats.gate.measured
-    firsts: dict[str, int] = {}
-    hits = 0
+    by_program: dict[str, list] = {}
     for e in evaluated:
-        if e.program is None:
-            continue
-        key = program_key(e.program)
-        if key in firsts and e.verdict.source == "measured":
-            hits += 1
-            assert e.end_to_end_runs == 0, (e.id, firsts[key])
-        firsts.setdefault(key, e.id)
+        if e.program is not None and e.verdict.source == "measured":
+            by_program.setdefault(program_key(e.program), []).append(e)
+    hits = 0
+    for same in by_program.values():  # whichever genome ran it first (a confirmation may come late), only it paid
+        paid = [e.id for e in same if e.end_to_end_runs > 0]
+        assert len(paid) <= 1, paid
+        hits += len(same) - len(paid) if paid else 0
     assert all(e.end_to_end_runs == 0 for e in evaluated if e.verdict.source in ("chunks", "predicted", "static"))
     assert hits > 0, "no genome reused another's measured program: the case this test is for did not occur"
 
