@@ -222,6 +222,10 @@ class Judge:
         exact band is calibrated by every confirmation, not only by those it decided."""
         key = program_key(program)
         deferred = self.composed.deferred.pop(changes, None) if self.composed is not None else None
+        known = self.known.verdicts.get(key)
+        if known is not None and known.source == VerdictSource.MEASURED:  # another genome's finalist, same program:
+            self.counts[Count.CACHE] += 1                                  # measured already (one run, not two)
+            return known
         if deferred is not None:
             self.calibrator.expect(BandKind.SCALED, key, deferred[0])
             self.calibrator.expect(BandKind.EXACT, key, deferred[1])
