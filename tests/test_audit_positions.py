@@ -13,23 +13,20 @@ from luminal_num.models.registry import llm_job
 from luminal_num.report.audit import audit
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.plan import Plan
-from test_llm_positions import PROMPTS, _metrics, _Skewed
-from tiny_gguf import tiny_config, write_tiny_gguf
+from test_llm_positions import PROMPTS, _metrics, _Skewed, tiny  # noqa: F401 (tiny: the shared fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 HELDOUT = ("a cat and a dog", "the end")
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    """A tiny Llama GGUF, its prompt files and a plan compiled with --heldout (one CLI compile, ~2 s)."""
-    root = tmp_path_factory.mktemp("audit_positions")
-    model = root / "tiny.gguf"
-    write_tiny_gguf(model, tiny_config(max_position_embeddings=256))
-    (root / "cal.txt").write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
+def compiled(tiny):
+    """test_llm_positions' tiny Llama GGUF and prompts, a held-out file and a plan compiled with --heldout
+    (one CLI compile, ~2 s)."""
+    root, model = tiny
     (root / "held.txt").write_text("\n".join(HELDOUT) + "\n", encoding="utf-8")
     assert main(["compile", "--model", str(model), "--workload", "decode:2@16", "--candidates", "2", "--quiet",
-                 "--calibration", str(root / "cal.txt"), "--heldout", str(root / "held.txt"),
+                 "--calibration", str(root / "mine.txt"), "--heldout", str(root / "held.txt"),
                  "--positions", "40", "--out", str(root / "plan")]) == EXIT_OK
     return root, model
 

@@ -133,21 +133,28 @@ def check_pooled(budget: Budget, output: str, stats: RowStats) -> BudgetVerdict:
     return budget.check({output: pooled}, {output: pooled})
 
 
-def judge_positions(program: Program, weights, source: PositionSource, gate: Budget,
-                    budget: Budget) -> tuple[Verdict, RowStats]:
-    """The program run on every batch of `source` and judged against `gate` on all rows pooled; the verdict
-    also carries its share of the user's `budget` (a run that fails is a rejection, as end to end)."""
-    runtime = CpuRuntime(program, weights)
+def run_positions(runtime: CpuRuntime, source: PositionSource) -> tuple[RowStats, str | None]:
+    """The runtime on every batch of `source`: the rows' statistics, and why a run failed (None: none did;
+    the statistics are then those of the batches before it)."""
     parts = []
     for batch in source.batches():  # one step's inputs (its KV caches) live only while it runs
         try:
             with WEIGHTS.scanning():  # a whole-model run per step (hlir/weightcache.py)
                 out = runtime.run(batch.inputs).outputs[source.output]
         except (ValueError, FloatingPointError) as exc:  # e.g. a REJECT overflow policy
-            return Verdict(False, VerdictSource.MEASURED, Share(np.inf, np.inf, np.inf), np.inf, None,
-                           f"run failed on the pooled positions: {exc}"), RowStats.concat(parts)
+            return RowStats.concat(parts), str(exc)
         parts.append(batch_stats(out, batch))
-    stats = RowStats.concat(parts)
+    return RowStats.concat(parts), None
+
+
+def judge_positions(program: Program, weights, source: PositionSource, gate: Budget,
+                    budget: Budget) -> tuple[Verdict, RowStats]:
+    """The program run on every batch of `source` and judged against `gate` on all rows pooled; the verdict
+    also carries its share of the user's `budget` (a run that fails is a rejection, as end to end)."""
+    stats, failed = run_positions(CpuRuntime(program, weights), source)
+    if failed is not None:
+        return Verdict(False, VerdictSource.MEASURED, Share(np.inf, np.inf, np.inf), np.inf, None,
+                       f"run failed on the pooled positions: {failed}"), stats
     verdict = check_pooled(gate, source.output, stats)
     ratio = budget_ratio(gate, verdict)
     on = f" on {stats.rows} teacher-forced positions"

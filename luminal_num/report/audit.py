@@ -123,15 +123,9 @@ def audit(plan: Plan, graph: Graph, batches: Sequence[Mapping[str, np.ndarray]],
 def _pooled(runtime: CpuRuntime, budget, source: pooled.PositionSource):
     """(passed, reason, metric values, budget share, positions) of the plan's runtime on every position of
     `source`, its row statistics pooled (the compile's positions stage judges the same way)."""
-    parts = []
-    for batch in source.batches():  # one step's inputs live only while it runs
-        try:
-            with WEIGHTS.scanning():  # a whole-model run per step (hlir/weightcache.py)
-                out = runtime.run(batch.inputs).outputs[source.output]
-        except (ValueError, FloatingPointError) as exc:  # e.g. a REJECT overflow policy
-            return False, f"run failed on the audited positions: {exc}", MetricValues(), math.inf, 0
-        parts.append(pooled.batch_stats(out, batch))
-    stats = pooled.RowStats.concat(parts)
+    stats, failed = pooled.run_positions(runtime, source)
+    if failed is not None:
+        return False, f"run failed on the audited positions: {failed}", MetricValues(), math.inf, 0
     verdict = pooled.check_pooled(budget, source.output, stats)
     on = f" on {stats.rows} teacher-forced positions of the audited prompts (pooled)"
     return verdict.passed, "" if verdict.passed else verdict.reason + on, MetricValues.worst_of([verdict]), \
