@@ -80,14 +80,14 @@ def test_the_last_chunk_effect_is_its_local_deviation_and_zero_has_no_effect(job
     ce = effects(job3, space3, refs3)
     last = space3.part.chunks[-1]
     dev = ce._local(last, ce.base[last.index])
-    for ref, d in zip(refs3, dev):
-        got = ce._inject(last, ref, d)
+    for got, d in zip(ce._inject(last, refs3, dev), dev, strict=True):
         for name, nid in job3.graph.outputs.items():
             if nid in d:
                 np.testing.assert_array_equal(got[name], d[nid])
     first = space3.part.chunks[0]
-    zero = {n: np.zeros(np.shape(refs3[0].values[n])) for n in first.exported}
-    assert all(np.max(np.abs(v)) == 0 for v in ce._inject(first, refs3[0], zero).values())
+    zero = [{n: np.zeros(np.shape(ref.values[n])) for n in first.exported} for ref in refs3]
+    assert all(np.max(np.abs(v)) == 0 for outs in ce._inject(first, refs3, zero) for v in outs.values())
+
 
 
 @pytest.mark.parametrize("mode", [Propagation.EXACT, Propagation.SCALED])

@@ -274,3 +274,54 @@ def test_released_pages_of_a_mapped_weight_leave_the_resident_set_and_read_back_
     assert resident_kb() - before < 2 * 1024
     assert np.array_equal(w, values)  # and read back when touched again
     assert not release_pages(values)  # an array in memory: nothing to release
+
+
+def test_batches_evaluated_together_are_each_evaluated_alone_and_widen_a_streamed_weight_once(checkpoint, monkeypatch):
+    """evaluate_chunk_batches (the FP64 rest of the model a chunk's deviation is injected into, once for every
+    calibration batch): each batch's values are bit for bit the ones its own evaluate_chunk gives, streamed
+    or not, and a streamed weight's column blocks are widened once for all the batches, not once per batch."""
+    import importlib
+    ev = importlib.import_module("luminal_num.hlir.evaluate")
+    from luminal_num.hlir.evaluate import evaluate_chunk, evaluate_chunk_batches
+    config, weights = load_weights(checkpoint)
+    model = build_prefill(config, weights, 3, 6, 2)
+    rng = np.random.default_rng(11)
+    batches = [model.make_batch_inputs(rng.integers(0, 256, (2, 3)), np.tile(np.arange(3), (2, 1))) for _ in range(3)]
+    part = partition(model.graph)
+    chunk = part.chunks[1]
+    bindings = [model.graph.bind_symbols(b) for b in batches]
+    exts = []
+    for b in batches:
+        full = evaluate_nodes(model.graph, b)
+        exts.append({n: full[n] for n in chunk.external if model.graph.weight_name(n) is None})
+    plain_alone = [evaluate_chunk(model.graph, chunk.nodes, e, bd) for e, bd in zip(exts, bindings)]
+    plain_together = evaluate_chunk_batches(model.graph, chunk.nodes, exts, bindings)
+    monkeypatch.setattr(ev, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(ev, "GEMM_BLOCK_BYTES", 8 * 32 * 5)  # 5 columns of a K=32 operand at a time
+    widened = []
+    real_wide = ev.np.asarray
+
+    def counting(a, dtype=None, *args, **kw):
+        if dtype is np.float64 and getattr(a, "dtype", None) == np.float32 and a.ndim == 3:  # a block of B
+            widened.append(a.shape)
+        return real_wide(a, dtype, *args, **kw)
+    old = WEIGHTS.budget_bytes
+    WEIGHTS.resize(1000)
+    try:
+        assert ev.streams(model.graph)
+        monkeypatch.setattr(ev.np, "asarray", counting)
+        streamed_together = evaluate_chunk_batches(model.graph, chunk.nodes, exts, bindings)
+        once = len(widened)
+        streamed_alone = [evaluate_chunk(model.graph, chunk.nodes, e, bd) for e, bd in zip(exts, bindings)]
+        monkeypatch.setattr(ev.np, "asarray", real_wide)
+    finally:
+        WEIGHTS.resize(old)
+    assert once > 0 and len(widened) == 4 * once  # alone: once per batch (3), together: once for all
+    for together, alone in ((plain_together, plain_alone), (streamed_together, streamed_alone)):
+        assert len(together) == len(alone) == 3
+        for t, a in zip(together, alone):
+            assert t.keys() == a.keys()
+            for n in t:
+                np.testing.assert_array_equal(t[n], a[n])
+    with pytest.raises(ValueError, match="3 batches of external values but 2 of bindings"):
+        evaluate_chunk_batches(model.graph, chunk.nodes, exts, bindings[:2])

@@ -29,7 +29,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 import numpy as np
 
 from ..codegen.llir import Program
-from ..hlir.evaluate import evaluate_chunk
+from ..hlir.evaluate import evaluate_chunk_batches
 from ..hlir.graph import Graph
 from ..hlir.partition import Chunk, Partition, chunk_key
 from .reference import Fp64Reference
@@ -298,9 +298,8 @@ class ChunkEffects:
             devs = self._local(chunk, choice, every_batch=True)
         # kept in float32 (a deviation to 7 digits of itself): an EXACT effect holds its own arrays, on
         # SmolLM2 3 batches of 8 x 49152 logits per chunk choice
-        return ChunkEffect(local, tuple({k: self.held.hold(v.astype(np.float32))
-                                         for k, v in self._inject(chunk, ref, dev).items()}
-                                        for ref, dev in zip(refs, devs)))
+        return ChunkEffect(local, tuple({k: self.held.hold(v.astype(np.float32)) for k, v in outs.items()}
+                                        for outs in self._inject(chunk, refs, devs)))
 
     def _task(self, chunk: Chunk, choice: ChunkChoice, every_batch: bool = False) -> RunTask:
         """The chunk alone on its exact FP64 inputs (every batch the effect needs)."""
@@ -371,21 +370,28 @@ class ChunkEffects:
         return [{n: np.asarray(o[f"%{n}"], np.float64) - np.asarray(ref.values[n], np.float64) for n in chunk.exported}
                 for o, ref in zip(got, self.layout.references)]
 
-    def _inject(self, chunk: Chunk, ref: Fp64Reference, dev: Mapping[int, np.ndarray]) -> Outputs:
-        """The final outputs' deviation when `dev` is added at the chunk's exports and everything after
-        runs in FP64 (only the chunks that read a changed value are re-run)."""
-        self.injections += 1
+    def _inject(self, chunk: Chunk, refs: Sequence[Fp64Reference], devs: Devs) -> list[Outputs]:
+        """Per batch: the final outputs' deviation when its `dev` is added at the chunk's exports and
+        everything after runs in FP64 (only the chunks that read a changed value are re-run; the batches
+        run together, so a streamed weight is read once for all of them)."""
+        refs = refs[:len(devs)]
+        self.injections += len(refs)
         graph = self.layout.graph
-        changed = {n: np.asarray(ref.values[n], np.float64) + d for n, d in dev.items()}
+        changed = [{n: np.asarray(ref.values[n], np.float64) + d for n, d in dev.items()} for ref, dev in zip(refs, devs)]
+        touched = set(devs[0]) if devs else set()  # every batch deviates at the same exports
         for c in self.layout.part.chunks[chunk.index + 1:]:
-            if not any(n in changed for n in c.external):
+            if not any(n in touched for n in c.external):
                 continue
-            ext = {n: changed[n] if n in changed else np.asarray(ref.values[n]) for n in c.external
-                   if graph.weight_name(n) is None}  # weights: evaluate_chunk reads the graph's
-            vals = evaluate_chunk(graph, c.nodes, ext, ref.bindings)
-            changed.update({n: np.asarray(vals[n], np.float64) for n in c.exported})
-        return {name: (changed[nid] - np.asarray(ref.values[nid], np.float64)) if nid in changed
-                else np.zeros(np.shape(ref.values[nid])) for name, nid in self.layout.outputs.items()}
+            ext = [{n: ch[n] if n in ch else np.asarray(ref.values[n]) for n in c.external
+                    if graph.weight_name(n) is None}  # weights: evaluate_chunk_batches reads the graph's
+                   for ch, ref in zip(changed, refs)]
+            vals = evaluate_chunk_batches(graph, c.nodes, ext, [ref.bindings for ref in refs])
+            for ch, v in zip(changed, vals):
+                ch.update({n: np.asarray(v[n], np.float64) for n in c.exported})
+            touched.update(c.exported)
+        return [{name: (ch[nid] - np.asarray(ref.values[nid], np.float64)) if nid in touched
+                 else np.zeros(np.shape(ref.values[nid])) for name, nid in self.layout.outputs.items()}
+                for ch, ref in zip(changed, refs)]
 
     def compose(self, candidates: Mapping[int, ChunkChoice], refs: Sequence[Mapping[str, np.ndarray]],
                 only: Sequence[int] | None = None) -> list[Outputs]:

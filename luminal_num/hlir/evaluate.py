@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Collection, Mapping
+from typing import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -90,13 +90,24 @@ def _wide(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, dtype=np.float64) if x.dtype == np.float32 else x
 
 
-def _matmul_streamed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a @ b with float64 a and FP32 b (batch, K, N): B widened a block of columns at a time."""
-    out = np.empty((*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1]))
+def _matmul_streamed(a_each: Sequence[np.ndarray], b: np.ndarray) -> list[np.ndarray]:
+    """a @ b for each float64 a, with one FP32 b (batch, K, N): B widened a block of columns at a time,
+    each block once for every a (batches evaluated together read a streamed weight once, not once each;
+    every product is the one a lone evaluation computes, block by block)."""
+    outs = [np.empty((*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])) for a in a_each]
     step = max(1, GEMM_BLOCK_BYTES // (8 * max(1, b.shape[-2] * int(np.prod(b.shape[:-2])))))
     for s in range(0, b.shape[-1], step):
-        out[..., s:s + step] = np.matmul(a, np.asarray(b[..., s:s + step], dtype=np.float64))
-    return out
+        block = np.asarray(b[..., s:s + step], dtype=np.float64)
+        for a, out in zip(a_each, outs):
+            out[..., s:s + step] = np.matmul(a, block)
+    return outs
+
+
+def _same_array(arrays: Sequence[np.ndarray]) -> bool:
+    """Whether these are one array's values (one buffer, shape and strides): a weight's operand views."""
+    first = arrays[0]
+    key = lambda x: (x.__array_interface__["data"][0], x.shape, x.strides, x.dtype)  # noqa: E731
+    return all(key(x) == key(first) for x in arrays[1:])
 
 
 def _read_only(out: np.ndarray) -> np.ndarray:
@@ -198,7 +209,7 @@ def evaluate_nodes(graph: Graph, inputs: Mapping[str, np.ndarray], bindings: Map
         raise KeyError(f"missing inputs: {missing}")
     bindings = graph.bind_symbols(inputs, bindings)
     values: dict[int, np.ndarray] = {}
-    _run_nodes(graph, [n.id for n in graph.nodes], values, inputs, bindings, precision, keep, observe)
+    _run_nodes(graph, [n.id for n in graph.nodes], [_Batch(values, inputs, bindings)], precision, keep, observe)
     if keep is not None:
         for nid in [n for n in values if n not in keep]:
             del values[nid]
@@ -301,9 +312,19 @@ def _last_reads(graph: Graph, node_ids, fused: Mapping[int, tuple]) -> dict[int,
     return out
 
 
-def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision: str,
+@dataclass
+class _Batch:
+    """One evaluation's state in _run_nodes: its values (filled in), graph inputs and symbol bindings."""
+
+    values: dict
+    inputs: Mapping[str, np.ndarray]
+    bindings: Mapping[str, int]
+
+
+def _run_nodes(graph: Graph, node_ids, batches: Sequence[_Batch], precision: str,
                keep: Collection[int] | None = None, observe: GemmObserver | None = None) -> None:
-    """Evaluate nodes in order; Mul+SumReduce matmuls go through BLAS instead of (m, n, k) products.
+    """Evaluate nodes in order, for each batch; Mul+SumReduce matmuls go through BLAS instead of
+    (m, n, k) products, and a Gemm whose B is one streamed weight in every batch widens it once for all.
     `keep`: only these values stay in `values` (each other value is dropped after its last reader)."""
     consumers = _consumers(graph)
     stream = precision == "f64" and streams(graph)
@@ -320,30 +341,45 @@ def _run_nodes(graph: Graph, node_ids, values: dict, inputs, bindings, precision
         if keep is not None and i > 0:
             for done in last_reads.get(i - 1, ()):
                 if done not in keep:
-                    values.pop(done, None)
+                    for bt in batches:
+                        bt.values.pop(done, None)
         if nid in fused:
             continue
         if nid in by_reduce:
-            mul_id, lay = by_reduce[nid]
-            mul = graph.nodes[mul_id]
-            a_full = read_operand(mul.srcs[0].view, values[mul.srcs[0].node], bindings)
-            a, b = (_gemm_operand(graph, src, values, bindings, lay, side, precision)
-                    for side, src in enumerate(mul.srcs))
-            a = _wide(a)
-            use = weight_gemm(graph, node, consumers) if observe is not None else None
-            if use is not None:
-                observe(use, nid, lay, a, b)
-            out = gemm_result(_matmul_streamed(a, b) if b.dtype == np.float32 else np.matmul(a, b), lay, a_full.shape)
-            values[nid] = _round(np.asarray(out, dtype=np.float64), node.dtype, precision)
+            _run_gemm(graph, node, *by_reduce[nid], batches, precision, consumers, observe)
             continue
         held = _streamed_weight(graph, node, precision) if stream else None
-        if held is not None:
-            values[nid] = held
-            continue
-        srcs = [s.view.realize(values[s.node], bindings) for s in node.srcs]
-        if stream and node.op is not Op.GATHER:
-            srcs = [_wide(x) for x in srcs]  # a streamed weight read whole by another op: widened here
-        values[nid] = np.asarray(eval_node(node, srcs, graph, inputs, bindings, precision))
+        for bt in batches:
+            if held is not None:
+                bt.values[nid] = held
+                continue
+            srcs = [s.view.realize(bt.values[s.node], bt.bindings) for s in node.srcs]
+            if stream and node.op is not Op.GATHER:
+                srcs = [_wide(x) for x in srcs]  # a streamed weight read whole by another op: widened here
+            bt.values[nid] = np.asarray(eval_node(node, srcs, graph, bt.inputs, bt.bindings, precision))
+
+
+def _run_gemm(graph: Graph, node: Node, mul_id: int, lay: GemmLayout, batches: Sequence[_Batch], precision: str,
+              consumers, observe: GemmObserver | None) -> None:
+    """A folded Mul+SumReduce as one BLAS product per batch (a streamed FP32 B shared by all of them)."""
+    mul = graph.nodes[mul_id]
+    use = weight_gemm(graph, node, consumers) if observe is not None else None
+    shapes, a_each, b_each = [], [], []
+    for bt in batches:
+        shapes.append(read_operand(mul.srcs[0].view, bt.values[mul.srcs[0].node], bt.bindings).shape)
+        a, b = (_gemm_operand(graph, src, bt.values, bt.bindings, lay, side, precision)
+                for side, src in enumerate(mul.srcs))
+        a_each.append(_wide(a))
+        b_each.append(b)
+        if use is not None:
+            observe(use, node.id, lay, a_each[-1], b)
+    if b_each[0].dtype == np.float32 and _same_array(b_each):
+        outs = _matmul_streamed(a_each, b_each[0])
+    else:
+        outs = [_matmul_streamed([a], b)[0] if b.dtype == np.float32 else np.matmul(a, b)
+                for a, b in zip(a_each, b_each)]
+    for bt, out, shape in zip(batches, outs, shapes):
+        bt.values[node.id] = _round(np.asarray(gemm_result(out, lay, shape), dtype=np.float64), node.dtype, precision)
 
 
 def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
@@ -360,13 +396,26 @@ def evaluate_chunk(graph: Graph, node_ids, external: Mapping[int, np.ndarray], b
     Used to judge one group in isolation (its FP64 output from exact inputs) and to estimate how much
     a chunk amplifies error in its inputs (finite differences).
     """
-    values: dict[int, np.ndarray] = dict(external)
+    return evaluate_chunk_batches(graph, node_ids, [external], [bindings], precision)[0]
+
+
+def evaluate_chunk_batches(graph: Graph, node_ids, externals: Sequence[Mapping[int, np.ndarray]],
+                           bindings: Sequence[Mapping[str, int]], precision: str = "f64") -> list[dict[int, np.ndarray]]:
+    """evaluate_chunk for several batches at once, each value the one evaluate_chunk gives: a large
+    model's streamed weights are read and widened once for all the batches (the FP64 rest of the model a
+    chunk's deviation is injected into runs once per calibration batch)."""
+    if len(externals) != len(bindings):
+        raise ValueError(f"{len(externals)} batches of external values but {len(bindings)} of bindings")
+    batches = [_Batch(dict(ext), {}, bnd) for ext, bnd in zip(externals, bindings)]
     stream = precision == "f64" and streams(graph)
     for nid in node_ids:  # weights not handed in: their cached value (the caller need not hold them)
         for s in graph.nodes[nid].srcs:
-            if s.node not in values and graph.weight_name(s.node) is not None:
-                held = _streamed_weight(graph, graph.nodes[s.node], precision) if stream else None
-                values[s.node] = held if held is not None else \
-                    eval_node(graph.nodes[s.node], [], graph, {}, bindings, precision)
-    _run_nodes(graph, list(node_ids), values, {}, bindings, precision)
-    return {nid: values[nid] for nid in node_ids if nid in values}
+            if graph.weight_name(s.node) is None:
+                continue
+            for bt in batches:
+                if s.node not in bt.values:
+                    held = _streamed_weight(graph, graph.nodes[s.node], precision) if stream else None
+                    bt.values[s.node] = held if held is not None else \
+                        eval_node(graph.nodes[s.node], [], graph, {}, bt.bindings, precision)
+    _run_nodes(graph, list(node_ids), batches, precision)
+    return [{nid: bt.values[nid] for nid in node_ids if nid in bt.values} for bt in batches]
