@@ -1,4 +1,4 @@
-"""The CPU backend's FP32 softmax (cpu.softmax_f64_into) against its definition, softmax in float64
+"""The CPU backend's FP32 softmax (cpu_softmax.softmax_f64_into) against its definition, softmax in float64
 rounded once to float32 (hlir.evaluate.softmax, written without the shortcuts), bit for bit: masked
 scores (-1e4 as MiniLM's key mask, -inf), scores near float64 exp's underflow (results subnormal or 0),
 fully masked rows, NaN, and the softmax axis first, middle or last."""
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from luminal_num.hlir.evaluate import softmax
-from luminal_num.runtime.cpu import EXP_UNDERFLOW, softmax_f64_into
+from luminal_num.runtime.cpu_softmax import EXP_UNDERFLOW, softmax_f64_into
 
 
 def _definition(x: np.ndarray, axis: int) -> np.ndarray:

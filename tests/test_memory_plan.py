@@ -142,6 +142,33 @@ def test_a_scan_keeps_what_the_cache_holds_instead_of_evicting_it_before_its_nex
     assert np.array_equal(values, ws[0] * 3.0) and not searched.holds(ws[0], "other")
 
 
+def test_a_step_serves_what_a_scan_made_without_keeping_to_every_batch_then_drops_it():
+    """Inside step() (one kernel run for several batches) a value a scan made and could not keep answers
+    the later gets of its key, once made; after the step it is gone, and kept entries are untouched."""
+    from luminal_num.hlir.store import keyed
+    from luminal_num.hlir.weightcache import WeightCache
+    ws = [keyed(np.full((100, 10), i, np.float32)) for i in range(3)]  # 4000 bytes each
+    cache = WeightCache(4000)
+    made = []
+
+    def get(i):
+        with cache.scanning():
+            return cache.get(ws[i], "op", lambda: made.append(i) or ws[i] * 2.0)
+    get(0)  # kept: it fits
+    with cache.step():
+        first = get(1)  # no room without evicting: made, not kept, held by the step
+        assert get(1) is first and get(1) is first and get(0) is not None
+    assert made == [0, 1] and cache.shared == 2 and cache.holds(ws[0], "op") and not cache.holds(ws[1], "op")
+    get(1)  # outside a step: made again
+    assert made == [0, 1, 1]
+    with cache.step(), cache.step():  # nested: the outer step's values stay until it ends
+        get(2)
+        with cache.step():
+            get(2)
+        get(2)
+    assert made == [0, 1, 1, 2]
+
+
 def test_a_stage_that_cannot_fit_stops_with_one_line_naming_it():
     from luminal_num.memory import MemoryPlan, tree_pss
     plan = MemoryPlan(tree_pss() + 512 * (1 << 20), 0, 0, 1, 0, 0, 0)

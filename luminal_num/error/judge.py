@@ -130,7 +130,13 @@ class EndToEnd:
         if ran is None and self.pool is not None and len(ev.calibration) > 1:
             ran = [r if isinstance(r, Exception) else r[0] for r in self.pool.map(
                 [RunTask(program, (inp,), (bind,)) for inp, bind in zip(ev.calibration, ev.bindings)])]
-        rt = CpuRuntime(program, ev.graph.weights) if ran is None else None  # runs here, batch by batch
+        rt = CpuRuntime(program, ev.graph.weights) if ran is None else None  # runs here
+        if rt is not None and len(ev.calibration) > 1:
+            try:  # every batch at once: a weight form the cache cannot keep is made once, not once per batch
+                with WEIGHTS.scanning():
+                    ran = [r.outputs for r in rt.run_many(ev.calibration)]
+            except (ValueError, FloatingPointError):
+                ran = None  # batch by batch below: the first failing batch's reason, as run alone
         for b, (inp, ref) in enumerate(zip(ev.calibration, ev.refs)):
             try:
                 with WEIGHTS.scanning():  # a whole-model run (hlir/weightcache.py)

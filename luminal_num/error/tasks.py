@@ -48,7 +48,7 @@ def run_task(task: RunTask, weights: Mapping[str, np.ndarray] | None = None) -> 
     rt = CpuRuntime(task.program, _WEIGHTS if weights is None else weights)
     try:
         with WEIGHTS.scanning():  # a whole-model run (hlir/weightcache.py)
-            return [dict(rt.run(b, bind).outputs) for b, bind in zip(task.batches, task.bindings)]
+            return [dict(r.outputs) for r in rt.run_many(task.batches, list(task.bindings))]
     finally:
         del rt
         trim_heap()  # the run's freed temporaries go back to the system, not into a fragmented heap

@@ -106,7 +106,9 @@ class WeightCache:
         self._lru = ByteLRU(budget_bytes)  # (content key(s), what) -> value
         self.hits = self.misses = 0
         self.uncached = 0  # misses a scan made without keeping (no room without evicting)
+        self.shared = 0    # gets a step's own uncached value answered (step())
         self._scans = 0
+        self._step: dict | None = None  # inside step(): values made and not kept, by key
 
     @contextmanager
     def scanning(self) -> Iterator[None]:
@@ -116,6 +118,19 @@ class WeightCache:
             yield
         finally:
             self._scans -= 1
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """While the block runs (one kernel of a run over several batches), a value made and not kept
+        (a scan's miss that found no room) answers every later get of its key in the block, then is
+        dropped: each batch reads it, once made. It holds one kernel's weights at most, the transient
+        room the memory plan keeps beside the caches."""
+        outer, self._step = self._step, {} if self._step is None else self._step
+        try:
+            yield
+        finally:
+            if outer is None:
+                self._step = None
 
     def get(self, source, key: Hashable, make: Callable[[], T]) -> T:
         """make() once per (weight content, key); the value must not be mutated. `source` is a weight
@@ -128,19 +143,27 @@ class WeightCache:
         if hit is not None:
             self.hits += 1
             return hit
+        if self._step is not None and k in self._step:
+            self.shared += 1
+            return self._step[k]
         self.misses += 1
         # what is derived from a weight is at most its size in FP32
         need = min(4 * source.size, self._lru.budget_bytes) if isinstance(source, WeightArray) else 0
         if self._scans and self._lru.bytes + need > self._lru.budget_bytes:
             self.uncached += 1  # evicting would evict what the scan reads next (module docstring)
-            return make()
+            return self._stepped(k, make())
         self._lru.make_room(need)
         value = make()
         size = nbytes(value, source if isinstance(source, np.ndarray) else None)
         if self._scans and self._lru.bytes + size > self._lru.budget_bytes:
             self.uncached += 1
-            return value
+            return self._stepped(k, value)
         self._lru.put(k, value, size)
+        return value
+
+    def _stepped(self, k: Hashable, value: T) -> T:
+        if self._step is not None:
+            self._step[k] = value
         return value
 
     def holds(self, source, key: Hashable) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -43,6 +43,7 @@ from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, 
                          body64 as _body64, body_into_out, body_values, read64, read_input, reduce_sum,
                          rows_values, store32)
 from .cpu_compiled import KernelCache
+from .cpu_softmax import softmax_f64_into
 from .cpu_gemm import quantize_input, run_gemm, run_quantize  # noqa: F401 (run_quantize: named here for the tests)
 from . import fixed_gemm
 from .fixed_gemm import FixedOrderUnavailable
@@ -81,6 +82,19 @@ class _Run:
     shared: ByteLRU = field(default_factory=lambda: ByteLRU(SHARED_BYTES))
 
 
+@dataclass
+class _Pending:
+    """One batch's run in progress (CpuRuntime.run_many): its state, buffer plan, output views, the
+    exports it keeps and its kernel timings."""
+    state: _Run
+    key: tuple
+    plan: BufferPlan
+    outs: dict[int, np.ndarray]
+    wanted: set[int]
+    timings: list[tuple[int, float]]
+    exports: dict[int, np.ndarray]
+
+
 class CpuRuntime:
     def __init__(self, program: Program, weights: Mapping[str, np.ndarray] | None = None,
                  static_scales: Mapping[int, np.ndarray] | None = None, stored_weights: Mapping | None = None):
@@ -107,6 +121,40 @@ class CpuRuntime:
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
+        return self.run_many([inputs], bindings, keep_exports)[0]
+
+    def run_many(self, batches: Sequence[Mapping[str, np.ndarray]],
+                 bindings: Mapping[str, int] | Sequence[Mapping[str, int] | None] | None = None,
+                 keep_exports: bool = False) -> list[RunResult]:
+        """run() of each batch, kernel by kernel over all of them: a weight's stored form or Gemm operand
+        the cache cannot keep is made once for every batch (WEIGHTS.step), not once per batch. Each
+        batch's results are the ones its own run() gives. `bindings`: one mapping for every batch, or one
+        per batch."""
+        each = list(bindings) if isinstance(bindings, (list, tuple)) else [bindings] * len(batches)
+        if len(each) != len(batches):
+            raise ValueError(f"{len(batches)} batches but {len(each)} bindings")
+        runs = [self._begin(inputs, bind, keep_exports, reuse=(i == 0))
+                for i, (inputs, bind) in enumerate(zip(batches, each))]
+        drops = self._weight_drops()
+        try:
+            with np.errstate(all="ignore"):
+                for k in self.program.kernels:
+                    with WEIGHTS.step():
+                        for r in runs:
+                            self._step(r, k, drops)
+        finally:  # the makers close over the run's state: a cycle that held every buffer of the run (and the
+            for r in runs:  # runtime) until the cyclic GC came by: GBs in a pool worker between collections
+                r.state.stored.make = {}
+        out = []
+        for r in runs:
+            outputs = {name: r.state.stored[kid].astype(np.float64) for name, kid in self.program.outputs}
+            out.append(RunResult(outputs, tuple(r.timings), r.plan, r.exports if keep_exports else None))
+        self._outputs = (runs[0].key, runs[0].outs)
+        return out
+
+    def _begin(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None, keep_exports: bool,
+               reuse: bool) -> "_Pending":
+        """One batch's run, before its first kernel (`reuse`: it may take the last run's output buffers)."""
         feed = _Feed({**self.weights, **inputs})
         missing = [n for n, _ in self.program.inputs if n not in feed]
         if missing:
@@ -122,46 +170,42 @@ class CpuRuntime:
         if key not in self._plans:
             self._plans[key] = plan_buffers(self.program, bindings, from_cache)
         plan = self._plans[key]
-        held, self._outputs = self._outputs, None  # a run that starts meanwhile allocates its own
+        held = None
+        if reuse:
+            held, self._outputs = self._outputs, None  # a run that starts meanwhile allocates its own
         outs = held[1] if held is not None and held[0] == key else self._output_views(plan, bindings)
         stored = _Stored()
         state = _Run(stored, {}, feed, bindings, weight_names, self._compiled)
-        drops = self._weight_drops()
-        timings = []
         wanted = {kid for _, kid in self.program.exports} if keep_exports else set()
         kept = wanted | {kid for _, kid in self.program.outputs}
         # a weight's stored form is made when its first reader reads it (EXTERNALs come first in a
         # program: made in order, every weight's derived forms would be alive at once)
         stored.make = {k.id: (lambda k=k: _external(self, k, state)) for k in self.program.kernels
                        if k.kind is KernelKind.EXTERNAL and k.external in state.weight_names and k.id not in kept}
-        exports: dict[int, np.ndarray] = {}
-        try:
-            with np.errstate(all="ignore"):
-                for k in self.program.kernels:
-                    t0 = time.perf_counter()
-                    if k.id in stored.make:
-                        pass  # made by its first reader (_Stored)
-                    elif k.kind is KernelKind.EXTERNAL and k.external in state.weight_names:
-                        state.stored[k.id] = _external(self, k, state)  # the cached stored weight (never written)
-                    else:
-                        state.out = outs[k.id]
-                        value = KERNELS[k.kind](self, k, state)
-                        if value is not state.out:
-                            np.copyto(state.out, value, casting="unsafe")
-                        state.stored[k.id] = state.out
-                    if k.id in wanted:
-                        for nid, kid in self.program.exports:
-                            if kid == k.id:
-                                exports[nid] = state.stored[k.id].astype(np.float64)  # the slot may be reused
-                    if k.kind.launches:
-                        timings.append((k.id, time.perf_counter() - t0))
-                    for buf in drops.get(k.id, ()):  # a weight's stored form after its last reader: the cache's
-                        state.stored.pop(buf, None)     # to keep or evict, not this run's to pin until the end
-        finally:  # the makers close over the run's state: a cycle that held every buffer of the run (and the
-            stored.make = {}  # runtime) until the cyclic GC came by: GBs in a pool worker between collections
-        outputs = {name: state.stored[kid].astype(np.float64) for name, kid in self.program.outputs}
-        self._outputs = (key, outs)
-        return RunResult(outputs, tuple(timings), plan, exports if keep_exports else None)
+        return _Pending(state, key, plan, outs, wanted, [], {})
+
+    def _step(self, r: "_Pending", k: Kernel, drops: Mapping[int, tuple[int, ...]]) -> None:
+        """Kernel `k` of one batch's run."""
+        state, stored = r.state, r.state.stored
+        t0 = time.perf_counter()
+        if k.id in stored.make:
+            pass  # made by its first reader (_Stored)
+        elif k.kind is KernelKind.EXTERNAL and k.external in state.weight_names:
+            stored[k.id] = _external(self, k, state)  # the cached stored weight (never written)
+        else:
+            state.out = r.outs[k.id]
+            value = KERNELS[k.kind](self, k, state)
+            if value is not state.out:
+                np.copyto(state.out, value, casting="unsafe")
+            stored[k.id] = state.out
+        if k.id in r.wanted:
+            for nid, kid in self.program.exports:
+                if kid == k.id:
+                    r.exports[nid] = stored[k.id].astype(np.float64)  # the slot may be reused
+        if k.kind.launches:
+            r.timings.append((k.id, time.perf_counter() - t0))
+        for buf in drops.get(k.id, ()):  # a weight's stored form after its last reader: the cache's
+            stored.pop(buf, None)        # to keep or evict, not this run's to pin until the end
 
     def _output_views(self, plan: BufferPlan, bindings) -> dict[int, np.ndarray]:
         """Every computed kernel's output: its shape and storage dtype over its slot of the plan."""
@@ -356,33 +400,6 @@ def _softmax(rt, k: Kernel, state: _Run) -> np.ndarray:
         return store32(softmax(x, k.axis, out=x), k.dtype)  # x is a fresh copy: computed in place
     compute = get_format(k.precision)  # a low-precision softmax: inputs and result rounded to it
     return store(store(softmax(store(x, compute), k.axis), compute), k.dtype)
-
-
-# exp(y) below this is +0 in float64: e^-800 < 2^-1154, far under half the least subnormal (2^-1075), so
-# any faithful exp rounds it to 0 (numpy's does: tests/test_cpu_softmax.py). MiniLM's masked keys give
-# y ~ -1e4 for 70% of the attention scores, where numpy's float64 exp takes a slow path (1.25 vs 0.25 ms).
-EXP_UNDERFLOW = -800.0
-
-
-def softmax_f64_into(x: np.ndarray, axis: int, out: np.ndarray) -> np.ndarray:
-    """hlir.evaluate.softmax of float32 x computed in float64 and rounded once into float32 `out`, as
-    softmax(x.astype(float64)).astype(float32) does it, less a pass: the division's float64 quotients
-    are cast into out. The row max is exact in any order, so it is taken with the softmax axis
-    outermost (numpy reduces a short contiguous axis one row per call: half the time of a 41-key
-    attention softmax went there)."""
-    rows_outer = np.ascontiguousarray(np.moveaxis(x, axis, 0))
-    m = np.expand_dims(np.max(rows_outer, axis=0), axis)
-    m = np.where(np.isfinite(m), m, np.float32(0.0)).astype(np.float64)
-    e = x.astype(np.float64)
-    np.subtract(e, m, out=e)
-    under = e < EXP_UNDERFLOW
-    if under.any():  # masked scores: exp's exact +0 set directly (numpy's exp is ~5x slower on them)
-        np.copyto(e, 0.0, where=under)
-        np.exp(e, out=e)
-        np.copyto(e, 0.0, where=under)
-    else:
-        np.exp(e, out=e)
-    return np.divide(e, np.sum(e, axis=axis, keepdims=True), out=out, casting="unsafe")
 
 
 def _quantize(rt, k: Kernel, state: _Run) -> np.ndarray:
