@@ -108,7 +108,9 @@ def one(shape: Shape, candidates: int, max_memory: str | None, front_end_only: b
             "stage_ends": ended,
             "front_end_s": t1 - t0, "compile_s": t2 - t1, "memory_plan": memory.describe(),
             "chosen": chosen.label or f"candidate {chosen.id}", "chosen_latency_us": chosen.latency.total_s * 1e6,
-            "plan_sha256": hashlib.sha256(result.plan.to_json().encode()).hexdigest()[:16]}
+            "plan_sha256": hashlib.sha256(result.plan.to_json().encode()).hexdigest()[:16],
+            # where the verdicts came from: end-to-end runs (measured, of which confirmed) are what a big model pays for
+            "verdicts": "; ".join(f"{k} {v}" for k, v in result.search.stats.judge.gate.as_dict().items() if v)}
 
 
 def measure(name: str, candidates: int | None, max_memory: str | None, front_end_only: bool = False) -> dict:

@@ -144,8 +144,13 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
         space = stage("saturate", lambda: SearchSpace.saturated(graph, part, calibrated=options.offers.calibrated,
                                                                   rotation=options.offers.rotation))
     space = space.with_batch_invariance(options.batch_invariant)
-    refs = stage("reference", lambda: reference_stage(graph, calibration, space),
-                 min(reference_bytes(graph, space.part, calibration), memory.boundary))
+    # one BLAS thread for the FP64 reference too: its products are small-M (a decode step's rows), where a second
+    # OpenBLAS thread gains nothing on a quiet machine and, beside any other busy process, makes each call
+    # wait on a descheduled thread (a 1B decode step's 8 x 8192 by 8192 x 32 blocks: 69 ms on one thread,
+    # 19 s on two at load 3; the 1B reference stage took 8 s or 168 s depending on the machine's load)
+    with one_blas_thread():
+        refs = stage("reference", lambda: reference_stage(graph, calibration, space),
+                     min(reference_bytes(graph, space.part, calibration), memory.boundary))
     with ExitStack() as stack:
         # every verdict run from here on, here or in a worker, on one BLAS thread: the same bits wherever it runs
         stack.enter_context(one_blas_thread())

@@ -96,8 +96,9 @@ def test_without_the_ray_package_the_ray_executor_says_how_to_get_it(monkeypatch
         ray_pool.RayPool({})
 
 
-def test_verdicts_run_on_one_blas_thread_from_the_headroom_on_and_the_count_comes_back():
-    """What makes the driver's own runs compute the bits a worker's would (runtime/blas_threads.py)."""
+def test_the_reference_and_verdicts_run_on_one_blas_thread_and_the_count_comes_back():
+    """What makes the driver's own runs compute the bits a worker's would (runtime/blas_threads.py); the FP64
+    reference's small-M products run on one thread too (a second one only waits beside a busy process)."""
     from luminal_num.cli_jobs import parse_budget
     from luminal_num.compiler import compile as compile_plan
     from luminal_num.runtime.blas_threads import blas_threads, set_blas_threads
@@ -110,8 +111,24 @@ def test_verdicts_run_on_one_blas_thread_from_the_headroom_on_and_the_count_come
     compile_plan(job.graph, parse_budget(job.default_budget), "h200", job.calibration,
                  SearchOptions(max_candidates=4, progress=False, workers=1),
                  on_stage=lambda name, s: seen.__setitem__(name, blas_threads()))
-    assert seen["reference"] == 2 and seen["headroom"] == seen["search"] == seen["confirm"] == 1, seen
+    assert seen["partition"] == 2 and seen["reference"] == seen["headroom"] == seen["search"] == seen["confirm"] == 1, seen
     assert blas_threads() == 2
+
+
+def test_small_products_take_one_blas_thread_and_large_ones_keep_the_count():
+    from luminal_num.runtime.blas_threads import SMALL_PRODUCT_ROWS, blas_threads, set_blas_threads, threads_for_rows
+    if blas_threads() is None:
+        pytest.skip("numpy's BLAS is not its bundled OpenBLAS: its thread count cannot be set")
+    before = blas_threads()
+    set_blas_threads(2)
+    try:
+        with threads_for_rows(SMALL_PRODUCT_ROWS - 1):
+            assert blas_threads() == 1
+        assert blas_threads() == 2
+        with threads_for_rows(SMALL_PRODUCT_ROWS):
+            assert blas_threads() == 2
+    finally:
+        set_blas_threads(before)
 
 
 @pytest.mark.slow

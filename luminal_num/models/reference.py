@@ -24,6 +24,7 @@ import numpy as np
 from ..hlir.evaluate import fp64_weight
 from ..hlir.store import keyed, release_pages
 from ..hlir.weightcache import WEIGHTS
+from ..runtime.blas_threads import threads_for_rows
 from .llama import EMBED, FINAL_NORM, LM_HEAD, LlamaConfig, check_weights, rope_tables
 
 HEAD_BLOCK_BYTES = 2 << 20  # FP64 rows of a streamed head converted at a time (kept in cache)
@@ -85,14 +86,15 @@ class _Fp64Weights(Mapping[str, np.ndarray]):
     def times_transposed(self, x: np.ndarray, name: str) -> np.ndarray:
         """x @ W.T in float64; streaming, W's rows are converted a block at a time (the LM head: 2 GB in FP64
         for a 1B model), each block's columns computed as the whole product computes them."""
-        if not self.streaming:
-            return x @ self[name].T
-        w = self._weights[name]
-        out = np.empty((*x.shape[:-1], w.shape[0]))
-        step = max(1, HEAD_BLOCK_BYTES // (8 * w.shape[1]))
-        for s in range(0, w.shape[0], step):
-            out[..., s:s + step] = x @ np.asarray(w[s:s + step], dtype=np.float64).T
-        return out
+        with threads_for_rows(int(np.prod(x.shape[:-1], dtype=np.int64))):
+            if not self.streaming:
+                return x @ self[name].T
+            w = self._weights[name]
+            out = np.empty((*x.shape[:-1], w.shape[0]))
+            step = max(1, HEAD_BLOCK_BYTES // (8 * w.shape[1]))
+            for s in range(0, w.shape[0], step):
+                out[..., s:s + step] = x @ np.asarray(w[s:s + step], dtype=np.float64).T
+            return out
 
     def __iter__(self):
         return iter(self._weights)
