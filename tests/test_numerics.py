@@ -382,3 +382,23 @@ def test_non_finite_operands_of_a_narrow_accumulator():
     with np.errstate(invalid="ignore"):
         got = numerics._grouped_gemm(qa, qb, limited_accumulator(13), 32, 64, 64, False)
     assert np.isinf(got[0, [0, 2]]).all() and np.isnan(got[:, 1]).all() and (got[1, [0, 2]] == 64).all()
+
+
+def test_an_exact_integer_sum_by_column_blocks_is_the_int32_accumulator(monkeypatch):
+    """int8 codes summed past FP32's exact range go through FP64 a block of B's columns at a time (a 1B
+    head's B widened whole was a 2 GB temporary): against int64 sums wrapped to int32 computed here, bit
+    for bit, including sums that wrap around."""
+    import importlib
+    nm = importlib.import_module("luminal_num.runtime.numerics")
+    rng = np.random.default_rng(3)
+    for k in (2048, 140_000):  # 140k * 127^2 passes 2^31: some sums wrap
+        qa = rng.integers(-127, 128, (2, 3, k)).astype(np.float32)
+        qb = rng.integers(-127, 128, (k, 11)).astype(np.float32)
+        qa[0, 0] = 127.0
+        qb[:, 0] = 127.0
+        want = (qa.astype(np.int64) @ qb.astype(np.int64) + 2 ** 31) % 2 ** 32 - 2 ** 31
+        monkeypatch.setattr(nm, "EXACT_BLOCK_BYTES", 8 * k * 4)  # 4 columns a block: 3 blocks, the last ragged
+        got = nm._exact_integer_sum(qa, qb)
+        assert got.dtype == np.float32 and got.shape == (2, 3, 11)
+        assert np.array_equal(got, want.astype(np.float32))
+    assert want[0, 0, 0] < 0  # the all-127 row and column wrapped around

@@ -137,3 +137,29 @@ def test_quantization_error_bound(spec_fmt, rows, cols, seed, log_scale):
         allowed = (fmt.unit_roundoff + 3 * u32) * np.abs(x) + s * (fmt.min_subnormal / 2 + 2.0 ** -150)
     assert np.all(err <= allowed * (1 + 2.0 ** -20))
     assert np.all(np.abs(q.values) <= fmt.max_finite)
+
+
+@pytest.mark.parametrize("spec", [TENSOR, ROWS, COLS, BLOCK_1x128, BLOCK_128x128, MX_ROWS], ids=lambda s: str(s.block))
+@pytest.mark.parametrize("fmt", ["f8e4m3", "int8"])
+def test_a_large_tensor_quantized_a_block_of_rows_at_a_time_is_bit_identical(spec, fmt, monkeypatch):
+    """quantize/dequantize of a tensor past ROW_BLOCK_BYTES go a block of rows at a time (a 1B head's
+    full-size temporaries were the compile's memory peaks): every code and every widened value is the
+    whole-tensor computation's (x / expanded scales, rounded; codes * expanded scales), ragged rows and a
+    batch axis included, with magnitudes up to the format's max."""
+    import importlib
+    from luminal_num.dtypes.formats import get as get_format
+    qz = importlib.import_module("luminal_num.quant.quantize")  # the module (the package exports a function of that name)
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((2, 301, 256)) * np.exp(rng.uniform(-8, 8, (2, 301, 1)))).astype(np.float32)
+    x[0, 5, :7] = [0.0, -0.0, 448.0, -448.0, 1e-30, 3e38, -3e38]
+    scales = compute_scales(x, get_format(fmt), spec)
+    with np.errstate(over="ignore"):
+        want = qz.convert(x / expand_scales(scales, x.shape, spec), get_format(fmt))
+    want_back = want * expand_scales(scales, x.shape, spec)
+    monkeypatch.setattr(qz, "ROW_BLOCK_BYTES", 37 * 256 * 4)  # 37 rows (128-row blocks: one scale block) at a time
+    blocks = list(qz._row_blocks(x.shape, spec, scales))
+    assert len(blocks) > 2
+    got = qz.quantize(x, fmt, scales, spec)
+    assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True)
+    back = qz.dequantize(got, scales, spec)
+    assert np.array_equal(back, want_back, equal_nan=True)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..dtypes.formats import Format, get
 from ..dtypes.rounding import Overflow, round_to
-from ..dtypes.variants import ScaleSpec
+from ..dtypes.variants import Granularity, ScaleSpec
 from .scales import compute_scales, expand_scales
 
 
@@ -43,19 +43,64 @@ def convert(scaled: np.ndarray, fmt: Format | str, overflow: QuantOverflow = Qua
     return marked
 
 
+ROW_BLOCK_BYTES = 32 << 20  # a large tensor is (de)quantized this many bytes of rows at a time
+
+
+def _row_blocks(shape: tuple[int, ...], spec: ScaleSpec, scales: np.ndarray):
+    """(rows, the scales those rows read) slices covering a tensor whose rows exceed ROW_BLOCK_BYTES, each
+    block starting on a scale block's first row; one whole block for anything smaller. Why: a scale
+    expanded to the tensor's shape, the quotient and the rounding each cost a full-size FP32 temporary (a
+    1B model's LM head: 1 GB each, the compile's memory peaks); every value is elementwise in its own scale,
+    so block by block computes the same bits."""
+    rows = shape[-2] if len(shape) >= 2 else 0
+    row_bytes = 4 * int(np.prod(shape, dtype=np.int64)) // max(rows, 1)
+    if rows < 2 or row_bytes * rows <= ROW_BLOCK_BYTES:
+        yield slice(None), slice(None)
+        return
+    per_scale_row = spec.block[0] if spec.granularity is not Granularity.TENSOR and spec.block[0] else None
+    align = per_scale_row or 1
+    step = max(align, ROW_BLOCK_BYTES // row_bytes // align * align)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        yield slice(r0, r1), (slice(r0 // align, -(-r1 // align)) if per_scale_row else slice(None))
+
+
+def _by_rows(x: np.ndarray, scales: np.ndarray, spec: ScaleSpec, each) -> np.ndarray:
+    """each(x's rows, their expanded scales) over _row_blocks, assembled (float32 unless each says otherwise)."""
+    out = None
+    for rows, scale_rows in _row_blocks(x.shape, spec, scales):
+        part = x[..., rows, :] if x.ndim >= 2 else x
+        s = scales[..., scale_rows, :] if scales.ndim >= 2 and scale_rows != slice(None) else scales
+        got = each(part, expand_scales(s, part.shape, spec))
+        if rows == slice(None):
+            return got
+        if out is None:
+            out = np.empty(x.shape, dtype=got.dtype)
+        out[..., rows, :] = got
+    return out
+
+
 def quantize(x, fmt: Format | str, scales: np.ndarray, spec: ScaleSpec,
              overflow: QuantOverflow = QuantOverflow.SATURATE) -> np.ndarray:
-    """x / scale rounded to `fmt`: float32 values exactly representable in fmt (the quantized domain)."""
+    """x / scale rounded to `fmt`: float32 values exactly representable in fmt (the quantized domain);
+    a large tensor a block of rows at a time (the same values)."""
     x = np.asarray(x, dtype=np.float32)
-    with np.errstate(over="ignore"):  # an overflowing quotient is the overflow policy's to judge
-        scaled = x / expand_scales(scales, x.shape, spec)
-    return convert(scaled, fmt, overflow)
+    scales = np.asarray(scales, dtype=np.float32)
+
+    def rows(part: np.ndarray, s: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):  # an overflowing quotient is the overflow policy's to judge
+            scaled = part / s
+        return convert(scaled, fmt, overflow)
+    if overflow is not QuantOverflow.SATURATE:  # REJECT counts the overflows of the whole tensor
+        return rows(x, expand_scales(scales, x.shape, spec))
+    return _by_rows(x, scales, spec, rows)
 
 
 def dequantize(q: np.ndarray, scales: np.ndarray, spec: ScaleSpec) -> np.ndarray:
-    """q * scale rounded once to float32, as a kernel reading quantized data computes it."""
+    """q * scale rounded once to float32, as a kernel reading quantized data computes it (a large tensor a
+    block of rows at a time: the same values)."""
     q = np.asarray(q, dtype=np.float32)
-    return q * expand_scales(scales, q.shape, spec)
+    return _by_rows(q, np.asarray(scales, dtype=np.float32), spec, np.multiply)
 
 
 @dataclass(frozen=True, eq=False)

@@ -82,15 +82,25 @@ def _chunk_scale(a: _Operand, b: _Operand, k_block_index: int, rows: slice = sli
     return sa[..., :, None] * sb[..., None, :]
 
 
+EXACT_BLOCK_BYTES = 32 << 20  # B's columns widened to FP64 at a time by an exact integer sum
+
+
 def _exact_integer_sum(qa: np.ndarray, qb: np.ndarray) -> np.ndarray:
-    """The int32 accumulator: exact in FP32 BLAS while K * 128^2 <= 2^24, else in FP64 (exact to 2^53)."""
+    """The int32 accumulator: exact in FP32 BLAS while K * 128^2 <= 2^24, else in FP64 (exact to 2^53),
+    B widened a block of columns at a time (a 1B model's int8 head widened whole was a 2 GB temporary;
+    every sum is exact, so the blocks give its bits)."""
     k = qa.shape[-1]
     if k * 128 * 128 <= 2 ** 24:
         return np.matmul(qa, qb)
-    sums = np.matmul(qa.astype(np.float64), qb.astype(np.float64))
-    if np.abs(sums).max(initial=0.0) > INT32.max_finite:
-        sums = np.mod(sums + 2.0 ** 31, 2.0 ** 32) - 2.0 ** 31
-    return sums.astype(np.float32)
+    a64 = qa.astype(np.float64)
+    out = np.empty((*np.broadcast_shapes(qa.shape[:-2], qb.shape[:-2]), qa.shape[-2], qb.shape[-1]), np.float32)
+    step = max(1, EXACT_BLOCK_BYTES // (8 * k * max(1, int(np.prod(qb.shape[:-2], dtype=np.int64)))))
+    for s in range(0, qb.shape[-1], step):
+        sums = np.matmul(a64, qb[..., s:s + step].astype(np.float64))
+        if np.abs(sums).max(initial=0.0) > INT32.max_finite:  # int32 wraps around, as the GPU's accumulator
+            sums = np.mod(sums + 2.0 ** 31, 2.0 ** 32) - 2.0 ** 31
+        out[..., s:s + step] = sums
+    return out
 
 
 _TILE_ELEMENTS = 1 << 15  # outputs per elementwise step: ~256 KB of float64 stays in cache
