@@ -142,7 +142,7 @@ def test_quantization_error_bound(spec_fmt, rows, cols, seed, log_scale):
 @pytest.mark.parametrize("spec", [TENSOR, ROWS, COLS, BLOCK_1x128, BLOCK_128x128, MX_ROWS], ids=lambda s: str(s.block))
 @pytest.mark.parametrize("fmt", ["f8e4m3", "int8"])
 def test_a_large_tensor_quantized_a_block_of_rows_at_a_time_is_bit_identical(spec, fmt, monkeypatch):
-    """quantize/dequantize of a tensor past ROW_BLOCK_BYTES go a block of rows at a time (a 1B head's
+    """Scales, quantize and dequantize of a tensor past ROW_BLOCK_BYTES go a block of rows at a time (a 1B head's
     full-size temporaries were the compile's memory peaks): every code and every widened value is the
     whole-tensor computation's (x / expanded scales, rounded; codes * expanded scales), ragged rows and a
     batch axis included, with magnitudes up to the format's max."""
@@ -157,6 +157,9 @@ def test_a_large_tensor_quantized_a_block_of_rows_at_a_time_is_bit_identical(spe
         want = qz.convert(x / expand_scales(scales, x.shape, spec), get_format(fmt))
     want_back = want * expand_scales(scales, x.shape, spec)
     monkeypatch.setattr(qz, "ROW_BLOCK_BYTES", 37 * 256 * 4)  # 37 rows (128-row blocks: one scale block) at a time
+    import luminal_num.quant.scales as sc
+    monkeypatch.setattr(sc, "AMAX_BLOCK_BYTES", 2 * 37 * 256 * 4)  # the block maxima too (rows of both batches)
+    assert np.array_equal(compute_scales(x, get_format(fmt), spec), scales)
     blocks = list(qz._row_blocks(x.shape, spec, scales))
     assert len(blocks) > 2
     got = qz.quantize(x, fmt, scales, spec)

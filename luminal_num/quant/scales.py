@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes.formats import E8M0, F32, Format
-from ..dtypes.variants import Granularity, ScaleSpec
+from ..dtypes.variants import WHOLE, Granularity, ScaleSpec
 
 
 def resolved_block(spec: ScaleSpec, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -32,8 +32,25 @@ def scale_shape(spec: ScaleSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-2], -(-shape[-2] // block_rows), -(-shape[-1] // block_cols))
 
 
+AMAX_BLOCK_BYTES = 32 << 20  # a large tensor's block maxima are taken this many bytes of rows at a time
+
+
 def block_amax(x: np.ndarray, spec: ScaleSpec) -> np.ndarray:
-    """max |x| over each block (finite entries only), shaped like the scale array."""
+    """max |x| over each block (finite entries only), shaped like the scale array; a large tensor a block
+    of rows at a time (its |x| whole was a full-size temporary: 1 GB for a 1B model's LM head), each block of
+    rows starting on a scale block's first row, so every maximum is the one the whole tensor gives."""
+    x = np.asarray(x, dtype=np.float32)
+    rows = x.shape[-2] if x.ndim >= 2 else 0
+    if rows < 2 or x.nbytes <= AMAX_BLOCK_BYTES:
+        return _block_amax(x, spec)
+    spans_rows = spec.granularity is Granularity.TENSOR or spec.block[0] == WHOLE  # one scale row for all rows
+    align = 1 if spans_rows else spec.block[0]
+    step = max(align, AMAX_BLOCK_BYTES // (x.nbytes // rows) // align * align)
+    parts = [_block_amax(x[..., r:r + step, :], spec) for r in range(0, rows, step)]
+    return np.maximum.reduce(parts) if spans_rows else np.concatenate(parts, axis=-2)
+
+
+def _block_amax(x: np.ndarray, spec: ScaleSpec) -> np.ndarray:
     magnitude = np.abs(np.asarray(x, dtype=np.float32))
     if not np.isfinite(magnitude.max(initial=0.0)):
         magnitude = np.where(np.isfinite(magnitude), magnitude, 0.0).astype(np.float32)
