@@ -24,7 +24,7 @@ from .error.chunks import ChunkEffects, Propagation
 from .error.headroom import HeadroomEstimate, estimate_headroom
 from .error.held import HeldArrays
 from .quant.stored import CONVERTED
-from .error.hessians import HessianCollector
+from .error.hessians import HessianCollector, positions_hessians
 from .error import pooled
 from .error.judge import Judge
 from .error.metrics import METRICS
@@ -76,15 +76,22 @@ class CompileResult:
 @dataclass(frozen=True)
 class References:
     """The reference stage: the one FP64 pass per calibration batch, chunk boundaries kept, and the weights'
-    calibration Hessians collected in it (when the space offers calibrated roundings)."""
+    calibration Hessians (when the space offers calibrated roundings)."""
     batches: tuple[Fp64Reference, ...]
     hessians: Hessians = NO_HESSIANS
 
 
-def reference_stage(graph: Graph, calibration, space: SearchSpace) -> References:
-    collector = HessianCollector(graph) if space.offers_calibrated() else None
+def reference_stage(graph: Graph, calibration, space: SearchSpace,
+                    positions: PositionSource | None = None) -> References:
+    """The FP64 references; the Hessians GPTQ fills under come from the teacher-forced `positions` where an LLM
+    has them (thousands of rows, POSITION_ROWS a step: error/hessians.positions_hessians), else from the
+    calibration batches in the same pass (a few dozen rows for an LLM, which GPTQ over-fits)."""
+    calibrated = space.offers_calibrated()
+    collector = HessianCollector(graph) if calibrated and positions is None else None
     batches = tuple(references(graph, calibration, space.part, collector))
-    return References(batches, collector.result() if collector is not None else NO_HESSIANS)
+    if collector is not None:
+        return References(batches, collector.result())
+    return References(batches, positions_hessians(positions, POSITION_ROWS) if calibrated else NO_HESSIANS)
 
 
 @dataclass(frozen=True)
@@ -144,7 +151,7 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
         space = stage("saturate", lambda: SearchSpace.saturated(graph, part, calibrated=options.offers.calibrated,
                                                                   rotation=options.offers.rotation))
     space = space.with_batch_invariance(options.batch_invariant)
-    refs = stage("reference", lambda: reference_stage(graph, calibration, space),
+    refs = stage("reference", lambda: reference_stage(graph, calibration, space, positions),
                  min(reference_bytes(graph, space.part, calibration), memory.boundary))
     with ExitStack() as stack:
         # every verdict run from here on, here or in a worker, on one BLAS thread: the same bits wherever it runs
