@@ -127,7 +127,8 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     `positions`: teacher-forced positions (an LLM's, models/llm_positions.py) the chosen plan is judged on
     again, pooled, before it is returned (error/pooled.py)."""
     options = options or SearchOptions(target=target)
-    memory = memory or plan_memory(graph.weights, workers=options.workers, rotation=options.offers.rotation)
+    memory = memory or plan_memory(graph.weights, workers=options.workers,
+                                   rotation=options.offers.rotation or options.offers.smoothing)
     with memory.applied(), CONVERTED.on_disk(Path(cache_dir) / "converted" if cache_dir else None):
         return _compile(graph, budget, target, calibration, options, space, use_static, cache_dir, memory,
                         on_stage or (lambda name, seconds: None), positions)
@@ -149,7 +150,8 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
     if space is None:
         part = stage("partition", lambda: partition(graph))
         space = stage("saturate", lambda: SearchSpace.saturated(graph, part, calibrated=options.offers.calibrated,
-                                                                  rotation=options.offers.rotation))
+                                                                  rotation=options.offers.rotation,
+                                                                  smoothing=options.offers.smoothing))
     space = space.with_batch_invariance(options.batch_invariant)
     refs = stage("reference", lambda: reference_stage(graph, calibration, space, positions),
                  min(reference_bytes(graph, space.part, calibration), memory.boundary))
@@ -206,7 +208,7 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
         return dataclasses.replace(result, stats=dataclasses.replace(result.stats, positions=record))
     space = explored.searcher.space
     wide = WidenedPositions(space, source, POSITION_ROWS, ctx.options.offers.calibrated,
-                            ctx.options.offers.rotation)
+                            ctx.options.offers.rotation, ctx.options.offers.smoothing)
     kept: dict[int, pooled.RowStats] = {}
 
     def judge(e):
@@ -230,8 +232,9 @@ class WidenedPositions:
     """The positions `rows` rows a step, and a genome lowered there (saturated once, when first needed)."""
 
     def __init__(self, space: SearchSpace, source: PositionSource, rows: int, calibrated: bool,
-                 rotation: bool = False):
+                 rotation: bool = False, smoothing: bool = False):
         self.own, self.source, self.rows, self.calibrated, self.rotation = space, source, rows, calibrated, rotation
+        self.smoothing = smoothing
         self.wide: tuple[SearchSpace, PositionSource] | None = None
         self.rows_used = 0
 
@@ -243,7 +246,7 @@ class WidenedPositions:
             if self.wide is None:
                 source = self.source.widened(self.rows)
                 self.wide = (SearchSpace.saturated(source.graph, partition(source.graph), calibrated=self.calibrated,
-                                                   rotation=self.rotation)
+                                                   rotation=self.rotation, smoothing=self.smoothing)
                              .with_batch_invariance(self.own.batch_invariant), source)
             space, source = self.wide
             widened = _genome_on(genome, self.own, space)

@@ -1,4 +1,4 @@
-"""Calibration Hessians collected from FP64 evaluations (quant/calibration.py): the compile's reference pass
+"""Calibration Hessians (and each channel's max |x_j|, hlir/smoothing.py) collected from FP64 evaluations (quant/calibration.py): the compile's reference pass
 over its calibration batches, or an LLM's teacher-forced positions (`positions_hessians`).
 
 Every Gemm the reference runs with one K-major weight operand (hlir.evaluate.weight_gemm) hands its FP64
@@ -29,6 +29,7 @@ class HessianCollector:
         self.graph = graph
         self._sums: dict[Hashable, np.ndarray] = {}     # activation key -> sum of x x^T
         self._rows: dict[Hashable, int] = {}
+        self._amax: dict[Hashable, np.ndarray] = {}      # activation key -> max |x_j| per channel
         self._seen: set[Hashable] = set()                # activations added in the current batch
         self._real: tuple[int, int] | None = None         # (real, of) sequences of the current batch
         self._of_weight: dict[str, list[Hashable]] = {}  # weight content key -> its activations, first seen first
@@ -58,22 +59,25 @@ class HessianCollector:
                 raise ValueError(f"an activation of {len(x)} rows is not {of} sequences' rows")
             x = x[:len(x) // of * real]
         xx = x.T @ x
+        amax = np.max(np.abs(x), axis=0) if len(x) else np.zeros(x.shape[-1])
         if key in self._sums:
             self._sums[key] += xx
             self._rows[key] += len(x)
+            np.maximum(self._amax[key], amax, out=self._amax[key])
         else:
-            self._sums[key], self._rows[key] = xx, len(x)
+            self._sums[key], self._rows[key], self._amax[key] = xx, len(x), amax
 
     def result(self) -> Hessians:
         """Each weight's Hessian, held in file-backed pages (shared with forked workers, droppable)."""
-        per_act = {k: Hessian.of(file_backed(s), self._rows[k]) for k, s in self._sums.items()}
+        per_act = {k: Hessian.of(file_backed(s), self._rows[k], self._amax[k]) for k, s in self._sums.items()}
         joint: dict[tuple, Hessian] = {}
         out = {}
         for weight, acts in sorted(self._of_weight.items()):
             acts_key = tuple(acts)
             if acts_key not in joint:
                 joint[acts_key] = per_act[acts[0]] if len(acts) == 1 else Hessian.of(
-                    file_backed(sum(per_act[k].sum_xx for k in acts)), sum(per_act[k].rows for k in acts))
+                    file_backed(sum(per_act[k].sum_xx for k in acts)), sum(per_act[k].rows for k in acts),
+                    np.max([per_act[k].amax for k in acts], axis=0))
             out[weight] = joint[acts_key]
         return Hessians(out)
 

@@ -18,6 +18,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from ..hlir.rotation import RotatedWeight, rotate_rows
+from ..hlir.smoothing import SMOOTH_ALPHAS, SmoothedWeight, power_of_two_exponents, smoothquant_scales
 from ..hlir.store import content_key, digest
 
 
@@ -34,12 +35,16 @@ class Hessian:
     sum_xx: np.ndarray
     rows: int
     key: str
+    amax: np.ndarray | None = None  # max |x_j| per channel over the same rows (SmoothQuant's statistic)
 
     @staticmethod
-    def of(sum_xx: np.ndarray, rows: int) -> "Hessian":
+    def of(sum_xx: np.ndarray, rows: int, amax: np.ndarray | None = None) -> "Hessian":
         sum_xx = np.asarray(sum_xx, dtype=np.float64)
         sum_xx.flags.writeable = False
-        return Hessian(sum_xx, int(rows), digest(sum_xx, int(rows)))
+        if amax is not None:
+            amax = np.array(amax, dtype=np.float64)
+            amax.flags.writeable = False
+        return Hessian(sum_xx, int(rows), digest(sum_xx, int(rows)), amax)
 
     @property
     def matrix(self) -> np.ndarray:
@@ -95,11 +100,22 @@ CALIBRATION = ActiveCalibration()
 
 def hessian_of(w) -> Hessian | None:
     """The installed calibration Hessian of weight `w` (by its content key), or None. A rotated weight W H
-    (hlir/rotation.py) meets the rotated activations x H: its Hessian is H^T (sum x x^T) H, from its source's."""
+    (hlir/rotation.py) meets the rotated activations x H: its Hessian is H^T (sum x x^T) H, from its source's;
+    a smoothed weight W diag(2^e) (hlir/smoothing.py) meets x diag(2^-e): diag(2^-e) (sum x x^T) diag(2^-e)."""
     if isinstance(w, RotatedWeight) and w.source is not None:
         source = CALIBRATION.current.of(w.source)
         return None if source is None else _rotated_hessian(source, w.block)
+    if isinstance(w, SmoothedWeight) and w.source is not None:
+        source = CALIBRATION.current.of(w.source)
+        return None if source is None else _smoothed_hessian(source, w.exponents)
     return CALIBRATION.current.of(w)
+
+
+def _smoothed_hessian(h: Hessian, exponents: np.ndarray) -> Hessian:
+    """diag(2^-e) S diag(2^-e): exact (powers of two), so the same S and e give the same bytes."""
+    inv = np.ldexp(1.0, -np.asarray(exponents, dtype=np.int32))
+    amax = None if h.amax is None else h.amax * inv
+    return Hessian.of(h.sum_xx * inv[:, None] * inv[None, :], h.rows, amax)
 
 
 _ROTATED: dict[tuple[str, int], Hessian] = {}  # (source Hessian key, block) -> rotated Hessian, the last few
@@ -112,3 +128,26 @@ def _rotated_hessian(h: Hessian, block: int) -> Hessian:
             _ROTATED.pop(next(iter(_ROTATED)))
         _ROTATED[key] = Hessian.of(rotate_rows(rotate_rows(h.sum_xx, block).T, block), h.rows)  # H^T S H, H symmetric
     return _ROTATED[key]
+
+
+class MissingStatistics(RuntimeError):
+    """A smoothing asked for outside the compile that has its activation statistics: a caller's mistake (a saved
+    plan carries its exponents in its LLIR), not a verdict on a candidate."""
+
+
+_EXPONENTS: dict[tuple, tuple[int, ...]] = {}  # (variant, statistics key, weight keys) -> exponents, the last few
+
+
+def smoothing_exponents(variant: str, group: tuple[np.ndarray, ...]) -> tuple[int, ...]:
+    """The power-of-two SmoothQuant exponents of the Gemms whose weights are `group` (one activation: the first
+    weight's installed statistics), hlir/smoothing.py."""
+    h = CALIBRATION.current.of(group[0])
+    if h is None or h.amax is None:
+        raise MissingStatistics(f"smoothing a weight of shape {list(np.shape(group[0]))} needs its activation's "
+                                "calibration statistics: lower it in the compile that collected them")
+    key = (variant, h.key, tuple(content_key(w) for w in group))
+    if key not in _EXPONENTS:
+        if len(_EXPONENTS) >= 256:  # recomputed when evicted (a max over the weights); never grows with the model
+            _EXPONENTS.pop(next(iter(_EXPONENTS)))
+        _EXPONENTS[key] = power_of_two_exponents(smoothquant_scales(h.amax, group, SMOOTH_ALPHAS[variant]))
+    return _EXPONENTS[key]

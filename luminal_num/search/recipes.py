@@ -205,18 +205,33 @@ def pick(space: SearchSpace, pred: Callable[[str], bool]) -> Genome:
     return frozenset((g, c, t) for (g, c), t in out.items())
 
 
+def transformed_recipe(space: SearchSpace, tags: frozenset[str], kind: TagKind) -> Genome:
+    """A storage recipe's `tags` with every Gemm the space may transform so transformed (`kind`: TagKind.ROT,
+    search/rules/rotate.py, or TagKind.SMOOTH, search/rules/smooth.py): its tag of that kind first, then the
+    recipe's tags on every other knob, the transformed Gemms and weights included."""
+    first = pick(space, lambda t: is_kind(t, kind))
+    chosen = {(g, c) for g, c, _ in first}
+    return first | frozenset(ch for ch in pick(space, tags.__contains__) if (ch[0], ch[1]) not in chosen)
+
+
 def rotated_recipe(space: SearchSpace, tags: frozenset[str]) -> Genome:
-    """A storage recipe's `tags` with every Gemm the space may rotate rotated (search/rules/rotate.py): its
-    rot: tag first, then the recipe's tags on every other knob, the rotated Gemms and weights included."""
-    first = pick(space, lambda t: is_kind(t, TagKind.ROT))
-    rotated = {(g, c) for g, c, _ in first}
-    return first | frozenset(ch for ch in pick(space, tags.__contains__) if (ch[0], ch[1]) not in rotated)
+    """A storage recipe's `tags` with every Gemm the space may rotate rotated."""
+    return transformed_recipe(space, tags, TagKind.ROT)
+
+
+def smoothed_recipe(space: SearchSpace, tags: frozenset[str]) -> Genome:
+    """A storage recipe's `tags` with every Gemm the space may smooth smoothed."""
+    return transformed_recipe(space, tags, TagKind.SMOOTH)
 
 
 def rotated_recipes(space: SearchSpace) -> dict[str, Genome]:
-    """Each storage recipe with every Gemm the space may rotate rotated (none where it rotates nothing)."""
-    out = {f"{name} + Hadamard rotation": rotated_recipe(space, tags) for name, tags in STORAGE_RECIPES.items()}
-    return {name: g for name, g in out.items() if any(is_kind(t, TagKind.ROT) for _, _, t in g)}
+    """Each storage recipe with every Gemm the space may rotate rotated, then with every Gemm it may smooth
+    smoothed (none of a kind where it offers none)."""
+    out = {}
+    for kind, what in ((TagKind.ROT, "Hadamard rotation"), (TagKind.SMOOTH, "SmoothQuant smoothing")):
+        made = {f"{name} + {what}": transformed_recipe(space, tags, kind) for name, tags in STORAGE_RECIPES.items()}
+        out.update({name: g for name, g in made.items() if any(is_kind(t, kind) for _, _, t in g)})
+    return out
 
 
 def recipe_genomes(space: SearchSpace) -> dict[str, Genome]:

@@ -177,7 +177,7 @@ class Searcher:
                 if not self.budget_left():
                     return
                 self.evaluate(genome, Stage.UNIFORM, f"{Tag.parse(tag).variant} on every Gemm")
-        for name, genome in rotated_recipes(self.space).items():  # a rotation pays only with a format
+        for name, genome in rotated_recipes(self.space).items():  # a rotation (smoothing) pays only with a format
             if self.budget_left():
                 self.evaluate(genome, Stage.UNIFORM, name)
 
