@@ -10,7 +10,8 @@ prompts, the positions judged here, so a GPTQ row is in-sample). Genomes are
 the storage recipes of search/recipes.py applied to every Gemm; "+ rotation" rotates every Gemm whose K an
 offered block divides (all of SmolLM2's: K = 576 = 9 x 64, 1536 = 6 x 256) and stores its rotated weight in
 the recipe's format; "+ smoothing" smooths every weight Gemm (search/rules/smooth.py: SmoothQuant a = 0.5, powers
-of two, one s per activation) and stores its smoothed weight in the recipe's format. One CSV:
+of two, one s per activation), "+ AWQ smoothing" by AWQ's grid search for int4 g128, and stores its smoothed
+weight in the recipe's format. One CSV:
 reports/bench/rotation.csv.
 
 With --hessian-positions N, the statistics come instead from >= N teacher-forced positions over the 12
@@ -39,7 +40,7 @@ W4 = frozenset({"store:int4_g128", "gemm:bf16"})
 W4_GPTQ = frozenset({"store:int4_g128+gptq", "gemm:bf16"})
 W8A8 = frozenset({"store:f8e4m3_channel", "gemm:f8e4m3_channel_prologue"})
 W8A8_GPTQ = frozenset({"store:f8e4m3_channel+gptq", "gemm:f8e4m3_channel_prologue"})
-# name -> (recipe tags, transform: None, "rot" or "smooth")
+# name -> (recipe tags, transform: None, "rot" or a smoothing variant of hlir/smoothing.SMOOTHINGS)
 GENOMES: dict[str, tuple[frozenset[str], str | None]] = {
     "W4A16 INT4 g128 RTN": (W4, None),
     "W4A16 INT4 g128 + GPTQ": (W4_GPTQ, None),
@@ -48,10 +49,12 @@ GENOMES: dict[str, tuple[frozenset[str], str | None]] = {
     "FP8 W8A8 dynamic per-token RTN": (W8A8, None),
     "FP8 W8A8 dynamic per-token + rotation": (W8A8, "rot"),
     "FP8 W8A8 dynamic per-token + rotation + GPTQ": (W8A8_GPTQ, "rot"),
-    "W4A16 INT4 g128 + smoothing": (W4, "smooth"),
-    "W4A16 INT4 g128 + smoothing + GPTQ": (W4_GPTQ, "smooth"),
-    "FP8 W8A8 dynamic per-token + smoothing": (W8A8, "smooth"),
-    "FP8 W8A8 dynamic per-token + smoothing + GPTQ": (W8A8_GPTQ, "smooth"),
+    "W4A16 INT4 g128 + smoothing": (W4, "sq50"),
+    "W4A16 INT4 g128 + smoothing + GPTQ": (W4_GPTQ, "sq50"),
+    "FP8 W8A8 dynamic per-token + smoothing": (W8A8, "sq50"),
+    "FP8 W8A8 dynamic per-token + smoothing + GPTQ": (W8A8_GPTQ, "sq50"),
+    "W4A16 INT4 g128 + AWQ smoothing": (W4, "awq_int4_g128"),
+    "W4A16 INT4 g128 + AWQ smoothing + GPTQ": (W4_GPTQ, "awq_int4_g128"),
 }
 
 
@@ -59,7 +62,7 @@ def genome_of(space, tags: frozenset[str], transform: str | None):
     from luminal_num.search.recipes import pick, rotated_recipe, smoothed_recipe
     if transform is None:
         return pick(space, tags.__contains__)
-    return (rotated_recipe if transform == "rot" else smoothed_recipe)(space, tags)
+    return rotated_recipe(space, tags) if transform == "rot" else smoothed_recipe(space, tags, transform)
 
 
 def heldout_hessians(job, minimum: int, rows: int):
@@ -75,7 +78,9 @@ def heldout_hessians(job, minimum: int, rows: int):
 
 
 def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, memory_bytes: int = MEMORY,
-         derived_cache: int = DERIVED_CACHE) -> list[dict]:
+         derived_cache: int = DERIVED_CACHE, done=lambda out: None) -> list[dict]:
+    """The bench's rows; `done(rows so far)` after each genome (the CSV is written as they come: a run cut
+    short keeps what it measured)."""
     from luminal_num.compiler import POSITION_ROWS, WidenedPositions, reference_stage
     from luminal_num.error.budget import Budget
     from luminal_num.error.metrics import Compared
@@ -109,7 +114,7 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, me
         space = SearchSpace.saturated(job.graph, partition(job.graph), calibrated=True, rotation=True, smoothing=True)
         out.append({"what": "saturate (rotation + smoothing + GPTQ offered)", "seconds": time.perf_counter() - t0})
         refs = [r.outputs(job.graph)["logits"] for r in references(job.graph, job.calibration, space.part)]
-        needs = any("+gptq" in " ".join(GENOMES[n][0]) or GENOMES[n][1] == "smooth" for n in names)
+        needs = any("+gptq" in " ".join(GENOMES[n][0]) or GENOMES[n][1] not in (None, "rot") for n in names)
         hessians, hessian_rows = NO_HESSIANS, 0
         if needs:  # GPTQ fills and smoothing scales need the calibration statistics
             t0 = time.perf_counter()
@@ -135,9 +140,9 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, me
                 run, on = wide.program(genome, program)
                 verdict, stats = judge_positions(run, on.graph.weights, on, budget, budget)
                 row = {"what": name, "positions": stats.rows, "rows_per_run": on.rows,
-                       "hessian_rows": hessian_rows if "+gptq" in " ".join(tags) or transform == "smooth" else 0,
+                       "hessian_rows": hessian_rows if "+gptq" in " ".join(tags) or transform not in (None, "rot") else 0,
                        "statistics": ("held-out" if hessian_positions else "calibration positions")
-                       if "+gptq" in " ".join(tags) or transform == "smooth" else "",
+                       if "+gptq" in " ".join(tags) or transform not in (None, "rot") else "",
                        "seconds": time.perf_counter() - t0, "passes_budget": verdict.passed,
                        "rotated_gemms": sum(1 for k in program.kernels if k.rotation is not None and k.rotation.source),
                        "hadamard_gemms": sum(1 for k in program.kernels if k.kind.is_gemm and _reads_hadamard(program, k)),
@@ -146,6 +151,7 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, me
                 row.update(row_metrics(stats, batch_rows))
                 out.append(row)
                 print(row, flush=True)
+                done(out)
     return out
 
 
@@ -166,8 +172,9 @@ def main(argv=None) -> None:
     ap.add_argument("--derived-cache", type=float, default=DERIVED_CACHE / 2 ** 30, help="GB, the derived cache's floor")
     ap.add_argument("--csv", default=CSV)
     args = ap.parse_args(argv)
-    path = write_csv(pd.DataFrame(rows(args.genomes, args.positions, args.layers, args.hessian_positions,
-                                       int(args.memory * 2 ** 30), int(args.derived_cache * 2 ** 30))), args.csv)
+    made = rows(args.genomes, args.positions, args.layers, args.hessian_positions, int(args.memory * 2 ** 30),
+                int(args.derived_cache * 2 ** 30), lambda out: write_csv(pd.DataFrame(out), args.csv))
+    path = write_csv(pd.DataFrame(made), args.csv)
     print(f"wrote {path}")
 
 

@@ -31,8 +31,21 @@ import numpy as np
 from .store import WeightArray, content_key, derived_key, digest, keyed
 from .weightcache import WEIGHTS
 
-# The offered smoothings: name -> SmoothQuant's migration strength a (0.5: the paper's default).
-SMOOTH_ALPHAS: Mapping[str, float] = MappingProxyType({"sq50": 0.5})
+@dataclass(frozen=True)
+class SmoothingRule:
+    """How s is chosen: SmoothQuant's formula at a fixed migration strength `alpha`, or AWQ's search: s_j =
+    rms(x_j)^a (normalized by sqrt(max s min s)), a on AWQ_GRID, the a whose power-of-two s gives the least
+    calibration output error sum ||X (Q(W diag(s)) diag(s)^-1 - W)^T||^2 when W diag(s) is rounded to nearest
+    in storage format `searched_for` (quant/calibration.smoothing_exponents; rms from the Hessian's diagonal,
+    where AWQ reads mean |x|)."""
+    alpha: float | None = None
+    searched_for: str | None = None
+
+
+# The offered smoothings: SmoothQuant at a = 0.5 (the paper's default, for W8A8) and AWQ searched for int4 g128.
+SMOOTHINGS: Mapping[str, SmoothingRule] = MappingProxyType({
+    "sq50": SmoothingRule(alpha=0.5), "awq_int4_g128": SmoothingRule(searched_for="int4_g128")})
+AWQ_GRID: tuple[float, ...] = tuple(i / 20 for i in range(21))  # a = 0 is s = 1: no smoothing is on the grid
 SMOOTH_EXPONENT_LIMIT = 16  # |e_j| <= 16: W 2^e stays far inside FP32's (and FP16's) normal range for real weights
 
 
@@ -40,7 +53,7 @@ SMOOTH_EXPONENT_LIMIT = 16  # |e_j| <= 16: W 2^e stays far inside FP32's (and FP
 class Smoothing:
     """The value of a derived EXTERNAL buffer: weight `source` with its columns scaled by 2^exponents, or with
     no source the (K,) vector 2^-exponents the activation is multiplied by. `group` names every weight reading
-    the activation (the first names the smoothing); `variant` is the SMOOTH_ALPHAS entry s was computed by."""
+    the activation (the first names the smoothing); `variant` is the SMOOTHINGS entry s was computed by."""
 
     variant: str
     group: tuple[str, ...]
@@ -48,8 +61,8 @@ class Smoothing:
     source: str | None = None
 
     def __post_init__(self):
-        if self.variant not in SMOOTH_ALPHAS:
-            raise ValueError(f"smoothing {self.variant!r}: offered smoothings are {tuple(SMOOTH_ALPHAS)}")
+        if self.variant not in SMOOTHINGS:
+            raise ValueError(f"smoothing {self.variant!r}: offered smoothings are {tuple(SMOOTHINGS)}")
         if not self.group or (self.source is not None and self.source not in self.group):
             raise ValueError(f"smoothing of {self.source!r}: it is not in its group {self.group}")
         if any(abs(e) > SMOOTH_EXPONENT_LIMIT for e in self.exponents):
@@ -72,6 +85,17 @@ def smoothquant_scales(amax: np.ndarray, weights: Sequence[np.ndarray], alpha: f
     ok = (amax > 0) & (wmax > 0) & np.isfinite(amax) & np.isfinite(wmax)
     s = np.ones_like(amax)
     s[ok] = amax[ok] ** alpha / wmax[ok] ** (1.0 - alpha)
+    return s
+
+
+def awq_scales(rms: np.ndarray, alpha: float) -> np.ndarray:
+    """AWQ's s_j = stat_j^a normalized by sqrt(max s * min s) (FP64); 1 where the statistic is zero."""
+    rms = np.asarray(rms, dtype=np.float64)
+    ok = (rms > 0) & np.isfinite(rms)
+    s = np.ones_like(rms)
+    s[ok] = rms[ok] ** alpha
+    if ok.any():
+        s[ok] /= np.sqrt(s[ok].max() * s[ok].min())
     return s
 
 

@@ -18,8 +18,10 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from ..hlir.rotation import RotatedWeight, rotate_rows
-from ..hlir.smoothing import SMOOTH_ALPHAS, SmoothedWeight, power_of_two_exponents, smoothquant_scales
+from ..hlir.smoothing import (AWQ_GRID, SMOOTHINGS, SmoothedWeight, awq_scales, power_of_two_exponents,
+                              smoothquant_scales)
 from ..hlir.store import content_key, digest
+from .storage import storage_format
 
 
 class Fill(enum.StrEnum):
@@ -147,7 +149,40 @@ def smoothing_exponents(variant: str, group: tuple[np.ndarray, ...]) -> tuple[in
                                 "calibration statistics: lower it in the compile that collected them")
     key = (variant, h.key, tuple(content_key(w) for w in group))
     if key not in _EXPONENTS:
-        if len(_EXPONENTS) >= 256:  # recomputed when evicted (a max over the weights); never grows with the model
+        if len(_EXPONENTS) >= 256:  # recomputed when evicted (a max, or AWQ's search); never grows with the model
             _EXPONENTS.pop(next(iter(_EXPONENTS)))
-        _EXPONENTS[key] = power_of_two_exponents(smoothquant_scales(h.amax, group, SMOOTH_ALPHAS[variant]))
+        rule = SMOOTHINGS[variant]
+        if rule.alpha is not None:
+            _EXPONENTS[key] = power_of_two_exponents(smoothquant_scales(h.amax, group, rule.alpha))
+        else:
+            _EXPONENTS[key] = _awq_exponents(h, group, rule.searched_for)
     return _EXPONENTS[key]
+
+
+def _awq_exponents(h: Hessian, group: tuple[np.ndarray, ...], fmt_name: str) -> tuple[int, ...]:
+    """AWQ's grid search (hlir/smoothing.SmoothingRule): each a's power-of-two exponents, the group's weights
+    scaled, rounded to nearest in the format and scaled back, charged their output error on the calibration
+    rows, tr(D S D^T) with D the weight's change and S = sum x x^T (no activation is held); the least wins
+    (the smallest a on a tie; a = 0 is the unsmoothed rounding)."""
+    fmt = storage_format(fmt_name)
+    rms = np.sqrt(np.maximum(np.diag(h.sum_xx), 0.0) / max(h.rows, 1))
+    weights = [np.asarray(w, dtype=np.float32) for w in group]
+    best, best_err, seen = None, np.inf, set()
+    for alpha in AWQ_GRID:
+        e = power_of_two_exponents(awq_scales(rms, alpha))
+        if e in seen:
+            continue
+        seen.add(e)
+        ei = np.asarray(e, dtype=np.int32)[None, :]
+        err = 0.0
+        for w in weights:
+            back = fmt.quantize(np.ldexp(w, ei)).dequantize()
+            for r in range(0, w.shape[0], AWQ_ROWS):  # a few MB of FP64 at a time (an LM head has 49k rows)
+                d = np.ldexp(back[r:r + AWQ_ROWS].astype(np.float64), -ei) - w[r:r + AWQ_ROWS].astype(np.float64)
+                err += float(np.sum((d @ h.sum_xx) * d))
+        if err < best_err:
+            best, best_err = e, err
+    return best
+
+
+AWQ_ROWS = 2048  # weight rows per block of AWQ's error sums

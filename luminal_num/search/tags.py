@@ -14,7 +14,7 @@ from ..codegen.attention import ATTENTION_VARIANTS
 from ..dtypes.formats import FORMATS
 from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ..hlir.rotation import ROTATIONS
-from ..hlir.smoothing import SMOOTH_ALPHAS
+from ..hlir.smoothing import SMOOTHINGS
 from ..quant.storage import STORAGE_FORMATS
 from ..quant.stored import STORE_CHOICES
 
@@ -37,7 +37,7 @@ class TagKind(enum.StrEnum):
 REGISTRIES: Mapping[TagKind, Mapping] = {
     TagKind.GEMM: GEMM_VARIANTS, TagKind.ATTN: ATTENTION_VARIANTS, TagKind.SUM: REDUCE_VARIANTS,
     TagKind.SOFTMAX: FORMATS, TagKind.EW: ELEMENTWISE_VARIANTS, TagKind.STORE: STORE_CHOICES,
-    TagKind.KV: STORAGE_FORMATS, TagKind.ROT: ROTATIONS, TagKind.SMOOTH: SMOOTH_ALPHAS,
+    TagKind.KV: STORAGE_FORMATS, TagKind.ROT: ROTATIONS, TagKind.SMOOTH: SMOOTHINGS,
 }
 
 # the order single changes are tried and sorted in: Gemms first (where the time goes), attention (one

@@ -15,7 +15,7 @@ from __future__ import annotations
 from egglog import eq, i64, rule, ruleset, union, vars_
 
 from ...hlir.ops import Op
-from ...hlir.smoothing import SMOOTH_ALPHAS
+from ...hlir.smoothing import SMOOTHINGS
 from .. import egraph as E
 
 smooth = ruleset(name="smooth")
@@ -26,7 +26,7 @@ vx, vy, lay, slot, grp, vplain, vvec, vmain = vars_("vx vy lay slot grp vplain v
 
 @smooth.register
 def _smooth_k():
-    for variant in SMOOTH_ALPHAS:
+    for variant in SMOOTHINGS:
         # sound: (x diag(2^-e))(W diag(2^e))^T = x diag(2^-e) diag(2^e) W^T = x W^T; the scaled activation and
         # weight differ from x 2^-e and W 2^e by their roundings only (exact in FP32: powers of two; static bounds)
         scaled = E.Ew(E.FBINARY[Op.MUL](E.Load(x, vplain), E.Load(E.CTOR["KSmoothInv"](grp, variant), vvec)), "f32")
