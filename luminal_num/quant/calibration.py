@@ -176,9 +176,10 @@ def _awq_exponents(h: Hessian, group: tuple[np.ndarray, ...], fmt_name: str) -> 
         ei = np.asarray(e, dtype=np.int32)[None, :]
         err = 0.0
         for w in weights:
-            back = fmt.quantize(np.ldexp(w, ei)).dequantize()
-            for r in range(0, w.shape[0], AWQ_ROWS):  # a few MB of FP64 at a time (an LM head has 49k rows)
-                d = np.ldexp(back[r:r + AWQ_ROWS].astype(np.float64), -ei) - w[r:r + AWQ_ROWS].astype(np.float64)
+            for r in range(0, w.shape[0], AWQ_ROWS):  # a few MB at a time (an LM head has 49k rows); a format
+                rows = w[r:r + AWQ_ROWS]              # rounds each row on its own, so blocks of rows are exact
+                back = fmt.quantize(np.ldexp(rows, ei)).dequantize()
+                d = np.ldexp(back.astype(np.float64), -ei) - rows.astype(np.float64)
                 err += float(np.sum((d @ h.sum_xx) * d))
         if err < best_err:
             best, best_err = e, err
