@@ -337,3 +337,25 @@ def test_a_smoothed_int4_gemm_runs_on_the_executing_cuda_stand_in(fake):  # noqa
     got = CudaRuntime(program, g.weights).run(inputs).outputs["y"]
     want = CpuRuntime(program, g.weights).run(inputs).outputs["y"]
     np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -22 * 256 * 2 * np.abs(want).max())
+
+
+from test_llm_positions import tiny  # noqa: E402,F401  (the tiny Llama GGUF and its prompts, a fixture)
+
+
+@pytest.mark.slow
+def test_cli_compile_smooth_gptq_on_positions_judges_the_smoothed_recipes(tiny):  # noqa: F811
+    """`compile --smooth --gptq` on an LLM decode workload end to end: statistics from its teacher-forced
+    positions, the SmoothQuant and AWQ recipes judged and listed in pareto.csv, the plan saved (~15 s)."""
+    import pandas as pd
+    from luminal_num.cli import EXIT_OK, main
+    root, model = tiny
+    out = root / "smooth_plan"
+    assert main(["compile", "--model", str(model), "--workload", "decode:2@16", "--candidates", "30", "--quiet",
+                 "--calibration", str(root / "mine.txt"), "--positions", "40", "--smooth", "--gptq",
+                 "--budget", "atol=inf,rtol=inf,outputs=logits,kl<=10", "--out", str(out)]) == EXIT_OK
+    rows = pd.read_csv(out / "pareto.csv")
+    smoothed = rows[rows["variants"].str.contains("smooth:")]
+    assert {"gemm:bf16 smooth:awq_int4_g128 store:int4_g128",
+            "gemm:f8e4m3_channel_prologue smooth:sq50 store:f8e4m3_channel"} <= set(smoothed["variants"])
+    assert smoothed["passes"].all()  # kl <= 10: every exact rewrite with any format passes
+    assert (out / "plan.json").is_file()
