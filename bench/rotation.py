@@ -1,20 +1,25 @@
-"""Hadamard rotation and GPTQ on SmolLM2 (issue 32): what W4 and FP8 W8A8 reach on pooled teacher-forced
-positions with and without them.
+"""Hadamard rotation, SmoothQuant smoothing and GPTQ on SmolLM2 (issue 32): what W4 and FP8 W8A8 reach on pooled
+teacher-forced positions with and without them.
 
 SmolLM2 decode:8@64 (all 30 layers unless --layers), its search space with the rotation (`rot:`) and GPTQ
 (`+gptq`) alternatives; per genome, one pooled judgement on >= --positions teacher-forced positions (the
 compile's `positions` stage: windows over the 24 calibration prompts + FP64's continuation, every position fed
-as a decode step) and the same metrics on the search's 24 calibration positions. GPTQ fills use the Hessians
-the compile collects: the FP64 pass over the calibration batches (24 activation rows per Gemm). Genomes are
+as a decode step) and the same metrics on the search's 24 calibration positions. GPTQ fills and smoothing scales use the
+statistics the compile collects (compiler.reference_stage: every teacher-forced position of the calibration
+prompts, the positions judged here, so a GPTQ row is in-sample). Genomes are
 the storage recipes of search/recipes.py applied to every Gemm; "+ rotation" rotates every Gemm whose K an
 offered block divides (all of SmolLM2's: K = 576 = 9 x 64, 1536 = 6 x 256) and stores its rotated weight in
-the recipe's format. One CSV: reports/bench/rotation.csv.
+the recipe's format; "+ smoothing" smooths every weight Gemm (search/rules/smooth.py: SmoothQuant a = 0.5, powers
+of two, one s per activation), "+ AWQ smoothing" by AWQ's grid search for int4 g128, and stores its smoothed
+weight in the recipe's format. One CSV:
+reports/bench/rotation.csv.
 
-With --hessian-positions N, GPTQ's Hessians come instead from >= N teacher-forced positions over the 12
-held-out prompts (FP64 decode steps of the graph evaluator, 32 rows a step; the judged positions are the
-calibration prompts', so none of them calibrated the fill): how far GPTQ gets with enough calibration rows.
+With --hessian-positions N, the statistics come instead from >= N teacher-forced positions over the 12
+held-out prompts (error/hessians.positions_hessians, 32 rows a step; the judged positions are the calibration
+prompts', so none of them calibrated the fill or the scales).
 
-`python -m bench.rotation [--layers N] [--positions 2000] [--hessian-positions N] [--genomes NAME ...]`
+`python -m bench.rotation [--layers N] [--positions 2000] [--hessian-positions N] [--genomes NAME ...]
+[--memory GB] [--derived-cache GB]`
 """
 from __future__ import annotations
 
@@ -35,54 +40,56 @@ W4 = frozenset({"store:int4_g128", "gemm:bf16"})
 W4_GPTQ = frozenset({"store:int4_g128+gptq", "gemm:bf16"})
 W8A8 = frozenset({"store:f8e4m3_channel", "gemm:f8e4m3_channel_prologue"})
 W8A8_GPTQ = frozenset({"store:f8e4m3_channel+gptq", "gemm:f8e4m3_channel_prologue"})
-# name -> (recipe tags, rotated)
-GENOMES: dict[str, tuple[frozenset[str], bool]] = {
-    "W4A16 INT4 g128 RTN": (W4, False),
-    "W4A16 INT4 g128 + GPTQ": (W4_GPTQ, False),
-    "W4A16 INT4 g128 + rotation": (W4, True),
-    "W4A16 INT4 g128 + rotation + GPTQ": (W4_GPTQ, True),
-    "FP8 W8A8 dynamic per-token RTN": (W8A8, False),
-    "FP8 W8A8 dynamic per-token + rotation": (W8A8, True),
-    "FP8 W8A8 dynamic per-token + rotation + GPTQ": (W8A8_GPTQ, True),
+# name -> (recipe tags, transform: None, "rot" or a smoothing variant of hlir/smoothing.SMOOTHINGS)
+GENOMES: dict[str, tuple[frozenset[str], str | None]] = {
+    "W4A16 INT4 g128 RTN": (W4, None),
+    "W4A16 INT4 g128 + GPTQ": (W4_GPTQ, None),
+    "W4A16 INT4 g128 + rotation": (W4, "rot"),
+    "W4A16 INT4 g128 + rotation + GPTQ": (W4_GPTQ, "rot"),
+    "FP8 W8A8 dynamic per-token RTN": (W8A8, None),
+    "FP8 W8A8 dynamic per-token + rotation": (W8A8, "rot"),
+    "FP8 W8A8 dynamic per-token + rotation + GPTQ": (W8A8_GPTQ, "rot"),
+    "W4A16 INT4 g128 + smoothing": (W4, "sq50"),
+    "W4A16 INT4 g128 + smoothing + GPTQ": (W4_GPTQ, "sq50"),
+    "FP8 W8A8 dynamic per-token + smoothing": (W8A8, "sq50"),
+    "FP8 W8A8 dynamic per-token + smoothing + GPTQ": (W8A8_GPTQ, "sq50"),
+    "W4A16 INT4 g128 + AWQ smoothing": (W4, "awq_int4_g128"),
+    "W4A16 INT4 g128 + AWQ smoothing + GPTQ": (W4_GPTQ, "awq_int4_g128"),
 }
 
 
-def genome_of(space, tags: frozenset[str], rotated: bool):
-    from luminal_num.search.recipes import pick, rotated_recipe
-    return rotated_recipe(space, tags) if rotated else pick(space, tags.__contains__)
+def genome_of(space, tags: frozenset[str], transform: str | None):
+    from luminal_num.search.recipes import pick, rotated_recipe, smoothed_recipe
+    if transform is None:
+        return pick(space, tags.__contains__)
+    return rotated_recipe(space, tags) if transform == "rot" else smoothed_recipe(space, tags, transform)
 
 
 def heldout_hessians(job, minimum: int, rows: int):
-    """Calibration Hessians from teacher-forced positions over the 12 held-out prompts (never the positions the
-    genomes are judged on): each decode step's FP64 evaluation feeds the collector, `rows` windows a step (a
-    short last group repeats its own windows, as the positions stage runs them: those rows count twice)."""
-    from luminal_num.error.hessians import HessianCollector
-    from luminal_num.hlir.evaluate import evaluate_nodes
+    """Calibration statistics from teacher-forced positions over the 12 held-out prompts (never the positions the
+    genomes are judged on), `rows` windows a FP64 step, each position once (error/hessians.positions_hessians)."""
+    from luminal_num.error.hessians import positions_hessians
     from luminal_num.models.llm import load_prompts
     from luminal_num.models.llm_positions import TeacherForcedWindows
     m = job.llm.model
     source = TeacherForcedWindows(m, job.llm.built, tuple(load_prompts("heldout", m.architecture.prompts)), minimum,
-                                  cut=True).widened(rows)
-    collector = HessianCollector(source.graph)
-    steps = 0
-    for batch in source.batches():
-        collector.batch()
-        evaluate_nodes(source.graph, batch.inputs, keep=(), observe=collector)
-        steps += 1
-    return collector.result(), source.positions, steps * rows
+                                  cut=True)
+    return positions_hessians(source, rows), source.positions
 
 
-def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0) -> list[dict]:
-    from luminal_num.compiler import POSITION_ROWS, WidenedPositions
+def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, memory_bytes: int = MEMORY,
+         derived_cache: int = DERIVED_CACHE, done=lambda out: None) -> list[dict]:
+    """The bench's rows; `done(rows so far)` after each genome (the CSV is written as they come: a run cut
+    short keeps what it measured)."""
+    from luminal_num.compiler import POSITION_ROWS, WidenedPositions, reference_stage
     from luminal_num.error.budget import Budget
-    from luminal_num.error.hessians import HessianCollector
     from luminal_num.error.metrics import Compared
     from luminal_num.error.pooled import RowStats, judge_positions
     from luminal_num.error.reference import references
     from luminal_num.hlir.partition import partition
     from luminal_num.memory import plan_memory
     from luminal_num.models.registry import llm_job
-    from luminal_num.quant.calibration import CALIBRATION
+    from luminal_num.quant.calibration import CALIBRATION, NO_HESSIANS
     from luminal_num.quant.stored import CONVERTED
     from luminal_num.hlir.weightcache import WEIGHTS
     from luminal_num.runtime.blas_threads import one_blas_thread
@@ -93,31 +100,37 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0) ->
     budget = Budget.parse(job.default_budget)
     source = job.llm.positions
     out = []
-    memory = plan_memory(job.graph.weights, MEMORY, workers=1, rotation=True)
-    print(memory.describe(), f"; derived cache raised to {DERIVED_CACHE >> 20} MB", flush=True)
+    memory = plan_memory(job.graph.weights, memory_bytes, workers=1, rotation=True)
+    print(memory.describe(), f"; derived cache at least {derived_cache >> 20} MB", flush=True)
     with one_blas_thread(), memory.applied(), tempfile.TemporaryDirectory() as converted, CONVERTED.on_disk(converted):
         # GPTQ fills evicted from the in-memory caches are read back from disk, not filled again (a compile keeps
         # them beside its verdict cache the same way); the rotated weights (FP32, one per weight) and what is
         # derived from them need about twice the derived cache the memory plan gives a model without them
-        WEIGHTS.resize(max(WEIGHTS.budget_bytes, DERIVED_CACHE))
+        WEIGHTS.resize(max(WEIGHTS.budget_bytes, derived_cache))
         t0 = time.perf_counter()
         made = source.positions
         out.append({"what": "make windows", "positions": made, "seconds": time.perf_counter() - t0})
         t0 = time.perf_counter()
-        space = SearchSpace.saturated(job.graph, partition(job.graph), calibrated=True, rotation=True)
-        out.append({"what": "saturate (rotation + GPTQ offered)", "seconds": time.perf_counter() - t0})
-        collector = HessianCollector(job.graph)
-        refs = [r.outputs(job.graph)["logits"] for r in references(job.graph, job.calibration, space.part, collector)]
-        hessians, hessian_rows = collector.result(), sum(len(b["ids"]) for b in job.calibration)
-        if hessian_positions:
+        space = SearchSpace.saturated(job.graph, partition(job.graph), calibrated=True, rotation=True, smoothing=True)
+        out.append({"what": "saturate (rotation + smoothing + GPTQ offered)", "seconds": time.perf_counter() - t0})
+        refs = [r.outputs(job.graph)["logits"] for r in references(job.graph, job.calibration, space.part)]
+        needs = any("+gptq" in " ".join(GENOMES[n][0]) or GENOMES[n][1] not in (None, "rot") for n in names)
+        hessians, hessian_rows = NO_HESSIANS, 0
+        if needs:  # GPTQ fills and smoothing scales need the calibration statistics
             t0 = time.perf_counter()
-            hessians, made, hessian_rows = heldout_hessians(job, hessian_positions, POSITION_ROWS)
-            out.append({"what": "held-out Hessians", "positions": made, "seconds": time.perf_counter() - t0})
-        wide = WidenedPositions(space, source, POSITION_ROWS, True, True)
+            if hessian_positions:
+                hessians, made = heldout_hessians(job, hessian_positions, POSITION_ROWS)
+                what = "held-out statistics"
+            else:
+                hessians, made = reference_stage(job.graph, job.calibration, space, source).hessians, source.positions
+                what = "statistics (the compile's: calibration positions)"
+            hessian_rows = next(iter(hessians.by_weight.values())).rows
+            out.append({"what": what, "positions": made, "seconds": time.perf_counter() - t0})
+        wide = WidenedPositions(space, source, POSITION_ROWS, True, True, True)
         with CALIBRATION.installed(hessians):
             for name in names:
-                tags, rotated = GENOMES[name]
-                genome = genome_of(space, tags, rotated)
+                tags, transform = GENOMES[name]
+                genome = genome_of(space, tags, transform)
                 program = space.program(genome)
                 runtime = CpuRuntime(program, job.graph.weights)
                 batch_rows = RowStats.concat([RowStats.of(Compared(runtime.run(b).outputs["logits"], ref))
@@ -127,14 +140,18 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0) ->
                 run, on = wide.program(genome, program)
                 verdict, stats = judge_positions(run, on.graph.weights, on, budget, budget)
                 row = {"what": name, "positions": stats.rows, "rows_per_run": on.rows,
-                       "hessian_rows": hessian_rows if "+gptq" in " ".join(tags) else 0,
+                       "hessian_rows": hessian_rows if "+gptq" in " ".join(tags) or transform not in (None, "rot") else 0,
+                       "statistics": ("held-out" if hessian_positions else "calibration positions")
+                       if "+gptq" in " ".join(tags) or transform not in (None, "rot") else "",
                        "seconds": time.perf_counter() - t0, "passes_budget": verdict.passed,
                        "rotated_gemms": sum(1 for k in program.kernels if k.rotation is not None and k.rotation.source),
                        "hadamard_gemms": sum(1 for k in program.kernels if k.kind.is_gemm and _reads_hadamard(program, k)),
+                       "smoothed_gemms": sum(1 for k in program.kernels if k.smoothing is not None and k.smoothing.source),
                        "gemms": sum(1 for k in program.kernels if k.kind.is_gemm)}
                 row.update(row_metrics(stats, batch_rows))
                 out.append(row)
                 print(row, flush=True)
+                done(out)
     return out
 
 
@@ -149,11 +166,15 @@ def main(argv=None) -> None:
     ap.add_argument("--positions", type=int, default=2000)
     ap.add_argument("--layers", type=int, default=None, help="the first N layers only (a quick look; default all 30)")
     ap.add_argument("--hessian-positions", type=int, default=0,
-                    help="GPTQ's Hessians from at least N teacher-forced positions over the held-out prompts (default 0: "
-                         "the compile's, the calibration batches' 24 rows)")
+                    help="GPTQ's Hessians and smoothing's channel max from at least N teacher-forced positions over the "
+                         "held-out prompts (default 0: the compile's, every calibration position)")
+    ap.add_argument("--memory", type=float, default=MEMORY / 2 ** 30, help="GB the caches are planned for")
+    ap.add_argument("--derived-cache", type=float, default=DERIVED_CACHE / 2 ** 30, help="GB, the derived cache's floor")
     ap.add_argument("--csv", default=CSV)
     args = ap.parse_args(argv)
-    path = write_csv(pd.DataFrame(rows(args.genomes, args.positions, args.layers, args.hessian_positions)), args.csv)
+    made = rows(args.genomes, args.positions, args.layers, args.hessian_positions, int(args.memory * 2 ** 30),
+                int(args.derived_cache * 2 ** 30), lambda out: write_csv(pd.DataFrame(out), args.csv))
+    path = write_csv(pd.DataFrame(made), args.csv)
     print(f"wrote {path}")
 
 

@@ -102,14 +102,16 @@ def _compile_locked(args, job, budget, out: Path, oj=None) -> int:
     _print_notes(job)
     print(f"[luminal-num] budget {budget} on target {args.target}; {len(job.graph)} HLIR nodes")
     try:
-        memory = plan_memory(job.graph.weights, args.max_memory, rotation=getattr(args, "rotate", False))
+        memory = plan_memory(job.graph.weights, args.max_memory,
+                             rotation=getattr(args, "rotate", False) or getattr(args, "smooth", False))
     except MemoryBudgetError as exc:
         raise InputError(str(exc)) from None
     print(f"[luminal-num] {memory.describe()}")
     opts = SearchOptions(seed=args.seed, max_candidates=args.candidates, time_limit_s=args.time_limit,
                          target=args.target, progress=not args.quiet,
                          headroom=getattr(args, "headroom", None),
-                         offers=Offers(calibrated=getattr(args, "gptq", False), rotation=getattr(args, "rotate", False)),
+                         offers=Offers(calibrated=getattr(args, "gptq", False), rotation=getattr(args, "rotate", False),
+                                       smoothing=getattr(args, "smooth", False)),
                          batch_invariant=getattr(args, "batch_invariant", False), executor=executor_of(args),
                          megakernel=getattr(args, "megakernel", False))
     try:

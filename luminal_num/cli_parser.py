@@ -106,6 +106,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         p.add_argument("--rotate", action="store_true", default=False,
                        help="also offer each weight Gemm with its K rotated by a block Hadamard matrix (x W^T = "
                             "(x H)(W H)^T: an FP32 Gemm rotates x online, W H is stored in any format), per layer")
+        p.add_argument("--smooth", action="store_true", default=False,
+                       help="also offer each weight Gemm with its K smoothed per channel (SmoothQuant: x W^T = "
+                            "(x diag(s)^-1)(W diag(s))^T, s a power of two from the calibration activations' channel "
+                            "max; Q/K/V and gate/up share one s), per layer")
         p.add_argument("--batch-invariant", action="store_true", default=False,
                        help="only batch-invariant plans: each input's outputs bit for bit the same alone or in any "
                             "batch, at any thread count (fixed-order kernels; recorded in plan.json)")

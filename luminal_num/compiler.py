@@ -24,7 +24,7 @@ from .error.chunks import ChunkEffects, Propagation
 from .error.headroom import HeadroomEstimate, estimate_headroom
 from .error.held import HeldArrays
 from .quant.stored import CONVERTED
-from .error.hessians import HessianCollector
+from .error.hessians import HessianCollector, positions_hessians
 from .error import pooled
 from .error.judge import Judge
 from .error.metrics import METRICS
@@ -76,15 +76,22 @@ class CompileResult:
 @dataclass(frozen=True)
 class References:
     """The reference stage: the one FP64 pass per calibration batch, chunk boundaries kept, and the weights'
-    calibration Hessians collected in it (when the space offers calibrated roundings)."""
+    calibration Hessians (when the space offers calibrated roundings)."""
     batches: tuple[Fp64Reference, ...]
     hessians: Hessians = NO_HESSIANS
 
 
-def reference_stage(graph: Graph, calibration, space: SearchSpace) -> References:
-    collector = HessianCollector(graph) if space.offers_calibrated() else None
+def reference_stage(graph: Graph, calibration, space: SearchSpace,
+                    positions: PositionSource | None = None) -> References:
+    """The FP64 references; the Hessians GPTQ fills under come from the teacher-forced `positions` where an LLM
+    has them (thousands of rows, POSITION_ROWS a step: error/hessians.positions_hessians), else from the
+    calibration batches in the same pass (a few dozen rows for an LLM, which GPTQ over-fits)."""
+    calibrated = space.offers_calibrated()
+    collector = HessianCollector(graph) if calibrated and positions is None else None
     batches = tuple(references(graph, calibration, space.part, collector))
-    return References(batches, collector.result() if collector is not None else NO_HESSIANS)
+    if collector is not None:
+        return References(batches, collector.result())
+    return References(batches, positions_hessians(positions, POSITION_ROWS) if calibrated else NO_HESSIANS)
 
 
 @dataclass(frozen=True)
@@ -120,7 +127,8 @@ def compile(graph: Graph, budget: Budget, target: str = "h200",
     `positions`: teacher-forced positions (an LLM's, models/llm_positions.py) the chosen plan is judged on
     again, pooled, before it is returned (error/pooled.py)."""
     options = options or SearchOptions(target=target)
-    memory = memory or plan_memory(graph.weights, workers=options.workers, rotation=options.offers.rotation)
+    memory = memory or plan_memory(graph.weights, workers=options.workers,
+                                   rotation=options.offers.rotation or options.offers.smoothing)
     with memory.applied(), CONVERTED.on_disk(Path(cache_dir) / "converted" if cache_dir else None):
         return _compile(graph, budget, target, calibration, options, space, use_static, cache_dir, memory,
                         on_stage or (lambda name, seconds: None), positions)
@@ -142,14 +150,15 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
     if space is None:
         part = stage("partition", lambda: partition(graph))
         space = stage("saturate", lambda: SearchSpace.saturated(graph, part, calibrated=options.offers.calibrated,
-                                                                  rotation=options.offers.rotation))
+                                                                  rotation=options.offers.rotation,
+                                                                  smoothing=options.offers.smoothing))
     space = space.with_batch_invariance(options.batch_invariant)
     # one BLAS thread for the FP64 reference too: its products are small-M (a decode step's rows), where a second
     # OpenBLAS thread gains nothing on a quiet machine and, beside any other busy process, makes each call
     # wait on a descheduled thread (a 1B decode step's 8 x 8192 by 8192 x 32 blocks: 69 ms on one thread,
     # 19 s on two at load 3; the 1B reference stage took 8 s or 168 s depending on the machine's load)
     with one_blas_thread():
-        refs = stage("reference", lambda: reference_stage(graph, calibration, space),
+        refs = stage("reference", lambda: reference_stage(graph, calibration, space, positions),
                      min(reference_bytes(graph, space.part, calibration), memory.boundary))
     with ExitStack() as stack:
         # every verdict run from here on, here or in a worker, on one BLAS thread: the same bits wherever it runs
@@ -204,7 +213,7 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
         return dataclasses.replace(result, stats=dataclasses.replace(result.stats, positions=record))
     space = explored.searcher.space
     wide = WidenedPositions(space, source, POSITION_ROWS, ctx.options.offers.calibrated,
-                            ctx.options.offers.rotation)
+                            ctx.options.offers.rotation, ctx.options.offers.smoothing)
     kept: dict[int, pooled.RowStats] = {}
 
     def judge(e):
@@ -228,8 +237,9 @@ class WidenedPositions:
     """The positions `rows` rows a step, and a genome lowered there (saturated once, when first needed)."""
 
     def __init__(self, space: SearchSpace, source: PositionSource, rows: int, calibrated: bool,
-                 rotation: bool = False):
+                 rotation: bool = False, smoothing: bool = False):
         self.own, self.source, self.rows, self.calibrated, self.rotation = space, source, rows, calibrated, rotation
+        self.smoothing = smoothing
         self.wide: tuple[SearchSpace, PositionSource] | None = None
         self.rows_used = 0
 
@@ -241,7 +251,7 @@ class WidenedPositions:
             if self.wide is None:
                 source = self.source.widened(self.rows)
                 self.wide = (SearchSpace.saturated(source.graph, partition(source.graph), calibrated=self.calibrated,
-                                                   rotation=self.rotation)
+                                                   rotation=self.rotation, smoothing=self.smoothing)
                              .with_batch_invariance(self.own.batch_invariant), source)
             space, source = self.wide
             widened = _genome_on(genome, self.own, space)

@@ -188,7 +188,7 @@ def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, wo
                 rotation: bool = False) -> MemoryPlan:
     """The plan for a compile of a model with these weights within `budget` bytes (default: what this
     process holds now plus 80% of the machine's available memory). Each cache gets what the model can use (the derived cache: FP64 copies
-    of every weight plus one FP32 form of each, and with `rotation` each weight's FP32 rotation and its widened
+    of every weight plus one FP32 form of each, and with `rotation` (rotated or smoothed weights) each weight's FP32 rotation and its widened
     stored form too; the stored-format cache: two formats of each), at most its share of what the budget
     leaves after the processes and the weights."""
     budget = tree_pss() + int(0.8 * available_bytes()) if budget is None else budget

@@ -18,3 +18,29 @@ def assert_within_bounds(bounds: Mapping[str, np.ndarray], errors: Mapping[str, 
         with np.errstate(invalid="ignore"):
             ok = (e <= bound) | np.isinf(bound)
         assert ok.all(), (name, float(np.nanmax(np.where(ok, 0, e))), float(np.max(np.where(ok, 0, bound))), context)
+
+
+def assert_random_genome_bounded(graph, space, batch: Mapping[str, np.ndarray], hessians, seed: int) -> None:
+    """A random alternative for every e-class of `space`, per chunk, lowered on `graph` with `hessians`
+    installed (GPTQ fills, smoothing scales): its measured error <= its static bound. An overflow verdict or a
+    run the plan's policy refuses is a verdict, not a value: nothing to compare."""
+    from luminal_num.error.interval import Interval
+    from luminal_num.error.static import static_bound
+    from luminal_num.hlir import evaluate
+    from luminal_num.quant.calibration import CALIBRATION
+    from luminal_num.runtime.cpu import CpuRuntime
+    from luminal_num.search.choice import random_candidate
+    from luminal_num.search.lower import lower_program
+    rng = np.random.default_rng(seed)
+    genome = {c.index: random_candidate(space.groups[g.key].space, rng) for g in space.part.groups for c in g.chunks}
+    ranges = {k: Interval.point(np.asarray(v, dtype=np.float64)) for k, v in batch.items()}
+    with CALIBRATION.installed(hessians):
+        program = lower_program(graph, space.part, space.groups, genome)
+        rep = static_bound(program, ranges, graph.bind_symbols(batch), graph.weights)
+        if rep.overflow is not None:
+            return
+        try:
+            out = CpuRuntime(program, graph.weights).run(batch).outputs
+        except ValueError:
+            return
+    assert_within_bounds(rep.error_bounds, errors_of(out, evaluate(graph, batch)))

@@ -21,8 +21,6 @@ from luminal_num.error.interval import Interval
 from luminal_num.error.reference import references
 from luminal_num.error.static import static_bound
 from luminal_num.hlir import evaluate
-from luminal_num.hlir.evaluate import evaluate_nodes, weight_gemm
-from luminal_num.hlir.gemm import gemm_layouts, split_operand
 from luminal_num.hlir.graph import Graph
 from luminal_num.models.llama import LLAMA_TINY, build_prefill, random_weights
 from luminal_num.quant.calibration import CALIBRATION
@@ -33,6 +31,7 @@ from luminal_num.search.plan import Plan
 from luminal_num.search.recipes import pick
 from luminal_num.search.space import SearchSpace
 from bound_checks import assert_within_bounds, errors_of
+from hessian_truth import independent_hessians
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 CFG = LLAMA_TINY.with_layers(1)
@@ -50,38 +49,9 @@ def _llama(seq: int = 6):
     return m, space, batches, refs, collector.result()
 
 
-def _independent_hessians(graph: Graph, batches) -> dict[str, np.ndarray]:
-    """weight name -> sum over batches and over its distinct activations of X^T X, from every node's FP64 value."""
-    consumers = graph.consumers()
-    out: dict[str, np.ndarray] = {}
-    seen: dict[str, set] = {}
-    for batch in batches:
-        values = evaluate_nodes(graph, batch)
-        for node in graph.nodes:
-            use = weight_gemm(graph, node, consumers)
-            if use is None:
-                continue
-            mul = graph.nodes[node.srcs[0].node]
-            act = mul.srcs[1 - use.side]
-            x = act.view.realize(values[act.node], graph.bind_symbols(batch))  # over the Mul's full shape
-            k_axis = node.attr("axis")
-            (lay, *_) = gemm_layouts(split_operand(mul.srcs[0].view)[1], split_operand(mul.srcs[1].view)[1], k_axis)
-            drop = lay.n_axes if use.side == 1 else lay.m_axes  # the weight's axis: the activation is broadcast there
-            x = x[tuple(0 if ax in drop else slice(None) for ax in range(x.ndim))]
-            x = np.moveaxis(x, k_axis - sum(1 for d in drop if d < k_axis), -1).reshape(-1, x.shape[k_axis - sum(
-                1 for d in drop if d < k_axis)])
-            name = graph.weight_name(use.weight)
-            key = (act.node, id(batch))
-            if key in seen.setdefault(name, set()):
-                continue
-            seen[name].add(key)
-            out[name] = out.get(name, 0) + x.T @ x
-    return out
-
-
 def test_the_reference_pass_collects_each_weights_hessian_once_per_activation():
     m, space, batches, refs, hs = _llama()
-    truth = _independent_hessians(m.graph, batches)
+    truth = independent_hessians(m.graph, batches)
     assert set(truth) == {n for n, w in m.graph.weights.items() if hs.of(w) is not None}
     for name, h in truth.items():
         got = hs.of(m.graph.weights[name])

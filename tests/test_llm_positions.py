@@ -199,3 +199,28 @@ def test_a_budget_row_statistics_cannot_judge_skips_the_stage_and_says_why(tiny)
     record = result.search.stats.positions
     assert record.judged == 0 and "cosine is not a row metric" in record.skipped
     assert "teacher-forced" not in result.plan.verdict.reason
+
+
+@pytest.mark.parametrize("minimum", [40, 512])  # 3 windows (one short group of 32 rows), 32 windows (one full group)
+def test_gptq_hessians_come_from_every_teacher_forced_position(tiny, minimum):
+    """A compile offered GPTQ on an LLM with positions takes each weight's Hessian over every position (32 rows a
+    step), each position once: equal to X^T X over the same rows recomputed here from the FP64 node values;
+    the same inputs give the same bytes, and the 6 calibration rows' Hessians are not what it uses."""
+    from luminal_num.compiler import reference_stage
+    from hessian_truth import independent_hessians
+    _, model = tiny
+    job = _job(model, minimum)
+    space = SearchSpace.build(job.graph, calibrated=True)
+    got = reference_stage(job.graph, job.calibration, space, job.llm.positions).hessians
+    wide = job.llm.positions.widened(POSITION_ROWS)
+    batches = list(wide.batches())
+    truth = independent_hessians(wide.graph, [b.inputs for b in batches], [b.rows for b in batches], POSITION_ROWS)
+    assert truth and set(truth) == {n for n, w in job.graph.weights.items() if got.of(w) is not None}
+    for name, h in truth.items():
+        mine = got.of(job.graph.weights[name])
+        assert mine.rows == job.llm.positions.positions  # 48 or 512: each position once
+        np.testing.assert_allclose(mine.sum_xx, h, rtol=1e-12, atol=1e-12 * np.abs(h).max())
+    again = reference_stage(job.graph, job.calibration, space, job.llm.positions).hessians
+    assert all(again.by_weight[k].sum_xx.tobytes() == h.sum_xx.tobytes() for k, h in got.by_weight.items())
+    batch_only = reference_stage(job.graph, job.calibration, space).hessians
+    assert all(h.rows == sum(len(b["ids"]) for b in job.calibration) for h in batch_only.by_weight.values())

@@ -128,6 +128,15 @@ TENSOR_DECLS: tuple[ENodeDecl, ...] = (
     ENodeDecl("KHadamard", _T, params("block:i64"), dtype_const="f32"),
     # ... and an alias: the value is `inner`'s (a Gemm of the rotated activation and weight), a knob `rot:`.
     ENodeDecl("KRotated", _T, params("inner:T rot:S"), dtype_const="f32", knob=("rot", "rot:")),
+    # Per-channel smoothing of a Gemm's K (hlir/smoothing.py, search/rules/smooth.py). No launch for any of them:
+    # weight `slot` with its columns scaled by 2^e (e of smoothing `sm` over group `grp`'s weights);
+    ENodeDecl("KSmoothW", _T, params("slot:i64 grp:i64 sm:S"), dtype_const="f32"),
+    # ... the same smoothed weight held in storage format `fmt` (widened on load, as KStored);
+    ENodeDecl("KSmoothStored", _T, params("slot:i64 grp:i64 sm:S fmt:S"), dtype_const="f32", knob=("fmt", "store:")),
+    # ... the (K,) vector 2^-e an elementwise kernel multiplies the activation by;
+    ENodeDecl("KSmoothInv", _T, params("grp:i64 sm:S"), dtype_const="f32"),
+    # ... and an alias: the value is `inner`'s (the Gemm of the smoothed activation and weight), a knob `smooth:`.
+    ENodeDecl("KSmoothed", _T, params("inner:T sm:S"), dtype_const="f32", knob=("sm", "smooth:")),
     # softmax(Q K^T * scale + bias) V as one kernel (codegen/attention.py); `scale` is a constant id
     ENodeDecl("KAttention", _T, params("q:T vq:i64 k:T vk:i64 bias:T vb:i64 v:T vv:i64 scale:i64 prec:S dt:S"),
               K.ATTENTION, operands=(("q", "vq"), ("k", "vk"), ("bias", "vb"), ("v", "vv")), dtype="dt",

@@ -24,6 +24,7 @@ from ..dtypes.formats import F32, Format
 from ..dtypes.variants import GEMM_VARIANTS, ScaleSpec
 from ..hlir.gemm import GemmLayout
 from ..hlir.rotation import Rotation, rotation_value
+from ..hlir.smoothing import Smoothing, smoothing_value
 from ..hlir.store import WeightArray, derived_key, keyed
 from ..hlir.weightcache import WEIGHTS
 from ..hlir.ops import Op
@@ -167,6 +168,7 @@ class Kernel:
     concat: tuple[str, ...] = ()       # EXTERNAL: these weights concatenated (`external` names the result) ...
     concat_axis: int = 0               # ... along this axis
     rotation: Rotation | None = None   # EXTERNAL: a weight rotated along K (or H_b itself), hlir/rotation.py
+    smoothing: Smoothing | None = None  # EXTERNAL: a weight smoothed along K (or the 2^-e vector), hlir/smoothing.py
 
     def numel(self, bindings: Mapping[str, int]) -> int:
         return int(evaluate(prod(self.shape), bindings)) if self.shape else 1
@@ -174,7 +176,7 @@ class Kernel:
     @property
     def derived(self) -> bool:
         """An EXTERNAL whose value the compiler makes from named weights (external_value), not an input."""
-        return bool(self.concat) or self.rotation is not None
+        return bool(self.concat) or self.rotation is not None or self.smoothing is not None
 
     @property
     def weight_sources(self) -> tuple[str, ...]:
@@ -182,6 +184,8 @@ class Kernel:
         source (none for H_b itself), else the input it names."""
         if self.rotation is not None:
             return () if self.rotation.source is None else (self.rotation.source,)
+        if self.smoothing is not None:
+            return () if self.smoothing.source is None else (self.smoothing.source,)
         return self.concat or ((self.external,) if self.external else ())
 
     # -- QUANTIZE: the scales kept beside the buffer ---------------------------------------------
@@ -538,10 +542,12 @@ def _concatenated(parts, axis: int) -> np.ndarray:
 
 
 def external_value(k: Kernel, feed: Mapping[str, object]) -> np.ndarray:
-    """An EXTERNAL kernel's value from graph inputs by name: the input, its weights concatenated, or a
-    weight rotated (FP64, hlir/rotation.py; the kernel's dtype or storage format rounds it)."""
+    """An EXTERNAL kernel's value from graph inputs by name: the input, its weights concatenated, a weight
+    rotated (FP64, hlir/rotation.py; the kernel's dtype or storage format rounds it) or smoothed (hlir/smoothing.py)."""
     if k.rotation is not None:
         return rotation_value(k.rotation, feed)
+    if k.smoothing is not None:
+        return smoothing_value(k.smoothing, feed)
     if k.concat:  # the same parts give the same array, kept process-wide: what is derived from it (its Gemm
         # operand per variant, hlir.weightcache) is then kept too, not rebuilt by every runtime
         parts = [feed[n] for n in k.concat]
@@ -561,6 +567,11 @@ def _check_source(k: Kernel) -> str:
                                    or k.external != k.rotation.name or k.shape[-1] % k.rotation.block):
         return (f"rotation {k.rotation}: only a 2-D EXTERNAL weight named {k.rotation.name!r} with K divisible by "
                 "its block is rotated")
+    if k.smoothing is not None and (k.kind is not KernelKind.EXTERNAL or k.concat or k.rotation is not None
+                                    or k.external != k.smoothing.name or k.shape[-1] != len(k.smoothing.exponents)
+                                    or len(k.shape) != (1 if k.smoothing.source is None else 2)):
+        return (f"smoothing {k.smoothing.name}: only an EXTERNAL of that name, its last axis one per exponent, "
+                "a 2-D weight or the 1-D scale vector, is smoothed")
     if k.inputs:
         return "a source kernel reads nothing"
     if k.kind is KernelKind.EXTERNAL and not k.external:

@@ -13,6 +13,7 @@ from ..dtypes.formats import get as get_format
 from ..hlir.gemm import GemmLayout
 from ..hlir.ops import Op
 from ..hlir.rotation import Rotation
+from ..hlir.smoothing import Smoothing
 from ..hlir.shape import ShapeTracker, View
 from ..hlir.symbolic import Dim, Poly
 from .attention import AttentionSpec
@@ -138,7 +139,10 @@ def _kernel(k: Kernel) -> dict:
             **({"storage": k.storage} if k.storage is not None else {}),
             **({"fill": k.fill} if k.fill is not None else {}),
             **({"concat": list(k.concat), "concat_axis": k.concat_axis} if k.concat else {}),
-            **({"rotation": {"block": k.rotation.block, "source": k.rotation.source}} if k.rotation else {})}
+            **({"rotation": {"block": k.rotation.block, "source": k.rotation.source}} if k.rotation else {}),
+            **({"smoothing": {"variant": k.smoothing.variant, "group": list(k.smoothing.group),
+                              "exponents": list(k.smoothing.exponents), "source": k.smoothing.source}}
+               if k.smoothing else {})}
 
 
 def _unkernel(x: dict) -> Kernel:
@@ -150,7 +154,19 @@ def _unkernel(x: dict) -> Kernel:
                   external=x["external"], value=None if x["value"] is None else _unscalar(x["value"]),
                   label=x["label"], eclass=x.get("eclass", ""), storage=x.get("storage"), fill=x.get("fill"),
                   concat=tuple(str(n) for n in x.get("concat", ())), concat_axis=int(x.get("concat_axis", 0)),
-                  rotation=_unrotation(x.get("rotation")))
+                  rotation=_unrotation(x.get("rotation")), smoothing=_unsmoothing(x.get("smoothing")))
+
+
+def _unsmoothing(x) -> Smoothing | None:
+    if x is None:
+        return None
+    if not isinstance(x, dict) or set(x) != {"variant", "group", "exponents", "source"}:
+        raise LlirDataError(f"not a smoothing: {x!r}")
+    try:
+        return Smoothing(str(x["variant"]), tuple(str(n) for n in x["group"]), tuple(int(e) for e in x["exponents"]),
+                         None if x["source"] is None else str(x["source"]))
+    except (TypeError, ValueError) as exc:
+        raise LlirDataError(f"not a smoothing: {exc}") from None
 
 
 def _unrotation(x) -> Rotation | None:

@@ -27,6 +27,7 @@ from ..quant.kv import cache_error
 from ..quant.stored import MissingCalibration
 from ..hlir.ops import Op
 from ..hlir.rotation import rotation_error
+from ..hlir.smoothing import smoothing_error
 from ..hlir.weightcache import WEIGHTS
 from ..hlir.symbolic import evaluate as eval_dim
 from .indexed import Rows, gather_rows, index_range, scatter_rows
@@ -171,7 +172,7 @@ class StaticAnalyzer:
 
     def external(self, k: Kernel, inputs: Mapping[str, Interval]) -> BoundedValue:
         shape = self._shape(k)
-        if k.rotation is not None:  # a rotated weight or H_b: its FP64 value, within rotation_error of W H
+        if k.rotation is not None or k.smoothing is not None:  # a rotated or smoothed weight, H_b or 2^-e
             return self._rotated(k, shape)
         iv = self._concat_interval(k, inputs) if k.concat else self._range(inputs, k.external)
         if k.storage is not None and k.id in self.caches:  # a KV cache handed in, held in its format
@@ -194,13 +195,16 @@ class StaticAnalyzer:
         return store_known(BoundedValue(iv, np.zeros(shape), low if low >= 0 else None), k.dtype, k)
 
     def _rotated(self, k: Kernel, shape: tuple[int, ...]) -> BoundedValue:
-        """x W^T = (x H)(W H)^T exactly, so the rotated weight's exact value is W H: the FP32 value every kernel
-        reads is off by at most rotation_error, and a storage format adds its own error from that value."""
-        if k.rotation.source is not None and k.rotation.source not in self.weights:
-            raise KeyError(f"no value for weight {k.rotation.source!r}, which {k.external!r} rotates")
+        """x W^T = (x H)(W H)^T = (x diag(2^-e))(W diag(2^e))^T exactly, so the rotated (smoothed) weight's exact
+        value is W H (W diag(2^e)): the FP32 value every kernel reads is off by at most rotation_error
+        (smoothing_error), and a storage format adds its own error from that value."""
+        derived = k.rotation if k.rotation is not None else k.smoothing
+        if derived.source is not None and derived.source not in self.weights:
+            raise KeyError(f"no value for weight {derived.source!r}, which {k.external!r} is derived from")
         w = external_value(k, self.weights)
         iv = Interval.point(np.asarray(w, dtype=np.float64))
-        err = rotation_error(k.rotation, self.weights)
+        err = (rotation_error(k.rotation, self.weights) if k.rotation is not None
+               else smoothing_error(k.smoothing, self.weights))
         if k.storage is not None:
             try:
                 v = stored_weight_value(iv, k.storage, shape, k.fill, w if k.fill is not None else None)

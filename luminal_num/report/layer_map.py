@@ -56,6 +56,8 @@ def kernel_name(program: Program, k: Kernel, weights: frozenset[str]) -> str:
     roles = [weight_role(n) for src in srcs for n in src.weight_sources]
     if any(src.rotation is not None for src in srcs):  # a rotated weight's Gemm, or the online rotation (H_b)
         return "+".join(dict.fromkeys(roles)) + " (rotated)" if roles else "hadamard"
+    if any(src.smoothing is not None for src in srcs):  # a smoothed weight's Gemm, or the activation's 2^-e multiply
+        return "+".join(dict.fromkeys(roles)) + " (smoothed)" if roles else "smoothing scale"
     return "+".join(dict.fromkeys(roles)) if roles else k.kind.value
 
 

@@ -234,5 +234,6 @@ def stored_weight(w: Kernel, feed: Mapping[str, np.ndarray], stored_weights: Map
         return stored_values(feed[name] if value is None else value, fmt, held, w.fill)
     if w.concat:
         return concat_quantized([one(n) for n in w.concat], w.concat_axis)
-    # a rotated weight (hlir/rotation.py) is converted from its FP64 rotation, stored under its own name
-    return one(w.external, external_value(w, feed) if w.rotation is not None else None)
+    # a rotated (smoothed) weight (hlir/rotation.py, hlir/smoothing.py) is converted from its derived value,
+    # stored under its own name
+    return one(w.external, external_value(w, feed) if w.derived else None)

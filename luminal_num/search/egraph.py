@@ -87,6 +87,9 @@ GGUFSourcePerChunk = relation("GGUFSourcePerChunk", T)           # loaded from G
 # (va, vb, layout, block, rotation's A view, its B view, its layout, the rotated Gemm's A view): a Gemm x W^T
 # whose weight may be rotated along K, with the views and layouts of the two Gemms that compute it rotated
 RotationOf = relation("RotationOf", i64, i64, i64, i64, i64, i64, i64, i64)
+# (weight slot, va, vb, layout, smoothing group, x's (M..., K) view, the scale vector's view, the smoothed Gemm's
+# A view): a Gemm x W^T whose K may be smoothed (search/rules/smooth.py), group: ChunkTables.smooth_groups
+SmoothOf = relation("SmoothOf", i64, i64, i64, i64, i64, i64, i64, i64)
 KVCache = relation("KVCache", T, i64)                           # a cache input a Scatter overwrites in place, its head width (0: unknown)
 
 

@@ -54,6 +54,8 @@ class ChunkTables:
     ext_is_weight: tuple[bool, ...]
     roots: tuple[tuple[str, int], ...]  # (let name, local node index) for every exported node
     concats: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (axis, external weight slots) concatenated (KCatW)
+    # the external weight slots of the Gemms reading one activation, which share one smoothing (KSmoothW's grp)
+    smooth_groups: tuple[tuple[int, ...], ...] = ()
     # (chunk index, external slot, storage format of its GGUF blocks) where the group's chunks differ
     chunk_sources: tuple[tuple[int, int, str], ...] = ()
 
@@ -71,11 +73,13 @@ class EncodedChunk:
 
 
 def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | None = None,
-                 group_chunks: Sequence[Chunk] = (), calibrated: bool = False, rotation: bool = False) -> EncodedChunk:
+                 group_chunks: Sequence[Chunk] = (), calibrated: bool = False, rotation: bool = False,
+                 smoothing: bool = False) -> EncodedChunk:
     """`group_chunks`: every chunk sharing this structure (default: `chunk` alone); facts that differ
     per chunk (who else reads a buffer) hold for the group only when they hold in every chunk.
     `calibrated`: weights a Gemm reads K-major get CalibratedWeight (calibrated roundings are offered);
-    `rotation`: such Gemms get RotationOf (their K may be Hadamard-rotated, search/rules/rotate.py)."""
+    `rotation`: such Gemms get RotationOf (their K may be Hadamard-rotated, search/rules/rotate.py);
+    `smoothing`: and SmoothOf (their K may be smoothed, search/rules/smooth.py)."""
     consumers = consumers if consumers is not None else graph.consumers()
     group_chunks = tuple(group_chunks) or (chunk,)
     eg = EGraph()
@@ -119,6 +123,7 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
         facts.append(set_(E.dtype(term)).to(node.dtype.name))
 
     gemm_candidates = 0
+    smooth_sites: list[tuple] = []  # (activation key, weight slot, va, vb, layouts, views of the smoothed Gemm)
     for nid in chunk.nodes:
         node = graph.nodes[nid]
         args: list = []
@@ -152,16 +157,29 @@ def encode_chunk(graph: Graph, chunk: Chunk, consumers: dict[int, list[int]] | N
                 facts.append(E.QuantView(lid, view_id(quantized_a_view(lay))))
                 found = True
             gemm_candidates += found
-            use = weight_gemm(graph, node, consumers) if calibrated or rotation else None
+            use = weight_gemm(graph, node, consumers) if calibrated or rotation or smoothing else None
             if calibrated and use is not None and use.weight in chunk.external:  # its Hessian: error/hessians.py
                 facts.append(E.CalibratedWeight(terms[use.weight]))
             if rotation and use is not None and use.side == 1 and use.weight in chunk.external:
                 facts += _rotation_facts(va, vb, ax, view_id, layouts)
+            if smoothing and use is not None and use.side == 1 and use.weight in chunk.external:
+                views_ = _smoothing_views(va, vb, ax)
+                if views_ is not None:
+                    act = mul.srcs[0].node
+                    smooth_sites.append(((act, views_[0]), chunk.external.index(use.weight), va, vb, ax, views_))
+    smooth_groups = _smooth_groups(smooth_sites)
+    for key, slot, va, vb, ax, (plain, vec, main) in smooth_sites:
+        grp = smooth_groups.index(next(g for g in smooth_groups if slot in g))
+        for lay in gemm_layouts(va, vb, ax):
+            if lay in gemm_layouts(main, vb, ax):
+                facts.append(E.SmoothOf(slot, view_id(va), view_id(vb), layouts(lay), grp, view_id(plain),
+                                        view_id(vec), view_id(main)))
     eg.register(*facts)
     local = {nid: i for i, nid in enumerate(chunk.nodes)}
     tables = ChunkTables(tuple(views.values), tuple(consts.values), tuple(dims.values), tuple(layouts.values),
                          tuple(ext_dtypes), tuple(ext_shapes), tuple(ext_weight),
-                         tuple((f"n{e}", local[e]) for e in chunk.exported), chunk_sources=tuple(chunk_sources))
+                         tuple((f"n{e}", local[e]) for e in chunk.exported), chunk_sources=tuple(chunk_sources),
+                         smooth_groups=smooth_groups)
     return EncodedChunk(eg, tables, terms, gemm_candidates)
 
 
@@ -251,6 +269,39 @@ def _rotation_facts(va: ShapeTracker, vb: ShapeTracker, ax: int, view_id, layout
             facts.append(E.RotationOf(view_id(va), view_id(vb), layouts(lay), b, view_id(rot_a), view_id(rot_b),
                                       rot_lid, view_id(main_a)))
     return facts if len(facts) > 1 else []
+
+
+def _smoothing_views(va: ShapeTracker, vb: ShapeTracker, ax: int) -> tuple[ShapeTracker, ...] | None:
+    """For a Gemm x W^T (W read K-major as B, one unmasked view of x, every other axis of A an M axis of static
+    size): x read as (M..., K) through its own strides, the (K,) scale vector broadcast over the M axes, and
+    the view the smoothed Gemm reads x diag(2^-e) (contiguous (M..., K)) by; None where the shapes do not allow."""
+    if len(va.views) != 1:
+        return None
+    a, wv = va.views[0], vb.views[0]
+    n_axes = [i for i in range(len(a.shape)) if i != ax and wv.strides[i] != 0]
+    m_axes = [i for i in range(len(a.shape)) if i != ax and i not in n_axes]
+    if (len(n_axes) != 1 or a.strides[n_axes[0]] != 0 or a.mask is not None
+            or not all(isinstance(d, int) for d in a.shape)
+            or any(a.strides[i] == 0 and a.shape[i] != 1 for i in m_axes)):
+        return None
+    ms, k = tuple(a.shape[i] for i in m_axes), a.shape[ax]
+    plain = ShapeTracker((View.create((*ms, k), (*(a.strides[i] for i in m_axes), a.strides[ax]), a.offset),))
+    vec = ShapeTracker((View.create((*ms, k), (*(0 for _ in m_axes), 1)),))
+    out_strides = dict(zip(m_axes, contiguous_strides((*ms, k))[:len(ms)]))
+    main = ShapeTracker((View.create(a.shape, tuple(out_strides.get(i, 0) if i != ax else 1
+                                                    for i in range(len(a.shape)))),))
+    return plain, vec, main
+
+
+def _smooth_groups(sites: list[tuple]) -> tuple[tuple[int, ...], ...]:
+    """The weight slots of the Gemms reading one activation (the same node through the same view), one group
+    each, in the order first read: they share one smoothing."""
+    groups: dict = {}
+    for key, slot, *_ in sites:
+        members = groups.setdefault(key, [])
+        if slot not in members:
+            members.append(slot)
+    return tuple(tuple(m) for m in groups.values())
 
 
 def _gemm_operand_views(mul) -> tuple[ShapeTracker, ShapeTracker]:

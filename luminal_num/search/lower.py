@@ -20,6 +20,8 @@ from ..dtypes.formats import get as get_format
 from ..hlir.graph import Graph
 from ..hlir.partition import Partition
 from ..hlir.rotation import Rotation
+from ..hlir.smoothing import Smoothing
+from ..quant.calibration import smoothing_exponents
 from ..hlir.shape import ShapeTracker
 from ..quant.stored import held_format, split_choice
 from .choice import Candidate, ENode
@@ -32,7 +34,8 @@ class _Builder:
     kernels: list[Kernel] = field(default_factory=list)
     stored: dict[tuple[int, str], int] = field(default_factory=dict)  # (weight buffer, format) -> its stored buffer
     concats: dict[tuple[int, ...], int] = field(default_factory=dict)  # (axis, weight buffers) -> concatenation
-    rotated: dict[tuple, int] = field(default_factory=dict)  # (Rotation, format, fill) -> its derived buffer
+    rotated: dict[tuple, int] = field(default_factory=dict)  # (Rotation | Smoothing, format, fill) -> derived buffer
+    weights: Mapping[str, object] = field(default_factory=dict)  # the graph's weights (smoothing exponents)
 
     def add(self, **kw) -> int:
         k = Kernel(id=len(self.kernels), **kw)
@@ -246,6 +249,35 @@ def _rotated_weight(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     return lo.b.rotated[key]
 
 
+def _smoothed_buffer(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    """KSmoothW / KSmoothStored / KSmoothInv: a buffer the compiler derives (hlir/smoothing.py), one per weight
+    (or group, for the scale vector), variant and format; its exponents are computed here from the installed
+    calibration statistics and the group's weights, and carried in the LLIR from then on."""
+    names = []
+    for slot in lo.t.smooth_groups[n.arg("grp")]:
+        src = lo.b.kernels[lo.slots[slot]]
+        if src.kind is not KernelKind.EXTERNAL or src.derived or src.external not in lo.b.weights:
+            raise ValueError(f"{origin}: chunk source {slot} is kernel {src.id} ({src.kind.value}), not a weight "
+                             "to smooth")
+        names.append(src.external)
+    variant = n.arg("sm")
+    exponents = smoothing_exponents(variant, tuple(lo.b.weights[name] for name in names))
+    source = None if n.op == "KSmoothInv" else lo.b.kernels[lo.slots[n.arg("slot")]].external
+    sm = Smoothing(variant, tuple(names), exponents, source)
+    fmt, fill = split_choice(n.arg("fmt")) if n.op == "KSmoothStored" else (None, None)
+    key = (sm, fmt, fill)
+    if key not in lo.b.rotated:
+        shape = (len(exponents),) if source is None else lo.b.kernels[lo.slots[n.arg("slot")]].shape
+        held = (f" stored as {fmt}" + (f" filled by {fill}" if fill else "")) if fmt else ""
+        lo.b.rotated[key] = lo.b.add(kind=KernelKind.EXTERNAL, inputs=(), shape=tuple(shape), dtype=F32,
+                                     external=sm.name, smoothing=sm, storage=fmt, fill=fill, label=f"{sm.name}{held}")
+    return lo.b.rotated[key]
+
+
+def _smoothed(lo: _ChunkLowering, n: ENode, origin: str) -> int:
+    return lo.tensor(n.cls("inner"), f"{origin} smoothed")  # an alias: the Gemm of the smoothed operands
+
+
 def _variant(lo: _ChunkLowering, n: ENode, origin: str) -> int:
     return lo.tensor(n.cls("inner"))  # an alias: consumers read the low-precision buffer and widen on load
 
@@ -367,6 +399,8 @@ _TENSOR: dict[str, Callable[[_ChunkLowering, ENode, str], int]] = {
     "KSum": _reduction, "KMax": _reduction, "KSoftmax": _reduction, "KGemm": _gemm, "KQuantize": _quantize,
     "KGather": _gather, "KScatter": _scatter, "KScatterNoCopy": _scatter, "KGemmEpi": _gemm_epilogue,
     "KRotW": _rotated_weight, "KRotStored": _rotated_weight, "KHadamard": _rotated_weight, "KRotated": _rotated,
+    "KSmoothW": _smoothed_buffer, "KSmoothStored": _smoothed_buffer, "KSmoothInv": _smoothed_buffer,
+    "KSmoothed": _smoothed,
     "KCatW": _concat, "KCatStored": _concat, "KSlice": _slice, "KCacheStored": _cache_stored, "KAttention": _attention,
     "KRows": _rows, "KScatterEw": _scatter_ew,
 }
@@ -378,7 +412,7 @@ def lower_program(graph: Graph, part: Partition, spaces: Mapping[str, GroupSpace
     """The LLIR program for the whole graph: chunk c uses `choices[c]` in its group's space.
     `batch_invariant`: the program says so (backends then run fixed-order kernels) and its attention
     kernels split keys at fixed sizes (codegen/attention.spec_for)."""
-    b = _Builder()
+    b = _Builder(weights=graph.weights)
     node_kernel: dict[int, int] = {}
     inputs = []
     for name, info in graph.inputs.items():
@@ -405,7 +439,7 @@ def lower_chunk_program(graph: Graph, chunk, gs: GroupSpace, cand: Candidate, ba
 
     Used to judge a group in isolation from exact (FP64) inputs, and to measure its amplification.
     """
-    b = _Builder()
+    b = _Builder(weights=graph.weights)
     slots, inputs = [], []
     for nid in chunk.external:
         node = graph.nodes[nid]

@@ -240,7 +240,8 @@ class Plan:
         missing = sorted({n for k, _ in _stored(program) for n in k.weight_sources} - set(weights or {}))
         if missing:
             raise PlanError(f"the plan stores weights it was not given: {', '.join(missing)}")
-        rotated = {k.external: external_value(k, weights) for k, _ in _stored(program) if k.rotation is not None}
+        rotated = {k.external: external_value(k, weights) for k, _ in _stored(program)
+                   if k.rotation is not None or k.smoothing is not None}
         stored = convert_all({**(weights or {}), **rotated},
                              {key: (name, fmt) for key, (name, fmt, _) in layout.items()}, fills)
         if stored:  # the converted weights, tied to this plan by graph hash and content hash

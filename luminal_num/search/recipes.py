@@ -205,18 +205,40 @@ def pick(space: SearchSpace, pred: Callable[[str], bool]) -> Genome:
     return frozenset((g, c, t) for (g, c), t in out.items())
 
 
+def transformed_recipe(space: SearchSpace, tags: frozenset[str], transform: Callable[[str], bool]) -> Genome:
+    """A storage recipe's `tags` with every Gemm the space may transform so transformed (`transform` picks the
+    tag: a rotation, search/rules/rotate.py, or a smoothing, search/rules/smooth.py): that tag first, then the
+    recipe's tags on every other knob, the transformed Gemms and weights included."""
+    first = pick(space, transform)
+    chosen = {(g, c) for g, c, _ in first}
+    return first | frozenset(ch for ch in pick(space, tags.__contains__) if (ch[0], ch[1]) not in chosen)
+
+
 def rotated_recipe(space: SearchSpace, tags: frozenset[str]) -> Genome:
-    """A storage recipe's `tags` with every Gemm the space may rotate rotated (search/rules/rotate.py): its
-    rot: tag first, then the recipe's tags on every other knob, the rotated Gemms and weights included."""
-    first = pick(space, lambda t: is_kind(t, TagKind.ROT))
-    rotated = {(g, c) for g, c, _ in first}
-    return first | frozenset(ch for ch in pick(space, tags.__contains__) if (ch[0], ch[1]) not in rotated)
+    """A storage recipe's `tags` with every Gemm the space may rotate rotated."""
+    return transformed_recipe(space, tags, lambda t: is_kind(t, TagKind.ROT))
+
+
+def smoothed_recipe(space: SearchSpace, tags: frozenset[str], variant: str = "sq50") -> Genome:
+    """A storage recipe's `tags` with every Gemm the space may smooth smoothed by `variant` (hlir/smoothing.py)."""
+    return transformed_recipe(space, tags, f"{TagKind.SMOOTH}:{variant}".__eq__)
 
 
 def rotated_recipes(space: SearchSpace) -> dict[str, Genome]:
-    """Each storage recipe with every Gemm the space may rotate rotated (none where it rotates nothing)."""
-    out = {f"{name} + Hadamard rotation": rotated_recipe(space, tags) for name, tags in STORAGE_RECIPES.items()}
-    return {name: g for name, g in out.items() if any(is_kind(t, TagKind.ROT) for _, _, t in g)}
+    """Each storage recipe with every Gemm the space may rotate rotated, then with every Gemm it may smooth
+    smoothed (none of a kind where it offers none)."""
+    out = {}
+    for what, transform, fits in _TRANSFORMS:
+        made = {f"{name} + {what}": transformed_recipe(space, tags, transform)
+                for name, tags in STORAGE_RECIPES.items() if fits(tags)}
+        out.update({name: g for name, g in made.items() if any(transform(t) for _, _, t in g)})
+    return out
+
+
+# (what, its tag, the storage recipes it starts from): AWQ's scales are searched for one format, so only its recipe
+_TRANSFORMS = (("Hadamard rotation", lambda t: is_kind(t, TagKind.ROT), lambda tags: True),
+               ("SmoothQuant smoothing", f"{TagKind.SMOOTH}:sq50".__eq__, lambda tags: True),
+               ("AWQ smoothing", f"{TagKind.SMOOTH}:awq_int4_g128".__eq__, lambda tags: "store:int4_g128" in tags))
 
 
 def recipe_genomes(space: SearchSpace) -> dict[str, Genome]:

@@ -23,6 +23,7 @@ from .rules.fuse_rows import fuse_rows, row_facts
 from .rules.inplace import cleanup, inplace
 from .rules.lower import lower
 from .rules.rotate import rotate
+from .rules.smooth import smooth
 
 RootOf = relation("RootOf", E.T, i64)  # marks exported values so they survive serialization by class
 
@@ -59,13 +60,15 @@ class GroupSpace:
 
 
 def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=None, fusion: bool = True,
-                   calibrated: bool = False, rotation: bool = False) -> GroupSpace:
+                   calibrated: bool = False, rotation: bool = False, smoothing: bool = False) -> GroupSpace:
     """`fusion`: add the fused-kernel alternatives (one phase after precision); False keeps the
     unfused space exactly. `calibrated`: offer calibrated weight roundings (GPTQ) too. `rotation`: offer
-    each weight Gemm with its K Hadamard-rotated (search/rules/rotate.py; with the precision rules only)."""
+    each weight Gemm with its K Hadamard-rotated (search/rules/rotate.py; with the precision rules only).
+    `smoothing`: offer each weight Gemm with its K smoothed per channel (search/rules/smooth.py; likewise)."""
     t0 = time.perf_counter()
     rotation = rotation and precision_rules is not None
-    enc = encode_chunk(graph, group.representative, consumers, group.chunks, calibrated, rotation)
+    smoothing = smoothing and precision_rules is not None
+    enc = encode_chunk(graph, group.representative, consumers, group.chunks, calibrated, rotation, smoothing)
     eg = enc.egraph
     local = {nid: i for i, nid in enumerate(group.representative.nodes)}
     eg.register(*[RootOf(enc.terms[nid], local[nid]) for nid in group.representative.exported])
@@ -73,6 +76,8 @@ def saturate_group(graph: Graph, group: Group, consumers=None, precision_rules=N
     reports = [eg.run((lower.saturate() + dtype_prop.saturate()).saturate())]
     if rotation:  # before the precision phase, which then gives the rotated Gemms and weight their variants
         reports.append(eg.run(rotate.saturate()))
+    if smoothing:  # likewise: the precision phase gives the smoothed Gemms and weights their variants
+        reports.append(eg.run(smooth.saturate()))
     if precision_rules is not None:
         reports.append(eg.run((precision_rules.saturate() + lower.saturate() + dtype_prop.saturate()).saturate()))
     tables = enc.tables

@@ -44,7 +44,7 @@ class SearchOptions:
     headroom: float | None = None  # share of the budget a plan may use on the calibration set (the rest
                                    # is kept for unseen inputs: audit judges against the full budget);
                                    # None: from data (error/headroom.py), a number overrides it
-    offers: Offers = Offers()      # alternatives beyond formats and fusions: GPTQ fills, Hadamard rotations
+    offers: Offers = Offers()      # alternatives beyond formats and fusions: GPTQ fills, rotations, smoothings
     batch_invariant: bool = False  # every candidate a batch-invariant program (issue 37): fixed reduction
                                    # orders, fixed attention split sizes, no scale computed across rows
     megakernel: bool = False       # price each candidate also as one persistent megakernel, keep the cheaper
@@ -177,7 +177,7 @@ class Searcher:
                 if not self.budget_left():
                     return
                 self.evaluate(genome, Stage.UNIFORM, f"{Tag.parse(tag).variant} on every Gemm")
-        for name, genome in rotated_recipes(self.space).items():  # a rotation pays only with a format
+        for name, genome in rotated_recipes(self.space).items():  # a rotation (smoothing) pays only with a format
             if self.budget_left():
                 self.evaluate(genome, Stage.UNIFORM, name)
 

@@ -65,6 +65,8 @@ class Offers:
                               # (quant/gptq.py): one more storage class per quantized format and Gemm weight
     rotation: bool = False    # weight Gemms may also run with their K Hadamard-rotated (search/rules/rotate.py):
                               # one more alternative per Gemm, its rotated weight stored in any format
+    smoothing: bool = False   # ... or with their K smoothed per channel (search/rules/smooth.py, SmoothQuant
+                              # scales from the calibration activations): likewise
 
 
 Genome = frozenset  # of Change (declared once, error/predict.py: the judge keys its verdicts by it)
@@ -82,26 +84,28 @@ class SearchSpace:
 
     @staticmethod
     def build(graph: Graph, with_precision: bool = True, fusion: bool = True,
-              calibrated: bool = False, rotation: bool = False) -> "SearchSpace":
+              calibrated: bool = False, rotation: bool = False, smoothing: bool = False) -> "SearchSpace":
         """`fusion=False`: the space without the fusion rules (every kernel as the lowering made it);
         `calibrated`: weights may also be stored filled by GPTQ (the compile collects their Hessians);
-        `rotation`: weight Gemms may also run with their K Hadamard-rotated (search/rules/rotate.py)."""
-        return SearchSpace.saturated(graph, partition(graph), with_precision, fusion, calibrated, rotation)
+        `rotation`: weight Gemms may also run with their K Hadamard-rotated (search/rules/rotate.py);
+        `smoothing`: ... or smoothed per channel (search/rules/smooth.py)."""
+        return SearchSpace.saturated(graph, partition(graph), with_precision, fusion, calibrated, rotation, smoothing)
 
     @staticmethod
     def saturated(graph: Graph, part: Partition, with_precision: bool = True, fusion: bool = True,
-                  calibrated: bool = False, rotation: bool = False) -> "SearchSpace":
+                  calibrated: bool = False, rotation: bool = False, smoothing: bool = False) -> "SearchSpace":
         """The space of an already partitioned graph: each group saturated once."""
         consumers = graph.consumers()
         groups = {g.key: saturate_group(graph, g, consumers, precision if with_precision else None, fusion=fusion,
-                                        calibrated=calibrated, rotation=rotation)
+                                        calibrated=calibrated, rotation=rotation, smoothing=smoothing)
                   for g in part.groups}
         return SearchSpace(graph, part, groups, {k: knobs(gs.space) for k, gs in groups.items()})
 
     def offers_calibrated(self) -> bool:
-        """Whether some weight may be stored filled by a calibrated rounding (then its Hessian is needed)."""
-        return any(is_kind(t, TagKind.STORE) and Tag.parse(t).variant in CALIBRATED_CHOICES
-                   for ks in self.knobs.values() for k in ks for t in k.tags)
+        """Whether some weight may be stored filled by a calibrated rounding, or some Gemm smoothed (then the
+        calibration statistics are needed: Hessians, channel max)."""
+        return any((is_kind(t, TagKind.STORE) and Tag.parse(t).variant in CALIBRATED_CHOICES)
+                   or is_kind(t, TagKind.SMOOTH) for ks in self.knobs.values() for k in ks for t in k.tags)
 
     def group_index(self, key: str) -> int:
         return [g.key for g in self.part.groups].index(key)

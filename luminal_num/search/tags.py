@@ -14,13 +14,14 @@ from ..codegen.attention import ATTENTION_VARIANTS
 from ..dtypes.formats import FORMATS
 from ..dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ..hlir.rotation import ROTATIONS
+from ..hlir.smoothing import SMOOTHINGS
 from ..quant.storage import STORAGE_FORMATS
 from ..quant.stored import STORE_CHOICES
 
 
 class TagKind(enum.StrEnum):
     """What a knob chooses: a Gemm's math, a value's storage (elementwise or reduction), a softmax's or an
-    attention kernel's precision, a weight's or the KV cache's storage format, a Gemm's K rotation."""
+    attention kernel's precision, a weight's or the KV cache's storage format, a Gemm's K rotation or smoothing."""
     GEMM = "gemm"
     ATTN = "attn"
     SUM = "sum"
@@ -29,13 +30,14 @@ class TagKind(enum.StrEnum):
     STORE = "store"
     KV = "kv"
     ROT = "rot"
+    SMOOTH = "smooth"
 
 
 # kind -> the registry its variant names are declared in (softmax precisions are plain number formats)
 REGISTRIES: Mapping[TagKind, Mapping] = {
     TagKind.GEMM: GEMM_VARIANTS, TagKind.ATTN: ATTENTION_VARIANTS, TagKind.SUM: REDUCE_VARIANTS,
     TagKind.SOFTMAX: FORMATS, TagKind.EW: ELEMENTWISE_VARIANTS, TagKind.STORE: STORE_CHOICES,
-    TagKind.KV: STORAGE_FORMATS, TagKind.ROT: ROTATIONS,
+    TagKind.KV: STORAGE_FORMATS, TagKind.ROT: ROTATIONS, TagKind.SMOOTH: SMOOTHINGS,
 }
 
 # the order single changes are tried and sorted in: Gemms first (where the time goes), attention (one

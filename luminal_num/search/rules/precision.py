@@ -14,6 +14,7 @@ from ...dtypes.formats import BF16, F32
 from ...dtypes.variants import ELEMENTWISE_VARIANTS, GEMM_VARIANTS, REDUCE_VARIANTS
 from ...hlir.ops import BINARY_OPS, UNARY_OPS, Op
 from ...hlir.rotation import ROTATION_BLOCKS
+from ...hlir.smoothing import SMOOTHINGS
 from ...quant.kv import KV_HEAD_DIMS, KV_HEAD_FORMAT, KV_TOKEN_FORMATS
 from ...quant.stored import CALIBRATED_CHOICES, GGUF_KEPT, SEARCHED_STORAGE, SOURCE_BLOCKS
 from .. import egraph as E
@@ -114,6 +115,16 @@ def _weight_storage():
         for choice in CALIBRATED_CHOICES:
             yield rule(eq(t).to(E.CTOR["KRotW"](vx, b)), eq(x).to(E.KExt(vx, "f32")), E.CalibratedWeight(x)).then(
                 union(t).with_(E.CTOR["KRotStored"](vx, b, choice)))
+    # a smoothed weight (search/rules/smooth.py) held in a storage format: the same value up to its storage error
+    # from W diag(2^e), which the compiler knows exactly (error/static.py); filled by GPTQ under the smoothed
+    # Hessian where its source has one (quant/calibration.py)
+    for sm in SMOOTHINGS:
+        for fmt in SEARCHED_STORAGE:
+            yield rule(eq(t).to(E.CTOR["KSmoothW"](vx, vy, sm))).then(
+                union(t).with_(E.CTOR["KSmoothStored"](vx, vy, sm, fmt)))
+        for choice in CALIBRATED_CHOICES:
+            yield rule(eq(t).to(E.CTOR["KSmoothW"](vx, vy, sm)), eq(x).to(E.KExt(vx, "f32")), E.CalibratedWeight(x)
+                       ).then(union(t).with_(E.CTOR["KSmoothStored"](vx, vy, sm, choice)))
     # a weight loaded from GGUF Q4_1 / Q8_0 blocks kept in them: zero storage error (they ARE its values)
     for fmt in GGUF_KEPT:
         yield rule(eq(t).to(E.KExt(vx, "f32")), E.MatrixWeight(t), E.GGUFSource(t, fmt)).then(
