@@ -97,3 +97,49 @@ def test_cli_audit_pools_by_default_and_per_batch_with_positions_0(compiled, cap
                  "--out", str(root / "a0")]) in (EXIT_OK, EXIT_CONTRACT)
     out = capsys.readouterr().out
     assert "audit: worst over these batches" in out and "(pooled)" not in out
+
+
+def test_positions_run_in_groups_give_each_step_its_own_statistics_and_stop_at_a_failing_step():
+    """run_positions runs STEPS_TOGETHER steps kernel by kernel together: the statistics are those of each step
+    run alone, and a step whose run fails ends the pass with its reason and the steps before it (as before)."""
+    from dataclasses import dataclass as dc
+    from luminal_num.error import pooled
+    rng = np.random.default_rng(5)
+
+    @dc
+    class Step:
+        inputs: dict
+        reference: np.ndarray
+        targets: np.ndarray
+        rows: int
+
+    steps = [Step({"i": np.array(i)}, rng.standard_normal((3, 7)), rng.integers(0, 7, 3), 3 - (i == 6)) for i in range(7)]
+    outs = [s.reference + 0.1 * rng.standard_normal(s.reference.shape) for s in steps]
+
+    class Source:
+        output = "logits"
+
+        def batches(self):
+            yield from steps
+
+    class Runtime:  # the CpuRuntime surface run_positions uses; step `bad` raises as a REJECT overflow would
+        def __init__(self, bad=None):
+            self.bad, self.together = bad, []
+
+        def run(self, inputs):
+            i = int(inputs["i"])
+            if i == self.bad:
+                raise ValueError(f"step {i} overflows")
+            return type("R", (), {"outputs": {"logits": outs[i]}})()
+
+        def run_many(self, batch_inputs):
+            self.together.append([int(b["i"]) for b in batch_inputs])
+            return [self.run(b) for b in batch_inputs]
+
+    rt = Runtime()
+    stats, failed = pooled.run_positions(rt, Source())
+    want = pooled.RowStats.concat([pooled.batch_stats(o, s) for o, s in zip(outs, steps)])
+    assert failed is None and rt.together == [[0, 1, 2, 3], [4, 5, 6]] and pooled.STEPS_TOGETHER == 4
+    assert stats.rows == want.rows == 20 and np.array_equal(stats.kl, want.kl) and np.array_equal(stats.top1, want.top1)
+    stats, failed = pooled.run_positions(Runtime(bad=5), Source())
+    assert failed == "step 5 overflows" and stats.rows == 5 * 3  # steps 0-4 counted, 5 failed, 6 never run

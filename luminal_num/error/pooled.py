@@ -133,18 +133,41 @@ def check_pooled(budget: Budget, output: str, stats: RowStats) -> BudgetVerdict:
     return budget.check({output: pooled}, {output: pooled})
 
 
+STEPS_TOGETHER = 4  # steps run kernel by kernel together (CpuRuntime.run_many): a weight form made once for 4
+
+
 def run_positions(runtime: CpuRuntime, source: PositionSource) -> tuple[RowStats, str | None]:
-    """The runtime on every batch of `source`: the rows' statistics, and why a run failed (None: none did;
-    the statistics are then those of the batches before it)."""
+    """The runtime on every batch of `source`, STEPS_TOGETHER at a time: the rows' statistics, and why a run
+    failed (None: none did; the statistics are then those of the batches before the failing one)."""
     parts = []
-    for batch in source.batches():  # one step's inputs (its KV caches) live only while it runs
-        try:
-            with WEIGHTS.scanning():  # a whole-model run per step (hlir/weightcache.py)
-                out = runtime.run(batch.inputs).outputs[source.output]
-        except (ValueError, FloatingPointError) as exc:  # e.g. a REJECT overflow policy
-            return RowStats.concat(parts), str(exc)
-        parts.append(batch_stats(out, batch))
-    return RowStats.concat(parts), None
+    group: list[PositionBatch] = []
+    for batch in source.batches():  # a step's inputs (its KV caches) live only while its group runs
+        group.append(batch)
+        if len(group) == STEPS_TOGETHER:
+            failed = _run_group(runtime, source, group, parts)
+            if failed is not None:
+                return RowStats.concat(parts), failed
+            group = []
+    failed = _run_group(runtime, source, group, parts) if group else None
+    return RowStats.concat(parts), failed
+
+
+def _run_group(runtime: CpuRuntime, source: PositionSource, group: Sequence[PositionBatch], parts: list) -> str | None:
+    """Run the group's steps together (one by one when one fails: the batches before it count, as alone)."""
+    try:
+        with WEIGHTS.scanning():  # whole-model runs (hlir/weightcache.py)
+            outs = [r.outputs[source.output] for r in runtime.run_many([b.inputs for b in group])]
+    except (ValueError, FloatingPointError):  # e.g. a REJECT overflow policy: find the step, as run alone
+        for batch in group:
+            try:
+                with WEIGHTS.scanning():
+                    out = runtime.run(batch.inputs).outputs[source.output]
+            except (ValueError, FloatingPointError) as exc:
+                return str(exc)
+            parts.append(batch_stats(out, batch))
+        return None
+    parts.extend(batch_stats(out, batch) for out, batch in zip(outs, group))
+    return None
 
 
 def judge_positions(program: Program, weights, source: PositionSource, gate: Budget,
