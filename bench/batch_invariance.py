@@ -26,7 +26,7 @@ from luminal_num.compiler import compile
 from luminal_num.error.budget import Budget
 from luminal_num.memory import plan_memory
 from luminal_num.runtime import tile_threads
-from luminal_num.runtime.blas_threads import set_blas_threads
+from luminal_num.blas_threads import set_blas_threads
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.runtime.latency import modelled_latency
 from luminal_num.search.search import SearchOptions

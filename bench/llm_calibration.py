@@ -55,7 +55,7 @@ def stage_rows(genomes, minimum: int) -> list[dict]:
     from luminal_num.error.pooled import RowStats, judge_positions
     from luminal_num.hlir.partition import partition
     from luminal_num.models.registry import llm_job
-    from luminal_num.runtime.blas_threads import one_blas_thread
+    from luminal_num.blas_threads import one_blas_thread
     from luminal_num.runtime.cpu import CpuRuntime
     from luminal_num.error.reference import references
     from luminal_num.search.recipes import baseline_genomes

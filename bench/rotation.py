@@ -92,7 +92,7 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, me
     from luminal_num.quant.calibration import CALIBRATION, NO_HESSIANS
     from luminal_num.quant.stored import CONVERTED
     from luminal_num.hlir.weightcache import WEIGHTS
-    from luminal_num.runtime.blas_threads import one_blas_thread
+    from luminal_num.blas_threads import one_blas_thread
     from luminal_num.runtime.cpu import CpuRuntime
     from luminal_num.search.space import SearchSpace
 

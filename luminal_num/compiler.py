@@ -38,7 +38,7 @@ from .hlir.graph import Graph
 from .hlir.partition import Partition, partition
 from .memory import MemoryPlan, plan_memory
 from .quant.calibration import CALIBRATION, NO_HESSIANS, Hessians
-from .runtime.blas_threads import one_blas_thread
+from .blas_threads import one_blas_thread
 from .runtime.heap import trim_heap
 from .search.outcome import InvariancePrice, PositionsRecord
 from .search.plan import Plan

@@ -97,11 +97,11 @@ def test_without_the_ray_package_the_ray_executor_says_how_to_get_it(monkeypatch
 
 
 def test_the_reference_and_verdicts_run_on_one_blas_thread_and_the_count_comes_back():
-    """What makes the driver's own runs compute the bits a worker's would (runtime/blas_threads.py); the FP64
+    """What makes the driver's own runs compute the bits a worker's would (luminal_num/blas_threads.py); the FP64
     reference's small-M products run on one thread too (a second one only waits beside a busy process)."""
     from luminal_num.cli_jobs import parse_budget
     from luminal_num.compiler import compile as compile_plan
-    from luminal_num.runtime.blas_threads import blas_threads, set_blas_threads
+    from luminal_num.blas_threads import blas_threads, set_blas_threads
     from luminal_num.search.search import SearchOptions
     if blas_threads() is None:
         pytest.skip("numpy's BLAS is not its bundled OpenBLAS: its thread count cannot be set")
@@ -116,7 +116,7 @@ def test_the_reference_and_verdicts_run_on_one_blas_thread_and_the_count_comes_b
 
 
 def test_small_products_take_one_blas_thread_and_large_ones_keep_the_count():
-    from luminal_num.runtime.blas_threads import SMALL_PRODUCT_ROWS, blas_threads, set_blas_threads, threads_for_rows
+    from luminal_num.blas_threads import SMALL_PRODUCT_ROWS, blas_threads, set_blas_threads, threads_for_rows
     if blas_threads() is None:
         pytest.skip("numpy's BLAS is not its bundled OpenBLAS: its thread count cannot be set")
     before = blas_threads()
@@ -140,7 +140,7 @@ def test_smollm2_plans_are_the_same_bytes_for_one_and_two_local_workers(tmp_path
     from luminal_num.memory import plan_memory
     from luminal_num.models.registry import llm_job
     from luminal_num.report.compile_report import write_compile_report
-    from luminal_num.runtime.blas_threads import set_blas_threads
+    from luminal_num.blas_threads import set_blas_threads
     from luminal_num.search.search import SearchOptions
     job = llm_job("smollm2", layers=3)
     set_blas_threads(2)

@@ -59,7 +59,7 @@ def test_pool_workers_run_blas_on_one_thread_each():
     """One worker per core: a worker's BLAS must not start threads of its own on top (error/tasks.py)."""
     import pytest
     from luminal_num.error import tasks
-    from luminal_num.runtime.blas_threads import blas_threads
+    from luminal_num.blas_threads import blas_threads
     if blas_threads() is None:
         pytest.skip("numpy is not using its bundled OpenBLAS: its own threading stands")
     with tasks.TaskPool({}, 2) as pool:
@@ -70,7 +70,7 @@ def test_pool_workers_run_blas_on_one_thread_each():
 
 
 def _threads(_):
-    from luminal_num.runtime.blas_threads import blas_threads
+    from luminal_num.blas_threads import blas_threads
     return blas_threads()
 
 

@@ -69,8 +69,8 @@ def test_a_concatenated_external_is_shared_and_read_only():
     w1, w2 = keyed(np.ones((2, 4), np.float32)), keyed(np.zeros((3, 4), np.float32))
     feed = {"w1": w1, "w2": w2}
 
-    class K:  # the fields external_value reads (no rotation: a concatenation)
-        concat, concat_axis, external, rotation = ("w1", "w2"), 0, "w12", None
+    class K:  # the fields external_value reads (no rotation, no smoothing: a concatenation)
+        concat, concat_axis, external, rotation, smoothing = ("w1", "w2"), 0, "w12", None, None
     got = external_value(K, feed)
     assert external_value(K, dict(feed)) is got and np.array_equal(got, np.concatenate([w1, w2]))
     assert isinstance(got, WeightArray)  # itself a weight: its Gemm operands are cached by its key

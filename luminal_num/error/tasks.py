@@ -22,7 +22,7 @@ from ..codegen.serialize import program_from_data, program_to_data
 from ..hlir.weightcache import WEIGHTS
 from ..quant.calibration import CALIBRATION, NO_HESSIANS, Hessians
 from ..quant.stored import CONVERTED
-from ..runtime.blas_threads import set_blas_threads
+from ..blas_threads import set_blas_threads
 from ..runtime.cpu import CpuRuntime
 from ..runtime.heap import trim_heap
 
@@ -130,7 +130,7 @@ def worker_init(weights, cache_bytes: int | None = None, hessians: Hessians = NO
     CALIBRATION.install_for_process(hessians)  # GPTQ-filled weights convert under the compile's Hessians
     for cache in (WEIGHTS, CONVERTED):  # entries inherited from the parent count until evicted
         cache.resize(min(cache.budget_bytes, WORKER_CACHE_BYTES if cache_bytes is None else cache_bytes))
-    set_blas_threads(1)  # one worker per core: BLAS threads on top only oversubscribe (runtime/blas_threads.py)
+    set_blas_threads(1)  # one worker per core: BLAS threads on top only oversubscribe (luminal_num/blas_threads.py)
 
 
 def run_caught(task: RunTask, weights: Mapping[str, np.ndarray] | None = None) -> tuple[object, float]:

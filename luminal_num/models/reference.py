@@ -24,7 +24,7 @@ import numpy as np
 from ..hlir.evaluate import fp64_weight
 from ..hlir.store import keyed, release_pages
 from ..hlir.weightcache import WEIGHTS
-from ..runtime.blas_threads import threads_for_rows
+from ..blas_threads import threads_for_rows
 from .llama import EMBED, FINAL_NORM, LM_HEAD, LlamaConfig, check_weights, rope_tables
 
 HEAD_BLOCK_BYTES = 2 << 20  # FP64 rows of a streamed head converted at a time (kept in cache)

@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from .blas_threads import bundled_openblas
+from ..blas_threads import bundled_openblas
 
 SCALE = 2.0 ** -1009  # F16's min normal 2^-14 -> 2^-1023, just under FP64's: F16's 2^-24 -> 2^-1033
 UNSCALE = 2.0 ** 1009

@@ -3,6 +3,8 @@
 A verdict pool runs one process per core; each worker's BLAS starting its own threads on top puts
 2 x 2 threads on 2 cores, and OpenBLAS threads that wait for a busy core spin: a small FP64 matmul
 took 7-48 ms with two threads on a loaded machine and 2-3 ms with one (8 x 1536 @ 1536 x 576).
+A module of the package's top level, below every stage: the runtime, the judge, the compile and the FP64
+teacher-forcing model (models/reference.py) all set it.
 """
 from __future__ import annotations
 
