@@ -160,7 +160,7 @@ def test_a_large_tensor_quantized_a_block_of_rows_at_a_time_is_bit_identical(spe
     import luminal_num.quant.scales as sc
     monkeypatch.setattr(sc, "AMAX_BLOCK_BYTES", 2 * 37 * 256 * 4)  # the block maxima too (rows of both batches)
     assert np.array_equal(compute_scales(x, get_format(fmt), spec), scales)
-    blocks = list(qz._row_blocks(x.shape, spec, scales))
+    blocks = list(sc.row_blocks(x.shape, spec, qz.ROW_BLOCK_BYTES))
     assert len(blocks) > 2
     got = qz.quantize(x, fmt, scales, spec)
     assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True)

@@ -13,8 +13,8 @@ import numpy as np
 
 from ..dtypes.formats import Format, get
 from ..dtypes.rounding import Overflow, round_to
-from ..dtypes.variants import Granularity, ScaleSpec
-from .scales import compute_scales, expand_scales
+from ..dtypes.variants import ScaleSpec
+from .scales import compute_scales, expand_scales, row_blocks
 
 
 class QuantOverflow(enum.Enum):
@@ -46,29 +46,10 @@ def convert(scaled: np.ndarray, fmt: Format | str, overflow: QuantOverflow = Qua
 ROW_BLOCK_BYTES = 32 << 20  # a large tensor is (de)quantized this many bytes of rows at a time
 
 
-def _row_blocks(shape: tuple[int, ...], spec: ScaleSpec, scales: np.ndarray):
-    """(rows, the scales those rows read) slices covering a tensor whose rows exceed ROW_BLOCK_BYTES, each
-    block starting on a scale block's first row; one whole block for anything smaller. Why: a scale
-    expanded to the tensor's shape, the quotient and the rounding each cost a full-size FP32 temporary (a
-    1B model's LM head: 1 GB each, the compile's memory peaks); every value is elementwise in its own scale,
-    so block by block computes the same bits."""
-    rows = shape[-2] if len(shape) >= 2 else 0
-    row_bytes = 4 * int(np.prod(shape, dtype=np.int64)) // max(rows, 1)
-    if rows < 2 or row_bytes * rows <= ROW_BLOCK_BYTES:
-        yield slice(None), slice(None)
-        return
-    per_scale_row = spec.block[0] if spec.granularity is not Granularity.TENSOR and spec.block[0] else None
-    align = per_scale_row or 1
-    step = max(align, ROW_BLOCK_BYTES // row_bytes // align * align)
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        yield slice(r0, r1), (slice(r0 // align, -(-r1 // align)) if per_scale_row else slice(None))
-
-
 def _by_rows(x: np.ndarray, scales: np.ndarray, spec: ScaleSpec, each) -> np.ndarray:
-    """each(x's rows, their expanded scales) over _row_blocks, assembled (float32 unless each says otherwise)."""
+    """each(x's rows, their expanded scales) over row_blocks, assembled (float32 unless each says otherwise)."""
     out = None
-    for rows, scale_rows in _row_blocks(x.shape, spec, scales):
+    for rows, scale_rows in row_blocks(x.shape, spec, ROW_BLOCK_BYTES):
         part = x[..., rows, :] if x.ndim >= 2 else x
         s = scales[..., scale_rows, :] if scales.ndim >= 2 and scale_rows != slice(None) else scales
         got = each(part, expand_scales(s, part.shape, spec))

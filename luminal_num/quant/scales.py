@@ -35,18 +35,34 @@ def scale_shape(spec: ScaleSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
 AMAX_BLOCK_BYTES = 32 << 20  # a large tensor's block maxima are taken this many bytes of rows at a time
 
 
+def row_blocks(shape: tuple[int, ...], spec: ScaleSpec, max_bytes: int):
+    """(rows, the scale rows they read) slices covering a tensor of FP32 `shape` past `max_bytes`, each block
+    starting on a scale block's first row (scale rows: slice(None) where one scale row spans every row); one
+    whole block for anything smaller. Why: |x|, expanded scales, quotients and roundings of a whole tensor
+    are each a full-size temporary (a 1B model's LM head: 1 GB each, the compile's memory peaks), and every
+    value or block maximum depends on its own rows only, so block by block gives the same bits."""
+    rows = shape[-2] if len(shape) >= 2 else 0
+    row_bytes = 4 * int(np.prod(shape, dtype=np.int64)) // max(rows, 1)
+    if rows < 2 or row_bytes * rows <= max_bytes:
+        yield slice(None), slice(None)
+        return
+    per_scale_row = spec.block[0] if spec.granularity is not Granularity.TENSOR and spec.block[0] != WHOLE else None
+    align = per_scale_row or 1
+    step = max(align, max_bytes // row_bytes // align * align)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        yield slice(r0, r1), (slice(r0 // align, -(-r1 // align)) if per_scale_row else slice(None))
+
+
 def block_amax(x: np.ndarray, spec: ScaleSpec) -> np.ndarray:
     """max |x| over each block (finite entries only), shaped like the scale array; a large tensor a block
-    of rows at a time (its |x| whole was a full-size temporary: 1 GB for a 1B model's LM head), each block of
-    rows starting on a scale block's first row, so every maximum is the one the whole tensor gives."""
+    of rows at a time (row_blocks)."""
     x = np.asarray(x, dtype=np.float32)
-    rows = x.shape[-2] if x.ndim >= 2 else 0
-    if rows < 2 or x.nbytes <= AMAX_BLOCK_BYTES:
+    blocks = list(row_blocks(x.shape, spec, AMAX_BLOCK_BYTES))
+    if len(blocks) == 1:
         return _block_amax(x, spec)
-    spans_rows = spec.granularity is Granularity.TENSOR or spec.block[0] == WHOLE  # one scale row for all rows
-    align = 1 if spans_rows else spec.block[0]
-    step = max(align, AMAX_BLOCK_BYTES // (x.nbytes // rows) // align * align)
-    parts = [_block_amax(x[..., r:r + step, :], spec) for r in range(0, rows, step)]
+    parts = [_block_amax(x[..., rows, :], spec) for rows, _ in blocks]
+    spans_rows = blocks[0][1] == slice(None)  # one scale row for all rows: the blocks' maxima combine
     return np.maximum.reduce(parts) if spans_rows else np.concatenate(parts, axis=-2)
 
 

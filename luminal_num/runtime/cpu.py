@@ -121,16 +121,15 @@ class CpuRuntime:
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
-        return self.run_many([inputs], bindings, keep_exports)[0]
+        return self.run_many([inputs], [bindings], keep_exports)[0]
 
     def run_many(self, batches: Sequence[Mapping[str, np.ndarray]],
-                 bindings: Mapping[str, int] | Sequence[Mapping[str, int] | None] | None = None,
+                 bindings: Sequence[Mapping[str, int] | None] | None = None,
                  keep_exports: bool = False) -> list[RunResult]:
         """run() of each batch, kernel by kernel over all of them: a weight's stored form or Gemm operand
         the cache cannot keep is made once for every batch (WEIGHTS.step), not once per batch. Each
-        batch's results are the ones its own run() gives. `bindings`: one mapping for every batch, or one
-        per batch."""
-        each = list(bindings) if isinstance(bindings, (list, tuple)) else [bindings] * len(batches)
+        batch's results are the ones its own run() gives. `bindings`: one mapping (or None) per batch."""
+        each = [None] * len(batches) if bindings is None else list(bindings)
         if len(each) != len(batches):
             raise ValueError(f"{len(batches)} batches but {len(each)} bindings")
         runs = [self._begin(inputs, bind, keep_exports, reuse=(i == 0))
