@@ -240,54 +240,97 @@ def test_smollm2_plain_decode_is_not_bit_identical_in_batches():
 
 # -- threads and OpenBLAS kernels: a subprocess per setting ---------------------------------------------------
 
+# (threads, OPENBLAS_CORETYPE): this host has no AVX-512 (SkylakeX would crash at import) and its default core
+# is Haswell, so the two kernels are Haswell and Sandybridge, each with 1 and 2 BLAS / tile threads
+SETTINGS = ((1, "Haswell"), (2, "Haswell"), (1, "Sandybridge"), (2, "Sandybridge"))
+
 _PROBE = """
-import sys, numpy as np
-from luminal_num.blas_threads import set_blas_threads
-from luminal_num.runtime import tile_threads
-threads = int(sys.argv[2])
-set_blas_threads(threads)
-tile_threads.TILE_THREADS = threads
-sys.path.insert(0, sys.argv[3])
+import sys
+sys.path.insert(0, sys.argv[1])
 import test_batch_invariance as t
-invariant = sys.argv[1] == "1"
-items = t._minilm_items_direct()
-rt = t._minilm_runtimes(invariant, ("gemm:bf16",))
-out = rt(1).run(items[0]).outputs["embedding"]
-out8 = rt(4).run(t.join(items)).outputs["embedding"][:1]
-np.save(sys.argv[4], np.stack([out, out8]))
+t.probe(*sys.argv[2:])
 """
 
 
-def join(items):
-    from luminal_num.report.invariance import join_items
-    return join_items(items)
+class _Recording:
+    """A runtime whose every run's outputs are kept, in run order."""
+
+    def __init__(self, runtime: CpuRuntime, runs: list):
+        self.runtime, self.runs = runtime, runs
+
+    def run(self, feed):
+        result = self.runtime.run(feed)
+        self.runs.append(result.outputs)
+        return result
+
+
+def _openblas_core() -> str:
+    """The OpenBLAS kernel this process runs (OPENBLAS_CORETYPE is read when numpy loads it)."""
+    import ctypes
+    from luminal_num.blas_threads import bundled_openblas
+    lib = bundled_openblas("scipy_openblas_get_corename64_")
+    if lib is None:
+        return "not the bundled OpenBLAS"
+    fn = lib.scipy_openblas_get_corename64_
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+def probe(model: str, invariant: str, threads: str, out: str) -> None:
+    """Run in a fresh process: the model's invariance check (every item alone, then in batches of 2, 4, 8)
+    with `threads` BLAS and tile threads; saves the verdict, the OpenBLAS core that ran and every output of
+    every run in run order (the same order in every process)."""
+    set_blas_threads(int(threads))
+    tile_threads.TILE_THREADS = int(threads)
+    required = invariant == "1"
+    runs: list = []
+    if model == "minilm":
+        runtime_at, items, offsets = _minilm_runtimes(required, ("gemm:bf16",)), _minilm_items_direct(), None
+    else:
+        runtime_at, items, offsets = _smollm2_runtimes(required), _smollm2_items(8), OFFSETS
+    result = check_invariance(lambda b: _Recording(runtime_at(b), runs), items, required, offsets=offsets)
+    arrays = {f"run{i}__{name}": a for i, outs in enumerate(runs) for name, a in outs.items()}
+    np.savez(out, core=_openblas_core(), identical=result.identical_positions, positions=result.positions,
+             outputs=sorted(set(result.rows["output"])), **arrays)
 
 
 def _minilm_items_direct():
     from luminal_num.models.registry import minilm_job
-    return split_items(minilm_job(batch=12).heldout[:1], 12)[:4]
+    return split_items(minilm_job(batch=12).heldout[:1], 12)[:8]
 
 
-def _probe(tmp_path, invariant: bool, threads: int, coretype: str | None) -> np.ndarray:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("OPENBLAS_CORETYPE", None)
-    if coretype:
-        env["OPENBLAS_CORETYPE"] = coretype
-    out = tmp_path / f"{int(invariant)}_{threads}_{coretype}.npy"
-    subprocess.run([sys.executable, "-c", _PROBE, str(int(invariant)), str(threads), str(ROOT / "tests"), str(out)],
-                   env=env, check=True, timeout=300)
-    return np.load(out)
+def _probe(tmp_path, model: str, invariant: bool, threads: int, coretype: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OPENBLAS_CORETYPE": coretype}
+    out = tmp_path / f"{model}_{int(invariant)}_{threads}_{coretype}.npz"
+    subprocess.run([sys.executable, "-c", _PROBE, str(ROOT / "tests"), model, str(int(invariant)), str(threads),
+                    str(out)], env=env, check=True, timeout=600)
+    with np.load(out) as saved:
+        return {key: saved[key] for key in saved.files}
+
+
+def _same_runs(a: dict, b: dict) -> bool:
+    runs = [key for key in a if key.startswith("run")]
+    return sorted(runs) == sorted(key for key in b if key.startswith("run")) and \
+        all(a[key].dtype == b[key].dtype and np.array_equal(a[key].view(np.uint8), b[key].view(np.uint8))
+            for key in runs)
 
 
 @pytest.mark.slow
-def test_minilm_invariant_bits_hold_across_threads_and_openblas_kernels(tmp_path):
-    """Haswell vs Sandybridge (this host has no AVX-512; SkylakeX would crash at import): the plain plan's
-    embeddings change with the kernel or the batch, the invariant plan's do not (alone, in a batch of 4)."""
-    runs = {(t, c): _probe(tmp_path, True, t, c) for t, c in ((1, "Haswell"), (2, "Haswell"), (2, "Sandybridge"))}
-    first = next(iter(runs.values()))
-    for got in runs.values():
-        np.testing.assert_array_equal(got, first)
-    np.testing.assert_array_equal(first[0], first[1])
-    plain = {c: _probe(tmp_path, False, 2, c) for c in ("Haswell", "Sandybridge")}
-    assert any(not np.array_equal(p[0], p[1]) for p in plain.values()) or \
-        not np.array_equal(plain["Haswell"], plain["Sandybridge"])
+@pytest.mark.parametrize("model", ["minilm", "smollm2"])
+def test_invariant_bits_hold_across_batches_threads_and_openblas_kernels(tmp_path, model):
+    """MiniLM's embeddings (BF16 Gemms) and SmolLM2's (2 layers, decode:8@64, FP32 Gemms, fused attention)
+    logits and KV-cache rows: each of 8 held-out inputs alone and in batches of 2, 4, 8 is bit-identical
+    within each setting, and every run's outputs are bit-identical across 1 vs 2 threads and the Haswell vs
+    Sandybridge OpenBLAS kernels (each process reports the core it ran). The control: the ordinary plan is
+    not invariant in a batch or not the same across settings (so the comparisons can fail)."""
+    runs = {s: _probe(tmp_path, model, True, *s) for s in SETTINGS}
+    assert {str(r["core"]) for r in runs.values()} == {"Haswell", "Sandybridge"}
+    for setting, r in runs.items():
+        assert int(r["identical"]) == int(r["positions"]) == 24, (setting, r["identical"], r["positions"])
+    expected = {"embedding"} if model == "minilm" else {"logits", "k_cache_out.0", "v_cache_out.1"}
+    assert expected <= set(runs[SETTINGS[0]]["outputs"].tolist())
+    for setting, r in runs.items():
+        assert _same_runs(r, runs[SETTINGS[0]]), setting
+    plain = [_probe(tmp_path, model, False, *s) for s in (SETTINGS[0], SETTINGS[3])]
+    assert any(int(r["identical"]) < int(r["positions"]) for r in plain) or not _same_runs(*plain)
