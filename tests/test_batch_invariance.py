@@ -248,7 +248,7 @@ _PROBE = """
 import sys
 sys.path.insert(0, sys.argv[1])
 import test_batch_invariance as t
-t.probe(*sys.argv[2:])
+getattr(t, sys.argv[2])(*sys.argv[3:])
 """
 
 
@@ -276,18 +276,33 @@ def _openblas_core() -> str:
     return fn().decode()
 
 
-def probe(model: str, invariant: str, threads: str, out: str) -> None:
+def save_items(model: str, out: str) -> None:
+    """Run in a fresh process: the model's 8 held-out inputs, saved once for every probe (the job that
+    makes them, with its FP64 reference, stays out of the probes' memory)."""
+    items = _minilm_items_direct() if model == "minilm" else _smollm2_items(8)
+    np.savez(out, **{f"{i}__{name}": a for i, item in enumerate(items) for name, a in item.items()})
+
+
+PROBE_CACHE_BYTES = 256 << 20  # the weight-derived cache of a probe (values are the same, only fewer kept)
+
+
+def probe(model: str, invariant: str, threads: str, items_file: str, out: str) -> None:
     """Run in a fresh process: the model's invariance check (every item alone, then in batches of 2, 4, 8)
     with `threads` BLAS and tile threads; saves the verdict, the OpenBLAS core that ran and every output of
     every run in run order (the same order in every process)."""
+    from luminal_num.hlir.weightcache import WEIGHTS
     set_blas_threads(int(threads))
     tile_threads.TILE_THREADS = int(threads)
+    WEIGHTS.resize(PROBE_CACHE_BYTES)
     required = invariant == "1"
+    with np.load(items_file) as saved:
+        items = [{} for _ in range(len({key.split("__")[0] for key in saved.files}))]
+        for key in saved.files:
+            index, name = key.split("__", 1)
+            items[int(index)][name] = saved[key]
     runs: list = []
-    if model == "minilm":
-        runtime_at, items, offsets = _minilm_runtimes(required, ("gemm:bf16",)), _minilm_items_direct(), None
-    else:
-        runtime_at, items, offsets = _smollm2_runtimes(required), _smollm2_items(8), OFFSETS
+    runtime_at, offsets = (_minilm_runtimes(required, ("gemm:bf16",)), None) if model == "minilm" else \
+        (_smollm2_runtimes(required), OFFSETS)
     result = check_invariance(lambda b: _Recording(runtime_at(b), runs), items, required, offsets=offsets)
     arrays = {f"run{i}__{name}": a for i, outs in enumerate(runs) for name, a in outs.items()}
     np.savez(out, core=_openblas_core(), identical=result.identical_positions, positions=result.positions,
@@ -299,12 +314,19 @@ def _minilm_items_direct():
     return split_items(minilm_job(batch=12).heldout[:1], 12)[:8]
 
 
-def _probe(tmp_path, model: str, invariant: bool, threads: int, coretype: str) -> dict:
+def _subprocess(coretype: str, *args) -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OPENBLAS_CORETYPE": coretype}
+    subprocess.run([sys.executable, "-c", _PROBE, str(ROOT / "tests"), *map(str, args)], env=env, check=True,
+                   timeout=600)
+
+
+def _probe(tmp_path, model: str, invariant: bool, threads: int, coretype: str) -> dict:
+    items = tmp_path / f"{model}_items.npz"
+    if not items.exists():
+        _subprocess(coretype, "save_items", model, items)
     out = tmp_path / f"{model}_{int(invariant)}_{threads}_{coretype}.npz"
-    subprocess.run([sys.executable, "-c", _PROBE, str(ROOT / "tests"), model, str(int(invariant)), str(threads),
-                    str(out)], env=env, check=True, timeout=600)
+    _subprocess(coretype, "probe", model, int(invariant), threads, items, out)
     with np.load(out) as saved:
         return {key: saved[key] for key in saved.files}
 
