@@ -1,11 +1,12 @@
 """Batch-invariant plans (issue 37): a row's bits do not depend on the batch it is in.
 
 Differential: the fixed-order Gemm against an FP64 numpy reference within the FP32 Gemm's static bound,
-and against its own definition written out in numpy; whole models (MiniLM, SmolLM2 with 2 layers) run
-alone vs inside batches of 2, 4, 8, with 1 vs 2 threads and under two OpenBLAS kernels, bit for bit; the
+and against its own definition written out in numpy; row sums and softmax of a row alone vs in a batch;
+whole models (MiniLM, SmolLM2 with 2 layers) run alone vs inside batches of 2, 4, 8, and (slow, one process
+per setting) with 1 vs 2 threads under the Haswell and Sandybridge OpenBLAS kernels, bit for bit; the
 same checks find differences on a plan whose FP8 activation scale spans the batch (default: a control
-that fails on any CPU) and on the plain plan (slow: BLAS order per M); the CUDA tiled Gemm of a
-batch-invariant program gives a row the same bits at M = 1 and M = 8 in the interpreter.
+that fails on any CPU) and on the plain plan (slow: BLAS order per M and per kernel); the CUDA tiled Gemm
+of a batch-invariant program gives a row the same bits at M = 1 and M = 8 in the interpreter.
 """
 from __future__ import annotations
 
@@ -93,6 +94,39 @@ def test_invariant_attention_splits_at_fixed_key_boundaries():
     assert spec_for(0.125, 7, 144, batch_invariant=True) == AttentionSpec(0.125)  # prefill: one pass already
     with pytest.raises(ValueError):
         AttentionSpec(0.5, split_keys=40)
+
+
+# -- row reductions: numpy's order follows the row, not the batch ------------------------------------------
+
+@pytest.mark.parametrize("length", [1, 3, 7, 8, 9, 41, 127, 128, 129, 384, 576, 1536, 8193, 49152])
+def test_row_sums_and_softmax_of_a_row_do_not_depend_on_the_batch_it_is_in(length):
+    """Why invariant plans need no kernel of their own for norms and softmax: the CPU backend's row sum
+    (reduce_sum: FP32, FP64 and a non-contiguous view's copy) and its softmax give a row, alone, the bits it
+    gets at every slot of batches of 2, 4 and 8 (numpy sums a contiguous row pairwise in blocks that follow
+    its length); a middle axis (sequence, pooled per batch) likewise. Lengths cross the pairwise blocks (8,
+    128) and the 8192-element buffer size."""
+    from luminal_num.dtypes.formats import F64
+    from luminal_num.runtime.cpu_bodies import reduce_sum
+    from luminal_num.runtime.cpu_softmax import softmax_f64_into
+    rng = np.random.default_rng(length)
+    rows = (rng.standard_normal((8, length)) * rng.uniform(0.1, 30, (8, 1))).astype(np.float32)
+    strided = np.repeat(rows, 2, axis=1)[:, ::2]  # the same values through a non-contiguous view
+
+    def each(fn, a):
+        return [fn(a[i:i + 1])[0] for i in range(len(a))]
+
+    for fn in (lambda a: reduce_sum(a, 1, None), lambda a: reduce_sum(a, 1, F64),
+               lambda a: softmax_f64_into(a, 1, np.empty(a.shape, np.float32))):
+        for values in (rows, strided):
+            alone = each(fn, values)
+            for b in (2, 4, 8):
+                for start in range(0, 8, b):
+                    got = fn(values[start:start + b])
+                    for slot in range(b):
+                        assert np.array_equal(got[slot], alone[start + slot]), (fn, b, slot)
+    cube = rows.reshape(8, 1, length).repeat(3, axis=1).transpose(0, 2, 1).copy()  # (batch, length, 3)
+    alone = [reduce_sum(cube[i:i + 1], 1, None) for i in range(8)]
+    assert all(np.array_equal(reduce_sum(cube, 1, None)[i], alone[i][0]) for i in range(8))
 
 
 # -- CUDA: the tiled Gemm of a batch-invariant program pins one order ---------------------------------------
