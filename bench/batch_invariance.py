@@ -80,12 +80,12 @@ def _cpu_ms(programs: dict, weights, feed, repeats: int, threads: int) -> dict[s
 
 
 def measure_job(name: str, job, target: str, candidates: int, seed: int, repeats: int,
-                max_memory_gb: float) -> dict:
+                max_memory_gb: float, workers: int) -> dict:
     budget = Budget.parse(job.default_budget)
     results = {}
     for key, invariant in (("plain", False), ("invariant", True)):
         options = SearchOptions(seed=seed, max_candidates=candidates, target=target, batch_invariant=invariant,
-                                progress=False)
+                                progress=False, workers=workers)
         t0 = time.perf_counter()
         results[key] = compile(job.graph, budget, target, job.calibration, options,
                                memory=plan_memory(job.graph.weights, int(max_memory_gb * 2**30)))
@@ -122,8 +122,11 @@ def main(argv=None) -> pd.DataFrame:
                     help="comma-separated SmolLM2 workloads, one job each")
     ap.add_argument("--target", default="h200-measured", help="the target both compiles search for")
     ap.add_argument("--max-memory-gb", type=float, default=4.0, help="each compile's memory budget")
+    ap.add_argument("--workers", type=int, default=SearchOptions.workers,
+                    help="local verdict processes per compile (1: none; the plans are the same for any count)")
     args = ap.parse_args(argv)
-    rows = [measure_job(name, job, args.target, args.candidates, args.seed, args.repeats, args.max_memory_gb)
+    rows = [measure_job(name, job, args.target, args.candidates, args.seed, args.repeats, args.max_memory_gb,
+                        args.workers)
             for name, job in _jobs(args.layers, args.smollm2_workloads.split(","))]
     frame = pd.DataFrame(rows)
     write_csv(frame, "batch_invariance.csv")
