@@ -15,12 +15,14 @@ sequential order (no cuBLAS, no M <= 4 decode tree) and decode attention in fixe
 the fixed-order Gemm (runtime/fixed_gemm.py) instead of BLAS. `{plain,invariant}_decode_path_gemms`: Gemms
 each program runs on the tiled kernel's M <= 4 decode path, priced on h200-measured by the tiled_decode
 class, which is MODELLED from the measured tiled fit (runtime/kernel_classes.DERIVED_CLASSES), not measured
-on a device.
+on a device; `h200-measured_*_decode_as_sequential`: the plain plan priced with those Gemms as the sequential
+kernel, as the model did before that class (the price of invariance it understated).
 Writes reports/bench/batch_invariance.csv.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -33,7 +35,8 @@ from luminal_num.runtime import tile_threads
 from luminal_num.blas_threads import set_blas_threads
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.codegen.cuda_dispatch import GemmImpl
-from luminal_num.runtime.latency import kernel_works, modelled_latency
+from luminal_num.runtime.cost import model_latency
+from luminal_num.runtime.latency import kernel_works, modelled_latency, serial_extent
 from luminal_num.search.search import SearchOptions
 
 from .summary import write_csv
@@ -54,6 +57,16 @@ def _jobs(layers: int, workloads: list[str]):
 def _decode_path_gemms(program) -> int:
     """Gemms the program runs on the tiled kernel's decode path (the modelled tiled_decode class)."""
     return sum(w.implementation == GemmImpl.TILED_DECODE.value for w in kernel_works(program, {}))
+
+
+def _decode_as_sequential_us(program, target: str) -> float:
+    """The program priced as the model did before the tiled_decode class: each decode-path Gemm as the
+    sequential tiled kernel (class tiled, serial extent K), i.e. what that model understated."""
+    works = [dataclasses.replace(w, implementation=GemmImpl.TILED.value,
+                                 serial_extent=serial_extent(k, {}, GemmImpl.TILED))
+             if w.implementation == GemmImpl.TILED_DECODE.value else w
+             for k, w in zip(program.launched(), kernel_works(program, {}))]
+    return model_latency(works, target).total_s * 1e6
 
 
 def _tags(genome) -> str:
@@ -100,6 +113,9 @@ def measure_job(name: str, job, target: str, candidates: int, seed: int, repeats
         row |= {f"{tgt}_plain_us": us["plain"], f"{tgt}_invariant_us": us["invariant"],
                 f"{tgt}_ratio": us["invariant"] / us["plain"]}
     row |= {f"{key}_decode_path_gemms": _decode_path_gemms(p) for key, p in programs.items()}
+    before = _decode_as_sequential_us(programs["plain"], "h200-measured")
+    row |= {"h200-measured_plain_us_decode_as_sequential": before,
+            "h200-measured_ratio_decode_as_sequential": row["h200-measured_invariant_us"] / before}
     price = results["invariant"].plan.invariance_price
     row["same_genome_ratio"] = price.ratio
     row["same_genome_ratio_target"] = price.target

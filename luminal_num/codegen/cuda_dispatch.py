@@ -34,11 +34,6 @@ class GemmImpl(enum.Enum):
     TILED_DECODE = "tiled_decode"  # the same launch at M <= SKINNY_M on its decode path: K split over 16 lanes
 
     @property
-    def tiled(self) -> bool:
-        """The project's tiled kernel, on either of its paths."""
-        return self in (GemmImpl.TILED, GemmImpl.TILED_DECODE)
-
-    @property
     def library(self) -> bool:
         """A cuBLAS(Lt) call (which uses tensor cores where the variant's math mode has them)."""
         return self in (GemmImpl.CUBLAS, GemmImpl.CUBLASLT)

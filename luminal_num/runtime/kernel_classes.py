@@ -60,7 +60,7 @@ class KernelClassFit:
 # recording that has the class replaces the derivation (get() prefers a measured fit).
 #
 # tiled_decode (the tiled Gemm's decode path, codegen/cuda_gemv.py, M <= 4 in ordinary programs) from tiled:
-# it is the same launch (grid, 16 x 16 threads, the bytes each operand element is loaded in, the flops),
+# it is the same launch (grid, 16 x 16 threads per block, the same bytes loaded and stored, the same flops),
 # so the fixed, per-byte, per-flop and per-wave-flop coefficients carry over; what differs is the chain of
 # steps a block runs in order, which is the feature the tiled fit charges most (per_wave_step, 53 ns per
 # step on the H200: a K = 576 decode GEMV's sequential walk is 576 steps, ~31 us of its measured 39 us).
