@@ -5,7 +5,7 @@ per-class fits of this project's kernels on a real H200), and measured on the CP
 `--repeats` runs of each program, alternating, in one run; with 1 and with 2 BLAS / tile threads).
 
 Jobs: MiniLM (batch 12 x 41 tokens, all 6 layers) and SmolLM2-135M with its first `--layers` layers at each
-of `--smollm2-workloads` (default decode:1@64, one sequence: every Gemm M = 1, and decode:8@64; the full 30
+of `--smollm2-workloads` (default decode:1@64, one sequence: its dense Gemms at M = 1, and decode:8@64; the full 30
 layers take minutes per CPU run; the per-layer price is what repeats). The compiles search
 for `--target` (default h200-measured: the target with evidence of what each implementation costs); both plans
 are then priced on both modelled targets. `same_genome_ratio`: the invariant plan's own genome lowered
