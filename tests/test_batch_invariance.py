@@ -30,7 +30,7 @@ from luminal_num.hlir.gemm import gemm_layouts
 from luminal_num.hlir.shape import ShapeTracker
 from luminal_num.report.invariance import InvarianceResult, check_invariance, split_items
 from luminal_num.runtime import tile_threads
-from luminal_num.blas_threads import blas_threads, set_blas_threads
+from luminal_num.blas_threads import set_blas_threads
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.runtime.fixed_gemm import FIXED_K_GROUP, fixed_matmul
 from luminal_num.search.space import SearchSpace
