@@ -4,19 +4,25 @@ seed and candidate count, one plain and one with `--batch-invariant`; the chosen
 per-class fits of this project's kernels on a real H200), and measured on the CPU backend (medians of
 `--repeats` runs of each program, alternating, in one run; with 1 and with 2 BLAS / tile threads).
 
-Jobs: MiniLM (batch 12 x 41 tokens, all 6 layers) and SmolLM2-135M decode:8@64 with its first `--layers`
-layers (the full 30 layers take minutes per CPU run; the per-layer price is what repeats). The compiles search
+Jobs: MiniLM (batch 12 x 41 tokens, all 6 layers) and SmolLM2-135M with its first `--layers` layers at each
+of `--smollm2-workloads` (default decode:1@64, one sequence: its dense Gemms at M = 1, and decode:8@64; the full 30
+layers take minutes per CPU run; the per-layer price is what repeats). The compiles search
 for `--target` (default h200-measured: the target with evidence of what each implementation costs); both plans
 are then priced on both modelled targets. `same_genome_ratio`: the invariant plan's own genome lowered
 without invariance (plan.json's invariance_price), i.e. the price of the dispatch alone, without the search
 choosing another genome. What differs: on CUDA the invariant program runs every Gemm in the tiled kernel's
 sequential order (no cuBLAS, no M <= 4 decode tree) and decode attention in fixed 64-key splits; on the CPU
-the fixed-order Gemm (runtime/fixed_gemm.py) instead of BLAS.
+the fixed-order Gemm (runtime/fixed_gemm.py) instead of BLAS. `{plain,invariant}_decode_path_gemms`: Gemms
+each program runs on the tiled kernel's M <= 4 decode path, priced on h200-measured by the tiled_decode
+class, which is MODELLED from the measured tiled fit (runtime/kernel_classes.DERIVED_CLASSES), not measured
+on a device; `h200-measured_*_decode_as_sequential`: the plain plan priced with those Gemms as the sequential
+kernel, as the model did before that class (the price of invariance it understated).
 Writes reports/bench/batch_invariance.csv.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -28,7 +34,9 @@ from luminal_num.memory import plan_memory
 from luminal_num.runtime import tile_threads
 from luminal_num.blas_threads import set_blas_threads
 from luminal_num.runtime.cpu import CpuRuntime
-from luminal_num.runtime.latency import modelled_latency
+from luminal_num.codegen.cuda_dispatch import GemmImpl
+from luminal_num.runtime.cost import model_latency
+from luminal_num.runtime.latency import kernel_works, modelled_latency, serial_extent
 from luminal_num.search.search import SearchOptions
 
 from .summary import write_csv
@@ -39,10 +47,26 @@ MODELLED = ("h200", "h200-measured")
 # BLAS call and the fixed-order kernel does not: the 1-thread ratio is the price of the order itself
 
 
-def _jobs(layers: int):
+def _jobs(layers: int, workloads: list[str]):
     from luminal_num.models.registry import llm_job, minilm_job
     yield "minilm (6 layers, batch 12x41)", minilm_job(batch=12)
-    yield f"smollm2 ({layers} of 30 layers, decode:8@64)", llm_job("smollm2", "decode:8@64", layers=layers)
+    for workload in workloads:
+        yield f"smollm2 ({layers} of 30 layers, {workload})", llm_job("smollm2", workload, layers=layers)
+
+
+def _decode_path_gemms(program) -> int:
+    """Gemms the program runs on the tiled kernel's decode path (the modelled tiled_decode class)."""
+    return sum(w.implementation == GemmImpl.TILED_DECODE.value for w in kernel_works(program, {}))
+
+
+def _decode_as_sequential_us(program, target: str) -> float:
+    """The program priced as the model did before the tiled_decode class: each decode-path Gemm as the
+    sequential tiled kernel (class tiled, serial extent K), i.e. what that model understated."""
+    works = [dataclasses.replace(w, implementation=GemmImpl.TILED.value,
+                                 serial_extent=serial_extent(k, {}, GemmImpl.TILED))
+             if w.implementation == GemmImpl.TILED_DECODE.value else w
+             for k, w in zip(program.launched(), kernel_works(program, {}))]
+    return model_latency(works, target).total_s * 1e6
 
 
 def _tags(genome) -> str:
@@ -69,12 +93,12 @@ def _cpu_ms(programs: dict, weights, feed, repeats: int, threads: int) -> dict[s
 
 
 def measure_job(name: str, job, target: str, candidates: int, seed: int, repeats: int,
-                max_memory_gb: float) -> dict:
+                max_memory_gb: float, workers: int) -> dict:
     budget = Budget.parse(job.default_budget)
     results = {}
     for key, invariant in (("plain", False), ("invariant", True)):
         options = SearchOptions(seed=seed, max_candidates=candidates, target=target, batch_invariant=invariant,
-                                progress=False)
+                                progress=False, workers=workers)
         t0 = time.perf_counter()
         results[key] = compile(job.graph, budget, target, job.calibration, options,
                                memory=plan_memory(job.graph.weights, int(max_memory_gb * 2**30)))
@@ -88,6 +112,10 @@ def measure_job(name: str, job, target: str, candidates: int, seed: int, repeats
         us = {key: modelled_latency(p, tgt, {}).total_s * 1e6 for key, p in programs.items()}
         row |= {f"{tgt}_plain_us": us["plain"], f"{tgt}_invariant_us": us["invariant"],
                 f"{tgt}_ratio": us["invariant"] / us["plain"]}
+    row |= {f"{key}_decode_path_gemms": _decode_path_gemms(p) for key, p in programs.items()}
+    before = _decode_as_sequential_us(programs["plain"], "h200-measured")
+    row |= {"h200-measured_plain_us_decode_as_sequential": before,
+            "h200-measured_ratio_decode_as_sequential": row["h200-measured_invariant_us"] / before}
     price = results["invariant"].plan.invariance_price
     row["same_genome_ratio"] = price.ratio
     row["same_genome_ratio_target"] = price.target
@@ -106,14 +134,21 @@ def main(argv=None) -> pd.DataFrame:
     ap.add_argument("--candidates", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=2, help="SmolLM2 layers (2..4; 30 is the whole model)")
+    ap.add_argument("--smollm2-workloads", default="decode:1@64,decode:8@64",
+                    help="comma-separated SmolLM2 workloads, one job each")
     ap.add_argument("--target", default="h200-measured", help="the target both compiles search for")
     ap.add_argument("--max-memory-gb", type=float, default=4.0, help="each compile's memory budget")
+    ap.add_argument("--workers", type=int, default=SearchOptions.workers,
+                    help="local verdict processes per compile (1: none; the plans are the same for any count)")
     args = ap.parse_args(argv)
-    rows = [measure_job(name, job, args.target, args.candidates, args.seed, args.repeats, args.max_memory_gb)
-            for name, job in _jobs(args.layers)]
+    rows = [measure_job(name, job, args.target, args.candidates, args.seed, args.repeats, args.max_memory_gb,
+                        args.workers)
+            for name, job in _jobs(args.layers, args.smollm2_workloads.split(","))]
     frame = pd.DataFrame(rows)
     write_csv(frame, "batch_invariance.csv")
     print(frame.to_string(index=False))
+    print("note: h200-measured prices the decode-path Gemms (*_decode_path_gemms) by the tiled_decode class, "
+          "modelled from the measured tiled fit, not measured on a device")
     return frame
 
 

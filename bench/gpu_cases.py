@@ -8,12 +8,18 @@ rows, under every genome of bench/fusion.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
+from luminal_num.codegen.cuda_dispatch import GemmImpl
+from luminal_num.codegen.llir import Program
 from luminal_num.models.llama import build_decode, random_weights
+from luminal_num.runtime.cost import KernelWork
+from luminal_num.runtime.latency import kernel_works, serial_extent
 from luminal_num.search.recipes import pick
 from luminal_num.search.space import SearchSpace
 from .fusion import GENOMES
@@ -60,3 +66,20 @@ def device_cases():
     _, step_weights, step_inputs, step_space = smollm2_step()
     for label in GENOMES:
         yield "smollm2-decode", label, genome_program(step_space, label), step_weights, step_inputs
+
+
+def recorded_works(program: Program, bindings: Mapping[str, int], recorded: Mapping[int, str]) -> list[KernelWork]:
+    """kernel_works of `program` as a recorded device run executed it (`recorded`: kernel id -> the
+    implementation the recording names). The H200 recording of 2026-12-04 predates the tiled Gemm's decode
+    path (codegen/cuda_gemv.py): a Gemm the current code runs there (tiled_decode) ran the sequential tiled
+    kernel in it, so its work is that kernel's (class tiled, serial extent K). Any other disagreement is
+    not the same program: refused."""
+    works = []
+    for k, work in zip(program.launched(), kernel_works(program, bindings)):
+        was = recorded[k.id]
+        if work.implementation == GemmImpl.TILED_DECODE.value and was == GemmImpl.TILED.value:
+            work = dataclasses.replace(work, implementation=was, serial_extent=serial_extent(k, bindings, GemmImpl.TILED))
+        elif work.implementation != was:
+            raise ValueError(f"kernel {k.id}: recorded {was}, rebuilt {work.implementation}: not the same program")
+        works.append(work)
+    return works

@@ -1,11 +1,12 @@
 """Batch-invariant plans (issue 37): a row's bits do not depend on the batch it is in.
 
 Differential: the fixed-order Gemm against an FP64 numpy reference within the FP32 Gemm's static bound,
-and against its own definition written out in numpy; whole models (MiniLM, SmolLM2 with 2 layers) run
-alone vs inside batches of 2, 4, 8, with 1 vs 2 threads and under two OpenBLAS kernels, bit for bit; the
+and against its own definition written out in numpy; row sums and softmax of a row alone vs in a batch;
+whole models (MiniLM, SmolLM2 with 2 layers) run alone vs inside batches of 2, 4, 8, and (slow, one process
+per setting) with 1 vs 2 threads under the Haswell and Sandybridge OpenBLAS kernels, bit for bit; the
 same checks find differences on a plan whose FP8 activation scale spans the batch (default: a control
-that fails on any CPU) and on the plain plan (slow: BLAS order per M); the CUDA tiled Gemm of a
-batch-invariant program gives a row the same bits at M = 1 and M = 8 in the interpreter.
+that fails on any CPU) and on the plain plan (slow: BLAS order per M and per kernel); the CUDA tiled Gemm
+of a batch-invariant program gives a row the same bits at M = 1 and M = 8 in the interpreter.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from luminal_num.hlir.gemm import gemm_layouts
 from luminal_num.hlir.shape import ShapeTracker
 from luminal_num.report.invariance import InvarianceResult, check_invariance, split_items
 from luminal_num.runtime import tile_threads
-from luminal_num.blas_threads import blas_threads, set_blas_threads
+from luminal_num.blas_threads import set_blas_threads
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.runtime.fixed_gemm import FIXED_K_GROUP, fixed_matmul
 from luminal_num.search.space import SearchSpace
@@ -93,6 +94,39 @@ def test_invariant_attention_splits_at_fixed_key_boundaries():
     assert spec_for(0.125, 7, 144, batch_invariant=True) == AttentionSpec(0.125)  # prefill: one pass already
     with pytest.raises(ValueError):
         AttentionSpec(0.5, split_keys=40)
+
+
+# -- row reductions: numpy's order follows the row, not the batch ------------------------------------------
+
+@pytest.mark.parametrize("length", [1, 3, 7, 8, 9, 41, 127, 128, 129, 384, 576, 1536, 8193, 49152])
+def test_row_sums_and_softmax_of_a_row_do_not_depend_on_the_batch_it_is_in(length):
+    """Why invariant plans need no kernel of their own for norms and softmax: the CPU backend's row sum
+    (reduce_sum: FP32, FP64 and a non-contiguous view's copy) and its softmax give a row, alone, the bits it
+    gets at every slot of batches of 2, 4 and 8 (numpy sums a contiguous row pairwise in blocks that follow
+    its length); a middle axis (sequence, pooled per batch) likewise. Lengths cross the pairwise blocks (8,
+    128) and the 8192-element buffer size."""
+    from luminal_num.dtypes.formats import F64
+    from luminal_num.runtime.cpu_bodies import reduce_sum
+    from luminal_num.runtime.cpu_softmax import softmax_f64_into
+    rng = np.random.default_rng(length)
+    rows = (rng.standard_normal((8, length)) * rng.uniform(0.1, 30, (8, 1))).astype(np.float32)
+    strided = np.repeat(rows, 2, axis=1)[:, ::2]  # the same values through a non-contiguous view
+
+    def each(fn, a):
+        return [fn(a[i:i + 1])[0] for i in range(len(a))]
+
+    for fn in (lambda a: reduce_sum(a, 1, None), lambda a: reduce_sum(a, 1, F64),
+               lambda a: softmax_f64_into(a, 1, np.empty(a.shape, np.float32))):
+        for values in (rows, strided):
+            alone = each(fn, values)
+            for b in (2, 4, 8):
+                for start in range(0, 8, b):
+                    got = fn(values[start:start + b])
+                    for slot in range(b):
+                        assert np.array_equal(got[slot], alone[start + slot]), (fn, b, slot)
+    cube = rows.reshape(8, 1, length).repeat(3, axis=1).transpose(0, 2, 1).copy()  # (batch, length, 3)
+    alone = [reduce_sum(cube[i:i + 1], 1, None) for i in range(8)]
+    assert all(np.array_equal(reduce_sum(cube, 1, None)[i], alone[i][0]) for i in range(8))
 
 
 # -- CUDA: the tiled Gemm of a batch-invariant program pins one order ---------------------------------------
@@ -240,54 +274,119 @@ def test_smollm2_plain_decode_is_not_bit_identical_in_batches():
 
 # -- threads and OpenBLAS kernels: a subprocess per setting ---------------------------------------------------
 
+# (threads, OPENBLAS_CORETYPE): this host has no AVX-512 (SkylakeX would crash at import) and its default core
+# is Haswell, so the two kernels are Haswell and Sandybridge, each with 1 and 2 BLAS / tile threads
+SETTINGS = ((1, "Haswell"), (2, "Haswell"), (1, "Sandybridge"), (2, "Sandybridge"))
+
 _PROBE = """
-import sys, numpy as np
-from luminal_num.blas_threads import set_blas_threads
-from luminal_num.runtime import tile_threads
-threads = int(sys.argv[2])
-set_blas_threads(threads)
-tile_threads.TILE_THREADS = threads
-sys.path.insert(0, sys.argv[3])
+import sys
+sys.path.insert(0, sys.argv[1])
 import test_batch_invariance as t
-invariant = sys.argv[1] == "1"
-items = t._minilm_items_direct()
-rt = t._minilm_runtimes(invariant, ("gemm:bf16",))
-out = rt(1).run(items[0]).outputs["embedding"]
-out8 = rt(4).run(t.join(items)).outputs["embedding"][:1]
-np.save(sys.argv[4], np.stack([out, out8]))
+getattr(t, sys.argv[2])(*sys.argv[3:])
 """
 
 
-def join(items):
-    from luminal_num.report.invariance import join_items
-    return join_items(items)
+class _Recording:
+    """A runtime whose every run's outputs are kept, in run order."""
+
+    def __init__(self, runtime: CpuRuntime, runs: list):
+        self.runtime, self.runs = runtime, runs
+
+    def run(self, feed):
+        result = self.runtime.run(feed)
+        self.runs.append(result.outputs)
+        return result
+
+
+def _openblas_core() -> str:
+    """The OpenBLAS kernel this process runs (OPENBLAS_CORETYPE is read when numpy loads it)."""
+    import ctypes
+    from luminal_num.blas_threads import bundled_openblas
+    lib = bundled_openblas("scipy_openblas_get_corename64_")
+    if lib is None:
+        return "not the bundled OpenBLAS"
+    fn = lib.scipy_openblas_get_corename64_
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+def save_items(model: str, out: str) -> None:
+    """Run in a fresh process: the model's 8 held-out inputs, saved once for every probe (the job that
+    makes them, with its FP64 reference, stays out of the probes' memory)."""
+    items = _minilm_items_direct() if model == "minilm" else _smollm2_items(8)
+    np.savez(out, **{f"{i}__{name}": a for i, item in enumerate(items) for name, a in item.items()})
+
+
+PROBE_CACHE_BYTES = 256 << 20  # the weight-derived cache of a probe (values are the same, only fewer kept)
+
+
+def probe(model: str, invariant: str, threads: str, items_file: str, out: str) -> None:
+    """Run in a fresh process: the model's invariance check (every item alone, then in batches of 2, 4, 8)
+    with `threads` BLAS and tile threads; saves the verdict, the OpenBLAS core that ran and every output of
+    every run in run order (the same order in every process)."""
+    from luminal_num.hlir.weightcache import WEIGHTS
+    set_blas_threads(int(threads))
+    tile_threads.TILE_THREADS = int(threads)
+    WEIGHTS.resize(PROBE_CACHE_BYTES)
+    required = invariant == "1"
+    with np.load(items_file) as saved:
+        items = [{} for _ in range(len({key.split("__")[0] for key in saved.files}))]
+        for key in saved.files:
+            index, name = key.split("__", 1)
+            items[int(index)][name] = saved[key]
+    runs: list = []
+    runtime_at, offsets = (_minilm_runtimes(required, ("gemm:bf16",)), None) if model == "minilm" else \
+        (_smollm2_runtimes(required), OFFSETS)
+    result = check_invariance(lambda b: _Recording(runtime_at(b), runs), items, required, offsets=offsets)
+    arrays = {f"run{i}__{name}": a for i, outs in enumerate(runs) for name, a in outs.items()}
+    np.savez(out, core=_openblas_core(), identical=result.identical_positions, positions=result.positions,
+             outputs=sorted(set(result.rows["output"])), **arrays)
 
 
 def _minilm_items_direct():
     from luminal_num.models.registry import minilm_job
-    return split_items(minilm_job(batch=12).heldout[:1], 12)[:4]
+    return split_items(minilm_job(batch=12).heldout[:1], 12)[:8]
 
 
-def _probe(tmp_path, invariant: bool, threads: int, coretype: str | None) -> np.ndarray:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("OPENBLAS_CORETYPE", None)
-    if coretype:
-        env["OPENBLAS_CORETYPE"] = coretype
-    out = tmp_path / f"{int(invariant)}_{threads}_{coretype}.npy"
-    subprocess.run([sys.executable, "-c", _PROBE, str(int(invariant)), str(threads), str(ROOT / "tests"), str(out)],
-                   env=env, check=True, timeout=300)
-    return np.load(out)
+def _subprocess(coretype: str, *args) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OPENBLAS_CORETYPE": coretype}
+    subprocess.run([sys.executable, "-c", _PROBE, str(ROOT / "tests"), *map(str, args)], env=env, check=True,
+                   timeout=600)
+
+
+def _probe(tmp_path, model: str, invariant: bool, threads: int, coretype: str) -> dict:
+    items = tmp_path / f"{model}_items.npz"
+    if not items.exists():
+        _subprocess(coretype, "save_items", model, items)
+    out = tmp_path / f"{model}_{int(invariant)}_{threads}_{coretype}.npz"
+    _subprocess(coretype, "probe", model, int(invariant), threads, items, out)
+    with np.load(out) as saved:
+        return {key: saved[key] for key in saved.files}
+
+
+def _same_runs(a: dict, b: dict) -> bool:
+    runs = [key for key in a if key.startswith("run")]
+    return sorted(runs) == sorted(key for key in b if key.startswith("run")) and \
+        all(a[key].dtype == b[key].dtype and np.array_equal(a[key].view(np.uint8), b[key].view(np.uint8))
+            for key in runs)
 
 
 @pytest.mark.slow
-def test_minilm_invariant_bits_hold_across_threads_and_openblas_kernels(tmp_path):
-    """Haswell vs Sandybridge (this host has no AVX-512; SkylakeX would crash at import): the plain plan's
-    embeddings change with the kernel or the batch, the invariant plan's do not (alone, in a batch of 4)."""
-    runs = {(t, c): _probe(tmp_path, True, t, c) for t, c in ((1, "Haswell"), (2, "Haswell"), (2, "Sandybridge"))}
-    first = next(iter(runs.values()))
-    for got in runs.values():
-        np.testing.assert_array_equal(got, first)
-    np.testing.assert_array_equal(first[0], first[1])
-    plain = {c: _probe(tmp_path, False, 2, c) for c in ("Haswell", "Sandybridge")}
-    assert any(not np.array_equal(p[0], p[1]) for p in plain.values()) or \
-        not np.array_equal(plain["Haswell"], plain["Sandybridge"])
+@pytest.mark.parametrize("model", ["minilm", "smollm2"])
+def test_invariant_bits_hold_across_batches_threads_and_openblas_kernels(tmp_path, model):
+    """MiniLM's embeddings (BF16 Gemms) and SmolLM2's (2 layers, decode:8@64, FP32 Gemms, fused attention)
+    logits and KV-cache rows: each of 8 held-out inputs alone and in batches of 2, 4, 8 is bit-identical
+    within each setting, and every run's outputs are bit-identical across 1 vs 2 threads and the Haswell vs
+    Sandybridge OpenBLAS kernels (each process reports the core it ran). The control: the ordinary plan is
+    not invariant in a batch or not the same across settings (so the comparisons can fail)."""
+    runs = {s: _probe(tmp_path, model, True, *s) for s in SETTINGS}
+    assert {str(r["core"]) for r in runs.values()} == {"Haswell", "Sandybridge"}
+    for setting, r in runs.items():
+        assert int(r["identical"]) == int(r["positions"]) == 24, (setting, r["identical"], r["positions"])
+    expected = {"embedding"} if model == "minilm" else {"logits", "k_cache_out.0", "v_cache_out.1"}
+    assert expected <= set(runs[SETTINGS[0]]["outputs"].tolist())
+    for setting, r in runs.items():
+        assert _same_runs(r, runs[SETTINGS[0]]), setting
+    plain = [_probe(tmp_path, model, False, *s) for s in (SETTINGS[0], SETTINGS[3])]
+    assert any(int(r["identical"]) < int(r["positions"]) for r in plain) or not _same_runs(*plain)

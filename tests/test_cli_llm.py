@@ -182,6 +182,8 @@ def test_batch_invariant_compile_and_check_invariance(tiny, ordinary, capsys, mo
     assert price["ratio"] == pytest.approx(price["invariant_s"] / price["plain_s"])
     assert price["invariant_s"] == pytest.approx(plan["latency"]["total_s"])
     assert "price of batch invariance:" in printed
+    page = (out / "pareto.html").read_text()
+    assert f"price of batch invariance: {price['invariant_s'] * 1e6:.1f} us invariant" in page  # beside the front
     assert main(["audit", "--plan", str(out / "plan.json"), "--calibration", str(prompts),
                  "--check-invariance"]) == EXIT_OK
     line = capsys.readouterr().out.splitlines()[-1]
@@ -191,6 +193,7 @@ def test_batch_invariant_compile_and_check_invariance(tiny, ordinary, capsys, mo
     assert rc == EXIT_OK
     plain = json.loads((folder / "plan.json").read_text())
     assert "requirements" not in plain and "invariance_price" not in plain
+    assert "price of batch invariance" not in (folder / "pareto.html").read_text()
     assert main(["audit", "--plan", str(folder / "plan.json"), "--calibration", str(prompts),
                  "--check-invariance", "--out", str(root / "ordinary_check")]) == EXIT_OK
     line = capsys.readouterr().out.splitlines()[-1]

@@ -112,3 +112,91 @@ def test_an_invariant_program_launches_no_library_gemm_and_is_priced_so(fake):
     price = {t: modelled_latency(invariant, t, bindings).total_s / modelled_latency(plain, t, bindings).total_s
              for t in ("h200", "h200-measured")}
     assert price["h200"] >= 1.0 and price["h200-measured"] > 1.05, price
+
+
+# -- the decode path (M <= SKINNY_M) as its own class, ordinary vs batch-invariant ---------------------------
+
+def shape_workloads(models: tuple[str, ...]):
+    """(name, shape, graph, weights, inputs): MiniLM and SmolLM2 (1 layer each, real layer shapes) at a decode
+    shape (every dense Gemm M <= 4: MiniLM 1 sentence of 4 tokens, SmolLM2 4 sequences' next token) and a
+    prefill shape (M = 32 and 8)."""
+    check = load_check_module()
+    for shape, (batch, seq) in (("decode", (1, 4)), ("prefill", (2, 16))) if "minilm" in models else ():
+        graph, weights, inputs = check.random_minilm(batch=batch, seq=seq, layers=1)
+        yield "minilm", shape, graph, weights, inputs
+    if "smollm2" not in models:
+        return
+    config = SMOLLM2_LAYERS.with_layers(1)
+    weights = random_weights(config)
+    decode = build_prefill(config, weights, seq=1, max_cache=16, batch=4)
+    yield "smollm2", "decode", decode.graph, weights, decode.make_batch_inputs(np.arange(4)[:, None] + 7,
+                                                                               np.full((4, 1), 5))
+    prefill = build_prefill(config, weights, seq=8, max_cache=16)
+    yield "smollm2", "prefill", prefill.graph, weights, prefill.make_inputs(np.arange(8) + 7, np.arange(8))
+
+
+def ran_as(rec: Recorder, k, bindings) -> str:
+    """The class of what the fake runtime ran for Gemm `k`, read from its log alone: the cuBLAS API it called;
+    else the dequantize-on-load kernel if it launched one; else the tiled kernel, on the decode path when the
+    source it compiled has that branch and M is within it."""
+    events, inside = [], False
+    for event in rec.log:
+        if event["op"] == "kernel":
+            inside = event["id"] == k.id
+        elif inside:
+            events.append(event)
+    apis = [e["api"] for e in events if e["op"] == "gemm"]
+    if apis:
+        return apis[0]
+    entries = [e["entry"] for e in events if e["op"] == "launch"]
+    if any(e.startswith("ln_wgemm_") for e in entries):
+        return GemmImpl.WEIGHT_ONLY.value
+    return path_of(next(rec.sources[e] for e in entries if e.startswith("ln_gemm_") and e in rec.sources), k, bindings)
+
+
+def path_of(source: str, k, bindings) -> str:
+    from luminal_num.codegen.cuda_gemv import SKINNY_M
+    from luminal_num.hlir.symbolic import evaluate
+    decodes = f"if (M <= {SKINNY_M})" in source and evaluate(k.layout.m, bindings) <= SKINNY_M
+    return GemmImpl.TILED_DECODE.value if decodes else GemmImpl.TILED.value
+
+
+@pytest.mark.parametrize("models, plans", [
+    (("smollm2",), ("fp32", "w8a16")),
+    pytest.param(("minilm", "smollm2"), ("fp32", "bf16", "w8a16"), marks=pytest.mark.slow)])
+def test_the_cost_models_gemm_class_is_the_path_the_runtime_runs_at_decode_and_prefill(fake, models, plans):
+    """For every Gemm of MiniLM's and SmolLM2's plans (FP32, BF16 Gemms, SmolLM2 also INT8 weights), ordinary
+    and batch-invariant, at decode and prefill shapes: the class the cost model prices (kernel by kernel and in
+    the megakernel, which inlines the tiled body) is what the fake runtime's log shows it ran. Ordinary decode
+    programs take the decode path somewhere; invariant programs and prefill shapes never do. Default: SmolLM2,
+    FP32 and W8A16 (~25 s); slow: both models, every plan."""
+    from luminal_num.codegen.cuda_kernels import render_kernel
+    from luminal_num.runtime.cost import LaunchForm
+    seen = set()
+    for name, shape, graph, weights, inputs in shape_workloads(models):
+        space = SearchSpace.build(graph)
+        tags = {"fp32": set(), "bf16": {"gemm:bf16"}, "w8a16": {"gemm:bf16", "store:int8_channel"}}
+        tags = {plan: tags[plan] for plan in plans if plan != "w8a16" or name == "smollm2"}
+        for invariant in (False, True):
+            sp = space.with_batch_invariance(invariant)
+            for plan, plan_tags in tags.items():
+                program = sp.program(frozenset(c for c in sp.all_changes() if c[2] in plan_tags))
+                bindings = bind_program(program, {**weights, **inputs})
+                fake.log.clear()
+                CudaRuntime(program, weights).run(inputs)
+                gemms = [k for k in program.launched() if k.kind.is_gemm]
+                works = dict(zip([k.id for k in program.launched()], kernel_works(program, bindings)))
+                mega = dict(zip([k.id for k in program.launched()],
+                                kernel_works(program, bindings, LaunchForm.MEGAKERNEL)))
+                for k in gemms:
+                    ran = ran_as(fake, k, bindings)
+                    where = (name, shape, invariant, plan, k.id, k.label)
+                    assert works[k.id].implementation == ran == gemm_implementation(k, program, bindings).value, where
+                    inlined = ran if ran == GemmImpl.WEIGHT_ONLY.value else \
+                        path_of(render_kernel(k, program).source, k, bindings)
+                    assert mega[k.id].implementation == inlined, where
+                    seen.add((name, shape, invariant, ran))
+    decode_path = {key for key in seen if key[3] == GemmImpl.TILED_DECODE.value}
+    assert {(n, "decode", False) for n in models} == {key[:3] for key in decode_path}
+    assert {key[3] for key in seen if key[2]} <= {GemmImpl.TILED.value, GemmImpl.WEIGHT_ONLY.value}
+    assert any(key[3] == GemmImpl.WEIGHT_ONLY.value for key in seen)

@@ -88,16 +88,45 @@ def test_the_shipped_h200_classes_cover_the_measured_model_families_and_only_add
 @pytest.mark.slow
 def test_the_h200_measured_target_ranks_smollm2_genomes_as_the_h200_ran_them():
     """The recorded graph replays of 12 SmolLM2 decode genomes: the calibrated model within 20% of each and
-    in the same order; the roofline model ranks them nearly backwards (fused attention first)."""
-    from bench.gpu_cases import genome_program, smollm2_step
-    steps = pd.read_csv(Path(__file__).parents[1] / "reports" / "bench" / "gpu_steps.csv")
+    in the same order; the roofline model ranks them nearly backwards (fused attention first). The programs'
+    works as recorded: the run predates the tiled Gemm's decode path (bench/gpu_cases.recorded_works)."""
+    from bench.gpu_cases import genome_program, recorded_works, smollm2_step
+    reports = Path(__file__).parents[1] / "reports" / "bench"
+    steps = pd.read_csv(reports / "gpu_steps.csv")
     steps = steps[steps.model == "smollm2-decode"].set_index("plan")
+    kernels = pd.read_csv(reports / "gpu_kernels.csv")
     _, weights, inputs, space = smollm2_step()
     modelled = {}
     for plan in steps.index:
         program = genome_program(space, plan)
-        works = kernel_works(program, bind_program(program, {**weights, **inputs}))
+        recorded = kernels[(kernels.model == "smollm2-decode") & (kernels.plan == plan)].set_index("kernel")
+        works = recorded_works(program, bind_program(program, {**weights, **inputs}), recorded.implementation.to_dict())
         modelled[plan] = model_latency(works, "h200-measured").total_s * 1e6
     for plan, row in steps.iterrows():
         assert abs(modelled[plan] / row.measured_step_us - 1) <= 0.2, (plan, modelled[plan], row.measured_step_us)
     assert sorted(steps.index, key=modelled.get) == list(steps.measured_step_us.sort_values().index)
+
+
+def test_the_decode_path_class_is_derived_from_the_tiled_fit_with_the_decode_paths_serial_steps():
+    """tiled_decode (no device measured it): the tiled fit's coefficients, its own serial extent, hand-derived
+    from the kernel (codegen/cuda_gemv.py: per row ceil(K / 16) strided products and a 4-step tree, M rows in
+    turn); a measured tiled_decode fit, once a device records one, is taken instead."""
+    from luminal_num.codegen.cuda_gemv import decode_serial_steps
+    assert decode_serial_steps(1, 576) == 36 + 4 and decode_serial_steps(4, 1536) == 4 * (96 + 4)
+    assert decode_serial_steps(3, 17) == 3 * (2 + 4)
+    tiled = KernelClassFit("tiled", (1e-6, 5e-14, 1e-14, 5e-8, 5e-12), 10, 0.1, 0.3)
+    fits = MeasuredKernels("dev", "src", (tiled,))
+    derived = fits.get("tiled_decode")
+    assert derived.coefficients == tiled.coefficients and derived.derived_from == "tiled" and derived.samples == 0
+    assert MeasuredKernels.from_json(fits.to_json()) == fits  # derived classes are not stored as measured
+    own = KernelClassFit("tiled_decode", (2e-6, 0.0, 0.0, 1e-7, 0.0), 5, 0.1, 0.2)
+    assert MeasuredKernels("dev", "src", (tiled, own)).get("tiled_decode") == own
+    assert MeasuredKernels("dev", "src", ()).get("tiled_decode") is None
+    calibrated = dataclasses.replace(get_target("h200"), measured_kernels=fits)
+    gemv = KernelWork("k1", 7_000_000, 4608, 2 * 576 * 3072, implementation="tiled", tiles=128, serial_extent=576)
+    decode = dataclasses.replace(gemv, implementation="tiled_decode", serial_extent=decode_serial_steps(1, 576))
+    node = calibrated.launch.graph_node_s
+    assert kernel_latency(decode, calibrated) - node == pytest.approx(max(
+        kernel_latency(gemv, get_target("h200")) - node,
+        tiled.seconds(decode.bytes_moved, decode.flops, 128, 40, SMS)))
+    assert kernel_latency(decode, calibrated) < kernel_latency(gemv, calibrated)

@@ -42,8 +42,12 @@ def test_both_forms_are_priced_and_the_cheaper_one_is_chosen():
 
 def test_the_megakernel_form_prices_the_bodies_it_inlines():
     """A W4A16 llama-tiny layer: a dequantize-on-load Gemm keeps its implementation and stored bytes in
-    the megakernel; every other Gemm becomes its tiled FP32 body on CUDA cores, with the same bytes."""
+    the megakernel; every other Gemm becomes its tiled FP32 body on CUDA cores, with the same bytes, on the
+    path that body takes (seq 4: M = 4, the decode path where its source has one, codegen/cuda_gemv.py)."""
+    from luminal_num.codegen.cuda_gemv import SKINNY_M
+    from luminal_num.codegen.cuda_kernels import render_kernel
     from luminal_num.codegen.cuda_weight_only import weight_only_gemm
+    from luminal_num.hlir.symbolic import evaluate
     from luminal_num.runtime.latency import kernel_works
     program, bindings = _job_program(llama_tiny_job(seq=4, layers=1), ("store:int4_g128", "gemm:bf16"))
     kernels = kernel_works(program, bindings)
@@ -53,12 +57,14 @@ def test_the_megakernel_form_prices_the_bodies_it_inlines():
         assert mw.bytes_moved == kw.bytes_moved and mw.flops == kw.flops
         if k.kind.is_gemm:
             dequantizing = weight_only_gemm(k, program) is not None
-            checked.add(dequantizing)
-            assert mw.implementation == ("weight_only" if dequantizing else "tiled")
+            decodes = f"if (M <= {SKINNY_M})" in render_kernel(k, program).source and \
+                evaluate(k.layout.m, bindings) <= SKINNY_M
+            checked.add("weight_only" if dequantizing else "tiled_decode" if decodes else "tiled")
+            assert mw.implementation == ("weight_only" if dequantizing else "tiled_decode" if decodes else "tiled")
             assert mw.math == "fp32" and not mw.tensor_core
         else:
             assert mw == kw
-    assert checked == {True, False}
+    assert {"weight_only", "tiled_decode"} <= checked
 
 
 def _square_matmul(n: int) -> Graph:

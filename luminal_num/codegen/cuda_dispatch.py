@@ -5,7 +5,9 @@ never priced at tensor-core peak while it runs on CUDA cores.
 Order (the runtime's): a Gemm whose B is a weight held in a storage format runs the dequantize-on-load
 kernel (codegen/cuda_weight_only.py); a plain Gemm with a cuBLAS(Lt) call legal for the bound sizes runs
 that library call; everything else (every GEMM_EPILOGUE form: bias, GELU, residual, GLU; the scaled
-variants cuBLASLt does not take) runs the 16x16 tiled SIMT kernel (codegen/cuda_gemm.py). Not known
+variants cuBLASLt does not take) runs the 16x16 tiled SIMT kernel (codegen/cuda_gemm.py), which at
+M <= SKINNY_M takes its decode path (codegen/cuda_gemv.py: K split over 16 lanes, a fixed tree) where the
+variant has one and the program is not batch-invariant, else its sequential order. Not known
 before a device answers: a cuBLASLt heuristic that calls a legal shape NOT_SUPPORTED (the runtime then
 runs the tiled kernel; runtime/cublas.py).
 """
@@ -14,6 +16,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 
+from ..hlir.symbolic import evaluate
+from .cuda_gemm import variant_of
+from .cuda_gemv import SKINNY_M, has_decode_path
 from .cuda_kernels import KernelSource, render_kernel
 from .cuda_weight_only import weight_only_gemm
 from .llir import Kernel, KernelKind, Program
@@ -26,11 +31,21 @@ class GemmImpl(enum.Enum):
     CUBLAS = "cublas"            # cublasGemmStridedBatchedEx: tensor cores in the variant's math (FP32: SIMT)
     CUBLASLT = "cublasLt"        # cublasLtMatmul, FP8 per-tensor: tensor cores
     TILED = "tiled"              # the 16x16 tiled kernel (quantizes operands as it loads): CUDA cores
+    TILED_DECODE = "tiled_decode"  # the same launch at M <= SKINNY_M on its decode path: K split over 16 lanes
 
     @property
     def library(self) -> bool:
         """A cuBLAS(Lt) call (which uses tensor cores where the variant's math mode has them)."""
         return self in (GemmImpl.CUBLAS, GemmImpl.CUBLASLT)
+
+
+def tiled_implementation(kernel: Kernel, program: Program, bindings: Mapping[str, int]) -> GemmImpl:
+    """Which path of the tiled kernel a launch of `kernel` takes at these bindings (the kernel branches on M
+    at run time): the decode path where it was rendered with one and M <= SKINNY_M, else the sequential."""
+    if has_decode_path(variant_of(kernel), program.batch_invariant) and \
+            int(evaluate(kernel.layout.m, bindings)) <= SKINNY_M:
+        return GemmImpl.TILED_DECODE
+    return GemmImpl.TILED
 
 
 def gemm_implementation(kernel: Kernel, program: Program, bindings: Mapping[str, int],
@@ -44,11 +59,11 @@ def gemm_implementation(kernel: Kernel, program: Program, bindings: Mapping[str,
     if weight_only:
         return GemmImpl.WEIGHT_ONLY
     if kernel.kind is not KernelKind.GEMM:  # an epilogue runs in the tiled kernel only
-        return GemmImpl.TILED
+        return tiled_implementation(kernel, program, bindings)
     src = source if source is not None else render_kernel(kernel, program)
     if src.gemm is None:
-        return GemmImpl.TILED
+        return tiled_implementation(kernel, program, bindings)
     call = src.gemm.bind(bindings)
     if not call.legal() or call.batch == 0 or min(call.m, call.n) == 0:
-        return GemmImpl.TILED
+        return tiled_implementation(kernel, program, bindings)
     return GemmImpl(call.api)

@@ -28,7 +28,7 @@ from .cuda_body import (IndexExpr, SymbolTable, body_symbols, c_add, c_div, c_in
                         round_expr, row_major_strides, store, unravel, view_index, view_symbols)
 from .cuda_source import (COMPUTE_TYPES, CUBLAS_ENUMS, ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, SCALES_SCRATCH, Arg,
                           GemmCall, KernelSource, Launch, Scratch, entry_name, indent, name_launches, per, source_header)
-from .cuda_gemv import SKINNY_M, skinny_block, skinny_eligible
+from .cuda_gemv import SKINNY_M, has_decode_path, skinny_block
 from .llir import Kernel, quantized_a_view
 
 TILE = 16      # output rows and columns per block (16 x 16 threads)
@@ -370,7 +370,7 @@ def _skinny(w: _Writer, suffixes: list[str], offsets: list[int], n_bound: str, f
     """The decode path (codegen/cuda_gemv.py) of this kernel, or "" when its variant orders the K sum or the
     program is batch-invariant (its tree order for M <= SKINNY_M and the sequential one above would give a
     row other bits in a batch of 8 than alone: such a program keeps the sequential kernel for every M)."""
-    if w.invariant or not skinny_eligible(w.variant):
+    if not has_decode_path(w.variant, w.invariant):
         return ""
     a_load = w.quantized(0, w.element(0, "bz", "ms", "kk"), w.scale_value(0, "bz", "ms", "kk"))
     b_loads = [w.quantized(1, w.element(1, "bz", "kk", f"ns{x}"), w.scale_value(1, "bz", "kk", f"ns{x}"))

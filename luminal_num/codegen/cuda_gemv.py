@@ -21,10 +21,27 @@ SKINNY_M = 4  # at most this many rows of A take the split-K path
 LANES = 16    # threads per column splitting K (the tile's thread-row width)
 
 
+TREE_STEPS = LANES.bit_length() - 1  # the partial sums' tree: 8, 4, 2, 1 apart
+
+
 def skinny_eligible(variant: GemmPrecision) -> bool:
     """One FP32 accumulation over all of K, scales (if any) applied once after it."""
     return (not variant.grouped and variant.acc_format is not INT32 and not variant.scales_per_product
             and variant.promote_every is None and variant.scale_k_block is None)
+
+
+def has_decode_path(variant: GemmPrecision, batch_invariant: bool) -> bool:
+    """Whether the tiled kernel rendered for this variant carries the decode path (taken at run time while
+    M <= SKINNY_M): the renderer (codegen/cuda_gemm.py) and the dispatch (codegen/cuda_dispatch.py) both
+    ask here. A batch-invariant program keeps the sequential order for every M."""
+    return not batch_invariant and skinny_eligible(variant)
+
+
+def decode_serial_steps(m: int, k: int) -> int:
+    """The steps one block of the decode path runs one after another: its M rows in turn (the grid has one
+    block along M), each ceil(K / LANES) strided products per thread, then the TREE_STEPS of the tree.
+    The sequential tiled kernel's block instead walks all K products per thread (its serial extent K)."""
+    return m * (-(-k // LANES) + TREE_STEPS)
 
 
 def skinny_block(a_load: str, b_loads: list[str], n_bound: str, suffixes: list[str], column_offsets: list[int],

@@ -86,7 +86,8 @@ def write_compile_report(result, out_dir: str | Path, title: str, interrupted: s
         write_pareto_report(staging, rows, budget_error=1.0, title=title, threshold=headroom,
                             error_label="share of the budget vs FP64, allclose and every metric (<= 1 is within it)",
                             figures=[("The chosen plan per layer: what each kernel computes in, and what its weights "
-                                      "(w:) and KV-cache rows (kv:) are stored in", layers["layer_map_png"].read_bytes())])
+                                      "(w:) and KV-cache rows (kv:) are stored in", layers["layer_map_png"].read_bytes())],
+                            notes=() if result.plan.invariance_price is None else (result.plan.invariance_price.describe(),))
         ops = pd.DataFrame(result.plan.kernels)
         write_op_table(staging / OPS_NAME, ops)
         write_op_table(staging / CHUNKS_NAME, kernels_per_chunk(ops, groups))

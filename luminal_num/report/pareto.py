@@ -206,7 +206,7 @@ def _figure(caption: str, png: bytes) -> str:
 
 
 def _render_html(table: pd.DataFrame, png: bytes, budget_error: float, threshold: float | None, title: str,
-                 error_label: str, figures: Sequence[tuple[str, bytes]] = ()) -> str:
+                 error_label: str, figures: Sequence[tuple[str, bytes]] = (), notes: Sequence[str] = ()) -> str:
     header = "".join(f"<th>{html.escape(error_label if column == ERROR_COLUMN else HEADERS.get(column, column))}</th>"
                      for column in table.columns)
     is_chosen = chosen_rows(table)
@@ -226,7 +226,7 @@ def _render_html(table: pd.DataFrame, png: bytes, budget_error: float, threshold
              f"calibration inputs, keeping the rest for unseen inputs")
     summary = (f"{len(table)} candidates, {int(table['passes'].sum())} pass the gate (judged against "
                f"{fmt_num(judged)}), {int(table[FRONT_COLUMN].sum())} on the Pareto front of passing plans; "
-               f"{limit}. {html.escape(chosen_text)}.")
+               f"{limit}. {html.escape(chosen_text)}." + "".join(f"<br>{html.escape(note)}" for note in notes))
     return PAGE.substitute(title=html.escape(title), summary=summary, png=base64.b64encode(png).decode("ascii"),
                            figures="\n".join(_figure(caption, data) for caption, data in figures),
                            header=header, body="\n".join(body_rows))
@@ -234,14 +234,16 @@ def _render_html(table: pd.DataFrame, png: bytes, budget_error: float, threshold
 
 def write_pareto_report(out_dir: str | os.PathLike, rows: pd.DataFrame, budget_error: float, title: str,
                         error_label: str, baselines: Mapping[str, object] | None = None,
-                        threshold: float | None = None, figures: Sequence[tuple[str, bytes]] = ()) -> ReportFiles:
+                        threshold: float | None = None, figures: Sequence[tuple[str, bytes]] = (),
+                        notes: Sequence[str] = ()) -> ReportFiles:
     """Write pareto.csv, pareto.png and pareto.html into `out_dir`, all or nothing.
 
     `rows` holds one row per evaluated candidate (REQUIRED_COLUMNS at least); baseline names come from
     its `label` column, or from `baselines` ({label: candidate id}), which overrides it. The chosen plan
     (the one the search returned) is the row whose `chosen` column is true, or the row labelled "chosen". `threshold`: the error plans were judged
     against, when it is not the budget (headroom x budget); `figures`: (caption, PNG bytes) shown on the page
-    below the plot (the compile's layer map). Other files in `out_dir` are left alone.
+    below the plot (the compile's layer map); `notes`: lines shown under the summary (a batch-invariant plan's
+    price of invariance). Other files in `out_dir` are left alone.
     """
     if not budget_error > 0:
         raise ValueError(f"budget_error must be > 0 (log axis), got {budget_error!r}")
@@ -254,7 +256,7 @@ def write_pareto_report(out_dir: str | os.PathLike, rows: pd.DataFrame, budget_e
         png = _render_png(table, budget_error, threshold, title, error_label)
         (staging / PNG_NAME).write_bytes(png)
         (staging / HTML_NAME).write_text(_render_html(table, png, budget_error, threshold, title, error_label,
-                                                      figures), encoding="utf-8")
+                                                      figures, notes), encoding="utf-8")
     return ReportFiles(csv=target / CSV_NAME, png=target / PNG_NAME, html=target / HTML_NAME)
 
 

@@ -18,6 +18,7 @@ launches: a Gemm's codegen.cuda_dispatch.GemmImpl value, else the kernel kind.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class KernelClassFit:
     samples: int
     median_relative_error: float
     p90_relative_error: float
+    derived_from: str = ""  # a class no device measured: priced by this measured class's fit (DERIVED_CLASSES)
 
     def __post_init__(self) -> None:
         if len(self.coefficients) != len(FEATURES) or any(not c >= 0.0 for c in self.coefficients):
@@ -52,6 +54,22 @@ class KernelClassFit:
 
     def seconds(self, bytes_moved: int, flops: int, tiles: int | None, serial_extent: int, sm_count: int) -> float:
         return float(np.dot(self.coefficients, features(bytes_moved, flops, tiles, serial_extent, sm_count)))
+
+
+# Classes no device has measured yet: class -> the measured class whose coefficients price it. A device
+# recording that has the class replaces the derivation (get() prefers a measured fit).
+#
+# tiled_decode (the tiled Gemm's decode path, codegen/cuda_gemv.py, M <= 4 in ordinary programs) from tiled:
+# it is the same launch (grid, 16 x 16 threads per block, the same bytes loaded and stored, the same flops),
+# so the fixed, per-byte, per-flop and per-wave-flop coefficients carry over; what differs is the chain of
+# steps a block runs in order, which is the feature the tiled fit charges most (per_wave_step, 53 ns per
+# step on the H200: a K = 576 decode GEMV's sequential walk is 576 steps, ~31 us of its measured 39 us).
+# The sequential path's block walks K products per thread; the decode path's walks, for each of its M rows,
+# ceil(K / 16) products per lane and a 4-step tree (codegen/cuda_gemv.decode_serial_steps: 40 steps for
+# K = 576, M = 1), priced at the same cost per step. Modelled, not measured: a decode step issues its own
+# global loads where a sequential step reads shared memory (loads amortized over 32 steps), so a step may
+# cost more than 53 ns; the cost model's max(roofline, class fit) keeps it at least bytes / bandwidth.
+DERIVED_CLASSES = {"tiled_decode": "tiled"}
 
 
 @dataclass(frozen=True)
@@ -63,10 +81,15 @@ class MeasuredKernels:
     fits: tuple[KernelClassFit, ...]
 
     def get(self, implementation: str) -> KernelClassFit | None:
+        """The measured fit of `implementation`, else, for a class of DERIVED_CLASSES, the fit it is derived
+        from (marked `derived_from`), else None."""
         for fit in self.fits:
             if fit.implementation == implementation:
                 return fit
-        return None
+        base = self.get(DERIVED_CLASSES[implementation]) if implementation in DERIVED_CLASSES else None
+        if base is None:
+            return None
+        return dataclasses.replace(base, implementation=implementation, samples=0, derived_from=base.implementation)
 
     def to_json(self) -> str:
         return json.dumps({"device": self.device, "source": self.source, "features": list(FEATURES),

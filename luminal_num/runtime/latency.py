@@ -16,7 +16,8 @@ from typing import Mapping
 import numpy as np
 
 from ..codegen.blockops import tile_count
-from ..codegen.cuda_dispatch import GemmImpl, gemm_implementation
+from ..codegen.cuda_dispatch import GemmImpl, gemm_implementation, tiled_implementation
+from ..codegen.cuda_gemv import decode_serial_steps
 from ..codegen.llir import Kernel, KernelKind, Program
 from ..hlir.symbolic import evaluate
 from ..dtypes.variants import GEMM_VARIANTS
@@ -27,9 +28,13 @@ from ..codegen.attention import ATTENTION_VARIANTS
 from .targets import OPERAND_MATH, gemm_math
 
 
-def serial_extent(k: Kernel, bindings: Mapping[str, int]) -> int:
-    """The reduced axis one block of `k` loops over: a Gemm's K, a reduction's axis; 0 when none."""
+def serial_extent(k: Kernel, bindings: Mapping[str, int], implementation: GemmImpl | None = None) -> int:
+    """The steps one block of `k` runs in order over the reduced axis: a Gemm's K (the tiled kernel's
+    sequential path; the decode path's per-row K / 16 lanes plus its tree, over its M rows: cuda_gemv), a
+    reduction's axis; 0 when none."""
     if k.kind.is_gemm:
+        if implementation is GemmImpl.TILED_DECODE:
+            return decode_serial_steps(int(evaluate(k.layout.m, bindings)), int(evaluate(k.layout.k, bindings)))
         return int(evaluate(k.layout.k, bindings))
     if k.axis is not None and k.body_shape:
         return int(evaluate(k.body_shape[k.axis], bindings))
@@ -42,7 +47,7 @@ def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm
     in either form (the plan's storage choice; the CUDA runtime still uploads a widened copy for readers
     other than the dequantize-on-load Gemm: see the README). `form`: in the megakernel
     (runtime/cuda_megakernel.py) a Gemm that is not dequantize-on-load runs its tiled body (a library call
-    cannot be inlined)."""
+    cannot be inlined), on the path that body takes at these bindings."""
     dtypes = program.dtypes()
     scales = {k.id: k.scales_bytes(bindings) for k in program.kernels if k.kind is KernelKind.QUANTIZE}
     element_bytes = program.element_bytes(bindings)  # weights held in a storage format: their stored bytes
@@ -52,8 +57,8 @@ def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm
         implementation = None
         if k.kind.is_gemm:
             implementation = gemm_implementation(k, program, bindings)
-            if form is LaunchForm.MEGAKERNEL and implementation is not GemmImpl.WEIGHT_ONLY:
-                implementation = GemmImpl.TILED
+            if form is LaunchForm.MEGAKERNEL and implementation.library:
+                implementation = tiled_implementation(k, program, bindings)
         if implementation is not None and implementation.library:
             math, tc = gemm_math(GEMM_VARIANTS[k.precision or "f32"])
         elif k.kind is KernelKind.ATTENTION:  # its two products run in the Q K^T operand format
@@ -63,7 +68,7 @@ def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm
                                 bytes_written=k.bytes_stored(bindings), flops=k.flops(bindings), math=math,
                                 tensor_core=tc, tiles=tile_count(k, bindings),
                                 implementation=implementation.value if implementation is not None else k.kind.value,
-                                serial_extent=serial_extent(k, bindings)))
+                                serial_extent=serial_extent(k, bindings, implementation)))
     return works
 
 
