@@ -41,7 +41,8 @@ def test_both_forms_are_priced_and_the_cheaper_one_is_chosen():
 
 
 def test_the_megakernel_form_prices_the_bodies_it_inlines():
-    """A W4A16 llama-tiny layer: a dequantize-on-load Gemm keeps its implementation and stored bytes in
+    """A W4A16 llama-tiny layer: a Gemm reading a stored weight's parts (the dequantize-on-load kernel, or the
+    tiled kernel on the parts for the epilogue and GLU forms) keeps its implementation and stored bytes in
     the megakernel; every other Gemm becomes its tiled FP32 body on CUDA cores, with the same bytes."""
     from luminal_num.codegen.cuda_weight_only import weight_only_gemm
     from luminal_num.runtime.latency import kernel_works
@@ -54,7 +55,9 @@ def test_the_megakernel_form_prices_the_bodies_it_inlines():
         if k.kind.is_gemm:
             dequantizing = weight_only_gemm(k, program) is not None
             checked.add(dequantizing)
-            assert mw.implementation == ("weight_only" if dequantizing else "tiled")
+            stored = kw.implementation in ("weight_only", "tiled_stored")
+            assert mw.implementation == (kw.implementation if stored else "tiled")
+            assert dequantizing == (kw.implementation == "weight_only")
             assert mw.math == "fp32" and not mw.tensor_core
         else:
             assert mw == kw

@@ -54,6 +54,12 @@ class KernelClassFit:
         return float(np.dot(self.coefficients, features(bytes_moved, flops, tiles, serial_extent, sm_count)))
 
 
+# An implementation no device has measured yet -> the measured class whose body it shares. The tiled kernel
+# reading a stored B runs the tiled body (same grid, K loop, decode path) on fewer bytes plus the dequantize
+# arithmetic per B element; its own class is fitted once a device run records it.
+MEASURED_AS = {"tiled_stored": "tiled"}
+
+
 @dataclass(frozen=True)
 class MeasuredKernels:
     """A device's measured kernel classes and where they came from."""
@@ -63,9 +69,11 @@ class MeasuredKernels:
     fits: tuple[KernelClassFit, ...]
 
     def get(self, implementation: str) -> KernelClassFit | None:
-        for fit in self.fits:
-            if fit.implementation == implementation:
-                return fit
+        """The class fitted for `implementation`, else for the one it is measured as (MEASURED_AS)."""
+        for name in (implementation, MEASURED_AS.get(implementation)):
+            for fit in self.fits:
+                if fit.implementation == name:
+                    return fit
         return None
 
     def to_json(self) -> str:
