@@ -47,10 +47,10 @@ def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm
     dtypes = program.dtypes()
     scales = {k.id: k.scales_bytes(bindings) for k in program.kernels if k.kind is KernelKind.QUANTIZE}
     element_bytes = program.element_bytes(bindings)  # weights held in a storage format: their stored bytes
-    caches = program.cache_buffers()
-    # what a kernel not reading stored parts is charged: KV caches at their format's bytes as before; stored
-    # weights at their widened dtype (left out here: bytes_loaded then charges the buffer's dtype)
-    other_reader = {b: v for b, v in element_bytes.items() if b in caches}
+    # what a kernel not reading stored parts is charged: KV caches (and the scatters writing them) at their
+    # format's bytes as before; stored weights at their widened dtype (left out: the buffer's dtype is charged)
+    weights = stored_weights(program)
+    other_reader = {b: v for b, v in element_bytes.items() if b not in weights}
     works = []
     for k in program.launched():
         math, tc = "fp32", False
@@ -71,6 +71,13 @@ def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm
                                 implementation=implementation.value if implementation is not None else k.kind.value,
                                 serial_extent=serial_extent(k, bindings)))
     return works
+
+
+def stored_weights(program: Program) -> frozenset[int]:
+    """EXTERNAL weights held in a storage format (KV caches, runtime inputs converted on entry, are not)."""
+    caches = program.cache_buffers()
+    return frozenset(k.id for k in program.kernels
+                     if k.kind is KernelKind.EXTERNAL and k.storage is not None and k.id not in caches)
 
 
 def modelled_latency(program: Program, target: str, bindings: Mapping[str, int], cuda_graph: bool = True,
