@@ -7,7 +7,8 @@ GLU epilogues), for the weights' readers:
   stored bytes where the launch reads its stored parts, at its widened FP32 buffer's bytes where it does not.
   "before" is the runtime of main f886dc9 (only a plain Gemm's dedicated dequantize-on-load kernel read the
   parts: codegen/cuda_weight_only.weight_only_gemm), "after" this branch's (every Gemm reading the weight as
-  W^T: codegen/cuda_weight_only.stored_operand), both with main's pricing and with this branch's.
+  W^T: codegen/cuda_weight_only.stored_operand), both with main's pricing and with this branch's;
+- `b_scale_pass_mb`: what neither prices: the per-run static B-scale launches' second read of the weights.
 Modelled, no device: the runtime's decision functions name what each launch reads; the byte counts are
 Kernel.bytes_loaded's. Writes reports/bench/stored_reads.csv.
 """
@@ -22,8 +23,10 @@ import pandas as pd
 
 from bench.fusion import GENOMES
 from bench.storage_decode import SMOLLM2
+from luminal_num.codegen.cuda_kernels import render_kernel
 from luminal_num.codegen.cuda_weight_only import stored_operand, weight_only_gemm
 from luminal_num.codegen.llir import Kernel, KernelKind, Program
+from luminal_num.hlir.symbolic import evaluate
 from luminal_num.models.llama import build_decode, random_weights
 from luminal_num.runtime.latency import kernel_works, stored_weights
 from luminal_num.search.recipes import pick
@@ -45,6 +48,20 @@ def bytes_read(program: Program, bindings, reads_parts: Callable[[Kernel, Progra
     for k in program.launched():
         read_as = every if reads_parts(k, program) else others
         total += k.bytes_loaded(bindings, dtypes, read_as) + sum(scales.get(i.buffer, 0) for i in k.inputs)
+    return total
+
+
+def b_scale_pass(program: Program, bindings) -> float:
+    """Bytes the B-scale launches read: a variant with static B scales (FP8 / INT8 per channel, blocks, MX)
+    recomputes them on the device each run from all of B (codegen/cuda_gemm.py's scale kernel), reading
+    the weight once more (its stored parts where the Gemm reads them); the cost model charges none."""
+    dtypes, every = program.dtypes(), program.element_bytes(bindings)
+    total = 0.0
+    for k in program.launched():
+        if k.kind.is_gemm and any(launch.entry.endswith("_scale1") for launch in render_kernel(k, program).launches):
+            b = program.kernel(k.inputs[1].buffer)
+            per = every.get(b.id, dtypes[b.id].itemsize) if stored_operand(k, program) is not None else b.dtype.itemsize
+            total += per * float(evaluate(k.layout.k * k.layout.n, bindings))
     return total
 
 
@@ -70,11 +87,12 @@ def measure(layers: int, max_cache: int) -> pd.DataFrame:
         rows.append(dict(genome=label, layers=layers, stored_weight_gemms=len(gemms),
                          dedicated_kernel_gemms=sum(weight_only_gemm(k, program) is not None for k in gemms),
                          read_before_mb=before / 1e6, priced_before_mb=main_pricing(program, bindings) / 1e6,
-                         read_after_mb=after / 1e6, priced_after_mb=priced / 1e6))
+                         read_after_mb=after / 1e6, priced_after_mb=priced / 1e6,
+                         b_scale_pass_mb=b_scale_pass(program, bindings) / 1e6))
         r = rows[-1]
         print(f"{label:28s} {len(gemms):4d} Gemms on stored weights: before read {r['read_before_mb']:8.2f} MB, "
               f"priced {r['priced_before_mb']:8.2f} MB; after read {r['read_after_mb']:8.2f} MB, "
-              f"priced {r['priced_after_mb']:8.2f} MB")
+              f"priced {r['priced_after_mb']:8.2f} MB; B-scale launches {r['b_scale_pass_mb']:7.2f} MB")
     return pd.DataFrame(rows)
 
 
