@@ -80,8 +80,9 @@ def stored_parts(program: Program, feed: dict) -> dict[int, list[Buffer]]:
     from luminal_num.runtime.weight_only import stored_weight
     out = {}
     for k in program.launched():
-        fmt = stored_operand(k, program)
-        if fmt is not None and k.inputs[1].buffer not in out:
+        operand = stored_operand(k, program)
+        if operand is not None and k.inputs[1].buffer not in out:
+            fmt = operand.fmt
             arrays = fmt.pack(stored_weight(program.kernel(k.inputs[1].buffer), feed)).arrays
             out[k.inputs[1].buffer] = [Buffer(np.asarray(arrays[p]).astype(np.float64).reshape(-1),
                                               np.asarray(arrays[p]).dtype.kind in "iu") for p in fmt.parts]

@@ -41,7 +41,8 @@ from luminal_num.search.space import SearchSpace
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 
 FORMATS = sorted(n for n in STORAGE_FORMATS if n != "f32")
-FORMS = ("plain", "bias", "gelu", "residual", "glu", "qkv")
+FORMS = ("plain", "bias", "gelu", "residual", "glu", "qkv", "kn")
+KN_WIDTH = 32  # "kn": x @ W with W held (K, N) (an ONNX MatMul initializer), N a whole llama.cpp block
 VARIANTS = ("f32", "bf16", "f16", "f8e4m3_channel_prologue")
 OUTPUTS = (F32, BF16, F16)
 N = 18  # two 16-column blocks, the second ragged
@@ -77,6 +78,9 @@ def graph(form: str, fmt: str, m: int, seed: int) -> Graph:
     k = k_for(fmt)
     g = Graph()
     x = g.input("x", (m, k))
+    if form == "kn":
+        g.output(x @ g.weight("w", weight(fmt, k, KN_WIDTH, rng)), "y")
+        return g
     w = g.weight("w", weight(fmt, N, k, rng)).transpose()
     if form == "plain":
         g.output(x @ w, "y")
@@ -115,6 +119,8 @@ def cell(form: str, fmt: str, variant: str, out: str, m: int) -> tuple[Graph, Pr
     """The program of one cell: every weight in `fmt`, every Gemm in `variant`, the Gemm reading the weight
     storing `out` (its output is a graph output: the store is the kernel's last rounding); None where the
     search would never build it (a concatenation the format refuses: the parts stay separate Gemms)."""
+    if form == "kn" and STORAGE_FORMATS[fmt].block > KN_WIDTH:
+        return None  # a K-quant's 256-wide blocks along N: K-quant weights come from GGUF files, held (N, K)
     g = graph(form, fmt, m, seed=len(form) + len(fmt) + m)
     space = SearchSpace.build(g)
     base = pick(space, {"store:int8_channel", f"gemm:{variant}"}.__contains__)
@@ -145,7 +151,7 @@ def widened_twin(kernel, program: Program):
 def run_cell(form, fmt, variant, out, m):
     built = cell(form, fmt, variant, out, m)
     if built is None:
-        pytest.skip(f"{fmt}: the search keeps {form}'s parts apart (concatenation refused)")
+        pytest.skip(f"{fmt}: no {form} Gemm on it (a concatenation refused, or blocks wider than N)")
     g, program = built
     gemms = stored_gemms(program)
     assert gemms and all(tuple(k.shape)[0] == m and (k.precision or "f32") == variant for k in gemms)
@@ -195,8 +201,8 @@ def _interpret_weight_only(program, k, stored, parts) -> np.ndarray:
 DEFAULT_CELLS = [("plain", "int4_g128", "bf16", "bf16", 1), ("bias", "int8_channel", "bf16", "f32", 5),
                  ("gelu", "nvfp4", "f16", "f16", 1), ("residual", "f8e4m3_channel", "f8e4m3_channel_prologue", "bf16", 1),
                  ("residual", "int4_g128", "bf16", "f32", 5), ("glu", "int4_g32_asym", "f32", "f32", 1),
-                 ("qkv", "mxfp4", "f8e4m3_channel_prologue", "f16", 5), ("qkv", "gguf_q5_0", "bf16", "f32", 1),
-                 ("glu", "gguf_q4_1", "bf16", "bf16", 1)]
+                 ("qkv", "mxfp4", "f8e4m3_channel_prologue", "f16", 1), ("qkv", "gguf_q5_0", "bf16", "f32", 1),
+                 ("glu", "gguf_q4_1", "bf16", "bf16", 1), ("kn", "int4_g32", "bf16", "f32", 1)]
 
 
 def every_cell() -> list[tuple]:
@@ -265,7 +271,7 @@ def _hand_bytes(form: str, program: Program, k, feed, m: int) -> float:
     kk = int(k.layout.k)
     a_bytes = m * kk * a.dtype.itemsize * (2 if (k.precision or "").endswith("_prologue") else 1)
     extra = {"bias": N * 4, "gelu": N * 4, "residual": m * N * program.kernel(k.inputs[-1].buffer).dtype.itemsize}
-    fmt = stored_operand(k, program)
+    fmt = stored_operand(k, program).fmt
     stored = fmt.pack(stored_weight(program.kernel(k.inputs[1].buffer), feed))
     return a_bytes + extra.get(form, 0) + sum(np.asarray(arr).nbytes for arr in stored.arrays.values())
 

@@ -26,7 +26,6 @@ from typing import Callable
 from ..dtypes.formats import F32, INT32, Format, Kind
 from ..dtypes.variants import GEMM_VARIANTS, WHOLE, GemmPrecision, Granularity
 from ..hlir.symbolic import Dim, prod
-from ..quant.storage import StorageFormat
 from . import ctypes_map
 from .cuda_body import (IndexExpr, SymbolTable, body_symbols, c_add, c_div, c_index, c_mul, dims_symbols, dot, load_float,
                         round_expr, row_major_strides, store, unravel, view_index, view_symbols)
@@ -34,7 +33,7 @@ from .cuda_gemm_call import CUDA_DATA_TYPES, cublas_call, geometry, lt_call, lt_
 from .cuda_gemv import SKINNY_M, skinny_block, skinny_eligible
 from .cuda_source import (COMPUTE_TYPES, CUBLAS_ENUMS, ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, SCALES_SCRATCH, Arg,
                           GemmCall, KernelSource, Launch, Scratch, entry_name, indent, name_launches, per, source_header)
-from .cuda_weight_only import dequant_expr, part_params, stored_formats
+from .cuda_weight_only import StoredOperand, part_params, stored_formats
 from .llir import Kernel, quantized_a_view
 
 TILE = 16      # output rows and columns per block (16 x 16 threads)
@@ -67,7 +66,7 @@ class _Writer:
     storage format when B is read as its stored parts (cuda_weight_only.stored_operand)."""
 
     def __init__(self, kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...] = (False, False),
-                 invariant: bool = False, stored: StorageFormat | None = None):
+                 invariant: bool = False, stored: StoredOperand | None = None):
         self.k, self.formats, self.variant = kernel, formats, variant_of(kernel)
         self.prequantized = prequantized
         self.stored = stored
@@ -100,7 +99,7 @@ class _Writer:
         """Operand `slot` at (batch, row, col) as float (a stored B: its element (col, row) of the (N, K)
         weight, dequantized from the stored parts)."""
         if slot == 1 and self.stored is not None:
-            return dequant_expr(self.stored, int(self.lay.k), f"({c_index(col)})", f"({c_index(row)})")
+            return self.stored.element(int(self.lay.n), int(self.lay.k), f"({c_index(col)})", f"({c_index(row)})")
         coords = self.full_coords(b, row, 0, col) if slot == 0 else self.full_coords(b, 0, col, row)
         at = view_index(self.k.inputs[slot].view, coords, self.table)
         return load_float(self.formats[slot], f"in{slot}[{c_index(at.pos)}]")
@@ -153,13 +152,13 @@ class _Writer:
 
     def in_param(self, slot: int) -> str:
         if slot == 1 and self.stored is not None:
-            return ", ".join(part_params(self.stored))
+            return ", ".join(part_params(self.stored.fmt))
         return f"const {ctypes_map.cuda_type(self.formats[slot])}* __restrict__ in{slot}"
 
     def operand_args(self, slot: int) -> tuple[Arg, ...]:
         """The pointer arguments in_param(slot) declares."""
         if slot == 1 and self.stored is not None:
-            return tuple(Arg("part", i) for i in range(len(self.stored.parts)))
+            return tuple(Arg("part", i) for i in range(len(self.stored.fmt.parts)))
         return (Arg("in", slot),)
 
 
@@ -378,7 +377,7 @@ def _source(code: str, formats) -> str:
 
 def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
                 prequantized: tuple[bool, ...] = (False, False), epilogue: EpilogueCode | None = None,
-                invariant: bool = False, stored: StorageFormat | None = None) -> KernelSource:
+                invariant: bool = False, stored: StoredOperand | None = None) -> KernelSource:
     """The fallback (scales, then the tiled kernel) and, where cuBLAS can, the GemmCall. `invariant`: a
     batch-invariant program's Gemm: the tiled kernel's sequential order for every M and no library call
     (cuBLAS(Lt) picks its algorithm, split-K included, per shape: no order a plan can pin). `stored`: B's
@@ -397,7 +396,7 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
     own_quant = own if lt else []
     source = _source("".join([_scale_kernel(w, s) for s in own] + [_quant_kernel(w, s) for s in own_quant]
                                 + [_gemm_kernel(w, epilogue)]),
-                     {*formats, kernel.dtype, *(w.op_formats if lt else ()), *(stored_formats(stored) if stored else ())})
+                     {*formats, kernel.dtype, *(w.op_formats if lt else ()), *(stored_formats(stored.fmt) if stored else ())})
     scratch = tuple(Scratch(f"scale{s}", F32, w.scale_blocks(s)) for s in own)
     scratch += tuple(Scratch(f"quant{s}", w.op_formats[s], ((lay.batch, 1), (w.extents(s)[1 + s], 1), (lay.k, 1)))
                      for s in own_quant)

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from ..dtypes.formats import Format
 from ..hlir.shape import contiguous_strides
-from ..quant.storage import StorageFormat
 from .cuda_body import BodyWriter, IndexExpr, SymbolTable, load_float, view_index, c_index
 from .cuda_gemm import EpilogueCode, render_gemm
 from .cuda_source import KernelSource
+from .cuda_weight_only import StoredOperand
 from .llir import Kernel, acc_reads, epilogue_as_elementwise, gemm_output_shape
 
 _ACC = -1  # the accumulator's buffer id in the elementwise form of the body (no buffer: `total`)
 
 
 def render_gemm_epilogue(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...],
-                         invariant: bool = False, stored: StorageFormat | None = None) -> KernelSource:
+                         invariant: bool = False, stored: StoredOperand | None = None) -> KernelSource:
     """The tiled Gemm with this kernel's epilogue; `stored`: B read as its stored parts (render_gemm)."""
     if any(prequantized[2:]):
         raise ValueError(f"kernel {kernel.id}: a Gemm epilogue cannot read a QUANTIZE kernel's buffer")

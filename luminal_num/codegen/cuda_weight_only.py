@@ -233,11 +233,27 @@ def _row_major(view, axes: tuple[int, ...], full) -> bool:
     return all(v.strides[a] == want.get(a, 0) or full[a] == 1 for a in range(len(full)))
 
 
-def stored_operand(kernel: Kernel, program: Program) -> StorageFormat | None:
-    """The storage format of a Gemm's B when B is a weight held in one (not a KV cache) that the Gemm reads
-    as W^T of its stored (N, K) tensor: B's view row-major over (N axes, K axis), broadcast elsewhere,
-    N and K concrete. Such a Gemm reads B's stored parts, never a widened copy (every form: plain,
-    epilogue, GLU, horizontal, scaled, pre-quantized A); None for any other Gemm (it reads B's buffer)."""
+@dataclass(frozen=True)
+class StoredOperand:
+    """A Gemm's B read straight from a weight's stored parts: the weight's storage format and its layout,
+    (N, K) read as W^T (`k_last`: torch Linear, GGUF) or (K, N) read as W (an ONNX MatMul initializer)."""
+
+    fmt: StorageFormat
+    k_last: bool
+
+    def element(self, n: int, k: int, n_index: str, k_index: str) -> str:
+        """C expression: B[k_index, n_index] of the (K = k, N = n) product, dequantized to FP32."""
+        if self.k_last:
+            return dequant_expr(self.fmt, k, n_index, k_index)
+        return dequant_expr(self.fmt, n, k_index, n_index)
+
+
+def stored_operand(kernel: Kernel, program: Program) -> StoredOperand | None:
+    """How a Gemm reads its B from a weight's stored parts, when B is a weight held in a storage format
+    (not a KV cache) read row-major as the whole weight: (N axes, K axis) over an (N, K) weight, or (K axis,
+    N axes) over a (K, N) one, every other axis broadcast, N and K concrete. Such a Gemm reads B's stored
+    parts, never a widened copy (every form: plain, epilogue, GLU, horizontal, scaled, pre-quantized A);
+    None for any other Gemm (it reads B's buffer)."""
     if not kernel.kind.is_gemm:
         return None
     w_src = program.kernel(kernel.inputs[1].buffer)
@@ -248,9 +264,11 @@ def stored_operand(kernel: Kernel, program: Program) -> StorageFormat | None:
     full = lay.full_shape
     if not (is_const(lay.n) and is_const(lay.k)) or not all(is_const(full[a]) for a in (*lay.n_axes, lay.k_axis)):
         return None
-    if tuple(int(d) for d in w_src.shape) != (int(lay.n), int(lay.k)) or not _row_major(kernel.inputs[1].view, (*lay.n_axes, lay.k_axis), full):
-        return None
-    return STORAGE_FORMATS[w_src.storage]
+    shape, n, k, view = tuple(int(d) for d in w_src.shape), int(lay.n), int(lay.k), kernel.inputs[1].view
+    for k_last, order, want in ((True, (*lay.n_axes, lay.k_axis), (n, k)), (False, (lay.k_axis, *lay.n_axes), (k, n))):
+        if shape == want and _row_major(view, order, full):
+            return StoredOperand(STORAGE_FORMATS[w_src.storage], k_last)
+    return None
 
 
 def stored_formats(fmt: StorageFormat) -> set[Format]:
@@ -264,16 +282,16 @@ def part_params(fmt: StorageFormat) -> list[str]:
 
 
 def weight_only_gemm(kernel: Kernel, program: Program) -> WeightOnlySource | None:
-    """The dedicated dequantize-on-load kernel for a plain LLIR Gemm on a stored B (stored_operand), or
+    """The dedicated dequantize-on-load kernel for a plain LLIR Gemm on a stored (N, K) B (stored_operand), or
     None when the Gemm is not of that form: a plain f32/bf16/f16 variant with an FP32 output, A read
     row-major as (M, K) from an F32/BF16/F16 buffer, no batch, concrete shapes. Other Gemms on a stored
     B run the tiled kernel reading the stored parts (codegen/cuda_gemm.py)."""
     act = _ACT_OF_PRECISION.get(kernel.precision or "f32")
     if kernel.kind is not KernelKind.GEMM or act is None:
         return None
-    fmt = stored_operand(kernel, program)
+    stored = stored_operand(kernel, program)
     a_src = program.kernel(kernel.inputs[0].buffer)
-    if fmt is None or a_src.kind is KernelKind.QUANTIZE or a_src.dtype not in ACTIVATIONS:
+    if stored is None or not stored.k_last or a_src.kind is KernelKind.QUANTIZE or a_src.dtype not in ACTIVATIONS:
         return None
     lay = kernel.layout
     full = lay.full_shape
@@ -282,4 +300,4 @@ def weight_only_gemm(kernel: Kernel, program: Program) -> WeightOnlySource | Non
     m, n, k = int(lay.m), int(lay.n), int(lay.k)
     if kernel.dtype is not F32 or not _row_major(kernel.inputs[0].view, (*lay.m_axes, lay.k_axis), full):
         return None
-    return render_weight_only(fmt, act, m, n, k, a_src.dtype)
+    return render_weight_only(stored.fmt, act, m, n, k, a_src.dtype)
