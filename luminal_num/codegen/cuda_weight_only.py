@@ -18,6 +18,10 @@ which is runtime/weight_only.py's SumOrder.SEQUENTIAL emulation bit for bit, per
       Q4_K / Q5_K  w = fl32(fl32(d sc) q) - fl32(dmin m), 6-bit sc and m of the 32-wide sub-block
       Q6_K         w = fl32(fl32(d sc) (q - 32)), int8 sc of the 16-wide sub-block
 Shapes are compile-time constants (a source per Gemm shape; NVRTC caches by source).
+
+`dequant_expr` is also how every other Gemm form on a stored weight loads B (`stored_operand`: the tiled
+kernel of codegen/cuda_gemm.py reads the same parts); `weight_only_gemm` picks this dedicated kernel for
+the plain form.
 """
 from __future__ import annotations
 
@@ -139,8 +143,9 @@ def _dequant_blocks(fmt: StorageFormat, k: int, row: str, col: str) -> str:
 
 
 def dequant_expr(fmt: StorageFormat, k: int, row: str = "row", col: str = "col") -> str:
-    """C expression: element (row, col) of the (N, k) weight widened to FP32, exactly as fmt.dequantize;
-    `row` / `col`: C identifiers (or parenthesized expressions) of the element's N and K index."""
+    """C expression: element (row, col) of the stored (rows, k) tensor widened to FP32, exactly as
+    fmt.dequantize (the format's blocks run along its last axis, k long); `row` / `col`: C identifiers (or
+    parenthesized expressions) of the element's indices."""
     if fmt.layout is Layout.BLOCKS:
         return _dequant_blocks(fmt, k, row, col)
     kb = packed_length(k)
