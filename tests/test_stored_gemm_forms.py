@@ -7,7 +7,8 @@ Truths, run in the CUDA interpreter (tests/cuda_interpreter.py):
   parts, dequantized on load, must give the same bits, so every rounding point after the load is the one
   the widened kernel (and the CPU emulation it follows) has;
 - the CPU backend itself, bit for bit, on activations with two nonzero powers of two per row: every
-  product is exact and a sum of two terms rounds the same in any order, so BLAS's order cannot matter;
+  product is exact and a sum of two terms rounds the same in any order, so BLAS's order cannot matter
+  (GELU and SiLU epilogues: within the last bits the interpreter's erf / exp and numpy's differ in);
 - the dedicated dequantize-on-load kernel (a plain Gemm, FP32 output): runtime/weight_only.py's
   sequential emulation.
 The cost model (runtime/latency.py) charges each such Gemm the stored bytes its launches read.
@@ -42,6 +43,7 @@ warnings.filterwarnings("ignore", category=RuntimeWarning)
 
 FORMATS = sorted(n for n in STORAGE_FORMATS if n != "f32")
 FORMS = ("plain", "bias", "gelu", "residual", "glu", "qkv", "kn")
+TRANSCENDENTAL = ("gelu", "glu")  # epilogues whose erf / exp the interpreter and numpy round apart
 KN_WIDTH = 32  # "kn": x @ W with W held (K, N) (an ONNX MatMul initializer), N a whole llama.cpp block
 VARIANTS = ("f32", "bf16", "f16", "f8e4m3_channel_prologue")
 OUTPUTS = (F32, BF16, F16)
@@ -119,8 +121,11 @@ def cell(form: str, fmt: str, variant: str, out: str, m: int) -> tuple[Graph, Pr
     """The program of one cell: every weight in `fmt`, every Gemm in `variant`, the Gemm reading the weight
     storing `out` (its output is a graph output: the store is the kernel's last rounding); None where the
     search would never build it (a concatenation the format refuses: the parts stay separate Gemms)."""
-    if form == "kn" and STORAGE_FORMATS[fmt].block > KN_WIDTH:
-        return None  # a K-quant's 256-wide blocks along N: K-quant weights come from GGUF files, held (N, K)
+    if form == "kn":
+        try:  # a K-quant's whole 256-wide blocks along N = 32: K-quant weights come from GGUF files, held (N, K)
+            STORAGE_FORMATS[fmt].check_shape((k_for(fmt), KN_WIDTH))
+        except ValueError:
+            return None
     g = graph(form, fmt, m, seed=len(form) + len(fmt) + m)
     space = SearchSpace.build(g)
     base = pick(space, {"store:int8_channel", f"gemm:{variant}"}.__contains__)
@@ -181,7 +186,13 @@ def check_kernel(program, k, feed, bindings, stored, parts, exact: bool, label) 
             assert got.tobytes() == twin.tobytes(), label
     if exact:  # the CPU backend: sums of two exact products, any order
         want = stored[k.id].reshape(got.shape)
-        assert got.tobytes() == want.tobytes(), (label, np.max(np.abs(got - want)))
+        if label[0] in TRANSCENDENTAL:  # the interpreter's erff / exp2f against numpy's: last bits, the
+            # envelope tests/test_cuda_codegen.tolerance gives a non-exact body (or one unit of the output format)
+            scale = float(np.max(np.abs(want), initial=0.0)) + 1.0
+            tol = max(2.0 ** -18, 2 * k.dtype.unit_roundoff) * scale
+            np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=str(label))
+        else:
+            assert got.tobytes() == want.tobytes(), (label, np.max(np.abs(got - want)))
 
 
 def _interpret_weight_only(program, k, stored, parts) -> np.ndarray:
