@@ -8,7 +8,8 @@ GLU epilogues), for the weights' readers:
   "before" is the runtime of main f886dc9 (only a plain Gemm's dedicated dequantize-on-load kernel read the
   parts: codegen/cuda_weight_only.weight_only_gemm), "after" this branch's (every Gemm reading the weight as
   W^T: codegen/cuda_weight_only.stored_operand), both with main's pricing and with this branch's;
-- `b_scale_pass_mb`: what neither prices: the per-run static B-scale launches' second read of the weights.
+- `b_scale_pass_mb`: what neither prices: the per-run static B-scale launches' second read of the weights;
+- `weights_*_mb`: the stored weights' share of those bytes alone.
 Modelled, no device: the runtime's decision functions name what each launch reads; the byte counts are
 Kernel.bytes_loaded's. Writes reports/bench/stored_reads.csv.
 """
@@ -36,9 +37,11 @@ OUT = Path("reports/bench")
 STORED_GENOMES = ("BF16", "W8A16 INT8 per-channel", "W4A16 INT4 group 128", "FP8 W8A8 dynamic per-token")
 
 
-def bytes_read(program: Program, bindings, reads_parts: Callable[[Kernel, Program], bool]) -> float:
+def bytes_read(program: Program, bindings, reads_parts: Callable[[Kernel, Program], bool],
+               weights_only: bool = False) -> float:
     """Every launched kernel's bytes loaded, a stored weight at its stored bytes only for a kernel that
-    reads its parts (else its FP32 buffer's), KV caches at their format's (unchanged by this item)."""
+    reads its parts (else its FP32 buffer's), KV caches at their format's (unchanged by this item);
+    `weights_only`: the stored weights' share alone."""
     dtypes = program.dtypes()
     every = program.element_bytes(bindings)
     weights = stored_weights(program)
@@ -48,6 +51,9 @@ def bytes_read(program: Program, bindings, reads_parts: Callable[[Kernel, Progra
     for k in program.launched():
         read_as = every if reads_parts(k, program) else others
         total += k.bytes_loaded(bindings, dtypes, read_as) + sum(scales.get(i.buffer, 0) for i in k.inputs)
+        if weights_only:  # less the same kernel with every stored weight weighing nothing
+            total -= k.bytes_loaded(bindings, dtypes, {**read_as, **dict.fromkeys(weights, 0.0)}) + sum(
+                scales.get(i.buffer, 0) for i in k.inputs)
     return total
 
 
@@ -88,11 +94,18 @@ def measure(layers: int, max_cache: int) -> pd.DataFrame:
                          dedicated_kernel_gemms=sum(weight_only_gemm(k, program) is not None for k in gemms),
                          read_before_mb=before / 1e6, priced_before_mb=main_pricing(program, bindings) / 1e6,
                          read_after_mb=after / 1e6, priced_after_mb=priced / 1e6,
-                         b_scale_pass_mb=b_scale_pass(program, bindings) / 1e6))
+                         b_scale_pass_mb=b_scale_pass(program, bindings) / 1e6,
+                         weights_read_before_mb=bytes_read(program, bindings, lambda k, p: weight_only_gemm(k, p) is not None,
+                                                           True) / 1e6,
+                         weights_priced_before_mb=bytes_read(program, bindings, lambda k, p: True, True) / 1e6,
+                         weights_read_after_mb=bytes_read(program, bindings, lambda k, p: stored_operand(k, p) is not None,
+                                                          True) / 1e6))
         r = rows[-1]
         print(f"{label:28s} {len(gemms):4d} Gemms on stored weights: before read {r['read_before_mb']:8.2f} MB, "
               f"priced {r['priced_before_mb']:8.2f} MB; after read {r['read_after_mb']:8.2f} MB, "
-              f"priced {r['priced_after_mb']:8.2f} MB; B-scale launches {r['b_scale_pass_mb']:7.2f} MB")
+              f"priced {r['priced_after_mb']:8.2f} MB; B-scale launches {r['b_scale_pass_mb']:7.2f} MB; weights alone: "
+              f"before read {r['weights_read_before_mb']:8.2f} MB, priced {r['weights_priced_before_mb']:8.2f} MB, "
+              f"after read {r['weights_read_after_mb']:8.2f} MB")
     return pd.DataFrame(rows)
 
 
