@@ -40,9 +40,9 @@ def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm
     """A QUANTIZE kernel runs on CUDA cores in FP32 (amax, divide, convert); a Gemm reading its buffer
     also reads the scales kept beside it. A weight held in a storage format is priced as the runtime reads
     it, in either form: at its stored bytes by a Gemm reading its stored parts (GemmImpl.reads_stored:
-    every Gemm form on a weight it reads whole, as W^T or W), at its widened dtype by any other reader (an embedding
-    Gather, a Gemm reading the weight through another view), which the CUDA runtime hands the widened
-    copy. `form`: in the megakernel (runtime/cuda_megakernel.py) a Gemm that is not dequantize-on-load runs
+    every Gemm form on a weight it reads whole, as W^T or W), at its widened dtype by any other reader
+    (an embedding Gather, a Gemm reading the weight through another view), which the CUDA runtime hands
+    the widened copy. `form`: in the megakernel (runtime/cuda_megakernel.py) a Gemm that is not dequantize-on-load runs
     its tiled body (a library call cannot be inlined; on a stored weight, the tiled body reading its parts)."""
     dtypes = program.dtypes()
     scales = {k.id: k.scales_bytes(bindings) for k in program.kernels if k.kind is KernelKind.QUANTIZE}
