@@ -54,17 +54,21 @@ def _jobs(layers: int, workloads: list[str]):
         yield f"smollm2 ({layers} of 30 layers, {workload})", llm_job("smollm2", workload, layers=layers)
 
 
+# a decode-path implementation -> the sequential one the model priced it as before the tiled_decode class
+_DECODE_PATH = {GemmImpl.TILED_DECODE.value: GemmImpl.TILED, GemmImpl.TILED_STORED_DECODE.value: GemmImpl.TILED_STORED}
+
+
 def _decode_path_gemms(program) -> int:
     """Gemms the program runs on the tiled kernel's decode path (the modelled tiled_decode class)."""
-    return sum(w.implementation == GemmImpl.TILED_DECODE.value for w in kernel_works(program, {}))
+    return sum(w.implementation in _DECODE_PATH for w in kernel_works(program, {}))
 
 
 def _decode_as_sequential_us(program, target: str) -> float:
     """The program priced as the model did before the tiled_decode class: each decode-path Gemm as the
     sequential tiled kernel (class tiled, serial extent K), i.e. what that model understated."""
-    works = [dataclasses.replace(w, implementation=GemmImpl.TILED.value,
+    works = [dataclasses.replace(w, implementation=_DECODE_PATH[w.implementation].value,
                                  serial_extent=serial_extent(k, {}, GemmImpl.TILED))
-             if w.implementation == GemmImpl.TILED_DECODE.value else w
+             if w.implementation in _DECODE_PATH else w
              for k, w in zip(program.launched(), kernel_works(program, {}))]
     return model_latency(works, target).total_s * 1e6
 

@@ -59,20 +59,40 @@ def programs(name: str, count: int) -> tuple[Program, ...]:
 
 # -- running generated code on the CPU -----------------------------------------------------------------------
 
-def stored_values(program: Program, feed: dict) -> dict[int, np.ndarray]:
-    """Every buffer as the CPU backend stores it (float64 copies), in-place scatter destinations too."""
+def stored_values(program: Program, feed: dict, weights: dict | None = None) -> dict[int, np.ndarray]:
+    """Every buffer as the CPU backend stores it (float64 copies), in-place scatter destinations too;
+    `weights`: the graph's weights (a weight held in a storage format is then widened, not a KV cache)."""
     aliased = {k.inputs[0].buffer for k in program.kernels if k.kind.in_place}
+    feed = {n: v for n, v in feed.items() if n not in (weights or {})}
     everything = dataclasses.replace(program, outputs=tuple((f"k{k.id}", k.id) for k in program.kernels
                                                             if k.id not in aliased))
-    out = {int(n[1:]): v for n, v in CpuRuntime(everything).run(feed).outputs.items()}
+    out = {int(n[1:]): v for n, v in CpuRuntime(everything, weights).run(feed).outputs.items()}
     externals = tuple(k for k in program.kernels if k.kind is KernelKind.EXTERNAL)
     sources = Program(externals, program.inputs, tuple((f"k{k.id}", k.id) for k in externals))
-    out.update({int(n[1:]): v for n, v in CpuRuntime(sources).run(feed).outputs.items()})
+    out.update({int(n[1:]): v for n, v in CpuRuntime(sources, weights).run(feed).outputs.items()})
     return out
 
 
-def run_launches(src, launches, program: Program, stored: dict, bindings: dict, out: Buffer, scratch: list) -> None:
-    """Run launches of a KernelSource in the interpreter (lockstep threads where the entry synchronises)."""
+def stored_parts(program: Program, feed: dict) -> dict[int, list[Buffer]]:
+    """Every weight a Gemm reads as its stored parts: those parts (packed codes, scales) as the CUDA runtime
+    uploads them (runtime/cuda.py: the plan's conversion, packed), as interpreter buffers."""
+    from luminal_num.codegen.cuda_weight_only import stored_operand
+    from luminal_num.runtime.weight_only import stored_weight
+    out = {}
+    for k in program.launched():
+        operand = stored_operand(k, program)
+        if operand is not None and k.inputs[1].buffer not in out:
+            fmt = operand.fmt
+            arrays = fmt.pack(stored_weight(program.kernel(k.inputs[1].buffer), feed)).arrays
+            out[k.inputs[1].buffer] = [Buffer(np.asarray(arrays[p]).astype(np.float64).reshape(-1),
+                                              np.asarray(arrays[p]).dtype.kind in "iu") for p in fmt.parts]
+    return out
+
+
+def run_launches(src, launches, program: Program, stored: dict, bindings: dict, out: Buffer, scratch: list,
+                 parts: dict | None = None) -> None:
+    """Run launches of a KernelSource in the interpreter (lockstep threads where the entry synchronises);
+    `parts`: stored_parts(), for a Gemm reading a stored weight's parts."""
     integer = {k.id: k.dtype.kind is Kind.INT for k in program.kernels}
     for launch_ in launches:
         fn, params = compile_entry(src.source, launch_.entry)
@@ -82,6 +102,10 @@ def run_launches(src, launches, program: Program, stored: dict, bindings: dict, 
                 args[name] = out
             elif arg.role == "scratch":
                 args[name] = scratch[arg.index]
+            elif arg.role == "part":
+                if parts is None or arg.buffer not in parts:
+                    raise ValueError(f"{launch_.entry} reads weight {arg.buffer}'s stored parts: pass stored_parts()")
+                args[name] = parts[arg.buffer][arg.index]
             else:
                 args[name] = Buffer(np.array(stored[arg.buffer], dtype=np.float64).reshape(-1), integer[arg.buffer])
         if src.symbols.symbols:
@@ -92,14 +116,16 @@ def run_launches(src, launches, program: Program, stored: dict, bindings: dict, 
             fn(**args)
 
 
-def interpret(program: Program, kernel: Kernel, stored: dict[int, np.ndarray], bindings: dict) -> np.ndarray:
-    """The kernel's output computed by running its generated C (every launch) in the interpreter."""
-    src = render_kernel(kernel, program)
+def interpret(program: Program, kernel: Kernel, stored: dict[int, np.ndarray], bindings: dict,
+              parts: dict | None = None, src=None) -> np.ndarray:
+    """The kernel's output computed by running its generated C (every launch) in the interpreter (`src`:
+    another rendering of it than render_kernel's)."""
+    src = src or render_kernel(kernel, program)
     first = stored[kernel.inputs[0].buffer] if kernel.kind.in_place else \
         np.zeros(kernel.numel(bindings))
     out = Buffer(np.array(first, dtype=np.float64).reshape(-1), kernel.dtype.kind is Kind.INT)
     scratch = [Buffer(np.zeros(s.numel(bindings)), False) for s in src.scratch]
-    run_launches(src, src.launches, program, stored, bindings, out, scratch)
+    run_launches(src, src.launches, program, stored, bindings, out, scratch, parts)
     return out.values.reshape([evaluate(d, bindings) for d in kernel.shape])
 
 
@@ -125,11 +151,12 @@ def tolerance(kernel: Kernel, ref: np.ndarray, bindings=None) -> float:
 def check_against_cpu(program: Program, feed: dict, kernels=None) -> int:
     bindings = bind_program(program, feed)
     stored = stored_values(program, feed)
+    parts = stored_parts(program, feed)
     checked = 0
     for k in kernels or program.launched():
         if k.kind is KernelKind.GEMM:
             continue
-        got, ref = interpret(program, k, stored, bindings), stored[k.id].reshape([evaluate(d, bindings) for d in k.shape])
+        got, ref = interpret(program, k, stored, bindings, parts), stored[k.id].reshape([evaluate(d, bindings) for d in k.shape])
         np.testing.assert_allclose(got, ref, rtol=0, atol=tolerance(k, ref, bindings), err_msg=f"kernel {k.id} {k.kind}")
         checked += 1
     return checked

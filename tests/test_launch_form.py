@@ -41,7 +41,8 @@ def test_both_forms_are_priced_and_the_cheaper_one_is_chosen():
 
 
 def test_the_megakernel_form_prices_the_bodies_it_inlines():
-    """A W4A16 llama-tiny layer: a dequantize-on-load Gemm keeps its implementation and stored bytes in
+    """A W4A16 llama-tiny layer: a Gemm reading a stored weight's parts (the dequantize-on-load kernel, or the
+    tiled kernel on the parts for the epilogue and GLU forms) keeps its implementation and stored bytes in
     the megakernel; every other Gemm becomes its tiled FP32 body on CUDA cores, with the same bytes, on the
     path that body takes (seq 4: M = 4, the decode path where its source has one, codegen/cuda_gemv.py)."""
     from luminal_num.codegen.cuda_gemv import SKINNY_M
@@ -59,8 +60,14 @@ def test_the_megakernel_form_prices_the_bodies_it_inlines():
             dequantizing = weight_only_gemm(k, program) is not None
             decodes = f"if (M <= {SKINNY_M})" in render_kernel(k, program).source and \
                 evaluate(k.layout.m, bindings) <= SKINNY_M
-            checked.add("weight_only" if dequantizing else "tiled_decode" if decodes else "tiled")
-            assert mw.implementation == ("weight_only" if dequantizing else "tiled_decode" if decodes else "tiled")
+            stored = kw.implementation in ("weight_only", "tiled_stored", "tiled_stored_decode")
+            tiled = "tiled_decode" if decodes else "tiled"
+            want = kw.implementation if stored else tiled
+            checked.add(want)
+            assert mw.implementation == want
+            assert dequantizing == (kw.implementation == "weight_only")
+            if kw.implementation.startswith("tiled_stored"):  # the tiled kernel on stored parts, on its path
+                assert kw.implementation == ("tiled_stored_decode" if decodes else "tiled_stored")
             assert mw.math == "fp32" and not mw.tensor_core
         else:
             assert mw == kw

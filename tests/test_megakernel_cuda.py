@@ -12,7 +12,7 @@ from cuda_interpreter import Buffer, compile_entry, entry_body, launch
 from luminal_num.codegen import nvrtc
 from luminal_num.codegen.llir import KernelKind
 from luminal_num.codegen.megakernel import build_queue
-from luminal_num.codegen.cuda_weight_only import weight_only_gemm
+from luminal_num.codegen.cuda_weight_only import stored_operand, weight_only_gemm
 from luminal_num.codegen.megakernel_cuda import ENTRY_NAME, render_megakernel
 from luminal_num.dtypes.formats import Kind
 from luminal_num.hlir.symbolic import evaluate
@@ -62,8 +62,8 @@ def _run_ops(mega, program, stored, bindings, inputs=None, only=None):
             use = uses.get(slot)
             if slot == k.id:
                 args[name] = out
-            elif use is not None and use.part is not None:  # a dequantize-on-load body's stored part
-                assert src is None and name.startswith("w_")
+            elif use is not None and use.part is not None:  # a stored part (dequantize-on-load or tiled body)
+                assert name.startswith("w_")
                 args[name] = _stored_part(program, use.kernel, use.part, inputs)
             elif use is not None and use.index is None:
                 assert name == "dyn_dims"
@@ -98,8 +98,9 @@ def test_each_inlined_op_body_computes_what_the_cpu_backend_computes(case):
 
 
 def test_a_gemm_over_a_stored_weight_inlines_the_dequantize_on_load_body():
-    """A W4A16 llama-tiny layer: its Gemms over int4 weights run the dequantize-on-load body on the packed
-    codes and scales (slots of their own, shared by the readers of one weight), as kernel by kernel."""
+    """A W4A16 llama-tiny layer: its Gemms over int4 weights run the dequantize-on-load body (plain Gemms) or
+    their tiled body reading the stored parts (residual and GLU epilogues) on the packed codes and scales
+    (slots of their own, shared by the readers of one weight), as kernel by kernel."""
     job = llama_tiny_job(seq=4, layers=1)
     space = SearchSpace.build(job.graph)
     program = space.program(pick(space, {"store:int4_g128", "gemm:bf16"}.__contains__))
@@ -112,11 +113,15 @@ def test_a_gemm_over_a_stored_weight_inlines_the_dequantize_on_load_body():
     computed = tuple((f"k{k.id}", k.id) for k in program.launched() if not k.kind.in_place)  # no stored weights
     run = CpuRuntime(dataclasses.replace(program, outputs=computed), job.graph.weights).run(job.calibration[0])
     stored = {int(name[1:]): value for name, value in run.outputs.items()}
-    got = _run_ops(mega, program, stored, bindings, inputs, only=dequantizing)
-    for kid in dequantizing:  # BF16 x BF16 products are exact in FP32: only the order of the K-sum differs
+    reading = {k.id for k in program.launched() if stored_operand(k, program) is not None}
+    assert reading - dequantizing  # the epilogue Gemms read the parts through their tiled bodies
+    assert {u.kernel for u in mega.uses if u.part is not None} == {program.kernel(kid).inputs[1].buffer for kid in reading}
+    got = _run_ops(mega, program, stored, bindings, inputs, only=reading)
+    for kid in reading:  # BF16 x BF16 products are exact in FP32: only the order of the K-sum differs
         k = program.kernel(kid)
         ref = stored[kid].reshape(got[kid].shape)
         envelope = evaluate(k.layout.k, bindings) * 2.0 ** -23 * (float(np.max(np.abs(ref))) + 1.0) * 2
+        envelope = max(envelope, _tolerance(k, ref, bindings))
         np.testing.assert_allclose(got[kid], ref, rtol=0, atol=envelope, err_msg=f"kernel {kid}")
 
 

@@ -2,12 +2,15 @@
 (runtime/cuda.py) to launch it and by the cost model (runtime/latency.py) to price it, so a plan is
 never priced at tensor-core peak while it runs on CUDA cores.
 
-Order (the runtime's): a Gemm whose B is a weight held in a storage format runs the dequantize-on-load
-kernel (codegen/cuda_weight_only.py); a plain Gemm with a cuBLAS(Lt) call legal for the bound sizes runs
-that library call; everything else (every GEMM_EPILOGUE form: bias, GELU, residual, GLU; the scaled
-variants cuBLASLt does not take) runs the 16x16 tiled SIMT kernel (codegen/cuda_gemm.py), which at
-M <= SKINNY_M takes its decode path (codegen/cuda_gemv.py: K split over 16 lanes, a fixed tree) where the
-variant has one and the program is not batch-invariant, else its sequential order. Not known
+Order (the runtime's): a plain Gemm whose B is a weight held in a storage format runs the dedicated
+dequantize-on-load kernel (codegen/cuda_weight_only.py); every other Gemm on a stored B (epilogue:
+bias, GELU, residual; GLU over gate|up; q|k|v concatenations; scaled or pre-quantized-A variants; BF16
+or FP16 outputs) runs the tiled kernel reading B's stored parts (codegen/cuda_gemm.py, `stored`): both
+read the stored bytes the cost model charges, never a widened copy. A plain Gemm with a cuBLAS(Lt) call
+legal for the bound sizes runs that library call; everything else (every GEMM_EPILOGUE form; the scaled
+variants cuBLASLt does not take) runs the 16x16 tiled SIMT kernel. The tiled kernel, on stored parts or
+not, at M <= SKINNY_M takes its decode path (codegen/cuda_gemv.py: K split over 16 lanes, a fixed tree)
+where the variant has one and the program is not batch-invariant, else its sequential order. Not known
 before a device answers: a cuBLASLt heuristic that calls a legal shape NOT_SUPPORTED (the runtime then
 runs the tiled kernel; runtime/cublas.py).
 """
@@ -20,23 +23,35 @@ from ..hlir.symbolic import evaluate
 from .cuda_gemm import variant_of
 from .cuda_gemv import SKINNY_M, has_decode_path
 from .cuda_kernels import KernelSource, render_kernel
-from .cuda_weight_only import weight_only_gemm
+from .cuda_weight_only import stored_operand, weight_only_gemm
 from .llir import Kernel, KernelKind, Program
 
 
 class GemmImpl(enum.Enum):
     """How a Gemm kernel runs on the GPU."""
 
-    WEIGHT_ONLY = "weight_only"  # the dequantize-on-load kernel: CUDA cores
+    WEIGHT_ONLY = "weight_only"  # the dedicated dequantize-on-load kernel (plain Gemms): CUDA cores
+    TILED_STORED = "tiled_stored"  # the tiled kernel reading B's stored parts (every other form): CUDA cores
     CUBLAS = "cublas"            # cublasGemmStridedBatchedEx: tensor cores in the variant's math (FP32: SIMT)
     CUBLASLT = "cublasLt"        # cublasLtMatmul, FP8 per-tensor: tensor cores
     TILED = "tiled"              # the 16x16 tiled kernel (quantizes operands as it loads): CUDA cores
     TILED_DECODE = "tiled_decode"  # the same launch at M <= SKINNY_M on its decode path: K split over 16 lanes
+    TILED_STORED_DECODE = "tiled_stored_decode"  # the tiled kernel on B's stored parts, on its decode path
 
     @property
     def library(self) -> bool:
         """A cuBLAS(Lt) call (which uses tensor cores where the variant's math mode has them)."""
         return self in (GemmImpl.CUBLAS, GemmImpl.CUBLASLT)
+
+    @property
+    def reads_stored(self) -> bool:
+        """B is read as its stored parts (the weight's stored bytes), dequantized on load."""
+        return self in (GemmImpl.WEIGHT_ONLY, GemmImpl.TILED_STORED, GemmImpl.TILED_STORED_DECODE)
+
+    @property
+    def decode_path(self) -> bool:
+        """The tiled kernel's M <= SKINNY_M path: each row's K over 16 lanes and a fixed tree (cuda_gemv)."""
+        return self in (GemmImpl.TILED_DECODE, GemmImpl.TILED_STORED_DECODE)
 
 
 def tiled_implementation(kernel: Kernel, program: Program, bindings: Mapping[str, int]) -> GemmImpl:
@@ -58,6 +73,9 @@ def gemm_implementation(kernel: Kernel, program: Program, bindings: Mapping[str,
         weight_only = weight_only_gemm(kernel, program) is not None
     if weight_only:
         return GemmImpl.WEIGHT_ONLY
+    if stored_operand(kernel, program) is not None:  # the tiled kernel on stored parts: its path as any tiled launch
+        decodes = tiled_implementation(kernel, program, bindings) is GemmImpl.TILED_DECODE
+        return GemmImpl.TILED_STORED_DECODE if decodes else GemmImpl.TILED_STORED
     if kernel.kind is not KernelKind.GEMM:  # an epilogue runs in the tiled kernel only
         return tiled_implementation(kernel, program, bindings)
     src = source if source is not None else render_kernel(kernel, program)

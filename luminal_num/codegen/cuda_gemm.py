@@ -1,13 +1,17 @@
-"""Gemm on CUDA: the cuBLAS / cuBLASLt call an LLIR Gemm maps to, and a tiled kernel for every variant.
+"""Gemm on CUDA: a tiled kernel for every variant, and (cuda_gemm_call.py) the cuBLAS / cuBLASLt call.
 
-`render_gemm` attaches the GemmCall saying how cuBLAS computes the kernel (column-major, so a row-major C is
-computed as C^T = B^T A^T), or None when it cannot: scales other than per-tensor FP8, integer or
-FP16-accumulator variants on FP32 buffers, a matrix with no unit stride, batch axes that do not
-collapse into one batch stride. `render_gemm` writes the fallback for every variant: per-block scale
-kernels (luminal_num.quant.scales' rule) and a 16x16-tile kernel that quantizes operands as it loads
-them and accumulates exactly as runtime/numerics.py defines each GemmPrecision (chunks, MMA groups,
-narrow accumulators, promotion, per-product scales). Per-tensor FP8 goes through cuBLASLt: the same
-scale kernels, then quantize kernels writing both operands K-contiguous (the "TN" layout FP8 needs).
+`render_gemm` writes the fallback for every variant: per-block scale kernels (luminal_num.quant.scales'
+rule) and a 16x16-tile kernel that quantizes operands as it loads them and accumulates exactly as
+runtime/numerics.py defines each GemmPrecision (chunks, MMA groups, narrow accumulators, promotion,
+per-product scales), and attaches the GemmCall where cuBLAS(Lt) can compute the kernel. Per-tensor FP8
+goes through cuBLASLt: the same scale kernels, then quantize kernels writing both operands K-contiguous.
+
+A B held in a storage format (`stored`: cuda_weight_only.stored_operand) is read as its stored parts
+(Arg role "part": packed codes, scales), each element widened in registers by the format's own
+dequantize (cuda_weight_only.dequant_expr, the FP32 value the CPU backend's widened buffer holds, bit
+for bit), then treated exactly as the widened B would be: every form (epilogue, GLU, scaled, a
+pre-quantized A) and every rounding point is unchanged, only the bytes read are the stored ones. Such a
+Gemm has no library call (cuBLAS reads a dense B).
 
 An LLIR QUANTIZE kernel (`render_quantize`) is those scale and quantize kernels for A alone. A Gemm
 reading its buffer (`prequantized[0]`) loads q as it is with the QUANTIZE kernel's scales (Arg role
@@ -19,163 +23,28 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from ..dtypes.formats import BF16, F8E4M3, F8E5M2, F16, F32, INT8, INT32, TF32, Format, Kind
+from ..dtypes.formats import F32, INT32, Format, Kind
 from ..dtypes.variants import GEMM_VARIANTS, WHOLE, GemmPrecision, Granularity
-from ..hlir.shape import contiguous_strides
 from ..hlir.symbolic import Dim, prod
 from . import ctypes_map
 from .cuda_body import (IndexExpr, SymbolTable, body_symbols, c_add, c_div, c_index, c_mul, dims_symbols, dot, load_float,
                         round_expr, row_major_strides, store, unravel, view_index, view_symbols)
+from .cuda_gemm_call import CUDA_DATA_TYPES, cublas_call, geometry, lt_call, lt_capable
 from .cuda_source import (COMPUTE_TYPES, CUBLAS_ENUMS, ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, SCALES_SCRATCH, Arg,
                           GemmCall, KernelSource, Launch, Scratch, entry_name, indent, name_launches, per, source_header)
 from .cuda_gemv import SKINNY_M, has_decode_path, skinny_block
+from .cuda_weight_only import StoredOperand, part_params, stored_formats
 from .llir import Kernel, quantized_a_view
 
 TILE = 16      # output rows and columns per block (16 x 16 threads)
 K_TILE = 32    # K per shared-memory stage: a multiple of every mma_k
 SCALE_THREADS = 256
 
-CUDA_DATA_TYPES = {F32: "CUDA_R_32F", F16: "CUDA_R_16F", BF16: "CUDA_R_16BF", F8E4M3: "CUDA_R_8F_E4M3",
-                   F8E5M2: "CUDA_R_8F_E5M2", INT8: "CUDA_R_8I", INT32: "CUDA_R_32I"}
 __all__ = ["COMPUTE_TYPES", "CUBLAS_ENUMS", "CUDA_DATA_TYPES", "GemmCall", "render_gemm", "render_quantize"]
 
 
 def variant_of(kernel: Kernel) -> GemmPrecision:
     return GEMM_VARIANTS[kernel.precision or "f32"]
-
-
-# -- geometry: the Mul's full shape seen as batch x (M x K) @ (K x N) ------------------------------------
-
-@dataclass(frozen=True)
-class _Role:
-    """One logical axis group of one matrix: its extent and (when the axes nest) one stride."""
-
-    extent: Dim
-    stride: Dim | None  # None: the axes do not collapse into one strided axis
-
-    def unit(self) -> bool:
-        return self.stride == 1 or self.extent == 1
-
-
-def _collapse(shape, strides, axes) -> _Role:
-    axes = [a for a in axes if shape[a] != 1]
-    extent = prod(shape[a] for a in axes)
-    if not axes:
-        return _Role(1, 0)
-    if any(strides[a] != shape[b] * strides[b] for a, b in zip(axes, axes[1:])):
-        return _Role(extent, None)
-    return _Role(extent, strides[axes[-1]])
-
-
-@dataclass(frozen=True)
-class _Geometry:
-    batch: tuple[_Role, _Role, _Role]   # (A, B, C) batch strides
-    a: tuple[_Role, _Role]              # (M, K)
-    b: tuple[_Role, _Role]              # (K, N)
-    c: tuple[_Role, _Role]              # (M, N)
-
-
-def _geometry(kernel: Kernel) -> _Geometry:
-    lay = kernel.layout
-    full = lay.full_shape
-    sa, sb = kernel.inputs[0].view.views[0].strides, kernel.inputs[1].view.views[0].strides
-    out_strides = dict(zip(lay.out_axes, contiguous_strides([full[a] for a in lay.out_axes])))
-    sc = [out_strides.get(a, 0) for a in range(len(full))]
-    k = [lay.k_axis]
-    return _Geometry(
-        tuple(_collapse(full, s, lay.batch_axes) for s in (sa, sb, sc)),
-        (_collapse(full, sa, lay.m_axes), _collapse(full, sa, k)),
-        (_collapse(full, sb, k), _collapse(full, sb, lay.n_axes)),
-        (_collapse(full, sc, lay.m_axes), _collapse(full, sc, lay.n_axes)))
-
-
-def _column_major(rows: _Role, cols: _Role) -> tuple[bool, Dim, Dim] | None:
-    """op(X) = this rows x cols matrix for a column-major X: (transposed, ld, smallest legal ld)."""
-    if rows.stride is None or cols.stride is None:
-        return None
-    if rows.unit():
-        return False, cols.stride if cols.extent != 1 else rows.extent, rows.extent
-    if cols.unit():
-        return True, rows.stride if rows.extent != 1 else cols.extent, cols.extent
-    return None
-
-
-# -- the cuBLAS call ------------------------------------------------------------------------------------------
-
-def _types(variant: GemmPrecision, a_fmt: Format, b_fmt: Format, out: Format) -> tuple[str, str] | None:
-    """(operand data type, compute type) for an unscaled variant over these buffers, or None."""
-    fmt = variant.a_format
-    if variant.b_format is not fmt or a_fmt is not b_fmt:
-        return None
-    if variant.acc_format is F16:
-        ok = a_fmt is F16 and out is F16
-        return ("CUDA_R_16F", "CUBLAS_COMPUTE_16F") if ok else None
-    if variant.acc_format is not F32:
-        return None
-    if a_fmt is F32 and out is F32:
-        fast = {F32: "CUBLAS_COMPUTE_32F", TF32: "CUBLAS_COMPUTE_32F_FAST_TF32", BF16: "CUBLAS_COMPUTE_32F_FAST_16BF",
-                F16: "CUBLAS_COMPUTE_32F_FAST_16F"}
-        return ("CUDA_R_32F", fast[fmt]) if fmt in fast else None
-    if a_fmt is fmt and fmt in (BF16, F16) and out in (F32, fmt):
-        return CUDA_DATA_TYPES[fmt], "CUBLAS_COMPUTE_32F"
-    return None
-
-
-def _lt_capable(variant: GemmPrecision, out: Format) -> bool:
-    scales = (variant.a_scale, variant.b_scale)
-    return (variant.a_format in (F8E4M3, F8E5M2) and variant.b_format in (F8E4M3, F8E5M2)
-            and not (variant.a_format is F8E5M2 and variant.b_format is F8E5M2)
-            and all(s is not None and s.granularity is Granularity.TENSOR for s in scales)
-            and not variant.grouped and out in (F32, BF16, F16))
-
-
-def _cublas_call(kernel: Kernel, variant: GemmPrecision, formats: tuple[Format, ...], geo: _Geometry) -> GemmCall | None:
-    types = None if variant.a_scale or variant.b_scale else _types(variant, *formats, kernel.dtype)
-    if types is None or any(r.stride is None for r in geo.batch):
-        return None
-    lay = kernel.layout
-    c_rows, c_cols = geo.c
-    offsets = (kernel.inputs[0].view.views[0].offset, kernel.inputs[1].view.views[0].offset)
-    if c_cols.unit():  # row-major C: C^T (N x M) = B^T A^T
-        first, second = _column_major(geo.b[1], geo.b[0]), _column_major(geo.a[1], geo.a[0])
-        m, n, ldc = lay.n, lay.m, (c_rows.stride if c_rows.extent != 1 else lay.n)
-        order = (1, 0)
-    elif c_rows.unit():
-        first, second = _column_major(*geo.a), _column_major(*geo.b)
-        m, n, ldc = lay.m, lay.n, (c_cols.stride if c_cols.extent != 1 else lay.m)
-        order = (0, 1)
-    else:
-        return None
-    if first is None or second is None:
-        return None
-    data, compute = types
-    return GemmCall("cublas", first[0], second[0], m, n, lay.k, Arg("in", order[0]), Arg("in", order[1]), Arg("out"),
-                    offsets[order[0]], offsets[order[1]], first[1], second[1], ldc, geo.batch[order[0]].stride,
-                    geo.batch[order[1]].stride, geo.batch[2].stride, lay.batch, data, data,
-                    CUDA_DATA_TYPES[kernel.dtype], compute, (first[2], second[2], m))
-
-
-def _lt_call(kernel: Kernel, variant: GemmPrecision, geo: _Geometry, prologue: tuple[Launch, ...],
-             operands: tuple[Arg, Arg], scales: tuple[Arg, Arg]) -> GemmCall | None:
-    """FP8 per-tensor scales: both operands K-contiguous, `operands` (A: batch x M x K, B: batch x N x K)
-    with their `scales`."""
-    lay = kernel.layout
-    c_rows, c_cols = geo.c
-    if geo.batch[2].stride is None:
-        return None
-    if c_cols.unit():
-        m, n, ldc, order = lay.n, lay.m, (c_rows.stride if c_rows.extent != 1 else lay.n), (1, 0)
-    elif c_rows.unit():
-        m, n, ldc, order = lay.m, lay.n, (c_cols.stride if c_cols.extent != 1 else lay.m), (0, 1)
-    else:
-        return None
-    fmts = (variant.a_format, variant.b_format)
-    rows = (lay.m, lay.n)
-    return GemmCall("cublasLt", True, False, m, n, lay.k, operands[order[0]], operands[order[1]],
-                    Arg("out"), 0, 0, lay.k, lay.k, ldc, rows[order[0]] * lay.k, rows[order[1]] * lay.k,
-                    geo.batch[2].stride, lay.batch, CUDA_DATA_TYPES[fmts[order[0]]], CUDA_DATA_TYPES[fmts[order[1]]],
-                    CUDA_DATA_TYPES[kernel.dtype], "CUBLAS_COMPUTE_32F", (lay.k, lay.k, m), prologue,
-                    scales[order[0]], scales[order[1]])
 
 
 # -- the fallback kernels ------------------------------------------------------------------------------------
@@ -193,12 +62,14 @@ static __device__ __forceinline__ float ln_pow2_scale(double ratio) {
 
 class _Writer:
     """Index math of one Gemm (or QUANTIZE) kernel: operands as (batch, rows, cols) over the Mul's full
-    shape. `prequantized[slot]`: that input is a QUANTIZE kernel's q, to be read as it is."""
+    shape. `prequantized[slot]`: that input is a QUANTIZE kernel's q, to be read as it is; `stored`: B's
+    storage format when B is read as its stored parts (cuda_weight_only.stored_operand)."""
 
     def __init__(self, kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...] = (False, False),
-                 invariant: bool = False):
+                 invariant: bool = False, stored: StoredOperand | None = None):
         self.k, self.formats, self.variant = kernel, formats, variant_of(kernel)
         self.prequantized = prequantized
+        self.stored = stored
         self.invariant = invariant  # a batch-invariant program: one summation order for every M
         lay = kernel.layout
         names = dims_symbols(lay.full_shape).union(*(view_symbols(inp.view) for inp in kernel.inputs),
@@ -225,7 +96,10 @@ class _Writer:
         return coords
 
     def element(self, slot: int, b: IndexExpr, row: IndexExpr, col: IndexExpr) -> str:
-        """Operand `slot` at (batch, row, col) as float."""
+        """Operand `slot` at (batch, row, col) as float (a stored B: its element (col, row) of the (N, K)
+        weight, dequantized from the stored parts)."""
+        if slot == 1 and self.stored is not None:
+            return self.stored.element(int(self.lay.n), int(self.lay.k), f"({c_index(col)})", f"({c_index(row)})")
         coords = self.full_coords(b, row, 0, col) if slot == 0 else self.full_coords(b, 0, col, row)
         at = view_index(self.k.inputs[slot].view, coords, self.table)
         return load_float(self.formats[slot], f"in{slot}[{c_index(at.pos)}]")
@@ -277,7 +151,15 @@ class _Writer:
         return ["const long long* __restrict__ dyn_dims"] if self.table.symbols else []
 
     def in_param(self, slot: int) -> str:
+        if slot == 1 and self.stored is not None:
+            return ", ".join(part_params(self.stored.fmt))
         return f"const {ctypes_map.cuda_type(self.formats[slot])}* __restrict__ in{slot}"
+
+    def operand_args(self, slot: int) -> tuple[Arg, ...]:
+        """The pointer arguments in_param(slot) declares."""
+        if slot == 1 and self.stored is not None:
+            return tuple(Arg("part", i) for i in range(len(self.stored.fmt.parts)))
+        return (Arg("in", slot),)
 
 
 def _scale_kernel(w: _Writer, slot: int) -> str:
@@ -495,23 +377,26 @@ def _source(code: str, formats) -> str:
 
 def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
                 prequantized: tuple[bool, ...] = (False, False), epilogue: EpilogueCode | None = None,
-                invariant: bool = False) -> KernelSource:
+                invariant: bool = False, stored: StoredOperand | None = None) -> KernelSource:
     """The fallback (scales, then the tiled kernel) and, where cuBLAS can, the GemmCall. `invariant`: a
     batch-invariant program's Gemm: the tiled kernel's sequential order for every M and no library call
-    (cuBLAS(Lt) picks its algorithm, split-K included, per shape: no order a plan can pin).
+    (cuBLAS(Lt) picks its algorithm, split-K included, per shape: no order a plan can pin). `stored`: B's
+    storage format, read as its stored parts by every launch (no library call).
 
     Scratch: the scales of each operand this kernel scales itself, then (cuBLASLt) its quantized
     copies; a pre-quantized operand brings both from its QUANTIZE kernel instead."""
-    w = _Writer(kernel, formats, prequantized, invariant)
+    w = _Writer(kernel, formats, prequantized, invariant, stored)
     lay = kernel.layout
     # cuBLASLt takes a pre-quantized A as it is: only when read in the (batch, M, K) layout it was written in
     single = all(len(inp.view.views) == 1 for inp in kernel.inputs[:2])  # cuBLAS needs one strided view each
-    lt = not invariant and epilogue is None and single and _lt_capable(w.variant, kernel.dtype) and (
+    library = not invariant and stored is None
+    lt = library and epilogue is None and single and lt_capable(w.variant, kernel.dtype) and (
         not prequantized[0] or kernel.inputs[0].view == quantized_a_view(kernel.layout))
     own = [s for s in (0, 1) if w.specs[s] is not None and not prequantized[s]]
     own_quant = own if lt else []
     source = _source("".join([_scale_kernel(w, s) for s in own] + [_quant_kernel(w, s) for s in own_quant]
-                                + [_gemm_kernel(w, epilogue)]), {*formats, kernel.dtype, *(w.op_formats if lt else ())})
+                                + [_gemm_kernel(w, epilogue)]),
+                     {*formats, kernel.dtype, *(w.op_formats if lt else ()), *(stored_formats(stored.fmt) if stored else ())})
     scratch = tuple(Scratch(f"scale{s}", F32, w.scale_blocks(s)) for s in own)
     scratch += tuple(Scratch(f"quant{s}", w.op_formats[s], ((lay.batch, 1), (w.extents(s)[1 + s], 1), (lay.k, 1)))
                      for s in own_quant)
@@ -519,19 +404,19 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
                  for s in (0, 1) if w.specs[s] is not None}
     operand_arg = {s: Arg("scratch", len(own) + own_quant.index(s)) if s in own_quant else Arg("in", s) for s in (0, 1)}
     scale_launches = tuple(Launch(f"{ENTRY}_scale{s}", (w.scale_blocks(s),), (SCALE_THREADS,),
-                                  (scale_arg[s], Arg("in", s))) for s in own)
+                                  (scale_arg[s], *w.operand_args(s))) for s in own)
     n_out = epilogue.n_out if epilogue is not None and epilogue.col_offsets else lay.n
     gemm = Launch(ENTRY, (per(lay.m, TILE), per(n_out, TILE), per(lay.batch, 1)), (TILE, TILE),
-                  (Arg("out"), Arg("in", 0), Arg("in", 1), *(Arg("in", s) for s in (epilogue.slots if epilogue else ())),
-                   *scale_arg.values()))
+                  (Arg("out"), Arg("in", 0), *w.operand_args(1),
+                   *(Arg("in", s) for s in (epilogue.slots if epilogue else ())), *scale_arg.values()))
     name = entry_name("gemm", source)
     if lt:
         quant = tuple(Launch(f"{ENTRY}_quant{s}", (per(prod(w.extents(s)), ELEMENTWISE_THREADS),),
                              (ELEMENTWISE_THREADS,), (operand_arg[s], Arg("in", s), scale_arg[s])) for s in own_quant)
-        call = _lt_call(kernel, w.variant, _geometry(kernel), name_launches(scale_launches + quant, name),
+        call = lt_call(kernel, w.variant, geometry(kernel), name_launches(scale_launches + quant, name),
                         (operand_arg[0], operand_arg[1]), (scale_arg[0], scale_arg[1]))
     else:  # an epilogue runs in the tiled kernel only (cuBLAS would store the accumulator first)
-        call = None if invariant or epilogue or not single else _cublas_call(kernel, w.variant, formats, _geometry(kernel))
+        call = None if not library or epilogue or not single else cublas_call(kernel, w.variant, formats, geometry(kernel))
     return KernelSource(0, name, source.replace(ENTRY, name), name_launches(scale_launches + (gemm,), name),
                         w.table, scratch, call)
 

@@ -13,13 +13,15 @@ from ..hlir.shape import contiguous_strides
 from .cuda_body import BodyWriter, IndexExpr, SymbolTable, load_float, view_index, c_index
 from .cuda_gemm import EpilogueCode, render_gemm
 from .cuda_source import KernelSource
+from .cuda_weight_only import StoredOperand
 from .llir import Kernel, acc_reads, epilogue_as_elementwise, gemm_output_shape
 
 _ACC = -1  # the accumulator's buffer id in the elementwise form of the body (no buffer: `total`)
 
 
 def render_gemm_epilogue(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...],
-                         invariant: bool = False) -> KernelSource:
+                         invariant: bool = False, stored: StoredOperand | None = None) -> KernelSource:
+    """The tiled Gemm with this kernel's epilogue; `stored`: B read as its stored parts (render_gemm)."""
     if any(prequantized[2:]):
         raise ValueError(f"kernel {kernel.id}: a Gemm epilogue cannot read a QUANTIZE kernel's buffer")
     body = epilogue_as_elementwise(kernel, _ACC).body
@@ -39,7 +41,7 @@ def render_gemm_epilogue(kernel: Kernel, formats: tuple[Format, ...], prequantiz
 
     return render_gemm(kernel, formats, prequantized[:2], EpilogueCode(tuple(range(2, len(kernel.inputs))), render,
                                                                        offsets, kernel.shape[-1] if offsets else None),
-                       invariant=invariant)
+                       invariant=invariant, stored=stored)
 
 
 def glu_offsets(kernel: Kernel) -> tuple[int, ...]:

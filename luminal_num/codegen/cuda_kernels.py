@@ -39,6 +39,7 @@ from .cuda_source import (ELEMENTWISE_THREADS, ENTRY, MAX_GRID, REDUCE_HELPERS, 
                           KernelSource, Launch, Scratch, ceil_count, entry_name, finish_source, indent, name_launches,
                           per, source_header)
 from ..quant.storage import STORAGE_FORMATS
+from .cuda_weight_only import StoredOperand, stored_operand
 from .llir import Kernel, KernelInput, KernelKind, Program
 
 __all__ = ["Arg", "ELEMENTWISE_THREADS", "ENTRY", "KernelSource", "Launch", "MAX_GRID", "RENDERERS", "SCALES_SCRATCH",
@@ -423,11 +424,11 @@ def _structure(kernel: Kernel) -> Kernel:
 
 @lru_cache(maxsize=4096)
 def _render_structure(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...],
-                      invariant: bool = False) -> KernelSource:
+                      invariant: bool = False, stored: StoredOperand | None = None) -> KernelSource:
     """`invariant`: a batch-invariant program's Gemm (its renderers pin one order; no other kind has a choice:
-    attention's fixed split size is in its spec)."""
-    if invariant and kernel.kind.is_gemm:
-        return RENDERERS[kernel.kind](kernel, formats, prequantized, invariant=True)
+    attention's fixed split size is in its spec). `stored`: how a Gemm reads B from a weight's stored parts."""
+    if kernel.kind.is_gemm and (invariant or stored is not None):
+        return RENDERERS[kernel.kind](kernel, formats, prequantized, invariant=invariant, stored=stored)
     return RENDERERS[kernel.kind](kernel, formats, prequantized)
 
 
@@ -444,7 +445,7 @@ def render_kernel(kernel: Kernel, program: Program) -> KernelSource:
         raise ValueError(f"kernel {kernel.id} is {kernel.kind.value}: it has no code")
     structural = _structure(kernel)
     src = _render_structure(structural, input_formats(kernel, program), program.quantized_inputs(kernel),
-                            program.batch_invariant)
+                            program.batch_invariant, stored_operand(kernel, program))
     return _rebind(src, kernel)
 
 

@@ -31,9 +31,10 @@ SCALES_SCRATCH = 0        # a QUANTIZE kernel keeps its scales in this scratch b
 @dataclass(frozen=True)
 class Arg:
     """A pointer argument: the kernel's output ("out"), input slot `index` ("in"), scratch buffer
-    `index` of the source ("scratch"), or the scales beside input slot `index`, which a QUANTIZE
-    kernel produced ("scales": its scratch SCALES_SCRATCH). `buffer` is the LLIR buffer id once bound
-    to a kernel (for "in" and "scales", the producing kernel's)."""
+    `index` of the source ("scratch"), the scales beside input slot `index`, which a QUANTIZE
+    kernel produced ("scales": its scratch SCALES_SCRATCH), or stored part `index` (StorageFormat.parts
+    order) of the weight a Gemm reads as B in its storage format ("part"). `buffer` is the LLIR buffer id
+    once bound to a kernel (for "in" and "scales", the producing kernel's; for "part", the weight's)."""
 
     role: str
     index: int = 0
@@ -44,6 +45,8 @@ class Arg:
             return replace(self, buffer=kernel.id)
         if self.role in ("in", "scales"):
             return replace(self, buffer=kernel.inputs[self.index].buffer)
+        if self.role == "part":
+            return replace(self, buffer=kernel.inputs[1].buffer)
         return self
 
 

@@ -18,6 +18,10 @@ which is runtime/weight_only.py's SumOrder.SEQUENTIAL emulation bit for bit, per
       Q4_K / Q5_K  w = fl32(fl32(d sc) q) - fl32(dmin m), 6-bit sc and m of the 32-wide sub-block
       Q6_K         w = fl32(fl32(d sc) (q - 32)), int8 sc of the 16-wide sub-block
 Shapes are compile-time constants (a source per Gemm shape; NVRTC caches by source).
+
+`dequant_expr` is also how every other Gemm form on a stored weight loads B (`stored_operand`: the tiled
+kernel of codegen/cuda_gemm.py reads the same parts); `weight_only_gemm` picks this dedicated kernel for
+the plain form.
 """
 from __future__ import annotations
 
@@ -87,12 +91,12 @@ def _load(fmt: StorageFormat, part: Part, index: str, k: str = "") -> str:
     return ctypes_map.to_float_expr(f, raw)
 
 
-def _dequant_blocks(fmt: StorageFormat, k: int) -> str:
+def _dequant_blocks(fmt: StorageFormat, k: int, row: str, col: str) -> str:
     """C expression: element (row, col) of a weight kept as a GGUF file's blocks (the uint8 part `w_blocks`,
     (rows, K / block x block bytes)), widened to FP32 exactly as quant/gguf_blocks.py (and ggml) decode it."""
     t = block_type(fmt.name)
-    base = f"(row * {k // t.block * t.block_bytes}LL + (col / {t.block}) * {t.block_bytes}LL)"
-    j = f"(col % {t.block})"
+    base = f"({row} * {k // t.block * t.block_bytes}LL + ({col} / {t.block}) * {t.block_bytes}LL)"
+    j = f"({col} % {t.block})"
 
     def byte(offset: str) -> str:
         return f"static_cast<int>(w_blocks[{base} + {offset}])"
@@ -138,28 +142,30 @@ def _dequant_blocks(fmt: StorageFormat, k: int) -> str:
     raise ValueError(f"{fmt.name}: no dequantize-on-load rendering for GGUF {t.ggml} blocks")
 
 
-def _dequant(fmt: StorageFormat, n: int, k: int) -> str:
-    """C expression: element (row, col) of the weight widened to FP32, exactly as fmt.dequantize."""
+def dequant_expr(fmt: StorageFormat, k: int, row: str = "row", col: str = "col") -> str:
+    """C expression: element (row, col) of the stored (rows, k) tensor widened to FP32, exactly as
+    fmt.dequantize (the format's blocks run along its last axis, k long); `row` / `col`: C identifiers (or
+    parenthesized expressions) of the element's indices."""
     if fmt.layout is Layout.BLOCKS:
-        return _dequant_blocks(fmt, k)
+        return _dequant_blocks(fmt, k, row, col)
     kb = packed_length(k)
-    q = _load(fmt, Part.Q, f"row * {kb}LL + col / 2" if fmt.element in FOUR_BIT_FORMATS else f"row * {k}LL + col",
-              "col")
+    q = _load(fmt, Part.Q, f"{row} * {kb}LL + {col} / 2" if fmt.element in FOUR_BIT_FORMATS else f"{row} * {k}LL + {col}",
+              col)
     if fmt.layout is Layout.NONE:
         return q
     groups = -(-k // fmt.block) if fmt.block else 1
     if fmt.layout is Layout.CHANNEL:
-        at = "row"
+        at = row
     elif fmt.layout is Layout.TILE:
-        at = f"(row / {fmt.block}) * {groups}LL + col / {fmt.block}"
+        at = f"({row} / {fmt.block}) * {groups}LL + {col} / {fmt.block}"
     else:
-        at = f"row * {groups}LL + col / {fmt.block}"
+        at = f"{row} * {groups}LL + {col} / {fmt.block}"
     s = _load(fmt, Part.SCALE, at)
     scheme = fmt.scheme
     if scheme in (Scheme.AMAX, Scheme.INT4_SYMMETRIC, Scheme.GGUF_Q8_0):
         return f"__fmul_rn({q}, {s})"
     if scheme is Scheme.INT4_ASYMMETRIC:
-        z = _load(fmt, Part.ZERO, f"row * {packed_length(groups)}LL + (col / {fmt.block}) / 2", f"(col / {fmt.block})")
+        z = _load(fmt, Part.ZERO, f"{row} * {packed_length(groups)}LL + ({col} / {fmt.block}) / 2", f"({col} / {fmt.block})")
         return f"__fmul_rn(__fsub_rn({q}, {z}), {s})"
     if scheme is Scheme.NVFP4:
         return f"__fmul_rn(__fmul_rn({q}, {s}), {_load(fmt, Part.TENSOR_SCALE, '0')})"
@@ -180,10 +186,10 @@ def render_weight_only(fmt: StorageFormat, act: Format, m: int, n: int, k: int,
     fmt.check_shape((n, k))
     widen = (lambda x: x) if act is F32 else (lambda x: round_expr(act, x, saturate=False))
     a_value = widen(ctypes_map.to_float_expr(a_format, f"a[lm * {k}LL + lk]"))
-    w_value = widen(_dequant(fmt, n, k))
+    w_value = widen(dequant_expr(fmt, k))
     parts = [param_name(p) for p in fmt.parts]
     params = ["float* __restrict__ out", f"const {ctypes_map.cuda_type(a_format)}* __restrict__ a"]
-    params += [f"const {_part_type(fmt, p)}* __restrict__ {param_name(p)}" for p in fmt.parts]
+    params += part_params(fmt)
     body = (f'extern "C" __global__ void {ENTRY}({", ".join(params)}) {{\n'
             f"    __shared__ float ta[{TILE}][{K_TILE + 1}];\n    __shared__ float tw[{TILE}][{K_TILE + 1}];\n"
             f"    const long long M = {m}LL, N = {n}LL, K = {k}LL;\n"
@@ -207,7 +213,7 @@ def render_weight_only(fmt: StorageFormat, act: Format, m: int, n: int, k: int,
             "        }\n"
             "        if (mo < M && no < N) out[mo * N + no] = acc;\n"
             "    }\n}\n")
-    formats = {a_format, act, *(fmt.part_format(p) for p in fmt.parts)} | ({F16} if fmt.keeps_only else set())
+    formats = {a_format, act} | stored_formats(fmt)
     source = source_header(formats, body) + body
     name = entry_name("wgemm", source)
     grid = (min(math.ceil(m / TILE), 65535), min(math.ceil(n / TILE), 65535), 1)
@@ -232,25 +238,71 @@ def _row_major(view, axes: tuple[int, ...], full) -> bool:
     return all(v.strides[a] == want.get(a, 0) or full[a] == 1 for a in range(len(full)))
 
 
+@dataclass(frozen=True)
+class StoredOperand:
+    """A Gemm's B read straight from a weight's stored parts: the weight's storage format and its layout,
+    (N, K) read as W^T (`k_last`: torch Linear, GGUF) or (K, N) read as W (an ONNX MatMul initializer)."""
+
+    fmt: StorageFormat
+    k_last: bool
+
+    def element(self, n: int, k: int, n_index: str, k_index: str) -> str:
+        """C expression: B[k_index, n_index] of the (K = k, N = n) product, dequantized to FP32."""
+        if self.k_last:
+            return dequant_expr(self.fmt, k, n_index, k_index)
+        return dequant_expr(self.fmt, n, k_index, n_index)
+
+
+def stored_operand(kernel: Kernel, program: Program) -> StoredOperand | None:
+    """How a Gemm reads its B from a weight's stored parts, when B is a weight held in a storage format
+    (not a KV cache) read row-major as the whole weight: (N axes, K axis) over an (N, K) weight, or (K axis,
+    N axes) over a (K, N) one, every other axis broadcast, N and K concrete. Such a Gemm reads B's stored
+    parts, never a widened copy (every form: plain, epilogue, GLU, horizontal, scaled, pre-quantized A);
+    None for any other Gemm (it reads B's buffer)."""
+    if not kernel.kind.is_gemm:
+        return None
+    w_src = program.kernel(kernel.inputs[1].buffer)
+    if w_src.kind is not KernelKind.EXTERNAL or w_src.storage not in STORAGE_FORMATS \
+            or w_src.id in program.cache_buffers():
+        return None
+    lay = kernel.layout
+    full = lay.full_shape
+    if not (is_const(lay.n) and is_const(lay.k)) or not all(is_const(full[a]) for a in (*lay.n_axes, lay.k_axis)):
+        return None
+    shape, n, k, view = tuple(int(d) for d in w_src.shape), int(lay.n), int(lay.k), kernel.inputs[1].view
+    for k_last, order, want in ((True, (*lay.n_axes, lay.k_axis), (n, k)), (False, (lay.k_axis, *lay.n_axes), (k, n))):
+        if shape == want and _row_major(view, order, full):
+            return StoredOperand(STORAGE_FORMATS[w_src.storage], k_last)
+    return None
+
+
+def stored_formats(fmt: StorageFormat) -> set[Format]:
+    """The formats a dequantize expression of `fmt` converts from (the source header's includes)."""
+    return {*(fmt.part_format(p) for p in fmt.parts)} | ({F16} if fmt.keeps_only else set())
+
+
+def part_params(fmt: StorageFormat) -> list[str]:
+    """The C parameters of a weight's stored parts, in StorageFormat.parts order."""
+    return [f"const {_part_type(fmt, p)}* __restrict__ {param_name(p)}" for p in fmt.parts]
+
+
 def weight_only_gemm(kernel: Kernel, program: Program) -> WeightOnlySource | None:
-    """The dequantize-on-load kernel for an LLIR Gemm whose B is a weight held in a storage format, or
-    None when the Gemm is not of that form: a plain f32/bf16/f16 variant, A read row-major as (M, K) from
-    an F32/BF16/F16 buffer, B the stored (N, K) weight read as W^T, no batch, concrete shapes."""
+    """The dedicated dequantize-on-load kernel for a plain LLIR Gemm on a stored (N, K) B (stored_operand), or
+    None when the Gemm is not of that form: a plain f32/bf16/f16 variant with an FP32 output, A read
+    row-major as (M, K) from an F32/BF16/F16 buffer, no batch, concrete shapes. Other Gemms on a stored
+    B run the tiled kernel reading the stored parts (codegen/cuda_gemm.py)."""
     act = _ACT_OF_PRECISION.get(kernel.precision or "f32")
     if kernel.kind is not KernelKind.GEMM or act is None:
         return None
-    a_src, w_src = (program.kernel(i.buffer) for i in kernel.inputs)
-    if w_src.kind is not KernelKind.EXTERNAL or w_src.storage not in STORAGE_FORMATS \
-            or w_src.id in program.cache_buffers() or a_src.kind is KernelKind.QUANTIZE or a_src.dtype not in ACTIVATIONS:
+    stored = stored_operand(kernel, program)
+    a_src = program.kernel(kernel.inputs[0].buffer)
+    if stored is None or not stored.k_last or a_src.kind is KernelKind.QUANTIZE or a_src.dtype not in ACTIVATIONS:
         return None
     lay = kernel.layout
     full = lay.full_shape
     if not all(is_const(d) for d in full) or lay.batch != 1 or max(lay.m_axes, default=-1) > min(lay.n_axes, default=len(full)):
         return None
     m, n, k = int(lay.m), int(lay.n), int(lay.k)
-    if tuple(int(d) for d in w_src.shape) != (n, k) or kernel.dtype is not F32:
+    if kernel.dtype is not F32 or not _row_major(kernel.inputs[0].view, (*lay.m_axes, lay.k_axis), full):
         return None
-    if not (_row_major(kernel.inputs[0].view, (*lay.m_axes, lay.k_axis), full)
-            and _row_major(kernel.inputs[1].view, (*lay.n_axes, lay.k_axis), full)):
-        return None
-    return render_weight_only(STORAGE_FORMATS[w_src.storage], act, m, n, k, a_src.dtype)
+    return render_weight_only(stored.fmt, act, m, n, k, a_src.dtype)

@@ -10,9 +10,10 @@ macros over the current tile (`blockIdx`, `gridDim`, `blockDim`, `threadIdx` fro
 virtual grid computes its whole output, and the grids are the launches' own.
 
 A Gemm the kernel-by-kernel runtime runs as the dequantize-on-load kernel (codegen/cuda_weight_only.py:
-B a weight held in a storage format) inlines that kernel's body, reading the weight's stored parts
-(packed codes, scales) from slots of their own (`MegakernelSource.parts`), so the megakernel moves the
-plan's stored bytes; every other Gemm inlines its tiled fallback.
+a plain Gemm, B a weight held in a storage format) inlines that kernel's body, reading the weight's stored
+parts (packed codes, scales) from slots of their own (`MegakernelSource.uses`); every other Gemm inlines
+its tiled fallback, which for a stored B reads the same part slots (Arg role "part"), so the megakernel
+moves the plan's stored bytes.
 
 The table the loop reads (ops, waits, counters) is built per run from the symbolic queue
 (`MegakernelSource.table`): a launch whose blocks are the queue op's tiles keeps its flat barrier
@@ -249,19 +250,23 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             text = _ENTRY.sub(r"static __device__ __forceinline__ void \1(", chunk)
             if text not in bucket:
                 bucket.append(text)
+
+    def part_slot(weight: int, index: int) -> int:  # a stored weight's part: a slot of its own (shared)
+        nonlocal slot
+        if (weight, index) not in part_slots:
+            part_slots[(weight, index)] = slot
+            uses.append(SlotUse(slot, weight, part=index))
+            slot += 1
+        return part_slots[(weight, index)]
+
     for qi, q in enumerate(queue.ops):
         kernel = program.kernel(q.kernel)
         stored = weight_only_gemm(kernel, program)
-        if stored is not None:  # B read in its storage format: the parts get slots of their own (shared)
+        if stored is not None:  # B read in its storage format
             inline(stored.source)
             weight = kernel.inputs[1].buffer
             args = [kernel.id, kernel.inputs[0].buffer]
-            for index in range(len(stored.params) - 2):
-                if (weight, index) not in part_slots:
-                    part_slots[(weight, index)] = slot
-                    uses.append(SlotUse(slot, weight, part=index))
-                    slot += 1
-                args.append(part_slots[(weight, index)])
+            args += [part_slot(weight, index) for index in range(len(stored.params) - 2)]
             grid = tuple(((g, 1),) for g in stored.grid)
             ops.append(CudaOp(qi, 0, kernel.id, stored.name, grid, tuple(stored.block), tuple(args), True))
             sources.append(None)
@@ -280,7 +285,8 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             if threads % 32 or threads > BLOCK_THREADS:
                 raise MegakernelError(f"kernel {kernel.id} ({kernel.kind.value}): a block of {threads} threads is not "
                                       f"whole warps under {BLOCK_THREADS}: the megakernel cannot run its body")
-            args = tuple(_arg_slot(a, scratch, kernel) for a in launch.args) + ((dyn,) if dyn is not None else ())
+            args = tuple(part_slot(a.buffer, a.index) if a.role == "part" else _arg_slot(a, scratch, kernel)
+                         for a in launch.args) + ((dyn,) if dyn is not None else ())
             ops.append(CudaOp(qi, li, kernel.id, launch.entry, launch.grid, tuple(launch.block), args,
                               li == len(src.launches) - 1))
             sources.append(src)

@@ -7,9 +7,11 @@ to a CUBIN for the device's architecture (the kernel cache applies) and loaded f
 (cuModuleLoadData: no temp file); when the project's NVRTC is missing, CuPy compiles the same source.
 A Gemm runs through cuBLAS (cublasGemmStridedBatchedEx) or cuBLASLt (FP8 per-tensor) when codegen
 says it can and the bound call is legal, else through its fallback kernels (`gemm="kernel"` forces
-those: they follow the CPU emulator's arithmetic); a Gemm whose B is a weight held in a storage format
-runs the dequantize-on-load kernel (codegen/cuda_weight_only.py) on the weight's stored bytes; runtime/cublas.py explains why those calls go
-through ctypes (stream capture). A QUANTIZE kernel's scales live in its scratch (allocated per
+those: they follow the CPU emulator's arithmetic). A Gemm whose B is a weight held in a storage format
+reads the weight's stored bytes (packed codes and scales, uploaded once as the plan's weights file holds
+them): a plain one in the dequantize-on-load kernel (codegen/cuda_weight_only.py), every other form in
+the tiled kernel reading the stored parts (codegen/cuda_gemm.py; codegen/cuda_dispatch.py decides);
+runtime/cublas.py explains why library calls go through ctypes (stream capture). A QUANTIZE kernel's scales live in its scratch (allocated per
 binding, never reused by the liveness plan), where the Gemm reading its buffer finds them.
 `profile()` replays one CUDA graph of the whole program between CUDA events.
 
@@ -33,7 +35,7 @@ from ..codegen import nvrtc
 from ..codegen.cuda_dispatch import gemm_implementation
 from ..codegen.cuda_kernels import SCALES_SCRATCH, Arg, KernelSource, Launch, render_kernel
 from ..codegen.cuda_source import GemmCall
-from ..codegen.cuda_weight_only import WeightOnlySource, weight_only_gemm
+from ..codegen.cuda_weight_only import WeightOnlySource, stored_operand, weight_only_gemm
 from ..codegen.llir import Kernel, KernelKind, Program, external_value
 from ..dtypes.formats import F32, Format, Kind
 from ..dtypes.rounding import to_storage
@@ -89,15 +91,18 @@ class CudaRuntime:
         # Gemms whose B is a stored weight: a dequantize-on-load kernel reading the weight's stored bytes
         self.weight_only: dict[int, WeightOnlySource] = {
             k.id: src for k in program.launched() if (src := weight_only_gemm(k, program)) is not None}
+        # Gemms reading their B as its stored parts: the dequantize-on-load kernels and every other Gemm form
+        # on a stored weight (the tiled kernel's launches pass the parts: Arg role "part")
+        self.stored_readers = frozenset(k.id for k in program.launched() if stored_operand(k, program) is not None)
         readers: dict[int, set[int]] = {}
         for k in program.kernels:
             for i in k.inputs:
                 readers.setdefault(i.buffer, set()).add(k.id)
-        # not uploaded: stored weights only dequantize-on-load Gemms read (their widened FP32 copy), and
+        # not uploaded: stored weights only Gemms reading stored parts read (their widened FP32 copy), and
         # inputs nothing reads (a weight's FP32 form once the plan reads it stored)
         outputs = {kid for _, kid in program.outputs}
         self.stored_only = frozenset(k.id for k in program.kernels if k.kind is KernelKind.EXTERNAL and k.id not in outputs
-                                     and readers.get(k.id, set()) <= set(self.weight_only)
+                                     and readers.get(k.id, set()) <= self.stored_readers
                                      and (k.storage or not readers.get(k.id)))
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._functions: dict[str, object] = {}
@@ -152,9 +157,9 @@ class CudaRuntime:
         self._modules[src.name] = module
 
     def _stored_parts(self, state: "_Prepared", feed: Mapping[str, np.ndarray]) -> None:
-        """Each stored weight a dequantize-on-load Gemm reads, uploaded once per preparation as its
+        """Each stored weight a Gemm reads as its stored parts, uploaded once per preparation as its
         stored containers (packed 4-bit, scales at their stored size): the bytes the plan charges."""
-        for kid in self.weight_only:
+        for kid in sorted(self.stored_readers):
             w = self.kernels[self.kernels[kid].inputs[1].buffer]
             if w.id in state.parts:
                 continue
@@ -169,7 +174,7 @@ class CudaRuntime:
         arr = np.asarray(value)
         if k.storage is not None and k.id in self.program.cache_buffers():  # a KV cache handed in: its format
             return cache_values(arr.astype(np.float32), k.storage)
-        if k.storage is not None:  # the values the plan's stored weight holds, widened (no packed kernel yet)
+        if k.storage is not None:  # the values the plan's stored weight holds, widened (a reader other than a Gemm)
             return widened(value, k.storage, self.stored_weights.get(stored_key(k.external, k.storage, k.fill)),
                            k.fill)
         if k.dtype.kind is Kind.FLOAT:
@@ -232,6 +237,8 @@ class CudaRuntime:
             return state.scratch[(kid, arg.index)]
         if arg.role == "scales":  # kept beside a QUANTIZE kernel's buffer, in that kernel's scratch
             return state.scratch[(arg.buffer, SCALES_SCRATCH)]
+        if arg.role == "part":  # a stored weight's part (packed codes, scales), uploaded by _stored_parts
+            return state.parts[arg.buffer][arg.index]
         return state.slots[state.plan.slot_of[arg.buffer]]
 
     # -- enqueueing ------------------------------------------------------------------------------------

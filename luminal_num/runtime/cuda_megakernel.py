@@ -7,7 +7,8 @@ megakernel, tiles of different ops run at once under barriers that order only pr
 it. Here every LLIR value gets its own device buffer (an in-place kernel keeps its destination's, as
 everywhere). Gemms run their own tiled bodies (never cuBLAS: a library call cannot be inlined); a Gemm
 the kernel-by-kernel runtime runs dequantize-on-load runs that body here too, on the weight's stored
-parts (uploaded as kernel by kernel), and any other reader of a stored weight reads it widened.
+parts (uploaded as kernel by kernel), every other Gemm on a stored weight runs its tiled body on those
+parts, and any other reader of a stored weight (an embedding Gather) reads it widened.
 
 Per run: the queue's table for the run's shapes (`MegakernelSource.table`), zeroed barrier counters and
 queue head, then one launch of `ln_megakernel` on a grid of co-resident blocks. The loop's spin on a
@@ -59,7 +60,7 @@ class MegakernelCudaRuntime(CudaRuntime):
 
     def __init__(self, program: Program, weights: Mapping[str, np.ndarray] | None = None,
                  blocks_per_sm: int | None = None):
-        # the dequantize-on-load Gemms (self.weight_only) read their weights' stored parts, inlined as
+        # the Gemms on stored weights (self.stored_readers) read the weights' stored parts, inlined as
         # bodies of the megakernel; any other reader of a stored weight reads it widened, as kernel by kernel
         super().__init__(program, weights, gemm="kernel")
         self.queue = build_queue(program)

@@ -69,7 +69,11 @@ class KernelClassFit:
 # K = 576, M = 1), priced at the same cost per step. Modelled, not measured: a decode step issues its own
 # global loads where a sequential step reads shared memory (loads amortized over 32 steps), so a step may
 # cost more than 53 ns; the cost model's max(roofline, class fit) keeps it at least bytes / bandwidth.
-DERIVED_CLASSES = {"tiled_decode": "tiled"}
+#
+# tiled_stored (the tiled kernel reading a stored B's parts, codegen/cuda_gemm.py `stored`) from tiled: the same
+# body (grid, K loop) on fewer bytes plus the dequantize arithmetic per B element; tiled_stored_decode, its decode
+# path, from tiled_decode likewise.
+DERIVED_CLASSES = {"tiled_decode": "tiled", "tiled_stored": "tiled", "tiled_stored_decode": "tiled_decode"}
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ Each launched kernel becomes a `KernelWork`: bytes it loads and stores, flops, t
 flops run in and its tiles (codegen/blockops.py), which the model quantizes into waves over the SMs.
 A Gemm is priced by the implementation the CUDA runtime launches for it (codegen/cuda_dispatch.py, the
 one decision both read): a cuBLAS(Lt) call in the variant's operand math on tensor cores; the
-dequantize-on-load and the tiled fallback kernels (every fused epilogue, most scaled variants) in FP32
-on CUDA cores. Everything else is FP32 on CUDA cores.
+dequantize-on-load and the tiled kernels (every fused epilogue, most scaled variants, every form on a
+stored weight) in FP32 on CUDA cores. Everything else is FP32 on CUDA cores.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def serial_extent(k: Kernel, bindings: Mapping[str, int], implementation: GemmIm
     sequential path; the decode path's per-row K / 16 lanes plus its tree, over its M rows: cuda_gemv), a
     reduction's axis; 0 when none."""
     if k.kind.is_gemm:
-        if implementation is GemmImpl.TILED_DECODE:
+        if implementation is not None and implementation.decode_path:
             return decode_serial_steps(int(evaluate(k.layout.m, bindings)), int(evaluate(k.layout.k, bindings)))
         return int(evaluate(k.layout.k, bindings))
     if k.axis is not None and k.body_shape:
@@ -43,14 +43,20 @@ def serial_extent(k: Kernel, bindings: Mapping[str, int], implementation: GemmIm
 
 def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm = LaunchForm.KERNELS) -> list[KernelWork]:
     """A QUANTIZE kernel runs on CUDA cores in FP32 (amax, divide, convert); a Gemm reading its buffer
-    also reads the scales kept beside it. A weight held in a storage format is priced at its stored bytes
-    in either form (the plan's storage choice; the CUDA runtime still uploads a widened copy for readers
-    other than the dequantize-on-load Gemm: see the README). `form`: in the megakernel
-    (runtime/cuda_megakernel.py) a Gemm that is not dequantize-on-load runs its tiled body (a library call
-    cannot be inlined), on the path that body takes at these bindings."""
+    also reads the scales kept beside it. A weight held in a storage format is priced as the runtime reads
+    it, in either form: at its stored bytes by a Gemm reading its stored parts (GemmImpl.reads_stored:
+    every Gemm form on a weight it reads whole, as W^T or W), at its widened dtype by any other reader
+    (an embedding Gather, a Gemm reading the weight through another view), which the CUDA runtime hands
+    the widened copy. `form`: in the megakernel (runtime/cuda_megakernel.py) a Gemm that is not dequantize-on-load runs
+    its tiled body (a library call cannot be inlined; on a stored weight, the tiled body reading its parts), on
+    the path that body takes at these bindings."""
     dtypes = program.dtypes()
     scales = {k.id: k.scales_bytes(bindings) for k in program.kernels if k.kind is KernelKind.QUANTIZE}
     element_bytes = program.element_bytes(bindings)  # weights held in a storage format: their stored bytes
+    # what a kernel not reading stored parts is charged: KV caches (and the scatters writing them) at their
+    # format's bytes as before; stored weights at their widened dtype (left out: the buffer's dtype is charged)
+    weights = stored_weights(program)
+    other_reader = {b: v for b, v in element_bytes.items() if b not in weights}
     works = []
     for k in program.launched():
         math, tc = "fp32", False
@@ -64,12 +70,20 @@ def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm
         elif k.kind is KernelKind.ATTENTION:  # its two products run in the Q K^T operand format
             math, tc = OPERAND_MATH[ATTENTION_VARIANTS[k.precision].qk.name]
         side = sum(scales.get(inp.buffer, 0) for inp in k.inputs)
-        works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes, element_bytes) + side,
+        read_as = element_bytes if implementation is not None and implementation.reads_stored else other_reader
+        works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes, read_as) + side,
                                 bytes_written=k.bytes_stored(bindings), flops=k.flops(bindings), math=math,
                                 tensor_core=tc, tiles=tile_count(k, bindings),
                                 implementation=implementation.value if implementation is not None else k.kind.value,
                                 serial_extent=serial_extent(k, bindings, implementation)))
     return works
+
+
+def stored_weights(program: Program) -> frozenset[int]:
+    """EXTERNAL weights held in a storage format (KV caches, runtime inputs converted on entry, are not)."""
+    caches = program.cache_buffers()
+    return frozenset(k.id for k in program.kernels
+                     if k.kind is KernelKind.EXTERNAL and k.storage is not None and k.id not in caches)
 
 
 def modelled_latency(program: Program, target: str, bindings: Mapping[str, int], cuda_graph: bool = True,
