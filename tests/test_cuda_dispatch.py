@@ -155,10 +155,15 @@ def ran_as(rec: Recorder, k, bindings) -> str:
 
 
 def path_of(source: str, k, bindings) -> str:
+    """The tiled kernel's class from its compiled source: on B's stored parts when its parameters take them
+    (the `w_<part>` pointers), on the decode path when it has that branch and M is within it."""
+    import re
     from luminal_num.codegen.cuda_gemv import SKINNY_M
     from luminal_num.hlir.symbolic import evaluate
     decodes = f"if (M <= {SKINNY_M})" in source and evaluate(k.layout.m, bindings) <= SKINNY_M
-    return GemmImpl.TILED_DECODE.value if decodes else GemmImpl.TILED.value
+    stored = re.search(r"\*\s*__restrict__\s+w_[a-z_]+\s*[,)]", source) is not None
+    return {(False, False): GemmImpl.TILED, (False, True): GemmImpl.TILED_DECODE,
+            (True, False): GemmImpl.TILED_STORED, (True, True): GemmImpl.TILED_STORED_DECODE}[stored, decodes].value
 
 
 @pytest.mark.parametrize("models, plans", [
@@ -196,7 +201,9 @@ def test_the_cost_models_gemm_class_is_the_path_the_runtime_runs_at_decode_and_p
                         path_of(render_kernel(k, program).source, k, bindings)
                     assert mega[k.id].implementation == inlined, where
                     seen.add((name, shape, invariant, ran))
-    decode_path = {key for key in seen if key[3] == GemmImpl.TILED_DECODE.value}
+    decode_path = {key for key in seen if GemmImpl(key[3]).decode_path}
     assert {(n, "decode", False) for n in models} == {key[:3] for key in decode_path}
-    assert {key[3] for key in seen if key[2]} <= {GemmImpl.TILED.value, GemmImpl.WEIGHT_ONLY.value}
+    # an invariant program: no library call, no decode path (the tiled kernel's sequential order, on stored parts or not)
+    assert {key[3] for key in seen if key[2]} <= {GemmImpl.TILED.value, GemmImpl.TILED_STORED.value,
+                                                  GemmImpl.WEIGHT_ONLY.value}
     assert any(key[3] == GemmImpl.WEIGHT_ONLY.value for key in seen)
