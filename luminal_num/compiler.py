@@ -164,7 +164,7 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
         # every verdict run from here on, here or in a worker, on one BLAS thread: the same bits wherever it runs
         stack.enter_context(one_blas_thread())
         stack.enter_context(CALIBRATION.installed(refs.hessians))  # what GPTQ-filled weights are filled under
-        pool = chunks = exact = None
+        pool = chunks = exact = held = None
         if len(space.part.chunks) > 1:
             pool = stack.enter_context(open_executor(options.executor, graph.weights, memory.workers,
                                                      memory.worker_cache, refs.hessians, options.progress))
@@ -173,7 +173,8 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
                                           space.candidates(frozenset()), mode, pool=pool, changes_of=space.knobs_of,
                                           outputs=budget.outputs, held=held)
                              for mode in (Propagation.SCALED, Propagation.EXACT))
-        memory.fit("search")  # the caches sized to what the budget leaves now, or one line
+        # the caches sized to what the budget leaves now, less what the judging store will still hold; or one line
+        memory.fit("search", growing=0 if held is None else held.budget_bytes - held.in_memory)
         ran: dict[str, list] = {}  # the headroom probes' outputs: the same programs are baselines of the search
         head = stage("headroom", lambda: choose_headroom(graph, budget, calibration, refs.batches, space,
                                                          options.headroom, ran, pool))

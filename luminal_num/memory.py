@@ -33,7 +33,10 @@ GiB = 1 << 30
 PROCESS_BASE = int(1.2 * GiB)   # the compiling process without weights (Python, egglog, numba, the e-graphs)
 WORKER_BASE = int(0.45 * GiB)   # a forked worker's own pages (its runtime, one chunk's buffers)
 WORKER_CACHE_MAX = GiB          # a worker runs one chunk at a time: one layer's weights in a few forms
-TRANSIENT = 2   # largest weights (FP32) kept free beside the caches: a cache entry's making, a chunk run's buffers
+# largest weights (FP32) kept free beside the caches. Measured on a 1B shape (its 1 GB LM head): a cache entry
+# being made (its input form and its output), and a run's hold on a form the cache has since evicted (a run keeps
+# each buffer until its last reader): at 2 the compile peaked one head above its plan
+TRANSIENT = 3
 MIN_CACHE = 2   # largest weights the caches must hold together (a weight's stored form and its Gemm operand)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}
 
@@ -105,15 +108,16 @@ class MemoryPlan:
                                     f"and its memory budget is {_gb(self.budget)}: raise --max-memory, or compile "
                                     f"fewer layers or calibration prompts")
 
-    def fit(self, stage: str) -> None:
+    def fit(self, stage: str, growing: int = 0) -> None:
         """Before the search stages: size the process's caches to what the budget leaves now (measured:
         the process may hold more than PROCESS_BASE guessed), keeping a reserve for what a cache entry's
-        making and a chunk run allocate beside the caches; stop (one line) when not even one weight in
-        two forms fits."""
+        making and a chunk run allocate beside the caches, and for `growing`: bytes that stores created
+        before this call will still add (the judging deviations fill their in-memory share during the
+        search, after the caches were sized); stop (one line) when not even one weight in two forms fits."""
         held = tree_pss() - WEIGHTS.bytes - CONVERTED.bytes  # the caches' own bytes are re-planned here
         workers = self.workers * (WORKER_BASE + 2 * self.worker_cache) if self.workers > 1 else 0
         workers -= sum(_pss(p) for p in _descendants(os.getpid()))  # already counted in what is held
-        room = self.budget - held - max(0, workers) - TRANSIENT * self.largest
+        room = self.budget - held - max(0, workers) - TRANSIENT * self.largest - max(0, growing)
         need = MIN_CACHE * self.largest
         if room < need:
             raise MemoryBudgetError(f"stage {stage} needs {_gb(need + TRANSIENT * self.largest)} more memory; the "
@@ -197,7 +201,7 @@ def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, wo
     floor = PROCESS_BASE + total + (MIN_CACHE + TRANSIENT) * largest
     if budget < floor:
         raise MemoryBudgetError(f"the compile needs at least {_gb(floor)} (process {_gb(PROCESS_BASE)}, weights "
-                                f"{_gb(total)}, working copies of the largest weight {_gb(4 * largest)}); the "
+                                f"{_gb(total)}, working copies of the largest weight {_gb((MIN_CACHE + TRANSIENT) * largest)}); the "
                                 f"memory budget is {_gb(budget)}: raise --max-memory or compile fewer layers")
     worker_cache = min(WORKER_CACHE_MAX, max(2 * largest, 64 << 20))  # the largest weight in two forms
     per_worker = WORKER_BASE + 2 * worker_cache

@@ -32,17 +32,17 @@ def test_a_conversion_written_by_one_cache_is_read_back_by_another(tmp_path, fmt
     w = _weight()
     first = ConvertedWeights()
     with first.on_disk(tmp_path):
-        q1, wide1 = first.get(w, storage_format(fmt))
+        first.get(w, storage_format(fmt))
     assert first.conversions == 1 and len(list(tmp_path.glob("*.safetensors"))) == 1
     second = ConvertedWeights()  # a new process's cache: nothing in memory
     with second.on_disk(tmp_path):
-        q2, wide2 = second.get(w, storage_format(fmt))
+        got = second.get(w, storage_format(fmt))
         assert second.disk.hits == 1
     assert second.conversions == 0
     q, wide = _direct(w, fmt)
-    np.testing.assert_array_equal(wide2.view(np.uint32), wide.view(np.uint32))
+    np.testing.assert_array_equal(got.widened.view(np.uint32), wide.view(np.uint32))
     for part, v in q.values.items():
-        np.testing.assert_array_equal(np.asarray(q2.values[part]), np.asarray(v), err_msg=str(part))
+        np.testing.assert_array_equal(np.asarray(got.quantized().values[part]), np.asarray(v), err_msg=str(part))
 
 
 def test_equal_content_shares_an_entry_and_other_content_does_not(tmp_path):
@@ -73,7 +73,7 @@ def test_a_damaged_file_is_reported_in_one_line_converted_again_and_rewritten(tm
     path.write_bytes(bytes(data))
     reader = ConvertedWeights()
     with reader.on_disk(tmp_path), pytest.warns(ConvertedCacheWarning, match="content hash"):
-        _, wide = reader.get(w, fmt)
+        wide = reader.get(w, fmt).widened
     assert reader.conversions == 1
     np.testing.assert_array_equal(wide, _direct(w, "int4_g128")[1])
     again = ConvertedWeights()
@@ -114,7 +114,7 @@ def test_a_folder_that_cannot_be_written_warns_once_and_the_conversions_go_on(tm
     cache = ConvertedWeights()
     with cache.on_disk(blocker / "converted"), pytest.warns(ConvertedCacheWarning) as caught:
         for i in range(3):
-            _, wide = cache.get(_weight(i), storage_format("int8_channel"))
+            wide = cache.get(_weight(i), storage_format("int8_channel")).widened
     assert len([c for c in caught if issubclass(c.category, ConvertedCacheWarning)]) == 1
     np.testing.assert_array_equal(wide, _direct(_weight(2), "int8_channel")[1])
     assert cache.conversions == 3

@@ -99,12 +99,13 @@ def test_a_pool_worker_shrinks_both_weight_caches_to_its_budget(fresh, monkeypat
     for w in ws:
         widened(w, "bf16")
         cache.get(w, "copy", lambda w=w: w.astype(np.float64))
-    per_conv, per_copy = fresh.bytes // 4, cache.bytes // 4
-    assert per_conv == per_copy  # a bf16 conversion (values + widened FP32) weighs what a float64 copy does
-    monkeypatch.setattr(tasks, "WORKER_CACHE_BYTES", 2 * per_copy)
+    per_conv, per_copy = fresh.bytes // 4, cache.bytes // 4  # bf16 codes + widened FP32: 6 bytes; float64: 8
+    budget = 2 * max(per_conv, per_copy)  # room for two entries of either cache, not three
+    assert 3 * min(per_conv, per_copy) > budget
+    monkeypatch.setattr(tasks, "WORKER_CACHE_BYTES", budget)
     tasks.worker_init({})
-    assert cache.budget_bytes == fresh.budget_bytes == 2 * per_copy
-    assert cache.bytes == fresh.bytes == 2 * per_copy
+    assert cache.budget_bytes == fresh.budget_bytes == budget
+    assert (cache.bytes, fresh.bytes) == (2 * per_copy, 2 * per_conv)
     kept = [cache.holds(w, "copy") for w in ws]
     assert kept == [False, False, True, True]  # the two least recently used were evicted
     before = fresh.conversions
@@ -112,3 +113,41 @@ def test_a_pool_worker_shrinks_both_weight_caches_to_its_budget(fresh, monkeypat
     assert fresh.conversions == before  # kept
     widened(ws[0], "bf16")
     assert fresh.conversions == before + 1  # evicted: converted again
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "f8e4m3_channel", "int8_channel", "int4_g128", "int4_g32_asym", "mxfp4",
+                                 "nvfp4"])
+def test_an_entry_holds_the_packed_codes_and_one_read_only_widened_array(fresh, fmt):
+    """The codes are held in the format's own bytes, not as FP32 (a 1 GB FP32 head's int8 codes are 0.26 GB
+    packed), and unpack to the conversion's codes bit for bit; the widened array is the one every reader
+    shares, so it must not be writable."""
+    w = np.random.default_rng(3).standard_normal((16, 256)).astype(np.float32)
+    f = storage_format(fmt)
+    entry = fresh.get(w, f)
+    direct = f.quantize(w)
+    assert entry.packed.nbytes == f.pack(direct).nbytes < w.nbytes
+    assert fresh.bytes == entry.widened.nbytes + entry.packed.nbytes
+    for part, v in direct.values.items():
+        np.testing.assert_array_equal(np.asarray(entry.quantized().values[part]).view(np.uint32),
+                                      np.asarray(v, np.float32).view(np.uint32), err_msg=str(part))
+    np.testing.assert_array_equal(entry.widened.view(np.uint32),
+                                  direct.dequantize().astype(np.float32).view(np.uint32))
+    assert not entry.widened.flags.writeable
+    assert widened(w, f) is entry.widened
+
+
+def test_a_conversion_is_made_after_the_entries_it_evicts_are_gone(fresh, monkeypatch):
+    """With the cache full, converting a new weight first evicts what its entry needs: while the conversion
+    allocates, the cache holds at most its budget minus the new entry (else a 1 GB head's conversion sat
+    on top of a full cache)."""
+    ws = weights(4, seed=5)
+    widened(ws[0], "int8_channel")
+    entry = fresh.bytes
+    fresh.budget_bytes = 2 * entry
+    widened(ws[1], "int8_channel")
+    held_while_converting = []
+    real = stored.convert
+    monkeypatch.setattr(stored, "convert", lambda *a, **k: held_while_converting.append(fresh.bytes) or real(*a, **k))
+    widened(ws[2], "int8_channel")
+    assert held_while_converting == [entry]  # one of the two entries evicted before, not after
+    assert fresh.bytes == 2 * entry

@@ -71,6 +71,21 @@ def test_storage_is_offered_for_matrix_weights_only():
                 assert slot not in stored_slots
 
 
+def test_the_runtime_reads_the_conversion_cache_array_and_keeps_no_copy_of_it():
+    """An FP32 reader of a stored weight reads the conversion cache's own (read-only) widened array: the
+    weight cache holds no second FP32 copy of it (for a 1B model's LM head that copy was 1 GB)."""
+    from luminal_num.hlir.weightcache import WEIGHTS
+    from luminal_num.quant.stored import CONVERTED
+    g, w, inputs = linear_graph(7, n=96)
+    program = storage_program(g, "int8_channel", "f32")
+    y = CpuRuntime(program, g.weights).run(inputs).outputs["y"]
+    wide = CONVERTED.get(g.weights["w"], STORAGE_FORMATS["int8_channel"]).widened
+    np.testing.assert_array_equal(y, (inputs["x"].astype(np.float32) @ wide.T))  # one BLAS call, this operand
+    held = [v for v, _ in WEIGHTS._lru._items.values() if isinstance(v, np.ndarray)]
+    # the Gemm's (K, N) operand is another layout, made from this array; a (rows, K) copy would be the waste
+    assert not [v for v in held if v.shape == wide.shape and np.array_equal(v, wide) and not np.shares_memory(v, wide)]
+
+
 @pytest.mark.parametrize("fmt", SEARCHED_STORAGE)
 @pytest.mark.parametrize("act", ["f32", "bf16", "f16"])
 def test_stored_weight_gemm_is_the_weight_only_gemm(fmt, act):

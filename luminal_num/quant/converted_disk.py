@@ -19,7 +19,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .storage import Quantized, StorageFormat
+from .storage import Quantized, StorageFormat, StoredTensor
 from .weights_file import WeightsFileError, load_weights, save_weights
 
 _NAME = "w"  # the one tensor of an entry's file
@@ -44,8 +44,9 @@ class ConvertedDisk:
         tag = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
         return self.folder / f"{tag}.safetensors", tag
 
-    def load(self, key: tuple, fmt: StorageFormat, shape: tuple[int, ...]) -> Quantized | None:
-        """The entry's conversion, or None when there is none (or it cannot be used: then a warning)."""
+    def load(self, key: tuple, fmt: StorageFormat, shape: tuple[int, ...]) -> tuple[StoredTensor, Quantized] | None:
+        """The entry's conversion, packed and unpacked, or None when there is none (or it cannot be used:
+        then a warning)."""
         path, tag = self._path(key)
         if not path.is_file():
             return None
@@ -58,7 +59,7 @@ class ConvertedDisk:
             return None
         self.hits += 1
         self._touch(path)  # used now: evicted last
-        return q
+        return stored, q
 
     def _touch(self, path: Path) -> None:
         """Mark `path` used now, strictly after this cache's previous use (a file system's clock ticks
@@ -69,14 +70,14 @@ class ConvertedDisk:
         except OSError:  # deleted by another process meanwhile
             pass
 
-    def save(self, key: tuple, q: Quantized) -> None:
+    def save(self, key: tuple, packed: StoredTensor) -> None:
         """Write the entry (atomically); a folder that cannot be written costs the cache, not the compile."""
         if self.off:
             return
         path, tag = self._path(key)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            save_weights(path, {_NAME: q.fmt.pack(q)}, tag, durable=False)  # verified on load: no fsync
+            save_weights(path, {_NAME: packed}, tag, durable=False)  # verified on load: no fsync
         except OSError as exc:
             self.off = f"cannot write {path} ({exc.strerror or exc})"
             warnings.warn(ConvertedCacheWarning(f"converted-weight cache: {self.off}; continuing without it"),

@@ -28,7 +28,7 @@ from ..dtypes.formats import F32, Kind, get as get_format
 from ..dtypes.rounding import store
 from ..hlir.evaluate import softmax
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
-from ..hlir.store import digest, keyed
+from ..hlir.store import WeightArray, digest, keyed
 from ..hlir.weightcache import WEIGHTS, ByteLRU
 from ..quant.codes import quantize_into_codes
 from ..quant.concat import concat_widened
@@ -315,7 +315,10 @@ def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
             if key not in rt._widened:
                 rt._widened[key] = widen()
             return rt._widened[key]
-        if k.external in state.weight_names:  # once per process (quant.stored's own cache is small)
+        if k.external in state.weight_names:
+            if isinstance(val, WeightArray) and val.dtype == k.dtype.storage == np.float32:
+                # quant.stored's cache holds this very array (read-only), found by the weight's own content key
+                return widened(val, k.storage, None, k.fill)
             return WEIGHTS.get(val, ("widened", k.storage, k.fill, _fill_key(rt, k, k.external, val), k.dtype.name),
                                widen)
         return widen()
