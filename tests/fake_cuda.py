@@ -469,3 +469,25 @@ def install(monkeypatch, rec: Recorder, cuda_module, cuda_device) -> dict:
     monkeypatch.setattr(cuda_module, "load_libraries", lambda: types.SimpleNamespace(**libs), raising=False)
     cuda_device.probe.cache_clear()
     return libs
+
+
+def executing_stand_in(monkeypatch, tmp_path):
+    """A fixture body (`yield from`): the stand-in installed with launches run in the interpreter, NVRTC's
+    cache in `tmp_path`, and the dedicated dequantize-on-load kernels noted as rendered, so that they too
+    execute; the device probe is cleared after the test."""
+    import luminal_num.runtime.cuda as cuda_module
+    from luminal_num.codegen import nvrtc
+    from luminal_num.runtime import cuda_device
+    rec = Recorder(execute=True)
+    monkeypatch.setenv(nvrtc.CACHE_ENV, str(tmp_path))
+    install(monkeypatch, rec, cuda_module, cuda_device)
+    plan = cuda_module.weight_only_gemm
+
+    def noting_plan(kernel, program):
+        src = plan(kernel, program)
+        if src is not None:
+            rec.sources[src.name] = src.source
+        return src
+    monkeypatch.setattr(cuda_module, "weight_only_gemm", noting_plan)
+    yield rec
+    cuda_device.probe.cache_clear()

@@ -119,23 +119,8 @@ RUNTIME_FORMATS = ["int8_channel", "int4_g128", "int4_g32_asym", "mxfp4", "nvfp4
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
     """The executing CUDA stand-in (tests/fake_cuda.py): launches run in the interpreter."""
-    import luminal_num.runtime.cuda as cuda_module
-    from fake_cuda import Recorder, install
-    from luminal_num.runtime import cuda_device
-    rec = Recorder()
-    monkeypatch.setenv(nvrtc.CACHE_ENV, str(tmp_path))
-    install(monkeypatch, rec, cuda_module, cuda_device)
-    plan = cuda_module.weight_only_gemm
-
-    def noting_plan(kernel, program):  # the stand-in executes what it has seen rendered
-        src = plan(kernel, program)
-        if src is not None:
-            rec.sources[src.name] = src.source
-        return src
-    monkeypatch.setattr(cuda_module, "weight_only_gemm", noting_plan)
-    rec.execute = True
-    yield rec
-    cuda_device.probe.cache_clear()
+    from fake_cuda import executing_stand_in
+    yield from executing_stand_in(monkeypatch, tmp_path)
 
 
 def linear(fmt: str, act: str, seed: int = 0):

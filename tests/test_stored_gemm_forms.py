@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import warnings
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -28,7 +27,7 @@ from luminal_num.codegen import nvrtc
 from luminal_num.codegen.cuda_dispatch import GemmImpl, gemm_implementation
 from luminal_num.codegen.cuda_kernels import _render_structure, _rebind, _structure, input_formats, render_kernel
 from luminal_num.codegen.cuda_weight_only import stored_operand, weight_only_gemm
-from luminal_num.codegen.llir import KernelKind, Program
+from luminal_num.codegen.llir import Program
 from luminal_num.dtypes.formats import BF16, F16, F32
 from luminal_num.hlir.graph import Graph
 from luminal_num.quant.concat import concat_refusal
@@ -303,22 +302,8 @@ def test_the_cost_model_charges_the_stored_bytes_the_launch_reads(form, fmt, var
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
     """tests/fake_cuda.py executing: launches run in the interpreter, uploads are recorded."""
-    import luminal_num.runtime.cuda as cuda_module
-    from fake_cuda import Recorder, install
-    from luminal_num.runtime import cuda_device
-    rec = Recorder(execute=True)
-    monkeypatch.setenv(nvrtc.CACHE_ENV, str(tmp_path))
-    install(monkeypatch, rec, cuda_module, cuda_device)
-    plan = cuda_module.weight_only_gemm
-
-    def noting_plan(kernel, program):  # the stand-in executes what it has seen rendered
-        src = plan(kernel, program)
-        if src is not None:
-            rec.sources[src.name] = src.source
-        return src
-    monkeypatch.setattr(cuda_module, "weight_only_gemm", noting_plan)
-    yield rec
-    cuda_device.probe.cache_clear()
+    from fake_cuda import executing_stand_in
+    yield from executing_stand_in(monkeypatch, tmp_path)
 
 
 @needs_nvrtc

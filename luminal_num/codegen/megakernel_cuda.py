@@ -30,7 +30,7 @@ from typing import Mapping
 from ..hlir.symbolic import evaluate
 from .blockops import Partition
 from .cuda_kernels import render_kernel
-from .cuda_source import KernelSource, Launch, ceil_count
+from .cuda_source import KernelSource, ceil_count
 from .cuda_weight_only import weight_only_gemm
 from .llir import Program
 from .megakernel import MegakernelError, WorkQueue

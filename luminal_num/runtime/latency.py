@@ -10,7 +10,6 @@ stored weight) in FP32 on CUDA cores. Everything else is FP32 on CUDA cores.
 """
 from __future__ import annotations
 
-import time
 from typing import Mapping
 
 import numpy as np
