@@ -28,6 +28,7 @@ from luminal_num.report.audit import audit
 from luminal_num.report.layer_map import differing_groups, layer_table, write_layer_map
 from luminal_num.search.plan import Plan
 from luminal_num.search.search import Evaluated, SearchOptions
+from luminal_num.search.space import Offers
 
 from .search_efficiency import final_front
 from .summary import OUT, write_csv
@@ -44,6 +45,7 @@ class HeldoutJob:
     load: Callable[[], ModelJob]
     candidates: int
     budget: str | None = None
+    offers: Offers = Offers()  # the space's alternatives beyond formats (compile --gptq/--rotate/--smooth)
 
 
 def jobs(minilm_batch: int = 4, minilm_candidates: int = 60, smollm2_layers: int | None = 2,
@@ -105,7 +107,7 @@ def compile_job(spec: HeldoutJob) -> tuple[ModelJob, Budget, CompileResult, floa
     budget = Budget.parse(spec.budget or job.default_budget)
     t0 = time.perf_counter()
     result = compile(job.graph, budget, TARGET, job.calibration,
-                     SearchOptions(max_candidates=spec.candidates, target=TARGET, progress=False))
+                     SearchOptions(max_candidates=spec.candidates, target=TARGET, progress=False, offers=spec.offers))
     return job, budget, result, time.perf_counter() - t0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from contextlib import ExitStack
 
 import matplotlib
 
@@ -25,12 +26,16 @@ import pandas as pd  # noqa: E402
 
 from luminal_num.compiler import POSITION_ROWS, WidenedPositions  # noqa: E402
 from luminal_num.error.budget import Budget  # noqa: E402
+from luminal_num.blas_threads import one_blas_thread  # noqa: E402
 from luminal_num.error.chunks import ChunkEffects, Propagation  # noqa: E402
+from luminal_num.error.held import HeldArrays  # noqa: E402
 from luminal_num.error.judge import Judge  # noqa: E402
 from luminal_num.error.metrics import METRICS  # noqa: E402
-from luminal_num.error.pooled import PooledRows, judge_positions  # noqa: E402
+from luminal_num.error.pooled import STEPS_TOGETHER, PooledRows, judge_positions  # noqa: E402
 from luminal_num.error.predict import budget_ratio  # noqa: E402
 from luminal_num.error.reference import references  # noqa: E402
+from luminal_num.memory import MemoryPlan, parse_size, plan_memory  # noqa: E402
+from luminal_num.models.llm import load_llm  # noqa: E402
 from luminal_num.models.registry import llm_job, minilm_job, transformer_job  # noqa: E402
 from luminal_num.search.space import ChunkSite, SearchSpace  # noqa: E402
 
@@ -68,27 +73,56 @@ def metric_shares(gate: Budget, outputs, refs) -> dict[str, float]:
     return out
 
 
+def memory_plan(name: str, max_memory: int) -> MemoryPlan:
+    """The caches a compile of job `name` within `max_memory` bytes would get (no worker pool: the bench runs
+    every chunk in its own process). The LLM's weights are read before its job is built, so the job's FP64
+    continuations already run within the plan (they stream the FP64 weights when the cache cannot hold them)."""
+    weights = load_llm("smollm2").weights if name == "smollm2" else JOBS[name]().graph.weights
+    return plan_memory(weights, max_memory, workers=1)
+
+
 def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...] = tuple(Propagation),
-                 positions: int = 0) -> list[dict]:
+                 positions: int = 0, max_memory: int | None = None, steps_together: int = STEPS_TOGETHER,
+                 rows_per_step: int = POSITION_ROWS, done=lambda rows: None, confirm: bool = True,
+                 first: int = 0) -> list[dict]:
+    """Rows of `n` random genomes; with `max_memory`, within a compile's memory plan for that budget (its
+    caches, and the per-chunk deviations past its share in a scratch file) on one BLAS thread, as the
+    compiler judges. `done(rows so far)` after each genome (a run cut short keeps what it measured)."""
+    with ExitStack() as stack:
+        held = None
+        if max_memory is not None:
+            plan = memory_plan(name, max_memory)
+            print(f"[prediction] {name}: {plan.describe()}", flush=True)
+            stack.enter_context(plan.applied())
+            stack.enter_context(one_blas_thread())
+            held = HeldArrays(plan.judging)
+        return _scatter_rows(name, n, seed, modes, positions, held, steps_together, rows_per_step, done, confirm, first)
+
+
+def _scatter_rows(name: str, n: int, seed: int, modes: tuple[Propagation, ...], positions: int,
+                  held: HeldArrays | None, steps_together: int, rows_per_step: int, done,
+                  confirm: bool, first: int) -> list[dict]:
     job = JOBS[name]() if not positions or name != "smollm2" else llm_job(positions_minimum=positions)
     space = SearchSpace.build(job.graph)
-    refs = references(job.graph, job.calibration)
+    refs = references(job.graph, job.calibration, space.part)  # chunk boundaries and outputs, as the compiler keeps
     base = space.candidates(frozenset())
     budget = Budget.parse(job.default_budget)
     # as the compiler builds them: knob composition, group-shared ratios, effects of the gated outputs only
     effects = {m: ChunkEffects(job.graph, space.part, refs, space.lower_chunk, base, m, changes_of=space.knobs_of,
-                               outputs=budget.outputs)
+                               outputs=budget.outputs, held=held)
                for m in (Propagation.SCALED, *modes)}
     judge = Judge(job.graph, budget, list(job.calibration), use_static=False,
                   references=refs, chunks=effects[Propagation.SCALED], use_prediction=False)
     rng = np.random.default_rng(seed)
     rows = []
-    source = job.llm.positions if positions and job.llm is not None else None
-    wide = WidenedPositions(space, source, POSITION_ROWS, False) if source is not None else None
-    for i in range(n):
+    source = job.llm.positions if positions and job.llm is not None and confirm else None
+    wide = WidenedPositions(space, source, rows_per_step, False) if source is not None else None
+    for i in range(first + n):
         genome, formats = random_per_layer_genome(space, rng)
+        if i < first:  # drawn (the rng's sequence), judged by an earlier process
+            continue
         cands = space.candidates(genome)
-        row = dict(job=name, genome_index=i, formats=formats)
+        row = dict(job=name, seed=seed, genome_index=i, formats=formats)
         composed = {}
         for m, ce in effects.items():
             t0 = time.perf_counter()
@@ -105,18 +139,12 @@ def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...
             row[f"measured_{part}"] = share
             p = row.get(f"predicted_scaled_{part}", float("nan"))
             row[f"within_2x_scaled_{part}"] = bool(0.5 <= share / p <= 2.0) if p > 0 else share == p == 0
-        if wide is not None:  # the same genome judged on every teacher-forced position, pooled (issue 32)
-            t0 = time.perf_counter()
-            run, on = wide.program(genome, space.program(genome))
-            pooled_verdict, stats = judge_positions(run, on.graph.weights, on, judge.ev.gate, budget)
-            kl = float(METRICS["kl_logits"].of(PooledRows(stats)))
-            predicted_kl = float(np.mean([METRICS["kl_logits"](o[k], r[k]) for o, r in zip(
+        if job.llm is not None:  # the KL the judge predicts from the calibration batches (their mean, as measured)
+            row["predicted_scaled_kl"] = float(np.mean([METRICS["kl_logits"](o[k], r[k]) for o, r in zip(
                 composed[Propagation.SCALED], judge.ev.gated_refs) for k in o]))
-            row.update(positions=stats.rows, positions_share=pooled_verdict.share.gate, positions_kl=kl,
-                       predicted_scaled_kl=predicted_kl, positions_s=time.perf_counter() - t0,
-                       within_2x_positions_kl=bool(0.5 <= kl / predicted_kl <= 2.0) if predicted_kl > 0 else kl == 0,
-                       within_2x_positions_share=bool(0.5 <= pooled_verdict.share.gate / row["predicted_scaled"] <= 2.0)
-                       if row["predicted_scaled"] > 0 else False)
+        if wide is not None:  # the same genome judged on every teacher-forced position, pooled (issue 32)
+            row.update(confirmed_on_positions(wide, space, genome, judge.ev.gate, budget, steps_together))
+            row.update(within_2x_positions(row))
         if "measured_top1_agreement" in row:  # top-1 flips predicted where they happen (a share > 0 is a flip)
             row["same_top1_flips"] = (row["measured_top1_agreement"] > 0) == (row["predicted_scaled_top1_agreement"] > 0)
         for m in effects:
@@ -125,12 +153,69 @@ def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...
         row.update({f"chunk_runs_{m.value}": ce.runs for m, ce in effects.items()})
         row.update({f"chunk_shared_{m.value}": ce.shared for m, ce in effects.items()})
         rows.append(row)
+        done(rows)
         print(f"[prediction] {name} {i}: predicted {row['predicted_scaled']:.3g} (exact "
               f"{row.get('predicted_exact', float('nan')):.3g}) measured {measured.share.gate:.3g}", flush=True)
     return rows
 
 
-def plot(df: pd.DataFrame) -> None:
+def confirmed_on_positions(wide: WidenedPositions, space: SearchSpace, genome, gate: Budget, budget: Budget,
+                           steps_together: int) -> dict:
+    """The genome judged on every teacher-forced position of `wide`, pooled (the compile's positions stage)."""
+    t0 = time.perf_counter()
+    run, on = wide.program(genome, space.program(genome))
+    verdict, stats = judge_positions(run, on.graph.weights, on, gate, budget, steps_together)
+    return dict(positions=stats.rows, rows_per_step=on.rows, steps_together=steps_together,
+                positions_share=verdict.share.gate, positions_kl=float(METRICS["kl_logits"].of(PooledRows(stats))),
+                positions_top1=float(np.mean(stats.top1)), positions_s=time.perf_counter() - t0)
+
+
+def within_2x_positions(row: dict) -> dict:
+    """Is the predicted KL (24 calibration positions, chunks composed) within [0.5x, 2x] of the KL confirmed
+    on the positions, and the predicted share of the gate within 2x of the positions' share?"""
+    kl, predicted = row["positions_kl"], row["predicted_scaled_kl"]
+    share, p = row["positions_share"], row["predicted_scaled"]
+    return dict(within_2x_positions_kl=bool(0.5 <= kl / predicted <= 2.0) if predicted > 0 else kl == 0,
+                within_2x_positions_share=bool(0.5 <= share / p <= 2.0) if p > 0 else share == 0)
+
+
+def confirm_rows(predicted: pd.DataFrame, positions: int, max_memory: int | None, steps_together: int,
+                 rows_per_step: int, done=lambda rows: None, first: int = 0, n: int = 10 ** 9) -> list[dict]:
+    """The second half of a split run (`--phase confirm`): each genome of an earlier `--phase predict` run
+    (the same seed draws the same genomes, checked by their formats) judged on the positions, in a process that
+    holds no chunk verdicts (the two halves of a SmolLM2 run do not fit 2 GB together); genomes `first` to
+    `first + n - 1` only (the rows of others already confirmed are kept)."""
+    with ExitStack() as stack:
+        if max_memory is not None:
+            stack.enter_context(memory_plan("smollm2", max_memory).applied())
+            stack.enter_context(one_blas_thread())
+        job = llm_job(positions_minimum=positions)
+        space = SearchSpace.build(job.graph)
+        budget = Budget.parse(job.default_budget)
+        wide = WidenedPositions(space, job.llm.positions, rows_per_step, False)
+        seeds = predicted.seed.unique()
+        if len(seeds) != 1:
+            raise ValueError(f"the predictions come from {len(seeds)} seeds; confirm one run at a time")
+        rng = np.random.default_rng(int(seeds[0]))
+        rows = {int(r["genome_index"]): r for r in predicted.to_dict("records")}  # every row, written each time
+        for i in range(max(rows) + 1):
+            genome, formats = random_per_layer_genome(space, rng)  # genome i of the seed's sequence
+            if i not in rows or not first <= i < first + n:
+                continue
+            if formats != rows[i]["formats"]:
+                raise ValueError(f"genome {i}: drew {formats!r}, the predictions have {rows[i]['formats']!r}: "
+                                 f"not the same genome")
+            row = dict(rows[i])
+            row.update(confirmed_on_positions(wide, space, genome, budget, budget, steps_together))
+            row.update(within_2x_positions(row))
+            rows[i] = row
+            done([rows[k] for k in sorted(rows)])
+            print(f"[prediction] confirm {i}: predicted KL {row['predicted_scaled_kl']:.3g}, on "
+                  f"{row['positions']} positions {row['positions_kl']:.3g} ({row['positions_s']:.0f} s)", flush=True)
+    return [rows[k] for k in sorted(rows)]
+
+
+def plot(df: pd.DataFrame, name: str = "prediction.png") -> None:
     fig, ax = plt.subplots(figsize=(6, 5))
     for job, part in df.groupby("job"):
         for m, marker in (("scaled", "o"), ("exact", "x")):
@@ -150,7 +235,7 @@ def plot(df: pd.DataFrame) -> None:
     ax.legend()
     fig.tight_layout()
     OUT.mkdir(parents=True, exist_ok=True)
-    fig.savefig(OUT / "prediction.png", dpi=120)
+    fig.savefig(OUT / name, dpi=120)
 
 
 def figures(df: pd.DataFrame) -> dict:
@@ -167,16 +252,47 @@ def main(argv=None) -> None:
     ap.add_argument("--jobs", default="minilm,smollm2", help=f"comma-separated, of {', '.join(JOBS)}")
     ap.add_argument("--positions", type=int, default=0,
                     help="smollm2: also judge each genome on at least N teacher-forced positions, pooled (0: off)")
+    ap.add_argument("--max-memory", default=None,
+                    help="size the caches as a compile within this budget sizes them (e.g. 2.4G; default: unbounded)")
+    ap.add_argument("--steps-together", type=int, default=STEPS_TOGETHER,
+                    help="positions: decode steps run together (fewer: less memory, weight forms made more often)")
+    ap.add_argument("--rows-per-step", type=int, default=POSITION_ROWS,
+                    help="positions: rows a decode step runs (the compile's POSITION_ROWS; fewer: less memory)")
+    ap.add_argument("--phase", choices=("both", "predict", "confirm"), default="both",
+                    help="with --positions: 'predict' writes the predictions only, a later 'confirm' (same --out) "
+                         "judges those genomes on the positions in a fresh process")
+    ap.add_argument("--first", type=int, default=0,
+                    help="start at genome FIRST (the earlier ones are drawn, not judged; their rows are read from "
+                         "the CSV): a long run split over processes")
+    ap.add_argument("--seed", type=int, default=0, help="the genomes' random seed")
+    ap.add_argument("--out", default="prediction", help="the CSV and PNG names under reports/bench/")
     ap.add_argument("--exact-for", default="minilm,smollm2,transformer",
                     help="jobs that also get EXACT propagation (an FP64 run of the rest per chunk choice)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore", category=RuntimeWarning)
     exact = set(args.exact_for.split(","))
-    df = pd.DataFrame([r for name in args.jobs.split(",")
-                       for r in scatter_rows(name, args.n, modes=(Propagation.EXACT,) if name in exact else (),
-                                             positions=args.positions)])
-    write_csv(df, "prediction.csv")
-    plot(df)
+    max_memory = None if args.max_memory is None else parse_size(args.max_memory)
+    if args.phase == "confirm":  # every row of the CSV comes back, those in range with their positions
+        rows = confirm_rows(pd.read_csv(OUT / f"{args.out}.csv"), args.positions, max_memory, args.steps_together,
+                            args.rows_per_step, lambda all_rows: write_csv(pd.DataFrame(all_rows), f"{args.out}.csv"),
+                            args.first, args.n)
+        write_csv(pd.DataFrame(rows), f"{args.out}.csv")
+        print(pd.DataFrame(rows)[["within_2x_positions_kl", "within_2x_positions_share", "positions_s"]].mean())
+        return
+    rows: list[dict] = []
+    if args.first:  # the other genomes' rows, from the earlier processes' CSV
+        rows = [r for r in pd.read_csv(OUT / f"{args.out}.csv").to_dict("records")
+                if not args.first <= r["genome_index"] < args.first + args.n]
+
+    def done(job_rows: list[dict]) -> None:
+        write_csv(pd.DataFrame(rows + job_rows).sort_values(["job", "genome_index"]), f"{args.out}.csv")
+    for name in args.jobs.split(","):
+        rows += scatter_rows(name, args.n, args.seed, (Propagation.EXACT,) if name in exact else (), args.positions,
+                             max_memory, args.steps_together, args.rows_per_step, done, args.phase == "both",
+                             args.first)
+    df = pd.DataFrame(rows)
+    write_csv(df, f"{args.out}.csv")
+    plot(df, f"{args.out}.png")
     cols = [c for c in df if c.startswith("within_2x") or c in ("same_top1_flips", "predict_scaled_s", "measure_s",
                                                                  "positions_s")]
     print(df.groupby("job")[cols].mean())

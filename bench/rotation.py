@@ -14,12 +14,17 @@ of two, one s per activation), "+ AWQ smoothing" by AWQ's grid search for int4 g
 weight in the recipe's format. One CSV:
 reports/bench/rotation.csv.
 
+With --residual-rotation, the model's residual stream is rotated first (QuaRot: models/residual_rotation.py,
+norms folded into the Gemms that read them, E Q, W Q, Q^T W, head untied): every genome runs on the rotated
+model, judged against the SOURCE model's FP64 (positions and calibration batches alike), so the rotated
+weights' FP32 rounding is counted; rows are named "... + residual rotation".
+
 With --hessian-positions N, the statistics come instead from >= N teacher-forced positions over the 12
 held-out prompts (error/hessians.positions_hessians, 32 rows a step; the judged positions are the calibration
 prompts', so none of them calibrated the fill or the scales).
 
 `python -m bench.rotation [--layers N] [--positions 2000] [--hessian-positions N] [--genomes NAME ...]
-[--memory GB] [--derived-cache GB]`
+[--residual-rotation] [--memory GB] [--derived-cache GB] [--rows-per-step N] [--steps-together N]`
 """
 from __future__ import annotations
 
@@ -78,13 +83,15 @@ def heldout_hessians(job, minimum: int, rows: int):
 
 
 def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, memory_bytes: int = MEMORY,
-         derived_cache: int = DERIVED_CACHE, done=lambda out: None) -> list[dict]:
+         derived_cache: int = DERIVED_CACHE, done=lambda out: None, residual_rotation: bool = False,
+         rows_per_step: int | None = None, steps_together: int | None = None) -> list[dict]:
     """The bench's rows; `done(rows so far)` after each genome (the CSV is written as they come: a run cut
-    short keeps what it measured)."""
+    short keeps what it measured). `rows_per_step`/`steps_together`: the positions pass's (default the
+    compile's POSITION_ROWS and pooled.STEPS_TOGETHER; fewer hold less memory)."""
     from luminal_num.compiler import POSITION_ROWS, WidenedPositions, reference_stage
     from luminal_num.error.budget import Budget
     from luminal_num.error.metrics import Compared
-    from luminal_num.error.pooled import RowStats, judge_positions
+    from luminal_num.error.pooled import STEPS_TOGETHER, RowStats, judge_positions
     from luminal_num.error.reference import references
     from luminal_num.hlir.partition import partition
     from luminal_num.memory import plan_memory
@@ -96,7 +103,11 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, me
     from luminal_num.runtime.cpu import CpuRuntime
     from luminal_num.search.space import SearchSpace
 
-    job = llm_job("smollm2", WORKLOAD, layers=layers, positions_minimum=minimum)
+    from luminal_num.models.llm import build_workload
+    job = llm_job("smollm2", WORKLOAD, layers=layers, positions_minimum=minimum, residual_rotation=residual_rotation)
+    rows_per_step = rows_per_step or POSITION_ROWS
+    steps_together = steps_together or STEPS_TOGETHER
+    suffix = " + residual rotation" if residual_rotation else ""
     budget = Budget.parse(job.default_budget)
     source = job.llm.positions
     out = []
@@ -113,7 +124,10 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, me
         t0 = time.perf_counter()
         space = SearchSpace.saturated(job.graph, partition(job.graph), calibrated=True, rotation=True, smoothing=True)
         out.append({"what": "saturate (rotation + smoothing + GPTQ offered)", "seconds": time.perf_counter() - t0})
-        refs = [r.outputs(job.graph)["logits"] for r in references(job.graph, job.calibration, space.part)]
+        # the judge is the source model's FP64 (a rotated model's own graph in FP64 would hide its weights' rounding)
+        source_graph = build_workload(job.llm.model.reference, job.llm.workload).graph if residual_rotation else job.graph
+        refs = [r.outputs(source_graph)["logits"] for r in references(source_graph, job.calibration,
+                                                                         partition(source_graph))]
         needs = any("+gptq" in " ".join(GENOMES[n][0]) or GENOMES[n][1] not in (None, "rot") for n in names)
         hessians, hessian_rows = NO_HESSIANS, 0
         if needs:  # GPTQ fills and smoothing scales need the calibration statistics
@@ -126,7 +140,7 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, me
                 what = "statistics (the compile's: calibration positions)"
             hessian_rows = next(iter(hessians.by_weight.values())).rows
             out.append({"what": what, "positions": made, "seconds": time.perf_counter() - t0})
-        wide = WidenedPositions(space, source, POSITION_ROWS, True, True, True)
+        wide = WidenedPositions(space, source, rows_per_step, True, True, True)
         with CALIBRATION.installed(hessians):
             for name in names:
                 tags, transform = GENOMES[name]
@@ -138,8 +152,9 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, me
                 del runtime
                 t0 = time.perf_counter()
                 run, on = wide.program(genome, program)
-                verdict, stats = judge_positions(run, on.graph.weights, on, budget, budget)
-                row = {"what": name, "positions": stats.rows, "rows_per_run": on.rows,
+                verdict, stats = judge_positions(run, on.graph.weights, on, budget, budget, steps_together)
+                row = {"what": name + suffix, "residual_rotation": residual_rotation, "positions": stats.rows,
+                       "rows_per_run": on.rows,
                        "hessian_rows": hessian_rows if "+gptq" in " ".join(tags) or transform not in (None, "rot") else 0,
                        "statistics": ("held-out" if hessian_positions else "calibration positions")
                        if "+gptq" in " ".join(tags) or transform not in (None, "rot") else "",
@@ -170,10 +185,15 @@ def main(argv=None) -> None:
                          "held-out prompts (default 0: the compile's, every calibration position)")
     ap.add_argument("--memory", type=float, default=MEMORY / 2 ** 30, help="GB the caches are planned for")
     ap.add_argument("--derived-cache", type=float, default=DERIVED_CACHE / 2 ** 30, help="GB, the derived cache's floor")
+    ap.add_argument("--residual-rotation", action="store_true",
+                    help="rotate the model's residual stream first (QuaRot, models/residual_rotation.py)")
+    ap.add_argument("--rows-per-step", type=int, default=None, help="positions: decode rows a step (default 32)")
+    ap.add_argument("--steps-together", type=int, default=None, help="positions: steps run together (default 4)")
     ap.add_argument("--csv", default=CSV)
     args = ap.parse_args(argv)
     made = rows(args.genomes, args.positions, args.layers, args.hessian_positions, int(args.memory * 2 ** 30),
-                int(args.derived_cache * 2 ** 30), lambda out: write_csv(pd.DataFrame(out), args.csv))
+                int(args.derived_cache * 2 ** 30), lambda out: write_csv(pd.DataFrame(out), args.csv),
+                args.residual_rotation, args.rows_per_step, args.steps_together)
     path = write_csv(pd.DataFrame(made), args.csv)
     print(f"wrote {path}")
 

@@ -7,7 +7,9 @@ reductions, softmax), the chosen plan with exactly those changes added is judged
 the search never tried; one that fails is blocked by the budget (and the headroom).
 
 Every returned plan row is also audited on the held-out sentences against the user's budget.
-`python -m bench.strict_budget` writes reports/bench/strict_budget.csv.
+`python -m bench.strict_budget` writes reports/bench/strict_budget.csv; with `--gptq --rotate --smooth`
+(compile's options: GPTQ fills, Hadamard-rotated and SmoothQuant-smoothed Gemms as search choices) it
+writes strict_budget_<offers>.csv, so both runs can be read side by side.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from luminal_num.error.judge import Judge
 from luminal_num.runtime.cost import UnsupportedOnTarget
 from luminal_num.runtime.launch_form import program_latency
 from luminal_num.search.front import LATENCY_TIE
-from luminal_num.search.space import group_of
+from luminal_num.search.space import Offers, group_of
 
 from .heldout import TARGET, HeldoutJob, audit_returned, compile_job, jobs, layer_map_row
 from .summary import write_csv
@@ -66,9 +68,16 @@ def blockers(job, result, budget: Budget) -> list[dict]:
     return rows
 
 
-def run(batch: int = 4, candidates: int = 60) -> dict:
+def csv_name(offers: Offers) -> str:
+    """strict_budget.csv without offers; strict_budget_gptq_rotate.csv ... with them."""
+    on = [name for name, flag in (("gptq", offers.calibrated), ("rotate", offers.rotation),
+                                  ("smooth", offers.smoothing)) if flag]
+    return CSV if not on else CSV.replace(".csv", "_" + "_".join(on) + ".csv")
+
+
+def run(batch: int = 4, candidates: int = 60, offers: Offers = Offers()) -> dict:
     warnings.filterwarnings("ignore", category=RuntimeWarning)
-    spec = HeldoutJob("minilm", jobs(minilm_batch=batch)["minilm"].load, candidates, STRICT)
+    spec = HeldoutJob("minilm", jobs(minilm_batch=batch)["minilm"].load, candidates, STRICT, offers)
     job, budget, result, seconds = compile_job(spec)
     search = result.search
     chosen, auto = search.chosen, search.baselines[AUTOCAST]
@@ -89,7 +98,7 @@ def run(batch: int = 4, candidates: int = 60) -> dict:
     layers = layer_map_row("minilm_strict", result)
     df = pd.DataFrame(rows).assign(budget=STRICT, chosen_below_autocast=below,
                                    layers_differ=layers["layers_differ"], layer_map=layers["layer_map"])
-    path = write_csv(df, CSV)
+    path = write_csv(df, csv_name(offers))
     print(df.drop(columns=["budget", "layer_map"]).to_string())
     print(f"wrote {path}")
     out = {"chosen plan (modelled H200)": chosen.latency_s, f"{AUTOCAST} (modelled H200)": auto.latency_s,
@@ -156,8 +165,11 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=4, help="MiniLM sentences per batch")
     ap.add_argument("--candidates", type=int, default=60)
+    ap.add_argument("--gptq", action="store_true", help="weights may also be GPTQ-filled (compile --gptq)")
+    ap.add_argument("--rotate", action="store_true", help="Gemms may also be Hadamard-rotated (compile --rotate)")
+    ap.add_argument("--smooth", action="store_true", help="Gemms may also be SmoothQuant-smoothed (compile --smooth)")
     a = ap.parse_args(argv)
-    return run(a.batch, a.candidates)
+    return run(a.batch, a.candidates, Offers(calibrated=a.gptq, rotation=a.rotate, smoothing=a.smooth))
 
 
 if __name__ == "__main__":

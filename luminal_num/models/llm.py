@@ -9,6 +9,7 @@ prompt + FP64 continuation, so no row is padding.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.resources
 import json
@@ -119,6 +120,8 @@ class LlmModel:
     weights: Mapping[str, np.ndarray]
     tokenizer: Tokenizer | SentencePieceTokenizer
     chat_template: ChatTemplate | None
+    reference: "LlmModel | None" = None  # the model this one is an exact rewrite of (models/residual_rotation.py):
+                                         # its FP64 runner, not this one's, makes the inputs and judges the outputs
 
     @property
     def architecture(self) -> Architecture:
@@ -136,7 +139,17 @@ class LlmModel:
 
     @functools.cached_property
     def fp64(self) -> Fp64Llama:
+        if self.reference is not None:
+            return self.reference.fp64
         return self.architecture.fp64(self.config, self.weights)
+
+    def residual_rotated(self, seed: int = 0) -> "LlmModel":
+        """This model with its norms folded and its residual stream rotated (models/residual_rotation.py):
+        the same function in real arithmetic, judged against this model's FP64."""
+        from .residual_rotation import rotated_weights
+        config, weights = rotated_weights(self.config, self.weights, seed)
+        return dataclasses.replace(self, name=f"{self.name}+residual-rotation", config=config, weights=weights,
+                                   reference=self)
 
 
 def _hf_model(directory: Path, layers: int | None) -> LlmModel:

@@ -100,18 +100,21 @@ SMOLLM2_WORKLOAD = "decode:8@64"
 
 def llm_job(model: str = "smollm2", workload: str = SMOLLM2_WORKLOAD, calibration: Sequence | None = None,
             heldout: Sequence | None = None, layers: int | None = None,
-            positions_minimum: int = DEFAULT_POSITIONS) -> ModelJob:
+            positions_minimum: int = DEFAULT_POSITIONS, residual_rotation: bool = False) -> ModelJob:
     """A Llama-family LLM (bundled name, .gguf file or HF folder) under a server workload, judged on
     real prompts teacher-forced on the FP64 continuation (default: the shipped 24 + 12 prompts). Shipped
     prompts longer than a decode workload's context are cut to its first tokens (and a note says so); a
     caller's own prompts are refused instead (PromptTooLong names the set). A decode workload also has
     `positions_minimum` teacher-forced positions over the calibration prompts (0: none), on which compile
     judges the chosen plan again (models/llm_positions.py), and as many over the held-out prompts, on which
-    audit re-checks it."""
+    audit re-checks it. `residual_rotation`: the model's residual stream rotated (models/residual_rotation.py),
+    judged against the source model's FP64."""
     from .llm import (LLM_DEFAULT_BUDGET, PromptTooLong, Workload, build_workload, load_llm, load_prompts, prompts_cut,
                       workload_batches)
     from .llm_positions import TeacherForcedWindows
     m = load_llm(model, layers)
+    if residual_rotation:
+        m = m.residual_rotated()
     w = Workload.parse(workload)
     built = build_workload(m, w)
     family = m.architecture.prompts
