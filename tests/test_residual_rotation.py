@@ -11,7 +11,7 @@ import scipy.linalg
 from tests.test_llama import reference_logits
 
 from luminal_num.hlir import evaluate
-from luminal_num.models.llama import (EMBED, FINAL_NORM, LLAMA_TINY, LM_HEAD, LlamaConfig, build_decode,
+from luminal_num.models.llama import (EMBED, FINAL_NORM, LLAMA_TINY, LM_HEAD, build_decode,
                                       build_prefill, random_weights)
 from luminal_num.models.llm import LlmModel
 from luminal_num.models.residual_rotation import residual_rotation, rotate_residual, rotated_weights
