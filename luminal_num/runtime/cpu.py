@@ -308,7 +308,9 @@ def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
         held = rt.stored_weights.get(key)
 
         def widen() -> np.ndarray:
-            out = np.array(widened(val, k.storage, held, k.fill), dtype=k.dtype.storage)  # our own read-only copy
+            # widened() gives a fresh array (a weights file's entry) or the conversion cache's read-only one:
+            # neither needs a copy, only a conversion where the kernel's dtype is not FP32
+            out = np.asarray(widened(val, k.storage, held, k.fill), dtype=k.dtype.storage)
             out.flags.writeable = False
             return out
         if held is not None:  # a plan's weights file: unpacked once per runtime
