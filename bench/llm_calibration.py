@@ -73,7 +73,7 @@ def stage_rows(genomes, minimum: int) -> list[dict]:
         rows.append({"part": "stage", "what": "make windows", "positions": made, "seconds": time.perf_counter() - t0})
         space = SearchSpace.saturated(job.graph, partition(job.graph))
         recipes = baseline_genomes(space)
-        wide = WidenedPositions(space, source, POSITION_ROWS, False)
+        wide = WidenedPositions(space, source, POSITION_ROWS)
         refs = [r.outputs(job.graph)["logits"] for r in references(job.graph, job.calibration)]
         for name in genomes:
             program = space.program(recipes[name])

@@ -116,7 +116,7 @@ def _scatter_rows(name: str, n: int, seed: int, modes: tuple[Propagation, ...], 
     rng = np.random.default_rng(seed)
     rows = []
     source = job.llm.positions if positions and job.llm is not None and confirm else None
-    wide = WidenedPositions(space, source, rows_per_step, False) if source is not None else None
+    wide = WidenedPositions(space, source, rows_per_step) if source is not None else None
     for i in range(first + n):
         genome, formats = random_per_layer_genome(space, rng)
         if i < first:  # drawn (the rng's sequence), judged by an earlier process
@@ -192,7 +192,7 @@ def confirm_rows(predicted: pd.DataFrame, positions: int, max_memory: int | None
         job = llm_job(positions_minimum=positions)
         space = SearchSpace.build(job.graph)
         budget = Budget.parse(job.default_budget)
-        wide = WidenedPositions(space, job.llm.positions, rows_per_step, False)
+        wide = WidenedPositions(space, job.llm.positions, rows_per_step)
         seeds = predicted.seed.unique()
         if len(seeds) != 1:
             raise ValueError(f"the predictions come from {len(seeds)} seeds; confirm one run at a time")

@@ -89,6 +89,7 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, me
     short keeps what it measured). `rows_per_step`/`steps_together`: the positions pass's (default the
     compile's POSITION_ROWS and pooled.STEPS_TOGETHER; fewer hold less memory)."""
     from luminal_num.compiler import POSITION_ROWS, WidenedPositions, reference_stage
+    from luminal_num.search.space import Offers
     from luminal_num.error.budget import Budget
     from luminal_num.error.metrics import Compared
     from luminal_num.error.pooled import STEPS_TOGETHER, RowStats, judge_positions
@@ -140,7 +141,7 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, me
                 what = "statistics (the compile's: calibration positions)"
             hessian_rows = next(iter(hessians.by_weight.values())).rows
             out.append({"what": what, "positions": made, "seconds": time.perf_counter() - t0})
-        wide = WidenedPositions(space, source, rows_per_step, True, True, True)
+        wide = WidenedPositions(space, source, rows_per_step, Offers(calibrated=True, rotation=True, smoothing=True))
         with CALIBRATION.installed(hessians):
             for name in names:
                 tags, transform = GENOMES[name]

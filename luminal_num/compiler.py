@@ -44,7 +44,7 @@ from .search.outcome import InvariancePrice, PositionsRecord
 from .search.plan import Plan
 from .search.recipes import baseline_genomes
 from .search.search import Exploration, SearchOptions, SearchResult, confirm, explore
-from .search.space import ChunkSite, SearchSpace
+from .search.space import ChunkSite, Offers, SearchSpace
 from .runtime.launch_form import program_latency
 from .runtime.targets import get_target
 
@@ -149,9 +149,7 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
 
     if space is None:
         part = stage("partition", lambda: partition(graph))
-        space = stage("saturate", lambda: SearchSpace.saturated(graph, part, calibrated=options.offers.calibrated,
-                                                                  rotation=options.offers.rotation,
-                                                                  smoothing=options.offers.smoothing))
+        space = stage("saturate", lambda: SearchSpace.saturated(graph, part, **vars(options.offers)))
     space = space.with_batch_invariance(options.batch_invariant)
     # one BLAS thread for the FP64 reference too: its products are small-M (a decode step's rows), where a second
     # OpenBLAS thread gains nothing on a quiet machine and, beside any other busy process, makes each call
@@ -213,8 +211,7 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
         record = PositionsRecord(0, 0, {}, why or "no plan passed the calibration batches")
         return dataclasses.replace(result, stats=dataclasses.replace(result.stats, positions=record))
     space = explored.searcher.space
-    wide = WidenedPositions(space, source, POSITION_ROWS, ctx.options.offers.calibrated,
-                            ctx.options.offers.rotation, ctx.options.offers.smoothing)
+    wide = WidenedPositions(space, source, POSITION_ROWS, ctx.options.offers)
     kept: dict[int, pooled.RowStats] = {}
 
     def judge(e):
@@ -237,10 +234,8 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
 class WidenedPositions:
     """The positions `rows` rows a step, and a genome lowered there (saturated once, when first needed)."""
 
-    def __init__(self, space: SearchSpace, source: PositionSource, rows: int, calibrated: bool,
-                 rotation: bool = False, smoothing: bool = False):
-        self.own, self.source, self.rows, self.calibrated, self.rotation = space, source, rows, calibrated, rotation
-        self.smoothing = smoothing
+    def __init__(self, space: SearchSpace, source: PositionSource, rows: int, offers: Offers = Offers()):
+        self.own, self.source, self.rows, self.offers = space, source, rows, offers
         self.wide: tuple[SearchSpace, PositionSource] | None = None
         self.rows_used = 0
 
@@ -251,8 +246,7 @@ class WidenedPositions:
         if self.rows > own_rows:
             if self.wide is None:
                 source = self.source.widened(self.rows)
-                self.wide = (SearchSpace.saturated(source.graph, partition(source.graph), calibrated=self.calibrated,
-                                                   rotation=self.rotation, smoothing=self.smoothing)
+                self.wide = (SearchSpace.saturated(source.graph, partition(source.graph), **vars(self.offers))
                              .with_batch_invariance(self.own.batch_invariant), source)
             space, source = self.wide
             widened = _genome_on(genome, self.own, space)
