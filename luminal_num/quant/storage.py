@@ -135,12 +135,16 @@ class StorageFormat:
         values = CODECS[self.scheme].quantize(self, x)
         for part, v in values.items():  # integer codes have no -0 (rint of a small negative gives one)
             if self.part_format(part).kind is Kind.INT:
-                values[part] = v + np.float32(0.0)
+                # in place where the codes are the codec's own array (a 1 GB LM head: no second copy)
+                owned = v.flags.writeable and v.dtype == np.float32 and not np.may_share_memory(v, x)
+                values[part] = np.add(v, np.float32(0.0), out=v) if owned else v + np.float32(0.0)
         quantized = Quantized(self, shape, values)
         with np.errstate(over="ignore"):
-            if not np.all(np.isfinite(quantized.dequantize())):  # scaled codes next to FP32's max
+            widened = quantized.dequantize()
+            if not np.all(np.isfinite(widened)):  # scaled codes next to FP32's max
                 raise ValueError(f"{self.name}: weights near FP32's max ({float(np.abs(x).max())!r}) would "
                                  f"dequantize to infinity")
+        object.__setattr__(quantized, "_widened", widened)  # the check's array, handed to the first reader
         return quantized
 
     def dequantize(self, q: "Quantized") -> np.ndarray:
@@ -216,7 +220,10 @@ class Quantized:
         _check_parts(self.fmt, self.shape, self.values, stored=False)
 
     def dequantize(self) -> np.ndarray:
-        return self.fmt.dequantize(self)
+        """The widened values (a new array the caller owns). The conversion's finiteness check already
+        computed them once: the first call takes that array instead of computing a second full-size copy."""
+        widened = self.__dict__.pop("_widened", None)
+        return widened if widened is not None else self.fmt.dequantize(self)
 
 
 @dataclass(frozen=True, eq=False)
@@ -236,23 +243,49 @@ class StoredTensor:
         return sum(a.nbytes for a in self.arrays.values())
 
 
+CHECK_BLOCK = 1 << 22  # elements checked or packed at a time: a 1 GB head's temporaries are 16 MB, not 1-5 GB
+
+
+def _by_row_blocks(values: np.ndarray, width: int, dtype, each) -> np.ndarray:
+    """each(block of rows) over (rows, ...) `values`, CHECK_BLOCK elements of rows at a time, into one array of
+    last axis `width`: a 4-bit format's encode and nibble packing hold ~5 bytes of temporaries per value."""
+    if values.ndim < 2 or values.size <= CHECK_BLOCK:
+        return each(values)
+    out = np.empty(values.shape[:-1] + (width,), dtype)
+    step = max(1, CHECK_BLOCK // max(1, values[0].size))
+    for i in range(0, values.shape[0], step):
+        out[i:i + step] = each(values[i:i + step])
+    return out
+
+
 def _to_container(values: np.ndarray, fmt: Format) -> np.ndarray:
     if fmt in FOUR_BIT_FORMATS:
-        return pack_nibbles(encode_4bit(values, fmt))
+        return _by_row_blocks(np.asarray(values), packed_length(np.shape(values)[-1]), np.uint8,
+                              lambda rows: pack_nibbles(encode_4bit(rows, fmt)))
     if fmt is E8M0:
         mantissa, exponent = np.frexp(values.astype(np.float64))
         if not (np.all(mantissa == 0.5) and np.all(values >= E8M0.min_normal) and np.all(values <= E8M0.max_finite)):
             raise ValueError(f"{fmt} stores powers of two in [2^-127, 2^127] only")
         return (exponent - 1 + 127).astype(np.uint8)  # the E8M0 byte is the biased exponent
     stored = values.astype(fmt.storage)
-    if not np.array_equal(stored.astype(np.float32), values):
+    if not _round_trips(stored, values):
         raise ValueError(f"values are not representable in {fmt}: packing would change them")
     return stored
 
 
+def _round_trips(stored: np.ndarray, values: np.ndarray) -> bool:
+    """stored widened back to float32 equals values, a block at a time (np.array_equal's semantics)."""
+    if stored.shape != values.shape:
+        return False
+    a, b = stored.reshape(-1), np.asarray(values).reshape(-1)
+    return all(np.array_equal(a[i:i + CHECK_BLOCK].astype(np.float32), b[i:i + CHECK_BLOCK])
+               for i in range(0, a.size, CHECK_BLOCK))
+
+
 def _from_container(data: np.ndarray, fmt: Format, shape: tuple[int, ...]) -> np.ndarray:
     if fmt in FOUR_BIT_FORMATS:
-        return decode_4bit(unpack_nibbles(data, shape[-1]), fmt)
+        return _by_row_blocks(np.asarray(data), shape[-1], np.float32,
+                              lambda rows: decode_4bit(unpack_nibbles(rows, shape[-1]), fmt))
     if fmt is E8M0:
         if np.any(data == 0xFF):
             raise ValueError("E8M0 byte 0xFF is NaN: not a scale")

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..codegen.llir import Kernel
 from ..dtypes.variants import GEMM_VARIANTS
-from ..hlir.gemm import GemmLayout, gemm_operand_a, gemm_operand_b, gemm_result
+from ..hlir.gemm import GemmLayout, contiguous, gemm_operand_a, gemm_operand_b, gemm_operand_b_view, gemm_result
 from ..hlir.weightcache import WEIGHTS
 from ..quant import quantize_tensor
 from .cpu_compiled import read_view
@@ -84,6 +84,39 @@ def column_parts(b: np.ndarray, widths: tuple[int, ...]) -> tuple[np.ndarray, ..
     return tuple(np.ascontiguousarray(b[..., s:s + w]) for s, w in zip(starts, widths))
 
 
+PREPARE_BLOCK_BYTES = 256 << 20  # a variant's B operand wider than this is prepared a block of columns at a time
+
+
+def prepared_blocks(full: np.ndarray, lay: GemmLayout, variant, b_scales, b_parts: tuple[int, ...]):
+    """A large B's prepared operand as blocks of at most PREPARE_BLOCK_BYTES of columns (each part's columns
+    from its own first column, so a part alone and the same part in a concatenation get the same blocks),
+    or None where B is small or its scales do not split at block edges. Why: preparing B whole holds its
+    contiguous FP32 copy beside the prepared one; a 1B model's 1 GB LM head made two such transients at once,
+    past the memory plan. The blocks are what a concatenation's parts are: one Gemm call per block."""
+    spec = variant.b_scale
+    if spec is not None and b_scales is None and not spec.varies_along(1):
+        return None  # scales computed from B itself over all its columns (per tensor): B whole
+    view = gemm_operand_b_view(full, lay)
+    if view is None:
+        return None
+    batch, k_extent, n = view.shape
+    widths = b_parts if b_parts and sum(b_parts) == n else (n,)
+    if b_scales is None:  # none, or computed from each block itself: column-local, so the same values
+        block = 1 if spec is None else spec.block[1]
+    else:
+        block = 1 if b_scales.shape[-1] == 1 else -(-n // b_scales.shape[-1])
+    step = max(block, PREPARE_BLOCK_BYTES // max(4 * k_extent * batch, 1) // block * block)
+    if max(widths) <= step:
+        return None
+    cols = [w for width in widths for w in [step] * (width // step) + ([width % step] if width % step else [])]
+    scales = _scale_parts(b_scales, tuple(cols), n)
+    if scales is None:
+        return None
+    starts = np.cumsum((0,) + tuple(cols[:-1]))
+    return tuple(prepare_b(_f32(contiguous(view[..., s:s + w])), variant, sc)
+                 for s, w, sc in zip(starts, cols, scales))
+
+
 def _scale_parts(scales: np.ndarray | None, widths: tuple[int, ...], n: int) -> list | None:
     """Static B scales (..., K blocks, N blocks) split at the parts' columns; None where a block spans two."""
     if scales is None or scales.shape[-1] == 1:
@@ -116,7 +149,11 @@ def run_gemm(k: Kernel, stored, bindings, b_scales: np.ndarray | None = None,
     a = gemm_operand_a(a_full, lay)
 
     def b_operand():
-        b = _f32(gemm_operand_b(_operand(k, 1, stored, bindings, reads), lay))
+        full = _operand(k, 1, stored, bindings, reads)
+        blocks = prepared_blocks(full, lay, variant, b_scales, b_parts)
+        if blocks is not None:
+            return blocks
+        b = _f32(gemm_operand_b(full, lay))
         parts = column_parts(b, b_parts)
         scales = None if parts is None else _scale_parts(b_scales, b_parts, b.shape[-1])
         if scales is None:
