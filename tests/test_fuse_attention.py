@@ -341,10 +341,10 @@ def test_cost_counts_one_launch_and_no_score_traffic():
 
 
 def test_cuda_kernel_covers_outputs_past_the_grid_cap(monkeypatch):
-    """The grid is capped at MAX_GRID blocks; the kernel loops grid-stride over its score rows (the row
-    path) and over groups of outputs (rows longer than shared memory holds, MAX_ROW_KEYS cut to 4 here),
-    so every output is written when there are more rows than blocks (MAX_GRID cut to 1 and 2: the real
-    cap is past what the interpreter can run), in prefill and in the split-K decode form."""
+    """The grid is capped at MAX_GRID blocks; the kernel loops grid-stride over its score rows, so every
+    output is written when there are more rows than blocks (MAX_GRID cut to 1 and 2: the real cap is past
+    what the interpreter can run), with the chunk as long as shared memory holds and cut to one tile,
+    in prefill and in the split-K decode form (tests/test_cuda_attention_chunks.py: rows of many chunks)."""
     checked = set()
     for _, feed, programs in _fused_programs():
         program = programs[0]

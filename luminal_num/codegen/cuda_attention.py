@@ -61,6 +61,14 @@ class AttentionPlan:
         return self.splits * (2 * self.dv + 1)
 
 
+def row_splits(spec: AttentionSpec, keys: int) -> int:
+    """Key splits of a row of `keys` keys: a fixed split size's as many as the keys need (at least one,
+    as key_ranges), else spec.splits equal runs."""
+    if not spec.split_keys:
+        return spec.splits
+    return max(1, math.ceil(math.ceil(keys / spec.key_tile) / (spec.split_keys // spec.key_tile)))
+
+
 def attention_plan(k) -> AttentionPlan:
     """The plan of kernel `k`; refuses (ValueError, one line) what the CUDA form cannot hold."""
     spec: AttentionSpec = k.value
@@ -70,11 +78,9 @@ def attention_plan(k) -> AttentionPlan:
     chunk_tiles = MAX_ROW_KEYS // spec.key_tile
     if chunk_tiles < 1:
         raise ValueError(f"attention kernel {k.id}: a {spec.key_tile}-key tile does not fit a {MAX_ROW_KEYS}-key chunk")
-    splits = spec.splits
-    if spec.split_keys:  # a fixed split size: as many splits as the (known) key length needs
-        if not isinstance(keys, int):
-            raise ValueError(f"attention kernel {k.id}: a fixed split size needs a known key length, has {keys}")
-        splits = max(1, math.ceil(math.ceil(keys / spec.key_tile) / (spec.split_keys // spec.key_tile)))
+    if spec.split_keys and not isinstance(keys, int):
+        raise ValueError(f"attention kernel {k.id}: a fixed split size needs a known key length, has {keys}")
+    splits = row_splits(spec, keys)
     return AttentionPlan(chunk_tiles, splits, min(splits, MAX_SPLIT_LANES), dv)
 
 
@@ -83,13 +89,16 @@ def attention_scratch(k) -> tuple[Scratch, ...]:
     return (Scratch("attention_partials", F32, per(prod(k.shape[:-1]), 1) + ((attention_plan(k).row_floats, 1),)),)
 
 
-def serial_steps(k, keys: int, depth: int) -> int:
-    """The steps one block runs in order per score row (the cost model's serial extent): per key, its
-    share of the score dots (depth products over `threads` threads) and, per group of COLUMN_THREADS V
-    columns, its share of the walks (`lanes` splits at once); per V column group, the combine over the splits."""
-    plan = attention_plan(k)
-    groups = -(-plan.dv // COLUMN_THREADS)
-    return -(-keys * depth // plan.threads) + groups * (-(-keys // plan.lanes) + 2 * plan.splits)
+def serial_steps(spec: AttentionSpec, keys: int, depth: int, dv: int) -> int:
+    """The steps one block runs in order per score row, the dominant terms (the cost model's serial extent):
+    its share of the row's score dots (`depth` products per key over the block's threads) and of the p_j,
+    then per group of COLUMN_THREADS V columns a thread's walk over the keys of the splits it is dealt
+    (`lanes` splits at once) and the combine over the splits."""
+    splits = row_splits(spec, keys)
+    lanes = min(splits, MAX_SPLIT_LANES)
+    threads = COLUMN_THREADS * lanes
+    groups = -(-dv // COLUMN_THREADS)
+    return -(-keys * (depth + 1) // threads) + groups * (-(-keys // lanes) + 2 * splits)
 
 
 def _round_operand(fmt: Format, x: str) -> str:
