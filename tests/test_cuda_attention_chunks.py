@@ -161,16 +161,28 @@ def test_chunked_kernels_compile_for_sm90():
     assert len(sources) == 9
 
 
+def test_a_row_past_the_real_chunk_size(monkeypatch):
+    """The real MAX_ROW_KEYS: 4096 + 150 keys (a second, ragged chunk), f32, equal splits, one KV head of two
+    queries, the first chunk all -inf."""
+    keys = cuda_attention.MAX_ROW_KEYS + KEYS
+    program = attention_program(1, 2, 1, keys, 2, 2, cache=keys, start=0, variant="flash_f32",
+                                spec=AttentionSpec(SCALE, splits=DECODE_SPLITS))
+    check(program, feed(program, {0: (4100, 9)}, seed=4), cuda_attention.MAX_ROW_KEYS, monkeypatch)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(ATTENTION_VARIANTS))
 @pytest.mark.parametrize("form", sorted(SPECS))
-def test_rows_past_the_real_chunk_size(form, monkeypatch):
-    """The real MAX_ROW_KEYS: 4096 + 150 keys (a second, ragged chunk), f32, one KV head of two queries."""
+def test_two_real_chunks_every_variant_and_split_form(variant, form, monkeypatch):
+    """4096 + 150 keys at the real chunk size (the second chunk ragged), GQA over a cache slice, V width 33
+    (two column groups, the second of one column), the first chunk and a 9-key suffix -inf, blocks looping
+    over rows (MAX_GRID 1)."""
     keys = cuda_attention.MAX_ROW_KEYS + KEYS
     spec = SPECS[form]
     if spec.split_keys:
         spec = AttentionSpec(SCALE, splits=math.ceil(keys / INVARIANT_SPLIT_KEYS), split_keys=INVARIANT_SPLIT_KEYS)
-    program = attention_program(1, 2, 1, keys, 2, 2, cache=keys, start=0, variant="flash_f32", spec=spec)
-    check(program, feed(program, {0: (4100, 9)}, seed=4), cuda_attention.MAX_ROW_KEYS, monkeypatch)
+    program = attention_program(1, 2, 1, keys, 3, 33, cache=keys + 7, start=7, variant=variant, spec=spec)
+    check(program, feed(program, {0: (4100, 9)}, seed=5), cuda_attention.MAX_ROW_KEYS, monkeypatch, grid_cap=1)
 
 
 def test_the_cost_models_serial_extent_is_the_chunked_kernels_walk():
