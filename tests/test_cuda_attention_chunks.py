@@ -20,7 +20,7 @@ from luminal_num.codegen import cuda_attention, cuda_source, nvrtc
 from luminal_num.codegen.attention import (ATTENTION_VARIANTS, DECODE_SPLITS, INVARIANT_SPLIT_KEYS, KEY_TILE,
                                            AttentionSpec, check_attention, key_ranges)
 from luminal_num.codegen.cuda_attention import attention_plan
-from luminal_num.codegen.cuda_kernels import render_kernel
+from luminal_num.codegen.cuda_kernels import clear_render_cache, render_kernel
 from luminal_num.codegen.llir import FApply, FLoad, Kernel, KernelInput, KernelKind, Program
 from luminal_num.dtypes.formats import F32
 from luminal_num.hlir.ops import Op
@@ -74,13 +74,28 @@ def feed(program: Program, masked: dict[int, tuple[int, int]], seed: int) -> dic
     return out
 
 
-def check(program, data: dict, chunk_keys: int, monkeypatch, grid_cap: int | None = None) -> np.ndarray:
-    """The interpreter's output of the kernel with chunks of `chunk_keys` keys, equal to the CPU backend's."""
+@pytest.fixture(autouse=True)
+def fresh_renders():
+    """Renders are cached by kernel structure: none made under another test's cut chunk is reused."""
+    clear_render_cache()
+    yield
+    clear_render_cache()
+
+
+def check(program, data: dict, chunk_keys: int, monkeypatch, grid_cap: int | None = None,
+          partials: str | None = None) -> np.ndarray:
+    """The interpreter's output of the kernel with chunks of `chunk_keys` keys, equal to the CPU backend's;
+    `partials` "shared" / "scratch": where the kernel must keep them (SHARED_PARTIALS cut to 0 for "scratch")."""
     monkeypatch.setattr(cuda_attention, "MAX_ROW_KEYS", chunk_keys)
     if grid_cap is not None:
         monkeypatch.setattr(cuda_source, "MAX_GRID", grid_cap)
+    if partials == "scratch":
+        monkeypatch.setattr(cuda_attention, "SHARED_PARTIALS", 0)
     att = program.kernels[-1]
-    assert attention_plan(att).chunk_tiles * KEY_TILE == chunk_keys  # the chunk the kernel is rendered with
+    plan = attention_plan(att)
+    assert plan.chunk_tiles * KEY_TILE == chunk_keys  # the chunk the kernel is rendered with
+    assert partials is None or plan.shared_partials == (partials == "shared")
+    assert bool(render_kernel(att, program).scratch) != plan.shared_partials
     with np.errstate(divide="ignore", invalid="ignore"):
         want = CpuRuntime(program).run(data).outputs["y"]
         stored = stored_values(program, data)
@@ -97,18 +112,20 @@ SPECS = {"one split": AttentionSpec(SCALE), "equal splits": AttentionSpec(SCALE,
                                            split_keys=INVARIANT_SPLIT_KEYS)}
 
 
+@pytest.mark.parametrize("partials", ["shared", "scratch"])
 @pytest.mark.parametrize("variant", sorted(ATTENTION_VARIANTS))
 @pytest.mark.parametrize("form", sorted(SPECS))
-def test_chunked_decode_is_bit_for_bit_the_cpu_backend(variant, form, monkeypatch):
+def test_chunked_decode_is_bit_for_bit_the_cpu_backend(variant, form, partials, monkeypatch):
     """Decode (one query per head), GQA (2 KV heads x 2 queries) over a cache slice: a 40-key -inf prefix
-    (the first chunk all -inf) and a 20-key -inf suffix on the one query row."""
+    (the first chunk all -inf) and a 20-key -inf suffix on the one query row; the partials in shared memory
+    and in the scratch region."""
     spec = SPECS[form]
     program = attention_program(2, 2, 1, KEYS, 4, 8, cache=KEYS + 9, start=5, variant=variant, spec=spec)
     chunks, splits = -(-KEYS // CHUNK), key_ranges(KEYS, spec)
     assert chunks == 5 and KEYS % KEY_TILE and KEYS % CHUNK  # ragged last tile and chunk
     if spec.splits > 1:  # some split straddles a chunk boundary
         assert any(r[0][0] // CHUNK != (r[-1][1] - 1) // CHUNK for r in splits if r)
-    want = check(program, feed(program, {0: (40, 20)}, seed=1), CHUNK, monkeypatch, grid_cap=3)
+    want = check(program, feed(program, {0: (40, 20)}, seed=1), CHUNK, monkeypatch, grid_cap=3, partials=partials)
     assert np.all(np.isfinite(want))
 
 
@@ -154,7 +171,7 @@ def test_chunked_kernels_compile_for_sm90():
                      AttentionSpec(SCALE, splits=128, split_keys=INVARIANT_SPLIT_KEYS)):
             program = attention_program(2, 4, 1, 8192, 64, 64, cache=8192, start=0, variant=variant, spec=spec)
             src = render_kernel(program.kernels[-1], program)
-            assert src.scratch and src.launches[0].block[0] <= 128
+            assert bool(src.scratch) == bool(spec.split_keys) and src.launches[0].block[0] <= 128
             sources[src.name] = src.source
     for name, source in sources.items():
         assert nvrtc.compile_cuda(source, name, "sm_90") is not None

@@ -17,7 +17,7 @@ from test_cuda_codegen import interpret, needs_nvrtc, stored_values
 from luminal_num.codegen import cuda_source, nvrtc
 from luminal_num.codegen import cuda_attention
 from luminal_num.codegen.attention import ATTENTION_VARIANTS, DECODE_SPLITS, AttentionSpec, key_ranges
-from luminal_num.codegen.cuda_kernels import render_kernel
+from luminal_num.codegen.cuda_kernels import clear_render_cache, render_kernel
 from luminal_num.codegen.llir import KernelKind
 from luminal_num.dtypes.formats import BF16, F16, F32
 from luminal_num.error.interval import Interval
@@ -355,10 +355,12 @@ def test_cuda_kernel_covers_outputs_past_the_grid_cap(monkeypatch):
         for long_rows in (False, True):
             if long_rows:
                 monkeypatch.setattr(cuda_attention, "MAX_ROW_KEYS", 16)
+            clear_render_cache()  # render with this chunk, not a cached render with another
             for cap in (1, 2):
                 monkeypatch.setattr(cuda_source, "MAX_GRID", cap)
                 assert render_kernel(att, program).launches[0].config(bindings)[0][0] == cap
                 np.testing.assert_array_equal(interpret(program, att, stored, bindings), want)
             monkeypatch.undo()
+            clear_render_cache()
         checked.add(att.value.splits)
     assert 1 in checked and max(checked) > 1

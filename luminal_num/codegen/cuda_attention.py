@@ -10,12 +10,13 @@ touching the chunk its running max m' after each of its tiles and the tile's res
 p_j = e(s_j - m') in place; then each (V column, split) runs exactly the emulation's sequence over the
 split's tiles in the chunk: l = l * alpha, o = o * alpha, then l + p_j and o + r(p_j) v_j per key in order.
 What a split carries from chunk to chunk (its running max m, and (l, o) per V column) and what the
-combine reads lives in a per-row scratch region (m per split, then l and o per split and column: the V
-width must be a compile-time constant); it is read and written once per chunk, so its traffic is
-(2 Dv + 1) floats per split and chunk. After the last chunk each V column's thread combines the splits
-in order (flash decoding; with one split the combine is exact). Splits are decoupled from threads: a
-batch-invariant plan's fixed split size (one split per 64 keys) gives any number of splits, dealt
-round-robin to the lanes, without more threads or shared memory.
+combine reads are the row's partials (m per split, then l and o per split and column: the V width must be
+a compile-time constant), read and written once per chunk: (2 Dv + 1) floats per split and chunk. They live
+in shared memory up to SHARED_PARTIALS floats (one split, or DECODE_SPLITS of a V width up to 128), else
+in a scratch region per row (a fixed split size over a long row: decode rows, few). After the last chunk
+each V column's thread combines the splits in order (flash decoding; with one split the combine is exact).
+Splits are decoupled from threads: a batch-invariant plan's fixed split size (one split per 64 keys) gives
+any number of splits, dealt round-robin to the lanes, without more threads.
 
 An H200 ran an earlier kernel, which recomputed the whole Q.K row per output column and twice per key,
 at ~270 us per SmolLM2 decode layer (reports/bench/gpu_kernels.csv); this one has not run on a device.
@@ -37,6 +38,9 @@ from .cuda_source import ENTRY, Arg, Launch, Scratch, indent, per
 COLUMN_THREADS = 32   # V columns a block walks at once, each by `lanes` threads (one split each at a time)
 MAX_SPLIT_LANES = 4   # at most this many splits walked at once per column: at most 128 threads per block
 MAX_ROW_KEYS = 4096   # keys per chunk held in shared memory (16 KB of scores), rounded down to whole tiles
+# a row's partials up to this many floats (DECODE_SPLITS splits of a 128-wide V: 4 KB) live in shared memory;
+# more (a fixed split size over a long row) in a scratch region per row
+SHARED_PARTIALS = 4 * (2 * 128 + 1)
 NEG_INF = "(-__int_as_float(0x7f800000))"
 
 
@@ -44,8 +48,8 @@ NEG_INF = "(-__int_as_float(0x7f800000))"
 class AttentionPlan:
     """The compile-time shape of one attention kernel's CUDA form: `chunk_tiles` key tiles per chunk,
     `splits` key splits per row (for a fixed split size, those of its known key length), `lanes` splits
-    walked at once, `dv` the V width; each row's scratch region holds `splits` maxima, then l and o
-    per split and V column."""
+    walked at once, `dv` the V width; a row's partials are `splits` maxima, then l and o per split and
+    V column, in shared memory or (too many for it) in a scratch region per row."""
 
     chunk_tiles: int
     splits: int
@@ -59,6 +63,10 @@ class AttentionPlan:
     @property
     def row_floats(self) -> int:
         return self.splits * (2 * self.dv + 1)
+
+    @property
+    def shared_partials(self) -> bool:
+        return self.row_floats <= SHARED_PARTIALS
 
 
 def row_splits(spec: AttentionSpec, keys: int) -> int:
@@ -85,8 +93,12 @@ def attention_plan(k) -> AttentionPlan:
 
 
 def attention_scratch(k) -> tuple[Scratch, ...]:
-    """Each score row's region: its splits' running maxima and (l, o) per split and V column."""
-    return (Scratch("attention_partials", F32, per(prod(k.shape[:-1]), 1) + ((attention_plan(k).row_floats, 1),)),)
+    """Where the partials outgrow shared memory, a region per score row: its splits' running maxima and
+    (l, o) per split and V column."""
+    plan = attention_plan(k)
+    if plan.shared_partials:
+        return ()
+    return (Scratch("attention_partials", F32, per(prod(k.shape[:-1]), 1) + ((plan.row_floats, 1),)),)
 
 
 def serial_steps(spec: AttentionSpec, keys: int, depth: int, dv: int) -> int:
@@ -199,12 +211,13 @@ def render_attention(cx) -> tuple[str, tuple[Launch, ...]]:
                  else f"const long long per_split = ln_ceil_div(tiles, {ns}LL);")  # fixed ranges from key 0, else equal runs
     body = [
         f"__shared__ float sc[{ct * tile}];", f"__shared__ float tmax[{ct}];", f"__shared__ float talpha[{ct}];",
+        *([f"__shared__ float part[{plan.row_floats}];"] if plan.shared_partials else []),
         f"const long long len = {cx.c_dim(k.body_shape[-1])};",
         f"const long long rows = {cx.c_dim(prod(k.shape[:-1]))};",
         "const long long t = threadIdx.x;",
         f"const long long tiles = ln_ceil_div(len, {tile}LL);", per_split,
         "for (long long srow = blockIdx.x; srow < rows; srow += gridDim.x) {",
-        f"    const long long base = srow * {plan.row_floats}LL;",
+        f"    const long long base = {'0LL' if plan.shared_partials else f'srow * {plan.row_floats}LL'};",
         f"    for (long long e = t; e < {plan.row_floats}LL; e += {threads}LL) {{  // m = -inf, l = o = 0 per split",
         f"        part[base + e] = (e < {ns}LL) ? {NEG_INF} : 0.0f;", "    }",
         "    __syncthreads();",
@@ -212,10 +225,12 @@ def render_attention(cx) -> tuple[str, tuple[Launch, ...]]:
         *_block(chunk, 2), "    }",
         f"    for (long long col = t; col < {dv}LL; col += {threads}LL) {{  // the combine, splits in order",
         *_block(combine, 2), "    }",
+        "    __syncthreads();  // the partials are read before the next row's overwrite them",
         "}"]
     slots = (0, 1, 2, 3)
+    scratch = () if plan.shared_partials else ("float* __restrict__ part",)
     src = (f"// fused attention: {variant.name}, key tile {tile}, {ns} split(s), {ct}-tile chunks\n"
-           f'extern "C" __global__ void {ENTRY}({cx.params("out", slots, ("float* __restrict__ part",))}) {{\n'
+           f'extern "C" __global__ void {ENTRY}({cx.params("out", slots, scratch)}) {{\n'
            + indent(body, 1) + "}\n")
-    args = (Arg("out"),) + tuple(Arg("in", s) for s in slots) + (Arg("scratch", 0),)
+    args = (Arg("out"),) + tuple(Arg("in", s) for s in slots) + ((Arg("scratch", 0),) if scratch else ())
     return src, (Launch(ENTRY, (per(prod(k.shape[:-1]), 1),), (threads,), args),)

@@ -437,6 +437,11 @@ def _render_structure(kernel: Kernel, formats: tuple[Format, ...], prequantized:
     return RENDERERS[kernel.kind](kernel, formats, prequantized)
 
 
+def clear_render_cache() -> None:
+    """Forget cached renders: a test that changes a renderer's tuning constant (a chunk, a grid cap) renders afresh."""
+    _render_structure.cache_clear()
+
+
 def _rebind(src: KernelSource, kernel: Kernel) -> KernelSource:
     """The cached structural source with this kernel's buffer ids (slot -> producing kernel)."""
     launches = tuple(replace(launch, args=tuple(a.bind(kernel) for a in launch.args)) for launch in src.launches)
