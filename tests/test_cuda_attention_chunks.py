@@ -150,6 +150,13 @@ def test_fixed_split_size_with_more_splits_than_lanes_and_several_per_chunk(monk
     check(program, feed(program, {0: (130, 0)}, seed=3), 128, monkeypatch)
 
 
+def test_a_known_short_row_takes_a_chunk_of_its_own_length():
+    """20 keys: two tiles of shared scores, not MAX_ROW_KEYS (the block's shared memory follows the row)."""
+    program = attention_program(1, 1, 1, 20, 2, 2, cache=20, start=0, variant="flash_f32", spec=AttentionSpec(1.0))
+    assert attention_plan(program.kernels[-1]).chunk_tiles == 2
+    assert "float sc[32];" in render_kernel(program.kernels[-1], program).source
+
+
 def test_a_chunk_smaller_than_a_tile_and_a_symbolic_v_width_are_refused(monkeypatch):
     program = attention_program(1, 1, 1, 20, 2, 2, cache=20, start=0, variant="flash_f32", spec=AttentionSpec(1.0))
     monkeypatch.setattr(cuda_attention, "MAX_ROW_KEYS", KEY_TILE - 1)

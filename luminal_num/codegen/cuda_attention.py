@@ -31,25 +31,25 @@ from dataclasses import dataclass
 
 from ..dtypes.formats import BF16, F16, F32, Format
 from ..hlir.symbolic import prod
-from .attention import ATTENTION_VARIANTS, AttentionSpec
+from .attention import ATTENTION_VARIANTS, DECODE_SPLITS, AttentionSpec
 from .cuda_body import float_literal, store, unravel
 from .cuda_source import ENTRY, Arg, Launch, Scratch, indent, per
 
 COLUMN_THREADS = 32   # V columns a block walks at once, each by `lanes` threads (one split each at a time)
-MAX_SPLIT_LANES = 4   # at most this many splits walked at once per column: at most 128 threads per block
+MAX_SPLIT_LANES = DECODE_SPLITS  # splits walked at once per column: at most 128 threads per block
 MAX_ROW_KEYS = 4096   # keys per chunk held in shared memory (16 KB of scores), rounded down to whole tiles
 # a row's partials up to this many floats (DECODE_SPLITS splits of a 128-wide V: 4 KB) live in shared memory;
 # more (a fixed split size over a long row) in a scratch region per row
-SHARED_PARTIALS = 4 * (2 * 128 + 1)
+SHARED_PARTIALS = DECODE_SPLITS * (2 * 128 + 1)
 NEG_INF = "(-__int_as_float(0x7f800000))"
 
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """The compile-time shape of one attention kernel's CUDA form: `chunk_tiles` key tiles per chunk,
-    `splits` key splits per row (for a fixed split size, those of its known key length), `lanes` splits
-    walked at once, `dv` the V width; a row's partials are `splits` maxima, then l and o per split and
-    V column, in shared memory or (too many for it) in a scratch region per row."""
+    """The compile-time shape of one attention kernel's CUDA form: `chunk_tiles` key tiles per chunk (fewer
+    for a known shorter row), `splits` key splits per row (for a fixed split size, those of its known key
+    length), `lanes` splits walked at once, `dv` the V width; a row's partials are `splits` maxima, then l
+    and o per split and V column, in shared memory or (too many for it) in a scratch region per row."""
 
     chunk_tiles: int
     splits: int
@@ -86,6 +86,8 @@ def attention_plan(k) -> AttentionPlan:
     chunk_tiles = MAX_ROW_KEYS // spec.key_tile
     if chunk_tiles < 1:
         raise ValueError(f"attention kernel {k.id}: a {spec.key_tile}-key tile does not fit a {MAX_ROW_KEYS}-key chunk")
+    if isinstance(keys, int):  # a known shorter row: one chunk of its own length (less shared memory per block)
+        chunk_tiles = min(chunk_tiles, max(1, -(-keys // spec.key_tile)))
     if spec.split_keys and not isinstance(keys, int):
         raise ValueError(f"attention kernel {k.id}: a fixed split size needs a known key length, has {keys}")
     splits = row_splits(spec, keys)
@@ -225,7 +227,7 @@ def render_attention(cx) -> tuple[str, tuple[Launch, ...]]:
         *_block(chunk, 2), "    }",
         f"    for (long long col = t; col < {dv}LL; col += {threads}LL) {{  // the combine, splits in order",
         *_block(combine, 2), "    }",
-        "    __syncthreads();  // the partials are read before the next row's overwrite them",
+        "    __syncthreads();  // the partials are read before the next row overwrites them",
         "}"]
     slots = (0, 1, 2, 3)
     scratch = () if plan.shared_partials else ("float* __restrict__ part",)
