@@ -10,7 +10,6 @@ block's threads in lock step between __syncthreads, MAX_GRID cut so blocks loop 
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -28,7 +27,7 @@ from luminal_num.hlir.shape import ShapeTracker
 from luminal_num.hlir.symbolic import sym
 from luminal_num.runtime.cpu import CpuRuntime
 
-warnings.filterwarnings("ignore", category=RuntimeWarning)  # log2(0) = -inf, the masked bias
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")  # log2(0) = -inf: the mask
 SCALE = 0.35
 
 
@@ -192,6 +191,39 @@ def test_a_row_past_the_real_chunk_size(monkeypatch):
     program = attention_program(1, 2, 1, keys, 2, 2, cache=keys, start=0, variant="flash_f32",
                                 spec=AttentionSpec(SCALE, splits=DECODE_SPLITS))
     check(program, feed(program, {0: (4100, 9)}, seed=4), cuda_attention.MAX_ROW_KEYS, monkeypatch)
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """The executing CUDA stand-in (tests/fake_cuda.py): the CUDA runtime's launches run in the interpreter."""
+    import luminal_num.runtime.cuda as cuda_module
+    from fake_cuda import Recorder, install
+    from luminal_num.runtime import cuda_device
+    rec = Recorder(execute=True)
+    monkeypatch.setenv(nvrtc.CACHE_ENV, str(tmp_path))
+    install(monkeypatch, rec, cuda_module, cuda_device)
+    yield rec
+    cuda_device.probe.cache_clear()
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("partials", ["shared", "scratch"])
+def test_the_cuda_runtime_runs_the_chunked_kernel_like_the_cpu_backend(fake, partials, monkeypatch):
+    """Through the CUDA runtime (its buffer slots, the scratch region it allocates and passes, the bias kernel
+    before): several chunks at a fixed split size, the partials in shared memory and in scratch."""
+    from luminal_num.runtime.cuda import CudaRuntime
+    monkeypatch.setattr(cuda_attention, "MAX_ROW_KEYS", CHUNK)
+    if partials == "scratch":
+        monkeypatch.setattr(cuda_attention, "SHARED_PARTIALS", 0)
+    program = attention_program(2, 2, 1, KEYS, 4, 8, cache=KEYS + 9, start=5, variant="flash_bf16",
+                                spec=SPECS["fixed split size"])
+    assert bool(render_kernel(program.kernels[-1], program).scratch) == (partials == "scratch")
+    data = feed(program, {0: (40, 20)}, seed=6)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = CpuRuntime(program).run(data).outputs["y"]
+    got = CudaRuntime(program).run(data).outputs["y"]
+    assert got.astype(np.float32).tobytes() == want.astype(np.float32).tobytes()
+    assert fake.ops("launch")
 
 
 @pytest.mark.slow
