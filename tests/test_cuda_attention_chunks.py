@@ -9,6 +9,7 @@ batch-invariant fixed split size (several splits per chunk, more splits than lan
 block's threads in lock step between __syncthreads, MAX_GRID cut so blocks loop over rows."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -140,7 +141,7 @@ def test_prefill_rows_with_a_fully_masked_row_and_two_column_groups(monkeypatch)
 
 def test_fixed_split_size_with_more_splits_than_lanes_and_several_per_chunk(monkeypatch):
     """300 keys at the fixed 64-key split size: 5 splits (more than the kernel's lanes), 128-key chunks hold two
-    whole splits each and the third chunk a ragged split; the scratch region holds every split's partials."""
+    whole splits each and the third chunk a ragged split."""
     keys = 300
     spec = AttentionSpec(SCALE, splits=-(-keys // INVARIANT_SPLIT_KEYS), split_keys=INVARIANT_SPLIT_KEYS)
     program = attention_program(1, 3, 1, keys, 4, 6, cache=keys + 16, start=16, variant="flash_f16", spec=spec)
@@ -156,16 +157,18 @@ def test_a_known_short_row_takes_a_chunk_of_its_own_length():
     assert "float sc[32];" in render_kernel(program.kernels[-1], program).source
 
 
-def test_a_chunk_smaller_than_a_tile_and_a_symbolic_v_width_are_refused(monkeypatch):
+def test_a_chunk_smaller_than_a_tile_a_symbolic_v_width_and_a_fixed_split_of_unknown_keys_are_refused(monkeypatch):
     program = attention_program(1, 1, 1, 20, 2, 2, cache=20, start=0, variant="flash_f32", spec=AttentionSpec(1.0))
     monkeypatch.setattr(cuda_attention, "MAX_ROW_KEYS", KEY_TILE - 1)
     with pytest.raises(ValueError, match="does not fit"):
         render_kernel(program.kernels[-1], program)
     monkeypatch.undo()
     att = program.kernels[-1]
-    symbolic = att.__class__(**{**att.__dict__, "shape": att.shape[:-1] + (sym("w"),)})
     with pytest.raises(ValueError, match="compile-time constant"):
-        attention_plan(symbolic)
+        attention_plan(dataclasses.replace(att, shape=att.shape[:-1] + (sym("w"),)))
+    fixed = AttentionSpec(1.0, splits=1, split_keys=INVARIANT_SPLIT_KEYS)
+    with pytest.raises(ValueError, match="known key length"):
+        attention_plan(dataclasses.replace(att, value=fixed, body_shape=att.body_shape[:-1] + (sym("t"),)))
 
 
 @needs_nvrtc
