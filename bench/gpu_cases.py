@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from luminal_num.codegen.cuda_dispatch import GemmImpl
-from luminal_num.codegen.llir import Program
+from luminal_num.codegen.llir import KernelKind, Program
+from luminal_num.hlir.symbolic import evaluate
 from luminal_num.models.llama import build_decode, random_weights
 from luminal_num.runtime.cost import KernelWork
 from luminal_num.runtime.latency import kernel_works, serial_extent
@@ -72,13 +73,17 @@ def recorded_works(program: Program, bindings: Mapping[str, int], recorded: Mapp
     """kernel_works of `program` as a recorded device run executed it (`recorded`: kernel id -> the
     implementation the recording names). The H200 recording of 2026-12-04 predates the tiled Gemm's decode
     path (codegen/cuda_gemv.py): a Gemm the current code runs there (tiled_decode) ran the sequential tiled
-    kernel in it, so its work is that kernel's (class tiled, serial extent K). Any other disagreement is
-    not the same program: refused."""
+    kernel in it, so its work is that kernel's (class tiled, serial extent K). It also predates the chunked
+    attention kernel (codegen/cuda_attention.py): the attention it timed walked the whole key axis per output,
+    so its serial extent is the key length, as the fit was made. Any other disagreement is not the same
+    program: refused."""
     works = []
     for k, work in zip(program.launched(), kernel_works(program, bindings)):
         was = recorded[k.id]
         if work.implementation == GemmImpl.TILED_DECODE.value and was == GemmImpl.TILED.value:
             work = dataclasses.replace(work, implementation=was, serial_extent=serial_extent(k, bindings, GemmImpl.TILED))
+        elif k.kind is KernelKind.ATTENTION and was == work.implementation:
+            work = dataclasses.replace(work, serial_extent=int(evaluate(k.body_shape[-1], bindings)))
         elif work.implementation != was:
             raise ValueError(f"kernel {k.id}: recorded {was}, rebuilt {work.implementation}: not the same program")
         works.append(work)

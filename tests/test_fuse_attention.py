@@ -17,7 +17,7 @@ from test_cuda_codegen import interpret, needs_nvrtc, stored_values
 from luminal_num.codegen import cuda_source, nvrtc
 from luminal_num.codegen import cuda_attention
 from luminal_num.codegen.attention import ATTENTION_VARIANTS, DECODE_SPLITS, AttentionSpec, key_ranges
-from luminal_num.codegen.cuda_kernels import render_kernel
+from luminal_num.codegen.cuda_kernels import clear_render_cache, render_kernel
 from luminal_num.codegen.llir import KernelKind
 from luminal_num.dtypes.formats import BF16, F16, F32
 from luminal_num.error.interval import Interval
@@ -341,10 +341,10 @@ def test_cost_counts_one_launch_and_no_score_traffic():
 
 
 def test_cuda_kernel_covers_outputs_past_the_grid_cap(monkeypatch):
-    """The grid is capped at MAX_GRID blocks; the kernel loops grid-stride over its score rows (the row
-    path) and over groups of outputs (rows longer than shared memory holds, MAX_ROW_KEYS cut to 4 here),
-    so every output is written when there are more rows than blocks (MAX_GRID cut to 1 and 2: the real
-    cap is past what the interpreter can run), in prefill and in the split-K decode form."""
+    """The grid is capped at MAX_GRID blocks; the kernel loops grid-stride over its score rows, so every
+    output is written when there are more rows than blocks (MAX_GRID cut to 1 and 2: the real cap is past
+    what the interpreter can run), with the chunk as long as shared memory holds and cut to one tile,
+    in prefill and in the split-K decode form (tests/test_cuda_attention_chunks.py: rows of many chunks)."""
     checked = set()
     for _, feed, programs in _fused_programs():
         program = programs[0]
@@ -354,11 +354,13 @@ def test_cuda_kernel_covers_outputs_past_the_grid_cap(monkeypatch):
         assert want.size // want.shape[-1] > 2  # more score rows than the capped grid
         for long_rows in (False, True):
             if long_rows:
-                monkeypatch.setattr(cuda_attention, "MAX_ROW_KEYS", 4)
+                monkeypatch.setattr(cuda_attention, "MAX_ROW_KEYS", 16)
+            clear_render_cache()  # render with this chunk, not a cached render with another
             for cap in (1, 2):
                 monkeypatch.setattr(cuda_source, "MAX_GRID", cap)
                 assert render_kernel(att, program).launches[0].config(bindings)[0][0] == cap
                 np.testing.assert_array_equal(interpret(program, att, stored, bindings), want)
             monkeypatch.undo()
+            clear_render_cache()
         checked.add(att.value.splits)
     assert 1 in checked and max(checked) > 1

@@ -31,7 +31,7 @@ from . import ctypes_map
 from .cuda_body import (BodyWriter, IndexExpr, SymbolTable, body_symbols, c_and, c_index, convert, dims_symbols, dot,
                         float_literal, load_index, round_expr, row_major_strides, store, store_double, unravel,
                         view_index, view_symbols, load_float)
-from .cuda_attention import render_attention
+from .cuda_attention import attention_scratch, render_attention
 from .cuda_gemm import render_gemm, render_quantize
 from .cuda_gemm_epilogue import render_gemm_epilogue
 from .cuda_rows import render_rows, render_scatter_ew
@@ -86,9 +86,11 @@ class _Context:
     def ctype(self, fmt: Format) -> str:
         return ctypes_map.cuda_type(fmt)
 
-    def params(self, out: str | None, slots: tuple[int, ...]) -> str:
+    def params(self, out: str | None, slots: tuple[int, ...], scratch: tuple[str, ...] = ()) -> str:
+        """`scratch`: declarations of the scratch pointers, after the inputs (the launches' Arg order)."""
         parts = [] if out is None else [f"{self.ctype(self.k.dtype)}* __restrict__ {out}"]
         parts += [f"const {self.ctype(self.formats[s])}* __restrict__ in{s}" for s in slots]
+        parts += list(scratch)
         if self.table.symbols:
             parts.append("const long long* __restrict__ dyn_dims")
         return ", ".join(parts)
@@ -384,16 +386,19 @@ def _scatter_nocopy_scaled(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
 KV_SCALE_THREADS = 256
 
 
-def _simple(render: Callable[[_Context], tuple[str, tuple[Launch, ...]]]) -> Renderer:
-    """A renderer of one entry over the kernel's own inputs (no pre-quantized operands to read)."""
+def _simple(render: Callable[[_Context], tuple[str, tuple[Launch, ...]]],
+            scratch: Callable[[Kernel], tuple[Scratch, ...]] | None = None) -> Renderer:
+    """A renderer of one entry over the kernel's own inputs (no pre-quantized operands to read);
+    `scratch`: the scratch buffers its launches use, if any."""
     def renderer(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...]) -> KernelSource:
         if any(prequantized):
             raise ValueError(f"{kernel.kind.value} kernels cannot read a QUANTIZE kernel's buffer")
         cx = _Context(kernel, formats)
         body, launches = render(cx)
         extra = tuple(sorted(cx.extra_formats, key=lambda f: f.name))  # formats a body converts to
-        return finish_source(kernel.kind.value, source_header((*formats, kernel.dtype, *extra), body) + body,
-                             launches, cx.table)
+        src = finish_source(kernel.kind.value, source_header((*formats, kernel.dtype, *extra), body) + body,
+                            launches, cx.table)
+        return src if scratch is None else replace(src, scratch=scratch(kernel))
     return renderer
 
 
@@ -405,7 +410,7 @@ RENDERERS: dict[KernelKind, Renderer] = {
     KernelKind.SCATTER_NOCOPY: _simple(_scatter_nocopy),
     KernelKind.GEMM: render_gemm, KernelKind.QUANTIZE: render_quantize,
     KernelKind.GEMM_EPILOGUE: render_gemm_epilogue,
-    KernelKind.ATTENTION: _simple(render_attention),
+    KernelKind.ATTENTION: _simple(render_attention, attention_scratch),
     KernelKind.ROWS: render_rows, KernelKind.SCATTER_EW: render_scatter_ew,
 }
 
@@ -430,6 +435,11 @@ def _render_structure(kernel: Kernel, formats: tuple[Format, ...], prequantized:
     if kernel.kind.is_gemm and (invariant or stored is not None):
         return RENDERERS[kernel.kind](kernel, formats, prequantized, invariant=invariant, stored=stored)
     return RENDERERS[kernel.kind](kernel, formats, prequantized)
+
+
+def clear_render_cache() -> None:
+    """Forget cached renders: a test that changes a renderer's tuning constant (a chunk, a grid cap) renders afresh."""
+    _render_structure.cache_clear()
 
 
 def _rebind(src: KernelSource, kernel: Kernel) -> KernelSource:

@@ -3,8 +3,9 @@
 Why: the roofline prices a kernel as if it ran at the machine's bandwidth or peak. The first H200 run
 (reports/bench/gpu_kernels.csv, `scripts/gpu_stages.py kernels`) measured the kernels this project
 generates at 4-60x their roofline time: the 16x16 tiled Gemm loops over K with a few tiles in flight
-(a decode GEMV of K = 576 took 40-80 us), the fused attention kernel recomputes Q.K per output column
-(~270 us per layer), the per-tensor FP8 quantize reduces in one block (~130 us). A model that ignores
+(a decode GEMV of K = 576 took 40-80 us), the fused attention kernel of that run recomputed Q.K per output
+column (~270 us per layer; the class `attention` still describes it: codegen/cuda_attention.py now computes
+each score once per chunk, not yet measured), the per-tensor FP8 quantize reduces in one block (~130 us). A model that ignores
 this ranks plans upside down (fused attention modelled faster, measured 2.5x slower). So a target may
 carry one fitted cost per implementation class, each a non-negative linear model over features of the
 kernel's work, fitted (relative least squares) to the recorded per-kernel times by

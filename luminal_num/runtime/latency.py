@@ -16,6 +16,7 @@ import numpy as np
 
 from ..codegen.blockops import tile_count
 from ..codegen.cuda_dispatch import GemmImpl, gemm_implementation, tiled_implementation
+from ..codegen.cuda_attention import serial_steps as attention_serial_steps
 from ..codegen.cuda_gemv import decode_serial_steps
 from ..codegen.llir import Kernel, KernelKind, Program
 from ..hlir.symbolic import evaluate
@@ -29,12 +30,17 @@ from .targets import OPERAND_MATH, gemm_math
 
 def serial_extent(k: Kernel, bindings: Mapping[str, int], implementation: GemmImpl | None = None) -> int:
     """The steps one block of `k` runs in order over the reduced axis: a Gemm's K (the tiled kernel's
-    sequential path; the decode path's per-row K / 16 lanes plus its tree, over its M rows: cuda_gemv), a
+    sequential path; the decode path's per-row K / 16 lanes plus its tree, over its M rows: cuda_gemv), an
+    attention row's share of its score dots and its (V column, split) walks (cuda_attention.serial_steps), a
     reduction's axis; 0 when none."""
     if k.kind.is_gemm:
         if implementation is not None and implementation.decode_path:
             return decode_serial_steps(int(evaluate(k.layout.m, bindings)), int(evaluate(k.layout.k, bindings)))
         return int(evaluate(k.layout.k, bindings))
+    if k.kind is KernelKind.ATTENTION:  # a block per score row: its chunked walk (codegen/cuda_attention.py)
+        return attention_serial_steps(k.value, int(evaluate(k.body_shape[-1], bindings)),
+                                      int(evaluate(k.inputs[0].view.shape[-1], bindings)),
+                                      int(evaluate(k.shape[-1], bindings)))
     if k.axis is not None and k.body_shape:
         return int(evaluate(k.body_shape[k.axis], bindings))
     return 0
