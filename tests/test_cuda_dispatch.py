@@ -90,7 +90,8 @@ def test_the_cost_models_kernel_classes_are_what_the_runtime_launches(fake):
                 expected = gemm_math(GEMM_VARIANTS[k.precision or "f32"]) if api != "kernels" else ("fp32", False)
                 assert (work.math, work.tensor_core) == expected, (name, plan, k.id, k.kind.value, api)
                 impl = gemm_implementation(k, program, bind_program(program, feed))
-                assert impl.tensor_cores == (api != "kernels") and (api == "kernels" or impl.value == api)
+                assert impl.tensor_cores == (api != "kernels")
+                assert impl.tensor_core_kernel if api == "tensor_core" else api == "kernels" or impl.value == api
                 assert work.implementation == impl.value
                 seen.add((k.kind.value, impl, work.tensor_core))
     # every class occurs: library calls and the tensor-core kernel on tensor cores (BF16 / FP8 fused epilogues),
@@ -158,19 +159,25 @@ def ran_as(rec: Recorder, k, bindings) -> str:
     entries = [e["entry"] for e in events if e["op"] == "launch"]
     if any(e.startswith("ln_wgemm_") for e in entries):
         return GemmImpl.WEIGHT_ONLY.value
+    source = next(rec.sources[e] for e in entries if e.startswith("ln_gemm_") and e in rec.sources)
     if any(e.endswith("_tc") for e in entries):
-        return GemmImpl.TENSOR_CORE.value
-    return path_of(next(rec.sources[e] for e in entries if e.startswith("ln_gemm_") and e in rec.sources), k, bindings)
+        return (GemmImpl.TENSOR_CORE_STORED if reads_parts(source) else GemmImpl.TENSOR_CORE).value
+    return path_of(source, k, bindings)
+
+
+def reads_parts(source: str) -> bool:
+    """Whether a Gemm's compiled source takes B's stored parts (the `w_<part>` pointers)."""
+    import re
+    return re.search(r"\*\s*__restrict__\s+w_[a-z_]+\s*[,)]", source) is not None
 
 
 def path_of(source: str, k, bindings) -> str:
     """The tiled kernel's class from its compiled source: on B's stored parts when its parameters take them
     (the `w_<part>` pointers), on the decode path when it has that branch and M is within it."""
-    import re
     from luminal_num.codegen.cuda_gemv import SKINNY_M
     from luminal_num.hlir.symbolic import evaluate
     decodes = f"if (M <= {SKINNY_M})" in source and evaluate(k.layout.m, bindings) <= SKINNY_M
-    stored = re.search(r"\*\s*__restrict__\s+w_[a-z_]+\s*[,)]", source) is not None
+    stored = reads_parts(source)
     return {(False, False): GemmImpl.TILED, (False, True): GemmImpl.TILED_DECODE,
             (True, False): GemmImpl.TILED_STORED, (True, True): GemmImpl.TILED_STORED_DECODE}[stored, decodes].value
 

@@ -11,8 +11,9 @@ legal for the bound sizes runs that library call; everything else (every GEMM_EP
 variants cuBLASLt does not take) runs its kernels: the tiled kernel, on stored parts or not, at M <=
 SKINNY_M takes its decode path (codegen/cuda_gemv.py: K split over 16 lanes, a fixed tree) where the
 variant has one and the program is not batch-invariant; otherwise the tensor-core kernel
-(codegen/cuda_gemm_tc.py) where its `refusal` gives no reason (FP32-accumulated BF16 / F16 / TF32 / FP8
-with scales constant along K, INT8), else the 16x16 tiled SIMT kernel in its sequential order. Not known
+(codegen/cuda_gemm_tc.py, on stored parts or not) where its `refusal` gives no reason (FP32-accumulated
+BF16 / F16 / TF32 / FP8 with scales constant along K, INT8), else the 16x16 tiled SIMT kernel in its
+sequential order. Not known
 before a device answers: a cuBLASLt heuristic that calls a legal shape NOT_SUPPORTED (the runtime then
 runs the tiled kernel; runtime/cublas.py).
 """
@@ -41,6 +42,7 @@ class GemmImpl(enum.Enum):
     TILED_DECODE = "tiled_decode"  # the same launch at M <= SKINNY_M on its decode path: K split over 16 lanes
     TILED_STORED_DECODE = "tiled_stored_decode"  # the tiled kernel on B's stored parts, on its decode path
     TENSOR_CORE = "tensor_core"  # the WMMA kernel (codegen/cuda_gemm_tc.py): tensor cores in the variant's math
+    TENSOR_CORE_STORED = "tensor_core_stored"  # the WMMA kernel staging B from its stored parts
 
     @property
     def library(self) -> bool:
@@ -50,12 +52,18 @@ class GemmImpl(enum.Enum):
     @property
     def tensor_cores(self) -> bool:
         """Priced in the variant's operand math (targets.gemm_math): a library call or the tensor-core kernel."""
-        return self.library or self is GemmImpl.TENSOR_CORE
+        return self.library or self.tensor_core_kernel
+
+    @property
+    def tensor_core_kernel(self) -> bool:
+        """The generated tensor-core kernel (KernelSource.tensor_core's launches), on stored parts or not."""
+        return self in (GemmImpl.TENSOR_CORE, GemmImpl.TENSOR_CORE_STORED)
 
     @property
     def reads_stored(self) -> bool:
         """B is read as its stored parts (the weight's stored bytes), dequantized on load."""
-        return self in (GemmImpl.WEIGHT_ONLY, GemmImpl.TILED_STORED, GemmImpl.TILED_STORED_DECODE)
+        return self in (GemmImpl.WEIGHT_ONLY, GemmImpl.TILED_STORED, GemmImpl.TILED_STORED_DECODE,
+                        GemmImpl.TENSOR_CORE_STORED)
 
     @property
     def decode_path(self) -> bool:
@@ -75,17 +83,22 @@ def tiled_implementation(kernel: Kernel, program: Program, bindings: Mapping[str
 def tensor_core_refusal(kernel: Kernel, program: Program) -> str | None:
     """Why `kernel` has no tensor-core kernel (one line, cuda_gemm_tc.refusal), None when it has one: the
     renderer asks the same function (KernelSource.tensor_core is empty exactly when this is not None)."""
-    return refusal(variant_of(kernel), kernel, program.batch_invariant, stored_operand(kernel, program) is not None)
+    return refusal(variant_of(kernel), kernel, program.batch_invariant)
 
 
-def kernel_implementation(kernel: Kernel, program: Program, bindings: Mapping[str, int]) -> GemmImpl:
+def kernel_implementation(kernel: Kernel, program: Program, bindings: Mapping[str, int],
+                          tensor_core: bool = True) -> GemmImpl:
     """What the runtime launches for `kernel` when no library call runs it (none exists or is legal, a
     cuBLASLt NOT_SUPPORTED, CudaRuntime(gemm="kernel")): the decode path where the tiled kernel takes it at
-    these bindings, else the tensor-core kernel where it exists, else the tiled kernel."""
-    tiled = tiled_implementation(kernel, program, bindings)
-    if tiled is GemmImpl.TILED_DECODE or tensor_core_refusal(kernel, program) is not None:
-        return tiled
-    return GemmImpl.TENSOR_CORE
+    these bindings, else the tensor-core kernel where it exists, else the tiled kernel; each on B's stored
+    parts where B is a weight held in a storage format. `tensor_core=False`: the tiled body's path alone
+    (what the megakernel inlines)."""
+    stored = stored_operand(kernel, program) is not None
+    if tiled_implementation(kernel, program, bindings) is GemmImpl.TILED_DECODE:
+        return GemmImpl.TILED_STORED_DECODE if stored else GemmImpl.TILED_DECODE
+    if tensor_core and tensor_core_refusal(kernel, program) is None:
+        return GemmImpl.TENSOR_CORE_STORED if stored else GemmImpl.TENSOR_CORE
+    return GemmImpl.TILED_STORED if stored else GemmImpl.TILED
 
 
 def gemm_implementation(kernel: Kernel, program: Program, bindings: Mapping[str, int],
@@ -98,9 +111,8 @@ def gemm_implementation(kernel: Kernel, program: Program, bindings: Mapping[str,
         weight_only = weight_only_gemm(kernel, program) is not None
     if weight_only:
         return GemmImpl.WEIGHT_ONLY
-    if stored_operand(kernel, program) is not None:  # the tiled kernel on stored parts: its path as any tiled launch
-        decodes = tiled_implementation(kernel, program, bindings) is GemmImpl.TILED_DECODE
-        return GemmImpl.TILED_STORED_DECODE if decodes else GemmImpl.TILED_STORED
+    if stored_operand(kernel, program) is not None:  # no library call reads stored parts: the generated kernels
+        return kernel_implementation(kernel, program, bindings)
     if kernel.kind is not KernelKind.GEMM:  # an epilogue runs in the generated kernels only
         return kernel_implementation(kernel, program, bindings)
     src = source if source is not None else render_kernel(kernel, program)

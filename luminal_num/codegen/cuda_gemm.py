@@ -426,7 +426,7 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
         not prequantized[0] or kernel.inputs[0].view == quantized_a_view(kernel.layout))
     own = [s for s in (0, 1) if w.specs[s] is not None and not prequantized[s]]
     own_quant = own if lt else []
-    tensor_core = refusal(w.variant, kernel, invariant, stored is not None) is None
+    tensor_core = refusal(w.variant, kernel, invariant) is None
     source = _source("".join([_scale_kernel(w, s) for s in own] + [_quant_kernel(w, s) for s in own_quant]
                                 + [_gemm_kernel(w, epilogue)] + ([_tensor_core_entry(w, epilogue)] if tensor_core else [])),
                      {*formats, kernel.dtype, *(w.op_formats if lt else ()), *(stored_formats(stored.fmt) if stored else ())})

@@ -20,9 +20,10 @@ Rounding points, in order (runtime/numerics.py defines each variant; nothing her
 
 What stays on the tiled kernel, each refused in one line (`refusal`): FP32 operands (no tensor-core type
 holds them), narrow accumulators (an MMA-group rounding the hardware's FP32 accumulator does not make),
-promotion and scales varying along K (applied per chunk or per product: inside the K loop), B read as a
-weight's stored parts (the tiled kernel dequantizes them on load), batch-invariant programs (one fixed
-summation order for every M: codegen/invariance.py), more than two accumulator views (shared memory).
+promotion and scales varying along K (applied per chunk or per product: inside the K loop), batch-invariant
+programs (one fixed summation order for every M: codegen/invariance.py), more than two accumulator views
+(shared memory). A B held in a storage format is staged from its stored parts by the tiled kernel's own
+load (the format's dequantize, then the variant's quantization: cuda_gemm.py `stored`), so it runs here too.
 
 Decode (M <= SKINNY_M): where the tiled kernel has its decode path (codegen/cuda_gemv.py) it stays there
 (codegen/cuda_dispatch.py): a 16-row MMA tile at M <= 4 leaves at least 12 of its 16 rows idle and each
@@ -74,12 +75,10 @@ WMMA_TYPES: dict[Format, WmmaType] = {
 }
 
 
-def refusal(variant: GemmPrecision, kernel: Kernel, invariant: bool, stored: bool) -> str | None:
+def refusal(variant: GemmPrecision, kernel: Kernel, invariant: bool) -> str | None:
     """Why `kernel` (in `variant`) stays on the tiled kernel, in one line; None: it runs on tensor cores."""
     if invariant:
         return "batch-invariant program: the tiled kernel's one summation order for every M"
-    if stored:
-        return "B read as a weight's stored parts: the tiled kernel dequantizes them on load"
     if variant.a_format is F32 or variant.b_format is F32:
         return "FP32 operands: no tensor-core type holds them exactly"
     if variant.a_format is not variant.b_format or variant.a_format not in WMMA_TYPES:

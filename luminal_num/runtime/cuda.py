@@ -32,7 +32,7 @@ from typing import Mapping
 import numpy as np
 
 from ..codegen import nvrtc
-from ..codegen.cuda_dispatch import GemmImpl, gemm_implementation, kernel_implementation
+from ..codegen.cuda_dispatch import gemm_implementation, kernel_implementation
 from ..codegen.cuda_kernels import SCALES_SCRATCH, Arg, KernelSource, Launch, render_kernel
 from ..codegen.cuda_source import GemmCall
 from ..codegen.cuda_weight_only import WeightOnlySource, stored_operand, weight_only_gemm
@@ -297,7 +297,7 @@ class CudaRuntime:
             return
         src = self.sources[k.id]
         launches = src.launches
-        if k.kind.is_gemm and kernel_implementation(k, self.program, state.bindings) is GemmImpl.TENSOR_CORE:
+        if k.kind.is_gemm and kernel_implementation(k, self.program, state.bindings).tensor_core_kernel:
             if not src.tensor_core:
                 raise RuntimeError(f"kernel {k.id}: the dispatch picks the tensor-core kernel, its source has none")
             launches = src.tensor_core

@@ -17,7 +17,7 @@ from typing import Mapping
 import numpy as np
 
 from ..codegen.blockops import tile_count
-from ..codegen.cuda_dispatch import GemmImpl, gemm_implementation, tiled_implementation
+from ..codegen.cuda_dispatch import GemmImpl, gemm_implementation, kernel_implementation
 from ..codegen.cuda_gemv import decode_serial_steps
 from ..codegen.llir import Kernel, KernelKind, Program
 from ..hlir.symbolic import evaluate
@@ -65,7 +65,7 @@ def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm
         if k.kind.is_gemm:
             implementation = gemm_implementation(k, program, bindings)
             if form is LaunchForm.MEGAKERNEL and implementation.tensor_cores:  # the megakernel inlines the tiled body
-                implementation = tiled_implementation(k, program, bindings)
+                implementation = kernel_implementation(k, program, bindings, tensor_core=False)
         if implementation is not None and implementation.tensor_cores:
             math, tc = gemm_math(GEMM_VARIANTS[k.precision or "f32"])
         elif k.kind is KernelKind.ATTENTION:  # its two products run in the Q K^T operand format
