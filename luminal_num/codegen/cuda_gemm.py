@@ -5,6 +5,10 @@ rule) and a 16x16-tile kernel that quantizes operands as it loads them and accum
 runtime/numerics.py defines each GemmPrecision (chunks, MMA groups, narrow accumulators, promotion,
 per-product scales), and attaches the GemmCall where cuBLAS(Lt) can compute the kernel. Per-tensor FP8
 goes through cuBLASLt: the same scale kernels, then quantize kernels writing both operands K-contiguous.
+Beside the tiled entry, where codegen/cuda_gemm_tc.refusal gives no reason, the same source carries the
+tensor-core entry (<name>_tc, KernelSource.tensor_core's launches): the same arguments, loads (`_load`),
+accumulator term (`_Writer.result_term`), epilogue and store around a WMMA K loop; the runtime launches
+whichever codegen/cuda_dispatch picks at the bound sizes.
 
 A B held in a storage format (`stored`: cuda_weight_only.stored_operand) is read as its stored parts
 (Arg role "part": packed codes, scales), each element widened in registers by the format's own
@@ -449,7 +453,7 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
                              (ELEMENTWISE_THREADS,), (operand_arg[s], Arg("in", s), scale_arg[s])) for s in own_quant)
         call = lt_call(kernel, w.variant, geometry(kernel), name_launches(scale_launches + quant, name),
                         (operand_arg[0], operand_arg[1]), (scale_arg[0], scale_arg[1]))
-    else:  # an epilogue runs in the tiled kernel only (cuBLAS would store the accumulator first)
+    else:  # an epilogue runs in the generated kernels only (cuBLAS would store the accumulator first)
         call = None if not library or epilogue or not single else cublas_call(kernel, w.variant, formats, geometry(kernel))
     return KernelSource(0, name, source.replace(ENTRY, name), name_launches(scale_launches + (gemm,), name),
                         w.table, scratch, call, name_launches(scale_launches + tc, name) if tensor_core else ())
