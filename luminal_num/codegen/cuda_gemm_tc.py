@@ -159,4 +159,4 @@ def tensor_core_kernel(entry: str, params: list[str], variant: GemmPrecision, di
             "        __syncthreads();\n    }\n}\n")
 
 
-WMMA_HEADER = '#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include "ln_wmma.cuh"\n'
+WMMA_HEADER = '#include "ln_wmma.cuh"\n'

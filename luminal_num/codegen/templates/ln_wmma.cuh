@@ -10,6 +10,8 @@
 // elements in the instruction's (unspecified) lane layout; kernels only move whole fragments.
 // Integer MMA without .satfinite wraps modulo 2^32, as the tiled kernel's unsigned accumulator does.
 #pragma once
+#include <cuda_fp16.h>  // __half and __nv_bfloat16 name the fragment types: the header needs them first
+#include <cuda_bf16.h>
 
 namespace wmma {
 
