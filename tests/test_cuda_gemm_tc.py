@@ -128,9 +128,11 @@ def quantize_scales(program, k, stored: dict, bindings: dict) -> dict:
     return out
 
 
-def check_cell(form: str, variant: str, out: str, m: int) -> None:
+def check_cell(form: str, variant: str, out: str, m: int, x: np.ndarray | None = None) -> dict:
+    """Run the cell's Gemms' tensor-core launches against the CPU backend; `x`: other activations. Returns
+    the CPU backend's buffers."""
     g, program = cell(form, variant, out, m)
-    feed = {**g.weights, **inputs(form, m, m)}
+    feed = {**g.weights, **inputs(form, m, m), **({} if x is None else {"x": x})}
     bindings = bind_program(program, feed)
     stored = stored_values(program, feed)
     found = gemms(program)
@@ -151,6 +153,7 @@ def check_cell(form: str, variant: str, out: str, m: int) -> None:
                                        err_msg=str(label))
         else:
             assert got.tobytes() == want.tobytes(), (label, np.max(np.abs(got - want)))
+    return stored
 
 
 # the default tier: every form, variant, output and M at least once
@@ -174,6 +177,20 @@ def test_the_default_cells_cover_every_form_variant_output_and_m():
 @pytest.mark.parametrize("form, variant, out, m", list(itertools.product(FORMS, VARIANTS, OUTPUTS, (1, 20))))
 def test_every_cell_runs_bit_exact_against_the_cpu_backend(form, variant, out, m):
     check_cell(form, variant, out, m)
+
+
+def test_tf32_operands_round_to_nearest_even_on_tensor_cores():
+    """Activations on TF32 ties (1 + 2^-11 between 1 and 1 + 2^-10): the kernel stages the project's RNE
+    rounding (1), so cvt.rna's ties-away (1 + 2^-10) never decides; the CPU backend's bits, and not the ones
+    ties-away operands would give."""
+    m = 20
+    x = inputs("plain", m, m)["x"]
+    x[np.nonzero(x)] *= np.float32(1.0 + 2.0 ** -11)  # every nonzero a tie: (1 + 2^-11) * 2^e
+    stored = check_cell("plain", "tf32", "f32", m, x)
+    g, program = cell("plain", "tf32", "f32", m)
+    k = gemms(program)[0]
+    away = np.where(x != 0, x * np.float32(1.0 + 2.0 ** -10) / np.float32(1.0 + 2.0 ** -11), 0).astype(np.float32)
+    assert not np.array_equal(stored[k.id], stored_values(program, {**g.weights, "x": away})[k.id])
 
 
 # -- what stays on the tiled kernel, and what the dispatch / cost model / op table say -----------------------
