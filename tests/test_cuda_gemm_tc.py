@@ -21,7 +21,7 @@ import pytest
 
 from cuda_interpreter import Buffer
 from cuda_interpreter_warp import Fragment, Pointer, WarpOp, execute, float_to_tf32
-from test_cuda_codegen import needs_nvrtc, run_launches, stored_values
+from test_cuda_codegen import GEMMS, needs_nvrtc, run_launches, stored_values
 from luminal_num.codegen import nvrtc
 from luminal_num.codegen.cuda_dispatch import GemmImpl, gemm_implementation, tensor_core_refusal
 from luminal_num.codegen.cuda_kernels import SCALES_SCRATCH, render_kernel
@@ -202,6 +202,20 @@ def test_variants_it_cannot_reproduce_stay_tiled_with_a_one_line_reason(variant,
         assert tensor_core_refusal(k, program) == reason
         assert render_kernel(k, program).tensor_core == ()
         assert gemm_implementation(k, program, {}) is GemmImpl.TILED
+
+
+ON_TENSOR_CORES = {"tf32", "bf16", "f16", "f8e4m3_tensor", "f8e4m3_channel", "f8e5m2_tensor", "f8e5m2_channel",
+                   "int8_channel", "f8e4m3_channel_prologue", "f8e4m3_tensor_dynamic", "f8e4m3_channel_dynamic"}
+
+
+def test_every_catalogue_variant_has_the_kernel_or_a_reason():
+    """The variants whose accumulation is one FP32 (or INT32) sum with scales constant along K, and only those."""
+    base, _ = GEMMS["batched_shared_weight"]
+    for name in GEMM_VARIANTS:
+        program = dataclasses.replace(base, kernels=base.kernels[:-1] + (dataclasses.replace(base.kernels[-1], precision=name),))
+        k = program.kernels[-1]
+        assert (tensor_core_refusal(k, program) is None) == (name in ON_TENSOR_CORES), name
+        assert bool(render_kernel(k, program).tensor_core) == (name in ON_TENSOR_CORES), name
 
 
 def test_a_batch_invariant_program_keeps_the_tiled_kernel():
