@@ -5,8 +5,9 @@ ternaries, intrinsics). This module parses an entry's body into Python source an
 blockIdx = threadIdx = 0, blockDim = gridDim = 1, so every grid-stride loop runs all its iterations
 in one thread and a block reduction is the identity. Intrinsics are given their IEEE meaning with
 numpy float32 / float64 arithmetic and luminal_num.dtypes.rounding (the independent rounding
-oracle); ln_round_format is re-derived from its specification in Python. Kernels that need several
-cooperating threads (the tiled Gemm) are out of scope.
+oracle); ln_round_format is re-derived from its specification in Python. Kernels whose threads cooperate
+(the tiled Gemm's __syncthreads, the tensor-core Gemm's warp-collective WMMA calls) run through `launch`,
+which tests/cuda_interpreter_warp.py drives in lock step and where the WMMA operations get their meaning.
 """
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cuda_interpreter_warp import Dim3, Pointer, WarpOp, float_to_tf32, fragment, launch
 from luminal_num.dtypes.formats import BF16, F8E4M3, F8E5M2, F16
 from luminal_num.dtypes.rounding import Overflow, round_to
+
+__all__ = ["Buffer", "compile_entry", "entry_body", "eval_expr", "launch", "round_format", "tokenize"]
 
 _TOKEN = re.compile(r"""
     (?P<float>0x[0-9a-fA-F]+(?:\.[0-9a-fA-F]*)?p[+-]?\d+f?|\d+\.\d*(?:e[+-]?\d+)?f?)
@@ -179,22 +183,59 @@ class _Parser:
         elif tok == "__syncthreads":  # each thread is a generator; the driver resumes them in lockstep
             self.take(), self.take("("), self.take(")"), self.take(";")
             self.emit("yield")
+        elif tok == "__syncwarp":
+            self.take(), self.take("("), self.take(")"), self.take(";")
+            self.emit("yield WarpOp('syncwarp', ())")
+        elif tok == "wmma":
+            self.wmma()
         elif tok == "__shared__":
             self.take()
-            self.type_name()
+            if self.peek() == "__align__":
+                self.take(), self.take("("), self.take(), self.take(")")
+            kind = self.type_name()
             name, dims = self.take(), []
             while self.peek() == "[":
                 self.take()
                 dims.append(int(self.take()))
                 self.take("]")
             self.take(";")
-            self.emit(f"{name} = _shared.setdefault({name!r}, np.zeros({tuple(dims)}, np.float32))")
+            dtype = "np.int64" if kind == "int" else "np.float32"  # int: an accumulator tile; the others hold exact values
+            self.emit(f"{name} = _shared.setdefault({name!r}, np.zeros({tuple(dims)}, {dtype}))")
         elif tok in TYPES:
             self.declaration()
             self.take(";")
         else:
             self.simple()
             self.take(";")
+
+    def wmma(self) -> None:
+        """A fragment declaration (the warp's object) or a warp-collective call (a yield to the driver)."""
+        self.take("wmma"), self.take("::")
+        name = self.take()
+        if name == "fragment":
+            self.take("<")
+            spec, words = [], []
+            while self.peek() != ">":
+                tok = self.take()
+                if tok == ",":
+                    spec.append(" ".join(words).replace(" :: ", "::"))
+                    words = []
+                else:
+                    words.append(tok)
+            spec.append(" ".join(words).replace(" :: ", "::"))
+            self.take(">")
+            var = self.take()
+            self.take(";")
+            self.emit(f"{var} = _fragment(_warp, {var!r}, {spec!r})")
+            return
+        self.take("(")
+        args = []
+        while self.peek() != ")":
+            args.append(self.expr())
+            if self.peek() == ",":
+                self.take()
+        self.take(")"), self.take(";")
+        self.emit(f"yield WarpOp({name!r}, ({', '.join(args)},))")
 
     def body(self) -> None:
         self.depth += 1
@@ -266,6 +307,8 @@ def _bin(op: str, a, b):
     if op in ("&&", "||"):
         return int(_truth(a) and _truth(b)) if op == "&&" else int(_truth(a) or _truth(b))
     integer = isinstance(a, int) and isinstance(b, int)
+    if isinstance(a, (np.ndarray, Pointer)) and isinstance(b, int) and op == "+":  # a shared array's address + offset
+        return Pointer(a, b) if isinstance(a, np.ndarray) else Pointer(a.array, a.offset + b)
     if op in ("<", "<=", ">", ">=", "==", "!="):
         return int({"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b, "==": a == b, "!=": a != b}[op])
     if op in ("|", "^", "&", "<<", ">>"):  # integer operands only, as C requires
@@ -339,7 +382,8 @@ def _at(buf, index: int):
     if isinstance(buf, Buffer):
         v = buf.values[index]
         return int(v) if buf.integer else np.float32(v)
-    return buf[index]
+    v = buf[index]
+    return int(v) if isinstance(v, np.integer) else v  # an int __shared__ tile's element is a C int
 
 
 def _store(buf, indices: tuple, value) -> None:
@@ -417,18 +461,12 @@ _N = types.SimpleNamespace(**{
     "ln_clamp_int": lambda x, lo, hi: min(max(x, lo), hi),
     "ln_round_format": lambda x, *p: np.float64(round_format(float(x), *(float(v) for v in p))),
     "ln_pow2_scale": _pow2_scale,
+    "wmma___float_to_tf32": float_to_tf32, "wmma_mem_row_major": "mem_row_major",
     "LnMax_apply": lambda a, b: a if a != a else (b if (b != b or b > a) else a),
     "LnSum_apply": lambda a, b: a + b,
     "ln_block_reduce": lambda v, identity: v,  # one thread per block: the reduction is the value itself
 })
-NAMED_CONSTANTS = {"__NV_SATFINITE", "__NV_NOSAT", "__NV_E4M3", "__NV_E5M2"}
-
-
-@dataclass(frozen=True)
-class Dim3:
-    x: int
-    y: int
-    z: int
+NAMED_CONSTANTS = {"__NV_SATFINITE", "__NV_NOSAT", "__NV_E4M3", "__NV_E5M2", "wmma_mem_row_major"}
 
 
 def entry_body(source: str, entry: str) -> tuple[list[str], str]:
@@ -452,11 +490,12 @@ def compile_entry(source: str, entry: str):
     parser.depth = 1
     parser.statement()
     code = "def _kernel(" + ", ".join(params) + ", blockIdx=_I, threadIdx=_I, blockDim=_D, gridDim=_D, " \
-        "_shared=None, _sample=None):\n" + \
+        "_shared=None, _sample=None, _warp=None):\n" + \
         "    def _loop(r, depth):\n        return r if _sample is None or depth != 1 else [x for x in _sample if x in r]\n" + \
         "\n".join(parser.lines) + "\n"
     scope = {"_N": _N, "_truth": _truth, "_bin": _bin, "_neg": _neg, "_cast": _cast, "_like": _like, "_at": _at,
-             "_store": _store, "_float_lit": _float_lit, "np": np, "_I": Dim3(0, 0, 0), "_D": Dim3(1, 1, 1)}
+             "_store": _store, "_float_lit": _float_lit, "np": np, "_I": Dim3(0, 0, 0), "_D": Dim3(1, 1, 1),
+             "_fragment": fragment, "WarpOp": WarpOp}
     code = code.replace("_N.LN_DYN(", "_at(dyn_dims, ")
     exec(compile(code, f"<{entry}>", "exec"), scope)
     return scope["_kernel"], params
@@ -471,26 +510,3 @@ def eval_expr(c_expr: str, env: dict):
     scope = {"_N": _N, "_truth": _truth, "_bin": _bin, "_neg": _neg, "_cast": _cast, "_at": _at,
              "_float_lit": _float_lit, **env}
     return eval(python, scope)
-
-
-def launch(fn, args: dict, grid: tuple[int, int, int], block: tuple[int, int, int]) -> None:
-    """Every block of the grid; the threads of a block run in lockstep between __syncthreads()."""
-    for bz in range(grid[2]):
-        for by in range(grid[1]):
-            for bx in range(grid[0]):
-                shared: dict = {}
-                threads = [fn(**args, blockIdx=Dim3(bx, by, bz), threadIdx=Dim3(tx, ty, tz), blockDim=Dim3(*block),
-                              gridDim=Dim3(*grid), _shared=shared)
-                           for tz in range(block[2]) for ty in range(block[1]) for tx in range(block[0])]
-                if not isinstance(threads[0], types.GeneratorType):
-                    raise ValueError("launch() runs kernels that synchronise; call the others directly")
-                while True:
-                    done = 0
-                    for thread in threads:
-                        try:
-                            next(thread)
-                        except StopIteration:
-                            done += 1
-                    if done:
-                        assert done == len(threads), "threads disagree on the number of __syncthreads()"
-                        break

@@ -70,7 +70,8 @@ def test_inspect_prints_the_op_table(report, workdir):
     assert run.returncode == 0, run.stderr
     kernels = Plan.load(report / "plan.json").data["kernels"]
     table = run.stdout.split("\n\n", 1)[1].strip().splitlines()
-    assert all(col in table[0] for col in ("kernel", "kind", "dtype", "accumulator", "precision", "quant", "scales"))
+    assert all(col in table[0] for col in ("kernel", "kind", "implementation", "dtype", "accumulator", "precision", "quant",
+                                          "scales"))
     assert len(table) == 1 + len(kernels)
     for line, kernel in zip(table[1:], kernels):  # one line per launched kernel, in plan order
         assert kernel["op"] in line and f" {kernel['kernel']} " in f" {line} ", (line, kernel)

@@ -117,15 +117,16 @@ def run_launches(src, launches, program: Program, stored: dict, bindings: dict, 
 
 
 def interpret(program: Program, kernel: Kernel, stored: dict[int, np.ndarray], bindings: dict,
-              parts: dict | None = None, src=None) -> np.ndarray:
+              parts: dict | None = None, src=None, tensor_core: bool = False) -> np.ndarray:
     """The kernel's output computed by running its generated C (every launch) in the interpreter (`src`:
-    another rendering of it than render_kernel's)."""
+    another rendering of it than render_kernel's; `tensor_core`: a Gemm's tensor-core launches instead of
+    its tiled ones)."""
     src = src or render_kernel(kernel, program)
     first = stored[kernel.inputs[0].buffer] if kernel.kind.in_place else \
         np.zeros(kernel.numel(bindings))
     out = Buffer(np.array(first, dtype=np.float64).reshape(-1), kernel.dtype.kind is Kind.INT)
     scratch = [Buffer(np.zeros(s.numel(bindings)), False) for s in src.scratch]
-    run_launches(src, src.launches, program, stored, bindings, out, scratch, parts)
+    run_launches(src, src.tensor_core if tensor_core else src.launches, program, stored, bindings, out, scratch, parts)
     return out.values.reshape([evaluate(d, bindings) for d in kernel.shape])
 
 

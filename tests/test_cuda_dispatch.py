@@ -2,7 +2,8 @@
 MiniLM's and SmolLM2's plans (real layer shapes, few layers, random weights), the recording CUDA
 stand-in (tests/fake_cuda.py) shows what the runtime enqueued (a cuBLAS / cuBLASLt call, or kernel
 launches), and runtime/latency.py's KernelWork must say the same: tensor cores in the variant's math for
-a library call (cuBLAS FP32: CUDA cores), FP32 on CUDA cores for the tiled and weight-only kernels."""
+a library call (cuBLAS FP32: CUDA cores) and the tensor-core kernel (its `_tc` entry launched), FP32 on CUDA
+cores for the tiled and weight-only kernels."""
 from __future__ import annotations
 
 import numpy as np
@@ -56,7 +57,8 @@ def fake(monkeypatch, tmp_path):
 
 
 def launched_by_runtime(rec: Recorder) -> dict[int, str]:
-    """Kernel id -> the cuBLAS API the runtime called for it, or "kernels" when it only launched kernels."""
+    """Kernel id -> the cuBLAS API the runtime called for it, "tensor_core" when it launched a tensor-core entry
+    (codegen/cuda_gemm_tc.py, named <source>_tc), or "kernels" when it only launched other kernels."""
     out, current = {}, None
     for event in rec.log:
         if event["op"] == "kernel":
@@ -64,6 +66,8 @@ def launched_by_runtime(rec: Recorder) -> dict[int, str]:
             out[current] = "kernels"
         elif event["op"] == "gemm" and current is not None:
             out[current] = event["api"]
+        elif event["op"] == "launch" and current is not None and event["entry"].endswith("_tc"):
+            out[current] = GemmImpl.TENSOR_CORE.value
     return out
 
 
@@ -86,10 +90,14 @@ def test_the_cost_models_kernel_classes_are_what_the_runtime_launches(fake):
                 expected = gemm_math(GEMM_VARIANTS[k.precision or "f32"]) if api != "kernels" else ("fp32", False)
                 assert (work.math, work.tensor_core) == expected, (name, plan, k.id, k.kind.value, api)
                 impl = gemm_implementation(k, program, bind_program(program, feed))
-                assert impl.library == (api != "kernels") and (not impl.library or impl.value == api)
+                assert impl.tensor_cores == (api != "kernels")
+                assert impl.tensor_core_kernel if api == "tensor_core" else api == "kernels" or impl.value == api
+                assert work.implementation == impl.value
                 seen.add((k.kind.value, impl, work.tensor_core))
-    # both classes occur: library calls on tensor cores and fused epilogues on the tiled SIMT kernel
-    assert any(tc for _, _, tc in seen) and ("gemm_epilogue", GemmImpl.TILED, False) in seen
+    # every class occurs: library calls and the tensor-core kernel on tensor cores (BF16 / FP8 fused epilogues),
+    # FP32 fused epilogues on the tiled SIMT kernel
+    assert any(impl.library and tc for _, impl, tc in seen) and ("gemm_epilogue", GemmImpl.TILED, False) in seen
+    assert ("gemm_epilogue", GemmImpl.TENSOR_CORE, True) in seen
 
 
 def test_an_invariant_program_launches_no_library_gemm_and_is_priced_so(fake):
@@ -151,17 +159,25 @@ def ran_as(rec: Recorder, k, bindings) -> str:
     entries = [e["entry"] for e in events if e["op"] == "launch"]
     if any(e.startswith("ln_wgemm_") for e in entries):
         return GemmImpl.WEIGHT_ONLY.value
-    return path_of(next(rec.sources[e] for e in entries if e.startswith("ln_gemm_") and e in rec.sources), k, bindings)
+    source = next(rec.sources[e] for e in entries if e.startswith("ln_gemm_") and e in rec.sources)
+    if any(e.endswith("_tc") for e in entries):
+        return (GemmImpl.TENSOR_CORE_STORED if reads_parts(source) else GemmImpl.TENSOR_CORE).value
+    return path_of(source, k, bindings)
+
+
+def reads_parts(source: str) -> bool:
+    """Whether a Gemm's compiled source takes B's stored parts (the `w_<part>` pointers)."""
+    import re
+    return re.search(r"\*\s*__restrict__\s+w_[a-z_]+\s*[,)]", source) is not None
 
 
 def path_of(source: str, k, bindings) -> str:
     """The tiled kernel's class from its compiled source: on B's stored parts when its parameters take them
     (the `w_<part>` pointers), on the decode path when it has that branch and M is within it."""
-    import re
     from luminal_num.codegen.cuda_gemv import SKINNY_M
     from luminal_num.hlir.symbolic import evaluate
     decodes = f"if (M <= {SKINNY_M})" in source and evaluate(k.layout.m, bindings) <= SKINNY_M
-    stored = re.search(r"\*\s*__restrict__\s+w_[a-z_]+\s*[,)]", source) is not None
+    stored = reads_parts(source)
     return {(False, False): GemmImpl.TILED, (False, True): GemmImpl.TILED_DECODE,
             (True, False): GemmImpl.TILED_STORED, (True, True): GemmImpl.TILED_STORED_DECODE}[stored, decodes].value
 

@@ -134,13 +134,16 @@ def test_fp8_gemm_asks_the_heuristic_once_per_shape_with_the_workspace(fake):
 
 
 @pytest.mark.parametrize("results, status", [(0, 0), (1, NOT_SUPPORTED)], ids=["no_algorithm", "matmul_not_supported"])
-def test_fp8_not_supported_falls_back_to_the_tiled_kernel(fake, results, status):
-    """Defect 4: NOT_SUPPORTED (15) from the heuristic or the matmul runs the fallback, and is remembered."""
+def test_fp8_not_supported_falls_back_to_the_generated_kernel(fake, results, status):
+    """Defect 4: NOT_SUPPORTED (15) from the heuristic or the matmul runs the fallback, and is remembered. The
+    fallback is what codegen/cuda_dispatch.kernel_implementation picks: at M = 5 the tensor-core kernel."""
+    from luminal_num.codegen.cuda_dispatch import GemmImpl, kernel_implementation
     rec, set_lt = fake
     set_lt(FakeCublasLtLib(rec, heuristic_results=results, matmul_status=status))
     program = fp8_program(5, 16, 32)
     kernel = program.kernels[-1]
-    fallback = render_kernel(kernel, program).launches[-1].entry
+    assert kernel_implementation(kernel, program, {}) is GemmImpl.TENSOR_CORE
+    fallback = render_kernel(kernel, program).tensor_core[-1].entry
     cuda = CudaRuntime(program)
     feed = feed_for(program, np.random.default_rng(4))
     for _ in range(2):
@@ -153,7 +156,8 @@ def test_fp8_not_supported_falls_back_to_the_tiled_kernel(fake, results, status)
 
 @pytest.mark.parametrize("m, n, k", [(5, 6, 32), (5, 16, 24), (5, 20, 32)])
 def test_fp8_shapes_cublaslt_rejects_never_reach_it(fake, m, n, k):
-    """Defect 4: N (the output's contiguous extent) and K multiples of 16, every ld 16-byte aligned."""
+    """Defect 4: N (the output's contiguous extent) and K multiples of 16, every ld 16-byte aligned; an illegal
+    shape runs the generated kernel the dispatch picks (M = 5: the tensor-core one)."""
     rec, _ = fake
     program = fp8_program(m, n, k)
     kernel = program.kernels[-1]
@@ -162,7 +166,7 @@ def test_fp8_shapes_cublaslt_rejects_never_reach_it(fake, m, n, k):
     cuda = CudaRuntime(program)
     cuda.run(feed_for(program, np.random.default_rng(5)))
     assert rec.ops("gemm") == [] and rec.ops("ltHeuristic") == []
-    fallback = render_kernel(kernel, program).launches[-1].entry
+    fallback = render_kernel(kernel, program).tensor_core[-1].entry
     assert [e["entry"] for e in rec.ops("launch")][-1] == fallback
 
 

@@ -130,3 +130,19 @@ def test_the_decode_path_class_is_derived_from_the_tiled_fit_with_the_decode_pat
         kernel_latency(gemv, get_target("h200")) - node,
         tiled.seconds(decode.bytes_moved, decode.flops, 128, 40, SMS)))
     assert kernel_latency(decode, calibrated) < kernel_latency(gemv, calibrated)
+
+
+def test_the_tensor_core_class_is_derived_from_the_cublas_fit_until_a_device_measures_it():
+    """tensor_core (codegen/cuda_gemm_tc.py; no device has run it): cuBLAS's coefficients, marked derived, priced
+    on the same features (serial extent K); a measured tensor_core fit replaces it."""
+    h200 = load_measured("h200_kernels")
+    derived, cublas = h200.get("tensor_core"), h200.get("cublas")
+    assert derived.coefficients == cublas.coefficients and derived.derived_from == "cublas" and derived.samples == 0
+    own = KernelClassFit("tensor_core", (3e-6, 0.0, 0.0, 1e-8, 0.0), 7, 0.1, 0.2)
+    assert MeasuredKernels("dev", "src", (cublas, own)).get("tensor_core") == own
+    work = KernelWork("k1", 1 << 20, 1 << 18, 2 * 164 * 384 * 384, math="bf16", tensor_core=True,
+                      implementation="tensor_core", tiles=60, serial_extent=384)
+    node = get_target("h200-measured").launch.graph_node_s
+    assert kernel_latency(work, "h200-measured") - node == pytest.approx(max(
+        kernel_latency(work, "h200") - get_target("h200").launch.graph_node_s,
+        cublas.seconds(work.bytes_moved, work.flops, 60, 384, SMS)))

@@ -179,9 +179,11 @@ def check_kernel(program, k, feed, bindings, stored, parts, exact: bool, label) 
         a = stored[k.inputs[0].buffer].astype(np.float32)
         np.testing.assert_array_equal(got, emulate_weight_only_gemm(a, w, variant, SumOrder.SEQUENTIAL), str(label))
     else:
-        got = interpret(program, k, stored, bindings, parts)
+        tc = impl is GemmImpl.TENSOR_CORE_STORED  # the tensor-core kernel staging B from the stored parts
+        assert tc == (bool(render_kernel(k, program).tensor_core) and impl is not GemmImpl.TILED_STORED_DECODE), label
+        got = interpret(program, k, stored, bindings, parts, tensor_core=tc)
         if not exact:  # the same kernel reading the widened buffer: the same bits
-            twin = interpret(program, k, stored, bindings, src=widened_twin(k, program))
+            twin = interpret(program, k, stored, bindings, src=widened_twin(k, program), tensor_core=tc)
             assert got.tobytes() == twin.tobytes(), label
     if exact:  # the CPU backend: sums of two exact products, any order
         want = stored[k.id].reshape(got.shape)
@@ -233,6 +235,18 @@ def test_the_cells_cover_every_form_variant_output_and_m():
                 assert {c[i] for c in cells} == set(values), i
     assert {c[1] for c in every_cell()} == set(FORMATS) and {c[:2] for c in every_cell()} == {
         (form, fmt) for form in FORMS for fmt in FORMATS}
+
+
+def test_the_default_cells_run_each_kernel_on_stored_parts():
+    """The default tier runs the tiled kernel, its decode path and the tensor-core kernel on stored parts (the
+    dedicated dequantize-on-load kernel too): M = 5 BF16 and FP16 Gemms take tensor cores."""
+    seen = set()
+    for cell_ in DEFAULT_CELLS:
+        built = cell(*cell_)
+        if built is not None:
+            program = built[1]
+            seen |= {gemm_implementation(k, program, {}) for k in stored_gemms(program)}
+    assert {GemmImpl.TENSOR_CORE_STORED, GemmImpl.TILED_STORED_DECODE, GemmImpl.WEIGHT_ONLY} <= seen, seen
 
 
 @pytest.mark.slow

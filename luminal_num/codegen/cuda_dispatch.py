@@ -8,9 +8,12 @@ bias, GELU, residual; GLU over gate|up; q|k|v concatenations; scaled or pre-quan
 or FP16 outputs) runs the tiled kernel reading B's stored parts (codegen/cuda_gemm.py, `stored`): both
 read the stored bytes the cost model charges, never a widened copy. A plain Gemm with a cuBLAS(Lt) call
 legal for the bound sizes runs that library call; everything else (every GEMM_EPILOGUE form; the scaled
-variants cuBLASLt does not take) runs the 16x16 tiled SIMT kernel. The tiled kernel, on stored parts or
-not, at M <= SKINNY_M takes its decode path (codegen/cuda_gemv.py: K split over 16 lanes, a fixed tree)
-where the variant has one and the program is not batch-invariant, else its sequential order. Not known
+variants cuBLASLt does not take) runs its kernels: the tiled kernel, on stored parts or not, at M <=
+SKINNY_M takes its decode path (codegen/cuda_gemv.py: K split over 16 lanes, a fixed tree) where the
+variant has one and the program is not batch-invariant; otherwise the tensor-core kernel
+(codegen/cuda_gemm_tc.py, on stored parts or not) where its `refusal` gives no reason (FP32-accumulated
+BF16 / F16 / TF32 / FP8 with scales constant along K, INT8), else the 16x16 tiled SIMT kernel in its
+sequential order. Not known
 before a device answers: a cuBLASLt heuristic that calls a legal shape NOT_SUPPORTED (the runtime then
 runs the tiled kernel; runtime/cublas.py).
 """
@@ -21,6 +24,7 @@ from collections.abc import Mapping
 
 from ..hlir.symbolic import evaluate
 from .cuda_gemm import variant_of
+from .cuda_gemm_tc import refusal
 from .cuda_gemv import SKINNY_M, has_decode_path
 from .cuda_kernels import KernelSource, render_kernel
 from .cuda_weight_only import stored_operand, weight_only_gemm
@@ -37,6 +41,8 @@ class GemmImpl(enum.Enum):
     TILED = "tiled"              # the 16x16 tiled kernel (quantizes operands as it loads): CUDA cores
     TILED_DECODE = "tiled_decode"  # the same launch at M <= SKINNY_M on its decode path: K split over 16 lanes
     TILED_STORED_DECODE = "tiled_stored_decode"  # the tiled kernel on B's stored parts, on its decode path
+    TENSOR_CORE = "tensor_core"  # the WMMA kernel (codegen/cuda_gemm_tc.py): tensor cores in the variant's math
+    TENSOR_CORE_STORED = "tensor_core_stored"  # the WMMA kernel staging B from its stored parts
 
     @property
     def library(self) -> bool:
@@ -44,9 +50,20 @@ class GemmImpl(enum.Enum):
         return self in (GemmImpl.CUBLAS, GemmImpl.CUBLASLT)
 
     @property
+    def tensor_cores(self) -> bool:
+        """Priced in the variant's operand math (targets.gemm_math): a library call or the tensor-core kernel."""
+        return self.library or self.tensor_core_kernel
+
+    @property
+    def tensor_core_kernel(self) -> bool:
+        """The generated tensor-core kernel (KernelSource.tensor_core's launches), on stored parts or not."""
+        return self in (GemmImpl.TENSOR_CORE, GemmImpl.TENSOR_CORE_STORED)
+
+    @property
     def reads_stored(self) -> bool:
         """B is read as its stored parts (the weight's stored bytes), dequantized on load."""
-        return self in (GemmImpl.WEIGHT_ONLY, GemmImpl.TILED_STORED, GemmImpl.TILED_STORED_DECODE)
+        return self in (GemmImpl.WEIGHT_ONLY, GemmImpl.TILED_STORED, GemmImpl.TILED_STORED_DECODE,
+                        GemmImpl.TENSOR_CORE_STORED)
 
     @property
     def decode_path(self) -> bool:
@@ -63,6 +80,27 @@ def tiled_implementation(kernel: Kernel, program: Program, bindings: Mapping[str
     return GemmImpl.TILED
 
 
+def tensor_core_refusal(kernel: Kernel, program: Program) -> str | None:
+    """Why `kernel` has no tensor-core kernel (one line, cuda_gemm_tc.refusal), None when it has one: the
+    renderer asks the same function (KernelSource.tensor_core is empty exactly when this is not None)."""
+    return refusal(variant_of(kernel), kernel, program.batch_invariant)
+
+
+def kernel_implementation(kernel: Kernel, program: Program, bindings: Mapping[str, int],
+                          tensor_core: bool = True) -> GemmImpl:
+    """What the runtime launches for `kernel` when no library call runs it (none exists or is legal, a
+    cuBLASLt NOT_SUPPORTED, CudaRuntime(gemm="kernel")): the decode path where the tiled kernel takes it at
+    these bindings, else the tensor-core kernel where it exists, else the tiled kernel; each on B's stored
+    parts where B is a weight held in a storage format. `tensor_core=False`: the tiled body's path alone
+    (what the megakernel inlines)."""
+    stored = stored_operand(kernel, program) is not None
+    if tiled_implementation(kernel, program, bindings) is GemmImpl.TILED_DECODE:
+        return GemmImpl.TILED_STORED_DECODE if stored else GemmImpl.TILED_DECODE
+    if tensor_core and tensor_core_refusal(kernel, program) is None:
+        return GemmImpl.TENSOR_CORE_STORED if stored else GemmImpl.TENSOR_CORE
+    return GemmImpl.TILED_STORED if stored else GemmImpl.TILED
+
+
 def gemm_implementation(kernel: Kernel, program: Program, bindings: Mapping[str, int],
                         source: KernelSource | None = None, weight_only: bool | None = None) -> GemmImpl:
     """The implementation the runtime launches for `kernel` at these bindings. `source` / `weight_only`:
@@ -73,15 +111,14 @@ def gemm_implementation(kernel: Kernel, program: Program, bindings: Mapping[str,
         weight_only = weight_only_gemm(kernel, program) is not None
     if weight_only:
         return GemmImpl.WEIGHT_ONLY
-    if stored_operand(kernel, program) is not None:  # the tiled kernel on stored parts: its path as any tiled launch
-        decodes = tiled_implementation(kernel, program, bindings) is GemmImpl.TILED_DECODE
-        return GemmImpl.TILED_STORED_DECODE if decodes else GemmImpl.TILED_STORED
-    if kernel.kind is not KernelKind.GEMM:  # an epilogue runs in the tiled kernel only
-        return tiled_implementation(kernel, program, bindings)
+    if stored_operand(kernel, program) is not None:  # no library call reads stored parts: the generated kernels
+        return kernel_implementation(kernel, program, bindings)
+    if kernel.kind is not KernelKind.GEMM:  # an epilogue runs in the generated kernels only
+        return kernel_implementation(kernel, program, bindings)
     src = source if source is not None else render_kernel(kernel, program)
     if src.gemm is None:
-        return tiled_implementation(kernel, program, bindings)
+        return kernel_implementation(kernel, program, bindings)
     call = src.gemm.bind(bindings)
     if not call.legal() or call.batch == 0 or min(call.m, call.n) == 0:
-        return tiled_implementation(kernel, program, bindings)
+        return kernel_implementation(kernel, program, bindings)
     return GemmImpl(call.api)

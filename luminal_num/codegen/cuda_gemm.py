@@ -5,6 +5,10 @@ rule) and a 16x16-tile kernel that quantizes operands as it loads them and accum
 runtime/numerics.py defines each GemmPrecision (chunks, MMA groups, narrow accumulators, promotion,
 per-product scales), and attaches the GemmCall where cuBLAS(Lt) can compute the kernel. Per-tensor FP8
 goes through cuBLASLt: the same scale kernels, then quantize kernels writing both operands K-contiguous.
+Beside the tiled entry, where codegen/cuda_gemm_tc.refusal gives no reason, the same source carries the
+tensor-core entry (<name>_tc, KernelSource.tensor_core's launches): the same arguments, loads (`_load`),
+accumulator term (`_Writer.result_term`), epilogue and store around a WMMA K loop; the runtime launches
+whichever codegen/cuda_dispatch picks at the bound sizes.
 
 A B held in a storage format (`stored`: cuda_weight_only.stored_operand) is read as its stored parts
 (Arg role "part": packed codes, scales), each element widened in registers by the format's own
@@ -32,6 +36,8 @@ from .cuda_body import (IndexExpr, SymbolTable, body_symbols, c_add, c_div, c_in
 from .cuda_gemm_call import CUDA_DATA_TYPES, cublas_call, geometry, lt_call, lt_capable
 from .cuda_source import (COMPUTE_TYPES, CUBLAS_ENUMS, ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, SCALES_SCRATCH, Arg,
                           GemmCall, KernelSource, Launch, Scratch, entry_name, indent, name_launches, per, source_header)
+from .cuda_gemm_tc import BLOCK_M as TC_BLOCK_M, BLOCK_N as TC_BLOCK_N, THREADS as TC_THREADS, WMMA_HEADER
+from .cuda_gemm_tc import refusal, tensor_core_kernel
 from .cuda_gemv import SKINNY_M, has_decode_path, skinny_block
 from .cuda_weight_only import StoredOperand, part_params, stored_formats
 from .llir import Kernel, quantized_a_view
@@ -147,6 +153,14 @@ class _Writer:
             q = f"__fmul_rn({q}, {scale})"  # power-of-two scales: exact on the operand
         return q
 
+    def result_term(self, k: IndexExpr) -> str:
+        """A chunk's accumulator `acc` as it enters `total` (the tiled kernel and the tensor-core one): int32
+        to float, times fl32(sa * sb) where the scales are not applied per product (K index `k`)."""
+        part = "static_cast<float>(static_cast<int>(acc))" if self.variant.acc_format is INT32 else "acc"
+        if not any(self.specs) or self.variant.scales_per_product:
+            return part
+        return f"__fmul_rn({part}, __fmul_rn({self.scale_value(0, 'bz', 'ms', k)}, {self.scale_value(1, 'bz', k, 'ns')}))"
+
     def dyn_param(self) -> list[str]:
         return ["const long long* __restrict__ dyn_dims"] if self.table.symbols else []
 
@@ -229,8 +243,7 @@ def _accumulate(w: _Writer) -> list[str]:
     else:
         lines.append("acc = __fmaf_rn(qa, qb, acc);")
     chunk = None if per_product else (v.promote_every or v.scale_k_block)
-    part = "static_cast<float>(static_cast<int>(acc))" if v.acc_format is INT32 else "acc"
-    term = f"__fmul_rn({part}, {sab})" if scaled and not per_product else part
+    term = w.result_term("kk")
     end = "kk + 1 == K" if chunk is None else f"(kk + 1) % {chunk} == 0 || kk + 1 == K"
     lines += [f"if ({end}) {{", f"    total = __fadd_rn(total, {term});", "    acc = 0;", "}"]
     return lines
@@ -263,6 +276,37 @@ def _skinny(w: _Writer, suffixes: list[str], offsets: list[int], n_bound: str, f
     return skinny_block(a_load, b_loads, n_bound, suffixes, offsets, term, finish)
 
 
+def _params(w: _Writer, epilogue: EpilogueCode | None) -> list[str]:
+    """The Gemm entry's parameters (the tiled and the tensor-core entry take the same arguments)."""
+    params = [f"{ctypes_map.cuda_type(w.k.dtype)}* __restrict__ out", w.in_param(0), w.in_param(1)]
+    params += [w.in_param(s) for s in (epilogue.slots if epilogue else ())]
+    return params + [f"const float* __restrict__ scale{s}" for s in (0, 1) if w.specs[s] is not None] + w.dyn_param()
+
+
+def _load(w: _Writer, slot: int) -> str:
+    """The tiled kernel's staged operand element: quantized at (bz, lm, lk) of A / (bz, lk, ln) of B, 0 outside."""
+    row, col, bound = ("lm", "lk", "lm < M && lk < K") if slot == 0 else ("lk", "ln", "lk < K && ln < N")
+    return f"({bound}) ? {w.quantized(slot, w.element(slot, 'bz', row, col), w.scale_value(slot, 'bz', row, col))} : 0.0f"
+
+
+def _tensor_core_entry(w: _Writer, epilogue: EpilogueCode | None) -> str:
+    """The tensor-core entry (codegen/cuda_gemm_tc.py) with this kernel's loads, term, epilogue and store."""
+    k, lay = w.k, w.lay
+    glu = epilogue is not None and bool(epilogue.col_offsets)
+    if glu and tuple(lay.n_axes) != (max(i for i in range(len(lay.full_shape)) if i != lay.k_axis),):
+        raise ValueError(f"kernel {k.id}: a GLU epilogue needs one N axis, the last of its output")
+    full = w.full_coords("bz", "m", "n", 0)
+    out_coords = [c for axis, c in enumerate(full) if axis != lay.k_axis]
+    out_pos = dot(out_coords, row_major_strides([w.dim(d) for d in k.shape]))
+    lines, value = epilogue.body(out_coords, w.table) if epilogue else ([], "total")
+    n_out = epilogue.n_out if glu else lay.n
+    dims = (f"const long long M = {c_index(w.dim(lay.m))}, N = {c_index(w.dim(lay.n))}, NO = {c_index(w.dim(n_out))}, "
+            f"K = {c_index(w.dim(lay.k))}, NB = {c_index(w.dim(lay.batch))};")
+    return tensor_core_kernel(f"{ENTRY}_tc", _params(w, epilogue), w.variant, dims, _load(w, 0), _load(w, 1),
+                              list(epilogue.col_offsets) if glu else [0], w.result_term(0),
+                              [*lines, f"out[{c_index(out_pos)}] = {store(k.dtype, value)};"])
+
+
 def _tiled_only_above(skinny: str, loops: str) -> str:
     """The tiled loops, guarded to run only where the decode path did not (M > SKINNY_M)."""
     return loops if not skinny else skinny + f"    if (M > {SKINNY_M}) {{\n" + loops + "    }\n"
@@ -285,12 +329,9 @@ def _glu_kernel(w: _Writer, epilogue: EpilogueCode) -> str:
     full = w.full_coords("bz", "m", "n", 0)
     out_coords = [c for axis, c in enumerate(full) if axis != lay.k_axis]
     out_pos = dot(out_coords, row_major_strides([w.dim(d) for d in k.shape]))
-    a_load = f"(lm < M && lk < K) ? {w.quantized(0, w.element(0, 'bz', 'lm', 'lk'), w.scale_value(0, 'bz', 'lm', 'lk'))} : 0.0f"
-    b_load = f"(lk < K && ln < N) ? {w.quantized(1, w.element(1, 'bz', 'lk', 'ln'), w.scale_value(1, 'bz', 'lk', 'ln'))} : 0.0f"
-    params = [f"{ctypes_map.cuda_type(k.dtype)}* __restrict__ out", w.in_param(0), w.in_param(1)]
-    params += [w.in_param(s_) for s_ in epilogue.slots]
+    a_load, b_load = _load(w, 0), _load(w, 1)
+    params = _params(w, epilogue)
     lines, value = epilogue.body(out_coords, w.table)
-    params += [f"const float* __restrict__ scale{s_}" for s_ in (0, 1) if w.specs[s_] is not None] + w.dyn_param()
     tiles = "".join(f"    __shared__ float tb{x}[{K_TILE}][{TILE + 1}];\n" for x in sfx)
     cols = "".join(f"        const long long ns{x} = min(n + {off}LL, N - 1);\n"
                    f"        {acc_type} acc{x} = 0;\n        double grp{x} = 0.0;\n        float total{x} = -0.0f;\n"
@@ -333,14 +374,9 @@ def _gemm_kernel(w: _Writer, epilogue: EpilogueCode | None = None) -> str:
     full = w.full_coords("bz", "m", "n", 0)
     out_coords = [c for axis, c in enumerate(full) if axis != lay.k_axis]
     out_pos = dot(out_coords, row_major_strides([w.dim(d) for d in k.shape]))
-    loads = []
-    for slot, (row, col, bound) in enumerate((("lm", "lk", "lm < M && lk < K"), ("lk", "ln", "lk < K && ln < N"))):
-        scale = w.scale_value(slot, "bz", row, col)
-        loads.append(f"({bound}) ? {w.quantized(slot, w.element(slot, 'bz', row, col), scale)} : 0.0f")
-    params = [f"{ctypes_map.cuda_type(k.dtype)}* __restrict__ out", w.in_param(0), w.in_param(1)]
-    params += [w.in_param(s) for s in (epilogue.slots if epilogue else ())]
+    loads = [_load(w, 0), _load(w, 1)]
+    params = _params(w, epilogue)
     lines, value = epilogue.body(out_coords, w.table) if epilogue else ([], "total")
-    params += [f"const float* __restrict__ scale{s}" for s in (0, 1) if w.specs[s] is not None] + w.dyn_param()
     store_line = f"out[{c_index(out_pos)}] = {store(k.dtype, value)};"
     skinny = _skinny(w, [""], [0], "N", [*lines, store_line])
     loops = ("    for (long long bz = blockIdx.z; bz < NB; bz += gridDim.z)\n"
@@ -371,7 +407,7 @@ def _gemm_kernel(w: _Writer, epilogue: EpilogueCode | None = None) -> str:
 
 
 def _source(code: str, formats) -> str:
-    text = REDUCE_HELPERS + (SCALE_HELPER if "ln_pow2_scale(" in code else "") + code
+    text = (WMMA_HEADER if "wmma::" in code else "") + REDUCE_HELPERS + (SCALE_HELPER if "ln_pow2_scale(" in code else "") + code
     return source_header(formats, text) + text
 
 
@@ -394,8 +430,9 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
         not prequantized[0] or kernel.inputs[0].view == quantized_a_view(kernel.layout))
     own = [s for s in (0, 1) if w.specs[s] is not None and not prequantized[s]]
     own_quant = own if lt else []
+    tensor_core = refusal(w.variant, kernel, invariant) is None
     source = _source("".join([_scale_kernel(w, s) for s in own] + [_quant_kernel(w, s) for s in own_quant]
-                                + [_gemm_kernel(w, epilogue)]),
+                                + [_gemm_kernel(w, epilogue)] + ([_tensor_core_entry(w, epilogue)] if tensor_core else [])),
                      {*formats, kernel.dtype, *(w.op_formats if lt else ()), *(stored_formats(stored.fmt) if stored else ())})
     scratch = tuple(Scratch(f"scale{s}", F32, w.scale_blocks(s)) for s in own)
     scratch += tuple(Scratch(f"quant{s}", w.op_formats[s], ((lay.batch, 1), (w.extents(s)[1 + s], 1), (lay.k, 1)))
@@ -406,19 +443,20 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
     scale_launches = tuple(Launch(f"{ENTRY}_scale{s}", (w.scale_blocks(s),), (SCALE_THREADS,),
                                   (scale_arg[s], *w.operand_args(s))) for s in own)
     n_out = epilogue.n_out if epilogue is not None and epilogue.col_offsets else lay.n
-    gemm = Launch(ENTRY, (per(lay.m, TILE), per(n_out, TILE), per(lay.batch, 1)), (TILE, TILE),
-                  (Arg("out"), Arg("in", 0), *w.operand_args(1),
-                   *(Arg("in", s) for s in (epilogue.slots if epilogue else ())), *scale_arg.values()))
+    args = (Arg("out"), Arg("in", 0), *w.operand_args(1), *(Arg("in", s) for s in (epilogue.slots if epilogue else ())),
+            *scale_arg.values())
+    gemm = Launch(ENTRY, (per(lay.m, TILE), per(n_out, TILE), per(lay.batch, 1)), (TILE, TILE), args)
+    tc = (Launch(f"{ENTRY}_tc", (per(lay.m, TC_BLOCK_M), per(n_out, TC_BLOCK_N), per(lay.batch, 1)), (TC_THREADS,), args),)
     name = entry_name("gemm", source)
     if lt:
         quant = tuple(Launch(f"{ENTRY}_quant{s}", (per(prod(w.extents(s)), ELEMENTWISE_THREADS),),
                              (ELEMENTWISE_THREADS,), (operand_arg[s], Arg("in", s), scale_arg[s])) for s in own_quant)
         call = lt_call(kernel, w.variant, geometry(kernel), name_launches(scale_launches + quant, name),
                         (operand_arg[0], operand_arg[1]), (scale_arg[0], scale_arg[1]))
-    else:  # an epilogue runs in the tiled kernel only (cuBLAS would store the accumulator first)
+    else:  # an epilogue runs in the generated kernels only (cuBLAS would store the accumulator first)
         call = None if not library or epilogue or not single else cublas_call(kernel, w.variant, formats, geometry(kernel))
     return KernelSource(0, name, source.replace(ENTRY, name), name_launches(scale_launches + (gemm,), name),
-                        w.table, scratch, call)
+                        w.table, scratch, call, name_launches(scale_launches + tc, name) if tensor_core else ())
 
 
 def render_quantize(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...] = (False,)) -> KernelSource:

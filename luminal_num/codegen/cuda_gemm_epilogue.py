@@ -1,5 +1,6 @@
-"""A GEMM_EPILOGUE kernel on CUDA: the tiled Gemm of codegen/cuda_gemm.py with its one store replaced by
-the epilogue body, rendered by the elementwise body writer from the same op table (cuda_body.py).
+"""A GEMM_EPILOGUE kernel on CUDA: the tiled Gemm of codegen/cuda_gemm.py (and its tensor-core entry,
+codegen/cuda_gemm_tc.py) with its one store replaced by the epilogue body, rendered by the elementwise body
+writer from the same op table (cuda_body.py).
 
 The accumulator `total` (the variant's FP32 result, scales applied, exactly what the plain Gemm stores
 in FP32) is the body's FAcc; each epilogue operand is read at the output element through its view;

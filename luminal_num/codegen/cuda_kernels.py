@@ -444,9 +444,10 @@ def clear_render_cache() -> None:
 
 def _rebind(src: KernelSource, kernel: Kernel) -> KernelSource:
     """The cached structural source with this kernel's buffer ids (slot -> producing kernel)."""
-    launches = tuple(replace(launch, args=tuple(a.bind(kernel) for a in launch.args)) for launch in src.launches)
+    def bound(launches: tuple[Launch, ...]) -> tuple[Launch, ...]:
+        return tuple(replace(launch, args=tuple(a.bind(kernel) for a in launch.args)) for launch in launches)
     gemm = None if src.gemm is None else src.gemm.bind_args(kernel)
-    return replace(src, kernel_id=kernel.id, launches=launches, gemm=gemm)
+    return replace(src, kernel_id=kernel.id, launches=bound(src.launches), gemm=gemm, tensor_core=bound(src.tensor_core))
 
 
 def render_kernel(kernel: Kernel, program: Program) -> KernelSource:

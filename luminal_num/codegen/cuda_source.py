@@ -196,12 +196,15 @@ class KernelSource:
     symbols: SymbolTable          # the trailing `dyn_dims` argument, present when symbols is non-empty
     scratch: tuple[Scratch, ...] = ()
     gemm: GemmCall | None = None  # GEMM only: the call that replaces `launches`, or None
+    # a Gemm the tensor-core kernel can run (codegen/cuda_gemm_tc.py): the launches that replace `launches`
+    # where codegen/cuda_dispatch picks GemmImpl.TENSOR_CORE; () where it refuses
+    tensor_core: tuple[Launch, ...] = ()
 
     @property
     def entries(self) -> tuple[str, ...]:
-        """Every entry a runtime may launch: the fallback's and the cuBLASLt prologue's (quantize kernels)."""
+        """Every entry a runtime may launch: the fallback's, the tensor-core kernel's and the cuBLASLt prologue's."""
         prologue = self.gemm.prologue if self.gemm is not None else ()
-        return tuple(dict.fromkeys(launch.entry for launch in (*self.launches, *prologue)))
+        return tuple(dict.fromkeys(launch.entry for launch in (*self.launches, *self.tensor_core, *prologue)))
 
     def dyn_values(self, bindings: Mapping[str, int]) -> tuple[int, ...]:
         return tuple(int(bindings[s]) for s in self.symbols.symbols)

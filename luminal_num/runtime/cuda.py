@@ -32,7 +32,7 @@ from typing import Mapping
 import numpy as np
 
 from ..codegen import nvrtc
-from ..codegen.cuda_dispatch import gemm_implementation
+from ..codegen.cuda_dispatch import gemm_implementation, kernel_implementation
 from ..codegen.cuda_kernels import SCALES_SCRATCH, Arg, KernelSource, Launch, render_kernel
 from ..codegen.cuda_source import GemmCall
 from ..codegen.cuda_weight_only import WeightOnlySource, stored_operand, weight_only_gemm
@@ -257,7 +257,7 @@ class CudaRuntime:
 
     def _gemm(self, state: "_Prepared", k: Kernel) -> bool:
         """Run a Gemm through cuBLAS(Lt); False when the call is absent, illegal for these sizes or
-        (cuBLASLt) NOT_SUPPORTED, and the fallback kernels must run."""
+        (cuBLASLt) NOT_SUPPORTED, and the kernels must run (codegen/cuda_dispatch.kernel_implementation: which)."""
         src = self.sources[k.id]
         if self.gemm_mode == "kernel" or not gemm_implementation(k, self.program, state.bindings, src, False).library:
             return False
@@ -295,7 +295,13 @@ class CudaRuntime:
             return
         if k.kind is KernelKind.GEMM and self._gemm(state, k):
             return
-        for launch in self.sources[k.id].launches:
+        src = self.sources[k.id]
+        launches = src.launches
+        if k.kind.is_gemm and kernel_implementation(k, self.program, state.bindings).tensor_core_kernel:
+            if not src.tensor_core:
+                raise RuntimeError(f"kernel {k.id}: the dispatch picks the tensor-core kernel, its source has none")
+            launches = src.tensor_core
+        for launch in launches:
             self._launch(state, k.id, launch)
 
     def _enqueue(self, state: "_Prepared") -> None:

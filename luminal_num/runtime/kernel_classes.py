@@ -74,7 +74,18 @@ class KernelClassFit:
 # tiled_stored (the tiled kernel reading a stored B's parts, codegen/cuda_gemm.py `stored`) from tiled: the same
 # body (grid, K loop) on fewer bytes plus the dequantize arithmetic per B element; tiled_stored_decode, its decode
 # path, from tiled_decode likewise.
-DERIVED_CLASSES = {"tiled_decode": "tiled", "tiled_stored": "tiled", "tiled_stored_decode": "tiled_decode"}
+#
+# tensor_core (the WMMA kernel, codegen/cuda_gemm_tc.py: fused epilogues and scaled variants) from cublas: MODELLED,
+# NOT MEASURED. Both are tensor-core Gemms over the same bytes and flops whose blocks walk K in MMA steps, so the
+# cuBLAS fit (a fixed cost plus a cost per wave and K step, priced on the same serial extent K) is the nearest
+# measured class; the tiled fit (53 ns per K step of one FP32 FMA per thread) is not, as each WMMA step retires
+# 16 x 16 x 16 products per warp. Expect it optimistic: this kernel stages through shared memory without
+# cp.async pipelining and has a 32 x 64 block tile, where cuBLAS picks a tuned kernel per shape; a device run
+# (bench.gpu_calibration) replaces the derivation with the kernel's own fit. tensor_core_stored (the same kernel
+# staging B from a weight's stored parts) from cublas likewise: the same K loop on fewer bytes, the dequantize
+# arithmetic done once per staged B element (shared by the block's 32 rows).
+DERIVED_CLASSES = {"tiled_decode": "tiled", "tiled_stored": "tiled", "tiled_stored_decode": "tiled_decode",
+                   "tensor_core": "cublas", "tensor_core_stored": "cublas"}
 
 
 @dataclass(frozen=True)

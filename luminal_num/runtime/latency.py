@@ -4,9 +4,11 @@ for `cpu` (runtime/launch_form.py prices the megakernel form beside it and picks
 Each launched kernel becomes a `KernelWork`: bytes it loads and stores, flops, the math mode its
 flops run in and its tiles (codegen/blockops.py), which the model quantizes into waves over the SMs.
 A Gemm is priced by the implementation the CUDA runtime launches for it (codegen/cuda_dispatch.py, the
-one decision both read): a cuBLAS(Lt) call in the variant's operand math on tensor cores; the
-dequantize-on-load and the tiled kernels (every fused epilogue, most scaled variants, every form on a
-stored weight) in FP32 on CUDA cores. Everything else is FP32 on CUDA cores.
+one decision both read): a cuBLAS(Lt) call and the tensor-core kernel (fused epilogues and scaled
+variants it reproduces: codegen/cuda_gemm_tc.py) in the variant's operand math on tensor cores; the
+dequantize-on-load and the tiled kernels (FP32, narrow-accumulator and K-scaled variants, the decode path,
+every form on a stored weight, batch-invariant programs) in FP32 on CUDA cores. Everything else is FP32
+on CUDA cores.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from typing import Mapping
 import numpy as np
 
 from ..codegen.blockops import tile_count
-from ..codegen.cuda_dispatch import GemmImpl, gemm_implementation, tiled_implementation
 from ..codegen.cuda_attention import serial_steps as attention_serial_steps
+from ..codegen.cuda_dispatch import GemmImpl, gemm_implementation, kernel_implementation
 from ..codegen.cuda_gemv import decode_serial_steps
 from ..codegen.llir import Kernel, KernelKind, Program
 from ..hlir.symbolic import evaluate
@@ -53,8 +55,8 @@ def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm
     every Gemm form on a weight it reads whole, as W^T or W), at its widened dtype by any other reader
     (an embedding Gather, a Gemm reading the weight through another view), which the CUDA runtime hands
     the widened copy. `form`: in the megakernel (runtime/cuda_megakernel.py) a Gemm that is not dequantize-on-load runs
-    its tiled body (a library call cannot be inlined; on a stored weight, the tiled body reading its parts), on
-    the path that body takes at these bindings."""
+    its tiled body (a library call or the tensor-core kernel cannot be inlined; on a stored weight, the tiled body
+    reading its parts), on the path that body takes at these bindings."""
     dtypes = program.dtypes()
     scales = {k.id: k.scales_bytes(bindings) for k in program.kernels if k.kind is KernelKind.QUANTIZE}
     element_bytes = program.element_bytes(bindings)  # weights held in a storage format: their stored bytes
@@ -68,9 +70,9 @@ def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm
         implementation = None
         if k.kind.is_gemm:
             implementation = gemm_implementation(k, program, bindings)
-            if form is LaunchForm.MEGAKERNEL and implementation.library:
-                implementation = tiled_implementation(k, program, bindings)
-        if implementation is not None and implementation.library:
+            if form is LaunchForm.MEGAKERNEL and implementation.tensor_cores:  # the megakernel inlines the tiled body
+                implementation = kernel_implementation(k, program, bindings, tensor_core=False)
+        if implementation is not None and implementation.tensor_cores:
             math, tc = gemm_math(GEMM_VARIANTS[k.precision or "f32"])
         elif k.kind is KernelKind.ATTENTION:  # its two products run in the Q K^T operand format
             math, tc = OPERAND_MATH[ATTENTION_VARIANTS[k.precision].qk.name]

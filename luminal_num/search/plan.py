@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import __version__
 from ..codegen.attention import attention_row
+from ..codegen.cuda_dispatch import gemm_implementation
 from ..codegen.kinds import LAUNCHED_KINDS, backend_table
 from ..codegen.llir import KernelKind, Program, count_ops, external_value
 from ..codegen.rows import row_sums
@@ -48,11 +49,15 @@ def graph_key(graph: Graph) -> str:
 
 
 def op_table(program: Program, bindings) -> list[dict]:
-    """Per launched kernel: what actually runs (dtype, accumulator, quant format, scale granularity)."""
+    """Per launched kernel: what actually runs (dtype, accumulator, quant format, scale granularity) and what
+    the CUDA runtime launches for it at these bindings (`implementation`: a Gemm's cuda_dispatch.GemmImpl
+    value, else its kind: the class the cost model prices)."""
     rows = []
     dtypes = program.dtypes()
     for k in program.launched():
-        row = {"kernel": k.id, "chunk": k.chunk, "kind": k.kind.value, "op": k.label, "dtype": k.dtype.name,
+        implementation = gemm_implementation(k, program, bindings).value if k.kind.is_gemm else k.kind.value
+        row = {"kernel": k.id, "chunk": k.chunk, "kind": k.kind.value, "op": k.label, "implementation": implementation,
+               "dtype": k.dtype.name,
                "inputs": ",".join(dtypes[i.buffer].name for i in k.inputs),
                "weights": _weights_read(program, k, bindings),
                "shape": "x".join(str(d) for d in k.shape), "accumulator": "", "precision": k.precision or "",
