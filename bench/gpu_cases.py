@@ -69,13 +69,20 @@ def device_cases():
         yield "smollm2-decode", label, genome_program(step_space, label), step_weights, step_inputs
 
 
+# what the current code runs where the 2026-12-04 recording ran the sequential SIMT tiled kernel
+RAN_AS_TILED = frozenset(i.value for i in (GemmImpl.TILED_DECODE, GemmImpl.TILED_STORED, GemmImpl.TILED_STORED_DECODE,
+                                           GemmImpl.TENSOR_CORE, GemmImpl.TENSOR_CORE_STORED))
+
+
 def recorded_works(program: Program, bindings: Mapping[str, int], recorded: Mapping[int, str]) -> list[KernelWork]:
     """kernel_works of `program` as a recorded device run executed it (`recorded`: kernel id -> the
     implementation the recording names). The H200 recording of 2026-12-04 predates the tiled Gemm's decode
     path (codegen/cuda_gemv.py): a Gemm the current code runs there (tiled_decode) ran the sequential tiled
     kernel in it, so its work is that kernel's (class tiled, serial extent K). It predates stored reads too: a
     Gemm on a stored weight (tiled_stored, its decode path) ran the sequential tiled kernel on the FP32 widening,
-    and every reader of a stored weight was charged its stored bytes: the work is what the fit was made with. It also predates the chunked
+    and every reader of a stored weight was charged its stored bytes, and the tensor-core kernel
+    (codegen/cuda_gemm_tc.py): a fused Gemm ran the tiled kernel on CUDA cores. The work is what the fit was
+    made with. It also predates the chunked
     attention kernel (codegen/cuda_attention.py): the attention it timed walked the whole key axis per output,
     so its serial extent is the key length, as the fit was made. Any other disagreement is not the same
     program: refused."""
@@ -89,11 +96,9 @@ def recorded_works(program: Program, bindings: Mapping[str, int], recorded: Mapp
         was = recorded[k.id]
         work = dataclasses.replace(work, bytes_read=k.bytes_loaded(bindings, dtypes, stored_bytes)
                                    + sum(side.get(i.buffer, 0) for i in k.inputs))
-        if work.implementation == GemmImpl.TILED_DECODE.value and was == GemmImpl.TILED.value:
-            work = dataclasses.replace(work, implementation=was, serial_extent=serial_extent(k, bindings, GemmImpl.TILED))
-        elif work.implementation in (GemmImpl.TILED_STORED.value, GemmImpl.TILED_STORED_DECODE.value) \
-                and was == GemmImpl.TILED.value:
-            work = dataclasses.replace(work, implementation=was, serial_extent=serial_extent(k, bindings, GemmImpl.TILED))
+        if work.implementation in RAN_AS_TILED and was == GemmImpl.TILED.value:
+            work = dataclasses.replace(work, implementation=was, serial_extent=serial_extent(k, bindings, GemmImpl.TILED),
+                                       math="fp32", tensor_core=False)
         elif k.kind is KernelKind.ATTENTION and was == work.implementation:
             work = dataclasses.replace(work, serial_extent=int(evaluate(k.body_shape[-1], bindings)))
         elif work.implementation != was:
