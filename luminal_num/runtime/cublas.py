@@ -12,7 +12,8 @@ reductions (MATH_MODE), the stream set once and then
 the workspace set once (in that order, as cublasSetStream resets it), so eager runs and captured
 graphs make the same calls and graph capture never allocates. `CublasLt` keeps one handle and, per
 call shape, the matmul descriptor, the layouts and the heuristic's algorithm under a workspace
-preference (NVIDIA's LtFp8Matmul sample); a shape the heuristic or cublasLtMatmul calls
+preference (NVIDIA's LtFp8Matmul sample); its calls are per-tensor FP8 (scale pointers) and FP32-output
+bias epilogues (CUBLASLT_EPILOGUE_BIAS with the bias pointer, codegen/cuda_gemm_bias.py); a shape the heuristic or cublasLtMatmul calls
 NOT_SUPPORTED (status 15) is remembered and answered False, so the runtime runs the tiled kernel
 instead, the same way eagerly and when captured.
 """
@@ -303,11 +304,15 @@ class CublasLt:
         _check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.plans: dict[tuple, _LtPlan] = {}
 
-    def plan(self, call: GemmCall) -> _LtPlan:
-        """The cached descriptor, layouts and algorithm of this call's shape (created on first use)."""
+    def plan(self, call: GemmCall, bias: int | None = None) -> _LtPlan:
+        """The cached descriptor, layouts and algorithm of this call's shape (created on first use). `bias`: set
+        before the heuristic, which reads the bias pointer's alignment (cublasLt.h); every bias is a slot's base
+        (codegen/cuda_gemm_bias.py: offset 0), so later calls' pointers have the same alignment."""
         key = lt_key(call)
         if key not in self.plans:
             desc, layouts = describe(self.lib, call)
+            if bias is not None:
+                set_bias(self.lib, desc, bias)
             self.plans[key] = _LtPlan(desc, layouts, self._heuristic(desc, layouts))
         return self.plans[key]
 
@@ -330,7 +335,7 @@ class CublasLt:
                bias: int | None = None) -> bool:
         """D = scale_a * scale_b * op(A) op(B) with FP32 accumulation (`scales`: per-tensor FP8), + `bias` per row
         of D (CUBLASLT_EPILOGUE_BIAS), on `stream`; False: NOT_SUPPORTED."""
-        plan = self.plan(call)
+        plan = self.plan(call, bias)
         if plan.algo is None:
             return False
         if (scales is not None) != (call.a_scale is not None) or (bias is not None) != (call.bias is not None):

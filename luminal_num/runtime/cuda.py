@@ -273,13 +273,13 @@ class CudaRuntime:
         return True
 
     def _gemm_lt(self, state: "_Prepared", k: Kernel, call: GemmCall) -> bool:
-        if self.lt.plan(call).algo is None:
+        ptr = lambda arg: self._pointer(state, k.id, arg).data.ptr  # noqa: E731
+        bias = ptr(call.bias) if call.bias is not None else None  # offset 0 (codegen/cuda_gemm_bias.py)
+        if self.lt.plan(call, bias).algo is None:
             return False
         for launch in call.prologue:
             self._launch(state, k.id, launch)
-        ptr = lambda arg: self._pointer(state, k.id, arg).data.ptr  # noqa: E731
         scales = (ptr(call.a_scale), ptr(call.b_scale)) if call.a_scale is not None else None
-        bias = ptr(call.bias) if call.bias is not None else None  # offset 0 (codegen/cuda_gemm_bias.py)
         return self.lt.matmul(call, ptr(call.a), ptr(call.b), ptr(call.c), self.stream.ptr, scales, bias)
 
     def _enqueue_kernel(self, state: "_Prepared", k: Kernel) -> None:
