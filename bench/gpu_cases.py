@@ -71,7 +71,7 @@ def device_cases():
 
 # what the current code runs where the 2026-12-04 recording ran the sequential SIMT tiled kernel
 RAN_AS_TILED = frozenset(i.value for i in (GemmImpl.TILED_DECODE, GemmImpl.TILED_STORED, GemmImpl.TILED_STORED_DECODE,
-                                           GemmImpl.TENSOR_CORE, GemmImpl.TENSOR_CORE_STORED))
+                                           GemmImpl.TENSOR_CORE, GemmImpl.TENSOR_CORE_STORED, GemmImpl.CUBLASLT_BIAS))
 
 
 def recorded_works(program: Program, bindings: Mapping[str, int], recorded: Mapping[int, str]) -> list[KernelWork]:
@@ -81,7 +81,8 @@ def recorded_works(program: Program, bindings: Mapping[str, int], recorded: Mapp
     kernel in it, so its work is that kernel's (class tiled, serial extent K). It predates stored reads too: a
     Gemm on a stored weight (tiled_stored, its decode path) ran the sequential tiled kernel on the FP32 widening,
     and every reader of a stored weight was charged its stored bytes, and the tensor-core kernel
-    (codegen/cuda_gemm_tc.py): a fused Gemm ran the tiled kernel on CUDA cores. The work is what the fit was
+    (codegen/cuda_gemm_tc.py) and cuBLASLt's bias epilogue (codegen/cuda_gemm_bias.py): a fused Gemm ran the tiled
+    kernel on CUDA cores. The work is what the fit was
     made with. It also predates the chunked
     attention kernel (codegen/cuda_attention.py): the attention it timed walked the whole key axis per output,
     so its serial extent is the key length, as the fit was made. Any other disagreement is not the same

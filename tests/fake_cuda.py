@@ -285,7 +285,9 @@ def fake_cupy(rec: Recorder) -> dict[str, types.ModuleType]:
 DATA_TYPES = {0: np.float32, 2: np.float16, 3: np.int8, 10: np.int32, 14: ml_dtypes.bfloat16,
               28: ml_dtypes.float8_e4m3fn, 29: ml_dtypes.float8_e5m2}
 COMPUTE_16F, COMPUTE_ROUNDING = 64, {77: TF32, 75: BF16, 74: F16}  # FAST_TF32 / FAST_16BF / FAST_16F
-ATTR = {"TRANSA": 3, "TRANSB": 4, "A_SCALE": 17, "B_SCALE": 18, "BATCH_COUNT": 5, "BATCH_STRIDE": 6}
+ATTR = {"TRANSA": 3, "TRANSB": 4, "A_SCALE": 17, "B_SCALE": 18, "BATCH_COUNT": 5, "BATCH_STRIDE": 6,
+        "EPILOGUE": 7, "BIAS_POINTER": 8, "BIAS_BATCH_STRIDE": 10, "BIAS_DATA_TYPE": 26}
+EPILOGUE_DEFAULT, EPILOGUE_BIAS = 1, 4
 
 
 def _rounded(values: np.ndarray, compute: int) -> np.ndarray:
@@ -370,6 +372,7 @@ class FakeCublasLtLib:
         self.objects = itertools.count(1)
         self.attributes: dict[int, dict[int, object]] = {}   # descriptor / layout id -> attribute -> value
         self.layouts: dict[int, tuple] = {}                  # layout id -> (data type, rows, cols, ld)
+        self.computes: dict[int, int] = {}                   # descriptor id -> compute type
 
     def _create(self, out, op: str, **details):
         _value(out).value = next(self.objects)
@@ -383,7 +386,9 @@ class FakeCublasLtLib:
         return 0
 
     def cublasLtMatmulDescCreate(self, desc, compute, scale):
-        return self._create(desc, "ltDescCreate", compute=compute, scale=scale)
+        status = self._create(desc, "ltDescCreate", compute=compute, scale=scale)
+        self.computes[_value(desc).value] = compute
+        return status
 
     def cublasLtMatrixLayoutCreate(self, layout, dtype, rows, cols, ld):
         status = self._create(layout, "ltLayoutCreate", dtype=dtype, rows=rows, cols=cols, ld=ld)
@@ -417,30 +422,46 @@ class FakeCublasLtLib:
         return 0
 
     def cublasLtMatmul(self, handle, desc, alpha, a, la, b, lb, beta, c, lc, d, ld, algo, workspace, nbytes, stream):
+        attrs = dict(self.attributes[_value(desc)])
         self.rec.record("gemm", _stream_of(stream), api="cublasLt", algo=_value(algo).data[0],
-                        workspace=_value(workspace), nbytes=nbytes, status=self.matmul_status)
+                        workspace=_value(workspace), nbytes=nbytes, status=self.matmul_status,
+                        epilogue=attrs.get(ATTR["EPILOGUE"], EPILOGUE_DEFAULT), bias=attrs.get(ATTR["BIAS_POINTER"]),
+                        bias_type=attrs.get(ATTR["BIAS_DATA_TYPE"]))
         if self.matmul_status == 0:  # the descriptor is read now, as the library does when it enqueues
-            attrs = dict(self.attributes[_value(desc)])
-            self.rec.submit(_stream_of(stream), lambda: self._matmul(attrs, _value(a), _value(la), _value(b),
+            compute = self.computes[_value(desc)]
+            self.rec.submit(_stream_of(stream), lambda: self._matmul(attrs, compute, _value(a), _value(la), _value(b),
                                                                      _value(lb), _value(d), _value(ld)))
         return self.matmul_status
 
-    def _matmul(self, attrs, a, la, b, lb, d, ld):
-        """D = scale_a scale_b op(A) op(B) for the TN layout (the only one the runtime asks for)."""
-        assert attrs[ATTR["TRANSA"]] == 1 and attrs[ATTR["TRANSB"]] == 0
-        (a_type, k, m, lda), (b_type, k_b, n, ldb), (d_type, m_d, n_d, ldd) = (self.layouts[x] for x in (la, lb, ld))
-        assert (k, m, n) == (k_b, m_d, n_d)
+    def _matmul(self, attrs, compute, a, la, b, lb, d, ld):
+        """D = scale_a scale_b op(A) op(B) (scales: 1 where unset), operands read as `compute` reads them; with
+        CUBLASLT_EPILOGUE_BIAS the FP32 product plus the bias vector (one per row of D, batch stride 0) in FP32."""
+        transa, transb = attrs.get(ATTR["TRANSA"], 0), attrs.get(ATTR["TRANSB"], 0)
+        (a_type, a_rows, a_cols, lda), (b_type, b_rows, b_cols, ldb), (d_type, m, n, ldd) = \
+            (self.layouts[x] for x in (la, lb, ld))
+        k = a_rows if transa else a_cols
+        assert (a_cols if transa else a_rows, b_cols if transb else b_rows, b_rows if transb else b_cols) == (m, k, n)
         batch = self.attributes[la][ATTR["BATCH_COUNT"]]
         strides = [self.attributes[x][ATTR["BATCH_STRIDE"]] for x in (la, lb, ld)]
-        sa, sb = (float(self.rec.typed(attrs[ATTR[s]], np.float32)[0]) for s in ("A_SCALE", "B_SCALE"))
-        a_values = self.rec.typed(a, DATA_TYPES[a_type]).astype(np.float64)
-        b_values = self.rec.typed(b, DATA_TYPES[b_type]).astype(np.float64)
+        sa, sb = (float(self.rec.typed(attrs[ATTR[s]], np.float32)[0]) if ATTR[s] in attrs else 1.0
+                  for s in ("A_SCALE", "B_SCALE"))
+        epilogue = attrs.get(ATTR["EPILOGUE"], EPILOGUE_DEFAULT)
+        assert epilogue in (EPILOGUE_DEFAULT, EPILOGUE_BIAS), f"epilogue {epilogue} is not modelled"
+        a_values = _rounded(self.rec.typed(a, DATA_TYPES[a_type]), compute)
+        b_values = _rounded(self.rec.typed(b, DATA_TYPES[b_type]), compute)
         out = self.rec.typed(d, DATA_TYPES[d_type])
         rows, cols, inner = np.arange(m)[:, None], np.arange(n)[None, :], np.arange(k)
         for i in range(batch):
-            product = a_values[i * strides[0] + inner[None, :] + rows * lda] @ b_values[i * strides[1] + inner[:, None]
-                                                                                       + cols * ldb]
-            out[i * strides[2] + rows + cols * ldd] = (np.float32(sa) * np.float32(sb) * product).astype(out.dtype)
+            at_a = i * strides[0] + (inner[None, :] + rows * lda if transa else rows + inner[None, :] * lda)
+            at_b = i * strides[1] + (cols + inner[:, None] * ldb if transb else inner[:, None] + cols * ldb)
+            product = a_values[at_a] @ b_values[at_b]
+            if epilogue == EPILOGUE_BIAS:  # the FP32 accumulator, + the bias in FP32: one rounding
+                assert attrs.get(ATTR["BIAS_BATCH_STRIDE"], 0) == 0 and sa == sb == 1.0
+                bias = self.rec.typed(attrs[ATTR["BIAS_POINTER"]], DATA_TYPES[attrs[ATTR["BIAS_DATA_TYPE"]]])[:m]
+                value = product.astype(np.float32) + bias.astype(np.float32)[:, None]
+            else:
+                value = np.float32(sa) * np.float32(sb) * product
+            out[i * strides[2] + rows + cols * ldd] = value.astype(out.dtype)
 
     def cublasLtMatrixLayoutDestroy(self, layout):
         return 0

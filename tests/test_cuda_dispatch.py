@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import luminal_num.runtime.cuda as cuda_module
-from fake_cuda import Recorder, install
+from fake_cuda import EPILOGUE_BIAS, Recorder, install
 from luminal_num.codegen import nvrtc
 from luminal_num.codegen.cuda_dispatch import GemmImpl, gemm_implementation
 from luminal_num.dtypes.variants import GEMM_VARIANTS
@@ -56,6 +56,11 @@ def fake(monkeypatch, tmp_path):
     cuda_device.probe.cache_clear()
 
 
+def library_class(event: dict) -> str:
+    """The GemmImpl value of a recorded library call: its API, cuBLASLt with the bias epilogue apart."""
+    return GemmImpl.CUBLASLT_BIAS.value if event.get("epilogue") == EPILOGUE_BIAS else event["api"]
+
+
 def launched_by_runtime(rec: Recorder) -> dict[int, str]:
     """Kernel id -> the cuBLAS API the runtime called for it, "tensor_core" when it launched a tensor-core entry
     (codegen/cuda_gemm_tc.py, named <source>_tc), or "kernels" when it only launched other kernels."""
@@ -65,7 +70,7 @@ def launched_by_runtime(rec: Recorder) -> dict[int, str]:
             current = event["id"]
             out[current] = "kernels"
         elif event["op"] == "gemm" and current is not None:
-            out[current] = event["api"]
+            out[current] = library_class(event)
         elif event["op"] == "launch" and current is not None and event["entry"].endswith("_tc"):
             out[current] = GemmImpl.TENSOR_CORE.value
     return out
@@ -98,6 +103,8 @@ def test_the_cost_models_kernel_classes_are_what_the_runtime_launches(fake):
     # FP32 fused epilogues on the tiled SIMT kernel
     assert any(impl.library and tc for _, impl, tc in seen) and ("gemm_epilogue", GemmImpl.TILED, False) in seen
     assert ("gemm_epilogue", GemmImpl.TENSOR_CORE, True) in seen
+    # `acc + bias` epilogues with an FP32 output: cuBLASLt's bias epilogue, FP32 on CUDA cores and in operand math
+    assert {("gemm_epilogue", GemmImpl.CUBLASLT_BIAS, False), ("gemm_epilogue", GemmImpl.CUBLASLT_BIAS, True)} <= seen
 
 
 def test_an_invariant_program_launches_no_library_gemm_and_is_priced_so(fake):
@@ -153,7 +160,7 @@ def ran_as(rec: Recorder, k, bindings) -> str:
             inside = event["id"] == k.id
         elif inside:
             events.append(event)
-    apis = [e["api"] for e in events if e["op"] == "gemm"]
+    apis = [library_class(e) for e in events if e["op"] == "gemm"]
     if apis:
         return apis[0]
     entries = [e["entry"] for e in events if e["op"] == "launch"]

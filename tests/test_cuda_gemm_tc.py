@@ -23,7 +23,8 @@ from cuda_interpreter import Buffer
 from cuda_interpreter_warp import Fragment, Pointer, WarpOp, execute, float_to_tf32
 from test_cuda_codegen import GEMMS, needs_nvrtc, run_launches, stored_values
 from luminal_num.codegen import nvrtc
-from luminal_num.codegen.cuda_dispatch import GemmImpl, gemm_implementation, tensor_core_refusal
+from luminal_num.codegen.cuda_dispatch import (GemmImpl, gemm_implementation, kernel_implementation, library_refusal,
+                                              tensor_core_refusal)
 from luminal_num.codegen.cuda_kernels import SCALES_SCRATCH, render_kernel
 from luminal_num.dtypes.formats import BF16, F16, F32, Kind
 from luminal_num.dtypes.variants import GEMM_VARIANTS
@@ -201,7 +202,10 @@ def test_variants_it_cannot_reproduce_stay_tiled_with_a_one_line_reason(variant,
     for k in gemms(program):
         assert tensor_core_refusal(k, program) == reason
         assert render_kernel(k, program).tensor_core == ()
-        assert gemm_implementation(k, program, {}) is GemmImpl.TILED
+        assert kernel_implementation(k, program, {}) is GemmImpl.TILED
+        # FP32 `+ bias` takes cuBLASLt's bias epilogue (codegen/cuda_gemm_bias.py) ahead of the kernels
+        library = GemmImpl.CUBLASLT_BIAS if variant == "f32" else GemmImpl.TILED
+        assert gemm_implementation(k, program, {}) is library and (library_refusal(k, program) is None) == library.library
 
 
 ON_TENSOR_CORES = {"tf32", "bf16", "f16", "f8e4m3_tensor", "f8e4m3_channel", "f8e5m2_tensor", "f8e5m2_channel",

@@ -7,15 +7,18 @@ dequantize-on-load kernel (codegen/cuda_weight_only.py); every other Gemm on a s
 bias, GELU, residual; GLU over gate|up; q|k|v concatenations; scaled or pre-quantized-A variants; BF16
 or FP16 outputs) runs the tiled kernel reading B's stored parts (codegen/cuda_gemm.py, `stored`): both
 read the stored bytes the cost model charges, never a widened copy. A plain Gemm with a cuBLAS(Lt) call
-legal for the bound sizes runs that library call; everything else (every GEMM_EPILOGUE form; the scaled
-variants cuBLASLt does not take) runs its kernels: the tiled kernel, on stored parts or not, at M <=
+legal for the bound sizes runs that library call, and so does a GEMM_EPILOGUE that is exactly `+ bias along N`
+with an FP32 output (cuBLASLt's bias epilogue, codegen/cuda_gemm_bias.py: the tuned library kernel, preferred
+to the tensor-core kernel, at every M as the plain cuBLAS call is); everything else (every other
+GEMM_EPILOGUE form; the scaled variants cuBLASLt does not take) runs its kernels: the tiled kernel, on stored parts or not, at M <=
 SKINNY_M takes its decode path (codegen/cuda_gemv.py: K split over 16 lanes, a fixed tree) where the
 variant has one and the program is not batch-invariant; otherwise the tensor-core kernel
 (codegen/cuda_gemm_tc.py, on stored parts or not) where its `refusal` gives no reason (FP32-accumulated
 BF16 / F16 / TF32 / FP8 with scales constant along K, INT8), else the 16x16 tiled SIMT kernel in its
 sequential order. Not known
 before a device answers: a cuBLASLt heuristic that calls a legal shape NOT_SUPPORTED (the runtime then
-runs the tiled kernel; runtime/cublas.py).
+runs the kernel `kernel_implementation` names; runtime/cublas.py). Batch-invariant programs and Gemms on a
+stored B never get a library call (codegen/cuda_gemm.render_gemm attaches none).
 """
 from __future__ import annotations
 
@@ -24,11 +27,13 @@ from collections.abc import Mapping
 
 from ..hlir.symbolic import evaluate
 from .cuda_gemm import variant_of
+from .cuda_gemm_bias import bias_refusal
+from .cuda_gemm_call import geometry
 from .cuda_gemm_tc import refusal
 from .cuda_gemv import SKINNY_M, has_decode_path
-from .cuda_kernels import KernelSource, render_kernel
+from .cuda_kernels import KernelSource, input_formats, render_kernel
 from .cuda_weight_only import stored_operand, weight_only_gemm
-from .llir import Kernel, KernelKind, Program
+from .llir import Kernel, Program
 
 
 class GemmImpl(enum.Enum):
@@ -38,6 +43,9 @@ class GemmImpl(enum.Enum):
     TILED_STORED = "tiled_stored"  # the tiled kernel reading B's stored parts (every other form): CUDA cores
     CUBLAS = "cublas"            # cublasGemmStridedBatchedEx: tensor cores in the variant's math (FP32: SIMT)
     CUBLASLT = "cublasLt"        # cublasLtMatmul, FP8 per-tensor: tensor cores
+    # cublasLtMatmul with CUBLASLT_EPILOGUE_BIAS (FP32 output): a value of its own, so that "cublasLt" keeps
+    # meaning FP8 per-tensor and the cost model prices this class apart (kernel_classes.DERIVED_CLASSES)
+    CUBLASLT_BIAS = "cublasLt_bias"
     TILED = "tiled"              # the 16x16 tiled kernel (quantizes operands as it loads): CUDA cores
     TILED_DECODE = "tiled_decode"  # the same launch at M <= SKINNY_M on its decode path: K split over 16 lanes
     TILED_STORED_DECODE = "tiled_stored_decode"  # the tiled kernel on B's stored parts, on its decode path
@@ -47,7 +55,7 @@ class GemmImpl(enum.Enum):
     @property
     def library(self) -> bool:
         """A cuBLAS(Lt) call (which uses tensor cores where the variant's math mode has them)."""
-        return self in (GemmImpl.CUBLAS, GemmImpl.CUBLASLT)
+        return self in (GemmImpl.CUBLAS, GemmImpl.CUBLASLT, GemmImpl.CUBLASLT_BIAS)
 
     @property
     def tensor_cores(self) -> bool:
@@ -113,12 +121,20 @@ def gemm_implementation(kernel: Kernel, program: Program, bindings: Mapping[str,
         return GemmImpl.WEIGHT_ONLY
     if stored_operand(kernel, program) is not None:  # no library call reads stored parts: the generated kernels
         return kernel_implementation(kernel, program, bindings)
-    if kernel.kind is not KernelKind.GEMM:  # an epilogue runs in the generated kernels only
-        return kernel_implementation(kernel, program, bindings)
     src = source if source is not None else render_kernel(kernel, program)
-    if src.gemm is None:
+    if src.gemm is None:  # an epilogue other than cuBLASLt's bias, a variant or layout cuBLAS lacks
         return kernel_implementation(kernel, program, bindings)
     call = src.gemm.bind(bindings)
     if not call.legal() or call.batch == 0 or min(call.m, call.n) == 0:
         return kernel_implementation(kernel, program, bindings)
-    return GemmImpl(call.api)
+    return GemmImpl.CUBLASLT_BIAS if call.epilogue == "CUBLASLT_EPILOGUE_BIAS" else GemmImpl(call.api)
+
+
+def library_refusal(kernel: Kernel, program: Program) -> str | None:
+    """Why a GEMM_EPILOGUE kernel has no cuBLASLt bias-epilogue call (one line; None: it has one, legal or not at
+    given sizes). Batch-invariant programs and stored weights are refused before the epilogue is looked at."""
+    if program.batch_invariant:
+        return "a batch-invariant program runs the tiled kernel's fixed order (no library call)"
+    if stored_operand(kernel, program) is not None:
+        return "B is read as a weight's stored parts (cuBLAS(Lt) reads a dense B)"
+    return bias_refusal(kernel, variant_of(kernel), input_formats(kernel, program), geometry(kernel))

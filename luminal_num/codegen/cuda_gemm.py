@@ -3,7 +3,8 @@
 `render_gemm` writes the fallback for every variant: per-block scale kernels (luminal_num.quant.scales'
 rule) and a 16x16-tile kernel that quantizes operands as it loads them and accumulates exactly as
 runtime/numerics.py defines each GemmPrecision (chunks, MMA groups, narrow accumulators, promotion,
-per-product scales), and attaches the GemmCall where cuBLAS(Lt) can compute the kernel. Per-tensor FP8
+per-product scales), and attaches the GemmCall where cuBLAS(Lt) can compute the kernel (an epilogue: only
+cuBLASLt's bias epilogue, codegen/cuda_gemm_bias.py). Per-tensor FP8
 goes through cuBLASLt: the same scale kernels, then quantize kernels writing both operands K-contiguous.
 Beside the tiled entry, where codegen/cuda_gemm_tc.refusal gives no reason, the same source carries the
 tensor-core entry (<name>_tc, KernelSource.tensor_core's launches): the same arguments, loads (`_load`),
@@ -33,6 +34,7 @@ from ..hlir.symbolic import Dim, prod
 from . import ctypes_map
 from .cuda_body import (IndexExpr, SymbolTable, body_symbols, c_add, c_div, c_index, c_mul, dims_symbols, dot, load_float,
                         round_expr, row_major_strides, store, unravel, view_index, view_symbols)
+from .cuda_gemm_bias import bias_call
 from .cuda_gemm_call import CUDA_DATA_TYPES, cublas_call, geometry, lt_call, lt_capable
 from .cuda_source import (COMPUTE_TYPES, CUBLAS_ENUMS, ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, SCALES_SCRATCH, Arg,
                           GemmCall, KernelSource, Launch, Scratch, entry_name, indent, name_launches, per, source_header)
@@ -453,8 +455,10 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
                              (ELEMENTWISE_THREADS,), (operand_arg[s], Arg("in", s), scale_arg[s])) for s in own_quant)
         call = lt_call(kernel, w.variant, geometry(kernel), name_launches(scale_launches + quant, name),
                         (operand_arg[0], operand_arg[1]), (scale_arg[0], scale_arg[1]))
-    else:  # an epilogue runs in the generated kernels only (cuBLAS would store the accumulator first)
-        call = None if not library or epilogue or not single else cublas_call(kernel, w.variant, formats, geometry(kernel))
+    elif epilogue is not None:  # cuBLASLt's bias epilogue where it adds as the emulator does, else the kernels
+        call = bias_call(kernel, w.variant, formats, geometry(kernel)) if library and single else None
+    else:
+        call = cublas_call(kernel, w.variant, formats, geometry(kernel)) if library and single else None
     return KernelSource(0, name, source.replace(ENTRY, name), name_launches(scale_launches + (gemm,), name),
                         w.table, scratch, call, name_launches(scale_launches + tc, name) if tensor_core else ())
 

@@ -5,7 +5,8 @@ writer from the same op table (cuda_body.py).
 The accumulator `total` (the variant's FP32 result, scales applied, exactly what the plain Gemm stores
 in FP32) is the body's FAcc; each epilogue operand is read at the output element through its view;
 every op is one FP32 rounding, as in the unfused elementwise kernel; one store in the kernel's dtype.
-cuBLAS cannot run a body before its store, so such a kernel has no GemmCall.
+cuBLAS cannot run a body before its store, so such a kernel has no GemmCall, except `acc + bias along N`
+with an FP32 output, which cuBLASLt's bias epilogue computes with the same rounding (cuda_gemm_bias.py).
 """
 from __future__ import annotations
 

@@ -111,7 +111,9 @@ class GemmCall:
     a/b/c are cuBLAS's operands (A and B may be the LLIR's B and A); offsets are in elements.
     For cuBLASLt, `prologue` (launches of the kernel's KernelSource) first fills the scales and the
     FP8 operands (scratch buffers, or for a pre-quantized A its QUANTIZE kernel's buffer and scales);
-    a_scale/b_scale point at the dequantization scales.
+    a_scale/b_scale point at the dequantization scales. `epilogue` (a cublasLtEpilogue_t name):
+    CUBLASLT_EPILOGUE_BIAS adds `bias` (a packed vector of `bias_type`, D's rows long) to every column
+    (codegen/cuda_gemm_bias.py says when).
     """
 
     api: str
@@ -140,6 +142,9 @@ class GemmCall:
     prologue: tuple[Launch, ...] = ()
     a_scale: Arg | None = None
     b_scale: Arg | None = None
+    epilogue: str = "CUBLASLT_EPILOGUE_DEFAULT"
+    bias: Arg | None = None
+    bias_type: str | None = None
 
     def bind(self, bindings: Mapping[str, int]) -> "GemmCall":
         """Every dimension evaluated to an int."""
@@ -151,7 +156,7 @@ class GemmCall:
     def bind_args(self, kernel: Kernel) -> "GemmCall":
         """Buffer ids of this kernel in the pointer arguments (the cached call has roles only)."""
         prologue = tuple(replace(launch, args=tuple(a.bind(kernel) for a in launch.args)) for launch in self.prologue)
-        scales = {f: getattr(self, f).bind(kernel) for f in ("a_scale", "b_scale") if getattr(self, f) is not None}
+        scales = {f: getattr(self, f).bind(kernel) for f in ("a_scale", "b_scale", "bias") if getattr(self, f) is not None}
         return replace(self, a=self.a.bind(kernel), b=self.b.bind(kernel), c=self.c.bind(kernel), prologue=prologue,
                        **scales)
 
@@ -173,12 +178,13 @@ class GemmCall:
         return tuple(out)
 
     def legal(self) -> bool:
-        """A bound call cuBLAS accepts: leading dimensions cover their matrices, FP8 alignment (lt_violations)."""
+        """A bound call cuBLAS accepts: leading dimensions cover their matrices, FP8 alignment (lt_violations, for
+        the scaled FP8 calls only: an unscaled bias-epilogue call has the plain call's rules)."""
         dims = (self.m, self.n, self.k, self.lda, self.ldb, self.ldc)
         if not all(isinstance(d, int) for d in dims):
             raise ValueError("bind() the call before asking whether it is legal")
         lds_ok = all(ld >= need for ld, need in zip((self.lda, self.ldb, self.ldc), self.min_ld))
-        fp8_ok = self.api != "cublasLt" or not self.lt_violations()
+        fp8_ok = self.api != "cublasLt" or self.a_scale is None or not self.lt_violations()
         return lds_ok and fp8_ok and max(dims) < 2 ** 31
 
 

@@ -12,7 +12,8 @@ reductions (MATH_MODE), the stream set once and then
 the workspace set once (in that order, as cublasSetStream resets it), so eager runs and captured
 graphs make the same calls and graph capture never allocates. `CublasLt` keeps one handle and, per
 call shape, the matmul descriptor, the layouts and the heuristic's algorithm under a workspace
-preference (NVIDIA's LtFp8Matmul sample); a shape the heuristic or cublasLtMatmul calls
+preference (NVIDIA's LtFp8Matmul sample); its calls are per-tensor FP8 (scale pointers) and FP32-output
+bias epilogues (CUBLASLT_EPILOGUE_BIAS with the bias pointer, codegen/cuda_gemm_bias.py); a shape the heuristic or cublasLtMatmul calls
 NOT_SUPPORTED (status 15) is remembered and answered False, so the runtime runs the tiled kernel
 instead, the same way eagerly and when captured.
 """
@@ -40,6 +41,9 @@ ENUMS = {
     "MAJOR_VERSION": 0, "MINOR_VERSION": 1,
     "CUBLASLT_MATMUL_DESC_TRANSA": 3, "CUBLASLT_MATMUL_DESC_TRANSB": 4,
     "CUBLASLT_MATMUL_DESC_A_SCALE_POINTER": 17, "CUBLASLT_MATMUL_DESC_B_SCALE_POINTER": 18,
+    "CUBLASLT_MATMUL_DESC_EPILOGUE": 7, "CUBLASLT_MATMUL_DESC_BIAS_POINTER": 8,
+    "CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE": 10, "CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE": 26,
+    "CUBLASLT_EPILOGUE_DEFAULT": 1, "CUBLASLT_EPILOGUE_BIAS": 4,
     "CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT": 5, "CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET": 6,
     "CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES": 1,
 }
@@ -229,7 +233,8 @@ def lt_layouts(call: GemmCall) -> tuple[tuple[str, int, int, int], ...]:
 def lt_key(call: GemmCall) -> tuple:
     """Everything a cached descriptor, layout and algorithm depend on (not the pointers)."""
     return (call.transa, call.transb, call.m, call.n, call.k, call.lda, call.ldb, call.ldc, call.stride_a,
-            call.stride_b, call.stride_c, call.batch, call.a_type, call.b_type, call.c_type, call.compute_type)
+            call.stride_b, call.stride_c, call.batch, call.a_type, call.b_type, call.c_type, call.compute_type,
+            call.epilogue, call.bias_type)
 
 
 def set_attribute(setter, obj, attr: str, value) -> None:
@@ -238,14 +243,19 @@ def set_attribute(setter, obj, attr: str, value) -> None:
 
 
 def describe(lib, call: GemmCall) -> tuple[ctypes.c_void_p, tuple[ctypes.c_void_p, ...]]:
-    """The matmul descriptor (FP32 scale type, transposes) and the A, B, C/D layouts (batch count and
-    strides) of a call: host-side objects, made without a device."""
+    """The matmul descriptor (FP32 scale type, transposes, epilogue: for CUBLASLT_EPILOGUE_BIAS the bias type and
+    batch stride 0, one vector for every batch) and the A, B, C/D layouts (batch count and strides) of a call:
+    host-side objects, made without a device. The bias pointer is set per call (set_bias)."""
     e, setter = CUBLAS_ENUMS, lib.cublasLtMatmulDescSetAttribute
     desc = ctypes.c_void_p()
     _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), e[call.compute_type], e["CUDA_R_32F"]),
            "cublasLtMatmulDescCreate")
     set_attribute(setter, desc, "CUBLASLT_MATMUL_DESC_TRANSA", ctypes.c_int32(int(call.transa)))
     set_attribute(setter, desc, "CUBLASLT_MATMUL_DESC_TRANSB", ctypes.c_int32(int(call.transb)))
+    if call.epilogue != "CUBLASLT_EPILOGUE_DEFAULT":
+        set_attribute(setter, desc, "CUBLASLT_MATMUL_DESC_EPILOGUE", ctypes.c_uint32(ENUMS[call.epilogue]))
+        set_attribute(setter, desc, "CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE", ctypes.c_int32(e[call.bias_type]))
+        set_attribute(setter, desc, "CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE", ctypes.c_int64(0))
     layouts = []
     for (dtype, rows, cols, ld), stride in zip(lt_layouts(call), (call.stride_a, call.stride_b, call.stride_c)):
         layout, set_layout = ctypes.c_void_p(), lib.cublasLtMatrixLayoutSetAttribute
@@ -262,6 +272,11 @@ def set_scales(lib, desc, a_scale: int, b_scale: int) -> None:
     setter = lib.cublasLtMatmulDescSetAttribute
     set_attribute(setter, desc, "CUBLASLT_MATMUL_DESC_A_SCALE_POINTER", ctypes.c_void_p(a_scale))
     set_attribute(setter, desc, "CUBLASLT_MATMUL_DESC_B_SCALE_POINTER", ctypes.c_void_p(b_scale))
+
+
+def set_bias(lib, desc, bias: int) -> None:
+    """The bias vector (a device pointer) of the next matmul with CUBLASLT_EPILOGUE_BIAS."""
+    set_attribute(lib.cublasLtMatmulDescSetAttribute, desc, "CUBLASLT_MATMUL_DESC_BIAS_POINTER", ctypes.c_void_p(bias))
 
 
 def workspace_preference(lib, workspace_bytes: int) -> ctypes.c_void_p:
@@ -289,11 +304,15 @@ class CublasLt:
         _check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.plans: dict[tuple, _LtPlan] = {}
 
-    def plan(self, call: GemmCall) -> _LtPlan:
-        """The cached descriptor, layouts and algorithm of this call's shape (created on first use)."""
+    def plan(self, call: GemmCall, bias: int | None = None) -> _LtPlan:
+        """The cached descriptor, layouts and algorithm of this call's shape (created on first use). `bias`: set
+        before the heuristic, which reads the bias pointer's alignment (cublasLt.h); every bias is a slot's base
+        (codegen/cuda_gemm_bias.py: offset 0), so later calls' pointers have the same alignment."""
         key = lt_key(call)
         if key not in self.plans:
             desc, layouts = describe(self.lib, call)
+            if bias is not None:
+                set_bias(self.lib, desc, bias)
             self.plans[key] = _LtPlan(desc, layouts, self._heuristic(desc, layouts))
         return self.plans[key]
 
@@ -312,12 +331,19 @@ class CublasLt:
         _check(status, "cublasLtMatmulAlgoGetHeuristic")
         return result.algo
 
-    def matmul(self, call: GemmCall, a: int, b: int, c: int, a_scale: int, b_scale: int, stream: int) -> bool:
-        """D = scale_a * scale_b * op(A) op(B) with FP32 accumulation, on `stream`; False: NOT_SUPPORTED."""
-        plan = self.plan(call)
+    def matmul(self, call: GemmCall, a: int, b: int, c: int, stream: int, scales: tuple[int, int] | None = None,
+               bias: int | None = None) -> bool:
+        """D = scale_a * scale_b * op(A) op(B) with FP32 accumulation (`scales`: per-tensor FP8), + `bias` per row
+        of D (CUBLASLT_EPILOGUE_BIAS), on `stream`; False: NOT_SUPPORTED."""
+        plan = self.plan(call, bias)
         if plan.algo is None:
             return False
-        set_scales(self.lib, plan.desc, a_scale, b_scale)
+        if (scales is not None) != (call.a_scale is not None) or (bias is not None) != (call.bias is not None):
+            raise ValueError("cublasLtMatmul: the scales and bias pointers must match the call's")
+        if scales is not None:
+            set_scales(self.lib, plan.desc, *scales)
+        if bias is not None:
+            set_bias(self.lib, plan.desc, bias)
         alpha, beta, vp = ctypes.c_float(1.0), ctypes.c_float(0.0), ctypes.c_void_p
         la, lb, lc = plan.layouts
         status = self.lib.cublasLtMatmul(self.handle, plan.desc, ctypes.byref(alpha), vp(a), la, vp(b), lb,

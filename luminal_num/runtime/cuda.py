@@ -5,7 +5,8 @@ buffer stored in its plan dtype and the same liveness plan (runtime/buffers.py),
 compared output for output. Kernels come from codegen/cuda_kernels.py, compiled by codegen/nvrtc.py
 to a CUBIN for the device's architecture (the kernel cache applies) and loaded from those bytes
 (cuModuleLoadData: no temp file); when the project's NVRTC is missing, CuPy compiles the same source.
-A Gemm runs through cuBLAS (cublasGemmStridedBatchedEx) or cuBLASLt (FP8 per-tensor) when codegen
+A Gemm runs through cuBLAS (cublasGemmStridedBatchedEx) or cuBLASLt (FP8 per-tensor; FP32-output bias
+epilogues) when codegen
 says it can and the bound call is legal, else through its fallback kernels (`gemm="kernel"` forces
 those: they follow the CPU emulator's arithmetic). A Gemm whose B is a weight held in a storage format
 reads the weight's stored bytes (packed codes and scales, uploaded once as the plan's weights file holds
@@ -272,13 +273,14 @@ class CudaRuntime:
         return True
 
     def _gemm_lt(self, state: "_Prepared", k: Kernel, call: GemmCall) -> bool:
-        if self.lt.plan(call).algo is None:
+        ptr = lambda arg: self._pointer(state, k.id, arg).data.ptr  # noqa: E731
+        bias = ptr(call.bias) if call.bias is not None else None  # offset 0 (codegen/cuda_gemm_bias.py)
+        if self.lt.plan(call, bias).algo is None:
             return False
         for launch in call.prologue:
             self._launch(state, k.id, launch)
-        ptr = lambda arg: self._pointer(state, k.id, arg).data.ptr  # noqa: E731
-        return self.lt.matmul(call, ptr(call.a), ptr(call.b), ptr(call.c), ptr(call.a_scale), ptr(call.b_scale),
-                              self.stream.ptr)
+        scales = (ptr(call.a_scale), ptr(call.b_scale)) if call.a_scale is not None else None
+        return self.lt.matmul(call, ptr(call.a), ptr(call.b), ptr(call.c), self.stream.ptr, scales, bias)
 
     def _enqueue_kernel(self, state: "_Prepared", k: Kernel) -> None:
         if k.kind is KernelKind.EXTERNAL:
@@ -293,7 +295,7 @@ class CudaRuntime:
             args = (slot(k.id), slot(k.inputs[0].buffer), *state.parts[k.inputs[1].buffer])
             self._functions[src.name](src.grid, src.block, args, stream=self.stream)
             return
-        if k.kind is KernelKind.GEMM and self._gemm(state, k):
+        if k.kind.is_gemm and self._gemm(state, k):
             return
         src = self.sources[k.id]
         launches = src.launches

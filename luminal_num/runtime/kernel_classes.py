@@ -84,8 +84,13 @@ class KernelClassFit:
 # (bench.gpu_calibration) replaces the derivation with the kernel's own fit. tensor_core_stored (the same kernel
 # staging B from a weight's stored parts) from cublas likewise: the same K loop on fewer bytes, the dequantize
 # arithmetic done once per staged B element (shared by the block's 32 rows).
+#
+# cublasLt_bias (cublasLtMatmul with CUBLASLT_EPILOGUE_BIAS: FP32-output `+ bias along N` epilogues,
+# codegen/cuda_gemm_bias.py) from cublas: MODELLED, NOT MEASURED. The same library Gemm (cuBLASLt is the engine
+# under cublasGemmStridedBatchedEx) in the same math, plus an N-vector read and one add per output element
+# in its epilogue (charged as bytes and flops by the kernel's work). A device run replaces it with its own fit.
 DERIVED_CLASSES = {"tiled_decode": "tiled", "tiled_stored": "tiled", "tiled_stored_decode": "tiled_decode",
-                   "tensor_core": "cublas", "tensor_core_stored": "cublas"}
+                   "tensor_core": "cublas", "tensor_core_stored": "cublas", "cublasLt_bias": "cublas"}
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ for `cpu` (runtime/launch_form.py prices the megakernel form beside it and picks
 Each launched kernel becomes a `KernelWork`: bytes it loads and stores, flops, the math mode its
 flops run in and its tiles (codegen/blockops.py), which the model quantizes into waves over the SMs.
 A Gemm is priced by the implementation the CUDA runtime launches for it (codegen/cuda_dispatch.py, the
-one decision both read): a cuBLAS(Lt) call and the tensor-core kernel (fused epilogues and scaled
+one decision both read): a cuBLAS(Lt) call (cuBLASLt's bias epilogue included: FP32 on CUDA cores for an FP32
+variant, as plain cuBLAS FP32) and the tensor-core kernel (fused epilogues and scaled
 variants it reproduces: codegen/cuda_gemm_tc.py) in the variant's operand math on tensor cores; the
 dequantize-on-load and the tiled kernels (FP32, narrow-accumulator and K-scaled variants, the decode path,
 every form on a stored weight, batch-invariant programs) in FP32 on CUDA cores. Everything else is FP32
