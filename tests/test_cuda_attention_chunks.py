@@ -199,14 +199,8 @@ def test_a_row_past_the_real_chunk_size(monkeypatch):
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
     """The executing CUDA stand-in (tests/fake_cuda.py): the CUDA runtime's launches run in the interpreter."""
-    import luminal_num.runtime.cuda as cuda_module
-    from fake_cuda import Recorder, install
-    from luminal_num.runtime import cuda_device
-    rec = Recorder(execute=True)
-    monkeypatch.setenv(nvrtc.CACHE_ENV, str(tmp_path))
-    install(monkeypatch, rec, cuda_module, cuda_device)
-    yield rec
-    cuda_device.probe.cache_clear()
+    from fake_cuda import executing_stand_in
+    yield from executing_stand_in(monkeypatch, tmp_path)
 
 
 @needs_nvrtc

@@ -15,7 +15,6 @@ from luminal_num.error.interval import Interval
 from luminal_num.error.static import static_bound
 from luminal_num.hlir import evaluate
 from luminal_num.hlir.graph import Graph
-from luminal_num.hlir.shape import ShapeTracker
 from luminal_num.models.llama import LLAMA_TINY, build_prefill, random_weights
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.recipes import pick
@@ -131,15 +130,8 @@ def test_the_cost_model_charges_bs_amax_pass(name):
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
     """The executing CUDA stand-in (tests/fake_cuda.py): launches run in the CUDA interpreter."""
-    import luminal_num.runtime.cuda as cuda_module
-    from fake_cuda import Recorder, install
-    from luminal_num.codegen import nvrtc
-    from luminal_num.runtime import cuda_device
-    rec = Recorder(execute=True)
-    monkeypatch.setenv(nvrtc.CACHE_ENV, str(tmp_path))
-    install(monkeypatch, rec, cuda_module, cuda_device)
-    yield rec
-    cuda_device.probe.cache_clear()
+    from fake_cuda import executing_stand_in
+    yield from executing_stand_in(monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("name", DYNAMIC)
