@@ -188,7 +188,7 @@ def test_the_stand_in_runs_the_bias_gemm_as_the_cpu_backend_without_nvrtc(fake, 
     if integers:
         np.testing.assert_array_equal(got, cpu)
     else:  # K = 384 FP32 products in any order: within K * 2^-24 * sum |a||b| (+ the bias add's rounding)
-        x, w, b = feed["x"].astype(np.float32), graph.weights["w"].astype(np.float32), graph.weights["b"]
+        x, w = feed["x"].astype(np.float32), graph.weights["w"].astype(np.float32)
         bound = 384 * 2.0 ** -24 * (np.abs(x) @ np.abs(w)) + 2.0 ** -23 * np.abs(cpu)
         assert np.all(np.abs(got - cpu) <= 2 * bound)
 

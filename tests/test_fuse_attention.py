@@ -19,7 +19,7 @@ from luminal_num.codegen import cuda_attention
 from luminal_num.codegen.attention import ATTENTION_VARIANTS, DECODE_SPLITS, AttentionSpec, key_ranges
 from luminal_num.codegen.cuda_kernels import clear_render_cache, render_kernel
 from luminal_num.codegen.llir import KernelKind
-from luminal_num.dtypes.formats import BF16, F16, F32
+from luminal_num.dtypes.formats import BF16, F32
 from luminal_num.error.interval import Interval
 from luminal_num.error.static import static_bound
 from luminal_num.hlir import Graph, evaluate

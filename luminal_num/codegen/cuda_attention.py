@@ -157,7 +157,7 @@ def render_attention(cx) -> tuple[str, tuple[Launch, ...]]:
              f"for (long long d = 0; d < {depth}; ++d) {{", f"    acc = __fadd_rn(acc, __fmul_rn({q}, {kk}));", "}",
              f"const float s = __fadd_rn(__fmul_rn(acc, {float_literal(spec.scale)}), {bias});"]
     # a split's tiles within the chunk [ta, tb)
-    split_tiles = f"long long tl = max(sp * per_split, ta); tl < min((sp + 1) * per_split, tb); ++tl"
+    split_tiles = "long long tl = max(sp * per_split, ta); tl < min((sp + 1) * per_split, tb); ++tl"
     chunk = [
         f"const long long tb = min(ta + {ct}LL, tiles);",
         f"const long long ka = ta * {tile}LL;", f"const long long kb = min(tb * {tile}LL, len);",
