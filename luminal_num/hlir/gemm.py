@@ -136,24 +136,27 @@ def gemm_operand_b(b_full, layout: GemmLayout):
 def gemm_operand_b_view(b_full, layout: GemmLayout):
     """B over the full Mul shape as a (batch, K, N) VIEW (gemm_operand_b's values, nothing copied), or None
     where that shape needs a copy: a caller can then copy a block of columns at a time."""
-    full = b_full.shape
-    x = b_full[tuple(0 if ax in layout.m_axes else slice(None) for ax in range(len(full)))]
-    keep = [ax for ax in range(len(full)) if ax not in layout.m_axes]
-    x = np.transpose(x, [keep.index(ax) for ax in (*layout.batch_axes, layout.k_axis, *layout.n_axes)])
-    size = lambda axes: int(np.prod([full[ax] for ax in axes], dtype=np.int64))  # noqa: E731
+    x, size = _ordered(b_full, layout, layout.m_axes, (*layout.batch_axes, layout.k_axis, *layout.n_axes))
     try:
-        return x.reshape(size(layout.batch_axes), full[layout.k_axis], size(layout.n_axes), copy=False)
+        return x.reshape(size(layout.batch_axes), b_full.shape[layout.k_axis], size(layout.n_axes), copy=False)
     except ValueError:
         return None
+
+
+def _ordered(full_arr, layout: GemmLayout, drop, order):
+    """The operand's view with the `drop` (broadcast) axes taken at 0 and the rest in `order`; and the size of
+    a group of the full shape's axes."""
+    full = full_arr.shape
+    x = full_arr[tuple(0 if ax in drop else slice(None) for ax in range(len(full)))]
+    keep = [ax for ax in range(len(full)) if ax not in drop]
+    return (np.transpose(x, [keep.index(ax) for ax in order]),
+            lambda axes: int(np.prod([full[ax] for ax in axes], dtype=np.int64)))
 
 
 def _operand(full_arr, layout: GemmLayout, drop, order, is_a: bool):
     """Which operand is said by the caller: with no N axis (a mat-vec) B's order also ends in K."""
     full = full_arr.shape
-    x = full_arr[tuple(0 if ax in drop else slice(None) for ax in range(len(full)))]
-    keep = [ax for ax in range(len(full)) if ax not in drop]
-    x = np.transpose(x, [keep.index(ax) for ax in order])
-    size = lambda axes: int(np.prod([full[ax] for ax in axes], dtype=np.int64))  # noqa: E731
+    x, size = _ordered(full_arr, layout, drop, order)
     first = size(layout.batch_axes)
     if is_a:  # A: (batch, M, K)
         return contiguous(x).reshape(first, size(layout.m_axes), full[layout.k_axis])

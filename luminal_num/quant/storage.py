@@ -220,8 +220,8 @@ class Quantized:
         _check_parts(self.fmt, self.shape, self.values, stored=False)
 
     def dequantize(self) -> np.ndarray:
-        """The widened values (a new array the caller owns). The conversion's finiteness check already
-        computed them once: the first call takes that array instead of computing a second full-size copy."""
+        """The widened values. The conversion's finiteness check already computed them once: the first call
+        takes that array instead of computing a second full-size copy (an IEEE format's are its codes array)."""
         widened = self.__dict__.pop("_widened", None)
         return widened if widened is not None else self.fmt.dequantize(self)
 
