@@ -25,7 +25,7 @@ from dataclasses import replace
 from ..dtypes.formats import F32, Format
 from ..dtypes.variants import GemmPrecision
 from ..hlir.ops import Op
-from .cuda_gemm_call import CUDA_DATA_TYPES, _collapse, _Geometry, cublas_call
+from .cuda_gemm_call import CUDA_DATA_TYPES, Geometry, collapse_axes, cublas_call
 from .cuda_source import Arg, GemmCall
 from .llir import FAcc, FApply, FLoad, FRoundTo, Kernel, KernelKind
 
@@ -76,13 +76,13 @@ def _bias_refusal_of_view(kernel: Kernel) -> str | None:
         strides[axis] = stride
     if any(strides[a] != 0 and full[a] != 1 for a in (*lay.batch_axes, *lay.m_axes)):
         return "the bias varies along M or the batch, not only along N"
-    n = _collapse(full, strides, lay.n_axes)
+    n = collapse_axes(full, strides, lay.n_axes)
     if n.stride is None or not n.unit():
         return "the bias is not packed (stride 1) along N"
     return None
 
 
-def bias_refusal(kernel: Kernel, variant: GemmPrecision, formats: tuple[Format, ...], geo: _Geometry) -> str | None:
+def bias_refusal(kernel: Kernel, variant: GemmPrecision, formats: tuple[Format, ...], geo: Geometry) -> str | None:
     """Why this Gemm kernel has no cuBLASLt bias-epilogue call (one line), None when it has one."""
     if kernel.kind is not KernelKind.GEMM_EPILOGUE:
         return f"a {kernel.kind.value} kernel has no epilogue"
@@ -108,7 +108,7 @@ def bias_refusal(kernel: Kernel, variant: GemmPrecision, formats: tuple[Format, 
     return None
 
 
-def bias_call(kernel: Kernel, variant: GemmPrecision, formats: tuple[Format, ...], geo: _Geometry) -> GemmCall | None:
+def bias_call(kernel: Kernel, variant: GemmPrecision, formats: tuple[Format, ...], geo: Geometry) -> GemmCall | None:
     """The plain cuBLAS call as cublasLtMatmul with CUBLASLT_EPILOGUE_BIAS over input BIAS_SLOT, or None."""
     if bias_refusal(kernel, variant, formats, geo) is not None:
         return None

@@ -34,7 +34,7 @@ class _Role:
         return self.stride == 1 or self.extent == 1
 
 
-def _collapse(shape, strides, axes) -> _Role:
+def collapse_axes(shape, strides, axes) -> _Role:
     axes = [a for a in axes if shape[a] != 1]
     extent = prod(shape[a] for a in axes)
     if not axes:
@@ -45,25 +45,25 @@ def _collapse(shape, strides, axes) -> _Role:
 
 
 @dataclass(frozen=True)
-class _Geometry:
+class Geometry:
     batch: tuple[_Role, _Role, _Role]   # (A, B, C) batch strides
     a: tuple[_Role, _Role]              # (M, K)
     b: tuple[_Role, _Role]              # (K, N)
     c: tuple[_Role, _Role]              # (M, N)
 
 
-def geometry(kernel: Kernel) -> _Geometry:
+def geometry(kernel: Kernel) -> Geometry:
     lay = kernel.layout
     full = lay.full_shape
     sa, sb = kernel.inputs[0].view.views[0].strides, kernel.inputs[1].view.views[0].strides
     out_strides = dict(zip(lay.out_axes, contiguous_strides([full[a] for a in lay.out_axes])))
     sc = [out_strides.get(a, 0) for a in range(len(full))]
     k = [lay.k_axis]
-    return _Geometry(
-        tuple(_collapse(full, s, lay.batch_axes) for s in (sa, sb, sc)),
-        (_collapse(full, sa, lay.m_axes), _collapse(full, sa, k)),
-        (_collapse(full, sb, k), _collapse(full, sb, lay.n_axes)),
-        (_collapse(full, sc, lay.m_axes), _collapse(full, sc, lay.n_axes)))
+    return Geometry(
+        tuple(collapse_axes(full, s, lay.batch_axes) for s in (sa, sb, sc)),
+        (collapse_axes(full, sa, lay.m_axes), collapse_axes(full, sa, k)),
+        (collapse_axes(full, sb, k), collapse_axes(full, sb, lay.n_axes)),
+        (collapse_axes(full, sc, lay.m_axes), collapse_axes(full, sc, lay.n_axes)))
 
 
 def _column_major(rows: _Role, cols: _Role) -> tuple[bool, Dim, Dim] | None:
@@ -106,7 +106,7 @@ def lt_capable(variant: GemmPrecision, out: Format) -> bool:
             and not variant.grouped and out in (F32, BF16, F16))
 
 
-def cublas_call(kernel: Kernel, variant: GemmPrecision, formats: tuple[Format, ...], geo: _Geometry) -> GemmCall | None:
+def cublas_call(kernel: Kernel, variant: GemmPrecision, formats: tuple[Format, ...], geo: Geometry) -> GemmCall | None:
     types = None if variant.a_scale or variant.b_scale else _types(variant, *formats, kernel.dtype)
     if types is None or any(r.stride is None for r in geo.batch):
         return None
@@ -132,7 +132,7 @@ def cublas_call(kernel: Kernel, variant: GemmPrecision, formats: tuple[Format, .
                     CUDA_DATA_TYPES[kernel.dtype], compute, (first[2], second[2], m))
 
 
-def lt_call(kernel: Kernel, variant: GemmPrecision, geo: _Geometry, prologue: tuple[Launch, ...],
+def lt_call(kernel: Kernel, variant: GemmPrecision, geo: Geometry, prologue: tuple[Launch, ...],
              operands: tuple[Arg, Arg], scales: tuple[Arg, Arg]) -> GemmCall | None:
     """FP8 per-tensor scales: both operands K-contiguous, `operands` (A: batch x M x K, B: batch x N x K)
     with their `scales`."""
