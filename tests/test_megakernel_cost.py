@@ -158,3 +158,19 @@ def test_small_weights_end_after_the_wait():
     got = megakernel_latency(build_queue(program), program, "h200", {})
     assert got.makespan_s == pytest.approx(y_end + POST_WAIT_S + rest, rel=1e-12)
     assert (got.critical_hops, got.critical_overhead_s) == (2, pytest.approx(TILE_OVERHEAD_S + POST_WAIT_S))
+
+
+def test_recomputed_rows_leave_the_chain_and_add_their_body_to_each_reader_tile():
+    """A one-token llama-tiny layer: its three one-row norms are recomputed by their GEMVs
+    (codegen/megakernel.py): three tiles and three hops fewer. On the chain, norm then GEMV tile was
+    (overhead + norm body) then (post-wait part + GEMV rest); now the GEMV tile runs the norm body itself
+    (the same one-SM roofline): the critical path is shorter by exactly three tile overheads."""
+    from luminal_num.models.registry import llama_tiny_job
+    job = llama_tiny_job(seq=1, layers=1)
+    space = SearchSpace.build(job.graph, fusion=True)
+    program = space.program(())
+    bindings = job.graph.bind_symbols(job.calibration[0])
+    plain = megakernel_latency(build_queue(program, recompute_rows=False), program, "h200", bindings)
+    got = megakernel_latency(build_queue(program), program, "h200", bindings)
+    assert (plain.tiles - got.tiles, plain.critical_hops - got.critical_hops) == (3, 3)
+    assert plain.critical_path_s - got.critical_path_s == pytest.approx(3 * TILE_OVERHEAD_S, rel=1e-9)

@@ -140,7 +140,7 @@ def test_switch_wires_every_argument_to_its_buffer():
     mega = render_megakernel(program, build_queue(program))
     for i, op in enumerate(mega.ops):
         line = next(l for l in mega.source.splitlines() if l.strip().startswith(f"case {i}:"))
-        assert f"{op.entry}(" in line and all(f"bufs[{s}]" in line for s in op.arg_slots)
+        assert f"{op.entry}(" in line and all(f"ln_mk_buf(bufs, {s})" in line for s in op.arg_slots)
         k = program.kernel(op.kernel)
         for inp in k.inputs:  # the inputs the body reads are the kernel's buffers
             assert inp.buffer in op.arg_slots or k.kind.in_place
@@ -270,3 +270,30 @@ def test_a_tile_prefetches_exactly_the_weight_bytes_its_body_reads(which):
         read_lines = {b // 128 for b in read_bytes}
         prefetched_lines = {line for begin, end in ranges for line in range(begin // 128, -(-end // 128))}
         assert seen and read_lines == prefetched_lines, (which, part, sorted(read_lines ^ prefetched_lines)[:4])
+
+
+def test_the_loop_table_recomputes_a_one_row_norm_in_its_gemv_tiles():
+    """A one-token SmolLM2-shaped layer: the row ops the queue has its GEMVs recompute have no tiles in the
+    loop's table; every launch of the reader names the row op's CudaOp and its buffer slot (redirected to
+    the block's own copy), waits on no row op, and the source runs the recompute before the reader's body."""
+    program = _smollm2_layer(STORAGE_RECIPES["W4A16 INT4 group 128"])
+    queue = build_queue(program)
+    mega = render_megakernel(program, queue)
+    bindings = {}
+    rows, waits = mega.table(queue, bindings)
+    recomputed = {i for i, q in enumerate(queue.ops) if q.recomputed_by is not None}
+    assert len(recomputed) == 3  # the layer's two norms and the final norm
+    row_ops = {i for i, op in enumerate(mega.ops) if op.queue_op in recomputed}
+    for i, (op, row) in enumerate(zip(mega.ops, rows)):
+        q = queue.ops[op.queue_op]
+        if op.queue_op in recomputed:
+            assert row[2] == 0
+        if q.recomputes is not None:
+            assert row[16] in row_ops and mega.ops[row[16]].queue_op == q.recomputes
+            assert row[17] == queue.ops[q.recomputes].kernel and row[17] in op.arg_slots
+        else:
+            assert (row[16], row[17]) == (-1, -1)
+        assert not {w[0] for w in waits[row[11]:row[12]]} & row_ops
+    assert mega.private_bytes(program, queue, bindings) == 576 * 4  # one FP32 hidden row
+    loop = mega.source[mega.source.index(f"void __launch_bounds__({1024}) {ENTRY_NAME}("):]
+    assert loop.index("ln_mk_run(ops[ops[current].recompute].body") < loop.index("ln_mk_run(ops[current].body")

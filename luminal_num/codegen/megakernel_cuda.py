@@ -8,7 +8,10 @@ its counter (fence, then atomicAdd). Before the wait, a tile whose op reads a we
 (codegen/weight_stream.py: the Gemm bodies' own rows of an (N, K) weight, in each stored part) has all
 its threads issue an L2 prefetch per 128-byte line of those rows, so the weight bytes stream while
 thread 0 spins on the barrier (Hazy Research's no-bubbles megakernel overlaps the next instruction's
-weight loads likewise: hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles). The bodies stay unchanged because the builtins they read are
+weight loads likewise: hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles). A tile of a GEMV that
+recomputes a one-row norm (codegen/megakernel.py, QueueOp.recomputes) first runs that op's body as its
+one tile, writing the block's own copy (`privates`), then its own body, whose reads of the norm's slot
+`ln_mk_buf` redirects to that copy; the norm has no tiles and signals nothing. The bodies stay unchanged because the builtins they read are
 macros over the current tile (`blockIdx`, `gridDim`, `blockDim`, `threadIdx` from `ln_mk`, and
 `__syncthreads()` a named barrier over the body's threads); every body loops grid-stride, so any
 virtual grid computes its whole output, and the grids are the launches' own.
@@ -84,15 +87,18 @@ class MegakernelSource:
     def table(self, queue: WorkQueue, bindings: Mapping[str, int]) -> tuple[list[tuple], list[tuple]]:
         """(ops rows, waits rows) as the loop reads them, for one run's shapes:
         op row = (body, first_entry, tiles, gx, gy, gz, bx, by, bz, counter_base, stride, wait_begin, wait_end,
-        elements, prefetch_begin, prefetch_end), wait row = (producer CudaOp, read_elements or 0 for the whole
-        producer); the op's prefetch rows are `prefetch_rows()[prefetch_begin:prefetch_end]`."""
+        elements, prefetch_begin, prefetch_end, recompute, private_slot), wait row = (producer CudaOp,
+        read_elements or 0 for the whole producer); the op's prefetch rows are
+        `prefetch_rows()[prefetch_begin:prefetch_end]`; `recompute`: the CudaOp of a one-tile row op each tile
+        runs first into its block's own copy, which reads of bufs[private_slot] then see (-1: none). A row
+        op so recomputed has no tiles."""
         queue_table = queue.evaluate(bindings)
         last_of: dict[int, int] = {}
         rows, waits, counter, entry, prefetch = [], [], 0, 0, 0
         for i, op in enumerate(self.ops):
             grid = tuple(ceil_count(axis, bindings) for axis in op.grid) + (1, 1)
-            tiles = math.prod(grid[:3])
             q = queue.ops[op.queue_op]
+            tiles = 0 if q.recomputed_by is not None else math.prod(grid[:3])
             flat = (q.block.partition is Partition.FLAT and op.launch == 0 and op.last
                     and tiles == queue_table[op.queue_op].tiles)
             begin = len(waits)
@@ -107,14 +113,23 @@ class MegakernelSource:
             stride = 1 if flat else 0
             block = tuple(op.block) + (1, 1)
             streams = _stream_rows(op)
+            recompute, private = -1, -1
+            if q.recomputes is not None:  # every launch of the reader recomputes the row op (its last launch)
+                recompute, private = last_of[q.recomputes], queue.ops[q.recomputes].kernel
             rows.append((i, entry, tiles, *grid[:3], *block[:3], counter, stride, begin, len(waits), elements,
-                         prefetch, prefetch + len(streams)))
+                         prefetch, prefetch + len(streams), recompute, private))
             prefetch += len(streams)
             counter += tiles if stride else 1
             entry += tiles
             if op.last:
                 last_of[op.queue_op] = i
         return rows, waits
+
+    def private_bytes(self, program: Program, queue: WorkQueue, bindings: Mapping[str, int]) -> int:
+        """Bytes of one block's own copy: the largest row op recomputed by its readers (0: none)."""
+        sizes = [program.kernel(q.kernel).numel(bindings) * program.kernel(q.kernel).dtype.storage.itemsize
+                 for q in queue.ops if q.recomputed_by is not None]
+        return max(sizes, default=0)
 
     def prefetch_rows(self) -> list[tuple]:
         """Every op's prefetch rows in op order, as the loop reads them: (row_bytes, rows, rows_per_part_row,
@@ -173,7 +188,8 @@ def _param_types(source: str, entry: str) -> list[str]:
 
 
 _PRELUDE = r"""
-struct LnMkTile { uint3 bid; uint3 grid; uint3 bdim; unsigned nthreads; long long tile; };
+struct LnMkTile { uint3 bid; uint3 grid; uint3 bdim; unsigned nthreads; long long tile; int private_slot;
+                 void* private_copy; };
 __shared__ LnMkTile ln_mk;  // the tile the block runs: what the bodies' builtins read
 static __device__ __forceinline__ uint3 ln_mk_tid() {
     const unsigned t = threadIdx.x;
@@ -204,14 +220,33 @@ _LOOP = r"""
 #define LN_MK_BAND BAND_ROWS  /* weight rows per grid y of a Gemm body (codegen/weight_stream.BAND) */
 #define LN_MK_LINE LINE_BYTES  /* bytes per L2 prefetch */
 struct LnMkOp { int body; long long first_entry, tiles; int gx, gy, gz, bx, by, bz; long long counter_base;
-                int stride, wait_begin, wait_end; long long elements; int prefetch_begin, prefetch_end; };
+                int stride, wait_begin, wait_end; long long elements; int prefetch_begin, prefetch_end;
+                int recompute, private_slot; };
 struct LnMkWait { int producer; long long read_elements; };
 struct LnMkPrefetch { long long row_bytes, rows, per, offset, n_out; int slot; };
+
+static __device__ __forceinline__ void* ln_mk_buf(void* const* bufs, int slot) {
+    // the value a recomputing tile made in its block's own copy, else the value's buffer
+    return slot == ln_mk.private_slot ? ln_mk.private_copy : bufs[slot];
+}
+static __device__ __forceinline__ void ln_mk_enter(const LnMkOp& op, long long t) {  // thread 0: the tile bodies see
+    ln_mk.bid = make_uint3(t % op.gx, (t / op.gx) % op.gy, t / ((long long)op.gx * op.gy));
+    ln_mk.grid = make_uint3(op.gx, op.gy, op.gz);
+    ln_mk.bdim = make_uint3(op.bx, op.by, op.bz);
+    ln_mk.nthreads = op.bx * op.by * op.bz;
+    ln_mk.tile = t;
+}
+static __device__ void ln_mk_run(int body, void* const* bufs) {
+    switch (body) {
+CASES
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
         const LnMkOp* __restrict__ ops, int n_ops, const LnMkWait* __restrict__ waits,
         const LnMkPrefetch* __restrict__ prefetch, unsigned* counters,
-        unsigned long long* head, unsigned long long total, void* const* bufs) {
+        unsigned long long* head, unsigned long long total, void* const* bufs, char* privates,
+        long long private_bytes) {
     __shared__ unsigned long long entry;
     __shared__ int current;
     for (;;) {
@@ -222,13 +257,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
         if (threadIdx.x == 0) {
             int lo = 0, hi = n_ops - 1;  // the op whose entries hold e
             while (lo < hi) { const int mid = (lo + hi + 1) / 2; if (ops[mid].first_entry <= (long long)e) lo = mid; else hi = mid - 1; }
-            const LnMkOp op = ops[lo];
-            const long long t = (long long)e - op.first_entry;
-            ln_mk.bid = make_uint3(t % op.gx, (t / op.gx) % op.gy, t / ((long long)op.gx * op.gy));
-            ln_mk.grid = make_uint3(op.gx, op.gy, op.gz);
-            ln_mk.bdim = make_uint3(op.bx, op.by, op.bz);
-            ln_mk.nthreads = op.bx * op.by * op.bz;
-            ln_mk.tile = t;
+            ln_mk_enter(ops[lo], (long long)e - ops[lo].first_entry);
+            ln_mk.private_slot = -1;
             current = lo;
         }
         __syncthreads();
@@ -263,11 +293,19 @@ extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
             }
         }
         __syncthreads();
-        if (threadIdx.x < ln_mk.nthreads) {
-            switch (ops[current].body) {
-CASES
+        if (ops[current].recompute >= 0) {  // a one-tile row op this tile recomputes, into its block's own copy
+            if (threadIdx.x == 0) {
+                ln_mk_enter(ops[ops[current].recompute], 0);
+                ln_mk.private_slot = ops[current].private_slot;
+                ln_mk.private_copy = privates + (long long)blockIdx.x * private_bytes;
             }
+            __syncthreads();
+            if (threadIdx.x < ln_mk.nthreads) ln_mk_run(ops[ops[current].recompute].body, bufs);
+            __syncthreads();  // the copy is this block's: visible to its threads after the barrier
+            if (threadIdx.x == 0) ln_mk_enter(ops[current], (long long)entry - ops[current].first_entry);
+            __syncthreads();
         }
+        if (threadIdx.x < ln_mk.nthreads) ln_mk_run(ops[current].body, bufs);
         __threadfence();
         __syncthreads();
         if (threadIdx.x == 0)
@@ -341,8 +379,8 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
     cases = []
     for i, op in enumerate(ops):
         types = _param_types("\n".join(items), op.entry)
-        call = ", ".join(f"({t})bufs[{s}]" for t, s in zip(types, op.arg_slots))
-        cases.append(f"            case {i}: {op.entry}({call}); break;")
+        call = ", ".join(f"({t})ln_mk_buf(bufs, {s})" for t, s in zip(types, op.arg_slots))
+        cases.append(f"        case {i}: {op.entry}({call}); break;")
     includes = sorted(i for i in includes if "common.cuh" not in i) + ['#include "common.cuh"']
     head = [i for i in includes if "common.cuh" not in i]
     loop = _LOOP.replace("CASES", "\n".join(cases)).replace("ENTRY_NAME", ENTRY_NAME).replace(

@@ -11,7 +11,9 @@ device loop (codegen/megakernel_cuda.py) does:
   free + PRE_WAIT_S + weight bytes / the SM's bandwidth share, whenever the barrier is ready; the rest of
   the tile (the other bytes, the flops) and POST_WAIT_S follow max(pop, ready); it ends when both have;
 - any other tile issues nothing before its wait: its whole time, TILE_OVERHEAD_S included, follows
-  max(free, ready), as before the split.
+  max(free, ready), as before the split;
+- a GEMV whose tiles recompute a one-tile row op (codegen/megakernel.py, QueueOp.recomputes) adds that
+  op's body on one SM to each tile's rest, waits on the row op's producers, and the row op has no tiles.
 The makespan plus one launch is the latency; the critical path (the same chain of waits with unlimited
 SMs) says how much of it is barrier waits rather than SM throughput.
 
@@ -134,8 +136,14 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
     longest = _Chain()
     tiles_total = streamed = 0
     for i, (op, launch_row) in enumerate(zip(queue.ops, table)):
+        if not launch_row.tiles:  # a row op its reader recomputes: priced in the reader's tiles
+            continue
         work = works[op.kernel]
         times = tile_times(work, launch_row.tiles, resolved, weight_bytes.get(op.kernel, 0))
+        if op.recomputes is not None:  # each tile first runs the row op's one-tile body on its SM
+            row_op = queue.ops[op.recomputes]
+            own = tile_times(works[row_op.kernel], 1, resolved)
+            times = dataclasses.replace(times, rest_s=times.rest_s + own.rest_s)
         streamed += min(weight_bytes.get(op.kernel, 0), work.bytes_read)
         # a wait on a whole producer is the same for every tile: its latest counter, found once
         whole = [_whole_wait(queue, table, w, counter_done, counter_chain) for w in op.waits if not _per_tile(queue, w)]
