@@ -116,8 +116,8 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
                        launch: LaunchConstants | None = None, works: list[KernelWork] | None = None,
                        weight_bytes: Mapping[int, int] | None = None) -> MegakernelLatency:
     """`works`: per launched kernel, other work than what the megakernel runs (a bench's what-if);
-    `weight_bytes`: kernel id -> bytes its tiles stream before their waits, other than its weight stream's
-    (codegen/weight_stream.py; a kernel left out streams none)."""
+    `weight_bytes`: kernel id -> bytes its tiles stream before their waits, in place of the kernels' weight
+    streams (codegen/weight_stream.py; a kernel left out streams none: {} prices the model before the split)."""
     resolved = get_target(target)
     constants = launch or resolved.launch
     sms = resolved.sm_count
