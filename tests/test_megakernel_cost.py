@@ -69,11 +69,11 @@ def test_megakernel_never_beats_the_bytes_floor():
 
 # -- weights streamed before the wait ---------------------------------------------------------------------------
 
-CLOCK = 1.755e9       # H100 boost clock; L2 latency 200 cycles, DRAM 400 (megakernel_cost's cited table)
+CLOCK = 1.755e9       # H100 boost clock; L2 latency 200 cycles, DRAM 400 (megakernel_cost's stated assumptions)
 FP32_SIMT = 67e12 * 790.0 / 989.4  # Hopper fp32 SIMT peak x the H200 compute efficiency (790 / 989.4 TFLOP/s)
 
 
-def test_overhead_parts_are_round_trips_of_the_cited_latencies():
+def test_overhead_parts_are_round_trips_of_the_assumed_latencies():
     l2, dram = 200 / CLOCK, 400 / CLOCK
     assert (QUEUE_POP_S, FIRST_LOAD_S, ACQUIRE_S, SIGNAL_S) == pytest.approx((l2, dram, l2, l2), rel=1e-12)
     assert PRE_WAIT_S + POST_WAIT_S == pytest.approx(TILE_OVERHEAD_S, rel=1e-12)

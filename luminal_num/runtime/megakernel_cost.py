@@ -18,9 +18,10 @@ The makespan plus one launch is the latency; the critical path (the same chain o
 SMs) says how much of it is barrier waits rather than SM throughput.
 
 The overhead constants are assumptions derived from round published latencies, not measurements of this
-kernel: H100 L2 latency 200 cycles and global-memory latency 400 cycles at the 1755 MHz boost clock
-(Ultrasonics Sonochemistry 99:106546, 2023, Table 3, doi:10.1016/j.ultsonch.2023.106546), i.e. an L2
-round trip ~0.114 us and a DRAM load ~0.228 us; an H200 (same SM and L2 design) is assumed the same. Each
+kernel: an L2 hit of 200 cycles and a DRAM load of 400 cycles at the H100's 1755 MHz boost clock, round
+figures of the order GPU microbenchmarks publish (an L40's L2 hit spans 222-339 cycles across its SMs,
+arXiv:2606.22588; we found no Hopper table to cite exactly, and a device has not measured them here), i.e.
+an L2 round trip ~0.114 us and a DRAM load ~0.228 us; an H200 (same SM and L2 design) is assumed the same. Each
 named part below is a count of those round trips (the old single TILE_OVERHEAD_S, 0.5 us, was the
 unsplit guess of pop + acquire + first DRAM load; the split adds the signal's fence and sums to 0.57 us).
 """
@@ -41,8 +42,8 @@ from .latency import kernel_works
 from .targets import LaunchConstants, Target, get_target
 
 H100_CLOCK_HZ = 1.755e9
-L2_ROUND_TRIP_S = 200 / H100_CLOCK_HZ    # L2 hit latency, 200 cycles (Table 3 cited above)
-DRAM_LOAD_S = 400 / H100_CLOCK_HZ        # global-memory latency, 400 cycles (same table)
+L2_ROUND_TRIP_S = 200 / H100_CLOCK_HZ    # L2 hit latency, 200 cycles (an assumption: see above)
+DRAM_LOAD_S = 400 / H100_CLOCK_HZ        # global-memory latency, 400 cycles (an assumption: see above)
 # before the wait (at the SM's pop):
 QUEUE_POP_S = L2_ROUND_TRIP_S            # atomicAdd on the queue head: resolved at L2, one round trip
 FIRST_LOAD_S = DRAM_LOAD_S               # the tile's first DRAM load (the weight stream's first line)
