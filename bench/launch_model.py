@@ -8,9 +8,15 @@ minimum kernel time (sglang #24733, H100) and wave quantization of each kernel's
 on the SMs, barrier waits along the critical path, one launch, pricing the bodies the device megakernel
 runs (a Gemm over a stored weight its dequantize-on-load body, every other Gemm its tiled body:
 runtime/cuda_megakernel.py). `floor_us` is the plan's bytes (weights at their stored bytes) / 4.8 TB/s
-(the published bandwidth). `critical_hops` is the number of tiles on the longest barrier chain, each paying
-the assumed per-tile overhead (megakernel_cost.TILE_OVERHEAD_S); `overhead_share` the part of the
-critical path that overhead is. `chosen_form`: the launch form the search records
+(the published bandwidth). `critical_hops` is the number of tiles on the longest barrier chain; `overhead_share` the part of the
+critical path that per-tile overheads are. The megakernel model charges what its loop does (see
+runtime/megakernel_cost.py): a Gemm tile streams its own weight rows from when its SM pops it, before its
+barrier wait (codegen/weight_stream.py; `weight_streamed_share` is the streamed share of the step's
+bytes), and a one-row norm read only by a GEMV is recomputed by that GEMV's tiles (no tiles or hop of
+its own: codegen/megakernel.py). Its per-tile overheads are ASSUMPTIONS, round trips of round published
+H100 latencies (L2 200 cycles, DRAM 400 cycles at 1755 MHz), not measurements: pre-wait the queue pop and
+the first DRAM load, post-wait the counter acquire and the signal's fence (megakernel_cost.PRE_WAIT_S,
+POST_WAIT_S; a tile streaming nothing pays TILE_OVERHEAD_S, their sum, after its wait). `chosen_form`: the launch form the search records
 (runtime/launch_form.py), `chosen_us` its price. The step is a SmolLM2-135M-shaped decode (bench/storage_decode.py's config, random
 weights: the model reads shapes), one sequence, fusion on, each genome of bench/fusion.py.
 Writes reports/bench/launch_model.csv.
@@ -55,6 +61,7 @@ def rows_for(name: str, graph, bindings) -> list[dict]:
                          old_us=1e6 * old, new_us=1e6 * new, megakernel_us=1e6 * mega.total_s,
                          megakernel_critical_path_us=1e6 * mega.critical_path_s, critical_hops=mega.critical_hops,
                          overhead_share=mega.overhead_share, megakernel_over_floor=mega.total_s / floor,
+                         weight_streamed_share=mega.weight_bytes_streamed / mega.bytes_moved,
                          chosen_form=chosen.form.value, chosen_us=1e6 * chosen.total_s,
                          chosen_over_floor=chosen.total_s / floor, new_over_old=new / old))
     for key in ("old_us", "new_us", "megakernel_us", "chosen_us"):
@@ -74,7 +81,7 @@ def run(layers: int = SMOLLM2.num_hidden_layers, max_cache: int = 256) -> dict:
     df.to_csv(OUT / "launch_model.csv", index=False)
     with pd.option_context("display.width", 250, "display.max_columns", 20):
         print(df[["genome", "kernels", "floor_us", "old_us", "new_us", "megakernel_us", "megakernel_over_floor",
-                  "critical_hops", "overhead_share",
+                  "critical_hops", "overhead_share", "weight_streamed_share",
                   "chosen_form", "chosen_us", "rank_old", "rank_new", "rank_megakernel", "rank_chosen"]
                  ].round(2).to_string(index=False))
     print(f"[{time.perf_counter() - start:.1f} s]")

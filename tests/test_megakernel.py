@@ -13,7 +13,7 @@ import pytest
 from luminal_num.codegen.blockops import Partition, block_op, gemv_cols, tile_count
 from luminal_num.codegen.llir import FApply, FConstV, FLoad, Kernel, KernelInput, KernelKind, Program, verify
 from luminal_num.codegen.megakernel import (Wait, build_queue, wait_counters, with_read_elements,
-                                            with_signal_stride)
+                                            with_signal_stride, without_recompute)
 from luminal_num.dtypes.formats import F32
 from luminal_num.hlir.ops import Op
 from luminal_num.hlir.shape import ShapeTracker
@@ -138,3 +138,67 @@ def test_emulated_test_transformer_matches_its_plan(genome):
         run = emulator.run(seed, sms=2 + seed % 7)
         assert not run.violations and run.deadlock is None
         assert bit_identical(run.outputs, reference)
+
+
+# -- one-tile row ops recomputed by their GEMV ---------------------------------------------------------------
+
+def _decode_tiny():
+    from luminal_num.models.registry import llama_tiny_job
+    job = llama_tiny_job(seq=1, layers=1)  # one token: the norms are one-row (one-tile) ops
+    space = SearchSpace.build(job.graph, fusion=True)
+    return job, space.program(pick(space, BF16_WEIGHTS.__contains__))
+
+
+def test_a_one_row_norm_read_only_by_a_gemv_is_recomputed_by_its_tiles():
+    """Found from the program: each one-tile ROWS op whose one reader is a GEMV (as A) has no tiles of its
+    own; that GEMV recomputes it and waits on the row op's producers (whole) instead."""
+    _, program = _decode_tiny()
+    plain, queue = build_queue(program, recompute_rows=False), build_queue(program)
+    readers = {}
+    for k in program.launched():
+        for slot, inp in enumerate(k.inputs):
+            readers.setdefault(inp.buffer, []).append((k.id, slot))
+    expected = {}
+    for p, op in enumerate(plain.ops):
+        k = program.kernel(op.kernel)
+        reads = readers.get(k.id, [])
+        if k.kind is KernelKind.ROWS and op.block.tiles.evaluate({}) == 1 and len(reads) == 1 and reads[0][1] == 0 \
+                and program.kernel(reads[0][0]).kind.is_gemm:
+            expected[p] = plain.position(reads[0][0])
+    assert len(expected) == 3  # the layer's two norms and the final norm
+    assert {p: op.recomputed_by for p, op in enumerate(queue.ops) if op.recomputed_by is not None} == expected
+    table = queue.evaluate({})
+    for p, c in expected.items():
+        assert queue.ops[c].recomputes == p and table[p].tiles == 0 and table[c].tiles == plain.evaluate({})[c].tiles
+        assert {w.producer for w in queue.ops[c].waits} == \
+            {w.producer for w in plain.ops[p].waits} | {w.producer for w in plain.ops[c].waits if w.producer != p}
+        assert all(w.read_elements is None for w in queue.ops[c].waits if w.producer in {x.producer for x in plain.ops[p].waits})
+    assert sum(t.tiles for t in table) == sum(t.tiles for t in plain.evaluate({})) - 3
+
+
+def test_recomputed_rows_are_bit_identical_under_fuzzed_interleavings():
+    job, program = _decode_tiny()
+    inputs = job.calibration[0]
+    reference = CpuRuntime(program, job.graph.weights).run(inputs).outputs
+    emulator = MegakernelEmulator(program, build_queue(program), job.graph.weights, inputs)
+    for seed in range(40):
+        run = emulator.run(seed, sms=(1, 2, 5, 16, 132)[seed % 5])
+        assert not run.violations and run.deadlock is None, (seed, run.violations[:2], run.deadlock)
+        assert bit_identical(run.outputs, reference)
+
+
+def test_a_gemv_reading_the_row_op_without_recomputing_it_is_caught():
+    """The row op has no tiles, so its buffer is never written: a reader that does not recompute it reads
+    unwritten elements, every tile of it, in every interleaving."""
+    job, program = _decode_tiny()
+    queue = build_queue(program)
+    c = next(i for i, op in enumerate(queue.ops) if op.recomputes is not None)
+    wrong = without_recompute(queue, c)
+    emulator = MegakernelEmulator(program, wrong, job.graph.weights, job.calibration[0])
+    reference = CpuRuntime(program, job.graph.weights).run(job.calibration[0]).outputs
+    for seed in range(3):
+        run = emulator.run(seed, sms=4)
+        row_op = program.kernel(queue.ops[queue.ops[c].recomputes].kernel).id
+        assert {(v.op, v.producer_kernel) for v in run.violations} == {(c, row_op)}
+        assert len(run.violations) == queue.evaluate({})[c].tiles
+        assert not bit_identical(run.outputs, reference)

@@ -1,13 +1,20 @@
 """The megakernel cost model against schedules worked out by hand on the hand-built chain program
-(tests/test_megakernel.py): x (4, 300) -> y = 2x -> z = y + 1 -> r = row sums of z, w = z transposed + 1."""
+(tests/test_megakernel.py): x (4, 300) -> y = 2x -> z = y + 1 -> r = row sums of z, w = z transposed + 1;
+and on a hand-built decode GEMV, y = 2x then out = y W^T, whose tiles stream W's rows before their wait."""
 from __future__ import annotations
 
 import pytest
 
+from luminal_num.codegen.llir import FApply, FConstV, FLoad, Kernel, KernelInput, KernelKind, Program, verify
 from luminal_num.codegen.megakernel import build_queue
+from luminal_num.dtypes.formats import F32
+from luminal_num.hlir.gemm import GemmLayout
+from luminal_num.hlir.ops import Op
+from luminal_num.hlir.shape import ShapeTracker
 from luminal_num.models.registry import transformer_job
 from luminal_num.runtime.latency import kernel_works
-from luminal_num.runtime.megakernel_cost import TILE_OVERHEAD_S, megakernel_latency
+from luminal_num.runtime.megakernel_cost import (ACQUIRE_S, FIRST_LOAD_S, POST_WAIT_S, PRE_WAIT_S, QUEUE_POP_S,
+                                                  SIGNAL_S, TILE_OVERHEAD_S, TileTimes, megakernel_latency)
 from luminal_num.runtime.targets import Target, get_target
 from luminal_num.search.space import SearchSpace
 from test_megakernel import chain_program
@@ -58,3 +65,112 @@ def test_megakernel_never_beats_the_bytes_floor():
     got = megakernel_latency(build_queue(program), program, "h200", bindings)
     assert got.total_s >= moved / ACHIEVED + LAUNCH
     assert got.critical_path_s <= got.makespan_s + 1e-15
+
+
+# -- weights streamed before the wait ---------------------------------------------------------------------------
+
+CLOCK = 1.755e9       # H100 boost clock; L2 latency 200 cycles, DRAM 400 (megakernel_cost's stated assumptions)
+FP32_SIMT = 67e12 * 790.0 / 989.4  # Hopper fp32 SIMT peak x the H200 compute efficiency (790 / 989.4 TFLOP/s)
+
+
+def test_overhead_parts_are_round_trips_of_the_assumed_latencies():
+    l2, dram = 200 / CLOCK, 400 / CLOCK
+    assert (QUEUE_POP_S, FIRST_LOAD_S, ACQUIRE_S, SIGNAL_S) == pytest.approx((l2, dram, l2, l2), rel=1e-12)
+    assert PRE_WAIT_S + POST_WAIT_S == pytest.approx(TILE_OVERHEAD_S, rel=1e-12)
+
+
+def test_tile_times_by_hand():
+    """A tile popped at 1 us whose barrier is ready at 2 us: its 3 us of weights end at 1 + pre + 3; its 1 us
+    rest follows the wait; with no weights everything follows max(free, ready), as before the split."""
+    late = TileTimes(weight_s=3e-6, rest_s=1e-6)
+    assert late.finish(1e-6, 2e-6) == pytest.approx(max(1e-6 + PRE_WAIT_S + 3e-6, 2e-6 + POST_WAIT_S + 1e-6))
+    assert late.finish(1e-6, 2e-6) == pytest.approx(1e-6 + PRE_WAIT_S + 3e-6)  # the weights dominate here
+    light = TileTimes(weight_s=1e-8, rest_s=1e-6)
+    assert light.finish(1e-6, 5e-6) == pytest.approx(5e-6 + POST_WAIT_S + 1e-6)
+    assert light.finish(1e-6, 0.0) == pytest.approx(1e-6 + QUEUE_POP_S + POST_WAIT_S + 1e-6)  # pops before it waits
+    none = TileTimes(weight_s=0.0, rest_s=1e-6)
+    assert none.finish(1e-6, 2e-6) == pytest.approx(2e-6 + TILE_OVERHEAD_S + 1e-6)
+    assert none.finish(3e-6, 2e-6) == pytest.approx(3e-6 + TILE_OVERHEAD_S + 1e-6)
+
+
+def gemv_program(n: int, k: int) -> Program:
+    """x (1, K) -> y = 2x (elementwise) -> out (1, N) = y W^T, W an (N, K) FP32 weight."""
+    row = ShapeTracker.contiguous((1, k))
+    b = ShapeTracker.contiguous((n, k)).permute((1, 0)).expand_dim(0, 1)  # (1, K, N): W^T
+    ks = (Kernel(0, KernelKind.EXTERNAL, (), (1, k), F32, external="x"),
+          Kernel(1, KernelKind.EXTERNAL, (), (n, k), F32, external="w"),
+          Kernel(2, KernelKind.ELEMENTWISE, (KernelInput(0, row),), (1, k), F32, body_shape=(1, k),
+                 body=FApply(Op.MUL, (FLoad(0), FConstV(2.0)))),
+          Kernel(3, KernelKind.GEMM, (KernelInput(2, row.expand_dim(2, n)), KernelInput(1, b)), (1, n), F32,
+                 precision="f32", layout=GemmLayout((1, k, n), 1, (), (0,), (2,), "batched")))
+    return verify(Program(ks, (("x", 0), ("w", 1)), (("out", 3),)))
+
+
+def _gemv_hand(n: int, k: int) -> tuple[float, float, float, float]:
+    """(y's tiles end, a GEMV tile's weight stream, its rest, its whole roofline share) on an idle H200:
+    N = 2048 columns in 128 tiles of 16 (blockops.gemv_cols), y's K elements in 256-element tiles, each tile
+    on its own SM (128 + K / 256 <= 132)."""
+    sm_share = ACHIEVED / SMS
+    y_tiles = -(-k // 256)
+    y_end = 2 * k * 4 / y_tiles / sm_share + TILE_OVERHEAD_S
+    weight = n * k * 4 / 128 / sm_share
+    rest = max((k * 4 + n * 4) / 128 / sm_share, 2 * n * k / 128 / (FP32_SIMT / SMS))
+    whole = max((n * k * 4 + k * 4 + n * 4) / 128 / sm_share, 2 * n * k / 128 / (FP32_SIMT / SMS))
+    return y_end, weight, rest, whole
+
+
+def test_fp32_simt_rate_is_what_the_hand_numbers_assume():
+    target = get_target("h200")
+    assert target.cuda_cores.rate("fp32") * target.efficiency.compute == pytest.approx(FP32_SIMT)
+    assert target.hbm_bandwidth * target.efficiency.bandwidth == pytest.approx(ACHIEVED)
+
+
+def test_without_weight_bytes_the_split_model_is_the_old_one():
+    """Streaming nothing, every tile pays the whole overhead after max(free, ready): y's tiles, then each
+    GEMV tile at y's end plus the overhead plus its whole roofline share (weights included)."""
+    program = gemv_program(2048, 1024)
+    y_end, _, _, whole = _gemv_hand(2048, 1024)
+    got = megakernel_latency(build_queue(program), program, "h200", {}, weight_bytes={})
+    assert got.makespan_s == pytest.approx(y_end + TILE_OVERHEAD_S + whole, rel=1e-12)
+    assert got.critical_path_s == pytest.approx(got.makespan_s, rel=1e-12)
+    assert (got.critical_hops, got.weight_bytes_streamed) == (2, 0)
+    assert got.overhead_share == pytest.approx(2 * TILE_OVERHEAD_S / got.critical_path_s)
+
+
+def test_a_late_barrier_under_large_weights_ends_with_the_weight_stream():
+    """K = 1024: each GEMV tile streams 64 KiB of W from its pop at 0, longer than y's tiles (its
+    barrier) plus its post-wait part: it ends at max(free + pre + weights, ready + post + rest) = the
+    weight side, and the critical chain starts afresh at that tile."""
+    program = gemv_program(2048, 1024)
+    y_end, weight, rest, _ = _gemv_hand(2048, 1024)
+    assert PRE_WAIT_S + weight > y_end + POST_WAIT_S + rest  # the case this test is about
+    got = megakernel_latency(build_queue(program), program, "h200", {})
+    assert got.makespan_s == pytest.approx(max(PRE_WAIT_S + weight, y_end + POST_WAIT_S + rest), rel=1e-12)
+    assert got.weight_bytes_streamed == 2048 * 1024 * 4
+    assert (got.critical_hops, got.critical_overhead_s) == (1, pytest.approx(PRE_WAIT_S))
+
+
+def test_small_weights_end_after_the_wait():
+    """K = 16: 1 KiB of weights per tile land long before y is ready: the tile ends at ready + post + rest."""
+    program = gemv_program(2048, 16)
+    y_end, weight, rest, _ = _gemv_hand(2048, 16)
+    assert PRE_WAIT_S + weight < y_end + POST_WAIT_S + rest
+    got = megakernel_latency(build_queue(program), program, "h200", {})
+    assert got.makespan_s == pytest.approx(y_end + POST_WAIT_S + rest, rel=1e-12)
+    assert (got.critical_hops, got.critical_overhead_s) == (2, pytest.approx(TILE_OVERHEAD_S + POST_WAIT_S))
+
+
+def test_recomputed_rows_leave_the_chain_and_add_their_body_to_each_reader_tile():
+    """A one-token llama-tiny layer: its three one-row norms are recomputed by their GEMVs
+    (codegen/megakernel.py): three tiles and three hops fewer. On the chain, norm then GEMV tile was
+    (overhead + norm body) then (post-wait part + GEMV rest); now the GEMV tile runs the norm body itself
+    (the same one-SM roofline): the critical path is shorter by exactly three tile overheads."""
+    from luminal_num.models.registry import llama_tiny_job
+    job = llama_tiny_job(seq=1, layers=1)
+    space = SearchSpace.build(job.graph, fusion=True)
+    program = space.program(())
+    bindings = job.graph.bind_symbols(job.calibration[0])
+    plain = megakernel_latency(build_queue(program, recompute_rows=False), program, "h200", bindings)
+    got = megakernel_latency(build_queue(program), program, "h200", bindings)
+    assert (plain.tiles - got.tiles, plain.critical_hops - got.critical_hops) == (3, 3)
+    assert plain.critical_path_s - got.critical_path_s == pytest.approx(3 * TILE_OVERHEAD_S, rel=1e-9)

@@ -13,6 +13,7 @@ from luminal_num.codegen import nvrtc
 from luminal_num.codegen.llir import KernelKind
 from luminal_num.codegen.megakernel import build_queue
 from luminal_num.codegen.cuda_weight_only import stored_operand, weight_only_gemm
+from luminal_num.codegen.cuda_source import ceil_count
 from luminal_num.codegen.megakernel_cuda import ENTRY_NAME, render_megakernel
 from luminal_num.dtypes.formats import Kind
 from luminal_num.hlir.symbolic import evaluate
@@ -139,7 +140,7 @@ def test_switch_wires_every_argument_to_its_buffer():
     mega = render_megakernel(program, build_queue(program))
     for i, op in enumerate(mega.ops):
         line = next(l for l in mega.source.splitlines() if l.strip().startswith(f"case {i}:"))
-        assert f"{op.entry}(" in line and all(f"bufs[{s}]" in line for s in op.arg_slots)
+        assert f"{op.entry}(" in line and all(f"ln_mk_buf(bufs, {s})" in line for s in op.arg_slots)
         k = program.kernel(op.kernel)
         for inp in k.inputs:  # the inputs the body reads are the kernel's buffers
             assert inp.buffer in op.arg_slots or k.kind.in_place
@@ -169,3 +170,130 @@ def test_megakernel_compiles_with_nvrtc_for_sm90(genome):
         assert KernelKind.ATTENTION in kinds
     if genome != "FP32":  # the Gemms over stored weights inline the dequantize-on-load body
         assert any(src is None for src in mega.sources)
+
+
+# -- weights streamed before the wait (codegen/weight_stream.py) -------------------------------------------------
+
+class _Reads(np.ndarray):
+    """A buffer's values that record every element index a kernel reads."""
+
+    def __getitem__(self, index):
+        if isinstance(index, (int, np.integer)):
+            self.seen.add(int(index))
+        return super().__getitem__(index)
+
+
+def _recording(values: np.ndarray, integer: bool) -> Buffer:
+    arr = np.asarray(values, dtype=np.float64).reshape(-1).view(_Reads)
+    arr.seen = set()
+    return Buffer(arr, integer)
+
+
+def _w4a16_tiny():
+    job = llama_tiny_job(seq=4, layers=1)
+    space = SearchSpace.build(job.graph, fusion=True)
+    program = space.program(pick(space, {"store:int4_g128", "gemm:bf16"}.__contains__))
+    return job, program, render_megakernel(program, build_queue(program))
+
+
+def test_only_gemm_tiles_over_a_weight_prefetch_and_only_what_their_body_reads():
+    """The Gemms over an (N, K) weight (found here from the program) are the ops with prefetch rows, on their
+    own launch, prefetching bufs[] slots the body is called with; the loop prefetches before it spins."""
+    job, program, mega = _w4a16_tiny()
+    weighted = {k.id for k in program.launched() if k.kind.is_gemm
+                and program.kernel(k.inputs[1].buffer).kind is KernelKind.EXTERNAL
+                and program.kernel(k.inputs[1].buffer).id not in program.cache_buffers()}
+    assert weighted and {op.kernel for op in mega.ops if op.stream is not None} == weighted
+    for op in mega.ops:
+        if op.stream is not None:
+            assert op.last and set(op.stream_slots) <= set(op.arg_slots)
+    rows, _ = mega.table(build_queue(program), bind_program(program, {**job.graph.weights, **job.calibration[0]}))
+    spans = [(r[14], r[15]) for r in rows]
+    assert all((end > begin) == (op.stream is not None) for op, (begin, end) in zip(mega.ops, spans))
+    assert spans[-1][1] == len(mega.prefetch_rows())
+    loop = mega.source[mega.source.index(f"void __launch_bounds__({1024}) {ENTRY_NAME}("):]
+    assert loop.count("prefetch.global.L2") == 1
+    assert loop.index("prefetch.global.L2") < loop.index("ln_mk_acquire(c) < need")
+
+
+def _one_block_reads(mega, program, op, band: int) -> dict[int, set[int]]:
+    """Run block (0, band, 0) of a CudaOp's body in the interpreter on zero data; the element indices it
+    read from each stored part slot."""
+    k = program.kernel(op.kernel)
+    fn, params = compile_entry(mega.source, op.entry)
+    uses = {u.slot: u for u in mega.uses}
+    args, parts = {}, {}
+    for name, slot in zip(params, op.arg_slots):
+        use = uses.get(slot)
+        if use is not None and use.part is not None:
+            w = program.kernel(use.kernel)
+            fmt = STORAGE_FORMATS[w.storage]
+            shape = tuple(int(d) for d in w.shape)
+            size = int(np.prod(fmt.container_shape(fmt.parts[use.part], shape)))
+            args[name] = parts[slot] = _recording(np.zeros(size), True)
+        else:
+            n = program.kernel(slot).numel({"s": 4}) if slot < len(program.kernels) else 1
+            args[name] = Buffer(np.zeros(max(n, 1)), program.kernel(slot).dtype.kind is Kind.INT)
+    grid = tuple(ceil_count(axis, {}) for axis in op.grid) + (1, 1)
+
+    def only(**kw):
+        if kw["blockIdx"].y == band and kw["blockIdx"].x == 0:
+            yield from fn(**kw)
+    launch(only, args, grid[:3], (tuple(op.block) + (1, 1, 1))[:3])
+    return {slot: buf.values.seen for slot, buf in parts.items()}
+
+
+@pytest.mark.parametrize("which", ["dequantize-on-load", "glu"])
+def test_a_tile_prefetches_exactly_the_weight_bytes_its_body_reads(which):
+    """Differential: the bytes of each stored part that block (0, b, 0) of the inlined body reads (found by
+    running it in the interpreter) are the byte ranges its prefetch rows name, line for line."""
+    _, program, mega = _w4a16_tiny()
+    from luminal_num.codegen.cuda_gemm_epilogue import glu_offsets
+    ops = [op for op, src in zip(mega.ops, mega.sources) if op.stream is not None and (
+        src is None if which == "dequantize-on-load" else
+        program.kernel(op.kernel).kind is KernelKind.GEMM_EPILOGUE and glu_offsets(program.kernel(op.kernel)))]
+    assert ops
+    op = ops[0]
+    band = op.stream.bands - 1 if op.stream.bands > 1 else 0  # the last band: a short one where N_out % 16
+    reads = _one_block_reads(mega, program, op, band)
+    assert op.stream.bands > 1 and len(reads) == len(op.stream.parts) == 2  # int4 codes and their group scales
+    for slot, seen in reads.items():
+        w = program.kernel(next(u.kernel for u in mega.uses if u.slot == slot))
+        fmt = STORAGE_FORMATS[w.storage]
+        part = fmt.parts[next(u.part for u in mega.uses if u.slot == slot)]
+        size = fmt.container(part).itemsize
+        read_bytes = {i * size + b for i in seen for b in range(size)}
+        ranges = [(begin, end) for p, begin, end in op.stream.tile_ranges(band)
+                  if op.stream_slots[op.stream.parts.index(p)] == slot]
+        prefetched = {b for begin, end in ranges for b in range(begin, end)}
+        assert read_bytes == prefetched, (which, part, sorted(read_bytes ^ prefetched)[:4])
+        read_lines = {b // 128 for b in read_bytes}
+        prefetched_lines = {line for begin, end in ranges for line in range(begin // 128, -(-end // 128))}
+        assert seen and read_lines == prefetched_lines, (which, part, sorted(read_lines ^ prefetched_lines)[:4])
+
+
+def test_the_loop_table_recomputes_a_one_row_norm_in_its_gemv_tiles():
+    """A one-token SmolLM2-shaped layer: the row ops the queue has its GEMVs recompute have no tiles in the
+    loop's table; every launch of the reader names the row op's CudaOp and its buffer slot (redirected to
+    the block's own copy), waits on no row op, and the source runs the recompute before the reader's body."""
+    program = _smollm2_layer(STORAGE_RECIPES["W4A16 INT4 group 128"])
+    queue = build_queue(program)
+    mega = render_megakernel(program, queue)
+    bindings = {}
+    rows, waits = mega.table(queue, bindings)
+    recomputed = {i for i, q in enumerate(queue.ops) if q.recomputed_by is not None}
+    assert len(recomputed) == 3  # the layer's two norms and the final norm
+    row_ops = {i for i, op in enumerate(mega.ops) if op.queue_op in recomputed}
+    for i, (op, row) in enumerate(zip(mega.ops, rows)):
+        q = queue.ops[op.queue_op]
+        if op.queue_op in recomputed:
+            assert row[2] == 0
+        if q.recomputes is not None:
+            assert row[16] in row_ops and mega.ops[row[16]].queue_op == q.recomputes
+            assert row[17] == queue.ops[q.recomputes].kernel and row[17] in op.arg_slots
+        else:
+            assert (row[16], row[17]) == (-1, -1)
+        assert not {w[0] for w in waits[row[11]:row[12]]} & row_ops
+    assert mega.private_bytes(program, queue, bindings) == 576 * 4  # one FP32 hidden row
+    loop = mega.source[mega.source.index(f"void __launch_bounds__({1024}) {ENTRY_NAME}("):]
+    assert loop.index("ln_mk_run(ops[ops[current].recompute].body") < loop.index("ln_mk_run(ops[current].body")

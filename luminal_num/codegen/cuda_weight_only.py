@@ -224,7 +224,7 @@ def render_weight_only(fmt: StorageFormat, act: Format, m: int, n: int, k: int,
 _ACT_OF_PRECISION = {"f32": F32, "bf16": BF16, "f16": F16}  # plain Gemm variants: the MMA operand format
 
 
-def _row_major(view, axes: tuple[int, ...], full) -> bool:
+def row_major_view(view, axes: tuple[int, ...], full) -> bool:
     """`view` reads its buffer row-major over `axes` (in order) and broadcasts (stride 0) every other axis."""
     if len(view.views) != 1:
         return False
@@ -271,7 +271,7 @@ def stored_operand(kernel: Kernel, program: Program) -> StoredOperand | None:
         return None
     shape, n, k, view = tuple(int(d) for d in w_src.shape), int(lay.n), int(lay.k), kernel.inputs[1].view
     for k_last, order, want in ((True, (*lay.n_axes, lay.k_axis), (n, k)), (False, (lay.k_axis, *lay.n_axes), (k, n))):
-        if shape == want and _row_major(view, order, full):
+        if shape == want and row_major_view(view, order, full):
             return StoredOperand(STORAGE_FORMATS[w_src.storage], k_last)
     return None
 
@@ -303,6 +303,6 @@ def weight_only_gemm(kernel: Kernel, program: Program) -> WeightOnlySource | Non
     if not all(is_const(d) for d in full) or lay.batch != 1 or max(lay.m_axes, default=-1) > min(lay.n_axes, default=len(full)):
         return None
     m, n, k = int(lay.m), int(lay.n), int(lay.k)
-    if kernel.dtype is not F32 or not _row_major(kernel.inputs[0].view, (*lay.m_axes, lay.k_axis), full):
+    if kernel.dtype is not F32 or not row_major_view(kernel.inputs[0].view, (*lay.m_axes, lay.k_axis), full):
         return None
     return render_weight_only(stored.fmt, act, m, n, k, a_src.dtype)

@@ -13,6 +13,12 @@ counter per tile, each reaching 1); an opaque producer has stride 0 (all its til
 counter, which reaches its tile count). A consumer tile reading a flat producer through an identity
 view (`Wait.read_elements` = R per consumer tile) reads elements [t R, (t + 1) R) and waits on producer
 tiles t R // E .. ((t + 1) R - 1) // E; any other read waits on the producer's every counter.
+
+Recomputed producers: a one-tile flat row op (the RMSNorm of a decode row) whose only reader is one GEMV
+is not a queue entry of its own: every tile of that GEMV runs the row op's body first, into its block's own
+copy, and reads that (`QueueOp.recomputes`; the row op keeps its place with no tiles, `recomputed_by`). The
+GEMV then waits on the row op's producers instead: one barrier hop fewer on the chain, the same body and
+summation order, so the same bits.
 """
 from __future__ import annotations
 
@@ -48,6 +54,8 @@ class QueueOp:
     stride: int
     waits: tuple[Wait, ...]
     signal_stride: int | None = None  # None: signals with `stride` (a test sets a wrong one)
+    recomputes: int | None = None     # a one-tile row op (queue position) each tile runs first, privately
+    recomputed_by: int | None = None  # this op has no tiles: that op's tiles run its body
 
     @property
     def signals_with(self) -> int:
@@ -78,7 +86,7 @@ class WorkQueue:
         """Tile counts, counter offsets and entry offsets for one run's shapes."""
         out, counter, entry = [], 0, 0
         for op in self.ops:
-            tiles = op.block.tiles.evaluate(bindings)
+            tiles = 0 if op.recomputed_by is not None else op.block.tiles.evaluate(bindings)
             counters = tiles if op.stride else 1
             out.append(OpLaunch(tiles, counter, counters, entry))
             counter += counters
@@ -96,6 +104,9 @@ def wait_counters(queue: WorkQueue, table: tuple[OpLaunch, ...], consumer: int, 
                   bindings: Mapping[str, int]) -> list[tuple[int, int]]:
     """(counter index, count to reach) for one consumer tile's wait: the producer tiles it reads."""
     producer, launch = queue.ops[wait.producer], table[wait.producer]
+    if producer.recomputed_by is not None:
+        raise ValueError(f"op {consumer} waits on op {wait.producer}, which has no tiles (op {producer.recomputed_by} "
+                         "recomputes it)")
     if wait.read_elements is None or producer.block.partition is not Partition.FLAT:
         tiles = range(launch.tiles)
     else:
@@ -147,8 +158,9 @@ def _read_elements(k: Kernel, slot: int, producer: Kernel, consumer: BlockOp, ma
     return None
 
 
-def build_queue(program: Program) -> WorkQueue:
-    """One op per launching kernel, in program order (a topological order: producers come first)."""
+def build_queue(program: Program, recompute_rows: bool = True) -> WorkQueue:
+    """One op per launching kernel, in program order (a topological order: producers come first);
+    `recompute_rows`: one-tile row ops read only by one GEMV are recomputed by its tiles (module doc)."""
     ops: list[QueueOp] = []
     position: dict[int, int] = {}
     blocks: dict[int, BlockOp] = {}
@@ -168,6 +180,35 @@ def build_queue(program: Program) -> WorkQueue:
         position[k.id] = len(ops)
         blocks[k.id] = made
         ops.append(QueueOp(k.id, made, 1 if made.partition is Partition.FLAT else 0, tuple(merged.values())))
+    queue = WorkQueue(tuple(ops))
+    return _recompute_rows(queue, program) if recompute_rows else queue
+
+
+def _recompute_rows(queue: WorkQueue, program: Program) -> WorkQueue:
+    """Each one-tile flat row op whose one reader is a GEMV reading it as A (and only there), not a program
+    output: its reader recomputes it and waits on its producers (whole) instead of on it."""
+    ops = list(queue.ops)
+    outputs = {kid for _, kid in program.outputs}
+    readers: dict[int, list[tuple[int, int]]] = {}
+    for i, op in enumerate(ops):
+        for slot, inp in enumerate(program.kernel(op.kernel).inputs):
+            readers.setdefault(inp.buffer, []).append((i, slot))
+    for p, op in enumerate(ops):
+        tiles = op.block.tiles
+        if op.block.kind != "rows" or op.block.partition is not Partition.FLAT or op.kernel in outputs \
+                or not all(isinstance(d, int) for d, _ in tiles.factors) or tiles.evaluate({}) != 1:
+            continue
+        reads = readers.get(op.kernel, [])
+        if len(reads) != 1 or reads[0][1] != 0 or ops[reads[0][0]].block.kind != "gemv" \
+                or ops[reads[0][0]].recomputes is not None:
+            continue
+        c = reads[0][0]
+        waits: dict[int, Wait] = {w.producer: Wait(w.producer) for w in op.waits}
+        for w in ops[c].waits:
+            if w.producer != p:
+                waits[w.producer] = w if w.producer not in waits else Wait(w.producer)
+        ops[c] = replace(ops[c], waits=tuple(waits[k] for k in sorted(waits)), recomputes=p)
+        ops[p] = replace(op, recomputed_by=c)
     return WorkQueue(tuple(ops))
 
 
@@ -175,6 +216,14 @@ def with_signal_stride(queue: WorkQueue, op: int, stride: int) -> WorkQueue:
     """The queue with one op signalling with another stride than its consumers derive (a wrong barrier)."""
     ops = list(queue.ops)
     ops[op] = replace(ops[op], signal_stride=stride)
+    return WorkQueue(tuple(ops))
+
+
+def without_recompute(queue: WorkQueue, op: int) -> WorkQueue:
+    """The queue with op `op` no longer recomputing its row op, which still has no tiles: its tiles read a
+    buffer no tile writes (a wrong lowering the emulator must catch)."""
+    ops = list(queue.ops)
+    ops[op] = replace(ops[op], recomputes=None)
     return WorkQueue(tuple(ops))
 
 

@@ -4,7 +4,14 @@ Every launch of every kernel's own source (cuda_kernels.RENDERERS: for a Gemm it
 cuBLAS call) becomes a device function with the same name and body; the bodies are inlined into one
 interpreter loop: a block pops the next entry (one global head), thread 0 spins on the entry's barrier
 counters (ld.acquire), the block runs the op's body as virtual block `tile` of its grid, then signals
-its counter (fence, then atomicAdd). The bodies stay unchanged because the builtins they read are
+its counter (fence, then atomicAdd). Before the wait, a tile whose op reads a weight band by band
+(codegen/weight_stream.py: the Gemm bodies' own rows of an (N, K) weight, in each stored part) has all
+its threads issue an L2 prefetch per 128-byte line of those rows, so the weight bytes stream while
+thread 0 spins on the barrier (Hazy Research's no-bubbles megakernel overlaps the next instruction's
+weight loads likewise: hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles). A tile of a GEMV that
+recomputes a one-row norm (codegen/megakernel.py, QueueOp.recomputes) first runs that op's body as its
+one tile, writing the block's own copy (`privates`), then its own body, whose reads of the norm's slot
+`ln_mk_buf` redirects to that copy; the norm has no tiles and signals nothing. The bodies stay unchanged because the builtins they read are
 macros over the current tile (`blockIdx`, `gridDim`, `blockDim`, `threadIdx` from `ln_mk`, and
 `__syncthreads()` a named barrier over the body's threads); every body loops grid-stride, so any
 virtual grid computes its whole output, and the grids are the launches' own.
@@ -34,6 +41,7 @@ from .cuda_source import KernelSource, ceil_count
 from .cuda_weight_only import weight_only_gemm
 from .llir import Program
 from .megakernel import MegakernelError, WorkQueue
+from .weight_stream import BAND, LINE, WeightStream, weight_stream
 
 ENTRY_NAME = "ln_megakernel"
 BLOCK_THREADS = 1024  # the persistent block: at least every body's block
@@ -52,6 +60,8 @@ class CudaOp:
     block: tuple[int, ...]
     arg_slots: tuple[int, ...]
     last: bool  # the launch that writes the kernel's output
+    stream: WeightStream | None = None  # the weight rows its tiles prefetch before the wait (a Gemm's body)
+    stream_slots: tuple[int, ...] = ()  # bufs[] slot of each of the stream's parts
 
 
 @dataclass(frozen=True)
@@ -77,14 +87,18 @@ class MegakernelSource:
     def table(self, queue: WorkQueue, bindings: Mapping[str, int]) -> tuple[list[tuple], list[tuple]]:
         """(ops rows, waits rows) as the loop reads them, for one run's shapes:
         op row = (body, first_entry, tiles, gx, gy, gz, bx, by, bz, counter_base, stride, wait_begin, wait_end,
-        elements), wait row = (producer CudaOp, read_elements or 0 for the whole producer)."""
+        elements, prefetch_begin, prefetch_end, recompute, private_slot), wait row = (producer CudaOp,
+        read_elements or 0 for the whole producer); the op's prefetch rows are
+        `prefetch_rows()[prefetch_begin:prefetch_end]`; `recompute`: the CudaOp of a one-tile row op each tile
+        runs first into its block's own copy, which reads of bufs[private_slot] then see (-1: none). A row
+        op so recomputed has no tiles."""
         queue_table = queue.evaluate(bindings)
         last_of: dict[int, int] = {}
-        rows, waits, counter, entry = [], [], 0, 0
+        rows, waits, counter, entry, prefetch = [], [], 0, 0, 0
         for i, op in enumerate(self.ops):
             grid = tuple(ceil_count(axis, bindings) for axis in op.grid) + (1, 1)
-            tiles = math.prod(grid[:3])
             q = queue.ops[op.queue_op]
+            tiles = 0 if q.recomputed_by is not None else math.prod(grid[:3])
             flat = (q.block.partition is Partition.FLAT and op.launch == 0 and op.last
                     and tiles == queue_table[op.queue_op].tiles)
             begin = len(waits)
@@ -98,12 +112,37 @@ class MegakernelSource:
             elements = evaluate(q.block.elements, bindings) if flat else 0
             stride = 1 if flat else 0
             block = tuple(op.block) + (1, 1)
-            rows.append((i, entry, tiles, *grid[:3], *block[:3], counter, stride, begin, len(waits), elements))
+            streams = _stream_rows(op)
+            recompute, private = -1, -1
+            if q.recomputes is not None:  # every launch of the reader recomputes the row op (its last launch)
+                recompute, private = last_of[q.recomputes], queue.ops[q.recomputes].kernel
+            rows.append((i, entry, tiles, *grid[:3], *block[:3], counter, stride, begin, len(waits), elements,
+                         prefetch, prefetch + len(streams), recompute, private))
+            prefetch += len(streams)
             counter += tiles if stride else 1
             entry += tiles
             if op.last:
                 last_of[op.queue_op] = i
         return rows, waits
+
+    def private_bytes(self, program: Program, queue: WorkQueue, bindings: Mapping[str, int]) -> int:
+        """Bytes of one block's own copy: the largest row op recomputed by its readers (0: none)."""
+        sizes = [program.kernel(q.kernel).numel(bindings) * program.kernel(q.kernel).dtype.storage.itemsize
+                 for q in queue.ops if q.recomputed_by is not None]
+        return max(sizes, default=0)
+
+    def prefetch_rows(self) -> list[tuple]:
+        """Every op's prefetch rows in op order, as the loop reads them: (row_bytes, rows, rows_per_part_row,
+        offset, n_out, slot): the tile at grid y `b` prefetches the part rows holding weight rows
+        [b BAND + offset, min((b + 1) BAND, n_out) + offset) of bufs[slot]."""
+        return [row for op in self.ops for row in _stream_rows(op)]
+
+
+def _stream_rows(op: CudaOp) -> list[tuple]:
+    if op.stream is None:
+        return []
+    return [(p.row_bytes, p.rows, p.rows_per_part_row, off, op.stream.n_out, slot)
+            for off in op.stream.offsets for p, slot in zip(op.stream.parts, op.stream_slots)]
 
 
 _ENTRY = re.compile(r'extern "C" __global__ void (\w+)\(')
@@ -149,7 +188,8 @@ def _param_types(source: str, entry: str) -> list[str]:
 
 
 _PRELUDE = r"""
-struct LnMkTile { uint3 bid; uint3 grid; uint3 bdim; unsigned nthreads; long long tile; };
+struct LnMkTile { uint3 bid; uint3 grid; uint3 bdim; unsigned nthreads; long long tile; int private_slot;
+                 void* private_copy; };
 __shared__ LnMkTile ln_mk;  // the tile the block runs: what the bodies' builtins read
 static __device__ __forceinline__ uint3 ln_mk_tid() {
     const unsigned t = threadIdx.x;
@@ -177,13 +217,36 @@ _LOOP = r"""
 #undef threadIdx
 #undef __syncthreads
 #define LN_MK_SPIN_LIMIT (1ull << 25)  /* >= 2 s of 64 ns sleeps: far past any producer tile */
+#define LN_MK_BAND BAND_ROWS  /* weight rows per grid y of a Gemm body (codegen/weight_stream.BAND) */
+#define LN_MK_LINE LINE_BYTES  /* bytes per L2 prefetch */
 struct LnMkOp { int body; long long first_entry, tiles; int gx, gy, gz, bx, by, bz; long long counter_base;
-                int stride, wait_begin, wait_end; long long elements; };
+                int stride, wait_begin, wait_end; long long elements; int prefetch_begin, prefetch_end;
+                int recompute, private_slot; };
 struct LnMkWait { int producer; long long read_elements; };
+struct LnMkPrefetch { long long row_bytes, rows, per, offset, n_out; int slot; };
+
+static __device__ __forceinline__ void* ln_mk_buf(void* const* bufs, int slot) {
+    // the value a recomputing tile made in its block's own copy, else the value's buffer
+    return slot == ln_mk.private_slot ? ln_mk.private_copy : bufs[slot];
+}
+static __device__ __forceinline__ void ln_mk_enter(const LnMkOp& op, long long t) {  // thread 0: the tile bodies see
+    ln_mk.bid = make_uint3(t % op.gx, (t / op.gx) % op.gy, t / ((long long)op.gx * op.gy));
+    ln_mk.grid = make_uint3(op.gx, op.gy, op.gz);
+    ln_mk.bdim = make_uint3(op.bx, op.by, op.bz);
+    ln_mk.nthreads = op.bx * op.by * op.bz;
+    ln_mk.tile = t;
+}
+static __device__ void ln_mk_run(int body, void* const* bufs) {
+    switch (body) {
+CASES
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
-        const LnMkOp* __restrict__ ops, int n_ops, const LnMkWait* __restrict__ waits, unsigned* counters,
-        unsigned long long* head, unsigned long long total, void* const* bufs) {
+        const LnMkOp* __restrict__ ops, int n_ops, const LnMkWait* __restrict__ waits,
+        const LnMkPrefetch* __restrict__ prefetch, unsigned* counters,
+        unsigned long long* head, unsigned long long total, void* const* bufs, char* privates,
+        long long private_bytes) {
     __shared__ unsigned long long entry;
     __shared__ int current;
     for (;;) {
@@ -194,8 +257,25 @@ extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
         if (threadIdx.x == 0) {
             int lo = 0, hi = n_ops - 1;  // the op whose entries hold e
             while (lo < hi) { const int mid = (lo + hi + 1) / 2; if (ops[mid].first_entry <= (long long)e) lo = mid; else hi = mid - 1; }
-            const LnMkOp op = ops[lo];
-            const long long t = (long long)e - op.first_entry;
+            ln_mk_enter(ops[lo], (long long)e - ops[lo].first_entry);
+            ln_mk.private_slot = -1;
+            current = lo;
+        }
+        __syncthreads();
+        for (int p = ops[current].prefetch_begin; p < ops[current].prefetch_end; ++p) {
+            // the tile's own weight rows depend on no barrier: every thread prefetches lines into L2 before the wait
+            const LnMkPrefetch f = prefetch[p];
+            const long long first = (long long)ln_mk.bid.y * LN_MK_BAND + f.offset;
+            const long long end = min((long long)ln_mk.bid.y * LN_MK_BAND + LN_MK_BAND, f.n_out) + f.offset;
+            const long long lo = first / f.per * f.row_bytes, hi = min((end - 1) / f.per + 1, f.rows) * f.row_bytes;
+            const char* base = (const char*)bufs[f.slot];
+            for (long long b = lo / LN_MK_LINE * LN_MK_LINE + (long long)threadIdx.x * LN_MK_LINE; b < hi;
+                 b += (long long)blockDim.x * LN_MK_LINE)
+                asm volatile("prefetch.global.L2 [%0];" :: "l"(base + b));
+        }
+        if (threadIdx.x == 0) {
+            const LnMkOp op = ops[current];
+            const long long t = ln_mk.tile;
             for (int w = op.wait_begin; w < op.wait_end; ++w) {  // the producer tiles this tile reads
                 const LnMkOp p = ops[waits[w].producer];
                 long long first = 0, last = p.tiles - 1;
@@ -211,19 +291,21 @@ extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
                     if (!p.stride) break;
                 }
             }
-            ln_mk.bid = make_uint3(t % op.gx, (t / op.gx) % op.gy, t / ((long long)op.gx * op.gy));
-            ln_mk.grid = make_uint3(op.gx, op.gy, op.gz);
-            ln_mk.bdim = make_uint3(op.bx, op.by, op.bz);
-            ln_mk.nthreads = op.bx * op.by * op.bz;
-            ln_mk.tile = t;
-            current = lo;
         }
         __syncthreads();
-        if (threadIdx.x < ln_mk.nthreads) {
-            switch (ops[current].body) {
-CASES
+        if (ops[current].recompute >= 0) {  // a one-tile row op this tile recomputes, into its block's own copy
+            if (threadIdx.x == 0) {
+                ln_mk_enter(ops[ops[current].recompute], 0);
+                ln_mk.private_slot = ops[current].private_slot;
+                ln_mk.private_copy = privates + (long long)blockIdx.x * private_bytes;
             }
+            __syncthreads();
+            if (threadIdx.x < ln_mk.nthreads) ln_mk_run(ops[ops[current].recompute].body, bufs);
+            __syncthreads();  // the copy is this block's: visible to its threads after the barrier
+            if (threadIdx.x == 0) ln_mk_enter(ops[current], (long long)entry - ops[current].first_entry);
+            __syncthreads();
         }
+        if (threadIdx.x < ln_mk.nthreads) ln_mk_run(ops[current].body, bufs);
         __threadfence();
         __syncthreads();
         if (threadIdx.x == 0)
@@ -268,7 +350,9 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             args = [kernel.id, kernel.inputs[0].buffer]
             args += [part_slot(weight, index) for index in range(len(stored.params) - 2)]
             grid = tuple(((g, 1),) for g in stored.grid)
-            ops.append(CudaOp(qi, 0, kernel.id, stored.name, grid, tuple(stored.block), tuple(args), True))
+            stream = _checked_stream(kernel, program, grid)
+            ops.append(CudaOp(qi, 0, kernel.id, stored.name, grid, tuple(stored.block), tuple(args), True, stream,
+                              _stream_slots(stream, part_slot)))
             sources.append(None)
             continue
         src = render_kernel(kernel, program)
@@ -287,20 +371,38 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
                                       f"whole warps under {BLOCK_THREADS}: the megakernel cannot run its body")
             args = tuple(part_slot(a.buffer, a.index) if a.role == "part" else _arg_slot(a, scratch, kernel)
                          for a in launch.args) + ((dyn,) if dyn is not None else ())
-            ops.append(CudaOp(qi, li, kernel.id, launch.entry, launch.grid, tuple(launch.block), args,
-                              li == len(src.launches) - 1))
+            last = li == len(src.launches) - 1  # a Gemm's own launch (after any scale launches)
+            stream = _checked_stream(kernel, program, launch.grid) if last else None
+            ops.append(CudaOp(qi, li, kernel.id, launch.entry, launch.grid, tuple(launch.block), args, last,
+                              stream, _stream_slots(stream, part_slot)))
             sources.append(src)
     cases = []
     for i, op in enumerate(ops):
         types = _param_types("\n".join(items), op.entry)
-        call = ", ".join(f"({t})bufs[{s}]" for t, s in zip(types, op.arg_slots))
-        cases.append(f"            case {i}: {op.entry}({call}); break;")
+        call = ", ".join(f"({t})ln_mk_buf(bufs, {s})" for t, s in zip(types, op.arg_slots))
+        cases.append(f"        case {i}: {op.entry}({call}); break;")
     includes = sorted(i for i in includes if "common.cuh" not in i) + ['#include "common.cuh"']
     head = [i for i in includes if "common.cuh" not in i]
     loop = _LOOP.replace("CASES", "\n".join(cases)).replace("ENTRY_NAME", ENTRY_NAME).replace(
-        "BLOCK", str(BLOCK_THREADS))
+        "BLOCK", str(BLOCK_THREADS)).replace("BAND_ROWS", str(BAND)).replace("LINE_BYTES", str(LINE))
     source = "\n".join(head) + _PRELUDE + '#include "common.cuh"\n' + "\n".join(items) + "\n" + loop
     return MegakernelSource(source, ENTRY_NAME, tuple(ops), tuple(sources), slot, tuple(uses))
+
+
+def _checked_stream(kernel, program: Program, grid) -> WeightStream | None:
+    """The kernel's weight stream, checked against the launch it prefetches for: its grid y bands N_out by BAND."""
+    stream = weight_stream(kernel, program)
+    if stream is not None and ceil_count(grid[1], {}) != stream.bands:
+        raise MegakernelError(f"kernel {kernel.id} ({kernel.kind.value}): its Gemm body's grid y is not "
+                              f"{stream.bands} bands of {BAND} weight rows: the weight prefetch would miss rows")
+    return stream
+
+
+def _stream_slots(stream: WeightStream | None, part_slot) -> tuple[int, ...]:
+    """bufs[] slot of each streamed part: the stored part's own slot, or the weight's buffer."""
+    if stream is None:
+        return ()
+    return tuple(p.weight if p.part is None else part_slot(p.weight, p.part) for p in stream.parts)
 
 
 def _arg_slot(arg, scratch: list[int], kernel) -> int:

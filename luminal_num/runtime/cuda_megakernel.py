@@ -10,7 +10,9 @@ the kernel-by-kernel runtime runs dequantize-on-load runs that body here too, on
 parts (uploaded as kernel by kernel), every other Gemm on a stored weight runs its tiled body on those
 parts, and any other reader of a stored weight (an embedding Gather) reads it widened.
 
-Per run: the queue's table for the run's shapes (`MegakernelSource.table`), zeroed barrier counters and
+Per run: the queue's table for the run's shapes (`MegakernelSource.table`), the weight prefetch rows
+(`MegakernelSource.prefetch_rows`: which weight bytes each Gemm tile loads into L2 before its wait), one
+private copy per block of the largest row op a GEMV's tiles recompute (codegen/megakernel.py), zeroed barrier counters and
 queue head, then one launch of `ln_megakernel` on a grid of co-resident blocks. The loop's spin on a
 barrier gives up after LN_MK_SPIN_LIMIT tries and traps, so a wrong barrier ends the kernel with an
 error instead of hanging the device.
@@ -34,8 +36,12 @@ OP_DTYPE = np.dtype([("body", np.int32), ("first_entry", np.int64), ("tiles", np
                      ("gx", np.int32), ("gy", np.int32), ("gz", np.int32),
                      ("bx", np.int32), ("by", np.int32), ("bz", np.int32),
                      ("counter_base", np.int64), ("stride", np.int32), ("wait_begin", np.int32),
-                     ("wait_end", np.int32), ("elements", np.int64)], align=True)
+                     ("wait_end", np.int32), ("elements", np.int64), ("prefetch_begin", np.int32),
+                     ("prefetch_end", np.int32), ("recompute", np.int32), ("private_slot", np.int32)], align=True)
 WAIT_DTYPE = np.dtype([("producer", np.int32), ("read_elements", np.int64)], align=True)
+PREFETCH_DTYPE = np.dtype([("row_bytes", np.int64), ("rows", np.int64), ("per", np.int64), ("offset", np.int64),
+                           ("n_out", np.int64), ("slot", np.int32)], align=True)
+PRIVATE_ALIGN = 256  # each block's own copy of a recomputed row op starts on its own 256 bytes
 
 
 def private_buffers(program: Program, bindings: Mapping[str, int]) -> BufferPlan:
@@ -108,9 +114,11 @@ class MegakernelCudaRuntime(CudaRuntime):
         rows, waits = self.mega.table(self.queue, state.bindings)
         ops = np.array(rows, dtype=OP_DTYPE)
         wait_rows = np.array(waits if waits else [(0, 0)], dtype=WAIT_DTYPE)
+        prefetch = self.mega.prefetch_rows()
+        prefetch_rows = np.array(prefetch if prefetch else [(0, 0, 1, 0, 0, 0)], dtype=PREFETCH_DTYPE)
         counters = int(sum(r[2] if r[10] else 1 for r in rows))
         total = int(sum(r[2] for r in rows))
-        return ops, wait_rows, counters, total
+        return ops, wait_rows, prefetch_rows, counters, total
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             repeats: int = 1) -> RunResult:
@@ -118,13 +126,16 @@ class MegakernelCudaRuntime(CudaRuntime):
         the reported seconds are the median CUDA-event time of one launch."""
         cp = self.cp
         state = self._start(inputs, bindings)
-        ops, waits, n_counters, total = self._tables(state)
+        ops, waits, prefetch, n_counters, total = self._tables(state)
         with self.stream:
             for kid in state.staged:  # an input sharing its slot with an in-place writer (a KV cache): copied in
                 self._enqueue_kernel(state, self.kernels[kid])
             d_ops = self._device_copy(state, ops.view(np.uint8))
             d_waits = self._device_copy(state, waits.view(np.uint8))
+            d_prefetch = self._device_copy(state, prefetch.view(np.uint8))
             d_bufs = self._device_copy(state, self._slot_pointers(state))
+            private = -(-self.mega.private_bytes(self.program, self.queue, state.bindings) // PRIVATE_ALIGN) * PRIVATE_ALIGN
+            privates = cp.zeros(max(self.grid * private, 1), dtype=cp.uint8)  # a recomputing block's own copies
             counters = cp.zeros(max(n_counters, 1), dtype=cp.uint32)
             head = cp.zeros(1, dtype=cp.uint64)
             seconds = []
@@ -134,7 +145,8 @@ class MegakernelCudaRuntime(CudaRuntime):
                 start, end = cp.cuda.Event(), cp.cuda.Event()
                 start.record(self.stream)
                 self.entry((self.grid,), (BLOCK_THREADS,),
-                           (d_ops, np.int32(len(ops)), d_waits, counters, head, np.uint64(total), d_bufs),
+                           (d_ops, np.int32(len(ops)), d_waits, d_prefetch, counters, head, np.uint64(total), d_bufs,
+                            privates, np.int64(private)),
                            stream=self.stream)
                 end.record(self.stream)
                 end.synchronize()

@@ -3,17 +3,31 @@
 Why a model of its own: the kernel-by-kernel model charges every kernel a launch, a minimum time and
 its wave quantization; a megakernel pays one launch, and its cost is how its tiles pack onto the SMs
 under the barriers. The model list-schedules the work queue's tiles in queue order (the persistent
-kernel's pop order) onto the target's SMs: a tile starts when an SM is free and the producer tiles its
-barriers wait on (codegen/megakernel.wait_counters) have finished; it runs its share of its kernel's
-roofline on one SM (bytes and flops / tiles, at 1 / SMs of the achievable bandwidth and peak) plus a
-fixed overhead. The makespan plus one launch is the latency; the critical path (the same chain of
-waits with unlimited SMs) says how much of it is barrier waits rather than SM throughput.
+kernel's pop order) onto the target's SMs. A tile's body is its share of its kernel's roofline on one SM
+(bytes and flops / tiles, at 1 / SMs of the achievable bandwidth and peak). What it charges is what the
+device loop (codegen/megakernel_cuda.py) does:
+- a tile that streams weights (codegen/weight_stream.py: a Gemm's own rows of an (N, K) weight, which
+  depend on no barrier) issues their L2 prefetch as soon as its SM pops it: the weight path ends at
+  free + PRE_WAIT_S + weight bytes / the SM's bandwidth share, whenever the barrier is ready; the rest of
+  the tile (the other bytes, the flops) and POST_WAIT_S follow max(pop, ready); it ends when both have;
+- any other tile issues nothing before its wait: its whole time, TILE_OVERHEAD_S included, follows
+  max(free, ready), as before the split;
+- a GEMV whose tiles recompute a one-tile row op (codegen/megakernel.py, QueueOp.recomputes) adds that
+  op's body on one SM to each tile's rest, waits on the row op's producers, and the row op has no tiles.
+The makespan plus one launch is the latency; the critical path (the same chain of waits with unlimited
+SMs) says how much of it is barrier waits rather than SM throughput.
 
-TILE_OVERHEAD_S is an assumption, not a measurement: a queue pop (an atomic on the head) and a counter
-acquire are two L2 round trips, and a tile's first load a DRAM round trip, together ~0.5 us on Hopper.
+The overhead constants are assumptions derived from round published latencies, not measurements of this
+kernel: an L2 hit of 200 cycles and a DRAM load of 400 cycles at the H100's 1755 MHz boost clock, round
+figures of the order GPU microbenchmarks publish (an L40's L2 hit spans 222-339 cycles across its SMs,
+arXiv:2606.22588; we found no Hopper table to cite exactly, and a device has not measured them here), i.e.
+an L2 round trip ~0.114 us and a DRAM load ~0.228 us; an H200 (same SM and L2 design) is assumed the same. Each
+named part below is a count of those round trips (the old single TILE_OVERHEAD_S, 0.5 us, was the
+unsplit guess of pop + acquire + first DRAM load; the split adds the signal's fence and sums to 0.57 us).
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
@@ -22,11 +36,23 @@ from typing import Mapping
 from ..codegen.blockops import Partition
 from ..codegen.llir import Program
 from ..codegen.megakernel import Wait, WorkQueue, wait_counters
+from ..codegen.weight_stream import weight_stream
 from .cost import KernelWork, LaunchForm, roofline_s
 from .latency import kernel_works
 from .targets import LaunchConstants, Target, get_target
 
-TILE_OVERHEAD_S = 0.5e-6
+H100_CLOCK_HZ = 1.755e9
+L2_ROUND_TRIP_S = 200 / H100_CLOCK_HZ    # L2 hit latency, 200 cycles (an assumption: see above)
+DRAM_LOAD_S = 400 / H100_CLOCK_HZ        # global-memory latency, 400 cycles (an assumption: see above)
+# before the wait (at the SM's pop):
+QUEUE_POP_S = L2_ROUND_TRIP_S            # atomicAdd on the queue head: resolved at L2, one round trip
+FIRST_LOAD_S = DRAM_LOAD_S               # the tile's first DRAM load (the weight stream's first line)
+PRE_WAIT_S = QUEUE_POP_S + FIRST_LOAD_S
+# after the wait:
+ACQUIRE_S = L2_ROUND_TRIP_S              # the ld.acquire that sees the producer's count: an L2 round trip
+SIGNAL_S = L2_ROUND_TRIP_S               # __threadfence (the block's writes reach L2), then the counter atomicAdd
+POST_WAIT_S = ACQUIRE_S + SIGNAL_S
+TILE_OVERHEAD_S = PRE_WAIT_S + POST_WAIT_S  # a tile that streams nothing pays all of it after its wait
 
 
 @dataclass(frozen=True)
@@ -37,76 +63,138 @@ class MegakernelLatency:
     launch_s: float
     tiles: int
     busy_fraction: float    # SM time spent in tiles / (SMs * makespan)
-    critical_hops: int = 0  # tiles on that longest chain: each pays TILE_OVERHEAD_S once
+    critical_hops: int = 0  # tiles on that longest chain
     bytes_moved: int = 0    # what the megakernel's bodies move (stored weights read widened: kernel_works)
+    critical_overhead_s: float = 0.0  # the per-tile overheads (pre- and post-wait) on that chain
+    weight_bytes_streamed: int = 0    # bytes tiles load before their waits (codegen/weight_stream.py)
 
     @property
     def overhead_share(self) -> float:
         """The part of the critical path that is per-tile overhead rather than bytes and flops."""
-        return self.critical_hops * TILE_OVERHEAD_S / self.critical_path_s if self.critical_path_s else 0.0
+        return self.critical_overhead_s / self.critical_path_s if self.critical_path_s else 0.0
 
 
-def _tile_seconds(work: KernelWork, tiles: int, target: Target, tile_overhead_s: float) -> float:
+@dataclass(frozen=True)
+class TileTimes:
+    """One tile of an op on one SM: `weight_s` its weight bytes streamed before the wait (0: it streams
+    none), `rest_s` the rest of its body (other bytes, flops), which runs after the wait."""
+
+    weight_s: float
+    rest_s: float
+
+    def finish(self, free: float, ready: float) -> float:
+        """When the tile ends on an SM free at `free` whose barriers are ready at `ready`."""
+        if not self.weight_s:
+            return max(free, ready) + TILE_OVERHEAD_S + self.rest_s
+        return max(free + PRE_WAIT_S + self.weight_s, max(free + QUEUE_POP_S, ready) + POST_WAIT_S + self.rest_s)
+
+    @property
+    def alone_s(self) -> float:
+        """The tile's time on an SM when its barriers are ready as it pops it (its busy time)."""
+        return self.finish(0.0, 0.0)
+
+
+def tile_times(work: KernelWork, tiles: int, target: Target, weight_bytes: int = 0) -> TileTimes:
     """One tile's share of its kernel on one SM: the roofline at 1 / SMs of the machine, or, where the
-    target measured this implementation (h200-measured), one wave's share of the measured kernel time."""
+    target measured this implementation (h200-measured), one wave's share of the measured kernel time;
+    its `weight_bytes` (the kernel's streamed weight bytes, at most what it reads) split off at the SM's
+    share of the bandwidth, the rest the roofline of what remains."""
     sms = target.sm_count
-    body = roofline_s(work, target) * sms / tiles
+    weight_bytes = min(weight_bytes, work.bytes_read)
+    rest = dataclasses.replace(work, bytes_read=work.bytes_read - weight_bytes)
+    bandwidth = target.hbm_bandwidth * target.efficiency.bandwidth
+    weight_s = weight_bytes / bandwidth * sms / tiles
+    body = roofline_s(rest, target) * sms / tiles
     measured = target.measured_kernels.get(work.implementation) if target.measured_kernels else None
-    if measured is not None:
+    if measured is not None:  # the measured kernel time covers its weight bytes too: only its excess is the rest
         waves = math.ceil(tiles / sms)
-        body = max(body, measured.seconds(work.bytes_moved, work.flops, work.tiles, work.serial_extent, sms) / waves)
-    return body + tile_overhead_s
+        whole = measured.seconds(work.bytes_moved, work.flops, work.tiles, work.serial_extent, sms) / waves
+        body = max(body, whole - weight_s)
+    return TileTimes(weight_s, body)
 
 
 def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target, bindings: Mapping[str, int],
-                       launch: LaunchConstants | None = None, tile_overhead_s: float = TILE_OVERHEAD_S,
-                       works: list[KernelWork] | None = None) -> MegakernelLatency:
-    """`works`: per launched kernel, other work than what the megakernel runs (a bench's what-if)."""
+                       launch: LaunchConstants | None = None, works: list[KernelWork] | None = None,
+                       weight_bytes: Mapping[int, int] | None = None) -> MegakernelLatency:
+    """`works`: per launched kernel, other work than what the megakernel runs (a bench's what-if);
+    `weight_bytes`: kernel id -> bytes its tiles stream before their waits, in place of the kernels' weight
+    streams (codegen/weight_stream.py; a kernel left out streams none: {} prices the model before the split)."""
     resolved = get_target(target)
     constants = launch or resolved.launch
     sms = resolved.sm_count
     if works is None:
         works = kernel_works(program, bindings, LaunchForm.MEGAKERNEL)
     works = {k.id: w for k, w in zip(program.launched(), works)}
+    if weight_bytes is None:
+        streams = {k.id: weight_stream(k, program) for k in program.launched()}
+        weight_bytes = {kid: s.bytes_streamed() for kid, s in streams.items() if s is not None}
     table = queue.evaluate(bindings)
     counter_done = [0.0] * sum(t.counters for t in table)  # latest finish of the tiles signalling each counter
-    counter_path = [0.0] * len(counter_done)
-    counter_hops = [0] * len(counter_done)
+    counter_chain = [_Chain()] * len(counter_done)         # the longest chain of waits ending at each counter
     free = [0.0] * sms
     heapq.heapify(free)
-    busy = makespan = longest = 0.0
-    longest_hops = tiles_total = 0
+    busy = makespan = 0.0
+    longest = _Chain()
+    tiles_total = streamed = 0
     for i, (op, launch_row) in enumerate(zip(queue.ops, table)):
-        tile_s = _tile_seconds(works[op.kernel], launch_row.tiles, resolved, tile_overhead_s)
+        if not launch_row.tiles:  # a row op its reader recomputes: priced in the reader's tiles
+            continue
+        work = works[op.kernel]
+        times = tile_times(work, launch_row.tiles, resolved, weight_bytes.get(op.kernel, 0))
+        if op.recomputes is not None:  # each tile first runs the row op's one-tile body on its SM
+            row_op = queue.ops[op.recomputes]
+            own = tile_times(works[row_op.kernel], 1, resolved)
+            times = dataclasses.replace(times, rest_s=times.rest_s + own.rest_s)
+        streamed += min(weight_bytes.get(op.kernel, 0), work.bytes_read)
         # a wait on a whole producer is the same for every tile: its latest counter, found once
-        whole = [_whole_wait(queue, table, w, counter_done, counter_path, counter_hops)
-                 for w in op.waits if not _per_tile(queue, w)]
-        base_ready = max((r for r, _, _ in whole), default=0.0)
-        base_path, base_hops = max(((p, h) for _, p, h in whole), default=(0.0, 0))
+        whole = [_whole_wait(queue, table, w, counter_done, counter_chain) for w in op.waits if not _per_tile(queue, w)]
+        base_ready = max((r for r, _ in whole), default=0.0)
+        base_chain = max((c for _, c in whole), default=_Chain(), key=lambda c: c.path_s)
         per_tile = [w for w in op.waits if _per_tile(queue, w)]
         for t in range(launch_row.tiles):
-            ready, path, hops = base_ready, base_path, base_hops
+            ready, chain = base_ready, base_chain
             for wait in per_tile:
                 for index, _ in wait_counters(queue, table, i, t, wait, bindings):
                     ready = max(ready, counter_done[index])
-                    if counter_path[index] > path:
-                        path, hops = counter_path[index], counter_hops[index]
-            start = max(heapq.heappop(free), ready)
-            finish = start + tile_s
+                    if counter_chain[index].path_s > chain.path_s:
+                        chain = counter_chain[index]
+            finish = times.finish(heapq.heappop(free), ready)
             heapq.heappush(free, finish)
             signal = launch_row.counter_base + t * op.signals_with
             counter_done[signal] = max(counter_done[signal], finish)
-            if path + tile_s > counter_path[signal]:
-                counter_path[signal], counter_hops[signal] = path + tile_s, hops + 1
-            busy += tile_s
+            chain = chain.then(times)
+            if chain.path_s > counter_chain[signal].path_s:
+                counter_chain[signal] = chain
+            busy += times.alone_s
             makespan = max(makespan, finish)
-            if path + tile_s > longest:
-                longest, longest_hops = path + tile_s, hops + 1
+            if chain.path_s > longest.path_s:
+                longest = chain
             tiles_total += 1
     launch_s = constants.graph_node_s + constants.min_kernel_s
-    return MegakernelLatency(makespan + launch_s, longest, makespan, launch_s, tiles_total,
-                             busy / (sms * makespan) if makespan else 0.0, longest_hops,
-                             sum(w.bytes_moved for w in works.values()))
+    return MegakernelLatency(makespan + launch_s, longest.path_s, makespan, launch_s, tiles_total,
+                             busy / (sms * makespan) if makespan else 0.0, longest.hops,
+                             sum(w.bytes_moved for w in works.values()), longest.overhead_s, streamed)
+
+
+@dataclass(frozen=True)
+class _Chain:
+    """A chain of barrier waits with unlimited SMs: when its last tile ends, its tiles, their overheads."""
+
+    path_s: float = 0.0
+    hops: int = 0
+    overhead_s: float = 0.0
+
+    def then(self, times: TileTimes) -> "_Chain":
+        """The chain extended by a tile waiting on it (its own SM, free at 0): a tile whose weight stream
+        ends after its waited-for part starts a chain of its own."""
+        path = times.finish(0.0, self.path_s)
+        if not times.weight_s:
+            return _Chain(path, self.hops + 1, self.overhead_s + TILE_OVERHEAD_S)
+        if PRE_WAIT_S + times.weight_s >= path:
+            return _Chain(path, 1, PRE_WAIT_S)
+        if self.path_s >= QUEUE_POP_S:
+            return _Chain(path, self.hops + 1, self.overhead_s + POST_WAIT_S)
+        return _Chain(path, 1, QUEUE_POP_S + POST_WAIT_S)
 
 
 def _per_tile(queue: WorkQueue, wait: Wait) -> bool:
@@ -114,11 +202,8 @@ def _per_tile(queue: WorkQueue, wait: Wait) -> bool:
     return wait.read_elements is not None and queue.ops[wait.producer].block.partition is Partition.FLAT
 
 
-def _whole_wait(queue: WorkQueue, table, wait: Wait, done: list[float], path: list[float],
-                hops: list[int]) -> tuple[float, float, int]:
-    """(ready, longest path, its hops) over every counter of a producer read whole."""
+def _whole_wait(queue: WorkQueue, table, wait: Wait, done: list[float], chains: list[_Chain]) -> tuple[float, _Chain]:
+    """(ready, longest chain) over every counter of a producer read whole."""
     producer, row = queue.ops[wait.producer], table[wait.producer]
     indices = range(row.counter_base, row.counter_base + row.counters) if producer.stride else (row.counter_base,)
-    ready = max(done[j] for j in indices)
-    j = max(indices, key=lambda j: path[j])
-    return ready, path[j], hops[j]
+    return max(done[j] for j in indices), max((chains[j] for j in indices), key=lambda c: c.path_s)

@@ -13,7 +13,10 @@ hold NaN, so a read of one also shows in the values. No SM able to move while ti
 deadlock. Values: a tile's value is its kernel's CPU body (runtime/cpu.py KERNELS) evaluated on the
 buffers as they are, of which the tile keeps its own range (flat ops) or, for an opaque op, the whole
 output when its last tile finishes; bodies are memoized by the bytes the tile reads, so a correct
-interleaving reuses the first one's values and a wrong one recomputes from what it saw.
+interleaving reuses the first one's values and a wrong one recomputes from what it saw. A tile of an op
+that recomputes a row op (QueueOp.recomputes) reads that row op's inputs, evaluates its body into a private
+copy and runs its own body on that copy; the row op's buffer is never written, so a reader that did not
+recompute it reads unwritten elements (a violation).
 """
 from __future__ import annotations
 
@@ -85,11 +88,14 @@ class MegakernelEmulator:
         key = (op, tile)
         if key not in self._reads:
             k, block = self.kernels[op], self.queue.ops[op].block
-            out = []
+            recomputed = self.queue.ops[op].recomputes
+            out = [] if recomputed is None else list(self.reads(recomputed, 0))
             for slot, inp in enumerate(k.inputs):
                 producer = self.program.kernel(inp.buffer)
                 if producer.kind is KernelKind.EXTERNAL:
                     continue
+                if recomputed is not None and producer.id == self.kernels[recomputed].id:
+                    continue  # its private copy, made by this tile
                 out.append((producer.id, self._read_indices(k, block, slot, producer, tile)))
             self._reads[key] = out
         return self._reads[key]
@@ -202,6 +208,9 @@ class MegakernelEmulator:
         key = (op, tile if self.queue.ops[op].block.partition is Partition.FLAT else -1, digest.digest())
         if key not in self._memo:
             stored = {**self.externals, **buffers}
+            recomputed = self.queue.ops[op].recomputes
+            if recomputed is not None:  # the row op's body first, on what this tile reads: its private copy
+                stored[self.kernels[recomputed].id] = self._value(recomputed, 0, buffers, scales)[0]
             state = self._state(stored)
             state.scales.update(scales)
             state.out = np.empty(self.shapes[op], dtype=k.dtype.storage)
