@@ -402,6 +402,32 @@ def test_a_centred_band_learns_the_bias_and_narrows_to_the_spread_around_it():
     assert centred.decides(far) is False and plain.decides(far) is None
 
 
+def test_subnormal_shares_are_zero_to_the_front_and_no_check_for_the_band():
+    """A random-weight LLM's one-hot softmax puts every plan's KL at ~1e-321 (subnormal: no relative precision):
+    ranking by it made each plan a little 'more accurate' than the next a front point to confirm, and each
+    ratio of two such values (4.9e-322 vs 9.9e-322, 2x by one bit) a mismatch that widened the band."""
+    from luminal_num.error.judge import Verdict
+    from luminal_num.error.predict import Band
+    from luminal_num.error.share import Share, resolved
+    from luminal_num.search.front import Evaluated, front
+    assert resolved(5e-322) == 0.0 and resolved(0.0) == 0.0 and resolved(2.3e-308) == 2.3e-308 and resolved(1.0) == 1.0
+
+    def cand(i, latency, ratio):
+        v = Verdict(True, "chunks", Share(ratio, 0.0, 0.0), float("nan"), None, "")
+        lat = type("Lat", (), {"total_s": latency})()
+        return Evaluated(i, frozenset({("g", f"c{i}", "t")}), v, lat, "", "mutation", None, 0)
+    noise = [cand(0, 1e-4, 2e-321), cand(1, 2e-4, 4.9e-322), cand(2, 3e-4, 9.9e-323), cand(3, 4e-4, 0.0)]
+    assert [e.id for e in front(noise)] == [0]
+    normal = [cand(0, 1e-4, 2e-300), cand(1, 2e-4, 4.9e-302)]  # normal doubles still rank
+    assert [e.id for e in front(normal)] == [0, 1]
+    band = Band()
+    band.observe(4.94e-322, 9.88e-322)
+    band.observe(0.0, 1.48e-321)
+    assert band.mismatches == 0 and band.margin == 2.0 and band.observed == []
+    band.observe(1e-300, 3e-300)  # a normal pair is a check
+    assert band.mismatches == 1 and len(band.observed) == 1
+
+
 def test_each_candidate_counts_the_end_to_end_runs_it_cost(job, space, compiled):
     """The runs per candidate add up to the judge's measurements, and a genome whose program another
     genome already measured (a cache hit that carries that genome's "measured" verdict) cost none, so

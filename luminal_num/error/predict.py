@@ -18,7 +18,7 @@ import numpy as np
 from .budget import Budget, BudgetVerdict
 from .metric_values import MetricValues
 from .metrics import METRICS, Compared, allclose_of
-from .share import Share
+from .share import RESOLVED, Share
 
 Change = tuple  # one precision change: (group key or one chunk of a group (search.space.ChunkSite), e-class, tag)
 Outputs = Mapping[str, np.ndarray]
@@ -141,8 +141,10 @@ class Band:
         """Check the composition against a measurement: a ratio outside the band is a mismatch and widens
         it; after SETTLE checks the band is WIDEN x the worst observed ratio (at least MIN_MARGIN). Only
         candidates that are returned or on the front must be right, and those are all measured."""
+        if not (predicted >= RESOLVED and measured >= RESOLVED):
+            return  # a zero or subnormal share has no ratio to check (its value is rounding noise)
         self.observed.append((predicted, measured))
-        if predicted > 0 and measured > 0 and np.isfinite(predicted) and np.isfinite(measured):
+        if np.isfinite(predicted) and np.isfinite(measured):
             e = predicted * self.bias  # what the band expected
             q = max(measured / e, e / measured)
             if q > self.margin:

@@ -10,9 +10,18 @@ every metric is the gate's share times the headroom (the headroom scales every a
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 NAN = float("nan")
+# below float64's smallest normal a value keeps no relative precision: a share there is rounding noise (a
+# one-hot softmax's KL underflows to ~1e-321), and ranking or comparing by it orders that noise
+RESOLVED = sys.float_info.min
+
+
+def resolved(value: float) -> float:
+    """`value`, or 0 where it is a positive subnormal (no relative precision: indistinguishable from 0)."""
+    return 0.0 if 0.0 < value < RESOLVED else value
 
 
 @dataclass(frozen=True)
@@ -28,8 +37,9 @@ class Share:
         return Share(NAN, math.inf, math.inf)
 
     def rank(self) -> float:
-        """What the search orders candidates by: the gate share over every metric, allclose where none."""
-        return self.gate if math.isfinite(self.gate) else self.allclose
+        """What the search orders candidates by: the gate share over every metric, allclose where none
+        (a subnormal share ranks as 0: `resolved`)."""
+        return resolved(self.gate if math.isfinite(self.gate) else self.allclose)
 
     def of_budget(self, headroom: float) -> float:
         """The share of the user's budget over every metric (the reports' error axis): the gate share times
