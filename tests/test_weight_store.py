@@ -81,6 +81,31 @@ def test_a_synthetic_checkpoint_is_deterministic_and_loads_as_a_llama_folder(che
         write_checkpoint(tmp_path / "small", LlamaConfig(**{**CONFIG.__dict__, "vocab_size": 100}))
 
 
+def test_a_synthetic_llm_has_a_realistic_logit_spread_and_an_old_init_is_rewritten(tmp_path):
+    """Tied as the LM head, the embedding sets the logits' spread: at N(0, 0.02^2) the FP64 model's logits
+    (an independent numpy forward pass, models/reference.py) have std ~0.02 sqrt(hidden) and the softmax is
+    not one-hot; at N(0, 1), the old init, the top token took all the mass and every plan's KL underflowed.
+    A folder stamped by another init is written again, not reused."""
+    from luminal_num.models.llm import Prompt, load_llm
+    from luminal_num.models.synthetic import EMBED_STD, INIT
+    config = LlamaConfig(**{**CONFIG.__dict__, "hidden_size": 256, "intermediate_size": 512, "vocab_size": 2048,
+                            "tie_word_embeddings": True})
+    folder = write_checkpoint(tmp_path / "tied", config)
+    model = load_llm(str(folder))
+    (logits, _), = model.fp64.forward_many([model.encode(Prompt("The capital of France is", False))])
+    last = np.asarray(logits[-1], np.float64)
+    assert 0.5 * EMBED_STD * np.sqrt(256) < last.std() < 2.0 * EMBED_STD * np.sqrt(256)
+    p = np.exp(last - last.max())
+    assert p.max() / p.sum() < 0.5  # not one-hot
+    stamp = json.loads((folder / "config.json").read_text())
+    assert stamp["synthetic_init"] == INIT
+    before = (folder / "model.safetensors").stat().st_mtime_ns
+    (folder / "config.json").write_text(json.dumps({**stamp, "synthetic_init": "embed-std-1"}))
+    write_checkpoint(folder, config)
+    assert json.loads((folder / "config.json").read_text())["synthetic_init"] == INIT
+    assert (folder / "model.safetensors").stat().st_mtime_ns != before
+
+
 def test_a_weight_changed_in_its_file_invalidates_the_verdict_cache(checkpoint, tmp_path):
     def key_of(folder):
         config, weights = load_weights(folder)

@@ -35,11 +35,20 @@ def byte_alphabet() -> list[str]:
     return out
 
 
+EMBED_STD = 0.02  # Llama's initializer_range
+# what a folder's values depend on beyond the config and seed: a folder written by another init is rewritten
+INIT = "embed-std-0.02"
+
+
 def _scale(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
-    """(mean, std) of a tensor: norm gains near 1, matrices ~ N(0, 1/fan_in) as an initialised model."""
+    """(mean, std) of a tensor: norm gains near 1, matrices ~ N(0, 1/fan_in) as an initialised model, the
+    embedding N(0, EMBED_STD^2). Why not N(0, 1) there: tied as the LM head, it gave logits of std ~sqrt(hidden)
+    (45 at hidden 2048, the top logit ~900 above the next), a one-hot softmax whose KL underflows for every plan,
+    so every budget passed and the compile's measurements were of noise; at 0.02 the logits' std is ~0.02
+    sqrt(hidden) (~1), and a plan's rounding can flip a top-1 or move the KL, as in a real model."""
     if len(shape) == 1:
         return 1.0, 0.1
-    return 0.0, (1.0 if name == EMBED else 1.0 / np.sqrt(shape[1]))
+    return 0.0, (EMBED_STD if name == EMBED else 1.0 / np.sqrt(shape[1]))
 
 
 def _blocks(name: str, shape: tuple[int, ...], seed: int):
@@ -61,7 +70,7 @@ def write_checkpoint(directory: str | Path, config: LlamaConfig, seed: int = 0) 
         raise ValueError(f"a synthetic checkpoint needs a vocabulary of at least 256 (bytes), got {config.vocab_size}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    stamp = {**config.to_dict(), "synthetic_seed": seed}
+    stamp = {**config.to_dict(), "synthetic_seed": seed, "synthetic_init": INIT}
     config_file = directory / "config.json"
     if config_file.is_file() and json.loads(config_file.read_text()) == stamp and (directory / "model.safetensors").is_file():
         return directory
