@@ -23,6 +23,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,8 +101,12 @@ def one(shape: Shape, candidates: int, max_memory: str | None, front_end_only: b
 
     def on_stage(name: str, seconds: float) -> None:
         ended[name] = time.monotonic()
-    result = compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration,
-                     SearchOptions(max_candidates=candidates, progress=False), memory=memory, on_stage=on_stage)
+    # a verdict cache as the CLI keeps one by default (<out>/verdicts), empty at the start: converted weights are
+    # written there once and read back after an eviction, as a user's compile does; nothing from an earlier compile
+    with tempfile.TemporaryDirectory(prefix=f"{shape.name}-verdicts-", dir=CHECKPOINTS) as cache_dir:
+        result = compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration,
+                         SearchOptions(max_candidates=candidates, progress=False), memory=memory, on_stage=on_stage,
+                         cache_dir=cache_dir)
     t2 = time.perf_counter()
     chosen = result.search.chosen
     return {"shape": shape.name, "params_m": params / 1e6, "candidates": result.search.stats.candidates,
