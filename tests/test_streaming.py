@@ -197,6 +197,25 @@ def test_a_conversion_outside_a_run_gives_its_source_pages_back_when_streaming(m
         assert (resident(path) >= w.nbytes - 2 * PAGE) is not on, on
 
 
+def test_the_static_bound_gives_each_weights_pages_back_after_its_last_reader(model):
+    """The static analysis reads every weight (its FP64 point interval) kernel by kernel: the same bounds with
+    streaming on, and afterwards less of the file held than a layer plus the largest weight (off: ~ all of it)."""
+    from luminal_num.error.interval import Interval
+    from luminal_num.error.static import static_bound
+    path, m, space, batches = model
+    program = space.program(pick(space, INT8.__contains__))
+    ranges = {n: Interval.point(np.asarray(v, dtype=np.float64)) for n, v in batches[0].items()}
+    reports, kept = [], []
+    for on in (False, True):
+        give_back(m.graph.weights)
+        with STREAMING.set_to(on):
+            reports.append(static_bound(program, ranges, m.graph.bind_symbols(batches[0]), m.graph.weights))
+        kept.append(resident(path))
+    assert reports[0].overflow is None and reports[0].error_bounds.keys() == reports[1].error_bounds.keys()
+    assert all(np.array_equal(reports[0].error_bounds[n], reports[1].error_bounds[n]) for n in reports[0].error_bounds)
+    assert kept[0] > 0.8 * path.stat().st_size and kept[1] < _held(m.graph), kept
+
+
 def test_the_release_map_keeps_a_tied_weight_until_its_last_reader(tmp_path):
     """A weight tied to another (the embedding read again as the LM head) or any array sharing its bytes keeps
     its pages until the last read of any of them; arrays in memory are never named."""
