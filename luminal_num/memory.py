@@ -125,9 +125,12 @@ class MemoryPlan:
         before this call will still add (the judging deviations fill their in-memory share during the
         search, after the caches were sized); stop (one line) when not even one weight in two forms fits."""
         held = tree_pss() - WEIGHTS.bytes - CONVERTED.bytes  # the caches' own bytes are re-planned here
-        workers = self.workers * (WORKER_BASE + 2 * self.worker_cache) if self.workers > 1 else 0
+        # a worker shares the parent's pages of resident weights (PSS counts them once); streamed, it holds its own
+        per_worker = WORKER_BASE + 2 * self.worker_cache + (self.held if self.streaming else 0)
+        workers = self.workers * per_worker if self.workers > 1 else 0
         workers -= sum(_pss(p) for p in _descendants(os.getpid()))  # already counted in what is held
-        room = self.budget - held - max(0, workers) - TRANSIENT * self.largest - max(0, growing)
+        reading = self.held if self.streaming else 0  # streamed, this process's own runs map a layer at a time
+        room = self.budget - held - max(0, workers) - TRANSIENT * self.largest - max(0, growing) - reading
         need = MIN_CACHE * self.largest
         if room < need:
             raise MemoryBudgetError(f"stage {stage} needs {_gb(need + TRANSIENT * self.largest)} more memory; the "
@@ -265,8 +268,7 @@ def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, wo
                                 f"working copies of the largest weight {_gb(work)}); the "
                                 f"memory budget is {_gb(budget)}: raise --max-memory or compile fewer layers")
     worker_cache = min(WORKER_CACHE_MAX, max(2 * largest, 64 << 20))  # the largest weight in two forms
-    # a worker shares the parent's pages of weights it holds (PSS counts them once); streamed, it holds its own
-    per_worker = WORKER_BASE + 2 * worker_cache + (held - (total - sizes.mapped) if streaming else 0)
+    per_worker = WORKER_BASE + 2 * worker_cache + (held if streaming else 0)  # streamed, each holds its own layer
     fit = workers
     while fit > 1 and budget - PROCESS_BASE - held - fit * per_worker < work:
         fit -= 1

@@ -9,6 +9,7 @@ Gemma-3-4B shape (weights of a sparse file: nothing allocated).
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -192,9 +193,11 @@ def test_a_conversion_outside_a_run_gives_its_source_pages_back_when_streaming(m
     w = m.graph.weights["model.layers.1.mlp.down_proj.weight"]
     for on in (False, True):
         give_back(m.graph.weights)
+        before = STREAMING.released
         with STREAMING.set_to(on):
             widened(w, "int8_channel")
         assert (resident(path) >= w.nbytes - 2 * PAGE) is not on, on
+        assert STREAMING.released - before == (w.nbytes if on else 0)
 
 
 def test_the_static_bound_gives_each_weights_pages_back_after_its_last_reader(model):
@@ -308,6 +311,24 @@ def test_a_streaming_plan_sets_the_process_policy_while_applied(sparse_4b):
     assert not STREAMING.on
     with plan_memory(sparse_4b, 40 * GiB).applied():
         assert not STREAMING.on
+
+
+def test_a_streaming_search_reserves_the_layer_its_own_runs_will_map():
+    """At the search, a streaming plan keeps room for what its own runs map at once (a layer and the largest
+    weight, `held`) beside the caches: the same budget leaves the caches that much less, or stops."""
+    from luminal_num.memory import MemoryPlan, tree_pss
+    largest, held = 10 << 20, 40 << 20
+    base = MemoryPlan(tree_pss() + 300 * (1 << 20), 0, largest, 1, 300 << 20, 200 << 20, 0)
+    streamed = dataclasses.replace(base, streaming=True, held=held)
+    room = []
+    for plan in (base, streamed):
+        with plan.applied():
+            plan.fit("search")
+            room.append(WEIGHTS.budget_bytes + CONVERTED.budget_bytes)
+    assert abs(room[0] - room[1] - held) <= 16 << 20, room  # give or take the pages the process touched meanwhile
+    tight = dataclasses.replace(streamed, budget=tree_pss() + (MIN_CACHE + TRANSIENT) * largest + held // 2)
+    with tight.applied(), pytest.raises(MemoryBudgetError, match=r"^stage search needs .* more memory"):
+        tight.fit("search")
 
 
 def test_layers_are_read_from_weight_names():
