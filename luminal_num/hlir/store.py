@@ -11,6 +11,9 @@ one (a GGUF tensor's raw blocks, a safetensors byte range: `keyed(values, key)`)
 array's own bytes on first use (sha256, ~1 GB/s; the hardware-accelerated stdlib hash: blake2b runs at
 a quarter of that here). Arrays derived from a weight (views, ufunc results) carry no key: they are
 new values, keyed by their own bytes if anyone asks.
+
+Weights mapped from files can be streamed (`STREAMING`, turned on by the memory plan when holding them all
+does not fit the budget): a reader gives a weight's pages back after its last read (`release_points`).
 """
 from __future__ import annotations
 
@@ -165,6 +168,7 @@ class Streaming:
 
     @contextmanager
     def by_last_reader(self) -> Iterator[None]:
+        """A reader that releases by its own last-reader map runs in the block: after_read waits for it."""
         self._runs += 1
         try:
             yield
