@@ -219,6 +219,23 @@ def test_the_static_bound_gives_each_weights_pages_back_after_its_last_reader(mo
     assert kept[0] > 0.8 * path.stat().st_size and kept[1] < _held(m.graph), kept
 
 
+def test_the_plans_static_weight_scales_give_each_weights_pages_back(model):
+    """The plan stage reads every statically scaled Gemm's weight whole for its scales (outside a run): the
+    same scales with streaming on, and afterwards less of the file held than a layer plus the largest weight."""
+    from luminal_num.search.plan import static_weight_scales
+    path, m, space, batches = model
+    program = space.program(pick(space, "gemm:f8e4m3_channel".__eq__))
+    scales, kept = [], []
+    for on in (False, True):
+        give_back(m.graph.weights)
+        with STREAMING.set_to(on):
+            scales.append(static_weight_scales(program, m.graph.weights, m.graph.bind_symbols(batches[0])))
+        kept.append(resident(path))
+    assert len(scales[0]) >= 3 * CONFIG.num_hidden_layers and scales[0].keys() == scales[1].keys()
+    assert all(np.array_equal(scales[0][k], scales[1][k]) for k in scales[0])
+    assert kept[0] > 0.5 * path.stat().st_size and kept[1] < _held(m.graph), kept
+
+
 def test_the_release_map_keeps_a_tied_weight_until_its_last_reader(tmp_path):
     """A weight tied to another (the embedding read again as the LM head) or any array sharing its bytes keeps
     its pages until the last read of any of them; arrays in memory are never named."""
