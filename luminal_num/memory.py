@@ -8,6 +8,11 @@ bounded by a share of the budget, and fewer workers when the budget cannot hold 
 cannot hold even one process with the model's largest weights is refused up front, with one line
 naming what it needed, instead of the compile being killed half way.
 
+A model whose weights do not fit the budget beside the caches compiles when they are file-backed
+(memory-mapped checkpoints): the plan turns streaming on (`MemoryPlan.streaming`, hlir.store.STREAMING),
+every whole-model reader gives a weight's pages back after its last read, and the floor counts what one
+process holds at once (the largest layer's weights and the largest weight) instead of every weight.
+
 Between stages (`MemoryPlan.check`) the compile compares what its process tree occupies now (PSS,
 so pages shared with forked workers count once) plus what the next stage will add (its estimate)
 with the budget, and stops with one line naming the stage and the memory it needed when they do
@@ -26,6 +31,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from .error.reference import SPILL
+from .hlir.store import STREAMING, is_file_backed
 from .hlir.weightcache import WEIGHTS
 from .quant.stored import CONVERTED
 
@@ -82,10 +88,14 @@ class MemoryPlan:
     worker_cache: int       # each worker's budget for each of those two caches
     boundary: int = 2 << 30  # FP64 chunk-boundary values kept in memory before the rest spill to files
     judging: int = 1 << 30   # deviations the per-chunk verdicts keep in memory before the rest go to a file
+    streaming: bool = False  # file-backed weights' pages given back after their last read (hlir.store.STREAMING)
+    held: int = 0            # streaming: the weights one process holds at once (WeightSizes.held)
 
     def describe(self) -> str:
         pool = f"{self.workers} workers" if self.workers > 1 else "no worker pool"
-        return (f"memory {_gb(self.budget)}: weights {_gb(self.weights)}, {pool}, caches {_gb(self.weight_cache)} "
+        weights = (f"weights {_gb(self.weights)} streamed ({_gb(self.held)} held at once)" if self.streaming
+                   else f"weights {_gb(self.weights)}")
+        return (f"memory {_gb(self.budget)}: {weights}, {pool}, caches {_gb(self.weight_cache)} "
                 f"(derived) + {_gb(self.converted_cache)} (stored formats)"
                 + (f", {_gb(self.worker_cache)} x 2 per worker" if self.workers > 1 else ""))
 
@@ -115,9 +125,12 @@ class MemoryPlan:
         before this call will still add (the judging deviations fill their in-memory share during the
         search, after the caches were sized); stop (one line) when not even one weight in two forms fits."""
         held = tree_pss() - WEIGHTS.bytes - CONVERTED.bytes  # the caches' own bytes are re-planned here
-        workers = self.workers * (WORKER_BASE + 2 * self.worker_cache) if self.workers > 1 else 0
+        # a worker shares the parent's pages of resident weights (PSS counts them once); streamed, it holds its own
+        per_worker = WORKER_BASE + 2 * self.worker_cache + (self.held if self.streaming else 0)
+        workers = self.workers * per_worker if self.workers > 1 else 0
         workers -= sum(_pss(p) for p in _descendants(os.getpid()))  # already counted in what is held
-        room = self.budget - held - max(0, workers) - TRANSIENT * self.largest - max(0, growing)
+        reading = self.held if self.streaming else 0  # streamed, this process's own runs map a layer at a time
+        room = self.budget - held - max(0, workers) - TRANSIENT * self.largest - max(0, growing) - reading
         need = MIN_CACHE * self.largest
         if room < need:
             raise MemoryBudgetError(f"stage {stage} needs {_gb(need + TRANSIENT * self.largest)} more memory; the "
@@ -136,13 +149,14 @@ class MemoryPlan:
     def applied(self) -> Iterator[None]:
         """This process's caches sized to the plan while the block runs (workers size theirs when they
         start), then back to what they were: a compile of a small model must not shrink the caches of
-        whatever the process does next."""
+        whatever the process does next. The streaming policy likewise (forked workers inherit it)."""
         old = WEIGHTS.budget_bytes, CONVERTED.budget_bytes, SPILL.budget_bytes
         WEIGHTS.resize(self.weight_cache)
         CONVERTED.resize(self.converted_cache)
         SPILL.budget_bytes = self.boundary
         try:
-            yield
+            with STREAMING.set_to(self.streaming):
+                yield
         finally:
             WEIGHTS.resize(old[0])
             CONVERTED.resize(old[1])
@@ -188,28 +202,78 @@ def weight_bytes(weights: Mapping[str, np.ndarray]) -> tuple[int, int]:
     return sum(sizes), max(sizes, default=0)
 
 
+_LAYER_INDEX = re.compile(r"(?:^|[._])(\d+)(?=[._]|$)")  # "model.layers.12.mlp..." / "blk.12.attn_q..."
+
+
+def layer_of(name: str) -> str:
+    """The layer a weight belongs to by its name: the name up to its first integer component
+    ("model.layers.12.mlp.up_proj.weight" -> "model.layers.12", GGUF "blk.12.ffn_up.weight" -> "blk.12"); a
+    name without one (the embedding, the final norm, the LM head) is a layer of its own."""
+    m = _LAYER_INDEX.search(name)
+    return name if m is None else name[:m.end(1)]
+
+
+@dataclass(frozen=True)
+class WeightSizes:
+    """The weights' sizes as FP32 (read from shapes only): what a plan needs to hold them or stream them."""
+
+    total: int      # every weight
+    largest: int    # the largest weight
+    mapped: int     # the file-backed ones (their pages can be given back and read again)
+    held: int       # streamed: what one process holds at once: the weights in memory (not file-backed), and of
+    #                 the file-backed ones a layer's (a chunk's) plus the largest weight outside it (the LM head's,
+    #                 or a tied embedding read at the start and again at the end), the largest such pair
+
+    @staticmethod
+    def of(weights: Mapping[str, np.ndarray]) -> "WeightSizes":
+        total, largest = weight_bytes(weights)
+        layers: dict[str, int] = {}  # layer -> its file-backed weights' bytes
+        biggest: dict[str, int] = {}  # layer -> its largest file-backed weight
+        for name, w in weights.items():
+            if is_file_backed(w):
+                size, layer = int(np.prod(np.shape(w), dtype=np.int64)) * 4, layer_of(name)
+                layers[layer] = layers.get(layer, 0) + size
+                biggest[layer] = max(biggest.get(layer, 0), size)
+        ranked = sorted(biggest.items(), key=lambda kv: -kv[1])[:2]
+        held = max((size + next((b for other, b in ranked if other != layer), 0) for layer, size in layers.items()),
+                   default=0)
+        mapped = sum(layers.values())
+        return WeightSizes(total, largest, mapped, total - mapped + held)
+
+
 def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, workers: int = 2,
-                rotation: bool = False) -> MemoryPlan:
+                rotation: bool = False, streaming: bool | None = None) -> MemoryPlan:
     """The plan for a compile of a model with these weights within `budget` bytes (default: what this
     process holds now plus 80% of the machine's available memory). Each cache gets what the model can use (the derived cache: FP64 copies
     of every weight plus one FP32 form of each, and with `rotation` (rotated or smoothed weights) each weight's FP32 rotation and its widened
     stored form too; the stored-format cache: two formats of each), at most its share of what the budget
-    leaves after the processes and the weights."""
+    leaves after the processes and the weights. `streaming` (None: decided here): on when the weights are
+    file-backed and holding them all does not fit the budget beside the caches' minimum; then the floor
+    counts the weights one process holds at once (WeightSizes.held), and each worker holds its own."""
     budget = tree_pss() + int(0.8 * available_bytes()) if budget is None else budget
-    total, largest = weight_bytes(weights)
-    # one process must hold its baseline, the weights, the caches' minimum and the transient reserve
-    floor = PROCESS_BASE + total + (MIN_CACHE + TRANSIENT) * largest
+    sizes = WeightSizes.of(weights)
+    total, largest = sizes.total, sizes.largest
+    work = (MIN_CACHE + TRANSIENT) * largest  # the caches' minimum and the transient reserve
+    if streaming is None:
+        streaming = sizes.mapped > 0 and budget < PROCESS_BASE + total + work
+    elif streaming and sizes.mapped == 0:
+        raise MemoryBudgetError("streaming needs file-backed weights (a memory-mapped checkpoint); these are all in memory")
+    held = sizes.held if streaming else total
+    # one process must hold its baseline, the weights (streaming: a layer's and the largest), the caches' minimum
+    # and the transient reserve
+    floor = PROCESS_BASE + held + work
     if budget < floor:
-        raise MemoryBudgetError(f"the compile needs at least {_gb(floor)} (process {_gb(PROCESS_BASE)}, weights "
-                                f"{_gb(total)}, working copies of the largest weight {_gb((MIN_CACHE + TRANSIENT) * largest)}); the "
+        what = f"weights streamed {_gb(held)} of {_gb(total)}" if streaming else f"weights {_gb(total)}"
+        raise MemoryBudgetError(f"the compile needs at least {_gb(floor)} (process {_gb(PROCESS_BASE)}, {what}, "
+                                f"working copies of the largest weight {_gb(work)}); the "
                                 f"memory budget is {_gb(budget)}: raise --max-memory or compile fewer layers")
     worker_cache = min(WORKER_CACHE_MAX, max(2 * largest, 64 << 20))  # the largest weight in two forms
-    per_worker = WORKER_BASE + 2 * worker_cache
+    per_worker = WORKER_BASE + 2 * worker_cache + (held if streaming else 0)  # streamed, each holds its own layer
     fit = workers
-    while fit > 1 and budget - PROCESS_BASE - total - fit * per_worker < (MIN_CACHE + TRANSIENT) * largest:
+    while fit > 1 and budget - PROCESS_BASE - held - fit * per_worker < work:
         fit -= 1
-    left = budget - PROCESS_BASE - total - (fit * per_worker if fit > 1 else 0) - TRANSIENT * largest
+    left = budget - PROCESS_BASE - held - (fit * per_worker if fit > 1 else 0) - TRANSIENT * largest
     derived = min((5 if rotation else 3) * total, int(0.6 * left))
     converted = min(2 * total, left - derived)
     return MemoryPlan(budget, total, largest, fit, derived, converted, worker_cache if fit > 1 else 0,
-                      max(256 << 20, budget // 16), max(256 << 20, budget // 16))
+                      max(256 << 20, budget // 16), max(256 << 20, budget // 16), streaming, held)

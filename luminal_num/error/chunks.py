@@ -19,6 +19,10 @@ and then every chunk is run). A chunk choice of several knobs whose single knobs
 local deviation is the FP32 chunk's plus the sum of the singles' deviations from it (independent
 roundings add, to first order), once LOCAL_CHECKS such compositions matched their own runs within
 LOCAL_TOL; every LOCAL_SPOT-th composable choice is still run as a check, and a miss turns it off.
+
+With the memory plan's streaming on, a chunk's weights' file pages go back after the chunk, here or in a
+pool worker: its run (CpuRuntime) and its FP64 evaluation (evaluate_chunk_batches) release each weight
+after its last reader in the chunk (hlir.store.STREAMING), so judging a layer holds that layer's weights.
 """
 from __future__ import annotations
 

@@ -28,7 +28,9 @@ from ..quant.stored import MissingCalibration
 from ..hlir.ops import Op
 from ..hlir.rotation import rotation_error
 from ..hlir.smoothing import smoothing_error
+from ..hlir.store import STREAMING
 from ..hlir.weightcache import WEIGHTS
+from ..runtime.cpu_pages import page_releases
 from ..hlir.symbolic import evaluate as eval_dim
 from .indexed import Rows, gather_rows, index_range, scatter_rows
 from .liveness import last_readers
@@ -149,15 +151,20 @@ class StaticAnalyzer:
     def run(self, inputs: Mapping[str, Interval], keep: frozenset[int] = frozenset()) -> StaticReport:
         """Every kernel in order; a buffer's bound is dropped after the last kernel that may read it
         (error/liveness.py), so the analysis holds a few layers' bounds at a time, not the whole model's.
-        `keep`: buffers whose bounds stay in `vals` afterwards besides the outputs' (for inspection)."""
+        `keep`: buffers whose bounds stay in `vals` afterwards besides the outputs' (for inspection).
+        Streaming (hlir.store.STREAMING), a weight's file pages go after its last reader, as in a CPU run."""
         last = last_readers(self.p)
         keep = keep | {kid for _, kid in self.p.outputs}
+        pages = page_releases(self.p, self.weights) if STREAMING.on else None
         try:
-            for i, k in enumerate(self.p.kernels):
-                self.vals[k.id] = self.kernel(k, inputs)
-                for buf in last.get(i, ()):
-                    if buf not in keep:
-                        self.vals.pop(buf, None)
+            with STREAMING.by_last_reader():
+                for i, k in enumerate(self.p.kernels):
+                    self.vals[k.id] = self.kernel(k, inputs)
+                    for buf in last.get(i, ()):
+                        if buf not in keep:
+                            self.vals.pop(buf, None)
+                    if pages is not None:
+                        STREAMING.release(pages.after.get(k.id, ()))
         except OverflowFound as exc:
             return StaticReport({}, {}, exc.ov)
         outs = {name: self.vals[kid] for name, kid in self.p.outputs}

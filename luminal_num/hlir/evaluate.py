@@ -28,6 +28,7 @@ from .gemm import (GemmLayout, gemm_layouts, gemm_operand_a, gemm_operand_b, gem
                    split_operand)
 from .graph import Graph, Node
 from .ops import BINARY_OPS, CUSTOM_KINDS, UNARY_OPS, Op
+from .store import STREAMING, release_points
 from .symbolic import evaluate as eval_dim
 from .weightcache import WEIGHTS
 
@@ -335,28 +336,47 @@ def _run_nodes(graph: Graph, node_ids, batches: Sequence[_Batch], precision: str
         if hit is not None and hit[0].id in members:
             fused[hit[0].id] = (nid, hit[1])
     by_reduce = {r: (m, lay) for m, (r, lay) in fused.items()}
-    last_reads = _last_reads(graph, node_ids, fused) if keep is not None else {}
-    for i, nid in enumerate(node_ids):
-        node = graph.nodes[nid]
-        if keep is not None and i > 0:
-            for done in last_reads.get(i - 1, ()):
-                if done not in keep:
-                    for bt in batches:
-                        bt.values.pop(done, None)
-        if nid in fused:
-            continue
-        if nid in by_reduce:
-            _run_gemm(graph, node, *by_reduce[nid], batches, precision, consumers, observe)
-            continue
-        held = _streamed_weight(graph, node, precision) if stream else None
-        for bt in batches:
-            if held is not None:
-                bt.values[nid] = held
+    with STREAMING.by_last_reader():  # a read inside (a weight's key, its FP64 copy) leaves releasing to the map
+        last_reads = _last_reads(graph, node_ids, fused) if keep is not None or STREAMING.on else {}
+        pages = _page_releases(graph, last_reads) if STREAMING.on else {}
+        for i, nid in enumerate(node_ids):
+            node = graph.nodes[nid]
+            if i > 0:
+                STREAMING.release(pages.get(i - 1, ()))
+            if keep is not None and i > 0:
+                for done in last_reads.get(i - 1, ()):
+                    if done not in keep:
+                        for bt in batches:
+                            bt.values.pop(done, None)
+            if nid in fused:
                 continue
-            srcs = [s.view.realize(bt.values[s.node], bt.bindings) for s in node.srcs]
-            if stream and node.op is not Op.GATHER:
-                srcs = [_wide(x) for x in srcs]  # a streamed weight read whole by another op: widened here
-            bt.values[nid] = np.asarray(eval_node(node, srcs, graph, bt.inputs, bt.bindings, precision))
+            if nid in by_reduce:
+                _run_gemm(graph, node, *by_reduce[nid], batches, precision, consumers, observe)
+                continue
+            held = _streamed_weight(graph, node, precision) if stream else None
+            for bt in batches:
+                if held is not None:
+                    bt.values[nid] = held
+                    continue
+                srcs = [s.view.realize(bt.values[s.node], bt.bindings) for s in node.srcs]
+                if stream and node.op is not Op.GATHER:
+                    srcs = [_wide(x) for x in srcs]  # a streamed weight read whole by another op: widened here
+                bt.values[nid] = np.asarray(eval_node(node, srcs, graph, bt.inputs, bt.bindings, precision))
+        if node_ids:
+            STREAMING.release(pages.get(len(node_ids) - 1, ()))
+
+
+def _page_releases(graph: Graph, last_reads: Mapping[int, list[int]]) -> dict[int, list[np.ndarray]]:
+    """Position -> the file-backed weights whose pages a streaming evaluation gives back after it (every
+    batch has run it): each weight after its last read in these nodes, or a later read of a weight sharing
+    its bytes (hlir.store.release_points). A chunk evaluated alone releases its weights as it finishes them."""
+    read = {}
+    for pos, srcs in last_reads.items():
+        for src in srcs:
+            name = graph.weight_name(src)
+            if name is not None:
+                read[name] = max(read.get(name, -1), pos)
+    return release_points(read, graph.weights)
 
 
 def _run_gemm(graph: Graph, node: Node, mul_id: int, lay: GemmLayout, batches: Sequence[_Batch], precision: str,
@@ -408,14 +428,15 @@ def evaluate_chunk_batches(graph: Graph, node_ids, externals: Sequence[Mapping[i
         raise ValueError(f"{len(externals)} batches of external values but {len(bindings)} of bindings")
     batches = [_Batch(dict(ext), {}, bnd) for ext, bnd in zip(externals, bindings)]
     stream = precision == "f64" and streams(graph)
-    for nid in node_ids:  # weights not handed in: their cached value (the caller need not hold them)
-        for s in graph.nodes[nid].srcs:
-            if graph.weight_name(s.node) is None:
-                continue
-            for bt in batches:
-                if s.node not in bt.values:
-                    held = _streamed_weight(graph, graph.nodes[s.node], precision) if stream else None
-                    bt.values[s.node] = held if held is not None else \
-                        eval_node(graph.nodes[s.node], [], graph, {}, bt.bindings, precision)
-    _run_nodes(graph, list(node_ids), batches, precision)
+    with STREAMING.by_last_reader():  # the weights' pages go after their last reader in the chunk (_run_nodes)
+        for nid in node_ids:  # weights not handed in: their cached value (the caller need not hold them)
+            for s in graph.nodes[nid].srcs:
+                if graph.weight_name(s.node) is None:
+                    continue
+                for bt in batches:
+                    if s.node not in bt.values:
+                        held = _streamed_weight(graph, graph.nodes[s.node], precision) if stream else None
+                        bt.values[s.node] = held if held is not None else \
+                            eval_node(graph.nodes[s.node], [], graph, {}, bt.bindings, precision)
+        _run_nodes(graph, list(node_ids), batches, precision)
     return [{nid: bt.values[nid] for nid in node_ids if nid in bt.values} for bt in batches]

@@ -9,7 +9,8 @@ least-recently-used beyond a byte budget (the compile sets it from its memory bu
 and room for a new value is made before it is computed, so the cache and the value being made stay
 within the budget together (evicting after would hold both: a 1 GB head's operand over a full cache).
 An entry that is a view of its source (an FP32 weight stored as is) keeps the source alive until it
-is evicted; its bytes count.
+is evicted; its bytes count. It pins no page of a mapped file: streaming (hlir.store.STREAMING), the CPU
+runtime releases the pages under it after its last reader, like the weight's own.
 
 Whole-model runs read every weight once, in order, again and again (end-to-end verdicts, the headroom's
 probes, the positions' steps); when a model's operands exceed the budget, least-recently-used eviction

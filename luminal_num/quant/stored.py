@@ -21,7 +21,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
-from ..hlir.store import content_key
+from ..hlir.store import STREAMING, content_key
 from ..hlir.weightcache import DEFAULT_BUDGET_BYTES, ByteLRU
 from ..models.gguf import kept_source
 from .calibration import Fill, Hessian, hessian_of
@@ -223,6 +223,7 @@ class ConvertedWeights:
         loaded = self.disk.load(key, fmt, tuple(np.shape(w))) if cacheable else None
         if loaded is None:
             q = kept if kept is not None else convert(w, fmt, fill, hessian)
+            STREAMING.after_read(w)  # converted: a streaming compile gives the source's pages back (not in a run)
             packed = fmt.pack(q)
             self.conversions += 1
             if cacheable:
@@ -260,7 +261,10 @@ CONVERTED = ConvertedWeights()  # the process-wide conversions of weights to the
 
 def _converted(w, fmt: StorageFormat, fill: str | None = None) -> Conversion:
     hessian = required_hessian(w, fmt, fill)  # by the original weight's content key (its FP32 copy has none)
-    return CONVERTED.get(_f32_weight(w), fmt, fill, hessian)
+    f32 = _f32_weight(w)
+    if f32 is not w:
+        STREAMING.after_read(w)  # read whole into its FP32 copy: a streaming compile gives its pages back
+    return CONVERTED.get(f32, fmt, fill, hessian)
 
 
 def widened(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor | None = None,
@@ -300,6 +304,7 @@ def storage_error(w, fmt: str | StorageFormat, stored: Quantized | StoredTensor 
     w32 = w if isinstance(w, np.ndarray) and w.dtype == np.float32 else w64.astype(np.float32)  # the live array: its entry by identity
     source = w if fill is not None else w32  # a fill's Hessian is found by the original weight's content key
     diff = np.abs(widened(source, fmt, stored, fill).astype(np.float64) - w64)
+    STREAMING.after_read(w)  # read whole (its FP64 copy): a streaming compile gives its pages back
     return diff * (1.0 + 2.0 ** -52)  # the float64 subtraction may round (a float64 weight): never undercut
 
 

@@ -28,7 +28,7 @@ from ..dtypes.formats import F32, Kind, get as get_format
 from ..dtypes.rounding import store
 from ..hlir.evaluate import softmax
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
-from ..hlir.store import WeightArray, digest, keyed
+from ..hlir.store import STREAMING, WeightArray, digest, keyed
 from ..hlir.weightcache import WEIGHTS, ByteLRU
 from ..quant.codes import quantize_into_codes
 from ..quant.concat import concat_widened
@@ -43,6 +43,7 @@ from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, 
                          body64 as _body64, body_into_out, body_values, read64, read_input, reduce_sum,
                          rows_values, store32)
 from .cpu_compiled import KernelCache
+from .cpu_pages import PageReleases, page_releases
 from .cpu_softmax import softmax_f64_into
 from .cpu_gemm import quantize_input, run_gemm, run_quantize  # noqa: F401 (run_quantize: named here for the tests)
 from . import fixed_gemm
@@ -118,6 +119,7 @@ class CpuRuntime:
         # run of the same shapes: no fresh pages to fault in, the same arrays for compiled reads
         self._outputs: tuple[tuple, dict[int, np.ndarray]] | None = None
         self._drops: dict[int, tuple[int, ...]] | None = None  # kernel id -> EXTERNALs it reads last
+        self._releases: PageReleases | None = None  # streaming (hlir.store.STREAMING): which pages go when
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             keep_exports: bool = False) -> RunResult:
@@ -135,12 +137,18 @@ class CpuRuntime:
         runs = [self._begin(inputs, bind, keep_exports, reuse=(i == 0))
                 for i, (inputs, bind) in enumerate(zip(batches, each))]
         drops = self._weight_drops()
+        if STREAMING.on and self._releases is None:
+            self._releases = page_releases(self.program, self.weights)
         try:
-            with np.errstate(all="ignore"):
+            with np.errstate(all="ignore"), STREAMING.by_last_reader():
                 for k in self.program.kernels:
+                    dropped: list[np.ndarray] = []
                     with WEIGHTS.step():
                         for r in runs:
-                            self._step(r, k, drops)
+                            self._step(r, k, drops, dropped)
+                    if STREAMING.on:  # after every batch ran k: no later kernel of the run reads these pages
+                        STREAMING.release(self._releases.after.get(k.id, ()))
+                        STREAMING.release(v for v in dropped if self._releases.foreign(v))
         finally:  # the makers close over the run's state: a cycle that held every buffer of the run (and the
             for r in runs:  # runtime) until the cyclic GC came by: GBs in a pool worker between collections
                 r.state.stored.make = {}
@@ -183,8 +191,9 @@ class CpuRuntime:
                        if k.kind is KernelKind.EXTERNAL and k.external in state.weight_names and k.id not in kept}
         return _Pending(state, key, plan, outs, wanted, [], {})
 
-    def _step(self, r: "_Pending", k: Kernel, drops: Mapping[int, tuple[int, ...]]) -> None:
-        """Kernel `k` of one batch's run."""
+    def _step(self, r: "_Pending", k: Kernel, drops: Mapping[int, tuple[int, ...]],
+              dropped: list[np.ndarray] | None = None) -> None:
+        """Kernel `k` of one batch's run (`dropped` gets the weights' stored forms it was the last reader of)."""
         state, stored = r.state, r.state.stored
         t0 = time.perf_counter()
         if k.id in stored.make:
@@ -204,7 +213,9 @@ class CpuRuntime:
         if k.kind.launches:
             r.timings.append((k.id, time.perf_counter() - t0))
         for buf in drops.get(k.id, ()):  # a weight's stored form after its last reader: the cache's
-            stored.pop(buf, None)        # to keep or evict, not this run's to pin until the end
+            value = stored.pop(buf, None)  # to keep or evict, not this run's to pin until the end
+            if dropped is not None and value is not None:
+                dropped.append(value)
 
     def _output_views(self, plan: BufferPlan, bindings) -> dict[int, np.ndarray]:
         """Every computed kernel's output: its shape and storage dtype over its slot of the plan."""

@@ -29,6 +29,7 @@ from ..error.metric_values import MetricValues
 from ..hlir.gemm import gemm_operand_b, read_operand
 from ..hlir.graph import Graph
 from ..hlir.partition import Partition, partition
+from ..hlir.store import STREAMING
 from ..files import atomic_write_bytes, atomic_write_text
 from ..quant.scales import compute_scales
 from ..quant.storage import STORAGE_FORMATS
@@ -131,6 +132,8 @@ def static_weight_scales(program: Program, weights, bindings) -> dict[int, np.nd
         b = gemm_operand_b(read_operand(k.inputs[1].view, external_value(src, weights).astype(np.float32), bindings),
                            k.layout)
         out[k.id] = compute_scales(b, v.b_format, v.b_scale)
+        for n in src.weight_sources:  # read whole: a streaming compile gives its pages back
+            STREAMING.after_read(weights[n])
     return out
 
 
