@@ -101,6 +101,8 @@ def one(shape: Shape, candidates: int, max_memory: str | None, front_end_only: b
 
     def on_stage(name: str, seconds: float) -> None:
         ended[name] = time.monotonic()
+        print(f"[scale] {shape.name}: stage {name} done in {seconds:.0f} s ({ended[name] - ended['front end']:.0f} s "
+              f"into the compile)", file=sys.stderr, flush=True)  # a 4B compile runs for an hour: say where it is
     # a verdict cache as the CLI keeps one by default (<out>/verdicts), empty at the start: converted weights are
     # written there once and read back after an eviction, as a user's compile does; nothing from an earlier compile
     with tempfile.TemporaryDirectory(prefix=f"{shape.name}-verdicts-", dir=CHECKPOINTS) as cache_dir:
