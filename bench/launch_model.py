@@ -12,8 +12,9 @@ runtime/cuda_megakernel.py). `floor_us` is the plan's bytes (weights at their st
 critical path that per-tile overheads are. The megakernel model charges what its loop does (see
 runtime/megakernel_cost.py): a Gemm tile streams its own weight rows from when its SM pops it, before its
 barrier wait (codegen/weight_stream.py; `weight_streamed_share` is the streamed share of the step's
-bytes), and a one-row norm read only by a GEMV is recomputed by that GEMV's tiles (no tiles or hop of
-its own: codegen/megakernel.py). Its per-tile overheads are ASSUMPTIONS, round trips of round published
+bytes), an attention tile streams the KV-cache rows it reads, less the rows this step's scatter writes, the
+same way (codegen/cache_stream.py; `cache_streamed_share`), and a one-row norm read only by a GEMV is
+recomputed by that GEMV's tiles (no tiles or hop of its own: codegen/megakernel.py). Its per-tile overheads are ASSUMPTIONS, round trips of round published
 H100 latencies (L2 200 cycles, DRAM 400 cycles at 1755 MHz), not measurements: pre-wait the queue pop and
 the first DRAM load, post-wait the counter acquire and the signal's fence (megakernel_cost.PRE_WAIT_S,
 POST_WAIT_S; a tile streaming nothing pays TILE_OVERHEAD_S, their sum, after its wait). `chosen_form`: the launch form the search records
@@ -62,6 +63,7 @@ def rows_for(name: str, graph, bindings) -> list[dict]:
                          megakernel_critical_path_us=1e6 * mega.critical_path_s, critical_hops=mega.critical_hops,
                          overhead_share=mega.overhead_share, megakernel_over_floor=mega.total_s / floor,
                          weight_streamed_share=mega.weight_bytes_streamed / mega.bytes_moved,
+                         cache_streamed_share=mega.cache_bytes_streamed / mega.bytes_moved,
                          chosen_form=chosen.form.value, chosen_us=1e6 * chosen.total_s,
                          chosen_over_floor=chosen.total_s / floor, new_over_old=new / old))
     for key in ("old_us", "new_us", "megakernel_us", "chosen_us"):
@@ -81,7 +83,7 @@ def run(layers: int = SMOLLM2.num_hidden_layers, max_cache: int = 256) -> dict:
     df.to_csv(OUT / "launch_model.csv", index=False)
     with pd.option_context("display.width", 250, "display.max_columns", 20):
         print(df[["genome", "kernels", "floor_us", "old_us", "new_us", "megakernel_us", "megakernel_over_floor",
-                  "critical_hops", "overhead_share", "weight_streamed_share",
+                  "critical_hops", "overhead_share", "weight_streamed_share", "cache_streamed_share",
                   "chosen_form", "chosen_us", "rank_old", "rank_new", "rank_megakernel", "rank_chosen"]
                  ].round(2).to_string(index=False))
     print(f"[{time.perf_counter() - start:.1f} s]")

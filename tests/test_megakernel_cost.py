@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from luminal_num.codegen.attention import AttentionSpec
 from luminal_num.codegen.llir import FApply, FConstV, FLoad, Kernel, KernelInput, KernelKind, Program, verify
 from luminal_num.codegen.megakernel import build_queue
-from luminal_num.dtypes.formats import F32
+from luminal_num.dtypes.formats import F32, INT32
 from luminal_num.hlir.gemm import GemmLayout
 from luminal_num.hlir.ops import Op
-from luminal_num.hlir.shape import ShapeTracker
+from luminal_num.hlir.shape import ShapeTracker, View
 from luminal_num.models.registry import transformer_job
+from luminal_num.runtime.cost import LaunchForm
 from luminal_num.runtime.latency import kernel_works
 from luminal_num.runtime.megakernel_cost import (ACQUIRE_S, FIRST_LOAD_S, POST_WAIT_S, PRE_WAIT_S, QUEUE_POP_S,
                                                   SIGNAL_S, TILE_OVERHEAD_S, TileTimes, megakernel_latency)
@@ -174,3 +176,69 @@ def test_recomputed_rows_leave_the_chain_and_add_their_body_to_each_reader_tile(
     got = megakernel_latency(build_queue(program), program, "h200", bindings)
     assert (plain.tiles - got.tiles, plain.critical_hops - got.critical_hops) == (3, 3)
     assert plain.critical_path_s - got.critical_path_s == pytest.approx(3 * TILE_OVERHEAD_S, rel=1e-9)
+
+
+# -- KV-cache rows streamed before the wait (codegen/cache_stream.py) ----------------------------------------
+
+HEADS, HEAD_DIM = 4, 32
+
+
+def decode_attention_program(keys: int) -> Program:
+    """A hand-built decode attention over a KV cache: k_new = 2 x (one row), scattered into k_cache at pos;
+    v_new scattered into v_cache; attention of 4 query heads over the `keys` cache rows (one KV head: K and V
+    read with stride 0 along the heads) with a bias row."""
+    def view(shape, strides):
+        return ShapeTracker((View.create(shape, strides),))
+    t, d, h = keys, HEAD_DIM, HEADS
+    row = ShapeTracker.contiguous((1, d))
+    ks = (Kernel(0, KernelKind.EXTERNAL, (), (h, d), F32, external="q"),
+          Kernel(1, KernelKind.EXTERNAL, (), (t, d), F32, external="k_cache"),
+          Kernel(2, KernelKind.EXTERNAL, (), (t, d), F32, external="v_cache"),
+          Kernel(3, KernelKind.EXTERNAL, (), (1,), INT32, external="pos"),
+          Kernel(4, KernelKind.EXTERNAL, (), (1, d), F32, external="x"),
+          Kernel(5, KernelKind.EXTERNAL, (), (1, d), F32, external="v_new"),
+          Kernel(6, KernelKind.EXTERNAL, (), (1, t), F32, external="bias"),
+          Kernel(7, KernelKind.ELEMENTWISE, (KernelInput(4, row),), (1, d), F32, body_shape=(1, d),
+                 body=FApply(Op.MUL, (FLoad(0), FConstV(2.0)))),
+          Kernel(8, KernelKind.SCATTER_NOCOPY, (KernelInput(1, ShapeTracker.contiguous((t, d))), KernelInput(7, row),
+                                               KernelInput(3, ShapeTracker.contiguous((1,)))), (t, d), F32, aliases=0),
+          Kernel(9, KernelKind.SCATTER_NOCOPY, (KernelInput(2, ShapeTracker.contiguous((t, d))), KernelInput(5, row),
+                                               KernelInput(3, ShapeTracker.contiguous((1,)))), (t, d), F32, aliases=0),
+          Kernel(10, KernelKind.ATTENTION, (KernelInput(0, view((h, t, d), (d, 0, 1))),
+                                            KernelInput(8, view((h, t, d), (0, d, 1))),
+                                            KernelInput(6, view((h, t), (0, 1))),
+                                            KernelInput(9, view((h, d, t), (0, 1, d)))), (h, d), F32,
+                 body_shape=(h, t), axis=1, precision="flash_f32", value=AttentionSpec(scale=0.125, splits=4)))
+    return verify(Program(ks, tuple((k.external, k.id) for k in ks if k.external), (("out", 10),)))
+
+
+@pytest.mark.parametrize("keys", [512, 4096])
+def test_an_attention_tile_streams_its_cache_rows_before_its_wait(keys):
+    """By hand: the attention's pre-wait bytes are K's and V's keys x 32 elements less the one row each scatter
+    writes, at 4 bytes. Every tile has an SM (y's 1, each scatter's 32 (blockops: one per element of the written
+    row), the attention's 16: 4 rows x 4 splits); the attention waits on the K scatter (after y's tile):
+    ready = y + s. Streaming nothing, a tile ends at ready + overhead + its whole share; streaming,
+    at max(pre + its cache share, ready + post + the rest): the post-wait side at 512 keys, the stream at 4096."""
+    program = decode_attention_program(keys)
+    works = kernel_works(program, {}, LaunchForm.MEGAKERNEL)
+    assert [w.tiles for w in works] == [1, HEAD_DIM, HEAD_DIM, 16] and sum(w.tiles for w in works) <= SMS
+    cache = 2 * 4 * (keys * HEAD_DIM - HEAD_DIM)
+    y = tile(works[0].bytes_moved, 1)
+    s = tile(works[1].bytes_moved, HEAD_DIM)  # the K scatter, after y; the V scatter waits on nothing
+    attention = works[3]
+    assert attention.bytes_read > cache
+    share = ACHIEVED / SMS
+    flops = attention.flops / 16 / (FP32_SIMT / SMS)
+    whole = max(attention.bytes_moved / 16 / share, flops)
+    streamed = cache / 16 / share
+    rest = max((attention.bytes_moved - cache) / 16 / share, flops)
+    queue = build_queue(program)
+    before = megakernel_latency(queue, program, "h200", {}, cache_bytes={})
+    assert before.makespan_s == pytest.approx(y + s + TILE_OVERHEAD_S + whole, rel=1e-12)
+    got = megakernel_latency(queue, program, "h200", {})
+    assert got.cache_bytes_streamed == cache and got.weight_bytes_streamed == 0
+    assert got.makespan_s == pytest.approx(max(PRE_WAIT_S + streamed, y + s + POST_WAIT_S + rest), rel=1e-12)
+    if keys == 512:
+        assert PRE_WAIT_S + streamed < y + s + POST_WAIT_S + rest and got.critical_hops == 3
+    else:
+        assert PRE_WAIT_S + streamed > y + s + POST_WAIT_S + rest and got.critical_hops == 1

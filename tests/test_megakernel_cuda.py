@@ -11,6 +11,7 @@ import pytest
 from cuda_interpreter import Buffer, compile_entry, entry_body, launch
 from luminal_num.codegen import nvrtc
 from luminal_num.codegen.llir import KernelKind
+from luminal_num.codegen.cache_stream import cache_stream
 from luminal_num.codegen.megakernel import build_queue
 from luminal_num.codegen.cuda_weight_only import stored_operand, weight_only_gemm
 from luminal_num.codegen.cuda_source import ceil_count
@@ -166,8 +167,9 @@ def test_megakernel_compiles_with_nvrtc_for_sm90(genome):
     assert compiled.cubin and f".entry {ENTRY_NAME}" in compiled.ptx
     kinds = {program.kernel(op.kernel).kind for op in mega.ops}
     assert KernelKind.ROWS in kinds and any(k.is_gemm for k in kinds)
-    if "attention" in genome:
+    if "attention" in genome:  # its tiles prefetch their KV-cache rows (codegen/cache_stream.py)
         assert KernelKind.ATTENTION in kinds
+        assert {program.kernel(op.kernel).kind for op in mega.ops if op.cache is not None} == {KernelKind.ATTENTION}
     if genome != "FP32":  # the Gemms over stored weights inline the dequantize-on-load body
         assert any(src is None for src in mega.sources)
 
@@ -212,8 +214,8 @@ def test_only_gemm_tiles_over_a_weight_prefetch_and_only_what_their_body_reads()
     assert all((end > begin) == (op.stream is not None) for op, (begin, end) in zip(mega.ops, spans))
     assert spans[-1][1] == len(mega.prefetch_rows())
     loop = mega.source[mega.source.index(f"void __launch_bounds__({1024}) {ENTRY_NAME}("):]
-    assert loop.count("prefetch.global.L2") == 1
-    assert loop.index("prefetch.global.L2") < loop.index("ln_mk_acquire(c) < need")
+    assert loop.count("prefetch.global.L2") == 2  # the weight bands, the KV-cache spans (codegen/cache_stream.py)
+    assert loop.rindex("prefetch.global.L2") < loop.index("ln_mk_acquire(c) < need")
 
 
 def _one_block_reads(mega, program, op, band: int) -> dict[int, set[int]]:
@@ -297,3 +299,99 @@ def test_the_loop_table_recomputes_a_one_row_norm_in_its_gemv_tiles():
     assert mega.private_bytes(program, queue, bindings) == 576 * 4  # one FP32 hidden row
     loop = mega.source[mega.source.index(f"void __launch_bounds__({1024}) {ENTRY_NAME}("):]
     assert loop.index("ln_mk_run(ops[ops[current].recompute].body") < loop.index("ln_mk_run(ops[current].body")
+
+
+# -- KV-cache rows streamed before the wait (codegen/cache_stream.py) --------------------------------------------
+
+def _attention_block_reads(mega, program, op, row: int) -> dict[int, set[int]]:
+    """Run block `row` of the inlined attention body in the interpreter on zero data; the element indices it read
+    from each cache slot (the buffers its K and V inputs name)."""
+    k = program.kernel(op.kernel)
+    fn, params = compile_entry(mega.source, op.entry)
+    caches = {program.kernel(k.inputs[s].buffer).id for s in (1, 3)}
+    args, seen = {}, {}
+    for name, slot in zip(params, op.arg_slots):
+        buf = program.kernel(slot)
+        values = np.zeros(max(buf.numel({}), 1))
+        args[name] = seen[slot] = _recording(values, False) if slot in caches else Buffer(values, False)
+    grid = tuple(ceil_count(axis, {}) for axis in op.grid) + (1, 1)
+
+    def only(**kw):
+        if kw["blockIdx"].x == row:
+            yield from fn(**kw)
+    launch(only, args, grid[:3], (tuple(op.block) + (1, 1, 1))[:3])
+    return {slot: seen[slot].values.seen for slot in caches}
+
+
+def test_an_attention_tile_prefetches_exactly_the_cache_bytes_its_body_reads():
+    """Differential: a SmolLM2-shaped decode layer (9 query heads over 3 KV heads, a 64-row FP32 cache): the
+    bytes of the K and V caches that block `row` of the inlined attention body reads (found by running it in the
+    interpreter) are the spans the loop's table gives tile `row`, byte for byte and line for line, for a tile
+    of the first and of the last KV head; the table's span rows are the declaration's, tile by tile."""
+    program = _smollm2_layer(BF16_WEIGHTS | {"attn:flash_bf16"})
+    queue = build_queue(program)
+    mega = render_megakernel(program, queue)
+    ops = [(i, op) for i, op in enumerate(mega.ops) if op.cache is not None]
+    assert [program.kernel(op.kernel).kind for _, op in ops] == [KernelKind.ATTENTION]
+    index, op = ops[0]
+    rows, _ = mega.table(queue, {})
+    spans = mega.cache_spans(queue, {})
+    begin, per_tile = rows[index][18:20]
+    assert per_tile == 2 and rows[index][2] == 9 and len(spans) == begin + 9 * per_tile
+    for row in (0, 8):
+        mine = spans[begin + row * per_tile:begin + (row + 1) * per_tile]
+        assert mine == [(a, b, c, d, o.buffer) for o, a, b, c, d in op.cache.tile_spans(row, {})]
+        reads = _attention_block_reads(mega, program, op, row)
+        assert set(reads) == {slot for *_, slot in mine}
+        for first, between, keys, per_key, slot in mine:
+            size = program.kernel(slot).dtype.storage.itemsize
+            read_bytes = {i * size + b for i in reads[slot] for b in range(size)}
+            prefetched = {first + j * between + b for j in range(keys) for b in range(per_key)}
+            assert read_bytes == prefetched, (row, slot, sorted(read_bytes ^ prefetched)[:4])
+            lines = {b // 128 for b in prefetched}
+            loop_lines = set()  # what the loop's line walk touches (megakernel_cuda._LOOP), per key
+            for j in range(keys):
+                lo = first + j * between
+                loop_lines |= {lo // 128 + q for q in range(-(-per_key // 128) + 1) if (lo // 128 + q) * 128 < lo + per_key}
+            assert loop_lines == lines
+
+
+def test_only_an_attention_reading_a_cache_streams_it():
+    """A cache operand is the buffer of an in-place scatter over an EXTERNAL cache: MiniLM's attention (K and V
+    computed this step) streams nothing; llama-tiny's 4-token prefill over its 8-row cache (2 KV heads of 16)
+    streams K and V less the 4 rows of 32 its scatters write; the SmolLM2-shaped decode layer's less the one row
+    of 192 (3 KV heads x 64 rows x 64 FP32 elements each)."""
+    from luminal_num.models.registry import minilm_job
+    job = minilm_job()
+    space = SearchSpace.build(job.graph, fusion=True)
+    encoder = space.program(pick(space, {"attn:flash_f32"}.__contains__))
+    attention = [k for k in encoder.launched() if k.kind is KernelKind.ATTENTION]
+    assert attention and all(cache_stream(k, encoder) is None for k in attention)
+    job = llama_tiny_job(seq=4, layers=1)
+    space = SearchSpace.build(job.graph, fusion=True)
+    prefill = space.program(pick(space, {"attn:flash_f32"}.__contains__))
+    (k,) = [k for k in prefill.launched() if k.kind is KernelKind.ATTENTION]
+    assert cache_stream(k, prefill).bytes_streamed(job.graph.bind_symbols(job.calibration[0])) == 2 * 4 * (2 * 8 * 16 - 4 * 32)
+    program = _smollm2_layer(BF16_WEIGHTS | {"attn:flash_bf16"})
+    (k,) = [k for k in program.launched() if k.kind is KernelKind.ATTENTION]
+    stream = cache_stream(k, program)
+    assert [o.slot for o in stream.operands] == [1, 3]
+    assert stream.bytes_streamed({}) == 2 * 4 * (3 * 64 * 64 - 192)
+
+
+def test_the_runtime_tables_have_the_loops_struct_layouts():
+    """The numpy records the runtime uploads (runtime/cuda_megakernel.py) name the loop's C struct fields in
+    order, with C sizes (8 bytes for long long, 4 for int) and C alignment (align=True pads as C does)."""
+    from luminal_num.codegen.megakernel_cuda import _LOOP
+    from luminal_num.runtime.cuda_megakernel import OP_DTYPE, PREFETCH_DTYPE, SPAN_DTYPE, WAIT_DTYPE
+    import re
+    for struct, dtype in (("LnMkOp", OP_DTYPE), ("LnMkWait", WAIT_DTYPE), ("LnMkPrefetch", PREFETCH_DTYPE),
+                          ("LnMkSpan", SPAN_DTYPE)):
+        body = re.search(r"struct %s \{(.*?)\};" % struct, _LOOP, re.S).group(1)
+        fields = []
+        for decl in body.split(";"):
+            decl = decl.strip()
+            if decl:
+                ctype, names = re.match(r"(long long|int)\s+(.*)", decl).groups()
+                fields += [(n.strip(), 8 if ctype == "long long" else 4) for n in names.split(",")]
+        assert [(n, dtype.fields[n][0].itemsize) for n in dtype.names] == fields, struct

@@ -8,7 +8,11 @@ its counter (fence, then atomicAdd). Before the wait, a tile whose op reads a we
 (codegen/weight_stream.py: the Gemm bodies' own rows of an (N, K) weight, in each stored part) has all
 its threads issue an L2 prefetch per 128-byte line of those rows, so the weight bytes stream while
 thread 0 spins on the barrier (Hazy Research's no-bubbles megakernel overlaps the next instruction's
-weight loads likewise: hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles). A tile of a GEMV that
+weight loads likewise: hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles). A tile of an attention op
+reading a KV cache (codegen/cache_stream.py: per key, the D (Dv) elements of its score row's K (V) row)
+prefetches those lines the same way: the cache was written before the kernel started, but for the row this
+step's scatter writes, which the prefetch also touches (a hint: L2 is the point of coherence, so the
+scatter's store lands in the line). A tile of a GEMV that
 recomputes a one-row norm (codegen/megakernel.py, QueueOp.recomputes) first runs that op's body as its
 one tile, writing the block's own copy (`privates`), then its own body, whose reads of the norm's slot
 `ln_mk_buf` redirects to that copy; the norm has no tiles and signals nothing. The bodies stay unchanged because the builtins they read are
@@ -41,6 +45,7 @@ from .cuda_source import KernelSource, ceil_count
 from .cuda_weight_only import weight_only_gemm
 from .llir import Program
 from .megakernel import MegakernelError, WorkQueue
+from .cache_stream import CacheStream, cache_stream
 from .weight_stream import BAND, LINE, WeightStream, weight_stream
 
 ENTRY_NAME = "ln_megakernel"
@@ -62,6 +67,7 @@ class CudaOp:
     last: bool  # the launch that writes the kernel's output
     stream: WeightStream | None = None  # the weight rows its tiles prefetch before the wait (a Gemm's body)
     stream_slots: tuple[int, ...] = ()  # bufs[] slot of each of the stream's parts
+    cache: CacheStream | None = None    # the KV-cache rows its tiles prefetch before the wait (an attention body)
 
 
 @dataclass(frozen=True)
@@ -87,14 +93,16 @@ class MegakernelSource:
     def table(self, queue: WorkQueue, bindings: Mapping[str, int]) -> tuple[list[tuple], list[tuple]]:
         """(ops rows, waits rows) as the loop reads them, for one run's shapes:
         op row = (body, first_entry, tiles, gx, gy, gz, bx, by, bz, counter_base, stride, wait_begin, wait_end,
-        elements, prefetch_begin, prefetch_end, recompute, private_slot), wait row = (producer CudaOp,
+        elements, prefetch_begin, prefetch_end, recompute, private_slot, span_begin, span_per_tile), wait row =
+        (producer CudaOp,
         read_elements or 0 for the whole producer); the op's prefetch rows are
         `prefetch_rows()[prefetch_begin:prefetch_end]`; `recompute`: the CudaOp of a one-tile row op each tile
         runs first into its block's own copy, which reads of bufs[private_slot] then see (-1: none). A row
-        op so recomputed has no tiles."""
+        op so recomputed has no tiles. Tile t of an op with `span_per_tile` > 0 prefetches
+        `cache_spans(...)[span_begin + t * span_per_tile:][:span_per_tile]` (its KV-cache rows)."""
         queue_table = queue.evaluate(bindings)
         last_of: dict[int, int] = {}
-        rows, waits, counter, entry, prefetch = [], [], 0, 0, 0
+        rows, waits, counter, entry, prefetch, spans = [], [], 0, 0, 0, 0
         for i, op in enumerate(self.ops):
             grid = tuple(ceil_count(axis, bindings) for axis in op.grid) + (1, 1)
             q = queue.ops[op.queue_op]
@@ -116,9 +124,11 @@ class MegakernelSource:
             recompute, private = -1, -1
             if q.recomputes is not None:  # every launch of the reader recomputes the row op (its last launch)
                 recompute, private = last_of[q.recomputes], queue.ops[q.recomputes].kernel
+            per_tile = _span_count(op, tiles, bindings)
             rows.append((i, entry, tiles, *grid[:3], *block[:3], counter, stride, begin, len(waits), elements,
-                         prefetch, prefetch + len(streams), recompute, private))
+                         prefetch, prefetch + len(streams), recompute, private, spans, per_tile))
             prefetch += len(streams)
+            spans += tiles * per_tile
             counter += tiles if stride else 1
             entry += tiles
             if op.last:
@@ -130,6 +140,21 @@ class MegakernelSource:
         sizes = [program.kernel(q.kernel).numel(bindings) * program.kernel(q.kernel).dtype.storage.itemsize
                  for q in queue.ops if q.recomputed_by is not None]
         return max(sizes, default=0)
+
+    def cache_spans(self, queue: WorkQueue, bindings: Mapping[str, int]) -> list[tuple]:
+        """Every op's KV-cache spans in op order, tile by tile, as the loop reads them: (first byte, bytes
+        between keys, keys, bytes per key, slot): the tile prefetches the lines of bufs[slot] holding
+        [first + j * between, first + j * between + per key) for each key j (codegen/cache_stream.py)."""
+        out = []
+        for op in self.ops:
+            if op.cache is None or queue.ops[op.queue_op].recomputed_by is not None:
+                continue
+            grid = tuple(ceil_count(axis, bindings) for axis in op.grid)
+            _span_count(op, math.prod(grid), bindings)
+            for t in range(math.prod(grid)):
+                out += [(first, between, keys, per_key, o.buffer)
+                        for o, first, between, keys, per_key in op.cache.tile_spans(t, bindings)]
+        return out
 
     def prefetch_rows(self) -> list[tuple]:
         """Every op's prefetch rows in op order, as the loop reads them: (row_bytes, rows, rows_per_part_row,
@@ -143,6 +168,16 @@ def _stream_rows(op: CudaOp) -> list[tuple]:
         return []
     return [(p.row_bytes, p.rows, p.rows_per_part_row, off, op.stream.n_out, slot)
             for off in op.stream.offsets for p, slot in zip(op.stream.parts, op.stream_slots)]
+
+
+def _span_count(op: CudaOp, tiles: int, bindings: Mapping[str, int]) -> int:
+    """Cache spans per tile of the op (0: it prefetches none), checked: its tile t must be score row t."""
+    if op.cache is None or not tiles:
+        return 0
+    if tiles != op.cache.tiles(bindings):
+        raise MegakernelError(f"kernel {op.kernel}: {tiles} attention tiles are not its {op.cache.tiles(bindings)} "
+                              "score rows: the cache prefetch would miss rows")
+    return len(op.cache.operands)
 
 
 _ENTRY = re.compile(r'extern "C" __global__ void (\w+)\(')
@@ -221,9 +256,10 @@ _LOOP = r"""
 #define LN_MK_LINE LINE_BYTES  /* bytes per L2 prefetch */
 struct LnMkOp { int body; long long first_entry, tiles; int gx, gy, gz, bx, by, bz; long long counter_base;
                 int stride, wait_begin, wait_end; long long elements; int prefetch_begin, prefetch_end;
-                int recompute, private_slot; };
+                int recompute, private_slot; int span_begin, span_per_tile; };
 struct LnMkWait { int producer; long long read_elements; };
 struct LnMkPrefetch { long long row_bytes, rows, per, offset, n_out; int slot; };
+struct LnMkSpan { long long first, between, keys, per_key; int slot; };
 
 static __device__ __forceinline__ void* ln_mk_buf(void* const* bufs, int slot) {
     // the value a recomputing tile made in its block's own copy, else the value's buffer
@@ -244,7 +280,7 @@ CASES
 
 extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
         const LnMkOp* __restrict__ ops, int n_ops, const LnMkWait* __restrict__ waits,
-        const LnMkPrefetch* __restrict__ prefetch, unsigned* counters,
+        const LnMkPrefetch* __restrict__ prefetch, const LnMkSpan* __restrict__ spans, unsigned* counters,
         unsigned long long* head, unsigned long long total, void* const* bufs, char* privates,
         long long private_bytes) {
     __shared__ unsigned long long entry;
@@ -272,6 +308,18 @@ extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
             for (long long b = lo / LN_MK_LINE * LN_MK_LINE + (long long)threadIdx.x * LN_MK_LINE; b < hi;
                  b += (long long)blockDim.x * LN_MK_LINE)
                 asm volatile("prefetch.global.L2 [%0];" :: "l"(base + b));
+        }
+        for (int p = ops[current].span_begin + (int)ln_mk.tile * ops[current].span_per_tile,
+                 p_end = p + ops[current].span_per_tile; p < p_end; ++p) {
+            // the KV-cache rows written before the kernel (and this step's, a hint only): lines into L2 before the wait
+            const LnMkSpan f = spans[p];
+            const long long per_key = (f.per_key + LN_MK_LINE - 1) / LN_MK_LINE + 1;  // lines a key's span can touch
+            const char* base = (const char*)bufs[f.slot];
+            for (long long q = threadIdx.x; q < f.keys * per_key; q += blockDim.x) {
+                const long long lo = f.first + q / per_key * f.between;
+                const long long b = (lo / LN_MK_LINE + q % per_key) * LN_MK_LINE;
+                if (b < lo + f.per_key) asm volatile("prefetch.global.L2 [%0];" :: "l"(base + b));
+            }
         }
         if (threadIdx.x == 0) {
             const LnMkOp op = ops[current];
@@ -373,8 +421,9 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
                          for a in launch.args) + ((dyn,) if dyn is not None else ())
             last = li == len(src.launches) - 1  # a Gemm's own launch (after any scale launches)
             stream = _checked_stream(kernel, program, launch.grid) if last else None
+            cache = cache_stream(kernel, program) if last else None
             ops.append(CudaOp(qi, li, kernel.id, launch.entry, launch.grid, tuple(launch.block), args, last,
-                              stream, _stream_slots(stream, part_slot)))
+                              stream, _stream_slots(stream, part_slot), cache))
             sources.append(src)
     cases = []
     for i, op in enumerate(ops):

@@ -11,7 +11,8 @@ parts (uploaded as kernel by kernel), every other Gemm on a stored weight runs i
 parts, and any other reader of a stored weight (an embedding Gather) reads it widened.
 
 Per run: the queue's table for the run's shapes (`MegakernelSource.table`), the weight prefetch rows
-(`MegakernelSource.prefetch_rows`: which weight bytes each Gemm tile loads into L2 before its wait), one
+(`MegakernelSource.prefetch_rows`: which weight bytes each Gemm tile loads into L2 before its wait), the KV-cache
+spans (`MegakernelSource.cache_spans`: which cache rows each attention tile loads into L2 before its wait), one
 private copy per block of the largest row op a GEMV's tiles recompute (codegen/megakernel.py), zeroed barrier counters and
 queue head, then one launch of `ln_megakernel` on a grid of co-resident blocks. The loop's spin on a
 barrier gives up after LN_MK_SPIN_LIMIT tries and traps, so a wrong barrier ends the kernel with an
@@ -37,10 +38,13 @@ OP_DTYPE = np.dtype([("body", np.int32), ("first_entry", np.int64), ("tiles", np
                      ("bx", np.int32), ("by", np.int32), ("bz", np.int32),
                      ("counter_base", np.int64), ("stride", np.int32), ("wait_begin", np.int32),
                      ("wait_end", np.int32), ("elements", np.int64), ("prefetch_begin", np.int32),
-                     ("prefetch_end", np.int32), ("recompute", np.int32), ("private_slot", np.int32)], align=True)
+                     ("prefetch_end", np.int32), ("recompute", np.int32), ("private_slot", np.int32),
+                     ("span_begin", np.int32), ("span_per_tile", np.int32)], align=True)
 WAIT_DTYPE = np.dtype([("producer", np.int32), ("read_elements", np.int64)], align=True)
 PREFETCH_DTYPE = np.dtype([("row_bytes", np.int64), ("rows", np.int64), ("per", np.int64), ("offset", np.int64),
                            ("n_out", np.int64), ("slot", np.int32)], align=True)
+SPAN_DTYPE = np.dtype([("first", np.int64), ("between", np.int64), ("keys", np.int64), ("per_key", np.int64),
+                       ("slot", np.int32)], align=True)
 PRIVATE_ALIGN = 256  # each block's own copy of a recomputed row op starts on its own 256 bytes
 
 
@@ -116,9 +120,11 @@ class MegakernelCudaRuntime(CudaRuntime):
         wait_rows = np.array(waits if waits else [(0, 0)], dtype=WAIT_DTYPE)
         prefetch = self.mega.prefetch_rows()
         prefetch_rows = np.array(prefetch if prefetch else [(0, 0, 1, 0, 0, 0)], dtype=PREFETCH_DTYPE)
+        spans = self.mega.cache_spans(self.queue, state.bindings)
+        span_rows = np.array(spans if spans else [(0, 0, 0, 0, 0)], dtype=SPAN_DTYPE)
         counters = int(sum(r[2] if r[10] else 1 for r in rows))
         total = int(sum(r[2] for r in rows))
-        return ops, wait_rows, prefetch_rows, counters, total
+        return ops, wait_rows, prefetch_rows, span_rows, counters, total
 
     def run(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None = None,
             repeats: int = 1) -> RunResult:
@@ -126,13 +132,14 @@ class MegakernelCudaRuntime(CudaRuntime):
         the reported seconds are the median CUDA-event time of one launch."""
         cp = self.cp
         state = self._start(inputs, bindings)
-        ops, waits, prefetch, n_counters, total = self._tables(state)
+        ops, waits, prefetch, spans, n_counters, total = self._tables(state)
         with self.stream:
             for kid in state.staged:  # an input sharing its slot with an in-place writer (a KV cache): copied in
                 self._enqueue_kernel(state, self.kernels[kid])
             d_ops = self._device_copy(state, ops.view(np.uint8))
             d_waits = self._device_copy(state, waits.view(np.uint8))
             d_prefetch = self._device_copy(state, prefetch.view(np.uint8))
+            d_spans = self._device_copy(state, spans.view(np.uint8))
             d_bufs = self._device_copy(state, self._slot_pointers(state))
             private = -(-self.mega.private_bytes(self.program, self.queue, state.bindings) // PRIVATE_ALIGN) * PRIVATE_ALIGN
             privates = cp.zeros(max(self.grid * private, 1), dtype=cp.uint8)  # a recomputing block's own copies
@@ -145,7 +152,7 @@ class MegakernelCudaRuntime(CudaRuntime):
                 start, end = cp.cuda.Event(), cp.cuda.Event()
                 start.record(self.stream)
                 self.entry((self.grid,), (BLOCK_THREADS,),
-                           (d_ops, np.int32(len(ops)), d_waits, d_prefetch, counters, head, np.uint64(total), d_bufs,
+                           (d_ops, np.int32(len(ops)), d_waits, d_prefetch, d_spans, counters, head, np.uint64(total), d_bufs,
                             privates, np.int64(private)),
                            stream=self.stream)
                 end.record(self.stream)

@@ -10,6 +10,9 @@ device loop (codegen/megakernel_cuda.py) does:
   depend on no barrier) issues their L2 prefetch as soon as its SM pops it: the weight path ends at
   free + PRE_WAIT_S + weight bytes / the SM's bandwidth share, whenever the barrier is ready; the rest of
   the tile (the other bytes, the flops) and POST_WAIT_S follow max(pop, ready); it ends when both have;
+- an attention tile reading a KV cache (codegen/cache_stream.py) streams the cache rows the same way: the
+  bytes charged before the wait are the cache elements it reads less every element this step's scatter
+  writes (those it reads after the wait, with the query and the bias);
 - any other tile issues nothing before its wait: its whole time, TILE_OVERHEAD_S included, follows
   max(free, ready), as before the split;
 - a GEMV whose tiles recompute a one-tile row op (codegen/megakernel.py, QueueOp.recomputes) adds that
@@ -36,6 +39,7 @@ from typing import Mapping
 from ..codegen.blockops import Partition
 from ..codegen.llir import Program
 from ..codegen.megakernel import Wait, WorkQueue, wait_counters
+from ..codegen.cache_stream import cache_stream
 from ..codegen.weight_stream import weight_stream
 from .cost import KernelWork, LaunchForm, roofline_s
 from .latency import kernel_works
@@ -66,7 +70,8 @@ class MegakernelLatency:
     critical_hops: int = 0  # tiles on that longest chain
     bytes_moved: int = 0    # what the megakernel's bodies move (stored weights read widened: kernel_works)
     critical_overhead_s: float = 0.0  # the per-tile overheads (pre- and post-wait) on that chain
-    weight_bytes_streamed: int = 0    # bytes tiles load before their waits (codegen/weight_stream.py)
+    weight_bytes_streamed: int = 0    # weight bytes tiles load before their waits (codegen/weight_stream.py)
+    cache_bytes_streamed: int = 0     # KV-cache bytes attention tiles load before their waits (codegen/cache_stream.py)
 
     @property
     def overhead_share(self) -> float:
@@ -97,8 +102,8 @@ class TileTimes:
 def tile_times(work: KernelWork, tiles: int, target: Target, weight_bytes: int = 0) -> TileTimes:
     """One tile's share of its kernel on one SM: the roofline at 1 / SMs of the machine, or, where the
     target measured this implementation (h200-measured), one wave's share of the measured kernel time;
-    its `weight_bytes` (the kernel's streamed weight bytes, at most what it reads) split off at the SM's
-    share of the bandwidth, the rest the roofline of what remains."""
+    its `weight_bytes` (the kernel's bytes streamed before the wait, weights or KV-cache rows, at most what it
+    reads) split off at the SM's share of the bandwidth, the rest the roofline of what remains."""
     sms = target.sm_count
     weight_bytes = min(weight_bytes, work.bytes_read)
     rest = dataclasses.replace(work, bytes_read=work.bytes_read - weight_bytes)
@@ -115,10 +120,13 @@ def tile_times(work: KernelWork, tiles: int, target: Target, weight_bytes: int =
 
 def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target, bindings: Mapping[str, int],
                        launch: LaunchConstants | None = None, works: list[KernelWork] | None = None,
-                       weight_bytes: Mapping[int, int] | None = None) -> MegakernelLatency:
+                       weight_bytes: Mapping[int, int] | None = None,
+                       cache_bytes: Mapping[int, int] | None = None) -> MegakernelLatency:
     """`works`: per launched kernel, other work than what the megakernel runs (a bench's what-if);
     `weight_bytes`: kernel id -> bytes its tiles stream before their waits, in place of the kernels' weight
-    streams (codegen/weight_stream.py; a kernel left out streams none: {} prices the model before the split)."""
+    streams (codegen/weight_stream.py; a kernel left out streams none: {} prices the model before the split);
+    `cache_bytes`: kernel id -> KV-cache bytes its tiles stream before their waits, in place of the attention
+    kernels' cache streams (codegen/cache_stream.py; {}: none)."""
     resolved = get_target(target)
     constants = launch or resolved.launch
     sms = resolved.sm_count
@@ -128,6 +136,9 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
     if weight_bytes is None:
         streams = {k.id: weight_stream(k, program) for k in program.launched()}
         weight_bytes = {kid: s.bytes_streamed() for kid, s in streams.items() if s is not None}
+    if cache_bytes is None:
+        caches = {k.id: cache_stream(k, program) for k in program.launched()}
+        cache_bytes = {kid: s.bytes_streamed(bindings) for kid, s in caches.items() if s is not None}
     table = queue.evaluate(bindings)
     counter_done = [0.0] * sum(t.counters for t in table)  # latest finish of the tiles signalling each counter
     counter_chain = [_Chain()] * len(counter_done)         # the longest chain of waits ending at each counter
@@ -135,17 +146,19 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
     heapq.heapify(free)
     busy = makespan = 0.0
     longest = _Chain()
-    tiles_total = streamed = 0
+    tiles_total = streamed = cached = 0
     for i, (op, launch_row) in enumerate(zip(queue.ops, table)):
         if not launch_row.tiles:  # a row op its reader recomputes: priced in the reader's tiles
             continue
         work = works[op.kernel]
-        times = tile_times(work, launch_row.tiles, resolved, weight_bytes.get(op.kernel, 0))
+        early = weight_bytes.get(op.kernel, 0) + cache_bytes.get(op.kernel, 0)  # loaded before the wait
+        times = tile_times(work, launch_row.tiles, resolved, early)
         if op.recomputes is not None:  # each tile first runs the row op's one-tile body on its SM
             row_op = queue.ops[op.recomputes]
             own = tile_times(works[row_op.kernel], 1, resolved)
             times = dataclasses.replace(times, rest_s=times.rest_s + own.rest_s)
         streamed += min(weight_bytes.get(op.kernel, 0), work.bytes_read)
+        cached += min(cache_bytes.get(op.kernel, 0), work.bytes_read)
         # a wait on a whole producer is the same for every tile: its latest counter, found once
         whole = [_whole_wait(queue, table, w, counter_done, counter_chain) for w in op.waits if not _per_tile(queue, w)]
         base_ready = max((r for r, _ in whole), default=0.0)
@@ -173,7 +186,7 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
     launch_s = constants.graph_node_s + constants.min_kernel_s
     return MegakernelLatency(makespan + launch_s, longest.path_s, makespan, launch_s, tiles_total,
                              busy / (sms * makespan) if makespan else 0.0, longest.hops,
-                             sum(w.bytes_moved for w in works.values()), longest.overhead_s, streamed)
+                             sum(w.bytes_moved for w in works.values()), longest.overhead_s, streamed, cached)
 
 
 @dataclass(frozen=True)
