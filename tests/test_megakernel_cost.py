@@ -215,23 +215,24 @@ def decode_attention_program(keys: int) -> Program:
 @pytest.mark.parametrize("keys", [512, 4096])
 def test_an_attention_tile_streams_its_cache_rows_before_its_wait(keys):
     """By hand: the attention's pre-wait bytes are K's and V's keys x 32 elements less the one row each scatter
-    writes, at 4 bytes. Every tile has an SM (y's 1, each scatter's 32 (blockops: one per element of the written
-    row), the attention's 16: 4 rows x 4 splits); the attention waits on the K scatter (after y's tile):
+    writes, at 4 bytes. Every tile has an SM (y's 1, each scatter's 1 (blockops: one block per 256 source
+    elements, as the CUDA scatter runs), the attention's 4: one per score row, its 4 splits walked inside the
+    block); the attention waits on the K scatter (after y's tile):
     ready = y + s. Streaming nothing, a tile ends at ready + overhead + its whole share; streaming,
     at max(pre + its cache share, ready + post + the rest): the post-wait side at 512 keys, the stream at 4096."""
     program = decode_attention_program(keys)
     works = kernel_works(program, {}, LaunchForm.MEGAKERNEL)
-    assert [w.tiles for w in works] == [1, HEAD_DIM, HEAD_DIM, 16] and sum(w.tiles for w in works) <= SMS
+    assert [w.tiles for w in works] == [1, 1, 1, HEADS] and sum(w.tiles for w in works) <= SMS
     cache = 2 * 4 * (keys * HEAD_DIM - HEAD_DIM)
     y = tile(works[0].bytes_moved, 1)
-    s = tile(works[1].bytes_moved, HEAD_DIM)  # the K scatter, after y; the V scatter waits on nothing
+    s = tile(works[1].bytes_moved, 1)  # the K scatter, after y; the V scatter waits on nothing
     attention = works[3]
     assert attention.bytes_read > cache
     share = ACHIEVED / SMS
-    flops = attention.flops / 16 / (FP32_SIMT / SMS)
-    whole = max(attention.bytes_moved / 16 / share, flops)
-    streamed = cache / 16 / share
-    rest = max((attention.bytes_moved - cache) / 16 / share, flops)
+    flops = attention.flops / HEADS / (FP32_SIMT / SMS)
+    whole = max(attention.bytes_moved / HEADS / share, flops)
+    streamed = cache / HEADS / share
+    rest = max((attention.bytes_moved - cache) / HEADS / share, flops)
     queue = build_queue(program)
     before = megakernel_latency(queue, program, "h200", {}, cache_bytes={})
     assert before.makespan_s == pytest.approx(y + s + TILE_OVERHEAD_S + whole, rel=1e-12)

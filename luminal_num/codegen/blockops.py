@@ -11,11 +11,15 @@ Two shapes of partition:
   them), row kernels (one block per row: E = the row length) and last-axis reductions (one output
   element per body row: E = 1). A consumer reading such a producer through an identity view waits only
   on the producer tiles covering its own range.
-- opaque: tiles whose regions are not contiguous ranges (Gemm tiles, GEMV rows of W, attention split-K
-  tiles, quantize, scatters); the op counts as written when all its tiles are, and it reads its inputs
+- opaque: tiles whose regions are not contiguous ranges (Gemm tiles, GEMV rows of W, attention score
+  rows, quantize, scatters); the op counts as written when all its tiles are, and it reads its inputs
   whole.
 Tile counts are symbolic (`TileCount`): evaluated with the run's bindings, so a new sequence length
-rebuilds nothing.
+rebuilds nothing. Each count is the number of blocks the CUDA launch of that kind runs (the renderers of
+attention and the scatters take their grid from here; tests/test_megakernel_tiles.py checks every op of the
+benchmarked queues against the megakernel's table). A Gemm has two: kernel by kernel it runs a library call
+or the tensor-core kernel, whose tiles the 64 x 64 / GEMV partition models; inlined in the megakernel it runs
+its tiled body (`inlined=True`: the body's TILE x TILE output blocks).
 """
 from __future__ import annotations
 
@@ -25,14 +29,18 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..hlir.symbolic import Dim, evaluate, prod
+from ..quant.storage import STORAGE_FORMATS
 from .attention import score_shape
+from .cuda_gemm_epilogue import glu_offsets
 from .cuda_source import ELEMENTWISE_THREADS
+from .cuda_weight_only import TILE as BODY_TILE
 from .llir import Kernel, KernelKind
 
 GEMV_MAX_ROWS = 16    # a Gemm with at most this many output rows (batch * M) runs as a GEMV
 GEMV_COLS = 32        # GEMV: at most this many output columns (rows of W) per block, 4 per warp of 8 warps ...
 FILL_SMS = 132        # ... and fewer where that fills one wave of this many blocks (an H100/H200's SMs)
 GEMM_TILE = 64        # Gemm: square output tiles of 64 x 64
+KV_ROUNDED = ("bf16", "f16")  # KV formats a scatter writes rounded, element by element (no scales to find)
 
 
 class Partition(enum.Enum):
@@ -42,13 +50,13 @@ class Partition(enum.Enum):
 
 @dataclass(frozen=True)
 class TileCount:
-    """prod(ceil(extent / per)) over the factors, times `times`: a symbolic number of tiles."""
+    """prod(ceil(extent / per)) over the factors: a symbolic number of tiles; `factors` is also the grid
+    extent (cuda_source.Extent) of the launches that take their grid from here."""
 
     factors: tuple[tuple[Dim, int], ...]
-    times: int = 1
 
     def evaluate(self, bindings: Mapping[str, int]) -> int:
-        return self.times * math.prod(max(1, -(-evaluate(d, bindings) // per)) for d, per in self.factors)
+        return math.prod(max(1, -(-evaluate(d, bindings) // per)) for d, per in self.factors)
 
 
 @dataclass(frozen=True)
@@ -98,10 +106,9 @@ def _opaque(k: Kernel, kind: str, tiles: TileCount) -> BlockOp:
 def _gemm(k: Kernel) -> BlockOp:
     """GEMV rows (few output rows: blocks over N only) or 64 x 64 Gemm tiles, per batch."""
     lay = k.layout
-    rows = lay.m
-    if all(isinstance(d, int) for d in (lay.batch, rows)) and lay.batch * rows <= GEMV_MAX_ROWS:
+    if _is_gemv(k):
         return _opaque(k, "gemv", TileCount(((lay.n, gemv_cols(lay.n)),)))
-    return _opaque(k, "gemm", TileCount(((lay.batch, 1), (rows, GEMM_TILE), (lay.n, GEMM_TILE))))
+    return _opaque(k, "gemm", TileCount(((lay.batch, 1), (lay.m, GEMM_TILE), (lay.n, GEMM_TILE))))
 
 
 def gemv_cols(n: Dim) -> int:
@@ -113,40 +120,71 @@ def gemv_cols(n: Dim) -> int:
 
 
 def _attention(k: Kernel) -> BlockOp:
-    """One tile per score row (a query of a head) and key split (flash decoding's split-K)."""
+    """One tile per score row (a query of a head): the block walks the row's key splits itself, dealt to up
+    to MAX_SPLIT_LANES lanes of its threads (codegen/cuda_attention.py), so splits add no tiles."""
     rows = score_shape(k)[:-1]
-    return _opaque(k, "attention", TileCount(((prod(rows) if rows else 1, 1),), times=k.value.splits))
+    return _opaque(k, "attention", TileCount(((prod(rows) if rows else 1, 1),)))
 
 
 def _single(kind: str):
     return lambda k: _opaque(k, kind, TileCount(()))
 
 
-def _rows_of(kind: str):
-    """QUANTIZE (a (batch, M, K) buffer: one block per row, scales need whole rows) and in-place
-    scatters (one block per written row)."""
-    def block_op(k: Kernel) -> BlockOp:
-        shape = k.shape if k.kind is KernelKind.QUANTIZE else k.inputs[1].view.shape
-        rows = prod(shape[:-1]) if k.kind is KernelKind.QUANTIZE else prod(shape)
-        return _opaque(k, kind, TileCount(((rows if shape else 1, 1),)))
-    return block_op
+def _quantize(k: Kernel) -> BlockOp:
+    """QUANTIZE, a (batch, M, K) buffer: one block per row (its scales need the whole row)."""
+    return _opaque(k, "quantize", TileCount(((prod(k.shape[:-1]) if k.shape[:-1] else 1, 1),)))
+
+
+def _scatter_elements(k: Kernel) -> BlockOp:
+    """Scatters run one thread per element, ELEMENTWISE_THREADS per block (codegen/cuda_kernels.py,
+    cuda_rows.py): a copying scatter over its output, an in-place one over its source rows (index rows x
+    the destination's row), a fused one over its body; an in-place scatter into a scaled KV cache (FP8) runs
+    one block per (source row, scale group), as the group's amax needs a block reduction."""
+    if k.kind is KernelKind.SCATTER:
+        return _opaque(k, "scatter", TileCount(((prod(k.shape) if k.shape else 1, ELEMENTWISE_THREADS),)))
+    if k.kind is KernelKind.SCATTER_EW:
+        return _opaque(k, "scatter_rows", TileCount(((prod(k.body_shape), ELEMENTWISE_THREADS),)))
+    index_shape = k.inputs[2].view.shape
+    if k.storage is not None and k.storage not in KV_ROUNDED:
+        fmt, width = STORAGE_FORMATS[k.storage], k.shape[-1]  # (rows, width) by a 1-D index: the CUDA form's
+        group = width if fmt.block == 0 else fmt.block          # per token: the whole row; per head: `block`
+        return _opaque(k, "scatter_rows", TileCount(((prod(index_shape), 1), (width, group))))
+    return _opaque(k, "scatter_rows", TileCount(((prod(tuple(index_shape) + tuple(k.shape[1:])), ELEMENTWISE_THREADS),)))
+
+
+def _gemm_body(k: Kernel) -> BlockOp:
+    """The tiled Gemm body inlined in the megakernel (codegen/cuda_gemm.py, cuda_weight_only.py): BODY_TILE x
+    BODY_TILE output blocks per batch, over N (a GLU epilogue: over its output columns)."""
+    lay = k.layout
+    glu = k.kind is KernelKind.GEMM_EPILOGUE and bool(glu_offsets(k))
+    n_out = k.shape[-1] if glu else lay.n
+    kind = "gemv" if _is_gemv(k) else "gemm"
+    return _opaque(k, kind, TileCount(((lay.m, BODY_TILE), (n_out, BODY_TILE), (lay.batch, 1))))
+
+
+def _is_gemv(k: Kernel) -> bool:
+    lay = k.layout
+    return all(isinstance(d, int) for d in (lay.batch, lay.m)) and lay.batch * lay.m <= GEMV_MAX_ROWS
 
 
 # The partition of each launching kernel kind, one entry per kind.
 BLOCK_OPS = {
     KernelKind.ELEMENTWISE: _elementwise, KernelKind.CONST: _single("const"), KernelKind.IOTA: _elementwise,
-    KernelKind.GATHER: _elementwise, KernelKind.SCATTER: _single("scatter"),
+    KernelKind.GATHER: _elementwise, KernelKind.SCATTER: _scatter_elements,
     KernelKind.SUM: _reduction, KernelKind.MAX: _reduction, KernelKind.SOFTMAX: _row_kernel,
     KernelKind.ROWS: _row_kernel, KernelKind.GEMM: _gemm, KernelKind.GEMM_EPILOGUE: _gemm,
-    KernelKind.QUANTIZE: _rows_of("quantize"), KernelKind.ATTENTION: _attention,
-    KernelKind.SCATTER_NOCOPY: _rows_of("scatter_rows"), KernelKind.SCATTER_EW: _rows_of("scatter_rows"),
+    KernelKind.QUANTIZE: _quantize, KernelKind.ATTENTION: _attention,
+    KernelKind.SCATTER_NOCOPY: _scatter_elements, KernelKind.SCATTER_EW: _scatter_elements,
 }
 assert set(BLOCK_OPS) == {k for k in KernelKind if k.launches}, "every launching kernel kind has a partition"
 
 
-def block_op(k: Kernel) -> BlockOp:
+def block_op(k: Kernel, inlined: bool = False) -> BlockOp:
+    """`inlined`: the op as the megakernel runs it (a Gemm runs its tiled body, not a library call)."""
+    if inlined and k.kind.is_gemm:
+        return _gemm_body(k)
     return BLOCK_OPS[k.kind](k)
 
 
-def tile_count(k: Kernel, bindings: Mapping[str, int]) -> int:
-    return block_op(k).tiles.evaluate(bindings)
+def tile_count(k: Kernel, bindings: Mapping[str, int], inlined: bool = False) -> int:
+    return block_op(k, inlined).tiles.evaluate(bindings)

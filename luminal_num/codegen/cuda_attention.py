@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from ..dtypes.formats import BF16, F16, F32, Format
 from ..hlir.symbolic import prod
 from .attention import ATTENTION_VARIANTS, DECODE_SPLITS, AttentionSpec
+from .blockops import block_op
 from .cuda_body import float_literal, store, unravel
 from .cuda_source import ENTRY, Arg, Launch, Scratch, indent, per
 
@@ -235,4 +236,4 @@ def render_attention(cx) -> tuple[str, tuple[Launch, ...]]:
            f'extern "C" __global__ void {ENTRY}({cx.params("out", slots, scratch)}) {{\n'
            + indent(body, 1) + "}\n")
     args = (Arg("out"),) + tuple(Arg("in", s) for s in slots) + ((Arg("scratch", 0),) if scratch else ())
-    return src, (Launch(ENTRY, (per(prod(k.shape[:-1]), 1),), (threads,), args),)
+    return src, (Launch(ENTRY, (block_op(k).tiles.factors,), (threads,), args),)  # one block per score row

@@ -34,6 +34,7 @@ from .cuda_body import (BodyWriter, IndexExpr, SymbolTable, body_symbols, c_and,
 from .cuda_attention import attention_scratch, render_attention
 from .cuda_gemm import render_gemm, render_quantize
 from .cuda_gemm_epilogue import render_gemm_epilogue
+from .blockops import KV_ROUNDED, block_op
 from .cuda_rows import render_rows, render_scatter_ew
 from .cuda_source import (ELEMENTWISE_THREADS, ENTRY, MAX_GRID, REDUCE_HELPERS, SCALES_SCRATCH, Arg, GemmCall,
                           KernelSource, Launch, Scratch, ceil_count, entry_name, finish_source, indent, name_launches,
@@ -301,11 +302,10 @@ def _scatter(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
            "{ hit = j; break; }\n"
            f"        out[i] = (hit >= 0) ? {_guarded(raw_s, valid_s, cx.formats[1], k.dtype)} "
            f": {_guarded(raw_d, valid_d, cx.formats[0], k.dtype)};\n    }}\n}}\n")
-    return src, (Launch(ENTRY, (per(prod(k.shape), ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
-                        _args(k, (0, 1, 2))),)
+    return src, (Launch(ENTRY, (block_op(k).tiles.factors,), (ELEMENTWISE_THREADS,), _args(k, (0, 1, 2))),)
 
 
-CUDA_KV_ROUNDED = ("bf16", "f16")  # KV formats without scales: the scatter rounds each value
+CUDA_KV_ROUNDED = KV_ROUNDED  # KV formats without scales: the scatter rounds each value (blockops declares them)
 
 
 def _scatter_nocopy(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
@@ -334,8 +334,7 @@ def _scatter_nocopy(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
            f"    LN_GRID_STRIDE_LOOP(i, {cx.c_dim(prod(src_shape))}) {{\n" + indent(coord_lines, 2)
            + f"        const long long row = {idx if valid_i is None else f'({valid_i}) ? {idx} : -1LL'};\n"
            f"        if (row >= 0 && row < {cx.c_dim(k.shape[0])}) out[{out_pos}] = {value};\n    }}\n}}\n")
-    return src, (Launch(ENTRY, (per(prod(src_shape), ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
-                        _args(k, (1, 2))),)
+    return src, (Launch(ENTRY, (block_op(k).tiles.factors,), (ELEMENTWISE_THREADS,), _args(k, (1, 2))),)
 
 
 Renderer = Callable[[Kernel, tuple[Format, ...], tuple[bool, ...]], KernelSource]
@@ -379,7 +378,7 @@ def _scatter_nocopy_scaled(cx: _Context) -> tuple[str, tuple[Launch, ...]]:
            f"                const float x = {x};\n"
            f"                out[row * W + c] = __fmul_rn({fp8}, s);\n            }}\n    }}\n}}\n")
     cx.extra_formats.add(F8E4M3)
-    return REDUCE_HELPERS + src, (Launch(ENTRY, (per(index_shape[0], 1) + per(width, group),), (KV_SCALE_THREADS,),
+    return REDUCE_HELPERS + src, (Launch(ENTRY, (block_op(k).tiles.factors,), (KV_SCALE_THREADS,),
                                          _args(k, (1, 2))),)
 
 

@@ -19,6 +19,7 @@ from .cuda_body import (BodyWriter, IndexExpr, SymbolTable, body_symbols, c_inde
                         load_index, round_expr, row_major_strides, store, unravel, view_index, view_symbols)
 from .cuda_source import (ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, Arg, KernelSource, Launch, finish_source, indent,
                           per, source_header)
+from .blockops import block_op
 from .rows import is_row_view
 from .llir import FApply, FAt, FExpr, FLoad, FRoundTo, FRowSum, Kernel
 
@@ -213,7 +214,7 @@ def render_scatter_ew(kernel: Kernel, formats: tuple[Format, ...], prequantized:
             f"        if (row >= 0 && row < {c_index(w.table.dim(kernel.shape[0]))}) {{\n"
             + indent(lines, 3) + f"            out[{out_pos}] = {store(kernel.dtype, _kv_rounded(kernel, value))};\n        }}\n    }}\n}}\n")
     src = REDUCE_HELPERS + body
-    launch = Launch(ENTRY, (per(n, ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
+    launch = Launch(ENTRY, (block_op(kernel).tiles.factors,), (ELEMENTWISE_THREADS,),
                     (Arg("out"),) + tuple(Arg("in", s) for s in slots))
     kv = (STORAGE_FORMATS[kernel.storage].element,) if kernel.storage else ()  # the cache's rounding helpers
     return finish_source(kernel.kind.value, source_header((*formats, kernel.dtype, *kv), src) + src, (launch,), w.table)

@@ -165,7 +165,7 @@ def build_queue(program: Program, recompute_rows: bool = True) -> WorkQueue:
     position: dict[int, int] = {}
     blocks: dict[int, BlockOp] = {}
     for k in program.launched():
-        made = block_op(k)
+        made = block_op(k, inlined=True)  # the bodies the device loop runs (a Gemm's tiled body)
         waits = []
         for slot, inp in enumerate(k.inputs):
             producer = program.kernel(inp.buffer)

@@ -81,7 +81,7 @@ def kernel_works(program: Program, bindings: Mapping[str, int], form: LaunchForm
         read_as = element_bytes if implementation is not None and implementation.reads_stored else other_reader
         works.append(KernelWork(name=f"k{k.id}:{k.label}", bytes_read=k.bytes_loaded(bindings, dtypes, read_as) + side,
                                 bytes_written=k.bytes_stored(bindings), flops=k.flops(bindings), math=math,
-                                tensor_core=tc, tiles=tile_count(k, bindings),
+                                tensor_core=tc, tiles=tile_count(k, bindings, inlined=form is LaunchForm.MEGAKERNEL),
                                 implementation=implementation.value if implementation is not None else k.kind.value,
                                 serial_extent=serial_extent(k, bindings, implementation)))
     return works
