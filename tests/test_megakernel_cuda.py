@@ -221,7 +221,6 @@ def test_only_gemm_tiles_over_a_weight_prefetch_and_only_what_their_body_reads()
 def _one_block_reads(mega, program, op, band: int) -> dict[int, set[int]]:
     """Run block (0, band, 0) of a CudaOp's body in the interpreter on zero data; the element indices it
     read from each stored part slot."""
-    k = program.kernel(op.kernel)
     fn, params = compile_entry(mega.source, op.entry)
     uses = {u.slot: u for u in mega.uses}
     args, parts = {}, {}
