@@ -43,7 +43,7 @@ from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, 
                          body64 as _body64, body_into_out, body_values, read64, read_input, reduce_sum,
                          rows_values, store32)
 from .cpu_compiled import KernelCache
-from .cpu_pages import PageReleases, page_releases
+from .cpu_pages import PageReleases, external_last_reads, page_releases
 from .cpu_softmax import softmax_f64_into
 from .cpu_gemm import quantize_input, run_gemm, run_quantize  # noqa: F401 (run_quantize: named here for the tests)
 from . import fixed_gemm
@@ -238,16 +238,11 @@ class CpuRuntime:
         """Kernel id -> the EXTERNAL buffers it is the last reader of (program outputs excluded); an
         EXTERNAL nothing reads (a weight read only in a storage format) is dropped right after itself."""
         if self._drops is None:
-            last: dict[int, int] = {k.id: k.id for k in self.program.kernels if k.kind is KernelKind.EXTERNAL}
-            for k in self.program.kernels:
-                for inp in k.inputs:
-                    last[inp.buffer] = k.id
-            externals = {k.id for k in self.program.kernels if k.kind is KernelKind.EXTERNAL}
-            outputs = {kid for _, kid in self.program.outputs}
+            kernels, outputs = self.program.kernels, {kid for _, kid in self.program.outputs}
             drops: dict[int, list[int]] = {}
-            for buf, reader in last.items():
-                if buf in externals and buf not in outputs:
-                    drops.setdefault(reader, []).append(buf)
+            for buf, pos in external_last_reads(self.program).items():
+                if buf not in outputs:
+                    drops.setdefault(kernels[pos].id, []).append(buf)
             self._drops = {r: tuple(b) for r, b in drops.items()}
         return self._drops
 

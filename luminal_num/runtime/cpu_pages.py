@@ -38,6 +38,17 @@ class PageReleases:
         return not any(a < hi and lo < b for a, b in self.ranges)
 
 
+def external_last_reads(program: Program) -> dict[int, int]:
+    """EXTERNAL kernel id -> the position of its last reader in the program (its own where nothing reads it):
+    when a run may drop a weight's stored form (CpuRuntime) and give its pages back (page_releases)."""
+    last = {k.id: pos for pos, k in enumerate(program.kernels) if k.kind is KernelKind.EXTERNAL}
+    for pos, k in enumerate(program.kernels):
+        for inp in k.inputs:
+            if inp.buffer in last:
+                last[inp.buffer] = pos
+    return last
+
+
 def page_releases(program: Program, weights: Mapping[str, np.ndarray]) -> PageReleases:
     """Each weight after the last reader of any EXTERNAL made from it (its `weight_sources`: itself, or the
     parts of a concatenation) and of any weight sharing bytes with it (hlir.store.release_points: a tied
@@ -45,11 +56,7 @@ def page_releases(program: Program, weights: Mapping[str, np.ndarray]) -> PageRe
     kernel) is never released. An EXTERNAL nothing reads (a weight read only in a storage format, made
     by its first reader) counts as read where it stands."""
     kernels = program.kernels
-    last = {k.id: pos for pos, k in enumerate(kernels) if k.kind is KernelKind.EXTERNAL}
-    for pos, k in enumerate(kernels):
-        for inp in k.inputs:
-            if inp.buffer in last:
-                last[inp.buffer] = pos
+    last = external_last_reads(program)
     outputs = {kid for _, kid in program.outputs}
     read: dict[str, int] = {}
     for k in kernels:
