@@ -44,6 +44,10 @@ WORKER_CACHE_MAX = GiB          # a worker runs one chunk at a time: one layer's
 # each buffer until its last reader): at 2 the compile peaked one head above its plan
 TRANSIENT = 3
 MIN_CACHE = 2   # largest weights the caches must hold together (a weight's stored form and its Gemm operand)
+# the least in-memory share of each store that spills past its share (the FP64 chunk boundaries, the judging
+# deviations): below it every array would go to a file. Above it each gets budget / 16, at most a quarter of what
+# the budget leaves past the floor (a tight budget spills more instead of refusing the search stage)
+KEPT_MIN = 256 << 20
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}
 
 
@@ -133,9 +137,13 @@ class MemoryPlan:
         room = self.budget - held - max(0, workers) - TRANSIENT * self.largest - max(0, growing) - reading
         need = MIN_CACHE * self.largest
         if room < need:
-            raise MemoryBudgetError(f"stage {stage} needs {_gb(need + TRANSIENT * self.largest)} more memory; the "
-                                    f"compile holds {_gb(held)} and its memory budget is {_gb(self.budget)}: raise "
-                                    f"--max-memory, or compile fewer layers or calibration prompts")
+            beside = need + TRANSIENT * self.largest + max(0, workers) + max(0, growing) + reading
+            raise MemoryBudgetError(f"stage {stage} needs {_gb(beside)} beside the {_gb(held)} the compile holds "
+                                    f"(caches' minimum {_gb(need)}, working copies {_gb(TRANSIENT * self.largest)}, "
+                                    f"weights read at once {_gb(reading)}, deviations still to keep "
+                                    f"{_gb(max(0, growing))}, workers {_gb(max(0, workers))}) and its memory budget "
+                                    f"is {_gb(self.budget)}: raise --max-memory, or compile fewer layers or "
+                                    f"calibration prompts")
         want = self.weight_cache + self.converted_cache
         if room < want:
             share = room / want
@@ -255,17 +263,18 @@ def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, wo
     total, largest = sizes.total, sizes.largest
     work = (MIN_CACHE + TRANSIENT) * largest  # the caches' minimum and the transient reserve
     if streaming is None:
-        streaming = sizes.mapped > 0 and budget < PROCESS_BASE + total + work
+        streaming = sizes.mapped > 0 and budget < PROCESS_BASE + total + work + 2 * KEPT_MIN
     elif streaming and sizes.mapped == 0:
         raise MemoryBudgetError("streaming needs file-backed weights (a memory-mapped checkpoint); these are all in memory")
     held = sizes.held if streaming else total
-    # one process must hold its baseline, the weights (streaming: a layer's and the largest), the caches' minimum
-    # and the transient reserve
-    floor = PROCESS_BASE + held + work
+    # one process must hold its baseline, the weights (streaming: a layer's and the largest), the caches' minimum,
+    # the transient reserve and the two spilling stores' least shares (MemoryPlan.fit counts them all)
+    floor = PROCESS_BASE + held + work + 2 * KEPT_MIN
     if budget < floor:
         what = f"weights streamed {_gb(held)} of {_gb(total)}" if streaming else f"weights {_gb(total)}"
         raise MemoryBudgetError(f"the compile needs at least {_gb(floor)} (process {_gb(PROCESS_BASE)}, {what}, "
-                                f"working copies of the largest weight {_gb(work)}); the "
+                                f"working copies of the largest weight {_gb(work)}, kept FP64 values and deviations "
+                                f"{_gb(2 * KEPT_MIN)}); the "
                                 f"memory budget is {_gb(budget)}: raise --max-memory or compile fewer layers")
     worker_cache = min(WORKER_CACHE_MAX, max(2 * largest, 64 << 20))  # the largest weight in two forms
     per_worker = WORKER_BASE + 2 * worker_cache + (held if streaming else 0)  # streamed, each holds its own layer
@@ -275,5 +284,6 @@ def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, wo
     left = budget - PROCESS_BASE - held - (fit * per_worker if fit > 1 else 0) - TRANSIENT * largest
     derived = min((5 if rotation else 3) * total, int(0.6 * left))
     converted = min(2 * total, left - derived)
+    kept = max(KEPT_MIN, min(budget // 16, (left - MIN_CACHE * largest) // 4))
     return MemoryPlan(budget, total, largest, fit, derived, converted, worker_cache if fit > 1 else 0,
-                      max(256 << 20, budget // 16), max(256 << 20, budget // 16), streaming, held)
+                      kept, kept, streaming, held)
