@@ -231,6 +231,38 @@ def test_a_file_backed_weight_holds_the_same_values_in_a_map_and_leaves_no_file(
     assert os.waitpid(pid, 0)[1] == 0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_narrow_checkpoint_loads_as_file_backed_fp32_and_streams(checkpoint, tmp_path, monkeypatch, dtype):
+    """Real checkpoints ship BF16/F16: loading widens each weight into a mapped scratch file, a block of rows at a
+    time (store.file_backed), never into anonymous memory, so the memory plan streams it like an FP32 checkpoint.
+    Values: exactly ml_dtypes' widening of the file's own values; nothing is left on disk."""
+    import os
+    import shutil
+    import ml_dtypes
+    import luminal_num.hlir.store as store
+    from luminal_num.hlir.store import SCRATCH_ENV, is_file_backed
+    from luminal_num.memory import WeightSizes, plan_memory
+    from luminal_num.models.llm import load_llm
+    narrow = np.dtype(getattr(ml_dtypes, dtype, None) or dtype)
+    folder = tmp_path / "narrow"
+    shutil.copytree(checkpoint, folder)
+    source = {k: np.asarray(v).astype(narrow) for k, v in load_safetensors(checkpoint / "model.safetensors").items()}
+    save_safetensors(folder / "model.safetensors", source)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv(SCRATCH_ENV, str(scratch))
+    monkeypatch.setattr(store, "WRITE_BLOCK", 1000)  # several blocks a weight: the rows' seams are exercised
+    model = load_llm(str(folder))
+    for name, w in model.weights.items():
+        assert w.dtype == np.float32 and is_file_backed(w) and not w.flags.writeable, name
+        np.testing.assert_array_equal(np.asarray(w), source[name].astype(np.float64).astype(np.float32), err_msg=name)
+    assert os.listdir(scratch) == []
+    sizes = WeightSizes.of(model.weights)
+    assert sizes.mapped == sizes.total  # every weight can be given back and read again
+    streamed = plan_memory(model.weights, 64 << 30, streaming=True)  # refused for weights held in memory
+    assert streamed.streaming and streamed.held == sizes.held
+
+
 def test_gguf_weights_are_file_backed_dequantizations(tmp_path):
     import gguf
     from tests.tiny_gguf import write_tiny_gguf

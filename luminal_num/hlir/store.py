@@ -90,18 +90,27 @@ def content_key(a) -> str:
 SCRATCH_ENV = "LUMINAL_NUM_SCRATCH"  # where weights computed at load time are held (default: the temp dir)
 
 
-def file_backed(values: np.ndarray) -> np.ndarray:
-    """`values` copied into an unlinked temporary file and memory-mapped read-only: a weight computed at
-    load time (a GGUF tensor's dequantization) then lives in page cache, not in the process's anonymous
-    memory: forked workers share its pages, the kernel may drop and re-read them under pressure, and it
-    is never written back. The file has no name, so nothing is left on disk, whatever the exit."""
-    values = np.ascontiguousarray(values)
-    if values.nbytes == 0:
-        return values
+def file_backed(values: np.ndarray, dtype=None) -> np.ndarray:
+    """`values` (converted to `dtype`, default its own) copied into an unlinked temporary file and
+    memory-mapped read-only: a weight computed at load time (a GGUF tensor's dequantization, a BF16 checkpoint's
+    FP32 widening) then lives in page cache, not in the process's anonymous memory: forked workers share its
+    pages, the kernel may drop and re-read them under pressure (a streaming compile gives them back after each
+    read), and it is never written back. The conversion goes WRITE_BLOCK bytes of rows at a time, so loading a
+    weight never holds its converted copy whole. The file has no name: nothing is left on disk, whatever the exit."""
+    values = np.asarray(values)
+    dtype = values.dtype if dtype is None else np.dtype(dtype)
+    if values.size == 0:
+        return values.astype(dtype)
+    rows = values.reshape(values.shape[0] if values.ndim else 1, -1)
+    step = max(1, WRITE_BLOCK // max(1, rows.shape[1] * dtype.itemsize))
     with tempfile.TemporaryFile(dir=os.environ.get(SCRATCH_ENV) or None) as f:
-        f.write(memoryview(values).cast("B"))
+        for start in range(0, rows.shape[0], step):
+            f.write(memoryview(np.ascontiguousarray(rows[start:start + step], dtype=dtype)).cast("B"))
         f.flush()
-        return np.memmap(f, dtype=values.dtype, mode="r", shape=values.shape)  # the map keeps the file
+        return np.memmap(f, dtype=dtype, mode="r", shape=values.shape)  # the map keeps the file
+
+
+WRITE_BLOCK = 64 << 20  # bytes of converted rows file_backed holds at once
 
 
 def _mapping(a: np.ndarray) -> np.ndarray | None:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..hlir.store import keyed
+from ..hlir.store import file_backed, is_file_backed, keyed
 from .gemma import ARCH as GEMMA3, GemmaConfig, GemmaModel, build_gemma
 from .gemma_fp64 import Fp64Gemma
 from .gemma_gguf import gemma3_path, load_gemma_gguf
@@ -166,8 +166,18 @@ def _hf_model(directory: Path, layers: int | None) -> LlmModel:
     tc = directory / "tokenizer_config.json"
     if tc.is_file():
         template = json.loads(tc.read_text("utf-8")).get("chat_template")
-    return LlmModel(directory.name, config, {k: keyed(np.asarray(v, dtype=np.float32)) for k, v in weights.items()},
+    return LlmModel(directory.name, config, {k: keyed(_as_f32(v)) for k, v in weights.items()},
                     Tokenizer.from_file(tok_file), ChatTemplate(template) if isinstance(template, str) else None)
+
+
+def _as_f32(values: np.ndarray) -> np.ndarray:
+    """A checkpoint weight as FP32 without leaving its file's page cache: an FP32 tensor is its mapped view, a
+    narrower one (BF16, F16: how real checkpoints ship) is widened into a mapped scratch file (store.file_backed),
+    so the memory plan can stream it like an FP32 checkpoint instead of holding an anonymous FP32 copy of every
+    weight (which made a 4B BF16 checkpoint need its whole 15.5 GB of FP32 resident)."""
+    if values.dtype == np.float32:
+        return values
+    return file_backed(values, np.float32) if is_file_backed(values) else np.asarray(values, dtype=np.float32)
 
 
 class _ArchitectureRead(Exception):
