@@ -29,10 +29,12 @@ from tiny_gguf import tiny_config, write_tiny_gguf
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")
 # every matrix of the tiny file quantized by llama.cpp's quantizer: Q8_0 embedding (tied: no output.weight),
-# Q4_1 attention and MLP Linears (hidden 32 / intermediate 64 are whole 32-blocks)
+# Q4_1 attention and MLP Linears (hidden 32 / intermediate 64 are whole 32-blocks), except layer 1's ffn_down
+# in Q8_0 (as Q4_K_M files mix types per layer): the two layers' group keeps each chunk's own blocks there
 TYPES = {"token_embd.weight": "Q8_0",
          **{f"blk.{i}.{n}.weight": "Q4_1" for i in range(2)
-            for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}}
+            for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")},
+         "blk.1.ffn_down.weight": "Q8_0"}
 FORMAT_OF = {"Q8_0": "gguf_q8_0", "Q4_1": "gguf_q4_1"}  # GGML type -> the storage format holding its blocks
 HF_NAME = {"token_embd": "model.embed_tokens", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
            "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
@@ -76,6 +78,7 @@ def test_the_baseline_holds_exactly_the_gguf_weights_in_their_file_blocks(tiny_q
     assert refused == {} and GGUF_KEPT_BASELINE in genomes and BASELINE_SOURCES[GGUF_KEPT_BASELINE] == GGUF_KEPT_SOURCE
     genome = genomes[GGUF_KEPT_BASELINE]
     assert genome and {t for _, _, t in genome} <= KEPT_TAGS  # weights' storage only: every other choice FP32
+    assert "store:gguf_source" in {t for _, _, t in genome}  # ffn_down: each layer's own block type
     program = space.program(genome)
     held = held_formats(program)
     want = {hf(n): {FORMAT_OF[t]} for n, t in TYPES.items()}
