@@ -99,7 +99,8 @@ def test_tf32_flag_changes_every_matmul_and_nothing_else(tspace):
 def test_every_baseline_names_its_source(tspace):
     names = set(baseline_genomes(tspace))
     assert names <= set(BASELINE_SOURCES)
-    assert set(BASELINE_SOURCES) - names == {"BF16 weights + FP8 KV cache"}  # no KV cache in this graph
+    # no KV cache in this graph, and no weight read from GGUF blocks
+    assert set(BASELINE_SOURCES) - names == {"BF16 weights + FP8 KV cache", "GGUF source blocks kept"}
     assert {"BF16 autocast", "FP16 autocast", "BF16 autocast (CPU)", "TF32 flag"} <= names
     assert all("PyTorch" in BASELINE_SOURCES[n] for n in names if "autocast" in n or "TF32" in n)
 

@@ -40,8 +40,10 @@ _GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.w
 
 
 def write_tiny_gguf(path, config: LlamaConfig | None = None, seed: int = 0, arch: str = "llama",
-                    extra_tensors: dict | None = None) -> dict[str, np.ndarray]:
-    """Write the file; returns the HF-layout weights it holds (F32, so dequantization is exact)."""
+                    extra_tensors: dict | None = None, types: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """Write the file; returns the HF-layout weights it holds (F32, so dequantization is exact). `types`: GGUF
+    tensor name -> GGML type ("Q8_0", "Q4_1") it is written in instead, quantized by gguf.quants (llama.cpp's
+    own quantizer): the file then holds those blocks, and the returned weights are not its values."""
     c = config or tiny_config()
     weights = random_weights(c, seed)
     w = gguf.GGUFWriter(str(path), arch)
@@ -76,7 +78,13 @@ def write_tiny_gguf(path, config: LlamaConfig | None = None, seed: int = 0, arch
                 array = llama_cpp_permute(array, c.num_attention_heads)
             elif rest == "self_attn.k_proj.weight":
                 array = llama_cpp_permute(array, c.num_key_value_heads)
-        w.add_tensor(gname, np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        ggml = (types or {}).get(gname)
+        if ggml is None:
+            w.add_tensor(gname, array)
+        else:
+            t = gguf.GGMLQuantizationType[ggml]
+            w.add_tensor(gname, gguf.quants.quantize(array, t), raw_dtype=t)
     for gname, array in (extra_tensors or {}).items():
         w.add_tensor(gname, np.asarray(array, dtype=np.float32))
     w.write_header_to_file()

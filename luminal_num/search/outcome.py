@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Callable, Mapping, Protocol
 
 from ..codegen.llir import Program
@@ -43,6 +44,8 @@ class SearchStats:
     interrupted: bool = False
     headroom: HeadroomEstimate | None = None
     positions: PositionsRecord | None = None  # the chosen plan judged on pooled teacher-forced positions
+    # baselines the space could not offer as they are named (recipes.baselines), each with its one-line reason
+    refused_baselines: Mapping[str, str] = MappingProxyType({})
 
     @property
     def gate(self):
@@ -65,6 +68,8 @@ class SearchStats:
             out.update(self.headroom.as_dict())
         if self.positions is not None:
             out["positions"] = self.positions.as_dict()
+        if self.refused_baselines:
+            out["refused_baselines"] = dict(self.refused_baselines)
         return out
 
 

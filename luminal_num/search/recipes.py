@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..codegen.llir import KernelKind
 from ..hlir.graph import Graph
 from ..hlir.ops import Op
+from ..quant.stored import GGUF_KEPT, SOURCE_BLOCKS, source_format
 from .space import Genome, SearchSpace
-from .tags import TagKind, is_kind, kind_of
+from .tags import Tag, TagKind, is_kind, kind_of
 
 # -- the lists, as published (torch.amp docs: "CUDA Ops that can autocast to float16" / "... to float32",
 #    "CPU Ops that can autocast to bfloat16" / "... to float32"; loss functions omitted: no graph has them)
@@ -249,19 +251,67 @@ def recipe_genomes(space: SearchSpace) -> dict[str, Genome]:
             if has_kv or not any(is_kind(t, TagKind.KV) for t in tags)}
 
 
+# -- the GGUF file's own blocks (issue 32, item 4) -------------------------------------------------------
+GGUF_KEPT_BASELINE = "GGUF source blocks kept"
+GGUF_KEPT_SOURCE = ("llama.cpp running the GGUF file as it is: every weight read from the file's quantized blocks held "
+                    "in those blocks (the tied embedding / LM head too) and dequantized by the Gemm or gather reading "
+                    "them, zero added weight error; FP32 activations and arithmetic elsewhere (llama.cpp's CUDA "
+                    "kernels also round activations to Q8_1, which this baseline does not)")
+# a weight's storage tags that keep its GGUF blocks: its own block format, or each chunk's own (SOURCE_BLOCKS)
+KEPT_TAGS = frozenset(str(Tag(TagKind.STORE, f)) for f in (*GGUF_KEPT, SOURCE_BLOCKS))
+
+
+def gguf_source_recipe(space: SearchSpace) -> Recipe | None:
+    """Every weight read from GGUF blocks held in those blocks, every other choice FP32 (None: the graph has
+    no such weight). FP32 elsewhere because it is the one exact-arithmetic choice: the plan then computes what
+    the FP32 plan computes, bit for bit (the blocks dequantize to exactly the reference's weights), so it adds
+    no error at all and differs from FP32 only in the bytes its Gemms read. `gaps` names each such weight
+    the lowered program does not hold in exactly its source blocks (no knob keeps it there: a weight its
+    group's other chunks did not read from GGUF), so a caller never offers a silently widened plan."""
+    sourced = {name: fmt for name, w in space.graph.weights.items()
+               if getattr(w, "ndim", 0) == 2 and (fmt := source_format(w)) is not None}
+    if not sourced:
+        return None
+    genome = pick(space, KEPT_TAGS.__contains__)
+    program = space.program(genome)
+    read = {inp.buffer for k in program.kernels for inp in k.inputs} | {kid for _, kid in program.outputs}
+    held: dict[str, set[str | None]] = {}  # weight -> the formats its EXTERNALs that some kernel reads hold it in
+    for k in program.kernels:
+        if k.kind is KernelKind.EXTERNAL and k.id in read:
+            for name in k.concat or (k.external,):  # a fused Gemm's concatenation holds its parts
+                held.setdefault(name, set()).add(k.storage)
+    gaps = tuple(f"{name} ({fmt} blocks) held as {', '.join(sorted(str(h or 'f32') for h in held[name]))}"
+                 for name, fmt in sorted(sourced.items()) if name in held and held[name] != {fmt})
+    return Recipe(genome, GGUF_KEPT_SOURCE, gaps)
+
+
+def baselines(space: SearchSpace) -> tuple[dict[str, Genome], dict[str, str]]:
+    """(label -> genome of every baseline offered, label -> one-line reason for each refused). What users pick
+    today, each following the tool it names op by op (sources in BASELINE_SOURCES): FP32 everywhere,
+    PyTorch's TF32 matmul flag, PyTorch autocast BF16/FP16 (CUDA lists) and BF16 (CPU lists), FP8 E4M3 with
+    per-tensor scales on every Gemm, the weight-storage recipes, and for a model read from GGUF its file's
+    blocks kept (refused where some GGUF weight cannot be kept: a partly widened plan is not llama.cpp's)."""
+    offered = {"FP32 everywhere": frozenset(),
+               "TF32 flag": tf32_recipe(space).genome,
+               **{a.name: autocast_recipe(space, a).genome for a in AUTOCASTS},
+               "FP8 everywhere": pick(space, lambda t: t == "gemm:f8e4m3_tensor"),
+               **recipe_genomes(space)}  # weight-storage recipes (W8A16, W4A16, FP8 W8A8)
+    refused = {}
+    kept = gguf_source_recipe(space)
+    if kept is not None and kept.gaps:
+        refused[GGUF_KEPT_BASELINE] = (f"{len(kept.gaps)} GGUF weight(s) not kept in their blocks: {kept.gaps[0]}"
+                                       + (f" (+{len(kept.gaps) - 1} more)" if len(kept.gaps) > 1 else ""))
+    elif kept is not None:
+        offered[GGUF_KEPT_BASELINE] = kept.genome
+    return offered, refused
+
+
 def baseline_genomes(space: SearchSpace) -> dict[str, Genome]:
-    """What users pick today, each following the tool it names op by op (sources in BASELINE_SOURCES):
-    FP32 everywhere, PyTorch's TF32 matmul flag, PyTorch autocast BF16/FP16 (CUDA lists) and BF16 (CPU
-    lists), and FP8 E4M3 with per-tensor scales on every Gemm. The search starts from them; the
-    compile's headroom probes a few of them."""
-    return {"FP32 everywhere": frozenset(),
-            "TF32 flag": tf32_recipe(space).genome,
-            **{a.name: autocast_recipe(space, a).genome for a in AUTOCASTS},
-            "FP8 everywhere": pick(space, lambda t: t == "gemm:f8e4m3_tensor"),
-            **recipe_genomes(space)}  # weight-storage recipes (W8A16, W4A16, FP8 W8A8)
+    """The baselines offered (`baselines`). The search starts from them; the compile's headroom probes a few."""
+    return baselines(space)[0]
 
 
 BASELINE_SOURCES = {"FP32 everywhere": "no reduced precision anywhere (PyTorch's default FP32 execution)",
                     "TF32 flag": TF32_SOURCE, **{a.name: a.source for a in AUTOCASTS},
                     "FP8 everywhere": "every Gemm in FP8 E4M3 with per-tensor dynamic scales (no peer tool: a bound)",
-                    **STORAGE_SOURCES}
+                    **STORAGE_SOURCES, GGUF_KEPT_BASELINE: GGUF_KEPT_SOURCE}

@@ -26,7 +26,7 @@ from ..runtime.targets import OPERAND_MATH, gemm_math, get_target
 from . import allocate
 from .front import Evaluated, Stage, choose, front, share
 from .outcome import Gate, SearchResult, SearchStats
-from .recipes import BASELINE_SOURCES, baseline_genomes, rotated_recipes
+from .recipes import BASELINE_SOURCES, baselines, rotated_recipes
 from .space import ChunkSite, Genome, Offers, SearchSpace
 from .tags import Tag, TagKind, is_kind, priority
 
@@ -70,6 +70,7 @@ class Searcher:
         self.seen: dict[Genome, Evaluated] = {}
         self.latency_inputs = latency_inputs
         self.allocation: dict = {}  # per_layer: the Lagrangian vs greedy allocation, which won
+        self.refused_baselines: dict[str, str] = {}  # label -> why the space cannot offer it (recipes.baselines)
         self.deferred_latency: dict[int, Latency | None] = {}  # tentative reject id -> its latency (None: target cannot run it)
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=options.max_candidates, desc="search", unit="cand", disable=not options.progress,
@@ -134,9 +135,9 @@ class Searcher:
         """The search's phases, from the baselines to the mutations (Ctrl-C stops it: the candidates so far)."""
         interrupted = False
         try:
-            baselines = {name: self.evaluate(g, Stage.BASELINE, name, force_latency=True)
-                         for name, g in baseline_genomes(self.space).items()}
-            base = baselines["FP32 everywhere"]
+            offered, self.refused_baselines = baselines(self.space)
+            evaluated = {name: self.evaluate(g, Stage.BASELINE, name, force_latency=True) for name, g in offered.items()}
+            base = evaluated["FP32 everywhere"]
             self.uniform()
             singles = self.sensitivity(base)
             self.greedy(base, singles)
@@ -149,21 +150,21 @@ class Searcher:
             if not self.evaluated:
                 raise
             interrupted = True
-            baselines = {e.label: e for e in self.evaluated if e.stage == Stage.BASELINE}
+            evaluated = {e.label: e for e in self.evaluated if e.stage == Stage.BASELINE}
         self.bar.close()
-        return Exploration(self, baselines, interrupted)
+        return Exploration(self, evaluated, interrupted)
 
     def confirm(self, explored: "Exploration") -> SearchResult:
         """The chosen plan: the front's and the chosen plan's predicted verdicts measured end to end; with
         the statistics of the whole search."""
-        interrupted, baselines = explored.interrupted, explored.baselines
+        interrupted, peers = explored.interrupted, explored.baselines
         # an interrupted search confirms nothing more: its partial plan stands on measurements only
         chosen = choose([e for e in self.passing() if e.verdict.source not in PREDICTED_SOURCES]) if interrupted \
             else self.confirm_finalists()
         stats = SearchStats(len(self.evaluated), time.perf_counter() - self.t0, self.judge.summary(),
                             MappingProxyType(dict(BASELINE_SOURCES)), MappingProxyType(dict(self.allocation)),
-                            interrupted)
-        return SearchResult(self.evaluated, baselines, chosen, stats)
+                            interrupted, refused_baselines=MappingProxyType(dict(self.refused_baselines)))
+        return SearchResult(self.evaluated, peers, chosen, stats)
 
     def uniform(self, per_class: int = 2) -> None:
         """Each Gemm variant class on every Gemm that has it (its `per_class` most accurate variants),
