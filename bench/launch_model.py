@@ -17,7 +17,7 @@ same way (codegen/cache_stream.py; `cache_streamed_share`), and a one-row norm r
 recomputed by that GEMV's tiles (no tiles or hop of its own: codegen/megakernel.py). Its per-tile overheads are ASSUMPTIONS, round trips of round published
 H100 latencies (L2 200 cycles, DRAM 400 cycles at 1755 MHz), not measurements: pre-wait the queue pop and
 the first DRAM load, post-wait the counter acquire and the signal's fence (megakernel_cost.PRE_WAIT_S,
-POST_WAIT_S; a tile streaming nothing pays TILE_OVERHEAD_S, their sum, after its wait). `chosen_form`: the launch form the search records
+POST_WAIT_S; a tile streaming nothing pops before its wait and pays the rest of TILE_OVERHEAD_S after it). `chosen_form`: the launch form the search records
 (runtime/launch_form.py), `chosen_us` its price. The step is a SmolLM2-135M-shaped decode (bench/storage_decode.py's config, random
 weights: the model reads shapes), one sequence, fusion on, each genome of bench/fusion.py.
 Writes reports/bench/launch_model.csv.

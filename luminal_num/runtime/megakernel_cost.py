@@ -13,8 +13,8 @@ device loop (codegen/megakernel_cuda.py) does:
 - an attention tile reading a KV cache (codegen/cache_stream.py) streams the cache rows the same way: the
   bytes charged before the wait are the cache elements it reads less every element this step's scatter
   writes (those it reads after the wait, with the query and the bias);
-- any other tile issues nothing before its wait: its whole time, TILE_OVERHEAD_S included, follows
-  max(free, ready), as before the split;
+- any other tile issues nothing before its wait but its queue pop (the loop pops, then spins): the rest of
+  its time (first load, acquire, signal, body) follows max(free + QUEUE_POP_S, ready);
 - a GEMV whose tiles recompute a one-tile row op (codegen/megakernel.py, QueueOp.recomputes) adds that
   op's body on one SM to each tile's rest, waits on the row op's producers, and the row op has no tiles.
 The makespan plus one launch is the latency; the critical path (the same chain of waits with unlimited
@@ -89,8 +89,8 @@ class TileTimes:
 
     def finish(self, free: float, ready: float) -> float:
         """When the tile ends on an SM free at `free` whose barriers are ready at `ready`."""
-        if not self.weight_s:
-            return max(free, ready) + TILE_OVERHEAD_S + self.rest_s
+        if not self.weight_s:  # it pops before it waits (the loop's order), then loads and runs after the wait
+            return max(free + QUEUE_POP_S, ready) + FIRST_LOAD_S + POST_WAIT_S + self.rest_s
         return max(free + PRE_WAIT_S + self.weight_s, max(free + QUEUE_POP_S, ready) + POST_WAIT_S + self.rest_s)
 
     @property
@@ -201,8 +201,9 @@ class _Chain:
         """The chain extended by a tile waiting on it (its own SM, free at 0): a tile whose weight stream
         ends after its waited-for part starts a chain of its own."""
         path = times.finish(0.0, self.path_s)
-        if not times.weight_s:
-            return _Chain(path, self.hops + 1, self.overhead_s + TILE_OVERHEAD_S)
+        if not times.weight_s:  # its pop hides under the wait when the chain is at least that long
+            hidden = self.path_s >= QUEUE_POP_S
+            return _Chain(path, self.hops + 1, self.overhead_s + (TILE_OVERHEAD_S - QUEUE_POP_S if hidden else TILE_OVERHEAD_S))
         if PRE_WAIT_S + times.weight_s >= path:
             return _Chain(path, 1, PRE_WAIT_S)
         if self.path_s >= QUEUE_POP_S:
