@@ -56,10 +56,11 @@ def test_queue_tiles_are_the_blocks_the_device_loop_runs(model, genome):
         k = program.kernel(op.kernel)
         *before, (tiles, _) = launches[i]
         assert tiles == row.tiles, f"op {i} ({k.kind.value}, {op.block.kind}): queue {row.tiles}, device {tiles}"
-        # the one known gap (see the report of issue 33): a Gemm's own operand-scale launches run before its
-        # body as CUDA ops of their own, which the queue (and so the cost model) does not count
-        assert not before or (k.kind.is_gemm and all("_scale" in entry for _, entry in before)), \
+        # a Gemm's own operand-scale launches run before its body as CUDA ops of their own: the queue op's
+        # prologue, launch for launch and tile for tile (the cost model schedules them)
+        assert [t for t, _ in before] == [p.tiles.evaluate(bindings) for p in op.prologue], \
             f"op {i} ({k.kind.value}) runs launches the queue does not hold: {before}"
+        assert all(entry.endswith(f"_scale{p.slot}") for (_, entry), p in zip(before, op.prologue))
 
 
 def test_attention_and_kv_scatter_tiles_by_hand():
@@ -107,3 +108,21 @@ def test_inlined_gemm_tiles_are_the_tiled_bodys_16x16_blocks():
             assert inlined == math.ceil(bands / per_tile) == launches[i][-1][0]
             counts.append((n, inlined, block_op(k).tiles.evaluate(bindings)))
     assert (960, 60, 120) in counts and (49152, 128, 1536) in counts
+
+
+def test_fp8_gemm_scale_launches_by_hand():
+    """FP8 W8A8 (per-token A, per-channel B): each projection of a one-token SmolLM2 decode runs A's scale
+    (one token: 1 tile, after the producers) and B's per-channel scales (N channels, at most 132 tiles: the body
+    loops grid-stride; over the weight, so it waits on nothing) before its body; the LM head's 49152 channels
+    are 132 tiles, not 49152."""
+    program, queue, bindings, launches = _launch_tiles("SmolLM2-135M decode", "FP8 W8A8 dynamic per-token")
+    seen = set()
+    for i, op in enumerate(queue.ops):
+        k = program.kernel(op.kernel)
+        if not (k.kind.is_gemm and evaluate(k.layout.batch, bindings) == 1):
+            continue
+        n = evaluate(k.shape[-1], bindings)
+        assert [(p.slot, p.ready) for p in op.prologue] == [(0, False), (1, True)]
+        assert [t for t, _ in launches[i][:-1]] == [1, min(n, 132)]
+        seen.add(n)
+    assert {960, 576, 49152} <= seen

@@ -32,6 +32,7 @@ from typing import Mapping
 from ..hlir.symbolic import Dim, evaluate, prod
 from ..quant.storage import STORAGE_FORMATS
 from .attention import score_shape
+from .cuda_gemm import own_scales, scale_blocks
 from .cuda_gemm_epilogue import glu_offsets
 from .cuda_source import ELEMENTWISE_THREADS
 from .cuda_weight_only import TILE as BODY_TILE
@@ -173,6 +174,32 @@ def body_bands(n_out: Dim) -> int:
         return 1
     bands = -(-n_out // BODY_TILE)
     return -(-bands // FILL_SMS)
+
+
+@dataclass(frozen=True)
+class ScaleLaunch:
+    """One of a Gemm's own operand-scale launches as the megakernel runs it: the operand `slot`, its `tiles`,
+    and whether that operand is written before the kernel starts (`ready`: a weight, an input), so the
+    launch waits on nothing."""
+
+    slot: int
+    tiles: TileCount
+    ready: bool = False
+
+
+def scale_launches(k: Kernel, prequantized: tuple[bool, ...], ready: tuple[bool, ...]) -> tuple[ScaleLaunch, ...]:
+    """A Gemm's own operand-scale launches as the megakernel runs them, in launch order; `ready[slot]`: that
+    input is written before the kernel starts. Kernel by kernel each is a block per scale block
+    (codegen/cuda_gemm.scale_blocks); the body loops grid-stride over them, so inlined it runs at most FILL_SMS
+    tiles where the count is concrete, each scale still one block's reduction (the same bits): a 49152-channel
+    weight's per-channel scales were 49152 tiles, each paying a tile's pop and overheads for one row (issue 33)."""
+    out = []
+    for slot in own_scales(k, prequantized):
+        blocks = TileCount(scale_blocks(k, slot))
+        if all(isinstance(d, int) for d, _ in blocks.factors):
+            blocks = TileCount(((min(blocks.evaluate({}), FILL_SMS), 1),))
+        out.append(ScaleLaunch(slot, blocks, ready[slot]))
+    return tuple(out)
 
 
 def _is_gemv(k: Kernel) -> bool:

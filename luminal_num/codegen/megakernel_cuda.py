@@ -110,9 +110,14 @@ class MegakernelSource:
             flat = (q.block.partition is Partition.FLAT and op.launch == 0 and op.last
                     and tiles == queue_table[op.queue_op].tiles)
             begin = len(waits)
-            if op.launch > 0:
+            scale = op.launch < len(q.prologue)  # one of a Gemm's own scale launches (QueueOp.prologue)
+            if q.prologue and op.last:
+                waits += [(j, 0) for j in range(i - op.launch, i)]  # a Gemm body: each of its scale launches, whole
+            if scale and q.prologue[op.launch].ready:
+                pass  # a scale launch over an operand written before the kernel started (a weight)
+            elif op.launch > 0 and not q.prologue:
                 waits.append((i - 1, 0))  # the previous launch of the same kernel, whole
-            else:
+            else:  # the op's producers: its first launch, a Gemm's scale launch over an activation, a Gemm's body
                 for w in q.waits:
                     producer = last_of[w.producer]
                     aligned = flat and w.read_elements is not None and rows[producer][10] == 1
@@ -122,7 +127,8 @@ class MegakernelSource:
             block = tuple(op.block) + (1, 1)
             streams = _stream_rows(op)
             recompute, private = -1, -1
-            if q.recomputes is not None:  # every launch of the reader recomputes the row op (its last launch)
+            if q.recomputes is not None and not (scale and q.prologue[op.launch].ready):
+                # every launch of the reader that reads A recomputes the row op (its last launch)
                 recompute, private = last_of[q.recomputes], queue.ops[q.recomputes].kernel
             per_tile = _span_count(op, tiles, bindings)
             rows.append((i, entry, tiles, *grid[:3], *block[:3], counter, stride, begin, len(waits), elements,
@@ -424,7 +430,9 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             args = tuple(part_slot(a.buffer, a.index) if a.role == "part" else _arg_slot(a, scratch, kernel)
                          for a in launch.args) + ((dyn,) if dyn is not None else ())
             last = li == len(src.launches) - 1  # a Gemm's own launch (after any scale launches)
-            grid = _body_grid(q, launch.grid) if last and kernel.kind.is_gemm else launch.grid
+            grid = launch.grid
+            if kernel.kind.is_gemm:
+                grid = _body_grid(q, launch.grid) if last else _scale_grid(q, li, launch.entry, len(src.launches))
             stream = _checked_stream(kernel, program, grid) if last else None
             cache = cache_stream(kernel, program) if last else None
             ops.append(CudaOp(qi, li, kernel.id, launch.entry, grid, tuple(launch.block), args, last,
@@ -451,6 +459,15 @@ def _body_grid(q, grid: tuple) -> tuple:
     if len(factors) != 3 or len(grid) != 3:
         raise MegakernelError(f"kernel {q.kernel}: a Gemm body's grid {grid} is not the queue op's (m, n, batch) tiles")
     return tuple((f,) for f in factors)
+
+
+def _scale_grid(q, li: int, entry: str, launches: int) -> tuple:
+    """A Gemm's scale launch `li` as the queue declares it (QueueOp.prologue: at most FILL_SMS tiles, the body
+    grid-stride over its scale blocks), checked: the Gemm's launches are its prologue's, then its body."""
+    if launches != len(q.prologue) + 1 or not entry.endswith(f"_scale{q.prologue[li].slot}"):
+        raise MegakernelError(f"kernel {q.kernel}: launch {entry} is not scale launch {li} of the queue's prologue "
+                              f"{[p.slot for p in q.prologue]}")
+    return (q.prologue[li].tiles.factors,)
 
 
 def _checked_stream(kernel, program: Program, grid) -> WeightStream | None:
