@@ -69,8 +69,8 @@ def test_fp8_scale_launches_are_scheduled_by_hand():
     ready = max(scale_a, scale_b)
     assert got.makespan_s == pytest.approx(max(PRE_WAIT_S + body.weight_s, max(QUEUE_POP_S, ready) + POST_WAIT_S
                                                + body.rest_s), rel=1e-12)
-    plain = megakernel_latency(dataclasses.replace(queue, ops=(*queue.ops[:-1], dataclasses.replace(gemm, prologue=()))),
-                               program, sm_many, {})
+    unscaled = dataclasses.replace(queue, ops=(*queue.ops[:-1], dataclasses.replace(gemm, prologue=())))
+    plain = megakernel_latency(unscaled, program, sm_many, {})
     assert plain.tiles == got.tiles - 133 and plain.makespan_s < got.makespan_s
     by_kind = dict(got.busy_by_kind)
     assert by_kind["scale"] == pytest.approx(scale_a - y_end + QUEUE_POP_S + 132 * scale_b, rel=1e-12)
@@ -169,8 +169,8 @@ def test_the_wide_head_gives_the_same_bits_at_both_grids_and_in_the_emulator():
     at_tiles = _run_ops(mega, program, stored, bindings, feed, only={head.id})[head.id]
     own = next(o for o in mega.ops if o.kernel == head.id and o.last)
     assert own.grid[1] == ((VOCAB, 32),)
-    kernel_grid = dataclasses.replace(mega, ops=tuple(dataclasses.replace(o, grid=(o.grid[0], ((VOCAB, 16),), o.grid[2]))
-                                                      if o is own else o for o in mega.ops))
+    own_launch = dataclasses.replace(own, grid=(own.grid[0], ((VOCAB, 16),), own.grid[2]))  # 145 blocks
+    kernel_grid = dataclasses.replace(mega, ops=tuple(own_launch if o is own else o for o in mega.ops))
     at_launch = _run_ops(kernel_grid, program, stored, bindings, feed, only={head.id})[head.id]
     np.testing.assert_array_equal(at_tiles, at_launch)
     ref = stored[head.id].reshape(at_tiles.shape)

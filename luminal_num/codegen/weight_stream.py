@@ -11,8 +11,8 @@ What a tile reads: every Gemm body the megakernel inlines (the tiled kernel of c
 decode path, the dequantize-on-load kernel of codegen/cuda_weight_only.py) gives block (bx, by, bz) the
 output columns [b * BAND, (b + 1) * BAND) of N for each of its bands b = by, by + gridDim.y, ... (one band
 where the grid covers N_out in one pass; several where codegen/blockops.body_bands gives a GEMV fewer tiles;
-or of a GLU's n_out, each column also read at the GLU's column offsets), so it reads those rows of an (N, K) weight read as W^T, in each of the weight's parts: a
-contiguous byte range per part where the part is row-major over the weight's rows. Only such Gemms stream:
+or of a GLU's n_out, each column also read at the GLU's column offsets), so it reads those rows of an (N, K)
+weight read as W^T, in each of the weight's parts: a contiguous byte range per part where the part is row-major over the weight's rows. Only such Gemms stream:
 B an EXTERNAL weight (not a KV cache), (N, K) row-major read whole as W^T, N and K concrete, at most
 GRID_LIMIT bands. Anything else (a (K, N) weight, whose tile columns are strided; norm weights read
 whole by every row tile; an embedding Gather, whose rows depend on the tokens) streams nothing here.

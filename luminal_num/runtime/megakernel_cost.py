@@ -221,7 +221,8 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
     launch_s = constants.graph_node_s + constants.min_kernel_s
     return MegakernelLatency(makespan + launch_s, longest.path_s, makespan, launch_s, tiles_total,
                              busy / (sms * makespan) if makespan else 0.0, longest.hops,
-                             sum(w.bytes_moved for w in works.values()) + extra_bytes, longest.overhead_s, streamed, cached,
+                             sum(w.bytes_moved for w in works.values()) + extra_bytes, longest.overhead_s, streamed,
+                             cached,
                              tuple(sorted(by_kind.items())))
 
 
@@ -254,7 +255,8 @@ class _Chain:
         path = times.finish(0.0, self.path_s)
         if not times.weight_s:  # its pop hides under the wait when the chain is at least that long
             hidden = self.path_s >= QUEUE_POP_S
-            return _Chain(path, self.hops + 1, self.overhead_s + (TILE_OVERHEAD_S - QUEUE_POP_S if hidden else TILE_OVERHEAD_S))
+            overhead = TILE_OVERHEAD_S - QUEUE_POP_S if hidden else TILE_OVERHEAD_S
+            return _Chain(path, self.hops + 1, self.overhead_s + overhead)
         if PRE_WAIT_S + times.weight_s >= path:
             return _Chain(path, 1, PRE_WAIT_S)
         if self.path_s >= QUEUE_POP_S:
