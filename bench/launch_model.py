@@ -17,10 +17,15 @@ same way (codegen/cache_stream.py; `cache_streamed_share`), and a one-row norm r
 recomputed by that GEMV's tiles (no tiles or hop of its own: codegen/megakernel.py). Its per-tile overheads are ASSUMPTIONS, round trips of round published
 H100 latencies (L2 200 cycles, DRAM 400 cycles at 1755 MHz), not measurements: pre-wait the queue pop and
 the first DRAM load, post-wait the counter acquire and the signal's fence (megakernel_cost.PRE_WAIT_S,
-POST_WAIT_S; a tile streaming nothing pays TILE_OVERHEAD_S, their sum, after its wait). `chosen_form`: the launch form the search records
+POST_WAIT_S; a tile streaming nothing pops before its wait and pays the rest of TILE_OVERHEAD_S after it). `chosen_form`: the launch form the search records
 (runtime/launch_form.py), `chosen_us` its price. The step is a SmolLM2-135M-shaped decode (bench/storage_decode.py's config, random
 weights: the model reads shapes), one sequence, fusion on, each genome of bench/fusion.py.
-Writes reports/bench/launch_model.csv.
+A Gemm that scales an operand itself (FP8 W8A8) runs its scale launches before its body, as the loop does
+(codegen/megakernel.py QueueOp.prologue), and the model schedules their tiles. Writes
+reports/bench/launch_model.csv, and reports/bench/launch_model_breakdown.csv: per genome, where the megakernel's
+time goes (breakdown_row: the SMs' busy time per block kind over the SMs, `scale` the Gemms' scale launches;
+`idle_us` the SM time spent holding a tile that waits on its barrier, or past the queue's end; the critical
+path and its per-tile overheads).
 """
 from __future__ import annotations
 
@@ -41,13 +46,27 @@ OUT = Path("reports/bench")
 TARGET = "h200"
 
 
+def breakdown_row(name: str, label: str, mega, sms: int) -> dict:
+    """Where a megakernel step's time goes: the makespan is the SMs' busy time (per block kind, over the SMs)
+    plus the time SMs hold a popped tile waiting on its barrier or sit past the queue's end (`idle_us`); the
+    critical path (unlimited SMs) bounds it from below."""
+    row = dict(model=name, genome=label, megakernel_us=1e6 * mega.total_s, launch_us=1e6 * mega.launch_s,
+               makespan_us=1e6 * mega.makespan_s, critical_path_us=1e6 * mega.critical_path_s,
+               critical_hops=mega.critical_hops, critical_overhead_us=1e6 * mega.critical_overhead_s,
+               tiles=mega.tiles, busy_fraction=mega.busy_fraction,
+               busy_over_sms_us=1e6 * mega.busy_fraction * mega.makespan_s,
+               idle_us=1e6 * (1 - mega.busy_fraction) * mega.makespan_s)
+    row.update({f"busy_{kind}_us": 1e6 * seconds / sms for kind, seconds in mega.busy_by_kind})
+    return row
+
+
 def rows_for(name: str, graph, bindings) -> list[dict]:
     from luminal_num.codegen.megakernel import build_queue
     from luminal_num.runtime.launch_form import priced_latency
     from luminal_num.runtime.megakernel_cost import megakernel_latency
     space = SearchSpace.build(graph, fusion=True)
     target = get_target(TARGET)
-    rows = []
+    rows, breakdown = [], []
     for label, tags in GENOMES.items():
         program = space.program(pick(space, tags.__contains__))
         works = kernel_works(program, bindings)
@@ -66,26 +85,32 @@ def rows_for(name: str, graph, bindings) -> list[dict]:
                          cache_streamed_share=mega.cache_bytes_streamed / mega.bytes_moved,
                          chosen_form=chosen.form.value, chosen_us=1e6 * chosen.total_s,
                          chosen_over_floor=chosen.total_s / floor, new_over_old=new / old))
+        breakdown.append(breakdown_row(name, label, mega, target.sm_count))
     for key in ("old_us", "new_us", "megakernel_us", "chosen_us"):
         order = sorted(range(len(rows)), key=lambda i: rows[i][key])
         for rank, i in enumerate(order, 1):
             rows[i][f"rank_{key[:-3]}"] = rank
-    return rows
+    return rows, breakdown
 
 
 def run(layers: int = SMOLLM2.num_hidden_layers, max_cache: int = 256) -> dict:
     start = time.perf_counter()
-    rows = []
+    rows, breakdown = [], []
     for name, graph, bindings in _cases(layers, max_cache, with_minilm=False):
-        rows += rows_for(name, graph, bindings)
+        more, parts = rows_for(name, graph, bindings)
+        rows, breakdown = rows + more, breakdown + parts
     df = pd.DataFrame(rows)
     OUT.mkdir(parents=True, exist_ok=True)
     df.to_csv(OUT / "launch_model.csv", index=False)
+    parts = pd.DataFrame(breakdown).fillna(0.0)
+    parts.to_csv(OUT / "launch_model_breakdown.csv", index=False)
     with pd.option_context("display.width", 250, "display.max_columns", 20):
         print(df[["genome", "kernels", "floor_us", "old_us", "new_us", "megakernel_us", "megakernel_over_floor",
                   "critical_hops", "overhead_share", "weight_streamed_share", "cache_streamed_share",
                   "chosen_form", "chosen_us", "rank_old", "rank_new", "rank_megakernel", "rank_chosen"]
                  ].round(2).to_string(index=False))
+    with pd.option_context("display.width", 250, "display.max_columns", 30):
+        print(parts.drop(columns=["model"]).round(2).to_string(index=False))
     print(f"[{time.perf_counter() - start:.1f} s]")
     best_old, best_new = df.loc[df.old_us.idxmin()], df.loc[df.new_us.idxmin()]
     best_mega = df.loc[df.megakernel_us.idxmin()]

@@ -36,10 +36,11 @@ def tile(bytes_moved: int, tiles: int, sms: int = SMS) -> float:
 
 def test_schedule_on_an_idle_h200_is_the_chain_of_barriers():
     """Every tile has its own SM: y's tiles, then z's (each after its y tile), then r (after the two z
-    tiles of its row) and w (after all of z), in parallel."""
+    tiles of its row) and w (after all of z), in parallel; a tile that waits popped its entry while it
+    waited (the loop pops, then spins), so z and r / w each pay the overhead less the queue pop."""
     program = chain_program()
-    y, z = tile(2 * ELEMENTS * 4, TILES), tile(2 * ELEMENTS * 4, TILES)
-    r, w = tile(ELEMENTS * 4 + ROWS * 4, ROWS), tile(2 * ELEMENTS * 4, TILES)
+    y, z = tile(2 * ELEMENTS * 4, TILES), tile(2 * ELEMENTS * 4, TILES) - QUEUE_POP_S
+    r, w = tile(ELEMENTS * 4 + ROWS * 4, ROWS) - QUEUE_POP_S, tile(2 * ELEMENTS * 4, TILES) - QUEUE_POP_S
     got = megakernel_latency(build_queue(program), program, "h200", {"s": ROWS})
     assert got.makespan_s == pytest.approx(y + z + max(r, w), rel=1e-12)
     assert got.critical_path_s == pytest.approx(y + z + max(r, w), rel=1e-12)
@@ -83,7 +84,8 @@ def test_overhead_parts_are_round_trips_of_the_assumed_latencies():
 
 def test_tile_times_by_hand():
     """A tile popped at 1 us whose barrier is ready at 2 us: its 3 us of weights end at 1 + pre + 3; its 1 us
-    rest follows the wait; with no weights everything follows max(free, ready), as before the split."""
+    rest follows the wait; with no weights its pop still precedes the wait (the loop's order) and the rest of
+    the overhead (first load, acquire, signal) follows max(free + pop, ready)."""
     late = TileTimes(weight_s=3e-6, rest_s=1e-6)
     assert late.finish(1e-6, 2e-6) == pytest.approx(max(1e-6 + PRE_WAIT_S + 3e-6, 2e-6 + POST_WAIT_S + 1e-6))
     assert late.finish(1e-6, 2e-6) == pytest.approx(1e-6 + PRE_WAIT_S + 3e-6)  # the weights dominate here
@@ -91,8 +93,10 @@ def test_tile_times_by_hand():
     assert light.finish(1e-6, 5e-6) == pytest.approx(5e-6 + POST_WAIT_S + 1e-6)
     assert light.finish(1e-6, 0.0) == pytest.approx(1e-6 + QUEUE_POP_S + POST_WAIT_S + 1e-6)  # pops before it waits
     none = TileTimes(weight_s=0.0, rest_s=1e-6)
-    assert none.finish(1e-6, 2e-6) == pytest.approx(2e-6 + TILE_OVERHEAD_S + 1e-6)
+    assert none.finish(1e-6, 2e-6) == pytest.approx(2e-6 + FIRST_LOAD_S + ACQUIRE_S + SIGNAL_S + 1e-6)
+    assert none.finish(1e-6, 1.05e-6) == pytest.approx(1e-6 + TILE_OVERHEAD_S + 1e-6)  # the pop outlasts the wait
     assert none.finish(3e-6, 2e-6) == pytest.approx(3e-6 + TILE_OVERHEAD_S + 1e-6)
+    assert none.alone_s == pytest.approx(TILE_OVERHEAD_S + 1e-6)
 
 
 def gemv_program(n: int, k: int) -> Program:
@@ -133,10 +137,10 @@ def test_without_weight_bytes_the_split_model_is_the_old_one():
     program = gemv_program(2048, 1024)
     y_end, _, _, whole = _gemv_hand(2048, 1024)
     got = megakernel_latency(build_queue(program), program, "h200", {}, weight_bytes={})
-    assert got.makespan_s == pytest.approx(y_end + TILE_OVERHEAD_S + whole, rel=1e-12)
+    assert got.makespan_s == pytest.approx(y_end + TILE_OVERHEAD_S - QUEUE_POP_S + whole, rel=1e-12)
     assert got.critical_path_s == pytest.approx(got.makespan_s, rel=1e-12)
     assert (got.critical_hops, got.weight_bytes_streamed) == (2, 0)
-    assert got.overhead_share == pytest.approx(2 * TILE_OVERHEAD_S / got.critical_path_s)
+    assert got.overhead_share == pytest.approx((2 * TILE_OVERHEAD_S - QUEUE_POP_S) / got.critical_path_s)
 
 
 def test_a_late_barrier_under_large_weights_ends_with_the_weight_stream():
@@ -166,7 +170,8 @@ def test_recomputed_rows_leave_the_chain_and_add_their_body_to_each_reader_tile(
     """A one-token llama-tiny layer: its three one-row norms are recomputed by their GEMVs
     (codegen/megakernel.py): three tiles and three hops fewer. On the chain, norm then GEMV tile was
     (overhead + norm body) then (post-wait part + GEMV rest); now the GEMV tile runs the norm body itself
-    (the same one-SM roofline): the critical path is shorter by exactly three tile overheads."""
+    (the same one-SM roofline): the critical path is shorter by exactly three tile overheads less their
+    queue pops (a norm tile popped while it waited)."""
     from luminal_num.models.registry import llama_tiny_job
     job = llama_tiny_job(seq=1, layers=1)
     space = SearchSpace.build(job.graph, fusion=True)
@@ -175,7 +180,7 @@ def test_recomputed_rows_leave_the_chain_and_add_their_body_to_each_reader_tile(
     plain = megakernel_latency(build_queue(program, recompute_rows=False), program, "h200", bindings)
     got = megakernel_latency(build_queue(program), program, "h200", bindings)
     assert (plain.tiles - got.tiles, plain.critical_hops - got.critical_hops) == (3, 3)
-    assert plain.critical_path_s - got.critical_path_s == pytest.approx(3 * TILE_OVERHEAD_S, rel=1e-9)
+    assert plain.critical_path_s - got.critical_path_s == pytest.approx(3 * (TILE_OVERHEAD_S - QUEUE_POP_S), rel=1e-9)
 
 
 # -- KV-cache rows streamed before the wait (codegen/cache_stream.py) ----------------------------------------
@@ -225,7 +230,8 @@ def test_an_attention_tile_streams_its_cache_rows_before_its_wait(keys):
     assert [w.tiles for w in works] == [1, 1, 1, HEADS] and sum(w.tiles for w in works) <= SMS
     cache = 2 * 4 * (keys * HEAD_DIM - HEAD_DIM)
     y = tile(works[0].bytes_moved, 1)
-    s = tile(works[1].bytes_moved, 1)  # the K scatter, after y; the V scatter waits on nothing
+    # the K scatter, after y (it popped while it waited); the V scatter waits on nothing
+    s = tile(works[1].bytes_moved, 1) - QUEUE_POP_S
     attention = works[3]
     assert attention.bytes_read > cache
     share = ACHIEVED / SMS
@@ -235,7 +241,7 @@ def test_an_attention_tile_streams_its_cache_rows_before_its_wait(keys):
     rest = max((attention.bytes_moved - cache) / HEADS / share, flops)
     queue = build_queue(program)
     before = megakernel_latency(queue, program, "h200", {}, cache_bytes={})
-    assert before.makespan_s == pytest.approx(y + s + TILE_OVERHEAD_S + whole, rel=1e-12)
+    assert before.makespan_s == pytest.approx(y + s + TILE_OVERHEAD_S - QUEUE_POP_S + whole, rel=1e-12)
     got = megakernel_latency(queue, program, "h200", {})
     assert got.cache_bytes_streamed == cache and got.weight_bytes_streamed == 0
     assert got.makespan_s == pytest.approx(max(PRE_WAIT_S + streamed, y + s + POST_WAIT_S + rest), rel=1e-12)

@@ -56,10 +56,11 @@ def test_queue_tiles_are_the_blocks_the_device_loop_runs(model, genome):
         k = program.kernel(op.kernel)
         *before, (tiles, _) = launches[i]
         assert tiles == row.tiles, f"op {i} ({k.kind.value}, {op.block.kind}): queue {row.tiles}, device {tiles}"
-        # the one known gap (see the report of issue 33): a Gemm's own operand-scale launches run before its
-        # body as CUDA ops of their own, which the queue (and so the cost model) does not count
-        assert not before or (k.kind.is_gemm and all("_scale" in entry for _, entry in before)), \
+        # a Gemm's own operand-scale launches run before its body as CUDA ops of their own: the queue op's
+        # prologue, launch for launch and tile for tile (the cost model schedules them)
+        assert [t for t, _ in before] == [p.tiles.evaluate(bindings) for p in op.prologue], \
             f"op {i} ({k.kind.value}) runs launches the queue does not hold: {before}"
+        assert all(entry.endswith(f"_scale{p.slot}") for (_, entry), p in zip(before, op.prologue))
 
 
 def test_attention_and_kv_scatter_tiles_by_hand():
@@ -92,7 +93,9 @@ def test_fp8_kv_scatter_runs_a_block_per_row_and_scale_group():
 
 def test_inlined_gemm_tiles_are_the_tiled_bodys_16x16_blocks():
     """The megakernel runs a Gemm's tiled body (16 x 16 outputs per block), kernel by kernel the library's
-    tiles (the GEMV partition): SmolLM2's 960-column QKV projection is 60 blocks inlined, 120 GEMV tiles."""
+    tiles (the GEMV partition): SmolLM2's 960-column QKV projection is 60 blocks inlined, 120 GEMV tiles. Over
+    132 bands a GEMV tile takes several (blockops.body_bands): the 49152-row LM head's 3072 bands are 128 tiles
+    of ceil(3072 / 132) = 24 bands, 1536 kernel by kernel."""
     program, queue, bindings, launches = _launch_tiles("SmolLM2-135M decode", "W4A16 INT4 group 128")
     counts = []
     for i, op in enumerate(queue.ops):
@@ -100,6 +103,26 @@ def test_inlined_gemm_tiles_are_the_tiled_bodys_16x16_blocks():
         if k.kind.is_gemm and evaluate(k.layout.batch, bindings) == 1:  # the projections (M = 1 token)
             n = evaluate(k.shape[-1], bindings)
             inlined = block_op(k, inlined=True).tiles.evaluate(bindings)
-            assert inlined == math.ceil(n / 16) == launches[i][-1][0]
+            bands = math.ceil(n / 16)
+            per_tile = 1 if bands <= 132 else math.ceil(bands / 132)
+            assert inlined == math.ceil(bands / per_tile) == launches[i][-1][0]
             counts.append((n, inlined, block_op(k).tiles.evaluate(bindings)))
-    assert (960, 60, 120) in counts and (49152, 3072, 1536) in counts
+    assert (960, 60, 120) in counts and (49152, 128, 1536) in counts
+
+
+def test_fp8_gemm_scale_launches_by_hand():
+    """FP8 W8A8 (per-token A, per-channel B): each projection of a one-token SmolLM2 decode runs A's scale
+    (one token: 1 tile, after the producers) and B's per-channel scales (N channels, at most 132 tiles: the body
+    loops grid-stride; over the weight, so it waits on nothing) before its body; the LM head's 49152 channels
+    are 132 tiles, not 49152."""
+    program, queue, bindings, launches = _launch_tiles("SmolLM2-135M decode", "FP8 W8A8 dynamic per-token")
+    seen = set()
+    for i, op in enumerate(queue.ops):
+        k = program.kernel(op.kernel)
+        if not (k.kind.is_gemm and evaluate(k.layout.batch, bindings) == 1):
+            continue
+        n = evaluate(k.shape[-1], bindings)
+        assert [(p.slot, p.ready) for p in op.prologue] == [(0, False), (1, True)]
+        assert [t for t, _ in launches[i][:-1]] == [1, min(n, 132)]
+        seen.add(n)
+    assert {960, 576, 49152} <= seen

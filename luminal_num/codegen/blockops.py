@@ -19,7 +19,8 @@ rebuilds nothing. Each count is the number of blocks the CUDA launch of that kin
 attention and the scatters take their grid from here; tests/test_megakernel_tiles.py checks every op of the
 benchmarked queues against the megakernel's table). A Gemm has two: kernel by kernel it runs a library call
 or the tensor-core kernel, whose tiles the 64 x 64 / GEMV partition models; inlined in the megakernel it runs
-its tiled body (`inlined=True`: the body's TILE x TILE output blocks).
+its tiled body (`inlined=True`: the body's TILE x TILE output blocks; a GEMV's tile takes several TILE-column
+bands where N_out has more than FILL_SMS of them: body_bands).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from typing import Mapping
 from ..hlir.symbolic import Dim, evaluate, prod
 from ..quant.storage import STORAGE_FORMATS
 from .attention import score_shape
+from .cuda_gemm import own_scales, scale_blocks
 from .cuda_gemm_epilogue import glu_offsets
 from .cuda_source import ELEMENTWISE_THREADS
 from .cuda_weight_only import TILE as BODY_TILE
@@ -158,8 +160,46 @@ def _gemm_body(k: Kernel) -> BlockOp:
     lay = k.layout
     glu = k.kind is KernelKind.GEMM_EPILOGUE and bool(glu_offsets(k))
     n_out = k.shape[-1] if glu else lay.n
-    kind = "gemv" if _is_gemv(k) else "gemm"
-    return _opaque(k, kind, TileCount(((lay.m, BODY_TILE), (n_out, BODY_TILE), (lay.batch, 1))))
+    if not _is_gemv(k):
+        return _opaque(k, "gemm", TileCount(((lay.m, BODY_TILE), (n_out, BODY_TILE), (lay.batch, 1))))
+    return _opaque(k, "gemv", TileCount(((lay.m, BODY_TILE), (n_out, BODY_TILE * body_bands(n_out)), (lay.batch, 1))))
+
+
+def body_bands(n_out: Dim) -> int:
+    """BODY_TILE-column bands per inlined GEMV tile: 1, or, where N_out has more bands than FILL_SMS, as few
+    tiles as one wave of FILL_SMS holds (the bodies loop grid-stride, so tile y runs bands y, y + tiles, ...).
+    Why: a tile pays its pop and first DRAM load once (runtime/megakernel_cost.PRE_WAIT_S); SmolLM2's
+    49152-row LM head in 3072 one-band tiles paid them 3072 times for 9 KB of weight each (issue 33)."""
+    if not isinstance(n_out, int):
+        return 1
+    bands = -(-n_out // BODY_TILE)
+    return -(-bands // FILL_SMS)
+
+
+@dataclass(frozen=True)
+class ScaleLaunch:
+    """One of a Gemm's own operand-scale launches as the megakernel runs it: the operand `slot`, its `tiles`,
+    and whether that operand is written before the kernel starts (`ready`: a weight, an input), so the
+    launch waits on nothing."""
+
+    slot: int
+    tiles: TileCount
+    ready: bool = False
+
+
+def scale_launches(k: Kernel, prequantized: tuple[bool, ...], ready: tuple[bool, ...]) -> tuple[ScaleLaunch, ...]:
+    """A Gemm's own operand-scale launches as the megakernel runs them, in launch order; `ready[slot]`: that
+    input is written before the kernel starts. Kernel by kernel each is a block per scale block
+    (codegen/cuda_gemm.scale_blocks); the body loops grid-stride over them, so inlined it runs at most FILL_SMS
+    tiles where the count is concrete, each scale still one block's reduction (the same bits): a 49152-channel
+    weight's per-channel scales were 49152 tiles, each paying a tile's pop and overheads for one row (issue 33)."""
+    out = []
+    for slot in own_scales(k, prequantized):
+        blocks = TileCount(scale_blocks(k, slot))
+        if all(isinstance(d, int) for d, _ in blocks.factors):
+            blocks = TileCount(((min(blocks.evaluate({}), FILL_SMS), 1),))
+        out.append(ScaleLaunch(slot, blocks, ready[slot]))
+    return tuple(out)
 
 
 def _is_gemv(k: Kernel) -> bool:

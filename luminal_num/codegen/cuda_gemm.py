@@ -68,6 +68,23 @@ static __device__ __forceinline__ float ln_pow2_scale(double ratio) {
 """
 
 
+def scale_blocks(kernel: Kernel, slot: int) -> tuple[tuple[Dim, int], ...]:
+    """The scale blocks of operand `slot` (A: (batch, M, K), B: (batch, K, N)): one per (batch, row block, col
+    block), WHOLE extents and TENSOR granularity collapsing to one; the `_scale<slot>` launch runs a block each."""
+    lay, spec = kernel.layout, (variant_of(kernel).a_scale, variant_of(kernel).b_scale)[slot]
+    nb, rows, cols = (lay.batch, lay.m, lay.k) if slot == 0 else (lay.batch, lay.k, lay.n)
+    tensor = spec.granularity is Granularity.TENSOR
+    return ((1, 1) if tensor else (nb, 1), (1, 1) if spec.block[0] == WHOLE else (rows, spec.block[0]),
+            (1, 1) if spec.block[1] == WHOLE else (cols, spec.block[1]))
+
+
+def own_scales(kernel: Kernel, prequantized: tuple[bool, ...]) -> list[int]:
+    """The operands whose scales the Gemm's own launches compute, in launch order (a pre-quantized operand
+    brings its QUANTIZE kernel's)."""
+    specs = (variant_of(kernel).a_scale, variant_of(kernel).b_scale)
+    return [s for s in (0, 1) if specs[s] is not None and not (prequantized + (False, False))[s]]
+
+
 class _Writer:
     """Index math of one Gemm (or QUANTIZE) kernel: operands as (batch, rows, cols) over the Mul's full
     shape. `prequantized[slot]`: that input is a QUANTIZE kernel's q, to be read as it is; `stored`: B's
@@ -114,10 +131,7 @@ class _Writer:
 
     # -- scales: one per (batch, row block, col block); WHOLE extents and TENSOR collapse to one --------
     def scale_blocks(self, slot: int) -> tuple[tuple[Dim, int], ...]:
-        spec, (nb, rows, cols) = self.specs[slot], self.extents(slot)
-        tensor = spec.granularity is Granularity.TENSOR
-        return ((1, 1) if tensor else (nb, 1), (1, 1) if spec.block[0] == WHOLE else (rows, spec.block[0]),
-                (1, 1) if spec.block[1] == WHOLE else (cols, spec.block[1]))
+        return scale_blocks(self.k, slot)
 
     def scale_counts(self, slot: int) -> list[IndexExpr]:
         out: list[IndexExpr] = []
@@ -430,7 +444,7 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
     library = not invariant and stored is None
     lt = library and epilogue is None and single and lt_capable(w.variant, kernel.dtype) and (
         not prequantized[0] or kernel.inputs[0].view == quantized_a_view(kernel.layout))
-    own = [s for s in (0, 1) if w.specs[s] is not None and not prequantized[s]]
+    own = own_scales(kernel, prequantized)
     own_quant = own if lt else []
     tensor_core = refusal(w.variant, kernel, invariant) is None
     source = _source("".join([_scale_kernel(w, s) for s in own] + [_quant_kernel(w, s) for s in own_quant]

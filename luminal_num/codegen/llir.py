@@ -227,6 +227,20 @@ class Kernel:
             return int(round(float(evaluate(prod(self.body_shape), bindings)) * self.stored_bytes_per_element(bindings)))
         return int(self.numel(bindings) * self.dtype.itemsize) + self.scales_bytes(bindings)
 
+    def input_bytes(self, slot: int, bindings: Mapping[str, int], dtypes: Mapping[int, Format],
+                    element_bytes: Mapping[int, float] | None = None) -> float:
+        """Bytes one pass over input `slot` reads: each distinct element it touches once (broadcasts are
+        cached), at its stored size; a Gather's table only the rows its indices name."""
+        inp = self.inputs[slot]
+        v = inp.view.views[0]
+        distinct = prod(d for d, s in zip(v.shape, v.strides) if s != 0) if len(inp.view.views) == 1 \
+            else prod(inp.view.shape)
+        n = float(evaluate(distinct, bindings))
+        if slot == 0 and self.kind is KernelKind.GATHER and inp.view.shape:
+            rows = float(evaluate(inp.view.shape[0], bindings))
+            n = min(n, n / max(rows, 1.0) * float(evaluate(prod(self.inputs[1].view.shape), bindings)))
+        return n * (element_bytes or {}).get(inp.buffer, dtypes[inp.buffer].itemsize)
+
     def bytes_loaded(self, bindings: Mapping[str, int], dtypes: Mapping[int, Format],
                      element_bytes: Mapping[int, float] | None = None) -> int:
         """Each input read once per distinct element it touches (broadcasts are cached), at its stored
@@ -236,17 +250,10 @@ class Kernel:
         element_bytes = element_bytes or {}
         total = 0.0
         reads: list[float] = []
-        for i, inp in enumerate(self.inputs):
+        for i in range(len(self.inputs)):
             if i == 0 and self.kind.in_place:
                 continue
-            v = inp.view.views[0]
-            distinct = prod(d for d, s in zip(v.shape, v.strides) if s != 0) if len(inp.view.views) == 1 \
-                else prod(inp.view.shape)
-            n = float(evaluate(distinct, bindings))
-            if i == 0 and self.kind is KernelKind.GATHER and inp.view.shape:
-                rows = float(evaluate(inp.view.shape[0], bindings))
-                n = min(n, n / max(rows, 1.0) * float(evaluate(prod(self.inputs[1].view.shape), bindings)))
-            reads.append(n * element_bytes.get(inp.buffer, dtypes[inp.buffer].itemsize))
+            reads.append(self.input_bytes(i, bindings, dtypes, element_bytes))
             total += reads[-1]
         if self.kind is KernelKind.QUANTIZE:
             total = 2 * total + self.scales_bytes(bindings)

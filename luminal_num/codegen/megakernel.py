@@ -14,6 +14,12 @@ counter, which reaches its tile count). A consumer tile reading a flat producer 
 view (`Wait.read_elements` = R per consumer tile) reads elements [t R, (t + 1) R) and waits on producer
 tiles t R // E .. ((t + 1) R - 1) // E; any other read waits on the producer's every counter.
 
+Scale prologues: a Gemm that scales an operand itself (codegen/cuda_gemm.py: FP8 / INT8 variants, per token
+or per channel) runs those scale launches before its body, as entries of their own in the persistent loop
+(`QueueOp.prologue`): a launch over an operand written before the kernel starts (a weight's per-channel
+scales) waits on nothing, any other on the op's producers, and the body on every launch before it, whole;
+the cost model schedules their tiles, the emulated scheduler runs the op's CPU body.
+
 Recomputed producers: a one-tile flat row op (the RMSNorm of a decode row) whose only reader is one GEMV
 is not a queue entry of its own: every tile of that GEMV runs the row op's body first, into its block's own
 copy, and reads that (`QueueOp.recomputes`; the row op keeps its place with no tiles, `recomputed_by`). The
@@ -27,7 +33,7 @@ from typing import Mapping
 
 from ..hlir.shape import contiguous_strides
 from ..hlir.symbolic import Dim, evaluate
-from .blockops import BlockOp, Partition, block_op
+from .blockops import BlockOp, Partition, ScaleLaunch, block_op, scale_launches
 from .llir import FAt, FApply, FExpr, FRoundTo, FRowSum, Kernel, KernelKind, Program, load_slots
 
 
@@ -56,6 +62,7 @@ class QueueOp:
     signal_stride: int | None = None  # None: signals with `stride` (a test sets a wrong one)
     recomputes: int | None = None     # a one-tile row op (queue position) each tile runs first, privately
     recomputed_by: int | None = None  # this op has no tiles: that op's tiles run its body
+    prologue: tuple[ScaleLaunch, ...] = ()  # a Gemm's own scale launches, in launch order
 
     @property
     def signals_with(self) -> int:
@@ -179,7 +186,10 @@ def build_queue(program: Program, recompute_rows: bool = True) -> WorkQueue:
             merged[w.producer] = w if old is None or old.read_elements == w.read_elements else Wait(w.producer)
         position[k.id] = len(ops)
         blocks[k.id] = made
-        ops.append(QueueOp(k.id, made, 1 if made.partition is Partition.FLAT else 0, tuple(merged.values())))
+        ready = tuple(program.kernel(inp.buffer).kind is KernelKind.EXTERNAL for inp in k.inputs)
+        prologue = scale_launches(k, program.quantized_inputs(k), ready) if k.kind.is_gemm else ()
+        ops.append(QueueOp(k.id, made, 1 if made.partition is Partition.FLAT else 0, tuple(merged.values()),
+                           prologue=prologue))
     queue = WorkQueue(tuple(ops))
     return _recompute_rows(queue, program) if recompute_rows else queue
 

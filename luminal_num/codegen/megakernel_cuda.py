@@ -110,9 +110,14 @@ class MegakernelSource:
             flat = (q.block.partition is Partition.FLAT and op.launch == 0 and op.last
                     and tiles == queue_table[op.queue_op].tiles)
             begin = len(waits)
-            if op.launch > 0:
+            scale = op.launch < len(q.prologue)  # one of a Gemm's own scale launches (QueueOp.prologue)
+            if q.prologue and op.last:
+                waits += [(j, 0) for j in range(i - op.launch, i)]  # a Gemm body: each of its scale launches, whole
+            if scale and q.prologue[op.launch].ready:
+                pass  # a scale launch over an operand written before the kernel started (a weight)
+            elif op.launch > 0 and not q.prologue:
                 waits.append((i - 1, 0))  # the previous launch of the same kernel, whole
-            else:
+            else:  # the op's producers: its first launch, a Gemm's scale launch over an activation, a Gemm's body
                 for w in q.waits:
                     producer = last_of[w.producer]
                     aligned = flat and w.read_elements is not None and rows[producer][10] == 1
@@ -122,7 +127,8 @@ class MegakernelSource:
             block = tuple(op.block) + (1, 1)
             streams = _stream_rows(op)
             recompute, private = -1, -1
-            if q.recomputes is not None:  # every launch of the reader recomputes the row op (its last launch)
+            if q.recomputes is not None and not (scale and q.prologue[op.launch].ready):
+                # every launch of the reader that reads A recomputes the row op (its last launch)
                 recompute, private = last_of[q.recomputes], queue.ops[q.recomputes].kernel
             per_tile = _span_count(op, tiles, bindings)
             rows.append((i, entry, tiles, *grid[:3], *block[:3], counter, stride, begin, len(waits), elements,
@@ -158,8 +164,9 @@ class MegakernelSource:
 
     def prefetch_rows(self) -> list[tuple]:
         """Every op's prefetch rows in op order, as the loop reads them: (row_bytes, rows, rows_per_part_row,
-        offset, n_out, slot): the tile at grid y `b` prefetches the part rows holding weight rows
-        [b BAND + offset, min((b + 1) BAND, n_out) + offset) of bufs[slot]."""
+        offset, n_out, slot): the tile at grid y `y` prefetches, for each of its bands b = y, y + grid y, ...
+        (WeightStream.tile_bands), the part rows holding weight rows [b BAND + offset, min((b + 1) BAND, n_out) +
+        offset) of bufs[slot]."""
         return [row for op in self.ops for row in _stream_rows(op)]
 
 
@@ -299,15 +306,18 @@ extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
         }
         __syncthreads();
         for (int p = ops[current].prefetch_begin; p < ops[current].prefetch_end; ++p) {
-            // the tile's own weight rows depend on no barrier: every thread prefetches lines into L2 before the wait
+            // the tile's own weight rows depend on no barrier: every thread prefetches lines into L2 before the wait,
+            // band by band: bands y, y + grid y, ... (the Gemm bodies loop grid-stride)
             const LnMkPrefetch f = prefetch[p];
-            const long long first = (long long)ln_mk.bid.y * LN_MK_BAND + f.offset;
-            const long long end = min((long long)ln_mk.bid.y * LN_MK_BAND + LN_MK_BAND, f.n_out) + f.offset;
-            const long long lo = first / f.per * f.row_bytes, hi = min((end - 1) / f.per + 1, f.rows) * f.row_bytes;
             const char* base = (const char*)bufs[f.slot];
-            for (long long b = lo / LN_MK_LINE * LN_MK_LINE + (long long)threadIdx.x * LN_MK_LINE; b < hi;
-                 b += (long long)blockDim.x * LN_MK_LINE)
-                asm volatile("prefetch.global.L2 [%0];" :: "l"(base + b));
+            for (long long band = ln_mk.bid.y; band * LN_MK_BAND < f.n_out; band += ln_mk.grid.y) {
+                const long long first = band * LN_MK_BAND + f.offset;
+                const long long end = min(band * LN_MK_BAND + LN_MK_BAND, f.n_out) + f.offset;
+                const long long lo = first / f.per * f.row_bytes, hi = min((end - 1) / f.per + 1, f.rows) * f.row_bytes;
+                for (long long b = lo / LN_MK_LINE * LN_MK_LINE + (long long)threadIdx.x * LN_MK_LINE; b < hi;
+                     b += (long long)blockDim.x * LN_MK_LINE)
+                    asm volatile("prefetch.global.L2 [%0];" :: "l"(base + b));
+            }
         }
         for (int p = ops[current].span_begin + (int)ln_mk.tile * ops[current].span_per_tile,
                  p_end = p + ops[current].span_per_tile; p < p_end; ++p) {
@@ -397,7 +407,7 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             weight = kernel.inputs[1].buffer
             args = [kernel.id, kernel.inputs[0].buffer]
             args += [part_slot(weight, index) for index in range(len(stored.params) - 2)]
-            grid = tuple(((g, 1),) for g in stored.grid)
+            grid = _body_grid(q, tuple(((g, 1),) for g in stored.grid))
             stream = _checked_stream(kernel, program, grid)
             ops.append(CudaOp(qi, 0, kernel.id, stored.name, grid, tuple(stored.block), tuple(args), True, stream,
                               _stream_slots(stream, part_slot)))
@@ -420,9 +430,12 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             args = tuple(part_slot(a.buffer, a.index) if a.role == "part" else _arg_slot(a, scratch, kernel)
                          for a in launch.args) + ((dyn,) if dyn is not None else ())
             last = li == len(src.launches) - 1  # a Gemm's own launch (after any scale launches)
-            stream = _checked_stream(kernel, program, launch.grid) if last else None
+            grid = launch.grid
+            if kernel.kind.is_gemm:
+                grid = _body_grid(q, launch.grid) if last else _scale_grid(q, li, launch.entry, len(src.launches))
+            stream = _checked_stream(kernel, program, grid) if last else None
             cache = cache_stream(kernel, program) if last else None
-            ops.append(CudaOp(qi, li, kernel.id, launch.entry, launch.grid, tuple(launch.block), args, last,
+            ops.append(CudaOp(qi, li, kernel.id, launch.entry, grid, tuple(launch.block), args, last,
                               stream, _stream_slots(stream, part_slot), cache))
             sources.append(src)
     cases = []
@@ -438,12 +451,32 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
     return MegakernelSource(source, ENTRY_NAME, tuple(ops), tuple(sources), slot, tuple(uses))
 
 
+def _body_grid(q, grid: tuple) -> tuple:
+    """An inlined Gemm body's grid: the queue op's tiles (codegen/blockops.py), which for a GEMV over more than
+    FILL_SMS bands is fewer along y than the launch's own; the body loops grid-stride, so it computes the same
+    outputs, each by the same threads' sums (the same bits), tile y taking bands y, y + grid y, ..."""
+    factors = q.block.tiles.factors
+    if len(factors) != 3 or len(grid) != 3:
+        raise MegakernelError(f"kernel {q.kernel}: a Gemm body's grid {grid} is not the queue op's (m, n, batch) tiles")
+    return tuple((f,) for f in factors)
+
+
+def _scale_grid(q, li: int, entry: str, launches: int) -> tuple:
+    """A Gemm's scale launch `li` as the queue declares it (QueueOp.prologue: at most FILL_SMS tiles, the body
+    grid-stride over its scale blocks), checked: the Gemm's launches are its prologue's, then its body."""
+    if launches != len(q.prologue) + 1 or not entry.endswith(f"_scale{q.prologue[li].slot}"):
+        raise MegakernelError(f"kernel {q.kernel}: launch {entry} is not scale launch {li} of the queue's prologue "
+                              f"{[p.slot for p in q.prologue]}")
+    return (q.prologue[li].tiles.factors,)
+
+
 def _checked_stream(kernel, program: Program, grid) -> WeightStream | None:
-    """The kernel's weight stream, checked against the launch it prefetches for: its grid y bands N_out by BAND."""
+    """The kernel's weight stream, checked against the launch it prefetches for: its grid y takes N_out's bands
+    of BAND rows, one or several per tile (grid-stride), never fewer bands than tiles."""
     stream = weight_stream(kernel, program)
-    if stream is not None and ceil_count(grid[1], {}) != stream.bands:
+    if stream is not None and not 1 <= ceil_count(grid[1], {}) <= stream.bands:
         raise MegakernelError(f"kernel {kernel.id} ({kernel.kind.value}): its Gemm body's grid y is not "
-                              f"{stream.bands} bands of {BAND} weight rows: the weight prefetch would miss rows")
+                              f"over {stream.bands} bands of {BAND} weight rows: the weight prefetch would miss rows")
     return stream
 
 

@@ -9,11 +9,12 @@ and the cost model (runtime/megakernel_cost.py) charges exactly these bytes befo
 
 What a tile reads: every Gemm body the megakernel inlines (the tiled kernel of codegen/cuda_gemm.py, its
 decode path, the dequantize-on-load kernel of codegen/cuda_weight_only.py) gives block (bx, by, bz) the
-output columns [by * BAND, (by + 1) * BAND) of N (or of a GLU's n_out, each column also read at the GLU's
-column offsets), so it reads those rows of an (N, K) weight read as W^T, in each of the weight's parts: a
-contiguous byte range per part where the part is row-major over the weight's rows. Only such Gemms stream:
-B an EXTERNAL weight (not a KV cache), (N, K) row-major read whole as W^T, N and K concrete, the grid's
-y covering N in one pass. Anything else (a (K, N) weight, whose tile columns are strided; norm weights read
+output columns [b * BAND, (b + 1) * BAND) of N for each of its bands b = by, by + gridDim.y, ... (one band
+where the grid covers N_out in one pass; several where codegen/blockops.body_bands gives a GEMV fewer tiles;
+or of a GLU's n_out, each column also read at the GLU's column offsets), so it reads those rows of an (N, K)
+weight read as W^T, in each of the weight's parts: a contiguous byte range per part where the part is row-major over the weight's rows. Only such Gemms stream:
+B an EXTERNAL weight (not a KV cache), (N, K) row-major read whole as W^T, N and K concrete, at most
+GRID_LIMIT bands. Anything else (a (K, N) weight, whose tile columns are strided; norm weights read
 whole by every row tile; an embedding Gather, whose rows depend on the tokens) streams nothing here.
 """
 from __future__ import annotations
@@ -65,6 +66,10 @@ class WeightStream:
     @property
     def bands(self) -> int:
         return -(-self.n_out // BAND)
+
+    def tile_bands(self, y: int, grid_y: int) -> range:
+        """The bands the block at grid y `y` of a `grid_y`-wide grid reads: y, y + grid_y, ... (grid-stride)."""
+        return range(y, self.bands, grid_y)
 
     def tile_ranges(self, band: int) -> list[tuple[StreamPart, int, int]]:
         """(part, begin byte, end byte) a block at grid y `band` reads, per part and column offset."""

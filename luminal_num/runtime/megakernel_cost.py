@@ -13,8 +13,12 @@ device loop (codegen/megakernel_cuda.py) does:
 - an attention tile reading a KV cache (codegen/cache_stream.py) streams the cache rows the same way: the
   bytes charged before the wait are the cache elements it reads less every element this step's scatter
   writes (those it reads after the wait, with the query and the bias);
-- any other tile issues nothing before its wait: its whole time, TILE_OVERHEAD_S included, follows
-  max(free, ready), as before the split;
+- any other tile issues nothing before its wait but its queue pop (the loop pops, then spins): the rest of
+  its time (first load, acquire, signal, body) follows max(free + QUEUE_POP_S, ready);
+- a Gemm that computes an operand's scales itself (QueueOp.prologue: FP8 / INT8 variants) runs each scale
+  launch's tiles first (scale_work: one amax pass over the operand): over a weight after nothing, over an
+  activation after the op's producers (recomputing a row op as the body does), and the body after its
+  producers and every scale launch, as the loop's table orders them;
 - a GEMV whose tiles recompute a one-tile row op (codegen/megakernel.py, QueueOp.recomputes) adds that
   op's body on one SM to each tile's rest, waits on the row op's producers, and the row op has no tiles.
 The makespan plus one launch is the latency; the critical path (the same chain of waits with unlimited
@@ -36,13 +40,15 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from ..codegen.blockops import Partition
-from ..codegen.llir import Program
+from ..codegen.blockops import Partition, TileCount
+from ..codegen.cuda_gemm import scale_blocks
+from ..codegen.cuda_weight_only import stored_operand
+from ..codegen.llir import Kernel, Program
 from ..codegen.megakernel import Wait, WorkQueue, wait_counters
 from ..codegen.cache_stream import cache_stream
 from ..codegen.weight_stream import weight_stream
 from .cost import KernelWork, LaunchForm, roofline_s
-from .latency import kernel_works
+from .latency import kernel_works, stored_weights
 from .targets import LaunchConstants, Target, get_target
 
 H100_CLOCK_HZ = 1.755e9
@@ -72,6 +78,7 @@ class MegakernelLatency:
     critical_overhead_s: float = 0.0  # the per-tile overheads (pre- and post-wait) on that chain
     weight_bytes_streamed: int = 0    # weight bytes tiles load before their waits (codegen/weight_stream.py)
     cache_bytes_streamed: int = 0     # KV-cache bytes attention tiles load before their waits (codegen/cache_stream.py)
+    busy_by_kind: tuple[tuple[str, float], ...] = ()  # SM seconds in tiles per block kind ("scale": Gemm prologues)
 
     @property
     def overhead_share(self) -> float:
@@ -89,8 +96,8 @@ class TileTimes:
 
     def finish(self, free: float, ready: float) -> float:
         """When the tile ends on an SM free at `free` whose barriers are ready at `ready`."""
-        if not self.weight_s:
-            return max(free, ready) + TILE_OVERHEAD_S + self.rest_s
+        if not self.weight_s:  # it pops before it waits (the loop's order), then loads and runs after the wait
+            return max(free + QUEUE_POP_S, ready) + FIRST_LOAD_S + POST_WAIT_S + self.rest_s
         return max(free + PRE_WAIT_S + self.weight_s, max(free + QUEUE_POP_S, ready) + POST_WAIT_S + self.rest_s)
 
     @property
@@ -146,16 +153,16 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
     heapq.heapify(free)
     busy = makespan = 0.0
     longest = _Chain()
-    tiles_total = streamed = cached = 0
+    tiles_total = streamed = cached = extra_bytes = 0
+    by_kind: dict[str, float] = {}
     for i, (op, launch_row) in enumerate(zip(queue.ops, table)):
         if not launch_row.tiles:  # a row op its reader recomputes: priced in the reader's tiles
             continue
         work = works[op.kernel]
         early = weight_bytes.get(op.kernel, 0) + cache_bytes.get(op.kernel, 0)  # loaded before the wait
         times = tile_times(work, launch_row.tiles, resolved, early)
-        if op.recomputes is not None:  # each tile first runs the row op's one-tile body on its SM
-            row_op = queue.ops[op.recomputes]
-            own = tile_times(works[row_op.kernel], 1, resolved)
+        own = tile_times(works[queue.ops[op.recomputes].kernel], 1, resolved) if op.recomputes is not None else None
+        if own is not None:  # each tile (of every launch) first runs the row op's one-tile body on its SM
             times = dataclasses.replace(times, rest_s=times.rest_s + own.rest_s)
         streamed += min(weight_bytes.get(op.kernel, 0), work.bytes_read)
         cached += min(cache_bytes.get(op.kernel, 0), work.bytes_read)
@@ -164,6 +171,33 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
         base_ready = max((r for r, _ in whole), default=0.0)
         base_chain = max((c for _, c in whole), default=_Chain(), key=lambda c: c.path_s)
         per_tile = [w for w in op.waits if _per_tile(queue, w)]
+        stages = []  # its scale launches: over a weight after nothing, else after the producers; the body after all
+        for launch in op.prologue:
+            stage_work = scale_work(program.kernel(op.kernel), launch.slot, program, bindings)
+            extra_bytes += stage_work.bytes_moved
+            n = launch.tiles.evaluate(bindings)
+            stage = tile_times(stage_work, n, resolved)
+            if own is not None and not launch.ready:  # it reads A: it recomputes the row op too
+                stage = dataclasses.replace(stage, rest_s=stage.rest_s + own.rest_s)
+            after, after_chain = (0.0, _Chain()) if launch.ready else (base_ready, base_chain)
+            stage_ready, stage_chain = 0.0, _Chain()
+            for _ in range(n):
+                finish = stage.finish(heapq.heappop(free), after)
+                heapq.heappush(free, finish)
+                chain = after_chain.then(stage)
+                busy += stage.alone_s
+                by_kind["scale"] = by_kind.get("scale", 0.0) + stage.alone_s
+                makespan, stage_ready = max(makespan, finish), max(stage_ready, finish)
+                stage_chain = max(stage_chain, chain, key=lambda c: c.path_s)
+                longest = max(longest, chain, key=lambda c: c.path_s)
+                tiles_total += 1
+            stages.append((stage_ready, stage_chain))
+        if stages:  # the body waits on its producers (whole) and on each scale launch
+            whole_per_tile = [_whole_wait(queue, table, w, counter_done, counter_chain) for w in per_tile]
+            waited = [(base_ready, base_chain), *whole_per_tile, *stages]
+            base_ready = max(r for r, _ in waited)
+            base_chain = max((c for _, c in waited), key=lambda c: c.path_s)
+            per_tile = []
         for t in range(launch_row.tiles):
             ready, chain = base_ready, base_chain
             for wait in per_tile:
@@ -179,6 +213,7 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
             if chain.path_s > counter_chain[signal].path_s:
                 counter_chain[signal] = chain
             busy += times.alone_s
+            by_kind[op.block.kind] = by_kind.get(op.block.kind, 0.0) + times.alone_s
             makespan = max(makespan, finish)
             if chain.path_s > longest.path_s:
                 longest = chain
@@ -186,7 +221,24 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
     launch_s = constants.graph_node_s + constants.min_kernel_s
     return MegakernelLatency(makespan + launch_s, longest.path_s, makespan, launch_s, tiles_total,
                              busy / (sms * makespan) if makespan else 0.0, longest.hops,
-                             sum(w.bytes_moved for w in works.values()), longest.overhead_s, streamed, cached)
+                             sum(w.bytes_moved for w in works.values()) + extra_bytes, longest.overhead_s, streamed,
+                             cached,
+                             tuple(sorted(by_kind.items())))
+
+
+def scale_work(kernel: Kernel, slot: int, program: Program, bindings: Mapping[str, int]) -> KernelWork:
+    """One of a Gemm's scale launches (codegen/cuda_gemm.py `_scale<slot>`): one amax pass over the operand (a
+    weight read as its stored parts at its stored bytes, as the Gemm reads it), a max per element, one FP32
+    scale written per scale block."""
+    dtypes = program.dtypes()
+    stored = slot == 1 and stored_operand(kernel, program) is not None
+    weights = stored_weights(program)
+    element_bytes = {b: v for b, v in program.element_bytes(bindings).items() if stored or b not in weights}
+    elements = kernel.input_bytes(slot, bindings, dtypes, {kernel.inputs[slot].buffer: 1.0})
+    scales = TileCount(scale_blocks(kernel, slot)).evaluate(bindings)
+    return KernelWork(name=f"k{kernel.id}:scale{slot}", bytes_read=int(round(kernel.input_bytes(slot, bindings, dtypes,
+                                                                                              element_bytes))),
+                      bytes_written=4 * scales, flops=int(elements), implementation="gemm_scale")
 
 
 @dataclass(frozen=True)
@@ -201,8 +253,10 @@ class _Chain:
         """The chain extended by a tile waiting on it (its own SM, free at 0): a tile whose weight stream
         ends after its waited-for part starts a chain of its own."""
         path = times.finish(0.0, self.path_s)
-        if not times.weight_s:
-            return _Chain(path, self.hops + 1, self.overhead_s + TILE_OVERHEAD_S)
+        if not times.weight_s:  # its pop hides under the wait when the chain is at least that long
+            hidden = self.path_s >= QUEUE_POP_S
+            overhead = TILE_OVERHEAD_S - QUEUE_POP_S if hidden else TILE_OVERHEAD_S
+            return _Chain(path, self.hops + 1, self.overhead_s + overhead)
         if PRE_WAIT_S + times.weight_s >= path:
             return _Chain(path, 1, PRE_WAIT_S)
         if self.path_s >= QUEUE_POP_S:
