@@ -11,7 +11,11 @@ the storage recipes of search/recipes.py applied to every Gemm; "+ rotation" rot
 offered block divides (all of SmolLM2's: K = 576 = 9 x 64, 1536 = 6 x 256) and stores its rotated weight in
 the recipe's format; "+ smoothing" smooths every weight Gemm (search/rules/smooth.py: SmoothQuant a = 0.5, powers
 of two, one s per activation), "+ AWQ smoothing" by AWQ's grid search for int4 g128, and stores its smoothed
-weight in the recipe's format. One CSV:
+weight in the recipe's format. "INT8 W8A8" rows run every weight Gemm as gemm:int8_channel (INT8 activations
+scaled per token at run time x INT8 weights per output channel, INT32 sums) on weights stored int8_channel;
+rows ending ", head W8A16 INT8" keep the output Gemm (the tied LM head) at INT8 per channel with a BF16 Gemm
+(search/recipes.head_kept), as peers' 4-bit plans keep their head wider. Every row reports the stored bits per
+Gemm weight (scales included, each stored buffer once) and the weights held wider than 4 bits. One CSV:
 reports/bench/rotation.csv.
 
 With --residual-rotation, the model's residual stream is rotated first (QuaRot: models/residual_rotation.py,
