@@ -97,6 +97,7 @@ GENOMES: dict[str, BenchGenome] = {
     "INT8 W8A8 dynamic per-token + rotation + GPTQ": BenchGenome(INT8_W8A8_GPTQ, "rot"),
     "INT8 W8A8 dynamic per-token + smoothing": BenchGenome(INT8_W8A8, "sq50"),
     "INT8 W8A8 dynamic per-token + smoothing + GPTQ": BenchGenome(INT8_W8A8_GPTQ, "sq50"),
+    "INT8 W8A8 dynamic per-token + rotation + GPTQ" + _HEAD: BenchGenome(INT8_W8A8_GPTQ, "rot", HEAD_W8A16),
     "W4A16 INT4 g128 RTN" + _HEAD: BenchGenome(W4, None, HEAD_W8A16),
     "W4A16 INT4 g128 + rotation + GPTQ" + _HEAD: BenchGenome(W4_GPTQ, "rot", HEAD_W8A16),
     "W4A16 INT4 g128 + AWQ smoothing + GPTQ" + _HEAD: BenchGenome(W4_GPTQ, "awq_int4_g128", HEAD_W8A16),
