@@ -11,7 +11,11 @@ the storage recipes of search/recipes.py applied to every Gemm; "+ rotation" rot
 offered block divides (all of SmolLM2's: K = 576 = 9 x 64, 1536 = 6 x 256) and stores its rotated weight in
 the recipe's format; "+ smoothing" smooths every weight Gemm (search/rules/smooth.py: SmoothQuant a = 0.5, powers
 of two, one s per activation), "+ AWQ smoothing" by AWQ's grid search for int4 g128, and stores its smoothed
-weight in the recipe's format. One CSV:
+weight in the recipe's format. "INT8 W8A8" rows run every weight Gemm as gemm:int8_channel (INT8 activations
+scaled per token at run time x INT8 weights per output channel, INT32 sums) on weights stored int8_channel;
+rows ending ", head W8A16 INT8" keep the output Gemm (the tied LM head) at INT8 per channel with a BF16 Gemm
+(search/recipes.head_kept), as peers' 4-bit plans keep their head wider. Every row reports the stored bits per
+Gemm weight (scales included, each stored buffer once) and the weights held wider than 4 bits. One CSV:
 reports/bench/rotation.csv.
 
 With --residual-rotation, the model's residual stream is rotated first (QuaRot: models/residual_rotation.py,
@@ -29,8 +33,10 @@ prompts', so none of them calibrated the fill or the scales).
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 import time
+from dataclasses import dataclass
 
 import pandas as pd
 
@@ -43,31 +49,91 @@ MEMORY = 5 << 30  # the memory plan the caches are sized from (as bench/llm_cali
 DERIVED_CACHE = 3 << 30  # ... but the derived cache at least this (see rows())
 W4 = frozenset({"store:int4_g128", "gemm:bf16"})
 W4_GPTQ = frozenset({"store:int4_g128+gptq", "gemm:bf16"})
+W4_G32 = frozenset({"store:int4_g32_asym", "gemm:bf16"})  # the g32 int4 the space offers: asymmetric (uint4 + zero)
+W4_G32_GPTQ = frozenset({"store:int4_g32_asym+gptq", "gemm:bf16"})
 W8A8 = frozenset({"store:f8e4m3_channel", "gemm:f8e4m3_channel_prologue"})
 W8A8_GPTQ = frozenset({"store:f8e4m3_channel+gptq", "gemm:f8e4m3_channel_prologue"})
-# name -> (recipe tags, transform: None, "rot" or a smoothing variant of hlir/smoothing.SMOOTHINGS)
-GENOMES: dict[str, tuple[frozenset[str], str | None]] = {
-    "W4A16 INT4 g128 RTN": (W4, None),
-    "W4A16 INT4 g128 + GPTQ": (W4_GPTQ, None),
-    "W4A16 INT4 g128 + rotation": (W4, "rot"),
-    "W4A16 INT4 g128 + rotation + GPTQ": (W4_GPTQ, "rot"),
-    "FP8 W8A8 dynamic per-token RTN": (W8A8, None),
-    "FP8 W8A8 dynamic per-token + rotation": (W8A8, "rot"),
-    "FP8 W8A8 dynamic per-token + rotation + GPTQ": (W8A8_GPTQ, "rot"),
-    "W4A16 INT4 g128 + smoothing": (W4, "sq50"),
-    "W4A16 INT4 g128 + smoothing + GPTQ": (W4_GPTQ, "sq50"),
-    "FP8 W8A8 dynamic per-token + smoothing": (W8A8, "sq50"),
-    "FP8 W8A8 dynamic per-token + smoothing + GPTQ": (W8A8_GPTQ, "sq50"),
-    "W4A16 INT4 g128 + AWQ smoothing": (W4, "awq_int4_g128"),
-    "W4A16 INT4 g128 + AWQ smoothing + GPTQ": (W4_GPTQ, "awq_int4_g128"),
+# INT8 W8A8 (SmoothQuant's, TensorRT-LLM int8 SmoothQuant, torch dynamic int8): activations INT8 per token at run
+# time, weights INT8 per output channel, INT32 accumulation (dtypes/variants.py int8_channel)
+INT8_W8A8 = frozenset({"store:int8_channel", "gemm:int8_channel"})
+INT8_W8A8_GPTQ = frozenset({"store:int8_channel+gptq", "gemm:int8_channel"})
+HEAD_W8A16 = frozenset({"store:int8_channel", "gemm:bf16"})  # the head kept at INT8 per channel, BF16 Gemm
+
+
+@dataclass(frozen=True)
+class BenchGenome:
+    """A row's plan: storage recipe `tags` on every Gemm, `transform` (None, "rot" or a smoothing variant of
+    hlir/smoothing.SMOOTHINGS) on every Gemm the space may transform, and the output Gemm (the LM head) set to
+    `head` instead where given (search/recipes.head_kept)."""
+
+    tags: frozenset[str]
+    transform: str | None = None
+    head: frozenset[str] | None = None
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether it needs the calibration statistics (GPTQ fills, smoothing scales)."""
+        return any("+gptq" in t for t in self.tags | (self.head or frozenset())) or self.transform not in (None, "rot")
+
+
+_HEAD = ", head W8A16 INT8"
+GENOMES: dict[str, BenchGenome] = {
+    "W4A16 INT4 g128 RTN": BenchGenome(W4),
+    "W4A16 INT4 g128 + GPTQ": BenchGenome(W4_GPTQ),
+    "W4A16 INT4 g128 + rotation": BenchGenome(W4, "rot"),
+    "W4A16 INT4 g128 + rotation + GPTQ": BenchGenome(W4_GPTQ, "rot"),
+    "FP8 W8A8 dynamic per-token RTN": BenchGenome(W8A8),
+    "FP8 W8A8 dynamic per-token + rotation": BenchGenome(W8A8, "rot"),
+    "FP8 W8A8 dynamic per-token + rotation + GPTQ": BenchGenome(W8A8_GPTQ, "rot"),
+    "W4A16 INT4 g128 + smoothing": BenchGenome(W4, "sq50"),
+    "W4A16 INT4 g128 + smoothing + GPTQ": BenchGenome(W4_GPTQ, "sq50"),
+    "FP8 W8A8 dynamic per-token + smoothing": BenchGenome(W8A8, "sq50"),
+    "FP8 W8A8 dynamic per-token + smoothing + GPTQ": BenchGenome(W8A8_GPTQ, "sq50"),
+    "W4A16 INT4 g128 + AWQ smoothing": BenchGenome(W4, "awq_int4_g128"),
+    "W4A16 INT4 g128 + AWQ smoothing + GPTQ": BenchGenome(W4_GPTQ, "awq_int4_g128"),
+    "INT8 W8A8 dynamic per-token RTN": BenchGenome(INT8_W8A8),
+    "INT8 W8A8 dynamic per-token + GPTQ": BenchGenome(INT8_W8A8_GPTQ),
+    "INT8 W8A8 dynamic per-token + rotation": BenchGenome(INT8_W8A8, "rot"),
+    "INT8 W8A8 dynamic per-token + rotation + GPTQ": BenchGenome(INT8_W8A8_GPTQ, "rot"),
+    "INT8 W8A8 dynamic per-token + smoothing": BenchGenome(INT8_W8A8, "sq50"),
+    "INT8 W8A8 dynamic per-token + smoothing + GPTQ": BenchGenome(INT8_W8A8_GPTQ, "sq50"),
+    "INT8 W8A8 dynamic per-token + rotation + GPTQ" + _HEAD: BenchGenome(INT8_W8A8_GPTQ, "rot", HEAD_W8A16),
+    "W4A16 INT4 g128 RTN" + _HEAD: BenchGenome(W4, None, HEAD_W8A16),
+    "W4A16 INT4 g128 + rotation + GPTQ" + _HEAD: BenchGenome(W4_GPTQ, "rot", HEAD_W8A16),
+    "W4A16 INT4 g128 + AWQ smoothing + GPTQ" + _HEAD: BenchGenome(W4_GPTQ, "awq_int4_g128", HEAD_W8A16),
+    "W4A16 INT4 g32 asym RTN" + _HEAD: BenchGenome(W4_G32, None, HEAD_W8A16),
+    "W4A16 INT4 g32 asym + rotation + GPTQ" + _HEAD: BenchGenome(W4_G32_GPTQ, "rot", HEAD_W8A16),
 }
 
 
-def genome_of(space, tags: frozenset[str], transform: str | None):
-    from luminal_num.search.recipes import pick, rotated_recipe, smoothed_recipe
-    if transform is None:
-        return pick(space, tags.__contains__)
-    return rotated_recipe(space, tags) if transform == "rot" else smoothed_recipe(space, tags, transform)
+def genome_of(space, g: BenchGenome):
+    from luminal_num.search.recipes import head_kept, pick, rotated_recipe, smoothed_recipe
+    if g.transform is None:
+        genome = pick(space, g.tags.__contains__)
+    elif g.transform == "rot":
+        genome = rotated_recipe(space, g.tags)
+    else:
+        genome = smoothed_recipe(space, g.tags, g.transform)
+    return genome if g.head is None else head_kept(space, genome, g.head)
+
+
+def gemm_weight_bits(program, weights) -> tuple[float, str]:
+    """(stored bits per weight over every weight a Gemm reads, scales included, each stored buffer once; the
+    weights wider than 4 bits, by format): a mixed plan's figures beside its name."""
+    from luminal_num.quant.storage import storage_format
+    bits, count, wide = 0.0, 0, {}
+    for b in {k.inputs[1].buffer: program.kernel(k.inputs[1].buffer) for k in program.kernels if k.kind.is_gemm}.values():
+        if not b.weight_sources or not all(s in weights for s in b.weight_sources):
+            continue  # an activation, a KV cache, or H_b
+        shape = tuple(int(d) for d in b.shape)
+        fmt = storage_format(b.storage) if b.storage else storage_format("f32")
+        n = math.prod(shape)
+        bits += fmt.bits_per_weight(shape) * n
+        count += n
+        if fmt.element.bits > 4:
+            wide.setdefault(fmt.name, []).extend(b.weight_sources)
+    described = "; ".join(f"{f}: {', '.join(ws) if len(ws) <= 3 else f'{len(ws)} weights'}" for f, ws in wide.items())
+    return bits / max(count, 1), described
 
 
 def heldout_hessians(job, minimum: int, rows: int):
@@ -129,7 +195,7 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, me
         source_graph = build_workload(job.llm.model.reference, job.llm.workload).graph if residual_rotation else job.graph
         refs = [r.outputs(source_graph)["logits"] for r in references(source_graph, job.calibration,
                                                                          partition(source_graph))]
-        needs = any("+gptq" in " ".join(GENOMES[n][0]) or GENOMES[n][1] not in (None, "rot") for n in names)
+        needs = any(GENOMES[n].calibrated for n in names)
         hessians, hessian_rows = NO_HESSIANS, 0
         if needs:  # GPTQ fills and smoothing scales need the calibration statistics
             t0 = time.perf_counter()
@@ -144,8 +210,8 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, me
         wide = WidenedPositions(space, source, rows_per_step, Offers(calibrated=True, rotation=True, smoothing=True))
         with CALIBRATION.installed(hessians):
             for name in names:
-                tags, transform = GENOMES[name]
-                genome = genome_of(space, tags, transform)
+                bench = GENOMES[name]
+                genome = genome_of(space, bench)
                 program = space.program(genome)
                 runtime = CpuRuntime(program, job.graph.weights)
                 batch_rows = RowStats.concat([RowStats.of(Compared(runtime.run(b).outputs["logits"], ref))
@@ -156,14 +222,16 @@ def rows(names, minimum: int, layers: int | None, hessian_positions: int = 0, me
                 verdict, stats = judge_positions(run, on.graph.weights, on, budget, budget, steps_together)
                 row = {"what": name + suffix, "residual_rotation": residual_rotation, "positions": stats.rows,
                        "rows_per_run": on.rows,
-                       "hessian_rows": hessian_rows if "+gptq" in " ".join(tags) or transform not in (None, "rot") else 0,
+                       "hessian_rows": hessian_rows if bench.calibrated else 0,
                        "statistics": ("held-out" if hessian_positions else "calibration positions")
-                       if "+gptq" in " ".join(tags) or transform not in (None, "rot") else "",
+                       if bench.calibrated else "",
                        "seconds": time.perf_counter() - t0, "passes_budget": verdict.passed,
                        "rotated_gemms": sum(1 for k in program.kernels if k.rotation is not None and k.rotation.source),
                        "hadamard_gemms": sum(1 for k in program.kernels if k.kind.is_gemm and _reads_hadamard(program, k)),
                        "smoothed_gemms": sum(1 for k in program.kernels if k.smoothing is not None and k.smoothing.source),
                        "gemms": sum(1 for k in program.kernels if k.kind.is_gemm)}
+                row["gemm_weight_bits"], row["gemm_weights_wider_than_4bit"] = gemm_weight_bits(program,
+                                                                                              job.graph.weights)
                 row.update(row_metrics(stats, batch_rows))
                 out.append(row)
                 print(row, flush=True)

@@ -315,3 +315,58 @@ BASELINE_SOURCES = {"FP32 everywhere": "no reduced precision anywhere (PyTorch's
                     "TF32 flag": TF32_SOURCE, **{a.name: a.source for a in AUTOCASTS},
                     "FP8 everywhere": "every Gemm in FP8 E4M3 with per-tensor dynamic scales (no peer tool: a bound)",
                     **STORAGE_SOURCES, GGUF_KEPT_BASELINE: GGUF_KEPT_SOURCE}
+
+
+# -- the LM head kept wider (issue 32) ------------------------------------------------------------
+
+def head_classes(space: SearchSpace) -> dict[str, frozenset[str]]:
+    """Group key -> the knob e-classes of the output Gemm (a Gemm whose value is a graph output: an LM's head):
+    the Gemm, its weight's storage, and the Gemms and weights of its rotated / smoothed forms (the online
+    Hadamard Gemm included), never the producers of its activation."""
+    graph = space.graph
+    outputs = set(graph.outputs.values())
+    consumers = graph.consumers()
+    gemms = {n for n in graph.matmuls if any(c in outputs for c in consumers.get(n, ()))}
+    heads = gemms | {o for o in outputs if any(s.node in gemms for s in graph.nodes[o].srcs)}  # one e-class holds both
+    out = {}
+    for gk, ks in space.knobs.items():
+        cs = space.groups[gk].space
+        tagged = {k.cls for k in ks if any(is_kind(t, TagKind.GEMM) or is_kind(t, TagKind.STORE) for t in k.tags)}
+        todo = [c for c in tagged if cs.class_node.get(c) in heads]
+        seen = set(todo)
+        while todo:
+            for n in cs.classes[todo.pop()]:
+                for c in _weight_side(cs, n):
+                    if c in tagged and c not in seen:
+                        seen.add(c)
+                        todo.append(c)
+        if seen:
+            out[gk] = frozenset(seen)
+    return out
+
+
+def _weight_side(cs, n) -> tuple[str, ...]:
+    """The child e-classes of e-node `n` that belong to its Gemm rather than to its activation: a Gemm's weight
+    (and, for an epilogue, its own accumulator), an alias's inner Gemm, and the activation of a rotated Gemm
+    only where it is the online Hadamard Gemm x H_b (search/rules/rotate.py)."""
+    if n.op not in ("KGemm", "KGemmEpi"):
+        return n.child_classes()
+    a = n.cls("a")
+    hadamard = any(m.op == "KGemm" and any(h.op == "KHadamard" for h in cs.classes[m.cls("b")]) for m in cs.classes[a])
+    return (n.cls("b"),) + ((n.cls("acc"),) if n.op == "KGemmEpi" else ()) + ((a,) if hadamard else ())
+
+
+def head_kept(space: SearchSpace, genome: Genome, tags: frozenset[str]) -> Genome:
+    """`genome` with the output Gemm (head_classes) set to `tags` (e.g. W8A16 INT8 per-channel) and everything
+    else as it was; a rotation or smoothing the genome chose for the head stays, its transformed weight then
+    stored as `tags` say. Peers' 4-bit plans keep the head wider: GPTQ and AWQ leave lm_head unquantized,
+    llama.cpp's Q4_K_M stores output.weight as Q6_K. Refused where no Gemm's value is a graph output."""
+    head = head_classes(space)
+    if not head:
+        raise ValueError("no Gemm's value is a graph output: no head to keep")
+    transform = (TagKind.ROT, TagKind.SMOOTH)
+    kept = frozenset((g, c, t) for g, c, t in genome
+                     if c not in head.get(g, ()) or any(is_kind(t, k) for k in transform))
+    chosen = {(g, c) for g, c, _ in kept}
+    return kept | frozenset(ch for ch in pick(space, tags.__contains__)
+                            if ch[1] in head.get(ch[0], ()) and (ch[0], ch[1]) not in chosen)
