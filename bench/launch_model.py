@@ -20,8 +20,9 @@ the first DRAM load, post-wait the counter acquire and the signal's fence (megak
 POST_WAIT_S; a tile streaming nothing pops before its wait and pays the rest of TILE_OVERHEAD_S after it). `chosen_form`: the launch form the search records
 (runtime/launch_form.py), `chosen_us` its price. The step is a SmolLM2-135M-shaped decode (bench/storage_decode.py's config, random
 weights: the model reads shapes), one sequence, fusion on, each genome of bench/fusion.py.
-A Gemm that scales an operand itself (FP8 W8A8) runs its scale launches before its body, as the loop does
-(codegen/megakernel.py QueueOp.prologue), and the model schedules their tiles. Writes
+A Gemm that scales an operand itself (FP8 W8A8) runs its per-step scale launches before its body, as the loop
+does (codegen/megakernel.py QueueOp.prologue), and the model schedules their tiles; a weight's static scales are
+no step work (written once at load), and a GEMV's A scales are computed by each body tile (priced in its time). Writes
 reports/bench/launch_model.csv, and reports/bench/launch_model_breakdown.csv: per genome, where the megakernel's
 time goes (breakdown_row: the SMs' busy time per block kind over the SMs, `scale` the Gemms' scale launches;
 `idle_us` the SM time spent holding a tile that waits on its barrier, or past the queue's end; the critical

@@ -29,7 +29,9 @@ from luminal_num.search.space import SearchSpace
 OUT = Path("reports/bench")
 SM_CHOICES = (2, 8, 32, 132)
 GENOMES = {"FP32": frozenset(), "BF16 + fused attention": BF16_WEIGHTS | {"attn:flash_bf16"},
-           "W4A16 INT4 group 128": STORAGE_RECIPES["W4A16 INT4 group 128"]}
+           "W4A16 INT4 group 128": STORAGE_RECIPES["W4A16 INT4 group 128"],
+           # FP8 W8A8: static per-channel weight scales (written at load), per-token A scales its GEMVs compute
+           "FP8 W8A8 dynamic per-token": STORAGE_RECIPES["FP8 W8A8 dynamic per-token"]}
 
 
 def _jobs(which: tuple[str, ...]):

@@ -8,7 +8,7 @@ GLU epilogues), for the weights' readers:
   "before" is the runtime of main f886dc9 (only a plain Gemm's dedicated dequantize-on-load kernel read the
   parts: codegen/cuda_weight_only.weight_only_gemm), "after" this branch's (every Gemm reading the weight as
   W^T: codegen/cuda_weight_only.stored_operand), both with main's pricing and with this branch's;
-- `b_scale_pass_mb`: what neither prices: the per-run static B-scale launches' second read of the weights;
+- `b_scale_pass_mb`: the per-run static B-scale launches' second read of the weights (0 since they run at load);
 - `weights_*_mb`: the stored weights' share of those bytes alone.
 Modelled, no device: the runtime's decision functions name what each launch reads; the byte counts are
 Kernel.bytes_loaded's. Writes reports/bench/stored_reads.csv.
@@ -58,9 +58,10 @@ def bytes_read(program: Program, bindings, reads_parts: Callable[[Kernel, Progra
 
 
 def b_scale_pass(program: Program, bindings) -> float:
-    """Bytes the B-scale launches read: a variant with static B scales (FP8 / INT8 per channel, blocks, MX)
-    recomputes them on the device each run from all of B (codegen/cuda_gemm.py's scale kernel), reading
-    the weight once more (its stored parts where the Gemm reads them); the cost model charges none."""
+    """Bytes per-run B-scale launches read: a variant with static B scales (FP8 / INT8 per channel, blocks, MX)
+    recomputed them on the device each run from all of B, reading the weight once more. Since issue 33 they
+    are at-load launches (KernelSource.at_load: once per preparation), so no run's launches hold one and this
+    is 0; it stays as the check that none comes back."""
     dtypes, every = program.dtypes(), program.element_bytes(bindings)
     total = 0.0
     for k in program.launched():

@@ -126,7 +126,9 @@ def interpret(program: Program, kernel: Kernel, stored: dict[int, np.ndarray], b
         np.zeros(kernel.numel(bindings))
     out = Buffer(np.array(first, dtype=np.float64).reshape(-1), kernel.dtype.kind is Kind.INT)
     scratch = [Buffer(np.zeros(s.numel(bindings)), False) for s in src.scratch]
-    run_launches(src, src.tensor_core if tensor_core else src.launches, program, stored, bindings, out, scratch, parts)
+    # its at-load launches first (a weight's static scales), as the runtime runs them once after the upload
+    run_launches(src, src.at_load + (src.tensor_core if tensor_core else src.launches), program, stored, bindings, out,
+                 scratch, parts)
     return out.values.reshape([evaluate(d, bindings) for d in kernel.shape])
 
 
@@ -457,7 +459,7 @@ def test_scale_kernels_compute_the_quantizers_scales(name):
     src = render_kernel(program.kernels[-1], program)
     scratch = [Buffer(np.zeros(s.numel({})), False) for s in src.scratch]
     stored = {0: a, 1: b}
-    launches = src.gemm.prologue if src.gemm is not None else src.launches[:2]
+    launches = src.at_load + (src.gemm.prologue if src.gemm is not None else src.launches[:-1])
     run_launches(src, launches, program, stored, {}, None, scratch)
     operands = ((a, variant.a_format, variant.a_scale), (b, variant.b_format, variant.b_scale))
     for slot, (x, fmt, spec) in enumerate(operands):

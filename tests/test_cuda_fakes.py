@@ -278,3 +278,31 @@ def test_the_gpu_suite_passes_on_the_executing_stand_in(fake, test, kwargs):
     rec, _ = fake
     execute(rec)
     test(**kwargs)
+
+
+def test_a_weights_static_scales_are_launched_once_at_load_not_per_step(fake):
+    """Per-channel FP8 (the tiled kernel): B's static scales are the Gemm's at-load launch, run once after the
+    upload; the eager step and each replay of the captured graph launch A's scales and the Gemm only, read the
+    scales the at-load launch wrote, and give the CPU backend's product within K ulps, the replays bit for bit."""
+    rec, _ = fake
+    m, n, k = 4, 24, 32
+    a, b = ShapeTracker.contiguous((m, k)), ShapeTracker.contiguous((k, n))
+    program = gemm_program((m, n, k), (m, k), a.expand_dim(1, n), (k, n), b.permute((1, 0)).expand_dim(0, m), 2,
+                           precision="f8e4m3_channel")
+    kernel = program.kernels[-1]
+    src = render_kernel(kernel, program)
+    assert src.gemm is None and [x.entry[-7:] for x in src.at_load] == ["_scale1"]
+    assert [x.entry[-7:] for x in src.launches][:-1] == ["_scale0"]
+    execute(rec)
+    feed = feed_for(program, np.random.default_rng(3))
+    ref = CpuRuntime(program).run(feed).outputs["y"]
+    cuda = CudaRuntime(program)
+    state = cuda.capture(feed)  # _start (the at-load launch), one eager step, then the captured step
+    launched = [e["entry"] for e in rec.ops("launch")]
+    assert launched.count(src.at_load[0].entry) == 1 and launched.count(src.launches[0].entry) == 2
+    before = len(rec.ops("launch"))
+    for _ in range(2):
+        got = cuda.replay(state)["y"]
+        np.testing.assert_allclose(got, ref, rtol=0, atol=k * 2.0 ** -22 * float(np.abs(ref).max()))
+    assert src.at_load[0].entry not in [e["entry"] for e in rec.ops("launch")[before:]]
+    assert cuda.replay(state)["y"].tobytes() == got.tobytes()

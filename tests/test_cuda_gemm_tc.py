@@ -145,7 +145,9 @@ def check_cell(form: str, variant: str, out: str, m: int, x: np.ndarray | None =
         assert src.tensor_core and tensor_core_refusal(k, program) is None, (form, variant)
         out_buf = Buffer(np.zeros(k.numel(bindings)), False)
         scratch = [Buffer(np.zeros(s.numel(bindings)), False) for s in src.scratch]
-        run(src, src.tensor_core, program, stored, bindings, out_buf, scratch, quantize_scales(program, k, stored, bindings))
+        # the at-load launches first (a weight's static scales), as the runtime runs them once after the upload
+        run(src, src.at_load + src.tensor_core, program, stored, bindings, out_buf, scratch,
+            quantize_scales(program, k, stored, bindings))
         got, want = out_buf.values, stored[k.id].reshape(-1)
         label = (form, variant, out, m, k.id, k.label)
         if form in TRANSCENDENTAL and k.kind.value == "gemm_epilogue":

@@ -50,17 +50,25 @@ def _run_ops(mega, program, stored, bindings, inputs=None, only=None):
     switch's argument slots, reading the CPU backend's values; returns kernel id -> its output."""
     results, scratch_bufs = {}, {}
     uses = {u.slot: u for u in mega.uses}
-    for op, src in zip(mega.ops, mega.sources):
-        if only is not None and op.kernel not in only:
+    steps = [(op.kernel, op.entry, op.arg_slots, op.grid, op.block, src) for op, src in zip(mega.ops, mega.sources)]
+    # a Gemm's at-load launches (its weight's static scales: KernelSource.at_load) first, into the same scratch
+    # slots the step's bodies read, as the runtime runs them once after the upload
+    slot_of = {(u.kernel, u.index, u.part): u.slot for u in mega.uses}
+    loaded = [(op.kernel, launch.entry, tuple(slot_of[(op.kernel, a.index, None)] if a.role == "scratch"
+                                              else slot_of[(a.buffer, None, a.index)] if a.role == "part" else a.buffer
+                                              for a in launch.args), launch.grid, tuple(launch.block), src)
+              for op, src in zip(mega.ops, mega.sources) if op.last and src is not None for launch in src.at_load]
+    for kid, entry, arg_slots, grid_axes, block, src in loaded + steps:
+        if only is not None and kid not in only:
             continue
-        k = program.kernel(op.kernel)
-        fn, params = compile_entry(mega.source, op.entry)
+        k = program.kernel(kid)
+        fn, params = compile_entry(mega.source, entry)
         out = results.get(k.id)
         if out is None:
             first = stored[k.inputs[0].buffer] if k.kind.in_place else np.zeros(k.numel(bindings))
             out = results[k.id] = Buffer(np.array(first, dtype=np.float64).reshape(-1), k.dtype.kind is Kind.INT)
         args = {}
-        for name, slot in zip(params, op.arg_slots):
+        for name, slot in zip(params, arg_slots):
             use = uses.get(slot)
             if slot == k.id:
                 args[name] = out
@@ -76,9 +84,9 @@ def _run_ops(mega, program, stored, bindings, inputs=None, only=None):
             else:
                 args[name] = Buffer(np.array(stored[slot], dtype=np.float64).reshape(-1),
                                     program.kernel(slot).dtype.kind is Kind.INT)
-        if "__syncthreads" in entry_body(mega.source, op.entry)[1]:
-            grid = tuple(min(-(-evaluate(d, bindings) // per), 65535) for axis in op.grid for d, per in axis)
-            launch(fn, args, (grid + (1, 1, 1))[:3], (tuple(op.block) + (1, 1, 1))[:3])
+        if "__syncthreads" in entry_body(mega.source, entry)[1]:
+            grid = tuple(min(-(-evaluate(d, bindings) // per), 65535) for axis in grid_axes for d, per in axis)
+            launch(fn, args, (grid + (1, 1, 1))[:3], (tuple(block) + (1, 1, 1))[:3])
         else:
             fn(**args)
     return {kid: buf.values.reshape([evaluate(d, bindings) for d in program.kernel(kid).shape])
@@ -156,10 +164,12 @@ def _smollm2_layer(genome):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("genome", ["FP32", "BF16 + fused attention", "W4A16 INT4 group 128"])
+@pytest.mark.parametrize("genome", ["FP32", "BF16 + fused attention", "W4A16 INT4 group 128",
+                                    "FP8 W8A8 dynamic per-token"])
 def test_megakernel_compiles_with_nvrtc_for_sm90(genome):
     tags = {"FP32": frozenset(), "BF16 + fused attention": BF16_WEIGHTS | {"attn:flash_bf16"},
-            "W4A16 INT4 group 128": STORAGE_RECIPES["W4A16 INT4 group 128"]}[genome]
+            "W4A16 INT4 group 128": STORAGE_RECIPES["W4A16 INT4 group 128"],
+            "FP8 W8A8 dynamic per-token": STORAGE_RECIPES["FP8 W8A8 dynamic per-token"]}[genome]
     program = _smollm2_layer(tags)
     queue = build_queue(program)
     mega = render_megakernel(program, queue)
@@ -170,7 +180,10 @@ def test_megakernel_compiles_with_nvrtc_for_sm90(genome):
     if "attention" in genome:  # its tiles prefetch their KV-cache rows (codegen/cache_stream.py)
         assert KernelKind.ATTENTION in kinds
         assert {program.kernel(op.kernel).kind for op in mega.ops if op.cache is not None} == {KernelKind.ATTENTION}
-    if genome != "FP32":  # the Gemms over stored weights inline the dequantize-on-load body
+    if genome.startswith("FP8"):  # every Gemm scales A privately in its tiles; B's scales are at-load launches
+        assert {op.entry[-7:] for op in mega.ops if program.kernel(op.kernel).kind.is_gemm and not op.last} == {"_scale0"}
+        assert "ln_mk_run(ops[ops[current].scale_recompute].body" in mega.source
+    elif genome != "FP32":  # the Gemms over stored weights inline the dequantize-on-load body
         assert any(src is None for src in mega.sources)
 
 
@@ -298,6 +311,40 @@ def test_the_loop_table_recomputes_a_one_row_norm_in_its_gemv_tiles():
     assert mega.private_bytes(program, queue, bindings) == 576 * 4  # one FP32 hidden row
     loop = mega.source[mega.source.index(f"void __launch_bounds__({1024}) {ENTRY_NAME}("):]
     assert loop.index("ln_mk_run(ops[ops[current].recompute].body") < loop.index("ln_mk_run(ops[current].body")
+
+
+def test_the_loop_table_has_fp8_gemvs_scale_a_privately_after_their_norm():
+    """FP8 W8A8 one-token layer: every Gemm's A-scale CudaOp has no tiles and no reader waits on it; the body names
+    it (scale_recompute) with its output slot, the Gemm's own scale scratch (scale_slot); a body that also
+    recomputes its norm runs the norm first (the scales read the norm's copy), then the scales, then itself.
+    Nothing computes B's scales in the loop: the at-load launch's scratch is the slot the body reads."""
+    program = _smollm2_layer(STORAGE_RECIPES["FP8 W8A8 dynamic per-token"])
+    queue = build_queue(program)
+    mega = render_megakernel(program, queue)
+    rows, waits = mega.table(queue, {})
+    scale_ops = {i for i, op in enumerate(mega.ops) if program.kernel(op.kernel).kind.is_gemm and not op.last}
+    uses = {u.slot: u for u in mega.uses}
+    both = scaled = 0
+    for i, (op, row) in enumerate(zip(mega.ops, rows)):
+        assert not {w[0] for w in waits[row[11]:row[12]]} & scale_ops
+        if i in scale_ops:
+            assert row[2] == 0 and mega.ops[i].entry.endswith("_scale0")
+        elif queue.ops[op.queue_op].prologue:  # an FP8 projection (attention's own Gemms are not scaled)
+            assert row[20] in scale_ops and mega.ops[row[20]].kernel == op.kernel
+            assert row[21] == mega.ops[row[20]].arg_slots[0] and uses[row[21]].kernel == op.kernel
+            assert row[21] in op.arg_slots  # the body reads that slot: redirected to the block's copy
+            assert [a.entry[-7:] for a in mega.sources[i].at_load] == ["_scale1"]
+            scale1 = next(u.slot for u in mega.uses if u.kernel == op.kernel and u.index == 1)
+            assert scale1 in op.arg_slots  # B's scales: the scratch the at-load launch wrote, read as it is
+            both += row[16] >= 0
+            scaled += 1
+        else:
+            assert (row[20], row[21]) == (-1, -1)
+    assert both == 3 and scaled == 5  # QKV, O, gate-up, down, the LM head; 3 of them behind a recomputed norm
+    assert mega.private_scale_bytes(queue, {}) == 4  # one token: one FP32 scale
+    loop = mega.source[mega.source.index(f"void __launch_bounds__({1024}) {ENTRY_NAME}("):]
+    assert loop.index("ln_mk_run(ops[ops[current].recompute].body") < \
+        loop.index("ln_mk_run(ops[ops[current].scale_recompute].body") < loop.index("ln_mk_run(ops[current].body")
 
 
 # -- KV-cache rows streamed before the wait (codegen/cache_stream.py) --------------------------------------------

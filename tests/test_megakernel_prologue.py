@@ -1,6 +1,7 @@
 """Two megakernel changes of issue 33, each against an independent truth:
-- a Gemm's own scale launches (FP8 W8A8: A per token, B per channel) are queue work the cost model schedules:
-  their tiles and bytes worked out by hand on a hand-built decode GEMV;
+- a Gemm's own scale launches (FP8 W8A8: A per token) are queue work the cost model schedules, but a weight's
+  static per-channel scales are written once at load and a GEMV's A scales are computed by its own tiles:
+  tiles, bytes and times worked out by hand on a hand-built decode GEMV and a 16-token Gemm;
 - a GEMV over more than 132 bands runs fewer tiles of several bands each (blockops.body_bands): each tile
   prefetches exactly the weight bytes its body reads (the body run in the CUDA interpreter), and the body gives
   the same bits at the megakernel's grid as at the kernel's own launch grid."""
@@ -18,7 +19,7 @@ from luminal_num.hlir.ops import Op
 from luminal_num.hlir.shape import ShapeTracker
 from luminal_num.runtime.cost import LaunchForm
 from luminal_num.runtime.latency import kernel_works
-from luminal_num.runtime.megakernel_cost import (FIRST_LOAD_S, POST_WAIT_S, PRE_WAIT_S, QUEUE_POP_S, TILE_OVERHEAD_S,
+from luminal_num.runtime.megakernel_cost import (POST_WAIT_S, PRE_WAIT_S, QUEUE_POP_S, TILE_OVERHEAD_S,
                                                   megakernel_latency, tile_times)
 from luminal_num.runtime.targets import Target, get_target
 
@@ -27,16 +28,17 @@ FP32_SIMT = 67e12 * 790.0 / 989.4
 SMS = 1000  # every tile on an SM of its own (150 tiles below)
 
 
-def fp8_gemv(n: int, k: int) -> Program:
-    """x (1, K) -> y = 2x -> out (1, N) = y W^T in FP8 W8A8 (A scaled per token, B per channel, at run time)."""
-    row = ShapeTracker.contiguous((1, k))
-    b = ShapeTracker.contiguous((n, k)).permute((1, 0)).expand_dim(0, 1)
-    ks = (Kernel(0, KernelKind.EXTERNAL, (), (1, k), F32, external="x"),
+def fp8_gemv(n: int, k: int, m: int = 1) -> Program:
+    """x (m, K) -> y = 2x -> out (m, N) = y W^T in FP8 W8A8 (A scaled per token at run time, B per channel,
+    static: W is a weight). m <= 16 is a GEMV (A's scales private to its tiles), m = 32 the tiled Gemm."""
+    row = ShapeTracker.contiguous((m, k))
+    b = ShapeTracker.contiguous((n, k)).permute((1, 0)).expand_dim(0, m)
+    ks = (Kernel(0, KernelKind.EXTERNAL, (), (m, k), F32, external="x"),
           Kernel(1, KernelKind.EXTERNAL, (), (n, k), F32, external="w"),
-          Kernel(2, KernelKind.ELEMENTWISE, (KernelInput(0, row),), (1, k), F32, body_shape=(1, k),
+          Kernel(2, KernelKind.ELEMENTWISE, (KernelInput(0, row),), (m, k), F32, body_shape=(m, k),
                  body=FApply(Op.MUL, (FLoad(0), FConstV(2.0)))),
-          Kernel(3, KernelKind.GEMM, (KernelInput(2, row.expand_dim(2, n)), KernelInput(1, b)), (1, n), F32,
-                 precision="f8e4m3_channel_prologue", layout=GemmLayout((1, k, n), 1, (), (0,), (2,), "batched")))
+          Kernel(3, KernelKind.GEMM, (KernelInput(2, row.expand_dim(2, n)), KernelInput(1, b)), (m, n), F32,
+                 precision="f8e4m3_channel_prologue", layout=GemmLayout((m, k, n), 1, (), (0,), (2,), "batched")))
     return verify(Program(ks, (("x", 0), ("w", 1)), (("out", 3),)))
 
 
@@ -46,48 +48,53 @@ def _roofline(nbytes: float, flops: float) -> float:
     return max(nbytes / (ACHIEVED / SMS), flops / (FP32_SIMT / SMS))
 
 
-def test_fp8_scale_launches_are_scheduled_by_hand():
-    """N = 256, K = 64 on an idle H200 of 1000 SMs. A's per-token scale: 1 tile after y, reading y's 64 FP32
-    (a max each) and writing one scale; B's per-channel scales: 256 channels in 132 tiles (FILL_SMS, the body
-    grid-stride), over the weight, so after nothing; the body's 16 tiles after y and both. Each scale tile pays
-    the overheads of a tile that streams nothing (it popped before it waited)."""
+def test_a_weights_static_scales_are_no_step_work_and_a_gemvs_a_scales_are_private():
+    """N = 256, K = 64, one token, on an idle H200 of 1000 SMs. B's per-channel scales are static (W is a weight):
+    the Gemm's at-load launch writes them (KernelSource.at_load), the step runs no launch for them. A's
+    per-token scale under a GEMV is private: no tiles, no hop; each of the body's 16 tiles first runs the scale
+    body on its SM (reading y's 64 FP32, a max each, one scale written), after y, then its own rest."""
+    from luminal_num.codegen.cuda_kernels import render_kernel
     n, k = 256, 64
     program = fp8_gemv(n, k)
     sm_many = dataclasses.replace(get_target("h200"), name="h200_1000_sms", sm_count=SMS)
     queue = build_queue(program)
     gemm = queue.ops[-1]
-    assert [(p.slot, p.ready, p.tiles.evaluate({})) for p in gemm.prologue] == [(0, False, 1), (1, True, 132)]
+    assert [(p.slot, p.ready, p.private) for p in gemm.prologue] == [(0, False, True)]
+    src = render_kernel(program.kernel(3), program)
+    assert [launch.entry[-7:] for launch in src.launches] == ["_scale0", src.name[-7:]]
+    assert [launch.entry[-7:] for launch in src.at_load] == ["_scale1"] and src.at_load[0].entry in src.entries
     got = megakernel_latency(queue, program, sm_many, {})
-    assert got.tiles == 1 + 1 + 132 + 16
+    assert got.tiles == 1 + 16
     works = kernel_works(program, {}, LaunchForm.MEGAKERNEL)
-    a_bytes, b_bytes = k * 4, n * k * 4  # one pass over each operand (B an FP32 weight here)
-    assert got.bytes_moved - sum(w.bytes_moved for w in works) == a_bytes + 4 + b_bytes + n * 4
+    a_bytes = k * 4
+    assert got.bytes_moved - sum(w.bytes_moved for w in works) == a_bytes + 4  # A's amax pass, counted once
     y_end = _roofline(2 * k * 4, k) + TILE_OVERHEAD_S
-    scale_a = y_end + FIRST_LOAD_S + POST_WAIT_S + _roofline(a_bytes + 4, k)  # popped at 0, ready at y_end
-    scale_b = TILE_OVERHEAD_S + _roofline((b_bytes + n * 4) / 132, n * k / 132)
     body = tile_times(works[-1], 16, sm_many, n * k * 4)  # its own W rows streamed before the wait
-    ready = max(scale_a, scale_b)
-    assert got.makespan_s == pytest.approx(max(PRE_WAIT_S + body.weight_s, max(QUEUE_POP_S, ready) + POST_WAIT_S
-                                               + body.rest_s), rel=1e-12)
-    unscaled = dataclasses.replace(queue, ops=(*queue.ops[:-1], dataclasses.replace(gemm, prologue=())))
-    plain = megakernel_latency(unscaled, program, sm_many, {})
-    assert plain.tiles == got.tiles - 133 and plain.makespan_s < got.makespan_s
-    by_kind = dict(got.busy_by_kind)
-    assert by_kind["scale"] == pytest.approx(scale_a - y_end + QUEUE_POP_S + 132 * scale_b, rel=1e-12)
+    scale = _roofline(a_bytes + 4, k)  # the scale body on the tile's SM
+    assert got.makespan_s == pytest.approx(max(PRE_WAIT_S + body.weight_s, max(QUEUE_POP_S, y_end) + POST_WAIT_S
+                                               + body.rest_s + scale), rel=1e-12)
+    assert "scale" not in dict(got.busy_by_kind)
+    assert got.critical_hops <= 2  # at most y, then the body: no scale hop between
 
 
-def test_one_sm_pays_every_scale_tile_in_turn():
-    """One SM: the makespan is every tile's whole time in queue order, the scale tiles included."""
-    n, k = 256, 64
-    program = fp8_gemv(n, k)
+def test_a_tiled_gemms_a_scales_are_scheduled_tiles_on_one_sm():
+    """32 tokens (the tiled Gemm, not a GEMV): A's per-token scales stay a launch of their own, 32 tiles after y
+    (none for B: static); one SM runs every tile's whole time in queue order."""
+    n, k, m = 256, 64, 32
+    program = fp8_gemv(n, k, m)
     one = Target(**{**get_target("h200").__dict__, "name": "h200_one_sm", "sm_count": 1})
-    got = megakernel_latency(build_queue(program), program, one, {})
-    share = ACHIEVED
-    y = max(2 * k * 4 / share, k / FP32_SIMT) + TILE_OVERHEAD_S
-    scale_a = max((k * 4 + 4) / share, k / FP32_SIMT) + TILE_OVERHEAD_S
-    scale_b = 132 * (max((n * k * 4 + n * 4) / 132 / share, n * k / 132 / FP32_SIMT) + TILE_OVERHEAD_S)
-    body = tile_times(kernel_works(program, {}, LaunchForm.MEGAKERNEL)[-1], 16, one, n * k * 4)
-    assert got.makespan_s == pytest.approx(y + scale_a + scale_b + 16 * body.alone_s, rel=1e-12)
+    queue = build_queue(program)
+    prologue = queue.ops[-1].prologue
+    assert [(p.slot, p.ready, p.private, p.tiles.evaluate({})) for p in prologue] == [(0, False, False, m)]
+    got = megakernel_latency(queue, program, one, {})
+    works = kernel_works(program, {}, LaunchForm.MEGAKERNEL)
+    y_tiles, body_tiles = (queue.ops[i].block.tiles.evaluate({}) for i in (0, 1))
+    assert body_tiles == (m // 16) * (n // 16)
+    y = tile_times(works[0], y_tiles, one).alone_s
+    scale_a = max((m * k * 4 + m * 4) / m / ACHIEVED, k / FP32_SIMT) + TILE_OVERHEAD_S
+    body = tile_times(works[-1], body_tiles, one, n * k * 4)
+    assert got.tiles == y_tiles + m + body_tiles
+    assert got.makespan_s == pytest.approx(y_tiles * y + m * scale_a + body_tiles * body.alone_s, rel=1e-12)
 
 
 # -- a GEMV over more than 132 bands: tiles of several bands ------------------------------------------------------
@@ -186,11 +193,11 @@ def test_the_wide_head_gives_the_same_bits_at_both_grids_and_in_the_emulator():
         assert bit_identical(run.outputs, reference)
 
 
-def test_fp8_scale_launches_at_132_tiles_compute_what_the_cpu_backend_computes():
-    """FP8 W8A8 (per-token A, per-channel B) on the wide head: the inlined scale launches run 1 and 132 tiles
-    (not 2320: their bodies loop grid-stride over the scale blocks), then the body: the head's output is the same
-    bits as with B's scale launch at its own 2320 blocks, and each Gemm's output from the CUDA interpreter matches
-    the CPU backend within an FP32 sum's envelope."""
+def test_fp8_gemms_on_the_wide_head_compute_what_the_cpu_backend_computes():
+    """FP8 W8A8 (per-token A, static per-channel B) on the wide head: the loop runs A's scale launch only inside
+    the GEMV tiles (one virtual block, no tiles of its own), B's scales come from the at-load launch (run first
+    into the same scratch slot), then the body; each Gemm's output from the CUDA interpreter matches the CPU
+    backend within an FP32 sum's envelope."""
     import numpy as np
     from luminal_num.codegen.megakernel_cuda import render_megakernel
     from luminal_num.runtime.cpu import bind_program
@@ -199,18 +206,14 @@ def test_fp8_scale_launches_at_132_tiles_compute_what_the_cpu_backend_computes()
     model, program, inputs, head = _wide_head(("store:f8e4m3_channel", "gemm:f8e4m3_channel_prologue"))
     queue = build_queue(program)
     mega = render_megakernel(program, queue)
-    scale_grids = [o.grid for o in mega.ops if o.kernel == head.id and not o.last]
-    assert scale_grids == [(((1, 1),),), (((132, 1),),)]
+    rows, _ = mega.table(queue, {})
+    scale_ops = [(o.grid, row[2]) for o, row in zip(mega.ops, rows) if o.kernel == head.id and not o.last]
+    assert scale_ops == [((((1, 1),),), 0)]
     feed = {**model.graph.weights, **inputs}
     bindings = bind_program(program, feed)
     stored = stored_values(program, feed, model.graph.weights)
     gemms = {k.id for k in program.launched() if k.kind.is_gemm}
     got = _run_ops(mega, program, stored, bindings, feed, only=gemms)
-    n_channels = program.kernel(head.id).layout.n
-    own_grid = tuple(dataclasses.replace(o, grid=(((1, 1), (1, 1), (n_channels, 1)),)) if o.kernel == head.id
-                     and o.launch == 1 and not o.last else o for o in mega.ops)
-    at_launch = _run_ops(dataclasses.replace(mega, ops=own_grid), program, stored, bindings, feed, only={head.id})
-    np.testing.assert_array_equal(got[head.id], at_launch[head.id])  # 132 tiles or a block per channel: same bits
     for kid in gemms:
         k = program.kernel(kid)
         ref = stored[kid].reshape(got[kid].shape)
@@ -218,3 +221,40 @@ def test_fp8_scale_launches_at_132_tiles_compute_what_the_cpu_backend_computes()
         envelope = int(k.layout.k) * 2.0 ** -23 * (float(np.max(np.abs(ref))) + 1.0) * 2
         np.testing.assert_allclose(got[kid], ref, rtol=0, atol=max(envelope, _tolerance(k, ref, bindings)),
                                    err_msg=f"kernel {kid}")
+
+
+def test_private_a_scales_in_one_block_give_the_separate_launchs_bits():
+    """4 tokens through the GEMV: A's per-token scales computed as the one virtual block each tile runs
+    privately, and at the scale launch's own grid of 4 blocks (a block per token), give the same Gemm output bit
+    for bit (each scale is one block's amax reduction and one rounding either way); the output matches the CPU
+    backend within an FP32 sum's envelope. The loop's table has the body tiles run it (scale_recompute) into
+    their second copy, sized for the 4 scales."""
+    import numpy as np
+    from luminal_num.codegen.megakernel_cuda import render_megakernel
+    from luminal_num.runtime.cpu import bind_program
+    from test_cuda_codegen import stored_values
+    from test_megakernel_cuda import _run_ops
+    n, k, m = 256, 64, 4
+    program = fp8_gemv(n, k, m)
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((m, k)) * np.array([[1.0], [30.0], [1e-3], [4.0]])).astype(np.float32)
+    feed = {"x": x, "w": rng.standard_normal((n, k)).astype(np.float32)}
+    queue = build_queue(program)
+    mega = render_megakernel(program, queue)
+    scale = next(o for o in mega.ops if not o.last)
+    assert scale.grid == (((1, 1),),) and scale.entry.endswith("_scale0")
+    rows, waits = mega.table(queue, {})
+    body = next(i for i, o in enumerate(mega.ops) if o.kernel == 3 and o.last)
+    assert rows[mega.ops.index(scale)][2] == 0 and rows[body][20:22] == (mega.ops.index(scale), scale.arg_slots[0])
+    assert mega.ops.index(scale) not in {w[0] for w in waits[rows[body][11]:rows[body][12]]}
+    assert mega.private_scale_bytes(queue, {}) == 4 * m
+    bindings = bind_program(program, feed)
+    stored = stored_values(program, feed, {"w": feed["w"]})
+    private = _run_ops(mega, program, stored, bindings, feed, only={3})[3]
+    own = dataclasses.replace(scale, grid=(((m, 1),),))
+    separate = _run_ops(dataclasses.replace(mega, ops=tuple(own if o is scale else o for o in mega.ops)),
+                        program, stored, bindings, feed, only={3})[3]
+    np.testing.assert_array_equal(private, separate)
+    ref = stored[3].reshape(private.shape)
+    envelope = k * 2.0 ** -23 * (float(np.max(np.abs(ref))) + 1.0) * 2
+    np.testing.assert_allclose(private, ref, rtol=0, atol=envelope)

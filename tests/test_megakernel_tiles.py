@@ -14,6 +14,7 @@ import pytest
 
 from bench.fusion import GENOMES, _cases
 from luminal_num.codegen.blockops import block_op
+from luminal_num.codegen.cuda_kernels import render_kernel
 from luminal_num.codegen.llir import KernelKind
 from luminal_num.codegen.megakernel import build_queue
 from luminal_num.codegen.megakernel_cuda import render_megakernel
@@ -57,8 +58,8 @@ def test_queue_tiles_are_the_blocks_the_device_loop_runs(model, genome):
         *before, (tiles, _) = launches[i]
         assert tiles == row.tiles, f"op {i} ({k.kind.value}, {op.block.kind}): queue {row.tiles}, device {tiles}"
         # a Gemm's own operand-scale launches run before its body as CUDA ops of their own: the queue op's
-        # prologue, launch for launch and tile for tile (the cost model schedules them)
-        assert [t for t, _ in before] == [p.tiles.evaluate(bindings) for p in op.prologue], \
+        # prologue, launch for launch and tile for tile (the cost model schedules them); a private one has none
+        assert [t for t, _ in before] == [0 if p.private else p.tiles.evaluate(bindings) for p in op.prologue], \
             f"op {i} ({k.kind.value}) runs launches the queue does not hold: {before}"
         assert all(entry.endswith(f"_scale{p.slot}") for (_, entry), p in zip(before, op.prologue))
 
@@ -111,10 +112,10 @@ def test_inlined_gemm_tiles_are_the_tiled_bodys_16x16_blocks():
 
 
 def test_fp8_gemm_scale_launches_by_hand():
-    """FP8 W8A8 (per-token A, per-channel B): each projection of a one-token SmolLM2 decode runs A's scale
-    (one token: 1 tile, after the producers) and B's per-channel scales (N channels, at most 132 tiles: the body
-    loops grid-stride; over the weight, so it waits on nothing) before its body; the LM head's 49152 channels
-    are 132 tiles, not 49152."""
+    """FP8 W8A8 (per-token A, static per-channel B): each projection of a one-token SmolLM2 decode is a GEMV, so
+    A's scale launch is private (each body tile computes it: no tiles of its own); B's per-channel scales depend
+    on the weight alone and are no step work at all (the Gemm's at-load launch writes them once), so the loop
+    runs one scale CudaOp of 0 tiles and the body."""
     program, queue, bindings, launches = _launch_tiles("SmolLM2-135M decode", "FP8 W8A8 dynamic per-token")
     seen = set()
     for i, op in enumerate(queue.ops):
@@ -122,7 +123,8 @@ def test_fp8_gemm_scale_launches_by_hand():
         if not (k.kind.is_gemm and evaluate(k.layout.batch, bindings) == 1):
             continue
         n = evaluate(k.shape[-1], bindings)
-        assert [(p.slot, p.ready) for p in op.prologue] == [(0, False), (1, True)]
-        assert [t for t, _ in launches[i][:-1]] == [1, min(n, 132)]
+        assert [(p.slot, p.ready, p.private) for p in op.prologue] == [(0, False, True)]
+        assert [(t, e[-7:]) for t, e in launches[i][:-1]] == [(0, "_scale0")]
+        assert [launch.entry[-7:] for launch in render_kernel(k, program).at_load] == ["_scale1"]
         seen.add(n)
     assert {960, 576, 49152} <= seen

@@ -343,7 +343,7 @@ def test_fallback_gemm_reads_the_quantized_buffer(name):
     assert src.gemm is None and not any(a.role == "scratch" and a.index > 0 for l_ in src.launches for a in l_.args)
     out = Buffer(np.zeros(15), False)
     scratch = [Buffer(np.zeros(s.numel({})), False) for s in src.scratch]
-    interpret(src, src.launches, {**stored, 2: q_values}, {2: scales}, out, scratch,
+    interpret(src, src.at_load + src.launches, {**stored, 2: q_values}, {2: scales}, out, scratch,
               {0: False, 1: False, 2: variant.a_format.kind is Kind.INT})
     ref = CpuRuntime(p).run(feed).outputs["y"]
     exact = variant.grouped or variant.acc_format.name == "int32"
@@ -352,7 +352,7 @@ def test_fallback_gemm_reads_the_quantized_buffer(name):
 
 
 def test_cublaslt_takes_the_quantized_buffer_as_its_a():
-    """Per-tensor FP8: cuBLASLt reads the QUANTIZE buffer and scales; the prologue quantizes B only.
+    """Per-tensor FP8: cuBLASLt reads the QUANTIZE buffer and scales; B is quantized by the at-load launches.
     cublasLtMatmul simulated by its definition: D = sa * sb * op(A) op(B), column-major."""
     p = quantized_gemm("f8e4m3_tensor", 5, 16, 32)  # N = 16: cuBLASLt FP8 needs N and K multiples of 16
     rng = np.random.default_rng(9)
@@ -365,9 +365,10 @@ def test_cublaslt_takes_the_quantized_buffer_as_its_a():
     operands = {(a.role, a.buffer) for a in (call.a, call.b)}
     assert ("in", 2) in operands and ("scales", 2) in {(call.a_scale.role, call.a_scale.buffer),
                                                       (call.b_scale.role, call.b_scale.buffer)}
-    assert [launch_.entry.rsplit("_", 1)[1] for launch_ in call.prologue] == ["scale1", "quant1"]
+    # B (a weight's operand: static scales) is scaled and quantized once at load, not in the per-run prologue
+    assert call.prologue == () and [x.entry.rsplit("_", 1)[1] for x in src.at_load] == ["scale1", "quant1"]
     scratch = [Buffer(np.zeros(s.numel({})), False) for s in src.scratch]
-    interpret(src, call.prologue, stored, {}, None, scratch, {0: False, 1: False})
+    interpret(src, src.at_load + call.prologue, stored, {}, None, scratch, {0: False, 1: False})
     memory = {("in", 2): q_values, ("scales", 2): scales}
     memory.update({("scratch", i): s.values for i, s in enumerate(scratch)})
     a, b = (memory[(x.role, x.buffer if x.role != "scratch" else x.index)] for x in (call.a, call.b))

@@ -32,7 +32,7 @@ from typing import Mapping
 from ..hlir.symbolic import Dim, evaluate, prod
 from ..quant.storage import STORAGE_FORMATS
 from .attention import score_shape
-from .cuda_gemm import own_scales, scale_blocks
+from .cuda_gemm import scale_blocks, step_scales
 from .cuda_gemm_epilogue import glu_offsets
 from .cuda_source import ELEMENTWISE_THREADS
 from .cuda_weight_only import TILE as BODY_TILE
@@ -179,12 +179,14 @@ def body_bands(n_out: Dim) -> int:
 @dataclass(frozen=True)
 class ScaleLaunch:
     """One of a Gemm's own operand-scale launches as the megakernel runs it: the operand `slot`, its `tiles`,
-    and whether that operand is written before the kernel starts (`ready`: a weight, an input), so the
-    launch waits on nothing."""
+    whether that operand is written before the kernel starts (`ready`: an input), so the launch waits on
+    nothing, and whether the body's tiles each compute it privately (`private`: A's scales under a GEMV, whose
+    every tile reads all of A; `tiles` is then the one virtual block each runs, over every scale block)."""
 
     slot: int
     tiles: TileCount
     ready: bool = False
+    private: bool = False  # no tiles of its own: every body tile runs it first into its block's own copy
 
 
 def scale_launches(k: Kernel, prequantized: tuple[bool, ...], ready: tuple[bool, ...]) -> tuple[ScaleLaunch, ...]:
@@ -192,10 +194,19 @@ def scale_launches(k: Kernel, prequantized: tuple[bool, ...], ready: tuple[bool,
     input is written before the kernel starts. Kernel by kernel each is a block per scale block
     (codegen/cuda_gemm.scale_blocks); the body loops grid-stride over them, so inlined it runs at most FILL_SMS
     tiles where the count is concrete, each scale still one block's reduction (the same bits): a 49152-channel
-    weight's per-channel scales were 49152 tiles, each paying a tile's pop and overheads for one row (issue 33)."""
+    weight's per-channel scales were 49152 tiles, each paying a tile's pop and overheads for one row (issue 33).
+    A static scale (a weight's: cuda_gemm.static_scales) is no launch of the step: written once at load. Under a
+    GEMV (at most GEMV_MAX_ROWS rows, every tile reading all of them) A's scales are `private`: each body tile
+    runs the launch's body as one virtual block, every scale block in turn, into its block's own copy (the same
+    block reduction per scale block, so the same bits), as a one-row norm is recomputed (QueueOp.recomputes):
+    no tiles, and no barrier hop in front of the Gemm."""
     out = []
-    for slot in own_scales(k, prequantized):
+    gemv = _is_gemv(k)
+    for slot in step_scales(k, prequantized):
         blocks = TileCount(scale_blocks(k, slot))
+        if slot == 0 and gemv:  # A's scales read only A, all of which every GEMV tile reads: each computes them
+            out.append(ScaleLaunch(slot, TileCount(((1, 1),)), ready[slot], private=True))
+            continue
         if all(isinstance(d, int) for d, _ in blocks.factors):
             blocks = TileCount(((min(blocks.evaluate({}), FILL_SMS), 1),))
         out.append(ScaleLaunch(slot, blocks, ready[slot]))

@@ -85,6 +85,20 @@ def own_scales(kernel: Kernel, prequantized: tuple[bool, ...]) -> list[int]:
     return [s for s in (0, 1) if specs[s] is not None and not (prequantized + (False, False))[s]]
 
 
+def static_scales(kernel: Kernel, prequantized: tuple[bool, ...]) -> list[int]:
+    """The own-scaled operands whose scales are static (ScaleSpec.static: a weight's, which the precision rules
+    guarantee): they depend on the weight alone, so they are computed once when the weights are uploaded
+    (KernelSource.at_load), never per step; a runtime refuses one over an operand that is not a weight."""
+    specs = (variant_of(kernel).a_scale, variant_of(kernel).b_scale)
+    return [s for s in own_scales(kernel, prequantized) if specs[s].static]
+
+
+def step_scales(kernel: Kernel, prequantized: tuple[bool, ...]) -> list[int]:
+    """The own-scaled operands whose scales every step computes (dynamic ones: an activation's), in launch order."""
+    static = static_scales(kernel, prequantized)
+    return [s for s in own_scales(kernel, prequantized) if s not in static]
+
+
 class _Writer:
     """Index math of one Gemm (or QUANTIZE) kernel: operands as (batch, rows, cols) over the Mul's full
     shape. `prequantized[slot]`: that input is a QUANTIZE kernel's q, to be read as it is; `stored`: B's
@@ -436,7 +450,8 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
     storage format, read as its stored parts by every launch (no library call).
 
     Scratch: the scales of each operand this kernel scales itself, then (cuBLASLt) its quantized
-    copies; a pre-quantized operand brings both from its QUANTIZE kernel instead."""
+    copies; a pre-quantized operand brings both from its QUANTIZE kernel instead. A static scale (a weight's)
+    is written by an at-load launch (KernelSource.at_load, with cuBLASLt's quantized copy), not by every step."""
     w = _Writer(kernel, formats, prequantized, invariant, stored)
     lay = kernel.layout
     # cuBLASLt takes a pre-quantized A as it is: only when read in the (batch, M, K) layout it was written in
@@ -456,25 +471,30 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
     scale_arg = {s: Arg("scales", s) if prequantized[s] else Arg("scratch", own.index(s))
                  for s in (0, 1) if w.specs[s] is not None}
     operand_arg = {s: Arg("scratch", len(own) + own_quant.index(s)) if s in own_quant else Arg("in", s) for s in (0, 1)}
-    scale_launches = tuple(Launch(f"{ENTRY}_scale{s}", (w.scale_blocks(s),), (SCALE_THREADS,),
-                                  (scale_arg[s], *w.operand_args(s))) for s in own)
+    scale_launch = {s: Launch(f"{ENTRY}_scale{s}", (w.scale_blocks(s),), (SCALE_THREADS,),
+                              (scale_arg[s], *w.operand_args(s))) for s in own}
+    static = static_scales(kernel, prequantized)  # a weight's scales (and cuBLASLt's copy of it): once, at load
+    scale_launches = tuple(scale_launch[s] for s in own if s not in static)
     n_out = epilogue.n_out if epilogue is not None and epilogue.col_offsets else lay.n
     args = (Arg("out"), Arg("in", 0), *w.operand_args(1), *(Arg("in", s) for s in (epilogue.slots if epilogue else ())),
             *scale_arg.values())
     gemm = Launch(ENTRY, (per(lay.m, TILE), per(n_out, TILE), per(lay.batch, 1)), (TILE, TILE), args)
     tc = (Launch(f"{ENTRY}_tc", (per(lay.m, TC_BLOCK_M), per(n_out, TC_BLOCK_N), per(lay.batch, 1)), (TC_THREADS,), args),)
     name = entry_name("gemm", source)
+    quant = {s: Launch(f"{ENTRY}_quant{s}", (per(prod(w.extents(s)), ELEMENTWISE_THREADS),),
+                       (ELEMENTWISE_THREADS,), (operand_arg[s], Arg("in", s), scale_arg[s])) for s in own_quant}
+    at_load = tuple(scale_launch[s] for s in static) + tuple(quant[s] for s in static if s in quant)
     if lt:
-        quant = tuple(Launch(f"{ENTRY}_quant{s}", (per(prod(w.extents(s)), ELEMENTWISE_THREADS),),
-                             (ELEMENTWISE_THREADS,), (operand_arg[s], Arg("in", s), scale_arg[s])) for s in own_quant)
-        call = lt_call(kernel, w.variant, geometry(kernel), name_launches(scale_launches + quant, name),
-                        (operand_arg[0], operand_arg[1]), (scale_arg[0], scale_arg[1]))
+        call = lt_call(kernel, w.variant, geometry(kernel),
+                       name_launches(scale_launches + tuple(quant[s] for s in own_quant if s not in static), name),
+                       (operand_arg[0], operand_arg[1]), (scale_arg[0], scale_arg[1]))
     elif epilogue is not None:  # cuBLASLt's bias epilogue where it adds as the emulator does, else the kernels
         call = bias_call(kernel, w.variant, formats, geometry(kernel)) if library and single else None
     else:
         call = cublas_call(kernel, w.variant, formats, geometry(kernel)) if library and single else None
     return KernelSource(0, name, source.replace(ENTRY, name), name_launches(scale_launches + (gemm,), name),
-                        w.table, scratch, call, name_launches(scale_launches + tc, name) if tensor_core else ())
+                        w.table, scratch, call, name_launches(scale_launches + tc, name) if tensor_core else (),
+                        name_launches(at_load, name))
 
 
 def render_quantize(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...] = (False,)) -> KernelSource:

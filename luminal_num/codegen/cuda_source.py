@@ -205,12 +205,17 @@ class KernelSource:
     # a Gemm the tensor-core kernel can run (codegen/cuda_gemm_tc.py): the launches that replace `launches`
     # where codegen/cuda_dispatch picks GemmImpl.TENSOR_CORE; () where it refuses
     tensor_core: tuple[Launch, ...] = ()
+    # launches over weights alone (a Gemm's static B scales: ScaleSpec.static), run once when the weights are
+    # uploaded, before any step: their scratch then holds the values every step's launches read
+    at_load: tuple[Launch, ...] = ()
 
     @property
     def entries(self) -> tuple[str, ...]:
-        """Every entry a runtime may launch: the fallback's, the tensor-core kernel's and the cuBLASLt prologue's."""
+        """Every entry a runtime may launch: the fallback's, the tensor-core kernel's, the cuBLASLt prologue's and
+        the at-load launches'."""
         prologue = self.gemm.prologue if self.gemm is not None else ()
-        return tuple(dict.fromkeys(launch.entry for launch in (*self.launches, *self.tensor_core, *prologue)))
+        return tuple(dict.fromkeys(launch.entry for launch in (*self.launches, *self.tensor_core, *prologue,
+                                                               *self.at_load)))
 
     def dyn_values(self, bindings: Mapping[str, int]) -> tuple[int, ...]:
         return tuple(int(bindings[s]) for s in self.symbols.symbols)

@@ -16,9 +16,13 @@ tiles t R // E .. ((t + 1) R - 1) // E; any other read waits on the producer's e
 
 Scale prologues: a Gemm that scales an operand itself (codegen/cuda_gemm.py: FP8 / INT8 variants, per token
 or per channel) runs those scale launches before its body, as entries of their own in the persistent loop
-(`QueueOp.prologue`): a launch over an operand written before the kernel starts (a weight's per-channel
-scales) waits on nothing, any other on the op's producers, and the body on every launch before it, whole;
-the cost model schedules their tiles, the emulated scheduler runs the op's CPU body.
+(`QueueOp.prologue`): a launch over an operand written before the kernel starts waits on nothing, any
+other on the op's producers, and the body on every launch before it, whole; the cost model schedules their
+tiles, the emulated scheduler runs the op's CPU body. A static scale (a weight's per-channel scales,
+ScaleSpec.static) is no step work: the runtime writes it once at load (cuda_gemm.static_scales,
+KernelSource.at_load), as the CPU backend prepares its weight operands once. Under a GEMV, A's per-token
+scales are `private` (blockops.scale_launches): every body tile computes them into its block's own copy
+after any norm it recomputes, so they add no tiles and no hop.
 
 Recomputed producers: a one-tile flat row op (the RMSNorm of a decode row) whose only reader is one GEMV
 is not a queue entry of its own: every tile of that GEMV runs the row op's body first, into its block's own
@@ -34,6 +38,7 @@ from typing import Mapping
 from ..hlir.shape import contiguous_strides
 from ..hlir.symbolic import Dim, evaluate
 from .blockops import BlockOp, Partition, ScaleLaunch, block_op, scale_launches
+from .cuda_gemm import static_scales
 from .llir import FAt, FApply, FExpr, FRoundTo, FRowSum, Kernel, KernelKind, Program, load_slots
 
 
@@ -187,7 +192,12 @@ def build_queue(program: Program, recompute_rows: bool = True) -> WorkQueue:
         position[k.id] = len(ops)
         blocks[k.id] = made
         ready = tuple(program.kernel(inp.buffer).kind is KernelKind.EXTERNAL for inp in k.inputs)
-        prologue = scale_launches(k, program.quantized_inputs(k), ready) if k.kind.is_gemm else ()
+        prologue = ()
+        if k.kind.is_gemm:
+            prologue = scale_launches(k, program.quantized_inputs(k), ready)
+            for slot in static_scales(k, program.quantized_inputs(k)):
+                if not ready[slot]:
+                    raise MegakernelError(f"kernel {k.id}: static scales over operand {slot}, which is no weight")
         ops.append(QueueOp(k.id, made, 1 if made.partition is Partition.FLAT else 0, tuple(merged.values()),
                            prologue=prologue))
     queue = WorkQueue(tuple(ops))

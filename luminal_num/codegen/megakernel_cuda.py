@@ -15,7 +15,10 @@ step's scatter writes, which the prefetch also touches (a hint: L2 is the point 
 scatter's store lands in the line). A tile of a GEMV that
 recomputes a one-row norm (codegen/megakernel.py, QueueOp.recomputes) first runs that op's body as its
 one tile, writing the block's own copy (`privates`), then its own body, whose reads of the norm's slot
-`ln_mk_buf` redirects to that copy; the norm has no tiles and signals nothing. The bodies stay unchanged because the builtins they read are
+`ln_mk_buf` redirects to that copy; the norm has no tiles and signals nothing. A GEMV whose A scales are
+private (QueueOp.prologue) runs that scale launch's body next, as one virtual block, into the block's second
+copy (`ln_mk.scale_copy`, redirecting the Gemm's scale scratch); the scale launch has no tiles. The
+bodies stay unchanged because the builtins they read are
 macros over the current tile (`blockIdx`, `gridDim`, `blockDim`, `threadIdx` from `ln_mk`, and
 `__syncthreads()` a named barrier over the body's threads); every body loops grid-stride, so any
 virtual grid computes its whole output, and the grids are the launches' own.
@@ -93,12 +96,13 @@ class MegakernelSource:
     def table(self, queue: WorkQueue, bindings: Mapping[str, int]) -> tuple[list[tuple], list[tuple]]:
         """(ops rows, waits rows) as the loop reads them, for one run's shapes:
         op row = (body, first_entry, tiles, gx, gy, gz, bx, by, bz, counter_base, stride, wait_begin, wait_end,
-        elements, prefetch_begin, prefetch_end, recompute, private_slot, span_begin, span_per_tile), wait row =
-        (producer CudaOp,
-        read_elements or 0 for the whole producer); the op's prefetch rows are
-        `prefetch_rows()[prefetch_begin:prefetch_end]`; `recompute`: the CudaOp of a one-tile row op each tile
-        runs first into its block's own copy, which reads of bufs[private_slot] then see (-1: none). A row
-        op so recomputed has no tiles. Tile t of an op with `span_per_tile` > 0 prefetches
+        elements, prefetch_begin, prefetch_end, recompute, private_slot, span_begin, span_per_tile, scale_recompute,
+        scale_slot), wait row = (producer CudaOp, read_elements or 0 for the whole producer); the op's prefetch
+        rows are `prefetch_rows()[prefetch_begin:prefetch_end]`; `recompute`: the CudaOp of a one-tile row op each
+        tile runs first into its block's own copy, which reads of bufs[private_slot] then see (-1: none). A row
+        op so recomputed has no tiles; nor has a private scale launch (`scale_recompute`: the CudaOp each tile of a
+        GEMV body runs next, as one virtual block, into its block's second copy, which bufs[scale_slot] then is).
+        Tile t of an op with `span_per_tile` > 0 prefetches
         `cache_spans(...)[span_begin + t * span_per_tile:][:span_per_tile]` (its KV-cache rows)."""
         queue_table = queue.evaluate(bindings)
         last_of: dict[int, int] = {}
@@ -106,15 +110,16 @@ class MegakernelSource:
         for i, op in enumerate(self.ops):
             grid = tuple(ceil_count(axis, bindings) for axis in op.grid) + (1, 1)
             q = queue.ops[op.queue_op]
-            tiles = 0 if q.recomputed_by is not None else math.prod(grid[:3])
+            scale = op.launch < len(q.prologue)  # one of a Gemm's own scale launches (QueueOp.prologue)
+            private = scale and q.prologue[op.launch].private  # run only by the body's tiles, privately
+            tiles = 0 if q.recomputed_by is not None or private else math.prod(grid[:3])
             flat = (q.block.partition is Partition.FLAT and op.launch == 0 and op.last
                     and tiles == queue_table[op.queue_op].tiles)
             begin = len(waits)
-            scale = op.launch < len(q.prologue)  # one of a Gemm's own scale launches (QueueOp.prologue)
-            if q.prologue and op.last:
-                waits += [(j, 0) for j in range(i - op.launch, i)]  # a Gemm body: each of its scale launches, whole
-            if scale and q.prologue[op.launch].ready:
-                pass  # a scale launch over an operand written before the kernel started (a weight)
+            if q.prologue and op.last:  # a Gemm body: each of its scale launches with tiles, whole
+                waits += [(j, 0) for j, p in zip(range(i - op.launch, i), q.prologue) if not p.private]
+            if private or (scale and q.prologue[op.launch].ready):
+                pass  # a private scale launch (no tiles), or one over an operand written before the kernel started
             elif op.launch > 0 and not q.prologue:
                 waits.append((i - 1, 0))  # the previous launch of the same kernel, whole
             else:  # the op's producers: its first launch, a Gemm's scale launch over an activation, a Gemm's body
@@ -126,13 +131,17 @@ class MegakernelSource:
             stride = 1 if flat else 0
             block = tuple(op.block) + (1, 1)
             streams = _stream_rows(op)
-            recompute, private = -1, -1
-            if q.recomputes is not None and not (scale and q.prologue[op.launch].ready):
+            recompute, private_slot, scale_op, scale_slot = -1, -1, -1, -1
+            if q.recomputes is not None and not (scale and (q.prologue[op.launch].ready or private)):
                 # every launch of the reader that reads A recomputes the row op (its last launch)
-                recompute, private = last_of[q.recomputes], queue.ops[q.recomputes].kernel
+                recompute, private_slot = last_of[q.recomputes], queue.ops[q.recomputes].kernel
+            if op.last and any(p.private for p in q.prologue):  # then A's scales, into the block's second copy
+                scale_op = i - op.launch + next(li for li, p in enumerate(q.prologue) if p.private)
+                scale_slot = self.ops[scale_op].arg_slots[0]  # the scale launch's output: the Gemm's scale scratch
             per_tile = _span_count(op, tiles, bindings)
             rows.append((i, entry, tiles, *grid[:3], *block[:3], counter, stride, begin, len(waits), elements,
-                         prefetch, prefetch + len(streams), recompute, private, spans, per_tile))
+                         prefetch, prefetch + len(streams), recompute, private_slot, spans, per_tile, scale_op,
+                         scale_slot))
             prefetch += len(streams)
             spans += tiles * per_tile
             counter += tiles if stride else 1
@@ -145,6 +154,17 @@ class MegakernelSource:
         """Bytes of one block's own copy: the largest row op recomputed by its readers (0: none)."""
         sizes = [program.kernel(q.kernel).numel(bindings) * program.kernel(q.kernel).dtype.storage.itemsize
                  for q in queue.ops if q.recomputed_by is not None]
+        return max(sizes, default=0)
+
+    def private_scale_bytes(self, queue: WorkQueue, bindings: Mapping[str, int]) -> int:
+        """Bytes of one block's second copy: the largest scale scratch a private scale launch writes (0: none)."""
+        uses = {u.slot: u for u in self.uses}
+        sizes = []
+        for op, src in zip(self.ops, self.sources):
+            q = queue.ops[op.queue_op]
+            if op.launch < len(q.prologue) and q.prologue[op.launch].private:
+                scratch = src.scratch[uses[op.arg_slots[0]].index]
+                sizes.append(int(scratch.numel(bindings) * scratch.dtype.itemsize))
         return max(sizes, default=0)
 
     def cache_spans(self, queue: WorkQueue, bindings: Mapping[str, int]) -> list[tuple]:
@@ -231,7 +251,7 @@ def _param_types(source: str, entry: str) -> list[str]:
 
 _PRELUDE = r"""
 struct LnMkTile { uint3 bid; uint3 grid; uint3 bdim; unsigned nthreads; long long tile; int private_slot;
-                 void* private_copy; };
+                 void* private_copy; int scale_slot; void* scale_copy; };
 __shared__ LnMkTile ln_mk;  // the tile the block runs: what the bodies' builtins read
 static __device__ __forceinline__ uint3 ln_mk_tid() {
     const unsigned t = threadIdx.x;
@@ -263,14 +283,14 @@ _LOOP = r"""
 #define LN_MK_LINE LINE_BYTES  /* bytes per L2 prefetch */
 struct LnMkOp { int body; long long first_entry, tiles; int gx, gy, gz, bx, by, bz; long long counter_base;
                 int stride, wait_begin, wait_end; long long elements; int prefetch_begin, prefetch_end;
-                int recompute, private_slot; int span_begin, span_per_tile; };
+                int recompute, private_slot; int span_begin, span_per_tile; int scale_recompute, scale_slot; };
 struct LnMkWait { int producer; long long read_elements; };
 struct LnMkPrefetch { long long row_bytes, rows, per, offset, n_out; int slot; };
 struct LnMkSpan { long long first, between, keys, per_key; int slot; };
 
 static __device__ __forceinline__ void* ln_mk_buf(void* const* bufs, int slot) {
-    // the value a recomputing tile made in its block's own copy, else the value's buffer
-    return slot == ln_mk.private_slot ? ln_mk.private_copy : bufs[slot];
+    // the value (or the scales) a recomputing tile made in its block's own copies, else the value's buffer
+    return slot == ln_mk.private_slot ? ln_mk.private_copy : slot == ln_mk.scale_slot ? ln_mk.scale_copy : bufs[slot];
 }
 static __device__ __forceinline__ void ln_mk_enter(const LnMkOp& op, long long t) {  // thread 0: the tile bodies see
     ln_mk.bid = make_uint3(t % op.gx, (t / op.gx) % op.gy, t / ((long long)op.gx * op.gy));
@@ -289,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
         const LnMkOp* __restrict__ ops, int n_ops, const LnMkWait* __restrict__ waits,
         const LnMkPrefetch* __restrict__ prefetch, const LnMkSpan* __restrict__ spans, unsigned* counters,
         unsigned long long* head, unsigned long long total, void* const* bufs, char* privates,
-        long long private_bytes) {
+        long long private_bytes, long long private_split) {
     __shared__ unsigned long long entry;
     __shared__ int current;
     for (;;) {
@@ -302,6 +322,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
             while (lo < hi) { const int mid = (lo + hi + 1) / 2; if (ops[mid].first_entry <= (long long)e) lo = mid; else hi = mid - 1; }
             ln_mk_enter(ops[lo], (long long)e - ops[lo].first_entry);
             ln_mk.private_slot = -1;
+            ln_mk.scale_slot = -1;
             current = lo;
         }
         __syncthreads();
@@ -360,6 +381,18 @@ extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
             __syncthreads();
             if (threadIdx.x < ln_mk.nthreads) ln_mk_run(ops[ops[current].recompute].body, bufs);
             __syncthreads();  // the copy is this block's: visible to its threads after the barrier
+        }
+        if (ops[current].scale_recompute >= 0) {  // then A's scales (reading that copy), into its second copy
+            if (threadIdx.x == 0) {
+                ln_mk_enter(ops[ops[current].scale_recompute], 0);
+                ln_mk.scale_slot = ops[current].scale_slot;
+                ln_mk.scale_copy = privates + (long long)blockIdx.x * private_bytes + private_split;
+            }
+            __syncthreads();
+            if (threadIdx.x < ln_mk.nthreads) ln_mk_run(ops[ops[current].scale_recompute].body, bufs);
+            __syncthreads();
+        }
+        if (ops[current].recompute >= 0 || ops[current].scale_recompute >= 0) {
             if (threadIdx.x == 0) ln_mk_enter(ops[current], (long long)entry - ops[current].first_entry);
             __syncthreads();
         }

@@ -13,7 +13,8 @@ reads the weight's stored bytes (packed codes and scales, uploaded once as the p
 them): a plain one in the dequantize-on-load kernel (codegen/cuda_weight_only.py), every other form in
 the tiled kernel reading the stored parts (codegen/cuda_gemm.py; codegen/cuda_dispatch.py decides);
 runtime/cublas.py explains why library calls go through ctypes (stream capture). A QUANTIZE kernel's scales live in its scratch (allocated per
-binding, never reused by the liveness plan), where the Gemm reading its buffer finds them.
+binding, never reused by the liveness plan), where the Gemm reading its buffer finds them; a Gemm's static
+(weight) scales are written into its scratch once per preparation, after the upload (`_at_load`), not per step.
 `profile()` replays one CUDA graph of the whole program between CUDA events.
 
 Stream discipline: everything (allocations, uploads, kernels, cuBLAS, downloads) is ordered on the
@@ -321,7 +322,22 @@ class CudaRuntime:
         with self.stream:
             state = self._prepare(bound)
             self._upload(state, feed)
+            self._at_load(state)
         return state
+
+    def _at_load(self, state: "_Prepared") -> None:
+        """Each kernel's at-load launches (a Gemm's static B scales: KernelSource.at_load), once per preparation
+        after the upload: they read weights alone, and the scratch they write is what every step (and every
+        replay of a captured graph) reads. A weight sharing its slot is copied in first (it is again at its
+        place in the program)."""
+        for kid, src in self.sources.items():
+            for launch in src.at_load:
+                for arg in launch.args:
+                    if arg.role == "in" and self.kernels[arg.buffer].kind is not KernelKind.EXTERNAL:
+                        raise ValueError(f"kernel {kid}: static scales over kernel {arg.buffer}'s output, not a weight")
+                    if arg.role == "in" and arg.buffer in state.staged:
+                        self._enqueue_kernel(state, self.kernels[arg.buffer])
+                self._launch(state, kid, launch)
 
     def _read(self, state: "_Prepared", kid: int) -> np.ndarray:
         k = self.kernels[kid]

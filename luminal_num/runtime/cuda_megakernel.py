@@ -13,7 +13,8 @@ parts, and any other reader of a stored weight (an embedding Gather) reads it wi
 Per run: the queue's table for the run's shapes (`MegakernelSource.table`), the weight prefetch rows
 (`MegakernelSource.prefetch_rows`: which weight bytes each Gemm tile loads into L2 before its wait), the KV-cache
 spans (`MegakernelSource.cache_spans`: which cache rows each attention tile loads into L2 before its wait), one
-private copy per block of the largest row op a GEMV's tiles recompute (codegen/megakernel.py), zeroed barrier counters and
+private copy per block of the largest row op a GEMV's tiles recompute (codegen/megakernel.py) and of the largest
+A scales they compute privately, zeroed barrier counters and
 queue head, then one launch of `ln_megakernel` on a grid of co-resident blocks. The loop's spin on a
 barrier gives up after LN_MK_SPIN_LIMIT tries and traps, so a wrong barrier ends the kernel with an
 error instead of hanging the device.
@@ -39,7 +40,8 @@ OP_DTYPE = np.dtype([("body", np.int32), ("first_entry", np.int64), ("tiles", np
                      ("counter_base", np.int64), ("stride", np.int32), ("wait_begin", np.int32),
                      ("wait_end", np.int32), ("elements", np.int64), ("prefetch_begin", np.int32),
                      ("prefetch_end", np.int32), ("recompute", np.int32), ("private_slot", np.int32),
-                     ("span_begin", np.int32), ("span_per_tile", np.int32)], align=True)
+                     ("span_begin", np.int32), ("span_per_tile", np.int32), ("scale_recompute", np.int32),
+                     ("scale_slot", np.int32)], align=True)
 WAIT_DTYPE = np.dtype([("producer", np.int32), ("read_elements", np.int64)], align=True)
 PREFETCH_DTYPE = np.dtype([("row_bytes", np.int64), ("rows", np.int64), ("per", np.int64), ("offset", np.int64),
                            ("n_out", np.int64), ("slot", np.int32)], align=True)
@@ -141,7 +143,10 @@ class MegakernelCudaRuntime(CudaRuntime):
             d_prefetch = self._device_copy(state, prefetch.view(np.uint8))
             d_spans = self._device_copy(state, spans.view(np.uint8))
             d_bufs = self._device_copy(state, self._slot_pointers(state))
-            private = -(-self.mega.private_bytes(self.program, self.queue, state.bindings) // PRIVATE_ALIGN) * PRIVATE_ALIGN
+            aligned = lambda n: -(-n // PRIVATE_ALIGN) * PRIVATE_ALIGN  # noqa: E731
+            split = aligned(self.mega.private_bytes(self.program, self.queue, state.bindings))
+            scale = aligned(self.mega.private_scale_bytes(self.queue, state.bindings))
+            private = split + scale  # per block: its recomputed row op's copy, then its private A scales
             privates = cp.zeros(max(self.grid * private, 1), dtype=cp.uint8)  # a recomputing block's own copies
             counters = cp.zeros(max(n_counters, 1), dtype=cp.uint32)
             head = cp.zeros(1, dtype=cp.uint64)
@@ -153,7 +158,7 @@ class MegakernelCudaRuntime(CudaRuntime):
                 start.record(self.stream)
                 self.entry((self.grid,), (BLOCK_THREADS,),
                            (d_ops, np.int32(len(ops)), d_waits, d_prefetch, d_spans, counters, head, np.uint64(total), d_bufs,
-                            privates, np.int64(private)),
+                            privates, np.int64(private), np.int64(split)),
                            stream=self.stream)
                 end.record(self.stream)
                 end.synchronize()

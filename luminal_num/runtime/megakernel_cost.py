@@ -16,9 +16,11 @@ device loop (codegen/megakernel_cuda.py) does:
 - any other tile issues nothing before its wait but its queue pop (the loop pops, then spins): the rest of
   its time (first load, acquire, signal, body) follows max(free + QUEUE_POP_S, ready);
 - a Gemm that computes an operand's scales itself (QueueOp.prologue: FP8 / INT8 variants) runs each scale
-  launch's tiles first (scale_work: one amax pass over the operand): over a weight after nothing, over an
+  launch's tiles first (scale_work: one amax pass over the operand): over an input after nothing, over an
   activation after the op's producers (recomputing a row op as the body does), and the body after its
-  producers and every scale launch, as the loop's table orders them;
+  producers and every scale launch, as the loop's table orders them; a private one (A's scales under a
+  GEMV) adds its one-block body on one SM to each body tile's rest instead, as a recomputed row op does (a
+  weight's static scales are no step work: written at load);
 - a GEMV whose tiles recompute a one-tile row op (codegen/megakernel.py, QueueOp.recomputes) adds that
   op's body on one SM to each tile's rest, waits on the row op's producers, and the row op has no tiles.
 The makespan plus one launch is the latency; the critical path (the same chain of waits with unlimited
@@ -171,10 +173,13 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
         base_ready = max((r for r, _ in whole), default=0.0)
         base_chain = max((c for _, c in whole), default=_Chain(), key=lambda c: c.path_s)
         per_tile = [w for w in op.waits if _per_tile(queue, w)]
-        stages = []  # its scale launches: over a weight after nothing, else after the producers; the body after all
+        stages = []  # its scale launches: over an input after nothing, else after the producers; the body after all
         for launch in op.prologue:
             stage_work = scale_work(program.kernel(op.kernel), launch.slot, program, bindings)
             extra_bytes += stage_work.bytes_moved
+            if launch.private:  # each body tile runs it on its SM as one block, after any row op it recomputes
+                times = dataclasses.replace(times, rest_s=times.rest_s + tile_times(stage_work, 1, resolved).rest_s)
+                continue
             n = launch.tiles.evaluate(bindings)
             stage = tile_times(stage_work, n, resolved)
             if own is not None and not launch.ready:  # it reads A: it recomputes the row op too
