@@ -47,7 +47,7 @@ MIN_CACHE = 2   # largest weights the caches must hold together (a weight's stor
 # the least in-memory share of each store that spills past its share (the FP64 chunk boundaries, the judging
 # deviations): below it every array would go to a file. Above it each gets budget / 16, at most a quarter of what
 # the budget leaves past the floor (a tight budget spills more instead of refusing the search stage)
-KEPT_MIN = 256 << 20
+KEPT_MIN = 64 << 20
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}
 
 
