@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
+import json
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ import numpy as np
 from . import interrupts
 from .codegen.invariance import row_coupled_kernels
 from .codegen.llir import Program
+from .codegen.serialize import program_to_data
 from .error.budget import Budget
 from .error.chunks import ChunkEffects, Propagation
 from .error.headroom import HeadroomEstimate, estimate_headroom
@@ -213,15 +216,22 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
     space = explored.searcher.space
     wide = WidenedPositions(space, source, POSITION_ROWS, ctx.options.offers)
     kept: dict[int, pooled.RowStats] = {}
+    by_program: dict[tuple[int, str], tuple] = {}  # (rows, program digest) -> (verdict, row statistics)
 
     def judge(e):
+        """A pass over every position, or, where another genome lowered to the same program, its verdict (the
+        same kernels on the same weights and positions compute the same bits: judging it again would spend one
+        of the POSITIONS_JUDGED passes on nothing new)."""
         program = e.program if e.program is not None else space.program(e.genome)
         run, on = wide.program(e.genome, program)
-        verdict, kept[e.id] = pooled.judge_positions(run, on.graph.weights, on, ctx.gate, ctx.budget)
-        return verdict
+        key, ran = (on.rows, program_digest(run)), False
+        if key not in by_program:
+            by_program[key], ran = pooled.judge_positions(run, on.graph.weights, on, ctx.gate, ctx.budget), True
+        verdict, kept[e.id] = by_program[key]
+        return verdict, ran
     chosen, judged = explored.searcher.judged_again(judge, POSITIONS_JUDGED)  # on one BLAS thread, as every verdict
     rows_used = wide.rows_used
-    del wide  # the wider step's space and graph, before the plan stage's memory check (issue 29)
+    wide = None  # drops the wider step's space and graph before the plan stage's memory check (issue 29)
     gc.collect()
     trim_heap()
     stats = kept[chosen.id] if chosen is not None else None
@@ -257,6 +267,11 @@ class WidenedPositions:
                     return wide, source
         self.rows_used = max(self.rows_used, own_rows)
         return program, self.source
+
+
+def program_digest(program: Program) -> str:
+    """A digest of everything a program computes with (its serialized LLIR, as a plan file holds it)."""
+    return hashlib.sha256(json.dumps(program_to_data(program), sort_keys=True).encode()).hexdigest()
 
 
 def _kernels(program: Program) -> list[tuple]:

@@ -13,6 +13,7 @@ from luminal_num.cli import EXIT_OK, main
 from luminal_num.compiler import POSITION_ROWS, POSITIONS_JUDGED, BudgetUnreachable, compile
 from luminal_num.error.budget import Budget
 from luminal_num.hlir.evaluate import evaluate_nodes
+from luminal_num.hlir.partition import partition
 from luminal_num.models.llm import Prompt
 from luminal_num.models.llm_positions import PositionBatch
 from luminal_num.models.registry import llm_job
@@ -165,6 +166,33 @@ def test_a_plan_the_positions_reject_is_replaced_by_the_next_choice(tiny):
     (first,) = _rejected_on_positions(result.search)
     assert result.search.chosen.id != first.id and result.search.chosen.verdict.passed
     assert "on 16 teacher-forced positions" in result.search.chosen.verdict.reason
+
+
+def test_a_plan_lowering_to_a_program_already_judged_reuses_its_verdict(tiny, monkeypatch):
+    """The positions stage spends its POSITIONS_JUDGED passes on distinct programs: a next choice that lowers to
+    the program already rejected takes that verdict without a pass (SmolLM2 under a strict budget spent 3 of its 4
+    passes on one program and then chose nothing). Every program made "the same" here: one pass, then every
+    later choice is rejected by the cached verdict."""
+    import luminal_num.compiler as compiler
+    _, model = tiny
+    job = _job(model, minimum=16)
+    skewed = _Skewed(job.llm.positions, bad=99)
+    monkeypatch.setattr(compiler, "program_digest", lambda program: "one program")
+    with pytest.raises(BudgetUnreachable) as caught:
+        compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration, _options(), positions=skewed)
+    assert skewed.passes == 1 and caught.value.result.stats.positions.judged == 1
+    assert len(_rejected_on_positions(caught.value.result)) > 1  # the later choices took the cached rejection
+
+
+def test_the_program_digest_tells_programs_apart_and_not_lowerings(tiny):
+    from luminal_num.compiler import program_digest
+    from luminal_num.search.recipes import BF16_WEIGHTS, pick
+    _, model = tiny
+    job = _job(model, minimum=16)
+    space = SearchSpace.saturated(job.graph, partition(job.graph))
+    fp32, bf16 = frozenset(), pick(space, BF16_WEIGHTS.__contains__)
+    assert program_digest(space.program(fp32)) == program_digest(space.program(fp32))
+    assert program_digest(space.program(fp32)) != program_digest(space.program(bf16))
 
 
 @pytest.mark.slow

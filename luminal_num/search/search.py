@@ -198,17 +198,18 @@ class Searcher:
                 self._remeasure(e)
                 self.follow_bias()
 
-    def judged_again(self, judge: Callable[[Evaluated], Verdict], limit: int) -> tuple[Evaluated | None, int]:
+    def judged_again(self, judge: Callable[[Evaluated], tuple[Verdict, bool]], limit: int) -> tuple[Evaluated | None, int]:
         """The chosen plan judged once more by `judge` (the pooled teacher-forced positions, whose verdict
         replaces the calibration batches'); a rejection fails that candidate and the next choice is confirmed
-        and judged, at most `limit` judgements in all (then nothing is chosen). Returns the chosen plan and
-        how many were judged."""
+        and judged, at most `limit` judgements in all (then nothing is chosen). `judge` says whether it ran:
+        a verdict it already had (another genome lowering to the same program) is free and not counted.
+        Returns the chosen plan and how many judgements ran."""
         chosen, judged = choose(self.passing()), 0
         while chosen is not None:
             if judged == limit:
                 return None, judged
-            v = judge(chosen)
-            judged += 1
+            v, ran = judge(chosen)
+            judged += ran
             new = dataclasses.replace(chosen, verdict=v, latency=chosen.latency if v.passed else None)
             self.evaluated[chosen.id] = self.seen[chosen.genome] = new
             if v.passed:
