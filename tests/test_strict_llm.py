@@ -43,6 +43,12 @@ def test_chosen_passes_the_strict_budget_on_its_positions(strict):
     assert c.pos_top1 >= LIMITS["top1"] and c.cal_top1 >= LIMITS["top1"]
     for m in ("kl", "kl_p99", "kl_max"):
         assert c[f"pos_{m}"] <= LIMITS[m] and c[f"cal_{m}"] <= LIMITS[m]
+    # the user's budget on every row's pooled values, as the limits written here read them
+    t = strict.table
+    for _, r in t[t.pos_top1.notna()].iterrows():
+        assert r.pos_within_budget == (r.pos_top1 >= LIMITS["top1"] and all(r[f"pos_{m}"] <= LIMITS[m] for m in
+                                                                             ("kl", "kl_p99", "kl_max"))), r.label
+    assert c.pos_within_budget
     # the compile's own record agrees: its returned plan passed the pooled positions
     assert strict.result.search.chosen.verdict.passed
     assert strict.result.search.stats.positions.positions == c.positions
