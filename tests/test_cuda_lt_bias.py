@@ -13,7 +13,7 @@ import luminal_num.runtime.cuda as cuda_module
 from fake_cuda import ATTR, EPILOGUE_BIAS, FakeCublasLtLib, Recorder, install
 from luminal_num.codegen import nvrtc
 from luminal_num.codegen.cuda_dispatch import GemmImpl, gemm_implementation, library_refusal
-from luminal_num.codegen.cuda_gemm import variant_of
+from luminal_num.codegen.gemm_scales import variant_of
 from luminal_num.codegen.cuda_gemm_bias import BIAS_SLOT, bias_refusal
 from luminal_num.codegen.cuda_gemm_call import geometry
 from luminal_num.codegen.cuda_kernels import input_formats, render_kernel

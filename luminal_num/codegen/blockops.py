@@ -32,7 +32,7 @@ from typing import Mapping
 from ..hlir.symbolic import Dim, evaluate, prod
 from ..quant.storage import STORAGE_FORMATS
 from .attention import score_shape
-from .cuda_gemm import scale_blocks, step_scales
+from .gemm_scales import scale_blocks, step_scales
 from .cuda_gemm_epilogue import glu_offsets
 from .cuda_source import ELEMENTWISE_THREADS
 from .cuda_weight_only import TILE as BODY_TILE
@@ -192,10 +192,10 @@ class ScaleLaunch:
 def scale_launches(k: Kernel, prequantized: tuple[bool, ...], ready: tuple[bool, ...]) -> tuple[ScaleLaunch, ...]:
     """A Gemm's own operand-scale launches as the megakernel runs them, in launch order; `ready[slot]`: that
     input is written before the kernel starts. Kernel by kernel each is a block per scale block
-    (codegen/cuda_gemm.scale_blocks); the body loops grid-stride over them, so inlined it runs at most FILL_SMS
+    (codegen/gemm_scales.scale_blocks); the body loops grid-stride over them, so inlined it runs at most FILL_SMS
     tiles where the count is concrete, each scale still one block's reduction (the same bits): a 49152-channel
     weight's per-channel scales were 49152 tiles, each paying a tile's pop and overheads for one row (issue 33).
-    A static scale (a weight's: cuda_gemm.static_scales) is no launch of the step: written once at load. Under a
+    A static scale (a weight's: gemm_scales.static_scales) is no launch of the step: written once at load. Under a
     GEMV (at most GEMV_MAX_ROWS rows, every tile reading all of them) A's scales are `private`: each body tile
     runs the launch's body as one virtual block, every scale block in turn, into its block's own copy (the same
     block reduction per scale block, so the same bits), as a one-row norm is recomputed (QueueOp.recomputes):

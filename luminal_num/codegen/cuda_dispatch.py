@@ -26,7 +26,7 @@ import enum
 from collections.abc import Mapping
 
 from ..hlir.symbolic import evaluate
-from .cuda_gemm import variant_of
+from .gemm_scales import variant_of
 from .cuda_gemm_bias import bias_refusal
 from .cuda_gemm_call import geometry
 from .cuda_gemm_tc import refusal

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..dtypes.formats import F32, INT32, Format, Kind
-from ..dtypes.variants import GEMM_VARIANTS, WHOLE, GemmPrecision, Granularity
+from ..dtypes.variants import WHOLE, Granularity
 from ..hlir.symbolic import Dim, prod
 from . import ctypes_map
 from .cuda_body import (IndexExpr, SymbolTable, body_symbols, c_add, c_div, c_index, c_mul, dims_symbols, dot, load_float,
@@ -41,6 +41,7 @@ from .cuda_source import (COMPUTE_TYPES, CUBLAS_ENUMS, ELEMENTWISE_THREADS, ENTR
 from .cuda_gemm_tc import BLOCK_M as TC_BLOCK_M, BLOCK_N as TC_BLOCK_N, THREADS as TC_THREADS, WMMA_HEADER
 from .cuda_gemm_tc import refusal, tensor_core_kernel
 from .cuda_gemv import SKINNY_M, has_decode_path, skinny_block
+from .gemm_scales import own_scales, scale_blocks, static_scales, variant_of
 from .cuda_weight_only import StoredOperand, part_params, stored_formats
 from .llir import Kernel, quantized_a_view
 
@@ -49,10 +50,6 @@ K_TILE = 32    # K per shared-memory stage: a multiple of every mma_k
 SCALE_THREADS = 256
 
 __all__ = ["COMPUTE_TYPES", "CUBLAS_ENUMS", "CUDA_DATA_TYPES", "GemmCall", "render_gemm", "render_quantize"]
-
-
-def variant_of(kernel: Kernel) -> GemmPrecision:
-    return GEMM_VARIANTS[kernel.precision or "f32"]
 
 
 # -- the fallback kernels ------------------------------------------------------------------------------------
@@ -66,37 +63,6 @@ static __device__ __forceinline__ float ln_pow2_scale(double ratio) {
     return ldexpf(1.0f, max(-127, min(127, e)));
 }
 """
-
-
-def scale_blocks(kernel: Kernel, slot: int) -> tuple[tuple[Dim, int], ...]:
-    """The scale blocks of operand `slot` (A: (batch, M, K), B: (batch, K, N)): one per (batch, row block, col
-    block), WHOLE extents and TENSOR granularity collapsing to one; the `_scale<slot>` launch runs a block each."""
-    lay, spec = kernel.layout, (variant_of(kernel).a_scale, variant_of(kernel).b_scale)[slot]
-    nb, rows, cols = (lay.batch, lay.m, lay.k) if slot == 0 else (lay.batch, lay.k, lay.n)
-    tensor = spec.granularity is Granularity.TENSOR
-    return ((1, 1) if tensor else (nb, 1), (1, 1) if spec.block[0] == WHOLE else (rows, spec.block[0]),
-            (1, 1) if spec.block[1] == WHOLE else (cols, spec.block[1]))
-
-
-def own_scales(kernel: Kernel, prequantized: tuple[bool, ...]) -> list[int]:
-    """The operands whose scales the Gemm's own launches compute, in launch order (a pre-quantized operand
-    brings its QUANTIZE kernel's)."""
-    specs = (variant_of(kernel).a_scale, variant_of(kernel).b_scale)
-    return [s for s in (0, 1) if specs[s] is not None and not (prequantized + (False, False))[s]]
-
-
-def static_scales(kernel: Kernel, prequantized: tuple[bool, ...]) -> list[int]:
-    """The own-scaled operands whose scales are static (ScaleSpec.static: a weight's, which the precision rules
-    guarantee): they depend on the weight alone, so they are computed once when the weights are uploaded
-    (KernelSource.at_load), never per step; a runtime refuses one over an operand that is not a weight."""
-    specs = (variant_of(kernel).a_scale, variant_of(kernel).b_scale)
-    return [s for s in own_scales(kernel, prequantized) if specs[s].static]
-
-
-def step_scales(kernel: Kernel, prequantized: tuple[bool, ...]) -> list[int]:
-    """The own-scaled operands whose scales every step computes (dynamic ones: an activation's), in launch order."""
-    static = static_scales(kernel, prequantized)
-    return [s for s in own_scales(kernel, prequantized) if s not in static]
 
 
 class _Writer:

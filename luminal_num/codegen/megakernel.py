@@ -19,7 +19,7 @@ or per channel) runs those scale launches before its body, as entries of their o
 (`QueueOp.prologue`): a launch over an operand written before the kernel starts waits on nothing, any
 other on the op's producers, and the body on every launch before it, whole; the cost model schedules their
 tiles, the emulated scheduler runs the op's CPU body. A static scale (a weight's per-channel scales,
-ScaleSpec.static) is no step work: the runtime writes it once at load (cuda_gemm.static_scales,
+ScaleSpec.static) is no step work: the runtime writes it once at load (gemm_scales.static_scales,
 KernelSource.at_load), as the CPU backend prepares its weight operands once. Under a GEMV, A's per-token
 scales are `private` (blockops.scale_launches): every body tile computes them into its block's own copy
 after any norm it recomputes, so they add no tiles and no hop.
@@ -38,7 +38,7 @@ from typing import Mapping
 from ..hlir.shape import contiguous_strides
 from ..hlir.symbolic import Dim, evaluate
 from .blockops import BlockOp, Partition, ScaleLaunch, block_op, scale_launches
-from .cuda_gemm import static_scales
+from .gemm_scales import static_scales
 from .llir import FAt, FApply, FExpr, FRoundTo, FRowSum, Kernel, KernelKind, Program, load_slots
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..codegen.blockops import Partition, TileCount
-from ..codegen.cuda_gemm import scale_blocks
+from ..codegen.gemm_scales import scale_blocks
 from ..codegen.cuda_weight_only import stored_operand
 from ..codegen.llir import Kernel, Program
 from ..codegen.megakernel import Wait, WorkQueue, wait_counters
