@@ -561,7 +561,7 @@ def test_cublaslt_calls_on_legal_fp8_shapes_follow_the_layout_math(name, case):
     feed = feed_for(program, np.random.default_rng(12))
     stored = {kid: v.reshape(-1) for kid, v in stored_values(program, feed).items()}
     scratch = [Buffer(np.zeros(s.numel({})), False) for s in src.scratch]
-    run_launches(src, call.prologue, program, stored, {}, None, scratch)
+    run_launches(src, src.at_load + call.prologue, program, stored, {}, None, scratch)
     memory = {Arg("scratch", i): s.values for i, s in enumerate(scratch)}
     got = simulate_cublaslt(call, memory, kernel.numel({}))
     ref = stored[kernel.id]

@@ -10,7 +10,7 @@ import dataclasses
 import time
 from types import MappingProxyType
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 import numpy as np
 from tqdm import tqdm
 
@@ -54,10 +54,11 @@ class SearchOptions:
 @dataclass(frozen=True)
 class Exploration:
     """The search's candidates before confirmation: the searcher holding them, its baselines, whether
-    Ctrl-C stopped it."""
+    Ctrl-C stopped it, and the baselines the space could not offer (label -> why: recipes.baselines)."""
     searcher: "Searcher"
     baselines: dict[str, Evaluated]
     interrupted: bool
+    refused_baselines: Mapping[str, str] = MappingProxyType({})
 
 
 class Searcher:
@@ -70,7 +71,6 @@ class Searcher:
         self.seen: dict[Genome, Evaluated] = {}
         self.latency_inputs = latency_inputs
         self.allocation: dict = {}  # per_layer: the Lagrangian vs greedy allocation, which won
-        self.refused_baselines: dict[str, str] = {}  # label -> why the space cannot offer it (recipes.baselines)
         self.deferred_latency: dict[int, Latency | None] = {}  # tentative reject id -> its latency (None: target cannot run it)
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=options.max_candidates, desc="search", unit="cand", disable=not options.progress,
@@ -133,9 +133,9 @@ class Searcher:
 
     def explore(self) -> "Exploration":
         """The search's phases, from the baselines to the mutations (Ctrl-C stops it: the candidates so far)."""
-        interrupted = False
+        interrupted, refused = False, {}
         try:
-            offered, self.refused_baselines = baselines(self.space)
+            offered, refused = baselines(self.space)
             evaluated = {name: self.evaluate(g, Stage.BASELINE, name, force_latency=True) for name, g in offered.items()}
             base = evaluated["FP32 everywhere"]
             self.uniform()
@@ -152,7 +152,7 @@ class Searcher:
             interrupted = True
             evaluated = {e.label: e for e in self.evaluated if e.stage == Stage.BASELINE}
         self.bar.close()
-        return Exploration(self, evaluated, interrupted)
+        return Exploration(self, evaluated, interrupted, MappingProxyType(dict(refused)))
 
     def confirm(self, explored: "Exploration") -> SearchResult:
         """The chosen plan: the front's and the chosen plan's predicted verdicts measured end to end; with
@@ -163,7 +163,7 @@ class Searcher:
             else self.confirm_finalists()
         stats = SearchStats(len(self.evaluated), time.perf_counter() - self.t0, self.judge.summary(),
                             MappingProxyType(dict(BASELINE_SOURCES)), MappingProxyType(dict(self.allocation)),
-                            interrupted, refused_baselines=MappingProxyType(dict(self.refused_baselines)))
+                            interrupted, refused_baselines=explored.refused_baselines)
         return SearchResult(self.evaluated, peers, chosen, stats)
 
     def uniform(self, per_class: int = 2) -> None:
