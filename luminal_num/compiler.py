@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
-import json
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -21,7 +19,6 @@ import numpy as np
 from . import interrupts
 from .codegen.invariance import row_coupled_kernels
 from .codegen.llir import Program
-from .codegen.serialize import program_to_data
 from .error.budget import Budget
 from .error.chunks import ChunkEffects, Propagation
 from .error.headroom import HeadroomEstimate, estimate_headroom
@@ -36,6 +33,7 @@ from .error.reference import Fp64Reference, reference_bytes, references
 from .error.executors import Executor, ExecutorKind, ExecutorSpec
 from .error.ray_pool import RayPool
 from .error.tasks import TaskPool, TaskProgress, TaskTimes
+from .error.verdict import program_key
 from .error.verdict_store import VerdictStore, context_key
 from .hlir.graph import Graph
 from .hlir.partition import Partition, partition
@@ -216,7 +214,7 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
     space = explored.searcher.space
     wide = WidenedPositions(space, source, POSITION_ROWS, ctx.options.offers)
     kept: dict[int, pooled.RowStats] = {}
-    by_program: dict[tuple[int, str], tuple] = {}  # (rows, program digest) -> (verdict, row statistics)
+    by_program: dict[tuple[int, str], tuple] = {}  # (rows, program_key) -> (verdict, row statistics)
 
     def judge(e):
         """A pass over every position, or, where another genome lowered to the same program, its verdict (the
@@ -224,7 +222,7 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
         of the POSITIONS_JUDGED passes on nothing new)."""
         program = e.program if e.program is not None else space.program(e.genome)
         run, on = wide.program(e.genome, program)
-        key, ran = (on.rows, program_digest(run)), False
+        key, ran = (on.rows, program_key(run)), False
         if key not in by_program:
             by_program[key], ran = pooled.judge_positions(run, on.graph.weights, on, ctx.gate, ctx.budget), True
         verdict, kept[e.id] = by_program[key]
@@ -267,11 +265,6 @@ class WidenedPositions:
                     return wide, source
         self.rows_used = max(self.rows_used, own_rows)
         return program, self.source
-
-
-def program_digest(program: Program) -> str:
-    """A digest of everything a program computes with (its serialized LLIR, as a plan file holds it)."""
-    return hashlib.sha256(json.dumps(program_to_data(program), sort_keys=True).encode()).hexdigest()
 
 
 def _kernels(program: Program) -> list[tuple]:

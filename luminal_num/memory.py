@@ -134,14 +134,14 @@ class MemoryPlan:
         workers = self.workers * per_worker if self.workers > 1 else 0
         workers -= sum(_pss(p) for p in _descendants(os.getpid()))  # already counted in what is held
         reading = self.held if self.streaming else 0  # streamed, this process's own runs map a layer at a time
-        room = self.budget - held - max(0, workers) - TRANSIENT * self.largest - max(0, growing) - reading
+        workers, growing, copies = max(0, workers), max(0, growing), TRANSIENT * self.largest
+        room = self.budget - held - workers - copies - growing - reading
         need = MIN_CACHE * self.largest
         if room < need:
-            beside = need + TRANSIENT * self.largest + max(0, workers) + max(0, growing) + reading
-            raise MemoryBudgetError(f"stage {stage} needs {_gb(beside)} beside the {_gb(held)} the compile holds "
-                                    f"(caches' minimum {_gb(need)}, working copies {_gb(TRANSIENT * self.largest)}, "
-                                    f"weights read at once {_gb(reading)}, deviations still to keep "
-                                    f"{_gb(max(0, growing))}, workers {_gb(max(0, workers))}) and its memory budget "
+            raise MemoryBudgetError(f"stage {stage} needs {_gb(self.budget - room + need - held)} beside the "
+                                    f"{_gb(held)} the compile holds (caches' minimum {_gb(need)}, working copies "
+                                    f"{_gb(copies)}, weights read at once {_gb(reading)}, deviations still to keep "
+                                    f"{_gb(growing)}, workers {_gb(workers)}) and its memory budget "
                                     f"is {_gb(self.budget)}: raise --max-memory, or compile fewer layers or "
                                     f"calibration prompts")
         want = self.weight_cache + self.converted_cache
@@ -262,19 +262,18 @@ def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, wo
     sizes = WeightSizes.of(weights)
     total, largest = sizes.total, sizes.largest
     work = (MIN_CACHE + TRANSIENT) * largest  # the caches' minimum and the transient reserve
+    kept = 2 * KEPT_MIN  # the two spilling stores' least shares (MemoryPlan.fit counts them too)
     if streaming is None:
-        streaming = sizes.mapped > 0 and budget < PROCESS_BASE + total + work + 2 * KEPT_MIN
+        streaming = sizes.mapped > 0 and budget < PROCESS_BASE + total + work + kept
     elif streaming and sizes.mapped == 0:
         raise MemoryBudgetError("streaming needs file-backed weights (a memory-mapped checkpoint); these are all in memory")
     held = sizes.held if streaming else total
-    # one process must hold its baseline, the weights (streaming: a layer's and the largest), the caches' minimum,
-    # the transient reserve and the two spilling stores' least shares (MemoryPlan.fit counts them all)
-    floor = PROCESS_BASE + held + work + 2 * KEPT_MIN
+    floor = PROCESS_BASE + held + work + kept  # one process: its baseline, the weights it holds (streaming: a layer's)
     if budget < floor:
         what = f"weights streamed {_gb(held)} of {_gb(total)}" if streaming else f"weights {_gb(total)}"
         raise MemoryBudgetError(f"the compile needs at least {_gb(floor)} (process {_gb(PROCESS_BASE)}, {what}, "
-                                f"working copies of the largest weight {_gb(work)}, kept FP64 values and deviations "
-                                f"{_gb(2 * KEPT_MIN)}); the "
+                                f"working copies of the largest weight {_gb(work)}, kept FP64 values and "
+                                f"deviations {_gb(kept)}); the "
                                 f"memory budget is {_gb(budget)}: raise --max-memory or compile fewer layers")
     worker_cache = min(WORKER_CACHE_MAX, max(2 * largest, 64 << 20))  # the largest weight in two forms
     per_worker = WORKER_BASE + 2 * worker_cache + (held if streaming else 0)  # streamed, each holds its own layer
@@ -284,6 +283,6 @@ def plan_memory(weights: Mapping[str, np.ndarray], budget: int | None = None, wo
     left = budget - PROCESS_BASE - held - (fit * per_worker if fit > 1 else 0) - TRANSIENT * largest
     derived = min((5 if rotation else 3) * total, int(0.6 * left))
     converted = min(2 * total, left - derived)
-    kept = max(KEPT_MIN, min(budget // 16, (left - MIN_CACHE * largest) // 4))
+    share = max(KEPT_MIN, min(budget // 16, (left - MIN_CACHE * largest) // 4))
     return MemoryPlan(budget, total, largest, fit, derived, converted, worker_cache if fit > 1 else 0,
-                      kept, kept, streaming, held)
+                      share, share, streaming, held)

@@ -177,15 +177,15 @@ def test_a_plan_lowering_to_a_program_already_judged_reuses_its_verdict(tiny, mo
     _, model = tiny
     job = _job(model, minimum=16)
     skewed = _Skewed(job.llm.positions, bad=99)
-    monkeypatch.setattr(compiler, "program_digest", lambda program: "one program")
+    monkeypatch.setattr(compiler, "program_key", lambda program: "one program")
     with pytest.raises(BudgetUnreachable) as caught:
         compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration, _options(), positions=skewed)
     assert skewed.passes == 1 and caught.value.result.stats.positions.judged == 1
     assert len(_rejected_on_positions(caught.value.result)) > 1  # the later choices took the cached rejection
 
 
-def test_the_program_digest_tells_programs_apart_and_not_lowerings(tiny):
-    from luminal_num.compiler import program_digest
+def test_the_program_key_tells_programs_apart_and_not_lowerings(tiny):
+    from luminal_num.error.verdict import program_key as program_digest
     from luminal_num.search.recipes import BF16_WEIGHTS, pick
     _, model = tiny
     job = _job(model, minimum=16)

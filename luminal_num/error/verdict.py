@@ -49,11 +49,13 @@ class Verdict:
 
 
 def program_key(program: Program) -> str:
-    """Identity of what runs: kernel kinds, dtypes, precisions, weight storage formats, views, bodies (not
-    names). Storage is part of it (format and fill): two plans that differ only in how a weight is held compute
-    different values."""
+    """Identity of what runs: kernel kinds, dtypes, precisions, weight storage formats, views, bodies, which
+    weights an EXTERNAL reads and how they are derived (concatenated, rotated, smoothed), not labels or
+    provenance. Storage is part of it (format and fill): two plans that differ only in how a weight is held compute
+    different values; so are the derivations (two smoothings of one weight have the same shape and kernels)."""
     items = [(k.kind.value, k.dtype.name, k.precision, k.acc.name if k.acc else None, k.axis, repr(k.body),
-              tuple((i.buffer, i.view.encode()) for i in k.inputs), k.aliases, k.storage, k.fill) for k in program.kernels]
+              tuple((i.buffer, i.view.encode()) for i in k.inputs), k.aliases, k.storage, k.fill,
+              k.external, k.concat, repr(k.rotation), repr(k.smoothing)) for k in program.kernels]
     # a batch-invariant program runs other summation orders (and attention splits): its own key
     invariant = (("batch_invariant", [repr(k.value) for k in program.kernels if k.kind is KernelKind.ATTENTION]),) \
         if program.batch_invariant else ()
