@@ -26,7 +26,8 @@ no step work (written once at load), and a GEMV's A scales are computed by each 
 reports/bench/launch_model.csv, and reports/bench/launch_model_breakdown.csv: per genome, where the megakernel's
 time goes (breakdown_row: the SMs' busy time per block kind over the SMs, `scale` the Gemms' scale launches;
 `idle_us` the SM time spent holding a tile that waits on its barrier, or past the queue's end; the critical
-path and its per-tile overheads).
+path and its per-tile overheads, and per block kind its tiles on that path, the microseconds the path grew by at
+them and the per-tile overhead among those: `critical_<kind>_hops`, `_us`, `_overhead_us`).
 """
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ def breakdown_row(name: str, label: str, mega, sms: int) -> dict:
                busy_over_sms_us=1e6 * mega.busy_fraction * mega.makespan_s,
                idle_us=1e6 * (1 - mega.busy_fraction) * mega.makespan_s)
     row.update({f"busy_{kind}_us": 1e6 * seconds / sms for kind, seconds in mega.busy_by_kind})
+    for kind, hops, seconds, overhead in mega.critical_by_kind:  # what the critical path is made of
+        row.update({f"critical_{kind}_hops": hops, f"critical_{kind}_us": 1e6 * seconds,
+                    f"critical_{kind}_overhead_us": 1e6 * overhead})
     return row
 
 
@@ -110,7 +114,7 @@ def run(layers: int = SMOLLM2.num_hidden_layers, max_cache: int = 256) -> dict:
                   "critical_hops", "overhead_share", "weight_streamed_share", "cache_streamed_share",
                   "chosen_form", "chosen_us", "rank_old", "rank_new", "rank_megakernel", "rank_chosen"]
                  ].round(2).to_string(index=False))
-    with pd.option_context("display.width", 250, "display.max_columns", 30):
+    with pd.option_context("display.width", 250, "display.max_columns", 60):
         print(parts.drop(columns=["model"]).round(2).to_string(index=False))
     print(f"[{time.perf_counter() - start:.1f} s]")
     best_old, best_new = df.loc[df.old_us.idxmin()], df.loc[df.new_us.idxmin()]

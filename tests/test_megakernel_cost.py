@@ -46,6 +46,12 @@ def test_schedule_on_an_idle_h200_is_the_chain_of_barriers():
     assert got.critical_path_s == pytest.approx(y + z + max(r, w), rel=1e-12)
     assert got.total_s == pytest.approx(got.makespan_s + LAUNCH, rel=1e-12)
     assert got.tiles == 3 * TILES + ROWS
+    # what the critical path is made of: y, z, then w (w's 1,920 bytes a tile outlast r's 1,204), all elementwise
+    assert w > r
+    [(kind, hops, seconds, overhead)] = got.critical_by_kind
+    assert (kind, hops) == ("elementwise", 3)
+    assert (seconds, overhead) == (pytest.approx(y + z + w, rel=1e-12),
+                                   pytest.approx(3 * TILE_OVERHEAD_S - 2 * QUEUE_POP_S, rel=1e-12))
 
 
 def test_one_sm_runs_every_tile_in_turn():
@@ -68,6 +74,11 @@ def test_megakernel_never_beats_the_bytes_floor():
     got = megakernel_latency(build_queue(program), program, "h200", bindings)
     assert got.total_s >= moved / ACHIEVED + LAUNCH
     assert got.critical_path_s <= got.makespan_s + 1e-15
+    # the composition per block kind adds up to the critical path, its tiles and its overheads
+    parts = got.critical_by_kind
+    assert len(parts) > 1 and sum(p[1] for p in parts) == got.critical_hops
+    assert sum(p[2] for p in parts) == pytest.approx(got.critical_path_s, rel=1e-9)
+    assert sum(p[3] for p in parts) == pytest.approx(got.critical_overhead_s, rel=1e-9)
 
 
 # -- weights streamed before the wait ---------------------------------------------------------------------------

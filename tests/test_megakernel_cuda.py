@@ -4,6 +4,7 @@ the arguments the interpreter loop's switch passes it, computes what the CPU bac
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -175,14 +176,19 @@ def test_megakernel_compiles_with_nvrtc_for_sm90(genome):
     mega = render_megakernel(program, queue)
     compiled = nvrtc.compile_cuda(mega.source, mega.name, "sm_90")
     assert compiled.cubin and f".entry {ENTRY_NAME}" in compiled.ptx
+    # every inlined body's __shared__ arrays are the persistent block's: within sm_90's 48 KB of static shared memory
+    shared = sum(int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 [\w$]+\[(\d+)\]", compiled.ptx))
+    assert 0 < shared <= 48 * 1024
     kinds = {program.kernel(op.kernel).kind for op in mega.ops}
     assert KernelKind.ROWS in kinds and any(k.is_gemm for k in kinds)
     if "attention" in genome:  # its tiles prefetch their KV-cache rows (codegen/cache_stream.py)
         assert KernelKind.ATTENTION in kinds
         assert {program.kernel(op.kernel).kind for op in mega.ops if op.cache is not None} == {KernelKind.ATTENTION}
-    if genome.startswith("FP8"):  # every Gemm scales A privately in its tiles; B's scales are at-load launches
-        assert {op.entry[-7:] for op in mega.ops if program.kernel(op.kernel).kind.is_gemm and not op.last} == {"_scale0"}
-        assert "ln_mk_run(ops[ops[current].scale_recompute].body" in mega.source
+    if genome.startswith("FP8"):  # every Gemm scales A in its staged body's pass over A; B's scales are at-load
+        gemms = [op for op in mega.ops if program.kernel(op.kernel).kind.is_gemm]
+        assert {op.entry[-7:] for op in gemms if not op.last} == {"_scale0"}
+        assert {op.entry[-7:] for op in gemms if op.last and queue.ops[op.queue_op].prologue} == {"_staged"}
+        assert 8 * 1024 < shared  # 10 KB before the staged copies (4 x 576 + 1536 FP32 values more)
     elif genome != "FP32":  # the Gemms over stored weights inline the dequantize-on-load body
         assert any(src is None for src in mega.sources)
 
@@ -313,11 +319,12 @@ def test_the_loop_table_recomputes_a_one_row_norm_in_its_gemv_tiles():
     assert loop.index("ln_mk_run(ops[ops[current].recompute].body") < loop.index("ln_mk_run(ops[current].body")
 
 
-def test_the_loop_table_has_fp8_gemvs_scale_a_privately_after_their_norm():
-    """FP8 W8A8 one-token layer: every Gemm's A-scale CudaOp has no tiles and no reader waits on it; the body names
-    it (scale_recompute) with its output slot, the Gemm's own scale scratch (scale_slot); a body that also
-    recomputes its norm runs the norm first (the scales read the norm's copy), then the scales, then itself.
-    Nothing computes B's scales in the loop: the at-load launch's scratch is the slot the body reads."""
+def test_the_loop_table_has_fp8_gemvs_scale_a_in_their_staged_body_after_their_norm():
+    """FP8 W8A8 one-token layer: every Gemm's A-scale CudaOp has no tiles and no reader waits on it; the body is the
+    Gemm's `_staged` entry, which computes A's scales in its own pass over A (gemm_scales.staged_a_bytes): it names
+    no second pass (scale_recompute, scale_slot -1) and reads no A-scale scratch; a body that also recomputes its
+    norm runs the norm first (its staged pass reads the norm's copy), then itself. Nothing computes B's scales in
+    the loop: the at-load launch's scratch is the slot the body reads."""
     program = _smollm2_layer(STORAGE_RECIPES["FP8 W8A8 dynamic per-token"])
     queue = build_queue(program)
     mega = render_megakernel(program, queue)
@@ -330,9 +337,10 @@ def test_the_loop_table_has_fp8_gemvs_scale_a_privately_after_their_norm():
         if i in scale_ops:
             assert row[2] == 0 and mega.ops[i].entry.endswith("_scale0")
         elif queue.ops[op.queue_op].prologue:  # an FP8 projection (attention's own Gemms are not scaled)
-            assert row[20] in scale_ops and mega.ops[row[20]].kernel == op.kernel
-            assert row[21] == mega.ops[row[20]].arg_slots[0] and uses[row[21]].kernel == op.kernel
-            assert row[21] in op.arg_slots  # the body reads that slot: redirected to the block's copy
+            assert [p.staged for p in queue.ops[op.queue_op].prologue] == [True] and op.entry.endswith("_staged")
+            assert (row[20], row[21]) == (-1, -1)
+            scale0 = next(mega.ops[j].arg_slots[0] for j in scale_ops if mega.ops[j].kernel == op.kernel)
+            assert uses[scale0].kernel == op.kernel and scale0 not in op.arg_slots  # its scales stay in shared memory
             assert [a.entry[-7:] for a in mega.sources[i].at_load] == ["_scale1"]
             scale1 = next(u.slot for u in mega.uses if u.kernel == op.kernel and u.index == 1)
             assert scale1 in op.arg_slots  # B's scales: the scratch the at-load launch wrote, read as it is
@@ -341,10 +349,9 @@ def test_the_loop_table_has_fp8_gemvs_scale_a_privately_after_their_norm():
         else:
             assert (row[20], row[21]) == (-1, -1)
     assert both == 3 and scaled == 5  # QKV, O, gate-up, down, the LM head; 3 of them behind a recomputed norm
-    assert mega.private_scale_bytes(queue, {}) == 4  # one token: one FP32 scale
+    assert mega.private_scale_bytes(queue, {}) == 0  # no second copy: the scales live in the body's shared memory
     loop = mega.source[mega.source.index(f"void __launch_bounds__({1024}) {ENTRY_NAME}("):]
-    assert loop.index("ln_mk_run(ops[ops[current].recompute].body") < \
-        loop.index("ln_mk_run(ops[ops[current].scale_recompute].body") < loop.index("ln_mk_run(ops[current].body")
+    assert loop.index("ln_mk_run(ops[ops[current].recompute].body") < loop.index("ln_mk_run(ops[current].body")
 
 
 # -- KV-cache rows streamed before the wait (codegen/cache_stream.py) --------------------------------------------
@@ -395,7 +402,7 @@ def test_an_attention_tile_prefetches_exactly_the_cache_bytes_its_body_reads():
             prefetched = {first + j * between + b for j in range(keys) for b in range(per_key)}
             assert read_bytes == prefetched, (row, slot, sorted(read_bytes ^ prefetched)[:4])
             lines = {b // 128 for b in prefetched}
-            loop_lines = set()  # what the loop's line walk touches (megakernel_cuda._LOOP), per key
+            loop_lines = set()  # what the loop's line walk touches (megakernel_loop.LOOP), per key
             for j in range(keys):
                 lo = first + j * between
                 loop_lines |= {lo // 128 + q for q in range(-(-per_key // 128) + 1) if (lo // 128 + q) * 128 < lo + per_key}
@@ -428,12 +435,11 @@ def test_only_an_attention_reading_a_cache_streams_it():
 def test_the_runtime_tables_have_the_loops_struct_layouts():
     """The numpy records the runtime uploads (runtime/cuda_megakernel.py) name the loop's C struct fields in
     order, with C sizes (8 bytes for long long, 4 for int) and C alignment (align=True pads as C does)."""
-    from luminal_num.codegen.megakernel_cuda import _LOOP
+    from luminal_num.codegen.megakernel_loop import LOOP
     from luminal_num.runtime.cuda_megakernel import OP_DTYPE, PREFETCH_DTYPE, SPAN_DTYPE, WAIT_DTYPE
-    import re
     for struct, dtype in (("LnMkOp", OP_DTYPE), ("LnMkWait", WAIT_DTYPE), ("LnMkPrefetch", PREFETCH_DTYPE),
                           ("LnMkSpan", SPAN_DTYPE)):
-        body = re.search(r"struct %s \{(.*?)\};" % struct, _LOOP, re.S).group(1)
+        body = re.search(r"struct %s \{(.*?)\};" % struct, LOOP, re.S).group(1)
         fields = []
         for decl in body.split(";"):
             decl = decl.strip()

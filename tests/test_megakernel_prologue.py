@@ -48,29 +48,37 @@ def _roofline(nbytes: float, flops: float) -> float:
     return max(nbytes / (ACHIEVED / SMS), flops / (FP32_SIMT / SMS))
 
 
-def test_a_weights_static_scales_are_no_step_work_and_a_gemvs_a_scales_are_private():
-    """N = 256, K = 64, one token, on an idle H200 of 1000 SMs. B's per-channel scales are static (W is a weight):
-    the Gemm's at-load launch writes them (KernelSource.at_load), the step runs no launch for them. A's
-    per-token scale under a GEMV is private: no tiles, no hop; each of the body's 16 tiles first runs the scale
-    body on its SM (reading y's 64 FP32, a max each, one scale written), after y, then its own rest."""
+@pytest.mark.parametrize("k", [64, 4096])
+def test_a_weights_static_scales_are_no_step_work_and_a_gemvs_a_scales_are_private(k):
+    """N = 256, one token, on an idle H200 of 1000 SMs. B's per-channel scales are static (W is a weight): the Gemm's
+    at-load launch writes them (KernelSource.at_load), the step runs no launch for them. A's per-token scale under a
+    GEMV is private: no tiles, no hop. K = 64: A's 256 bytes fit the staged copy (gemm_scales.STAGE_BYTES), so each
+    of the body's 16 tiles takes the amax in its own pass over A: a max per element on its SM and no byte more.
+    K = 4096: 16 KB do not fit; each tile first runs the scale body on its SM (reading y's K FP32, a max each, one
+    scale written), after y, then its own rest."""
     from luminal_num.codegen.cuda_kernels import render_kernel
-    n, k = 256, 64
+    from luminal_num.codegen.gemm_scales import STAGE_BYTES
+    n = 256
+    staged = 4 * k <= STAGE_BYTES
     program = fp8_gemv(n, k)
     sm_many = dataclasses.replace(get_target("h200"), name="h200_1000_sms", sm_count=SMS)
     queue = build_queue(program)
     gemm = queue.ops[-1]
-    assert [(p.slot, p.ready, p.private) for p in gemm.prologue] == [(0, False, True)]
+    assert [(p.slot, p.ready, p.private, p.staged) for p in gemm.prologue] == [(0, False, True, staged)]
     src = render_kernel(program.kernel(3), program)
     assert [launch.entry[-7:] for launch in src.launches] == ["_scale0", src.name[-7:]]
     assert [launch.entry[-7:] for launch in src.at_load] == ["_scale1"] and src.at_load[0].entry in src.entries
+    assert [launch.entry[-7:] for launch in src.staged] == (["_staged"] if staged else [])
     got = megakernel_latency(queue, program, sm_many, {})
-    assert got.tiles == 1 + 16
+    y_tiles = -(-k // 256)  # the elementwise y: 256 elements per tile
+    assert got.tiles == y_tiles + 16
     works = kernel_works(program, {}, LaunchForm.MEGAKERNEL)
     a_bytes = k * 4
-    assert got.bytes_moved - sum(w.bytes_moved for w in works) == a_bytes + 4  # A's amax pass, counted once
-    y_end = _roofline(2 * k * 4, k) + TILE_OVERHEAD_S
+    # A's amax pass, counted once, where it is a pass of its own; staged, A is the body's (read once)
+    assert got.bytes_moved - sum(w.bytes_moved for w in works) == (0 if staged else a_bytes + 4)
+    y_end = _roofline(2 * k * 4 / y_tiles, k / y_tiles) + TILE_OVERHEAD_S
     body = tile_times(works[-1], 16, sm_many, n * k * 4)  # its own W rows streamed before the wait
-    scale = _roofline(a_bytes + 4, k)  # the scale body on the tile's SM
+    scale = _roofline(0 if staged else a_bytes + 4, k)  # the scale's work on the tile's SM
     assert got.makespan_s == pytest.approx(max(PRE_WAIT_S + body.weight_s, max(QUEUE_POP_S, y_end) + POST_WAIT_S
                                                + body.rest_s + scale), rel=1e-12)
     assert "scale" not in dict(got.busy_by_kind)
@@ -194,10 +202,10 @@ def test_the_wide_head_gives_the_same_bits_at_both_grids_and_in_the_emulator():
 
 
 def test_fp8_gemms_on_the_wide_head_compute_what_the_cpu_backend_computes():
-    """FP8 W8A8 (per-token A, static per-channel B) on the wide head: the loop runs A's scale launch only inside
-    the GEMV tiles (one virtual block, no tiles of its own), B's scales come from the at-load launch (run first
-    into the same scratch slot), then the body; each Gemm's output from the CUDA interpreter matches the CPU
-    backend within an FP32 sum's envelope."""
+    """FP8 W8A8 (per-token A, static per-channel B) on the wide head: the loop runs no tile of A's scale launch
+    (its GEMV bodies are the staged entries, computing A's scales in their pass over A), B's scales come from the
+    at-load launch (run first into the same scratch slot), then the body; each Gemm's output from the CUDA
+    interpreter matches the CPU backend within an FP32 sum's envelope, and the emulated scheduler's the plan's."""
     import numpy as np
     from luminal_num.codegen.megakernel_cuda import render_megakernel
     from luminal_num.runtime.cpu import bind_program
@@ -221,40 +229,73 @@ def test_fp8_gemms_on_the_wide_head_compute_what_the_cpu_backend_computes():
         envelope = int(k.layout.k) * 2.0 ** -23 * (float(np.max(np.abs(ref))) + 1.0) * 2
         np.testing.assert_allclose(got[kid], ref, rtol=0, atol=max(envelope, _tolerance(k, ref, bindings)),
                                    err_msg=f"kernel {kid}")
+    # the staged bodies run in the loop's table (no second pass), and the emulated scheduler over the queue gives
+    # the kernel-by-kernel plan's outputs bit for bit
+    scaled = [i for i, o in enumerate(mega.ops) if o.last and queue.ops[o.queue_op].prologue]
+    assert scaled and all(mega.ops[i].entry.endswith("_staged") and rows[i][20] == -1 for i in scaled)
+    from luminal_num.runtime.cpu import CpuRuntime
+    from luminal_num.runtime.megakernel_emulator import MegakernelEmulator, bit_identical
+    reference = CpuRuntime(program, model.graph.weights).run(inputs).outputs
+    emulator = MegakernelEmulator(program, queue, model.graph.weights, inputs)
+    for seed in range(4):
+        run = emulator.run(seed, sms=(2, 132)[seed % 2])
+        assert not run.violations and run.deadlock is None and bit_identical(run.outputs, reference)
 
 
-def test_private_a_scales_in_one_block_give_the_separate_launchs_bits():
-    """4 tokens through the GEMV: A's per-token scales computed as the one virtual block each tile runs
-    privately, and at the scale launch's own grid of 4 blocks (a block per token), give the same Gemm output bit
-    for bit (each scale is one block's amax reduction and one rounding either way); the output matches the CPU
-    backend within an FP32 sum's envelope. The loop's table has the body tiles run it (scale_recompute) into
-    their second copy, sized for the 4 scales."""
+def _unstaged(queue):
+    """The queue with every staged scale launch a private second pass again (the form before folding)."""
+    from luminal_num.codegen.megakernel import WorkQueue
+    return WorkQueue(tuple(dataclasses.replace(op, prologue=tuple(dataclasses.replace(p, staged=False)
+                                                                  for p in op.prologue)) for op in queue.ops))
+
+
+@pytest.mark.parametrize("m", [4, 6])
+def test_a_gemvs_staged_a_scales_give_the_separate_launchs_bits(m):
+    """m tokens through the GEMV (4: the decode path; 6: the tiled loops), one row all zeros (scale 1), the others
+    of magnitudes 1 to 30: the staged body (A loaded once into shared memory, each token's amax taken as it loads,
+    its scale by the scale launch's expression) and the scale launch at its own grid of m blocks (a block per token)
+    followed by the plain body give the same Gemm output bit for bit (an exact max, the same rounding). The staged
+    body is run without the tileless scale launch: it reads no scale scratch. Both match the CPU backend within an
+    FP32 sum's envelope. The loop's table gives the staged body no second pass (scale_recompute -1, no second
+    copy); before folding (_unstaged) it ran the scale body into its second copy, sized for the m scales."""
     import numpy as np
     from luminal_num.codegen.megakernel_cuda import render_megakernel
     from luminal_num.runtime.cpu import bind_program
     from test_cuda_codegen import stored_values
     from test_megakernel_cuda import _run_ops
-    n, k, m = 256, 64, 4
+    n, k = 256, 64
     program = fp8_gemv(n, k, m)
     rng = np.random.default_rng(7)
-    x = (rng.standard_normal((m, k)) * np.array([[1.0], [30.0], [1e-3], [4.0]])).astype(np.float32)
+    magnitudes = np.array([[1.0], [30.0], [0.0], [4.0], [1e-3], [0.25]])[:m]
+    x = (rng.standard_normal((m, k)) * magnitudes).astype(np.float32)
     feed = {"x": x, "w": rng.standard_normal((n, k)).astype(np.float32)}
-    queue = build_queue(program)
-    mega = render_megakernel(program, queue)
-    scale = next(o for o in mega.ops if not o.last)
-    assert scale.grid == (((1, 1),),) and scale.entry.endswith("_scale0")
-    rows, waits = mega.table(queue, {})
-    body = next(i for i, o in enumerate(mega.ops) if o.kernel == 3 and o.last)
-    assert rows[mega.ops.index(scale)][2] == 0 and rows[body][20:22] == (mega.ops.index(scale), scale.arg_slots[0])
-    assert mega.ops.index(scale) not in {w[0] for w in waits[rows[body][11]:rows[body][12]]}
-    assert mega.private_scale_bytes(queue, {}) == 4 * m
     bindings = bind_program(program, feed)
     stored = stored_values(program, feed, {"w": feed["w"]})
-    private = _run_ops(mega, program, stored, bindings, feed, only={3})[3]
-    own = dataclasses.replace(scale, grid=(((m, 1),),))
-    separate = _run_ops(dataclasses.replace(mega, ops=tuple(own if o is scale else o for o in mega.ops)),
+    queue = build_queue(program)
+    assert [(p.private, p.staged) for p in queue.ops[-1].prologue] == [(True, True)]
+    mega = render_megakernel(program, queue)
+    scale = next(o for o in mega.ops if not o.last)
+    body = next(i for i, o in enumerate(mega.ops) if o.kernel == 3 and o.last)
+    assert mega.ops[body].entry.endswith("_staged") and scale.arg_slots[0] not in mega.ops[body].arg_slots
+    rows, waits = mega.table(queue, {})
+    assert rows[mega.ops.index(scale)][2] == 0 and rows[body][20:22] == (-1, -1)
+    assert mega.private_scale_bytes(queue, {}) == 0
+    keep = [i for i, o in enumerate(mega.ops) if o is not scale]
+    alone = dataclasses.replace(mega, ops=tuple(mega.ops[i] for i in keep), sources=tuple(mega.sources[i] for i in keep))
+    staged = _run_ops(alone, program, stored, bindings, feed, only={3})[3]
+
+    before = _unstaged(queue)
+    old = render_megakernel(program, before)
+    old_scale = next(o for o in old.ops if not o.last)
+    old_rows, _ = old.table(before, {})
+    old_body = next(i for i, o in enumerate(old.ops) if o.kernel == 3 and o.last)
+    assert old_rows[old_body][20:22] == (old.ops.index(old_scale), old_scale.arg_slots[0])
+    assert old.private_scale_bytes(before, {}) == 4 * m
+    own = dataclasses.replace(old_scale, grid=(((m, 1),),))  # the launch's own grid: a block per token
+    separate = _run_ops(dataclasses.replace(old, ops=tuple(own if o is old_scale else o for o in old.ops)),
                         program, stored, bindings, feed, only={3})[3]
-    np.testing.assert_array_equal(private, separate)
-    ref = stored[3].reshape(private.shape)
+    np.testing.assert_array_equal(staged, separate)
+    ref = stored[3].reshape(staged.shape)
+    assert not ref[2].any()  # the zero token (scale 1) gives zeros
     envelope = k * 2.0 ** -23 * (float(np.max(np.abs(ref))) + 1.0) * 2
-    np.testing.assert_allclose(private, ref, rtol=0, atol=envelope)
+    np.testing.assert_allclose(staged, ref, rtol=0, atol=envelope)

@@ -113,7 +113,7 @@ def test_inlined_gemm_tiles_are_the_tiled_bodys_16x16_blocks():
 
 def test_fp8_gemm_scale_launches_by_hand():
     """FP8 W8A8 (per-token A, static per-channel B): each projection of a one-token SmolLM2 decode is a GEMV, so
-    A's scale launch is private (each body tile computes it: no tiles of its own); B's per-channel scales depend
+    A's scale launch is private and staged (each body tile computes it in its pass over A: no tiles of its own); B's per-channel scales depend
     on the weight alone and are no step work at all (the Gemm's at-load launch writes them once), so the loop
     runs one scale CudaOp of 0 tiles and the body."""
     program, queue, bindings, launches = _launch_tiles("SmolLM2-135M decode", "FP8 W8A8 dynamic per-token")
@@ -123,8 +123,9 @@ def test_fp8_gemm_scale_launches_by_hand():
         if not (k.kind.is_gemm and evaluate(k.layout.batch, bindings) == 1):
             continue
         n = evaluate(k.shape[-1], bindings)
-        assert [(p.slot, p.ready, p.private) for p in op.prologue] == [(0, False, True)]
-        assert [(t, e[-7:]) for t, e in launches[i][:-1]] == [(0, "_scale0")]
+        # one token's 576 or 1536 FP32 values fit the staged copy: the body's own pass over A computes the scale
+        assert [(p.slot, p.ready, p.private, p.staged) for p in op.prologue] == [(0, False, True, True)]
+        assert [(t, e[-7:]) for t, e in launches[i][:-1]] == [(0, "_scale0")] and launches[i][-1][1][-7:] == "_staged"
         assert [launch.entry[-7:] for launch in render_kernel(k, program).at_load] == ["_scale1"]
         seen.add(n)
     assert {960, 576, 49152} <= seen

@@ -32,7 +32,7 @@ from typing import Mapping
 from ..hlir.symbolic import Dim, evaluate, prod
 from ..quant.storage import STORAGE_FORMATS
 from .attention import score_shape
-from .gemm_scales import scale_blocks, step_scales
+from .gemm_scales import scale_blocks, staged_a_bytes, step_scales
 from .cuda_gemm_epilogue import glu_offsets
 from .cuda_source import ELEMENTWISE_THREADS
 from .cuda_weight_only import TILE as BODY_TILE
@@ -181,12 +181,19 @@ class ScaleLaunch:
     """One of a Gemm's own operand-scale launches as the megakernel runs it: the operand `slot`, its `tiles`,
     whether that operand is written before the kernel starts (`ready`: an input), so the launch waits on
     nothing, and whether the body's tiles each compute it privately (`private`: A's scales under a GEMV, whose
-    every tile reads all of A; `tiles` is then the one virtual block each runs, over every scale block)."""
+    every tile reads all of A; `tiles` is then the one virtual block each runs, over every scale block), and
+    whether they do so inside their own pass over A (`staged`: the Gemm's `_staged` body loads A once into shared
+    memory, taking the amax as it loads: gemm_scales.staged_a_bytes), not as a second pass before the body."""
 
     slot: int
     tiles: TileCount
     ready: bool = False
     private: bool = False  # no tiles of its own: every body tile runs it first into its block's own copy
+    staged: bool = False   # private, and folded into the body's one pass over A (no run of the launch's body)
+
+    def __post_init__(self):
+        if self.staged and not self.private:
+            raise ValueError(f"scale launch over operand {self.slot}: only a private launch folds into its body")
 
 
 def scale_launches(k: Kernel, prequantized: tuple[bool, ...], ready: tuple[bool, ...]) -> tuple[ScaleLaunch, ...]:
@@ -199,13 +206,16 @@ def scale_launches(k: Kernel, prequantized: tuple[bool, ...], ready: tuple[bool,
     GEMV (at most GEMV_MAX_ROWS rows, every tile reading all of them) A's scales are `private`: each body tile
     runs the launch's body as one virtual block, every scale block in turn, into its block's own copy (the same
     block reduction per scale block, so the same bits), as a one-row norm is recomputed (QueueOp.recomputes):
-    no tiles, and no barrier hop in front of the Gemm."""
+    no tiles, and no barrier hop in front of the Gemm. Where A's staged copy fits (gemm_scales.staged_a_bytes) the
+    launch is also `staged`: the body's own pass over A computes the scales (an exact max, the same expression:
+    the same bits), so a tile reads A once, not twice."""
     out = []
     gemv = _is_gemv(k)
     for slot in step_scales(k, prequantized):
         blocks = TileCount(scale_blocks(k, slot))
         if slot == 0 and gemv:  # A's scales read only A, all of which every GEMV tile reads: each computes them
-            out.append(ScaleLaunch(slot, TileCount(((1, 1),)), ready[slot], private=True))
+            out.append(ScaleLaunch(slot, TileCount(((1, 1),)), ready[slot], private=True,
+                                   staged=staged_a_bytes(k, prequantized) is not None))
             continue
         if all(isinstance(d, int) for d, _ in blocks.factors):
             blocks = TileCount(((min(blocks.evaluate({}), FILL_SMS), 1),))

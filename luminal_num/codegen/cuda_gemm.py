@@ -8,8 +8,12 @@ cuBLASLt's bias epilogue, codegen/cuda_gemm_bias.py). Per-tensor FP8
 goes through cuBLASLt: the same scale kernels, then quantize kernels writing both operands K-contiguous.
 Beside the tiled entry, where codegen/cuda_gemm_tc.refusal gives no reason, the same source carries the
 tensor-core entry (<name>_tc, KernelSource.tensor_core's launches): the same arguments, loads (`_load`),
-accumulator term (`_Writer.result_term`), epilogue and store around a WMMA K loop; the runtime launches
-whichever codegen/cuda_dispatch picks at the bound sizes.
+accumulator term (`GemmWriter.result_term`), epilogue and store around a WMMA K loop; the runtime launches
+whichever codegen/cuda_dispatch picks at the bound sizes. A Gemm whose A scales a step computes and whose A fits
+a shared-memory copy (gemm_scales.staged_a_bytes) also carries the `_staged` entry (KernelSource.staged): the tiled
+kernel with A and its scales read from copies its first statements make in one pass over A
+(cuda_gemm_operands.stage_a), for the megakernel's GEMV tiles, which would otherwise read A twice. The operands'
+index math and the scale kernels are codegen/cuda_gemm_operands.py.
 
 A B held in a storage format (`stored`: cuda_weight_only.stored_operand) is read as its stored parts
 (Arg role "part": packed codes, scales), each element widened in registers by the format's own
@@ -28,12 +32,10 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from ..dtypes.formats import F32, INT32, Format, Kind
-from ..dtypes.variants import WHOLE, Granularity
+from ..dtypes.formats import F32, INT32, Format
 from ..hlir.symbolic import Dim, prod
 from . import ctypes_map
-from .cuda_body import (IndexExpr, SymbolTable, body_symbols, c_add, c_div, c_index, c_mul, dims_symbols, dot, load_float,
-                        round_expr, row_major_strides, store, unravel, view_index, view_symbols)
+from .cuda_body import IndexExpr, SymbolTable, c_index, dot, round_expr, row_major_strides, store
 from .cuda_gemm_bias import bias_call
 from .cuda_gemm_call import CUDA_DATA_TYPES, cublas_call, geometry, lt_call, lt_capable
 from .cuda_source import (COMPUTE_TYPES, CUBLAS_ENUMS, ELEMENTWISE_THREADS, ENTRY, REDUCE_HELPERS, SCALES_SCRATCH, Arg,
@@ -41,11 +43,11 @@ from .cuda_source import (COMPUTE_TYPES, CUBLAS_ENUMS, ELEMENTWISE_THREADS, ENTR
 from .cuda_gemm_tc import BLOCK_M as TC_BLOCK_M, BLOCK_N as TC_BLOCK_N, THREADS as TC_THREADS, WMMA_HEADER
 from .cuda_gemm_tc import refusal, tensor_core_kernel
 from .cuda_gemv import SKINNY_M, has_decode_path, skinny_block
-from .gemm_scales import own_scales, scale_blocks, static_scales, variant_of
-from .cuda_weight_only import StoredOperand, part_params, stored_formats
+from .gemm_scales import own_scales, staged_a_bytes, static_scales
+from .cuda_gemm_operands import SCALE_HELPER, TILE, GemmWriter, quant_kernel, scale_kernel, stage_a
+from .cuda_weight_only import StoredOperand, stored_formats
 from .llir import Kernel, quantized_a_view
 
-TILE = 16      # output rows and columns per block (16 x 16 threads)
 K_TILE = 32    # K per shared-memory stage: a multiple of every mma_k
 SCALE_THREADS = 256
 
@@ -54,173 +56,7 @@ __all__ = ["COMPUTE_TYPES", "CUBLAS_ENUMS", "CUDA_DATA_TYPES", "GemmCall", "rend
 
 # -- the fallback kernels ------------------------------------------------------------------------------------
 
-SCALE_HELPER = r"""
-// E8M0 scale: 2^ceil(log2(ratio)), exponent clamped to [-127, 127] (luminal_num.quant.scales).
-static __device__ __forceinline__ float ln_pow2_scale(double ratio) {
-    int e;
-    const double mantissa = frexp(ratio, &e);
-    if (mantissa == 0.5) e -= 1;
-    return ldexpf(1.0f, max(-127, min(127, e)));
-}
-"""
-
-
-class _Writer:
-    """Index math of one Gemm (or QUANTIZE) kernel: operands as (batch, rows, cols) over the Mul's full
-    shape. `prequantized[slot]`: that input is a QUANTIZE kernel's q, to be read as it is; `stored`: B's
-    storage format when B is read as its stored parts (cuda_weight_only.stored_operand)."""
-
-    def __init__(self, kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...] = (False, False),
-                 invariant: bool = False, stored: StoredOperand | None = None):
-        self.k, self.formats, self.variant = kernel, formats, variant_of(kernel)
-        self.prequantized = prequantized
-        self.stored = stored
-        self.invariant = invariant  # a batch-invariant program: one summation order for every M
-        lay = kernel.layout
-        names = dims_symbols(lay.full_shape).union(*(view_symbols(inp.view) for inp in kernel.inputs),
-                                                   body_symbols(kernel.body))
-        self.table = SymbolTable.of(names)
-        self.lay = lay
-        self.specs = (self.variant.a_scale, self.variant.b_scale)
-        self.op_formats = (self.variant.a_format, self.variant.b_format)
-
-    def dim(self, d: Dim) -> IndexExpr:
-        return self.table.dim(d)
-
-    def extents(self, slot: int) -> tuple[Dim, Dim, Dim]:
-        lay = self.lay
-        return (lay.batch, lay.m, lay.k) if slot == 0 else (lay.batch, lay.k, lay.n)
-
-    def full_coords(self, b: IndexExpr, m: IndexExpr, n: IndexExpr, k: IndexExpr) -> list[IndexExpr]:
-        lay, full = self.lay, self.lay.full_shape
-        coords: list[IndexExpr] = [0] * len(full)
-        for axes, linear in ((lay.batch_axes, b), (lay.m_axes, m), (lay.n_axes, n)):
-            for axis, c in zip(axes, unravel(linear, [self.dim(full[a]) for a in axes])):
-                coords[axis] = c
-        coords[lay.k_axis] = k
-        return coords
-
-    def element(self, slot: int, b: IndexExpr, row: IndexExpr, col: IndexExpr) -> str:
-        """Operand `slot` at (batch, row, col) as float (a stored B: its element (col, row) of the (N, K)
-        weight, dequantized from the stored parts)."""
-        if slot == 1 and self.stored is not None:
-            return self.stored.element(int(self.lay.n), int(self.lay.k), f"({c_index(col)})", f"({c_index(row)})")
-        coords = self.full_coords(b, row, 0, col) if slot == 0 else self.full_coords(b, 0, col, row)
-        at = view_index(self.k.inputs[slot].view, coords, self.table)
-        return load_float(self.formats[slot], f"in{slot}[{c_index(at.pos)}]")
-
-    # -- scales: one per (batch, row block, col block); WHOLE extents and TENSOR collapse to one --------
-    def scale_blocks(self, slot: int) -> tuple[tuple[Dim, int], ...]:
-        return scale_blocks(self.k, slot)
-
-    def scale_counts(self, slot: int) -> list[IndexExpr]:
-        out: list[IndexExpr] = []
-        for d, block in self.scale_blocks(slot):
-            e = self.dim(d)
-            out.append(-(-e // block) if isinstance(e, int) else (e if block == 1 else f"ln_ceil_div({e}, {block})"))
-        return out
-
-    def scale_index(self, slot: int, b: IndexExpr, row: IndexExpr, col: IndexExpr) -> IndexExpr:
-        spec = self.specs[slot]
-        _, rows_count, cols_count = self.scale_counts(slot)
-        b_term = 0 if spec.granularity is Granularity.TENSOR else b
-        r_term = 0 if spec.block[0] == WHOLE else c_div(row, spec.block[0])
-        c_term = 0 if spec.block[1] == WHOLE else c_div(col, spec.block[1])
-        return c_add(c_mul(c_add(c_mul(b_term, rows_count), r_term), cols_count), c_term)
-
-    def scale_value(self, slot: int, b: IndexExpr, row: IndexExpr, col: IndexExpr) -> str:
-        if self.specs[slot] is None:
-            return "1.0f"
-        return f"scale{slot}[{c_index(self.scale_index(slot, b, row, col))}]"
-
-    def quantized(self, slot: int, x: str, scale: str) -> str:
-        """What the MMA sees of one operand element: x (or x / s) rounded to the operand format; a
-        pre-quantized operand's x is that already."""
-        fmt, spec = self.op_formats[slot], self.specs[slot]
-        value = x if spec is None else f"__fdiv_rn({x}, {scale})"
-        if self.prequantized[slot]:
-            q = x
-        elif fmt.kind is Kind.INT:
-            low, high = -fmt.max_finite - 1, fmt.max_finite
-            q = f"fminf(fmaxf(rintf({value}), {low!r}f), {high!r}f)"
-        else:
-            q = round_expr(fmt, value) if fmt is not F32 else value
-        if spec is not None and self.variant.scales_per_product and not self.variant.grouped:
-            q = f"__fmul_rn({q}, {scale})"  # power-of-two scales: exact on the operand
-        return q
-
-    def result_term(self, k: IndexExpr) -> str:
-        """A chunk's accumulator `acc` as it enters `total` (the tiled kernel and the tensor-core one): int32
-        to float, times fl32(sa * sb) where the scales are not applied per product (K index `k`)."""
-        part = "static_cast<float>(static_cast<int>(acc))" if self.variant.acc_format is INT32 else "acc"
-        if not any(self.specs) or self.variant.scales_per_product:
-            return part
-        return f"__fmul_rn({part}, __fmul_rn({self.scale_value(0, 'bz', 'ms', k)}, {self.scale_value(1, 'bz', k, 'ns')}))"
-
-    def dyn_param(self) -> list[str]:
-        return ["const long long* __restrict__ dyn_dims"] if self.table.symbols else []
-
-    def in_param(self, slot: int) -> str:
-        if slot == 1 and self.stored is not None:
-            return ", ".join(part_params(self.stored.fmt))
-        return f"const {ctypes_map.cuda_type(self.formats[slot])}* __restrict__ in{slot}"
-
-    def operand_args(self, slot: int) -> tuple[Arg, ...]:
-        """The pointer arguments in_param(slot) declares."""
-        if slot == 1 and self.stored is not None:
-            return tuple(Arg("part", i) for i in range(len(self.stored.fmt.parts)))
-        return (Arg("in", slot),)
-
-
-def _scale_kernel(w: _Writer, slot: int) -> str:
-    spec, fmt = w.specs[slot], w.op_formats[slot]
-    nb, rows, cols = (c_index(w.dim(d)) for d in w.extents(slot))
-    counts = [c_index(c) for c in w.scale_counts(slot)]
-    spans = [nb if spec.granularity is Granularity.TENSOR else "1",
-             rows if spec.block[0] == WHOLE else str(spec.block[0]),
-             cols if spec.block[1] == WHOLE else str(spec.block[1])]
-    ratio = (f"static_cast<double>(amax) * {ctypes_map.c_float_literal(spec.margin, 'double')} / "
-             f"{ctypes_map.c_float_literal(fmt.max_finite, 'double')}")
-    scale = f"ln_pow2_scale({ratio})" if spec.scale_format.kind is Kind.SCALE else \
-        f"static_cast<float>(fmax({ratio}, {ctypes_map.c_float_literal(F32.min_normal, 'double')}))"
-    params = ", ".join(["float* __restrict__ scale", w.in_param(slot)] + w.dyn_param())
-    x = w.element(slot, "b", "row", "col")
-    return (f'extern "C" __global__ void {ENTRY}_scale{slot}({params}) {{\n'
-            f"    const long long NB = {nb}, R = {rows}, C = {cols};\n"
-            f"    const long long SB = {counts[0]}, SR = {counts[1]}, SC = {counts[2]};\n"
-            f"    const long long BB = {spans[0]}, BR = {spans[1]}, BC = {spans[2]};\n"
-            "    for (long long s = blockIdx.x; s < SB * SR * SC; s += gridDim.x) {\n"
-            "        const long long sb = s / (SR * SC), sr = (s / SC) % SR, sc = s % SC;\n"
-            "        const long long nb = min(BB, NB - sb * BB), nr = min(BR, R - sr * BR), nc = min(BC, C - sc * BC);\n"
-            "        float amax = 0.0f;\n"
-            "        for (long long e = threadIdx.x; e < nb * nr * nc; e += blockDim.x) {\n"
-            "            const long long b = sb * BB + e / (nr * nc), row = sr * BR + (e / nc) % nr, col = sc * BC + e % nc;\n"
-            f"            const float x = {x};\n"
-            "            amax = LnMax::apply(amax, isfinite(x) ? fabsf(x) : 0.0f);\n        }\n"
-            "        amax = ln_block_reduce<LnMax>(amax, 0.0f);\n"
-            f"        if (threadIdx.x == 0) scale[s] = (amax > 0.0f) ? {scale} : 1.0f;\n    }}\n}}\n")
-
-
-def _quant_kernel(w: _Writer, slot: int, entry: str | None = None) -> str:
-    """An 8-bit operand written K-contiguous: A as (batch, M, K), B as (batch, N, K); x / s rounded to
-    nearest even, saturating (luminal_num.quant)."""
-    fmt = w.op_formats[slot]
-    nb, rows, cols = (c_index(w.dim(d)) for d in w.extents(slot))
-    outer, k = ("M", "K") if slot == 0 else ("N", "K")
-    at = ("b", "o", "k") if slot == 0 else ("b", "k", "o")
-    q = ctypes_map.from_float_expr(fmt, f"__fdiv_rn({w.element(slot, *at)}, {w.scale_value(slot, *at)})",
-                                   saturate=True)
-    params = ", ".join([f"{ctypes_map.cuda_type(fmt)}* __restrict__ q", w.in_param(slot),
-                        f"const float* __restrict__ scale{slot}"] + w.dyn_param())
-    sizes = (rows, cols) if slot == 0 else (cols, rows)
-    return (f'extern "C" __global__ void {entry or f"{ENTRY}_quant{slot}"}({params}) {{\n'
-            f"    const long long {outer} = {sizes[0]}, {k} = {sizes[1]};\n"
-            f"    LN_GRID_STRIDE_LOOP(i, {nb} * {outer} * {k}) {{\n"
-            f"        const long long b = i / ({outer} * {k}), o = (i / {k}) % {outer}, k = i % {k};\n"
-            f"        q[i] = {q};\n    }}\n}}\n")
-
-
-def _accumulate(w: _Writer) -> list[str]:
+def _accumulate(w: GemmWriter) -> list[str]:
     """The per-product update (qa, qb at K index kk) of numerics.emulate_gemm's arithmetic."""
     v = w.variant
     scaled = any(w.specs)
@@ -257,7 +93,7 @@ class EpilogueCode:
     n_out: Dim | None = None
 
 
-def _skinny(w: _Writer, suffixes: list[str], offsets: list[int], n_bound: str, finish: list[str]) -> str:
+def _skinny(w: GemmWriter, suffixes: list[str], offsets: list[int], n_bound: str, finish: list[str]) -> str:
     """The decode path (codegen/cuda_gemv.py) of this kernel, or "" when its variant orders the K sum or the
     program is batch-invariant (its tree order for M <= SKINNY_M and the sequential one above would give a
     row other bits in a batch of 8 than alone: such a program keeps the sequential kernel for every M)."""
@@ -272,20 +108,21 @@ def _skinny(w: _Writer, suffixes: list[str], offsets: list[int], n_bound: str, f
     return skinny_block(a_load, b_loads, n_bound, suffixes, offsets, term, finish)
 
 
-def _params(w: _Writer, epilogue: EpilogueCode | None) -> list[str]:
+def _params(w: GemmWriter, epilogue: EpilogueCode | None) -> list[str]:
     """The Gemm entry's parameters (the tiled and the tensor-core entry take the same arguments)."""
     params = [f"{ctypes_map.cuda_type(w.k.dtype)}* __restrict__ out", w.in_param(0), w.in_param(1)]
     params += [w.in_param(s) for s in (epilogue.slots if epilogue else ())]
-    return params + [f"const float* __restrict__ scale{s}" for s in (0, 1) if w.specs[s] is not None] + w.dyn_param()
+    return params + [f"const float* __restrict__ scale{s}" for s in (0, 1)
+                     if w.specs[s] is not None and not (s == 0 and w.staged)] + w.dyn_param()
 
 
-def _load(w: _Writer, slot: int) -> str:
+def _load(w: GemmWriter, slot: int) -> str:
     """The tiled kernel's staged operand element: quantized at (bz, lm, lk) of A / (bz, lk, ln) of B, 0 outside."""
     row, col, bound = ("lm", "lk", "lm < M && lk < K") if slot == 0 else ("lk", "ln", "lk < K && ln < N")
     return f"({bound}) ? {w.quantized(slot, w.element(slot, 'bz', row, col), w.scale_value(slot, 'bz', row, col))} : 0.0f"
 
 
-def _tensor_core_entry(w: _Writer, epilogue: EpilogueCode | None) -> str:
+def _tensor_core_entry(w: GemmWriter, epilogue: EpilogueCode | None) -> str:
     """The tensor-core entry (codegen/cuda_gemm_tc.py) with this kernel's loads, term, epilogue and store."""
     k, lay = w.k, w.lay
     glu = epilogue is not None and bool(epilogue.col_offsets)
@@ -314,7 +151,7 @@ def _suffixed(lines: list[str], sfx: str) -> list[str]:
     return [re.sub(r"\b(acc|grp|total|qb|ns)\b", lambda m: m.group(1) + sfx, line) for line in lines]
 
 
-def _glu_kernel(w: _Writer, epilogue: EpilogueCode) -> str:
+def _glu_kernel(w: GemmWriter, epilogue: EpilogueCode, entry: str = ENTRY, prologue: str = "") -> str:
     """The tiled kernel for a GLU epilogue: per output (m, n), n < n_out, one FP32 accumulation per column
     offset (B tile i holds columns n0 + offset_i ..), each exactly the plain kernel's, then the body."""
     k, lay, v = w.k, w.lay, w.variant
@@ -354,7 +191,7 @@ def _glu_kernel(w: _Writer, epilogue: EpilogueCode) -> str:
              "                const long long kk = k0 + t;\n"
              "                const float qa = ta[ty][t];\n" + updates + "            }\n            __syncthreads();\n        }\n"
              "        if (m < M && n < NO) {\n" + indent(lines, 3) + f"            {store_line}\n        }}\n    }}\n")
-    return (f'extern "C" __global__ void {ENTRY}({", ".join(params)}) {{\n'
+    return (f'extern "C" __global__ void {entry}({", ".join(params)}) {{\n' + prologue +
             f"    __shared__ float ta[{TILE}][{K_TILE + 1}];\n{tiles}"
             f"    const long long M = {c_index(w.dim(lay.m))}, N = {c_index(w.dim(lay.n))}, "
             f"NO = {c_index(w.dim(epilogue.n_out))}, K = {c_index(w.dim(lay.k))}, NB = {c_index(w.dim(lay.batch))};\n"
@@ -362,9 +199,10 @@ def _glu_kernel(w: _Writer, epilogue: EpilogueCode) -> str:
             + _tiled_only_above(skinny, loops) + "}\n")
 
 
-def _gemm_kernel(w: _Writer, epilogue: EpilogueCode | None = None) -> str:
+def _gemm_kernel(w: GemmWriter, epilogue: EpilogueCode | None = None, entry: str = ENTRY, prologue: str = "") -> str:
+    """The tiled kernel (with its decode path); `entry` its name, `prologue` statements run first (stage_a)."""
     if epilogue is not None and epilogue.col_offsets:
-        return _glu_kernel(w, epilogue)
+        return _glu_kernel(w, epilogue, entry, prologue)
     k, lay, v = w.k, w.lay, w.variant
     acc_type = "unsigned int" if v.acc_format is INT32 else "float"
     full = w.full_coords("bz", "m", "n", 0)
@@ -394,7 +232,7 @@ def _gemm_kernel(w: _Writer, epilogue: EpilogueCode | None = None) -> str:
              "                const float qa = ta[ty][t], qb = tb[t][tx];\n"
              + indent(_accumulate(w), 4) + "            }\n            __syncthreads();\n        }\n"
              "        if (m < M && n < N) {\n" + indent(lines, 3) + f"            {store_line}\n        }}\n    }}\n")
-    return (f'extern "C" __global__ void {ENTRY}({", ".join(params)}) {{\n'
+    return (f'extern "C" __global__ void {entry}({", ".join(params)}) {{\n' + prologue +
             f"    __shared__ float ta[{TILE}][{K_TILE + 1}];\n    __shared__ float tb[{K_TILE}][{TILE + 1}];\n"
             f"    const long long M = {c_index(w.dim(lay.m))}, N = {c_index(w.dim(lay.n))}, "
             f"K = {c_index(w.dim(lay.k))}, NB = {c_index(w.dim(lay.batch))};\n"
@@ -418,7 +256,7 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
     Scratch: the scales of each operand this kernel scales itself, then (cuBLASLt) its quantized
     copies; a pre-quantized operand brings both from its QUANTIZE kernel instead. A static scale (a weight's)
     is written by an at-load launch (KernelSource.at_load, with cuBLASLt's quantized copy), not by every step."""
-    w = _Writer(kernel, formats, prequantized, invariant, stored)
+    w = GemmWriter(kernel, formats, prequantized, invariant, stored)
     lay = kernel.layout
     # cuBLASLt takes a pre-quantized A as it is: only when read in the (batch, M, K) layout it was written in
     single = all(len(inp.view.views) == 1 for inp in kernel.inputs[:2])  # cuBLAS needs one strided view each
@@ -428,8 +266,11 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
     own = own_scales(kernel, prequantized)
     own_quant = own if lt else []
     tensor_core = refusal(w.variant, kernel, invariant) is None
-    source = _source("".join([_scale_kernel(w, s) for s in own] + [_quant_kernel(w, s) for s in own_quant]
-                                + [_gemm_kernel(w, epilogue)] + ([_tensor_core_entry(w, epilogue)] if tensor_core else [])),
+    staged = staged_a_bytes(kernel, prequantized) is not None
+    ws = GemmWriter(kernel, formats, prequantized, invariant, stored, staged=True) if staged else None
+    source = _source("".join([scale_kernel(w, s) for s in own] + [quant_kernel(w, s) for s in own_quant]
+                                + [_gemm_kernel(w, epilogue)] + ([_tensor_core_entry(w, epilogue)] if tensor_core else [])
+                                + ([_gemm_kernel(ws, epilogue, f"{ENTRY}_staged", stage_a(ws))] if staged else [])),
                      {*formats, kernel.dtype, *(w.op_formats if lt else ()), *(stored_formats(stored.fmt) if stored else ())})
     scratch = tuple(Scratch(f"scale{s}", F32, w.scale_blocks(s)) for s in own)
     scratch += tuple(Scratch(f"quant{s}", w.op_formats[s], ((lay.batch, 1), (w.extents(s)[1 + s], 1), (lay.k, 1)))
@@ -445,6 +286,8 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
     args = (Arg("out"), Arg("in", 0), *w.operand_args(1), *(Arg("in", s) for s in (epilogue.slots if epilogue else ())),
             *scale_arg.values())
     gemm = Launch(ENTRY, (per(lay.m, TILE), per(n_out, TILE), per(lay.batch, 1)), (TILE, TILE), args)
+    staged_launch = (Launch(f"{ENTRY}_staged", gemm.grid, gemm.block, args[:-len(scale_arg)] + tuple(
+        a for s, a in scale_arg.items() if s != 0)),) if staged else ()
     tc = (Launch(f"{ENTRY}_tc", (per(lay.m, TC_BLOCK_M), per(n_out, TC_BLOCK_N), per(lay.batch, 1)), (TC_THREADS,), args),)
     name = entry_name("gemm", source)
     quant = {s: Launch(f"{ENTRY}_quant{s}", (per(prod(w.extents(s)), ELEMENTWISE_THREADS),),
@@ -460,7 +303,7 @@ def render_gemm(kernel: Kernel, formats: tuple[Format, ...],
         call = cublas_call(kernel, w.variant, formats, geometry(kernel)) if library and single else None
     return KernelSource(0, name, source.replace(ENTRY, name), name_launches(scale_launches + (gemm,), name),
                         w.table, scratch, call, name_launches(scale_launches + tc, name) if tensor_core else (),
-                        name_launches(at_load, name))
+                        name_launches(at_load, name), name_launches(staged_launch, name))
 
 
 def render_quantize(kernel: Kernel, formats: tuple[Format, ...], prequantized: tuple[bool, ...] = (False,)) -> KernelSource:
@@ -469,8 +312,8 @@ def render_quantize(kernel: Kernel, formats: tuple[Format, ...], prequantized: t
     the source) writing (batch, M, K)."""
     if any(prequantized):
         raise ValueError(f"kernel {kernel.id}: a QUANTIZE kernel cannot read another QUANTIZE kernel's buffer")
-    w = _Writer(kernel, formats)
-    source = _source(_scale_kernel(w, 0) + _quant_kernel(w, 0, entry=ENTRY), {*formats, kernel.dtype})
+    w = GemmWriter(kernel, formats)
+    source = _source(scale_kernel(w, 0) + quant_kernel(w, 0, entry=ENTRY), {*formats, kernel.dtype})
     scales = Arg("scratch", SCALES_SCRATCH)
     launches = (Launch(f"{ENTRY}_scale0", (w.scale_blocks(0),), (SCALE_THREADS,), (scales, Arg("in", 0))),
                 Launch(ENTRY, (per(prod(kernel.shape), ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),

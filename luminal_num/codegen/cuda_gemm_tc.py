@@ -2,7 +2,7 @@
 accumulation it reproduces, with the tiled kernel's loads and epilogue (codegen/cuda_gemm.py) around it.
 
 Rounding points, in order (runtime/numerics.py defines each variant; nothing here adds a rounding):
-1. Operands are loaded and quantized by exactly the tiled kernel's expressions (`_Writer.quantized`: the
+1. Operands are loaded and quantized by exactly the tiled kernel's expressions (`GemmWriter.quantized`: the
    unscaled format rounding, or x / s rounded to the 8-bit format / int8, saturating) and staged in
    shared memory as the WMMA element type: BF16 as __nv_bfloat16, F16 as __half, E4M3 and E5M2 as __half
    (every E4M3 / E5M2 value is an F16 value: 2-3 mantissa bits, exponents inside F16's, so staging is
@@ -14,7 +14,7 @@ Rounding points, in order (runtime/numerics.py defines each variant; nothing her
    an order the hardware picks, which the emulation leaves open too (its gamma_K bound holds for every
    order; the bits match wherever every order gives the same sum); INT8 products into the INT32
    accumulator exactly (wmma without satfinite wraps, as the tiled kernel's unsigned int does).
-3. The epilogue, from the accumulator: the tiled kernel's own term (`_Writer.result_term`: int32 ->
+3. The epilogue, from the accumulator: the tiled kernel's own term (`GemmWriter.result_term`: int32 ->
    float, one fl32(acc * fl32(sa * sb)) for per-tensor / per-channel scales), then the GEMM_EPILOGUE body
    (codegen/cuda_gemm_epilogue.py) and the store, as the tiled kernel writes them.
 

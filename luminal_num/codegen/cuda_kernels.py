@@ -447,7 +447,8 @@ def _rebind(src: KernelSource, kernel: Kernel) -> KernelSource:
         return tuple(replace(launch, args=tuple(a.bind(kernel) for a in launch.args)) for launch in launches)
     gemm = None if src.gemm is None else src.gemm.bind_args(kernel)
     return replace(src, kernel_id=kernel.id, launches=bound(src.launches), gemm=gemm,
-                   tensor_core=bound(src.tensor_core), at_load=bound(src.at_load))
+                   tensor_core=bound(src.tensor_core), at_load=bound(src.at_load),
+                   staged=bound(src.staged))
 
 
 def render_kernel(kernel: Kernel, program: Program) -> KernelSource:

@@ -208,14 +208,17 @@ class KernelSource:
     # launches over weights alone (a Gemm's static B scales: ScaleSpec.static), run once when the weights are
     # uploaded, before any step: their scratch then holds the values every step's launches read
     at_load: tuple[Launch, ...] = ()
+    # a Gemm whose body can compute A's step scales in its own pass over A (gemm_scales.staged_a_bytes): its one
+    # `_staged` launch, which replaces the body where A's scale launch is not run (the megakernel's GEMV tiles)
+    staged: tuple[Launch, ...] = ()
 
     @property
     def entries(self) -> tuple[str, ...]:
-        """Every entry a runtime may launch: the fallback's, the tensor-core kernel's, the cuBLASLt prologue's and
-        the at-load launches'."""
+        """Every entry a runtime may launch: the fallback's, the tensor-core kernel's, the cuBLASLt prologue's, the
+        at-load launches' and the staged body's."""
         prologue = self.gemm.prologue if self.gemm is not None else ()
         return tuple(dict.fromkeys(launch.entry for launch in (*self.launches, *self.tensor_core, *prologue,
-                                                               *self.at_load)))
+                                                               *self.at_load, *self.staged)))
 
     def dyn_values(self, bindings: Mapping[str, int]) -> tuple[int, ...]:
         return tuple(int(bindings[s]) for s in self.symbols.symbols)

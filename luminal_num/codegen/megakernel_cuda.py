@@ -17,7 +17,10 @@ recomputes a one-row norm (codegen/megakernel.py, QueueOp.recomputes) first runs
 one tile, writing the block's own copy (`privates`), then its own body, whose reads of the norm's slot
 `ln_mk_buf` redirects to that copy; the norm has no tiles and signals nothing. A GEMV whose A scales are
 private (QueueOp.prologue) runs that scale launch's body next, as one virtual block, into the block's second
-copy (`ln_mk.scale_copy`, redirecting the Gemm's scale scratch); the scale launch has no tiles. The
+copy (`ln_mk.scale_copy`, redirecting the Gemm's scale scratch); the scale launch has no tiles. Where A's
+copy fits (the launch is `staged`: gemm_scales.staged_a_bytes) the GEMV runs its Gemm's `_staged` entry instead,
+which loads A once into shared memory taking each scale block's amax as it loads, and quantizes from that copy:
+no second pass over A (the scale launch keeps its tileless entry, so launch indices stay the prologue's). The
 bodies stay unchanged because the builtins they read are
 macros over the current tile (`blockIdx`, `gridDim`, `blockDim`, `threadIdx` from `ln_mk`, and
 `__syncthreads()` a named barrier over the body's threads); every body loops grid-stride, so any
@@ -42,17 +45,23 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..hlir.symbolic import evaluate
-from .blockops import Partition
+from .blockops import Partition, TileCount
+from .cuda_gemm_operands import TILE as GEMM_TILE
+from .gemm_scales import scale_blocks, staged_a_bytes
 from .cuda_kernels import render_kernel
 from .cuda_source import KernelSource, ceil_count
 from .cuda_weight_only import weight_only_gemm
 from .llir import Program
 from .megakernel import MegakernelError, WorkQueue
+from .megakernel_loop import LOOP, PRELUDE
 from .cache_stream import CacheStream, cache_stream
 from .weight_stream import BAND, LINE, WeightStream, weight_stream
 
 ENTRY_NAME = "ln_megakernel"
 BLOCK_THREADS = 1024  # the persistent block: at least every body's block
+# static shared memory the distinct staged GEMV bodies may take together: sm_90 gives a block 48 KB of static
+# shared memory, and every other body's arrays took 10 KB of it in the 1-layer SmolLM2 FP8 W8A8 megakernel (PTX)
+STAGED_SHARED_BYTES = 32 * 1024
 
 
 @dataclass(frozen=True)
@@ -135,8 +144,8 @@ class MegakernelSource:
             if q.recomputes is not None and not (scale and (q.prologue[op.launch].ready or private)):
                 # every launch of the reader that reads A recomputes the row op (its last launch)
                 recompute, private_slot = last_of[q.recomputes], queue.ops[q.recomputes].kernel
-            if op.last and any(p.private for p in q.prologue):  # then A's scales, into the block's second copy
-                scale_op = i - op.launch + next(li for li, p in enumerate(q.prologue) if p.private)
+            if op.last and any(p.private and not p.staged for p in q.prologue):  # then A's scales, into a 2nd copy
+                scale_op = i - op.launch + next(li for li, p in enumerate(q.prologue) if p.private and not p.staged)
                 scale_slot = self.ops[scale_op].arg_slots[0]  # the scale launch's output: the Gemm's scale scratch
             per_tile = _span_count(op, tiles, bindings)
             rows.append((i, entry, tiles, *grid[:3], *block[:3], counter, stride, begin, len(waits), elements,
@@ -162,7 +171,7 @@ class MegakernelSource:
         sizes = []
         for op, src in zip(self.ops, self.sources):
             q = queue.ops[op.queue_op]
-            if op.launch < len(q.prologue) and q.prologue[op.launch].private:
+            if op.launch < len(q.prologue) and q.prologue[op.launch].private and not q.prologue[op.launch].staged:
                 scratch = src.scratch[uses[op.arg_slots[0]].index]
                 sizes.append(int(scratch.numel(bindings) * scratch.dtype.itemsize))
         return max(sizes, default=0)
@@ -249,163 +258,6 @@ def _param_types(source: str, entry: str) -> list[str]:
     return [p.rsplit(None, 1)[0].replace("__restrict__", "").strip() for p in params.split(",") if p.strip()]
 
 
-_PRELUDE = r"""
-struct LnMkTile { uint3 bid; uint3 grid; uint3 bdim; unsigned nthreads; long long tile; int private_slot;
-                 void* private_copy; int scale_slot; void* scale_copy; };
-__shared__ LnMkTile ln_mk;  // the tile the block runs: what the bodies' builtins read
-static __device__ __forceinline__ uint3 ln_mk_tid() {
-    const unsigned t = threadIdx.x;
-    return make_uint3(t % ln_mk.bdim.x, (t / ln_mk.bdim.x) % ln_mk.bdim.y, t / (ln_mk.bdim.x * ln_mk.bdim.y));
-}
-static __device__ __forceinline__ void ln_mk_sync() {  // a barrier over the body's threads only
-    asm volatile("bar.sync 1, %0;" :: "r"(ln_mk.nthreads) : "memory");
-}
-static __device__ __forceinline__ unsigned ln_mk_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-#define blockIdx (ln_mk.bid)
-#define gridDim (ln_mk.grid)
-#define blockDim (ln_mk.bdim)
-#define threadIdx (ln_mk_tid())
-#define __syncthreads() ln_mk_sync()
-"""
-
-_LOOP = r"""
-#undef blockIdx
-#undef gridDim
-#undef blockDim
-#undef threadIdx
-#undef __syncthreads
-#define LN_MK_SPIN_LIMIT (1ull << 25)  /* >= 2 s of 64 ns sleeps: far past any producer tile */
-#define LN_MK_BAND BAND_ROWS  /* weight rows per grid y of a Gemm body (codegen/weight_stream.BAND) */
-#define LN_MK_LINE LINE_BYTES  /* bytes per L2 prefetch */
-struct LnMkOp { int body; long long first_entry, tiles; int gx, gy, gz, bx, by, bz; long long counter_base;
-                int stride, wait_begin, wait_end; long long elements; int prefetch_begin, prefetch_end;
-                int recompute, private_slot; int span_begin, span_per_tile; int scale_recompute, scale_slot; };
-struct LnMkWait { int producer; long long read_elements; };
-struct LnMkPrefetch { long long row_bytes, rows, per, offset, n_out; int slot; };
-struct LnMkSpan { long long first, between, keys, per_key; int slot; };
-
-static __device__ __forceinline__ void* ln_mk_buf(void* const* bufs, int slot) {
-    // the value (or the scales) a recomputing tile made in its block's own copies, else the value's buffer
-    return slot == ln_mk.private_slot ? ln_mk.private_copy : slot == ln_mk.scale_slot ? ln_mk.scale_copy : bufs[slot];
-}
-static __device__ __forceinline__ void ln_mk_enter(const LnMkOp& op, long long t) {  // thread 0: the tile bodies see
-    ln_mk.bid = make_uint3(t % op.gx, (t / op.gx) % op.gy, t / ((long long)op.gx * op.gy));
-    ln_mk.grid = make_uint3(op.gx, op.gy, op.gz);
-    ln_mk.bdim = make_uint3(op.bx, op.by, op.bz);
-    ln_mk.nthreads = op.bx * op.by * op.bz;
-    ln_mk.tile = t;
-}
-static __device__ void ln_mk_run(int body, void* const* bufs) {
-    switch (body) {
-CASES
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
-        const LnMkOp* __restrict__ ops, int n_ops, const LnMkWait* __restrict__ waits,
-        const LnMkPrefetch* __restrict__ prefetch, const LnMkSpan* __restrict__ spans, unsigned* counters,
-        unsigned long long* head, unsigned long long total, void* const* bufs, char* privates,
-        long long private_bytes, long long private_split) {
-    __shared__ unsigned long long entry;
-    __shared__ int current;
-    for (;;) {
-        if (threadIdx.x == 0) entry = atomicAdd(head, 1ULL);
-        __syncthreads();
-        const unsigned long long e = entry;
-        if (e >= total) return;
-        if (threadIdx.x == 0) {
-            int lo = 0, hi = n_ops - 1;  // the op whose entries hold e
-            while (lo < hi) { const int mid = (lo + hi + 1) / 2; if (ops[mid].first_entry <= (long long)e) lo = mid; else hi = mid - 1; }
-            ln_mk_enter(ops[lo], (long long)e - ops[lo].first_entry);
-            ln_mk.private_slot = -1;
-            ln_mk.scale_slot = -1;
-            current = lo;
-        }
-        __syncthreads();
-        for (int p = ops[current].prefetch_begin; p < ops[current].prefetch_end; ++p) {
-            // the tile's own weight rows depend on no barrier: every thread prefetches lines into L2 before the wait,
-            // band by band: bands y, y + grid y, ... (the Gemm bodies loop grid-stride)
-            const LnMkPrefetch f = prefetch[p];
-            const char* base = (const char*)bufs[f.slot];
-            for (long long band = ln_mk.bid.y; band * LN_MK_BAND < f.n_out; band += ln_mk.grid.y) {
-                const long long first = band * LN_MK_BAND + f.offset;
-                const long long end = min(band * LN_MK_BAND + LN_MK_BAND, f.n_out) + f.offset;
-                const long long lo = first / f.per * f.row_bytes, hi = min((end - 1) / f.per + 1, f.rows) * f.row_bytes;
-                for (long long b = lo / LN_MK_LINE * LN_MK_LINE + (long long)threadIdx.x * LN_MK_LINE; b < hi;
-                     b += (long long)blockDim.x * LN_MK_LINE)
-                    asm volatile("prefetch.global.L2 [%0];" :: "l"(base + b));
-            }
-        }
-        for (int p = ops[current].span_begin + (int)ln_mk.tile * ops[current].span_per_tile,
-                 p_end = p + ops[current].span_per_tile; p < p_end; ++p) {
-            // the KV-cache rows written before the kernel (and this step's, a hint only): lines into L2 before the wait
-            const LnMkSpan f = spans[p];
-            const long long per_key = (f.per_key + LN_MK_LINE - 1) / LN_MK_LINE + 1;  // lines a key's span can touch
-            const char* base = (const char*)bufs[f.slot];
-            for (long long q = threadIdx.x; q < f.keys * per_key; q += blockDim.x) {
-                const long long lo = f.first + q / per_key * f.between;
-                const long long b = (lo / LN_MK_LINE + q % per_key) * LN_MK_LINE;
-                if (b < lo + f.per_key) asm volatile("prefetch.global.L2 [%0];" :: "l"(base + b));
-            }
-        }
-        if (threadIdx.x == 0) {
-            const LnMkOp op = ops[current];
-            const long long t = ln_mk.tile;
-            for (int w = op.wait_begin; w < op.wait_end; ++w) {  // the producer tiles this tile reads
-                const LnMkOp p = ops[waits[w].producer];
-                long long first = 0, last = p.tiles - 1;
-                if (waits[w].read_elements > 0 && p.stride == 1) {
-                    first = min(t * waits[w].read_elements / p.elements, p.tiles - 1);
-                    last = min(((t + 1) * waits[w].read_elements - 1) / p.elements, p.tiles - 1);
-                }
-                const unsigned need = p.stride ? 1u : (unsigned)p.tiles;
-                for (long long j = first; j <= last; ++j) {
-                    const unsigned* c = counters + p.counter_base + j * p.stride;
-                    unsigned long long spins = 0;  // a wrong barrier traps (an error), never hangs the device
-                    while (ln_mk_acquire(c) < need) { __nanosleep(64); if (++spins > LN_MK_SPIN_LIMIT) __trap(); }
-                    if (!p.stride) break;
-                }
-            }
-        }
-        __syncthreads();
-        if (ops[current].recompute >= 0) {  // a one-tile row op this tile recomputes, into its block's own copy
-            if (threadIdx.x == 0) {
-                ln_mk_enter(ops[ops[current].recompute], 0);
-                ln_mk.private_slot = ops[current].private_slot;
-                ln_mk.private_copy = privates + (long long)blockIdx.x * private_bytes;
-            }
-            __syncthreads();
-            if (threadIdx.x < ln_mk.nthreads) ln_mk_run(ops[ops[current].recompute].body, bufs);
-            __syncthreads();  // the copy is this block's: visible to its threads after the barrier
-        }
-        if (ops[current].scale_recompute >= 0) {  // then A's scales (reading that copy), into its second copy
-            if (threadIdx.x == 0) {
-                ln_mk_enter(ops[ops[current].scale_recompute], 0);
-                ln_mk.scale_slot = ops[current].scale_slot;
-                ln_mk.scale_copy = privates + (long long)blockIdx.x * private_bytes + private_split;
-            }
-            __syncthreads();
-            if (threadIdx.x < ln_mk.nthreads) ln_mk_run(ops[ops[current].scale_recompute].body, bufs);
-            __syncthreads();
-        }
-        if (ops[current].recompute >= 0 || ops[current].scale_recompute >= 0) {
-            if (threadIdx.x == 0) ln_mk_enter(ops[current], (long long)entry - ops[current].first_entry);
-            __syncthreads();
-        }
-        if (threadIdx.x < ln_mk.nthreads) ln_mk_run(ops[current].body, bufs);
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0)
-            atomicAdd(counters + ops[current].counter_base + ln_mk.tile * ops[current].stride, 1u);
-        __syncthreads();
-    }
-}
-"""
-
 
 def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
     """One compilation unit: every op's launches as inlined device bodies plus the interpreter loop."""
@@ -415,6 +267,7 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
     sources: list[KernelSource | None] = []
     uses: list[SlotUse] = []
     part_slots: dict[tuple[int, int], int] = {}
+    staged_bytes: dict[str, int] = {}  # per staged Gemm body: its shared copies of A and its scales
     slot = len(program.kernels)
 
     def inline(source: str) -> None:
@@ -456,13 +309,19 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             uses.append(SlotUse(dyn, kernel.id))
         slot += dyn is not None
         for li, launch in enumerate(src.launches):
+            last = li == len(src.launches) - 1  # a Gemm's own launch (after any scale launches)
+            if last and any(p.staged for p in q.prologue):  # A's scales folded into the body's pass over A
+                if not src.staged:
+                    raise MegakernelError(f"kernel {kernel.id}: the queue folds A's scales into its body, which has "
+                                          "no staged entry")
+                launch = src.staged[0]
+                staged_bytes[launch.entry] = _staged_shared_bytes(kernel, program)
             threads = math.prod(launch.block)
             if threads % 32 or threads > BLOCK_THREADS:
                 raise MegakernelError(f"kernel {kernel.id} ({kernel.kind.value}): a block of {threads} threads is not "
                                       f"whole warps under {BLOCK_THREADS}: the megakernel cannot run its body")
             args = tuple(part_slot(a.buffer, a.index) if a.role == "part" else _arg_slot(a, scratch, kernel)
                          for a in launch.args) + ((dyn,) if dyn is not None else ())
-            last = li == len(src.launches) - 1  # a Gemm's own launch (after any scale launches)
             grid = launch.grid
             if kernel.kind.is_gemm:
                 grid = _body_grid(q, launch.grid) if last else _scale_grid(q, li, launch.entry, len(src.launches))
@@ -471,6 +330,10 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             ops.append(CudaOp(qi, li, kernel.id, launch.entry, grid, tuple(launch.block), args, last,
                               stream, _stream_slots(stream, part_slot), cache))
             sources.append(src)
+    if sum(staged_bytes.values()) > STAGED_SHARED_BYTES:
+        raise MegakernelError(f"the staged A copies of {len(staged_bytes)} GEMV bodies take "
+                              f"{sum(staged_bytes.values())} bytes of shared memory, over the megakernel's "
+                              f"{STAGED_SHARED_BYTES} for them")
     cases = []
     for i, op in enumerate(ops):
         types = _param_types("\n".join(items), op.entry)
@@ -478,10 +341,18 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
         cases.append(f"        case {i}: {op.entry}({call}); break;")
     includes = sorted(i for i in includes if "common.cuh" not in i) + ['#include "common.cuh"']
     head = [i for i in includes if "common.cuh" not in i]
-    loop = _LOOP.replace("CASES", "\n".join(cases)).replace("ENTRY_NAME", ENTRY_NAME).replace(
+    loop = LOOP.replace("CASES", "\n".join(cases)).replace("ENTRY_NAME", ENTRY_NAME).replace(
         "BLOCK", str(BLOCK_THREADS)).replace("BAND_ROWS", str(BAND)).replace("LINE_BYTES", str(LINE))
-    source = "\n".join(head) + _PRELUDE + '#include "common.cuh"\n' + "\n".join(items) + "\n" + loop
+    source = "\n".join(head) + PRELUDE + '#include "common.cuh"\n' + "\n".join(items) + "\n" + loop
     return MegakernelSource(source, ENTRY_NAME, tuple(ops), tuple(sources), slot, tuple(uses))
+
+
+def _staged_shared_bytes(kernel, program: Program) -> int:
+    """Static shared memory of a Gemm's staged body beyond the tiled one's (codegen/cuda_gemm_operands.stage_a): A's FP32
+    copy, its scales and one partial amax per thread. Every inlined body's __shared__ arrays are the persistent
+    block's, summed (a device function's arrays are static), so the distinct staged bodies add up."""
+    scales = TileCount(scale_blocks(kernel, 0)).evaluate({})
+    return staged_a_bytes(kernel, program.quantized_inputs(kernel)) + 4 * scales + 4 * GEMM_TILE * GEMM_TILE
 
 
 def _body_grid(q, grid: tuple) -> tuple:

@@ -33,7 +33,7 @@ from .buffers import BufferPlan
 from .cpu import RunResult
 from .cuda import CudaRuntime, _Prepared
 
-# The C structs of the interpreter loop (codegen/megakernel_cuda._LOOP), in their C layout.
+# The C structs of the interpreter loop (codegen/megakernel_loop.LOOP), in their C layout.
 OP_DTYPE = np.dtype([("body", np.int32), ("first_entry", np.int64), ("tiles", np.int64),
                      ("gx", np.int32), ("gy", np.int32), ("gz", np.int32),
                      ("bx", np.int32), ("by", np.int32), ("bz", np.int32),

@@ -19,7 +19,8 @@ device loop (codegen/megakernel_cuda.py) does:
   launch's tiles first (scale_work: one amax pass over the operand): over an input after nothing, over an
   activation after the op's producers (recomputing a row op as the body does), and the body after its
   producers and every scale launch, as the loop's table orders them; a private one (A's scales under a
-  GEMV) adds its one-block body on one SM to each body tile's rest instead, as a recomputed row op does (a
+  GEMV) adds its one-block body on one SM to each body tile's rest instead, as a recomputed row op does, and a
+  staged one (folded into the body's one pass over A) only its max per element: A is read once, by the body (a
   weight's static scales are no step work: written at load);
 - a GEMV whose tiles recompute a one-tile row op (codegen/megakernel.py, QueueOp.recomputes) adds that
   op's body on one SM to each tile's rest, waits on the row op's producers, and the row op has no tiles.
@@ -81,6 +82,8 @@ class MegakernelLatency:
     weight_bytes_streamed: int = 0    # weight bytes tiles load before their waits (codegen/weight_stream.py)
     cache_bytes_streamed: int = 0     # KV-cache bytes attention tiles load before their waits (codegen/cache_stream.py)
     busy_by_kind: tuple[tuple[str, float], ...] = ()  # SM seconds in tiles per block kind ("scale": Gemm prologues)
+    # the critical path per block kind: (kind, tiles on it, seconds it grew by at them, of which per-tile overhead)
+    critical_by_kind: tuple[tuple[str, int, float, float], ...] = ()
 
     @property
     def overhead_share(self) -> float:
@@ -175,7 +178,7 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
         per_tile = [w for w in op.waits if _per_tile(queue, w)]
         stages = []  # its scale launches: over an input after nothing, else after the producers; the body after all
         for launch in op.prologue:
-            stage_work = scale_work(program.kernel(op.kernel), launch.slot, program, bindings)
+            stage_work = scale_work(program.kernel(op.kernel), launch.slot, program, bindings, launch.staged)
             extra_bytes += stage_work.bytes_moved
             if launch.private:  # each body tile runs it on its SM as one block, after any row op it recomputes
                 times = dataclasses.replace(times, rest_s=times.rest_s + tile_times(stage_work, 1, resolved).rest_s)
@@ -189,7 +192,7 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
             for _ in range(n):
                 finish = stage.finish(heapq.heappop(free), after)
                 heapq.heappush(free, finish)
-                chain = after_chain.then(stage)
+                chain = after_chain.then(stage, "scale")
                 busy += stage.alone_s
                 by_kind["scale"] = by_kind.get("scale", 0.0) + stage.alone_s
                 makespan, stage_ready = max(makespan, finish), max(stage_ready, finish)
@@ -214,7 +217,7 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
             heapq.heappush(free, finish)
             signal = launch_row.counter_base + t * op.signals_with
             counter_done[signal] = max(counter_done[signal], finish)
-            chain = chain.then(times)
+            chain = chain.then(times, op.block.kind)
             if chain.path_s > counter_chain[signal].path_s:
                 counter_chain[signal] = chain
             busy += times.alone_s
@@ -228,45 +231,72 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
                              busy / (sms * makespan) if makespan else 0.0, longest.hops,
                              sum(w.bytes_moved for w in works.values()) + extra_bytes, longest.overhead_s, streamed,
                              cached,
-                             tuple(sorted(by_kind.items())))
+                             tuple(sorted(by_kind.items())), longest.composition())
 
 
-def scale_work(kernel: Kernel, slot: int, program: Program, bindings: Mapping[str, int]) -> KernelWork:
+def scale_work(kernel: Kernel, slot: int, program: Program, bindings: Mapping[str, int],
+               staged: bool = False) -> KernelWork:
     """One of a Gemm's scale launches (codegen/cuda_gemm.py `_scale<slot>`): one amax pass over the operand (a
     weight read as its stored parts at its stored bytes, as the Gemm reads it), a max per element, one FP32
-    scale written per scale block."""
+    scale written per scale block. `staged` (ScaleLaunch.staged): the body's own pass over A takes the amax as it
+    loads A into shared memory and keeps the scales there, so only the max per element is added: A's bytes are the
+    body's (read once), no scale reaches memory."""
     dtypes = program.dtypes()
     stored = slot == 1 and stored_operand(kernel, program) is not None
     weights = stored_weights(program)
     element_bytes = {b: v for b, v in program.element_bytes(bindings).items() if stored or b not in weights}
     elements = kernel.input_bytes(slot, bindings, dtypes, {kernel.inputs[slot].buffer: 1.0})
     scales = TileCount(scale_blocks(kernel, slot)).evaluate(bindings)
+    if staged:
+        return KernelWork(name=f"k{kernel.id}:staged{slot}", bytes_read=0, bytes_written=0, flops=int(elements),
+                          implementation="gemm_scale")
     return KernelWork(name=f"k{kernel.id}:scale{slot}", bytes_read=int(round(kernel.input_bytes(slot, bindings, dtypes,
                                                                                               element_bytes))),
                       bytes_written=4 * scales, flops=int(elements), implementation="gemm_scale")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Chain:
-    """A chain of barrier waits with unlimited SMs: when its last tile ends, its tiles, their overheads."""
+    """A chain of barrier waits with unlimited SMs: when its last tile ends, its tiles, their overheads; `kind`
+    the block kind of its last tile and `prev` the chain it extended (None: it starts there), so the critical
+    path can say what it is made of (`composition`)."""
 
     path_s: float = 0.0
     hops: int = 0
     overhead_s: float = 0.0
+    kind: str = ""
+    prev: "_Chain | None" = None
 
-    def then(self, times: TileTimes) -> "_Chain":
-        """The chain extended by a tile waiting on it (its own SM, free at 0): a tile whose weight stream
-        ends after its waited-for part starts a chain of its own."""
+    def then(self, times: TileTimes, kind: str) -> "_Chain":
+        """The chain extended by a tile of block kind `kind` waiting on it (its own SM, free at 0): a tile whose
+        weight stream ends after its waited-for part starts a chain of its own."""
         path = times.finish(0.0, self.path_s)
         if not times.weight_s:  # its pop hides under the wait when the chain is at least that long
             hidden = self.path_s >= QUEUE_POP_S
             overhead = TILE_OVERHEAD_S - QUEUE_POP_S if hidden else TILE_OVERHEAD_S
-            return _Chain(path, self.hops + 1, self.overhead_s + overhead)
+            return _Chain(path, self.hops + 1, self.overhead_s + overhead, kind, self)
         if PRE_WAIT_S + times.weight_s >= path:
-            return _Chain(path, 1, PRE_WAIT_S)
+            return _Chain(path, 1, PRE_WAIT_S, kind)
         if self.path_s >= QUEUE_POP_S:
-            return _Chain(path, self.hops + 1, self.overhead_s + POST_WAIT_S)
-        return _Chain(path, 1, QUEUE_POP_S + POST_WAIT_S)
+            return _Chain(path, self.hops + 1, self.overhead_s + POST_WAIT_S, kind, self)
+        return _Chain(path, 1, QUEUE_POP_S + POST_WAIT_S, kind)
+
+    def composition(self) -> tuple[tuple[str, int, float, float], ...]:
+        """Per block kind on the chain, in order of first appearance from its start: (kind, tiles, seconds the
+        chain grew by at them, of which per-tile overhead)."""
+        links = []
+        link: _Chain | None = self
+        while link is not None and link.hops:
+            links.append(link)
+            link = link.prev
+        out: dict[str, list] = {}
+        for link in reversed(links):
+            before = link.prev if link.prev is not None else _Chain()
+            row = out.setdefault(link.kind, [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += link.path_s - before.path_s
+            row[2] += link.overhead_s - before.overhead_s
+        return tuple((kind, hops, seconds, overhead) for kind, (hops, seconds, overhead) in out.items())
 
 
 def _per_tile(queue: WorkQueue, wait: Wait) -> bool:
