@@ -299,3 +299,18 @@ def test_a_gemvs_staged_a_scales_give_the_separate_launchs_bits(m):
     assert not ref[2].any()  # the zero token (scale 1) gives zeros
     envelope = k * 2.0 ** -23 * (float(np.max(np.abs(ref))) + 1.0) * 2
     np.testing.assert_allclose(staged, ref, rtol=0, atol=envelope)
+
+
+def test_staged_copies_over_the_megakernels_shared_budget_are_refused(monkeypatch):
+    """The staged bodies' shared copies are the persistent block's static shared memory, summed over the distinct
+    bodies: over STAGED_SHARED_BYTES the lowering refuses with one line (the search then prices the program kernel
+    by kernel), never a megakernel that would not launch. Here each llama-tiny FP8 GEMV body's copy is A's row plus
+    a scale and 256 partial maxima."""
+    from luminal_num.codegen import megakernel_cuda
+    from luminal_num.codegen.megakernel import MegakernelError
+    _, program, _, _ = _wide_head(("store:f8e4m3_channel", "gemm:f8e4m3_channel_prologue"))
+    queue = build_queue(program)
+    megakernel_cuda.render_megakernel(program, queue)  # within the budget
+    monkeypatch.setattr(megakernel_cuda, "STAGED_SHARED_BYTES", 2048)
+    with pytest.raises(MegakernelError, match="staged A copies of .* GEMV bodies take .* over the megakernel's 2048"):
+        megakernel_cuda.render_megakernel(program, queue)

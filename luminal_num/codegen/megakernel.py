@@ -254,3 +254,10 @@ def with_read_elements(queue: WorkQueue, op: int, wait: int, elements: Dim | Non
     waits[wait] = replace(waits[wait], read_elements=elements)
     ops[op] = replace(ops[op], waits=tuple(waits))
     return WorkQueue(tuple(ops))
+
+
+def without_wait(queue: WorkQueue, op: int, producer: int) -> WorkQueue:
+    """The queue with op `op` no longer waiting on op `producer` (a missing dependency the emulator must catch)."""
+    ops = list(queue.ops)
+    ops[op] = replace(ops[op], waits=tuple(w for w in ops[op].waits if w.producer != producer))
+    return WorkQueue(tuple(ops))
