@@ -85,16 +85,18 @@ def scatter_rows(name: str, n: int, seed: int = 0, modes: tuple[Propagation, ...
                  positions: int = 0, max_memory: int | None = None, steps_together: int = STEPS_TOGETHER,
                  rows_per_step: int = POSITION_ROWS, done=lambda rows: None, confirm: bool = True,
                  first: int = 0) -> list[dict]:
-    """Rows of `n` random genomes; with `max_memory`, within a compile's memory plan for that budget (its
-    caches, and the per-chunk deviations past its share in a scratch file) on one BLAS thread, as the
-    compiler judges. `done(rows so far)` after each genome (a run cut short keeps what it measured)."""
+    """Rows of `n` random genomes, on one BLAS thread as the compiler judges; with `max_memory`, within a
+    compile's memory plan for that budget (its caches, and the per-chunk deviations past its share in a
+    scratch file). `done(rows so far)` after each genome (a run cut short keeps what it measured)."""
     with ExitStack() as stack:
+        # one BLAS thread always, as the compiler judges: a second OpenBLAS thread beside any other busy process
+        # makes each small-M call wait on a descheduled thread (a positions pass took 645 s instead of ~90 s)
+        stack.enter_context(one_blas_thread())
         held = None
         if max_memory is not None:
             plan = memory_plan(name, max_memory)
             print(f"[prediction] {name}: {plan.describe()}", flush=True)
             stack.enter_context(plan.applied())
-            stack.enter_context(one_blas_thread())
             held = HeldArrays(plan.judging)
         return _scatter_rows(name, n, seed, modes, positions, held, steps_together, rows_per_step, done, confirm, first)
 
@@ -186,9 +188,9 @@ def confirm_rows(predicted: pd.DataFrame, positions: int, max_memory: int | None
     holds no chunk verdicts (the two halves of a SmolLM2 run do not fit 2 GB together); genomes `first` to
     `first + n - 1` only (the rows of others already confirmed are kept)."""
     with ExitStack() as stack:
+        stack.enter_context(one_blas_thread())  # as _scatter_rows
         if max_memory is not None:
             stack.enter_context(memory_plan("smollm2", max_memory).applied())
-            stack.enter_context(one_blas_thread())
         job = llm_job(positions_minimum=positions)
         space = SearchSpace.build(job.graph)
         budget = Budget.parse(job.default_budget)
