@@ -153,10 +153,10 @@ _SCATTERS = (KernelKind.SCATTER, KernelKind.SCATTER_NOCOPY, KernelKind.SCATTER_E
 def whole_reads(kernel: Kernel, program: Program) -> tuple[WholeRead, ...]:
     """The kernel's inputs a tile may prefetch whole before its wait (WholeRead): EXTERNAL values in no storage
     format, of concrete size up to WHOLE_READ_BYTES, whose view touches every element, and which are no KV cache
-    (no scatter's destination: a cache is read row by row, codegen/cache_stream.py) and no Gather's table (its
-    rows depend on the tokens). A Gemm's operands are left out: its tiles read their own bands of a weight
-    (WeightStream), not the whole of it."""
-    if kernel.kind.is_gemm:
+    (no scatter's destination: a cache is read row by row, codegen/cache_stream.py). A Gemm's operands are left
+    out: its tiles read their own bands of a weight (WeightStream), not the whole of it; so is a Gather: its first
+    DRAM load is the table row its index names, which prefetching the index does not move before the wait."""
+    if kernel.kind.is_gemm or kernel.kind is KernelKind.GATHER:
         return ()
     caches = program.cache_buffers() | {k.inputs[0].buffer for k in program.kernels if k.kind in _SCATTERS}
     dtypes = program.dtypes()
@@ -164,7 +164,7 @@ def whole_reads(kernel: Kernel, program: Program) -> tuple[WholeRead, ...]:
     for slot, inp in enumerate(kernel.inputs):
         value = program.kernel(inp.buffer)
         if value.kind is not KernelKind.EXTERNAL or value.storage is not None or value.id in caches \
-                or (kernel.kind is KernelKind.GATHER and slot == 0) or not all(is_const(d) for d in value.shape):
+                or not all(is_const(d) for d in value.shape):
             continue
         numel = 1
         for d in value.shape:
