@@ -123,13 +123,16 @@ def gemv_program(n: int, k: int) -> Program:
     return verify(Program(ks, (("x", 0), ("w", 1)), (("out", 3),)))
 
 
-def _gemv_hand(n: int, k: int) -> tuple[float, float, float, float]:
+def _gemv_hand(n: int, k: int, streamed: bool = True) -> tuple[float, float, float, float]:
     """(y's tiles end, a GEMV tile's weight stream, its rest, its whole roofline share) on an idle H200:
     N = 2048 columns in 128 tiles of 16 (blockops.gemv_cols), y's K elements in 256-element tiles, each tile
-    on its own SM (128 + K / 256 <= 132)."""
+    on its own SM (128 + K / 256 <= 132). `streamed`: y's tiles prefetch x (a whole read: weight_stream.whole_reads,
+    K x 4 bytes) before their wait, their share of it then their write after: y ends at max(pre + read, pop + post
+    + write); else a y tile pays the whole overhead, then its read and write."""
     sm_share = ACHIEVED / SMS
     y_tiles = -(-k // 256)
-    y_end = 2 * k * 4 / y_tiles / sm_share + TILE_OVERHEAD_S
+    share = k * 4 / y_tiles / sm_share  # a y tile's read of x, or its write
+    y_end = max(PRE_WAIT_S + share, QUEUE_POP_S + POST_WAIT_S + share) if streamed else 2 * share + TILE_OVERHEAD_S
     weight = n * k * 4 / 128 / sm_share
     rest = max((k * 4 + n * 4) / 128 / sm_share, 2 * n * k / 128 / (FP32_SIMT / SMS))
     whole = max((n * k * 4 + k * 4 + n * 4) / 128 / sm_share, 2 * n * k / 128 / (FP32_SIMT / SMS))
@@ -146,7 +149,7 @@ def test_without_weight_bytes_the_split_model_is_the_old_one():
     """Streaming nothing, every tile pays the whole overhead after max(free, ready): y's tiles, then each
     GEMV tile at y's end plus the overhead plus its whole roofline share (weights included)."""
     program = gemv_program(2048, 1024)
-    y_end, _, _, whole = _gemv_hand(2048, 1024)
+    y_end, _, _, whole = _gemv_hand(2048, 1024, streamed=False)
     got = megakernel_latency(build_queue(program), program, "h200", {}, weight_bytes={})
     assert got.makespan_s == pytest.approx(y_end + TILE_OVERHEAD_S - QUEUE_POP_S + whole, rel=1e-12)
     assert got.critical_path_s == pytest.approx(got.makespan_s, rel=1e-12)
@@ -163,35 +166,41 @@ def test_a_late_barrier_under_large_weights_ends_with_the_weight_stream():
     assert PRE_WAIT_S + weight > y_end + POST_WAIT_S + rest  # the case this test is about
     got = megakernel_latency(build_queue(program), program, "h200", {})
     assert got.makespan_s == pytest.approx(max(PRE_WAIT_S + weight, y_end + POST_WAIT_S + rest), rel=1e-12)
-    assert got.weight_bytes_streamed == 2048 * 1024 * 4
+    assert got.weight_bytes_streamed == 2048 * 1024 * 4 + 1024 * 4  # W's rows, and x (y's whole read)
     assert (got.critical_hops, got.critical_overhead_s) == (1, pytest.approx(PRE_WAIT_S))
 
 
 def test_small_weights_end_after_the_wait():
-    """K = 16: 1 KiB of weights per tile land long before y is ready: the tile ends at ready + post + rest."""
+    """K = 16: 1 KiB of weights per tile land long before y is ready: the tile ends at ready + post + rest. y's
+    tile prefetched x before its (empty) wait: its overhead on the chain is the pre-wait part (pop and first
+    load), equal to the pop and the post-wait part, then the GEMV tile's post-wait part."""
     program = gemv_program(2048, 16)
     y_end, weight, rest, _ = _gemv_hand(2048, 16)
     assert PRE_WAIT_S + weight < y_end + POST_WAIT_S + rest
     got = megakernel_latency(build_queue(program), program, "h200", {})
     assert got.makespan_s == pytest.approx(y_end + POST_WAIT_S + rest, rel=1e-12)
-    assert (got.critical_hops, got.critical_overhead_s) == (2, pytest.approx(TILE_OVERHEAD_S + POST_WAIT_S))
+    assert (got.critical_hops, got.critical_overhead_s) == (2, pytest.approx(PRE_WAIT_S + POST_WAIT_S))
 
 
 def test_recomputed_rows_leave_the_chain_and_add_their_body_to_each_reader_tile():
     """A one-token llama-tiny layer: its three one-row norms are recomputed by their GEMVs
     (codegen/megakernel.py): three tiles and three hops fewer. On the chain, norm then GEMV tile was
     (overhead + norm body) then (post-wait part + GEMV rest); now the GEMV tile runs the norm body itself
-    (the same one-SM roofline): the critical path is shorter by exactly three tile overheads less their
-    queue pops (a norm tile popped while it waited)."""
+    (the same one-SM roofline): streaming nothing, the critical path is shorter by exactly three tile overheads
+    less their queue pops (a norm tile popped while it waited); with the norms' weights prefetched before the wait
+    (weight_stream.whole_reads: by the norm's own tile, or by each GEMV tile that recomputes it) a norm tile's first
+    load was before its wait already, so three post-wait parts (acquire and signal) leave the chain."""
     from luminal_num.models.registry import llama_tiny_job
     job = llama_tiny_job(seq=1, layers=1)
     space = SearchSpace.build(job.graph, fusion=True)
     program = space.program(())
     bindings = job.graph.bind_symbols(job.calibration[0])
-    plain = megakernel_latency(build_queue(program, recompute_rows=False), program, "h200", bindings)
-    got = megakernel_latency(build_queue(program), program, "h200", bindings)
-    assert (plain.tiles - got.tiles, plain.critical_hops - got.critical_hops) == (3, 3)
-    assert plain.critical_path_s - got.critical_path_s == pytest.approx(3 * (TILE_OVERHEAD_S - QUEUE_POP_S), rel=1e-9)
+    for streams, saved in (({}, TILE_OVERHEAD_S - QUEUE_POP_S), (None, POST_WAIT_S)):
+        plain = megakernel_latency(build_queue(program, recompute_rows=False), program, "h200", bindings,
+                                   weight_bytes=streams)
+        got = megakernel_latency(build_queue(program), program, "h200", bindings, weight_bytes=streams)
+        assert (plain.tiles - got.tiles, plain.critical_hops - got.critical_hops) == (3, 3)
+        assert plain.critical_path_s - got.critical_path_s == pytest.approx(3 * saved, rel=1e-9)
 
 
 # -- KV-cache rows streamed before the wait (codegen/cache_stream.py) ----------------------------------------
@@ -228,14 +237,17 @@ def decode_attention_program(keys: int) -> Program:
     return verify(Program(ks, tuple((k.external, k.id) for k in ks if k.external), (("out", 10),)))
 
 
-@pytest.mark.parametrize("keys", [512, 4096])
+@pytest.mark.parametrize("keys", [64, 512, 4096])
 def test_an_attention_tile_streams_its_cache_rows_before_its_wait(keys):
     """By hand: the attention's pre-wait bytes are K's and V's keys x 32 elements less the one row each scatter
     writes, at 4 bytes. Every tile has an SM (y's 1, each scatter's 1 (blockops: one block per 256 source
     elements, as the CUDA scatter runs), the attention's 4: one per score row, its 4 splits walked inside the
     block); the attention waits on the K scatter (after y's tile):
     ready = y + s. Streaming nothing, a tile ends at ready + overhead + its whole share; streaming,
-    at max(pre + its cache share, ready + post + the rest): the post-wait side at 512 keys, the stream at 4096."""
+    at max(pre + its cache share, ready + post + the rest): the post-wait side at 64 keys, the stream at 512 and
+    4096 (at 512 the post-wait side was longer while y and the scatter paid their first loads after their waits).
+    Streaming, the whole reads (weight_stream.whole_reads) go before the waits too: y's x (32 x 4 bytes), each
+    scatter's pos (4) and the V scatter's v_new (128), the attention's q (4 x 32 x 4) and bias (keys x 4)."""
     program = decode_attention_program(keys)
     works = kernel_works(program, {}, LaunchForm.MEGAKERNEL)
     assert [w.tiles for w in works] == [1, 1, 1, HEADS] and sum(w.tiles for w in works) <= SMS
@@ -251,12 +263,17 @@ def test_an_attention_tile_streams_its_cache_rows_before_its_wait(keys):
     streamed = cache / HEADS / share
     rest = max((attention.bytes_moved - cache) / HEADS / share, flops)
     queue = build_queue(program)
-    before = megakernel_latency(queue, program, "h200", {}, cache_bytes={})
+    before = megakernel_latency(queue, program, "h200", {}, cache_bytes={}, weight_bytes={})
     assert before.makespan_s == pytest.approx(y + s + TILE_OVERHEAD_S - QUEUE_POP_S + whole, rel=1e-12)
+    x, pos, q, bias = HEAD_DIM * 4, 4, HEADS * HEAD_DIM * 4, keys * 4
+    y = max(PRE_WAIT_S + x / share, QUEUE_POP_S + POST_WAIT_S + (works[0].bytes_moved - x) / share)
+    s = POST_WAIT_S + (works[1].bytes_moved - pos) / share  # after y, its pos prefetched while it waited
+    streamed = (cache + q + bias) / HEADS / share
+    rest = max((attention.bytes_moved - cache - q - bias) / HEADS / share, flops)
     got = megakernel_latency(queue, program, "h200", {})
-    assert got.cache_bytes_streamed == cache and got.weight_bytes_streamed == 0
+    assert got.cache_bytes_streamed == cache and got.weight_bytes_streamed == x + 2 * pos + HEAD_DIM * 4 + q + bias
     assert got.makespan_s == pytest.approx(max(PRE_WAIT_S + streamed, y + s + POST_WAIT_S + rest), rel=1e-12)
-    if keys == 512:
+    if keys == 64:
         assert PRE_WAIT_S + streamed < y + s + POST_WAIT_S + rest and got.critical_hops == 3
     else:
         assert PRE_WAIT_S + streamed > y + s + POST_WAIT_S + rest and got.critical_hops == 1

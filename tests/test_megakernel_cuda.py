@@ -17,6 +17,7 @@ from luminal_num.codegen.megakernel import build_queue
 from luminal_num.codegen.cuda_weight_only import stored_operand, weight_only_gemm
 from luminal_num.codegen.cuda_source import ceil_count
 from luminal_num.codegen.megakernel_cuda import ENTRY_NAME, render_megakernel
+from luminal_num.codegen.weight_stream import whole_reads
 from luminal_num.dtypes.formats import Kind
 from luminal_num.hlir.symbolic import evaluate
 from luminal_num.models.llama import build_decode, random_weights
@@ -218,8 +219,9 @@ def _w4a16_tiny():
 
 
 def test_only_gemm_tiles_over_a_weight_prefetch_and_only_what_their_body_reads():
-    """The Gemms over an (N, K) weight (found here from the program) are the ops with prefetch rows, on their
-    own launch, prefetching bufs[] slots the body is called with; the loop prefetches before it spins."""
+    """The Gemms over an (N, K) weight (found here from the program) are the ops with weight-band prefetch rows, on
+    their own launch, prefetching bufs[] slots the body is called with; the other ops with prefetch rows prefetch
+    whole reads only (weight_stream.whole_reads); the loop prefetches before it spins."""
     job, program, mega = _w4a16_tiny()
     weighted = {k.id for k in program.launched() if k.kind.is_gemm
                 and program.kernel(k.inputs[1].buffer).kind is KernelKind.EXTERNAL
@@ -230,10 +232,17 @@ def test_only_gemm_tiles_over_a_weight_prefetch_and_only_what_their_body_reads()
             assert op.last and set(op.stream_slots) <= set(op.arg_slots)
     rows, _ = mega.table(build_queue(program), bind_program(program, {**job.graph.weights, **job.calibration[0]}))
     spans = [(r[14], r[15]) for r in rows]
-    assert all((end > begin) == (op.stream is not None) for op, (begin, end) in zip(mega.ops, spans))
+    assert all((end > begin) == (op.stream is not None or bool(op.whole)) for op, (begin, end) in zip(mega.ops, spans))
     assert spans[-1][1] == len(mega.prefetch_rows())
+    prefetch = mega.prefetch_rows()
+    for op, (begin, end) in zip(mega.ops, spans):
+        bands = [r for r in prefetch[begin:end] if r[2] != 0]
+        assert bool(bands) == (op.stream is not None)
+        assert [(r[0], r[5]) for r in prefetch[begin:end] if r[2] == 0] == [(w.nbytes, w.buffer) for w in op.whole]
+    assert any(op.whole for op in mega.ops)
     loop = mega.source[mega.source.index(f"void __launch_bounds__({1024}) {ENTRY_NAME}("):]
-    assert loop.count("prefetch.global.L2") == 2  # the weight bands, the KV-cache spans (codegen/cache_stream.py)
+    # the weight bands, the whole reads, the KV-cache spans (codegen/cache_stream.py)
+    assert loop.count("prefetch.global.L2") == 3
     assert loop.rindex("prefetch.global.L2") < loop.index("ln_mk_acquire(c) < need")
 
 
@@ -261,6 +270,47 @@ def _one_block_reads(mega, program, op, band: int) -> dict[int, set[int]]:
             yield from fn(**kw)
     launch(only, args, grid[:3], (tuple(op.block) + (1, 1, 1))[:3])
     return {slot: buf.values.seen for slot, buf in parts.items()}
+
+
+def test_a_tile_prefetches_whole_the_inputs_it_reads_whole():
+    """Differential: the bodies with whole reads (a norm, rope, a scatter, the attention), run in the interpreter,
+    read every element of each such buffer and nothing past it (their tiles together: a tile may read only its row
+    of a small table, and prefetches the rest too); a GEMV that recomputes a norm prefetches the norm's whole reads
+    (its tiles run the norm's body)."""
+    job, program, mega = _w4a16_tiny()
+    checked = set()
+    for op in mega.ops:
+        if not op.whole or program.kernel(op.kernel).kind.is_gemm:
+            continue
+        fn, params = compile_entry(mega.source, op.entry)
+        args, seen = {}, {}
+        for name, slot in zip(params, op.arg_slots):
+            n = program.kernel(slot).numel({"s": 4}) if slot < len(program.kernels) else 1
+            integer = slot < len(program.kernels) and program.kernel(slot).dtype.kind is Kind.INT
+            buf = _recording(np.zeros(max(n, 1)), integer)
+            args[name] = buf
+            seen[slot] = buf.values.seen
+        grid = tuple(ceil_count(axis, {"s": 4}) for axis in op.grid) + (1, 1)
+
+        def steps(**kw):  # a body that never synchronises runs at its thread's first step
+            body = fn(**kw)
+            if body is not None:
+                yield from body
+        launch(steps, args, grid[:3], (tuple(op.block) + (1, 1, 1))[:3])
+        for read in op.whole:
+            numel = int(read.nbytes // program.dtypes()[read.buffer].itemsize)
+            assert read.buffer in op.arg_slots and seen[read.buffer] == set(range(numel)), (op.entry, read)
+            checked.add(program.kernel(op.kernel).kind)
+    assert KernelKind.ROWS in checked
+    program = _smollm2_layer(STORAGE_RECIPES["W4A16 INT4 group 128"])
+    queue = build_queue(program)
+    mega = render_megakernel(program, queue)
+    readers = [(i, q) for i, q in enumerate(queue.ops) if q.recomputes is not None]
+    assert len(readers) == 3  # the layer's two norms and the final norm
+    for i, q in readers:
+        body = next(op for op in mega.ops if op.queue_op == i and op.last)
+        row = whole_reads(program.kernel(queue.ops[q.recomputes].kernel), program)
+        assert row and set(row) <= set(body.whole)
 
 
 @pytest.mark.parametrize("which", ["dequantize-on-load", "glu"])

@@ -98,7 +98,7 @@ def test_a_tiled_gemms_a_scales_are_scheduled_tiles_on_one_sm():
     works = kernel_works(program, {}, LaunchForm.MEGAKERNEL)
     y_tiles, body_tiles = (queue.ops[i].block.tiles.evaluate({}) for i in (0, 1))
     assert body_tiles == (m // 16) * (n // 16)
-    y = tile_times(works[0], y_tiles, one).alone_s
+    y = tile_times(works[0], y_tiles, one, m * k * 4).alone_s  # x prefetched whole (weight_stream.whole_reads)
     scale_a = max((m * k * 4 + m * 4) / m / ACHIEVED, k / FP32_SIMT) + TILE_OVERHEAD_S
     body = tile_times(works[-1], body_tiles, one, n * k * 4)
     assert got.tiles == y_tiles + m + body_tiles

@@ -55,7 +55,7 @@ from .llir import Program
 from .megakernel import MegakernelError, WorkQueue
 from .megakernel_loop import LOOP, PRELUDE
 from .cache_stream import CacheStream, cache_stream
-from .weight_stream import BAND, LINE, WeightStream, weight_stream
+from .weight_stream import BAND, LINE, WeightStream, WholeRead, weight_stream, whole_reads
 
 ENTRY_NAME = "ln_megakernel"
 BLOCK_THREADS = 1024  # the persistent block: at least every body's block
@@ -80,6 +80,7 @@ class CudaOp:
     stream: WeightStream | None = None  # the weight rows its tiles prefetch before the wait (a Gemm's body)
     stream_slots: tuple[int, ...] = ()  # bufs[] slot of each of the stream's parts
     cache: CacheStream | None = None    # the KV-cache rows its tiles prefetch before the wait (an attention body)
+    whole: tuple[WholeRead, ...] = ()   # inputs its tiles prefetch whole before the wait (and its recomputed row op's)
 
 
 @dataclass(frozen=True)
@@ -200,10 +201,22 @@ class MegakernelSource:
 
 
 def _stream_rows(op: CudaOp) -> list[tuple]:
+    """The op's prefetch rows: its weight stream's bands, then each whole read as (bytes, 1, 0, 0, 0, slot): a
+    row whose rows_per_part_row is 0 is prefetched whole by every tile (the loop's `f.per == 0`)."""
+    rows = [(r.nbytes, 1, 0, 0, 0, r.buffer) for r in op.whole]
     if op.stream is None:
-        return []
+        return rows
     return [(p.row_bytes, p.rows, p.rows_per_part_row, off, op.stream.n_out, slot)
-            for off in op.stream.offsets for p, slot in zip(op.stream.parts, op.stream_slots)]
+            for off in op.stream.offsets for p, slot in zip(op.stream.parts, op.stream_slots)] + rows
+
+
+def _whole(q, queue: WorkQueue, program: Program) -> tuple[WholeRead, ...]:
+    """What the op's body launch prefetches whole: its kernel's whole reads, and those of the row op it recomputes
+    (its tiles run that body too; runtime/megakernel_cost.streamed_before_wait prices the same bytes)."""
+    reads = whole_reads(program.kernel(q.kernel), program)
+    if q.recomputes is not None:
+        reads += whole_reads(program.kernel(queue.ops[q.recomputes].kernel), program)
+    return reads
 
 
 def _span_count(op: CudaOp, tiles: int, bindings: Mapping[str, int]) -> int:
@@ -296,7 +309,7 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             grid = _body_grid(q, tuple(((g, 1),) for g in stored.grid))
             stream = _checked_stream(kernel, program, grid)
             ops.append(CudaOp(qi, 0, kernel.id, stored.name, grid, tuple(stored.block), tuple(args), True, stream,
-                              _stream_slots(stream, part_slot)))
+                              _stream_slots(stream, part_slot), whole=_whole(q, queue, program)))
             sources.append(None)
             continue
         src = render_kernel(kernel, program)
@@ -328,7 +341,8 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             stream = _checked_stream(kernel, program, grid) if last else None
             cache = cache_stream(kernel, program) if last else None
             ops.append(CudaOp(qi, li, kernel.id, launch.entry, grid, tuple(launch.block), args, last,
-                              stream, _stream_slots(stream, part_slot), cache))
+                              stream, _stream_slots(stream, part_slot), cache,
+                              _whole(q, queue, program) if last else ()))
             sources.append(src)
     if sum(staged_bytes.values()) > STAGED_SHARED_BYTES:
         raise MegakernelError(f"the staged A copies of {len(staged_bytes)} GEMV bodies take "

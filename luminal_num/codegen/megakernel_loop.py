@@ -2,9 +2,10 @@
 
 `PRELUDE` goes before the inlined bodies: the shared tile the bodies' builtins read (`blockIdx`, `gridDim`,
 `blockDim`, `threadIdx` as macros over the current tile, `__syncthreads()` a named barrier over the body's threads).
-`LOOP` goes after them: the loop that pops a queue entry, prefetches the tile's weight rows and KV-cache spans into
-L2, spins on its barrier counters, runs any row op and scale launch it recomputes into its block's own copies, runs
-the body and signals. Placeholders: CASES (the switch's cases), ENTRY_NAME, BLOCK (threads), BAND_ROWS, LINE_BYTES.
+`LOOP` goes after them: the loop that pops a queue entry, prefetches the tile's weight rows, whole-read inputs and
+KV-cache spans into L2, spins on its barrier counters, runs any row op and scale launch it recomputes into its
+block's own copies, runs the body and signals. Placeholders: CASES (the switch's cases), ENTRY_NAME, BLOCK
+(threads), BAND_ROWS, LINE_BYTES.
 Why a module of its own: the loop is fixed C text, the renderer is the code that decides what it runs.
 """
 
@@ -90,6 +91,12 @@ extern "C" __global__ void __launch_bounds__(BLOCK) ENTRY_NAME(
             // band by band: bands y, y + grid y, ... (the Gemm bodies loop grid-stride)
             const LnMkPrefetch f = prefetch[p];
             const char* base = (const char*)bufs[f.slot];
+            if (f.per == 0) {  // an input every tile reads whole (a norm's weight, a rope table, an index): all of it
+                for (long long b = (long long)threadIdx.x * LN_MK_LINE; b < f.row_bytes;
+                     b += (long long)blockDim.x * LN_MK_LINE)
+                    asm volatile("prefetch.global.L2 [%0];" :: "l"(base + b));
+                continue;
+            }
             for (long long band = ln_mk.bid.y; band * LN_MK_BAND < f.n_out; band += ln_mk.grid.y) {
                 const long long first = band * LN_MK_BAND + f.offset;
                 const long long end = min(band * LN_MK_BAND + LN_MK_BAND, f.n_out) + f.offset;

@@ -130,3 +130,47 @@ def _stored_part(weight: int, index: int, fmt, part, shape: tuple[int, int]) -> 
     if -(-shape[0] // per) != rows:
         raise ValueError(f"weight {weight}: stored part {part.value} has {rows} rows, not one per {per} of {shape[0]}")
     return StreamPart(weight, index, rows, nbytes // rows, per)
+
+
+WHOLE_READ_BYTES = 16 * 1024  # at most this many bytes of an input each tile prefetches whole
+
+
+@dataclass(frozen=True)
+class WholeRead:
+    """A small input a kernel reads that is written before the kernel starts (a norm's weight, a rope table, an
+    attention mask, a scatter's index): all `nbytes` bytes of bufs[buffer] (what its tiles read together: one
+    tile may read only its row of a table) are prefetched into L2 by each tile before its wait, so the tile's
+    first DRAM load is not after the wait (issue 33). At most WHOLE_READ_BYTES: the prefetch is per tile."""
+
+    slot: int
+    buffer: int
+    nbytes: int
+
+
+_SCATTERS = (KernelKind.SCATTER, KernelKind.SCATTER_NOCOPY, KernelKind.SCATTER_EW)
+
+
+def whole_reads(kernel: Kernel, program: Program) -> tuple[WholeRead, ...]:
+    """The kernel's inputs a tile may prefetch whole before its wait (WholeRead): EXTERNAL values in no storage
+    format, of concrete size up to WHOLE_READ_BYTES, whose view touches every element, and which are no KV cache
+    (no scatter's destination: a cache is read row by row, codegen/cache_stream.py). A Gemm's operands are left
+    out: its tiles read their own bands of a weight (WeightStream), not the whole of it; so is a Gather: its first
+    DRAM load is the table row its index names, which prefetching the index does not move before the wait."""
+    if kernel.kind.is_gemm or kernel.kind is KernelKind.GATHER:
+        return ()
+    caches = program.cache_buffers() | {k.inputs[0].buffer for k in program.kernels if k.kind in _SCATTERS}
+    dtypes = program.dtypes()
+    out = []
+    for slot, inp in enumerate(kernel.inputs):
+        value = program.kernel(inp.buffer)
+        if value.kind is not KernelKind.EXTERNAL or value.storage is not None or value.id in caches \
+                or not all(is_const(d) for d in value.shape):
+            continue
+        numel = 1
+        for d in value.shape:
+            numel *= int(d)
+        nbytes = int(numel * dtypes[value.id].itemsize)
+        if nbytes > WHOLE_READ_BYTES or kernel.input_bytes(slot, {}, dtypes) != nbytes:
+            continue  # too large to prefetch per tile, or a view that skips elements
+        out.append(WholeRead(slot, value.id, nbytes))
+    return tuple(out)

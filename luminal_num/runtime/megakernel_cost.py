@@ -13,6 +13,10 @@ device loop (codegen/megakernel_cuda.py) does:
 - an attention tile reading a KV cache (codegen/cache_stream.py) streams the cache rows the same way: the
   bytes charged before the wait are the cache elements it reads less every element this step's scatter
   writes (those it reads after the wait, with the query and the bias);
+- a tile whose kernel reads a small input written before the kernel starts (codegen/weight_stream.whole_reads: a
+  norm's weight, a rope table, a mask, a scatter's index) prefetches it whole the same way, as does a GEMV tile
+  for the row op it recomputes: those bytes are charged before the wait like a weight stream, so such a tile's
+  first DRAM load is before its wait too (streamed_before_wait);
 - any other tile issues nothing before its wait but its queue pop (the loop pops, then spins): the rest of
   its time (first load, acquire, signal, body) follows max(free + QUEUE_POP_S, ready);
 - a Gemm that computes an operand's scales itself (QueueOp.prologue: FP8 / INT8 variants) runs each scale
@@ -49,7 +53,7 @@ from ..codegen.cuda_weight_only import stored_operand
 from ..codegen.llir import Kernel, Program
 from ..codegen.megakernel import Wait, WorkQueue, wait_counters
 from ..codegen.cache_stream import cache_stream
-from ..codegen.weight_stream import weight_stream
+from ..codegen.weight_stream import weight_stream, whole_reads
 from .cost import KernelWork, LaunchForm, roofline_s
 from .latency import kernel_works, stored_weights
 from .targets import LaunchConstants, Target, get_target
@@ -79,7 +83,7 @@ class MegakernelLatency:
     critical_hops: int = 0  # tiles on that longest chain
     bytes_moved: int = 0    # what the megakernel's bodies move (stored weights read widened: kernel_works)
     critical_overhead_s: float = 0.0  # the per-tile overheads (pre- and post-wait) on that chain
-    weight_bytes_streamed: int = 0    # weight bytes tiles load before their waits (codegen/weight_stream.py)
+    weight_bytes_streamed: int = 0    # weight bytes (and whole reads) tiles load before their waits (weight_stream.py)
     cache_bytes_streamed: int = 0     # KV-cache bytes attention tiles load before their waits (codegen/cache_stream.py)
     busy_by_kind: tuple[tuple[str, float], ...] = ()  # SM seconds in tiles per block kind ("scale": Gemm prologues)
     # the critical path per block kind: (kind, tiles on it, seconds it grew by at them, of which per-tile overhead)
@@ -136,7 +140,8 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
                        cache_bytes: Mapping[int, int] | None = None) -> MegakernelLatency:
     """`works`: per launched kernel, other work than what the megakernel runs (a bench's what-if);
     `weight_bytes`: kernel id -> bytes its tiles stream before their waits, in place of the kernels' weight
-    streams (codegen/weight_stream.py; a kernel left out streams none: {} prices the model before the split);
+    streams and whole reads (streamed_before_wait; a recomputed row op's entry is streamed by its reader's tiles; a
+    kernel left out streams none: {} prices the model before the split);
     `cache_bytes`: kernel id -> KV-cache bytes its tiles stream before their waits, in place of the attention
     kernels' cache streams (codegen/cache_stream.py; {}: none)."""
     resolved = get_target(target)
@@ -146,8 +151,7 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
         works = kernel_works(program, bindings, LaunchForm.MEGAKERNEL)
     works = {k.id: w for k, w in zip(program.launched(), works)}
     if weight_bytes is None:
-        streams = {k.id: weight_stream(k, program) for k in program.launched()}
-        weight_bytes = {kid: s.bytes_streamed() for kid, s in streams.items() if s is not None}
+        weight_bytes = streamed_before_wait(program)
     if cache_bytes is None:
         caches = {k.id: cache_stream(k, program) for k in program.launched()}
         cache_bytes = {kid: s.bytes_streamed(bindings) for kid, s in caches.items() if s is not None}
@@ -166,9 +170,13 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
         work = works[op.kernel]
         early = weight_bytes.get(op.kernel, 0) + cache_bytes.get(op.kernel, 0)  # loaded before the wait
         times = tile_times(work, launch_row.tiles, resolved, early)
-        own = tile_times(works[queue.ops[op.recomputes].kernel], 1, resolved) if op.recomputes is not None else None
-        if own is not None:  # each tile (of every launch) first runs the row op's one-tile body on its SM
-            times = dataclasses.replace(times, rest_s=times.rest_s + own.rest_s)
+        own = None
+        if op.recomputes is not None:  # each tile first runs the row op's one-tile body on its SM, having
+            row = queue.ops[op.recomputes].kernel  # prefetched the row op's whole reads with its own
+            own = tile_times(works[row], 1, resolved)
+            ahead = tile_times(works[row], 1, resolved, weight_bytes.get(row, 0))
+            times = TileTimes(times.weight_s + ahead.weight_s, times.rest_s + ahead.rest_s)
+            streamed += min(weight_bytes.get(row, 0), works[row].bytes_read)
         streamed += min(weight_bytes.get(op.kernel, 0), work.bytes_read)
         cached += min(cache_bytes.get(op.kernel, 0), work.bytes_read)
         # a wait on a whole producer is the same for every tile: its latest counter, found once
@@ -232,6 +240,19 @@ def megakernel_latency(queue: WorkQueue, program: Program, target: str | Target,
                              sum(w.bytes_moved for w in works.values()) + extra_bytes, longest.overhead_s, streamed,
                              cached,
                              tuple(sorted(by_kind.items())), longest.composition())
+
+
+def streamed_before_wait(program: Program) -> dict[int, int]:
+    """Kernel id -> the bytes its tiles prefetch before their waits, as the loop does: a Gemm's weight stream
+    (codegen/weight_stream.weight_stream) and any other kernel's whole reads (weight_stream.whole_reads; a
+    recomputed row op's are prefetched by its reader's tiles). KV-cache rows are `cache_bytes`."""
+    out = {}
+    for k in program.launched():
+        stream = weight_stream(k, program)
+        nbytes = stream.bytes_streamed() if stream is not None else sum(r.nbytes for r in whole_reads(k, program))
+        if nbytes:
+            out[k.id] = nbytes
+    return out
 
 
 def scale_work(kernel: Kernel, slot: int, program: Program, bindings: Mapping[str, int],
