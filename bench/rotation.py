@@ -164,9 +164,17 @@ def mixed_genomes() -> dict[str, BenchGenome]:
         BenchGenome(w4.tags, "rot", HEAD_W8A16, (q4km,))
     out["Q4_K_M layers (attn_v, ffn_down W8A16 INT8 in 14 of 30), W4 g128 + rotation + GPTQ" + _HEAD] = \
         BenchGenome(W4_GPTQ, "rot", HEAD_W8A16, (q4km,))
+    for k in range(1, 4):
+        roles = RANKED[:k]
+        out[f"ranked: {', '.join(roles)} W8A16 INT8, rest{_W4G32}{_HEAD}"] = \
+            BenchGenome(W4_G32_GPTQ, "rot", HEAD_W8A16, (Wider(W8A16_GPTQ, frozenset().union(*(ROLES[r] for r in roles))),))
     return out
 
 
+# The roles by the KL that role alone at W4 adds per weight (reports/bench/rotation_w4_sensitivity.csv, 512 positions:
+# down 6.1e-4 per M weights, gate|up 3.7e-4, o 3.7e-4, v 1.5e-4, q|k 1.4e-4; gate|up before o for its 5x larger
+# absolute KL), the most sensitive first
+RANKED = ("down", "gate|up", "o", "v", "q|k")
 GENOMES.update(mixed_genomes())
 
 
