@@ -107,3 +107,15 @@ def test_weights_kept_of_a_whole_layer_and_of_nothing():
         assert h == {(want, "bf16", True)}, name
     with pytest.raises(ValueError, match="no Gemm reads a weight the selection accepts"):
         weights_kept(space, base, lambda n: False, W8_GPTQ)
+
+
+def test_the_bench_selects_llama_cpp_q4_k_m_layers_and_roles_by_weight_name():
+    from bench.rotation import Q4_K_M_LAYERS, ROLES, Wider
+    # llama.cpp use_more_bits for 30 layers, by hand: i < 3, i >= 26, and (i - 3) % 3 == 2
+    assert Q4_K_M_LAYERS == {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29}
+    w = Wider(W8_GPTQ, ROLES["v"] | ROLES["down"], Q4_K_M_LAYERS)
+    assert w.selects("model.layers.5.self_attn.v_proj.weight") and w.selects("model.layers.29.mlp.down_proj.weight")
+    assert not w.selects("model.layers.4.mlp.down_proj.weight")
+    assert not w.selects("model.layers.5.self_attn.k_proj.weight")
+    assert not w.selects("model.embed_tokens.weight") and not w.selects("model.layers.5.input_layernorm.bias")
+    assert Wider(W8_GPTQ).selects("model.layers.12.mlp.up_proj.weight")
