@@ -164,10 +164,14 @@ def mixed_genomes() -> dict[str, BenchGenome]:
         BenchGenome(w4.tags, "rot", HEAD_W8A16, (q4km,))
     out["Q4_K_M layers (attn_v, ffn_down W8A16 INT8 in 14 of 30), W4 g128 + rotation + GPTQ" + _HEAD] = \
         BenchGenome(W4_GPTQ, "rot", HEAD_W8A16, (q4km,))
-    for k in range(1, 4):
+    for k in range(1, 5):
         roles = RANKED[:k]
         out[f"ranked: {', '.join(roles)} W8A16 INT8, rest{_W4G32}{_HEAD}"] = \
             BenchGenome(W4_G32_GPTQ, "rot", HEAD_W8A16, (Wider(W8A16_GPTQ, frozenset().union(*(ROLES[r] for r in roles))),))
+    # the last block of layers (the most sensitive, by the same CSV) wholly 8-bit on top of the three roles
+    three = Wider(W8A16_GPTQ, frozenset().union(*(ROLES[r] for r in RANKED[:3])))
+    out[f"ranked: {', '.join(RANKED[:3])} W8A16 INT8 and layers 25-29 all, rest{_W4G32}{_HEAD}"] = \
+        BenchGenome(W4_G32_GPTQ, "rot", HEAD_W8A16, (three, Wider(W8A16_GPTQ, None, frozenset(BLOCKS[-1]))))
     return out
 
 

@@ -105,6 +105,15 @@ def test_weights_kept_of_a_whole_layer_and_of_nothing():
         want = ("int8_channel" if name == "lm_head.weight" else "int8_channel+gptq" if "layers.0." in name
                 else "int4_g32_asym+gptq")
         assert h == {(want, "bf16", True)}, name
+    # a role everywhere, then one whole layer on top (the bench's "... and layers 25-29 all")
+    both = weights_kept(space, weights_kept(space, base, lambda n: "o_proj" in n, W8_GPTQ),
+                        lambda n: n.startswith("model.layers.1."), W8_GPTQ)
+    with CALIBRATION.installed(hs):
+        held = _held(space.program(both), m.graph.weights)
+    for name, h in held.items():
+        want = ("int8_channel" if name == "lm_head.weight" else "int8_channel+gptq"
+                if "layers.1." in name or "o_proj" in name else "int4_g32_asym+gptq")
+        assert h == {(want, "bf16", True)}, name
     with pytest.raises(ValueError, match="no Gemm reads a weight the selection accepts"):
         weights_kept(space, base, lambda n: False, W8_GPTQ)
 
