@@ -16,7 +16,12 @@ scaled per token at run time x INT8 weights per output channel, INT32 sums) on w
 rows ending ", head W8A16 INT8" keep the output Gemm (the tied LM head) at INT8 per channel with a BF16 Gemm
 (search/recipes.head_kept), as peers' 4-bit plans keep their head wider. Every row reports the stored bits per
 Gemm weight (scales included, each stored buffer once) and the weights held wider than 4 bits. One CSV:
-reports/bench/rotation.csv.
+reports/bench/rotation.csv (--csv another name).
+
+Mixed W4 plans (mixed_genomes): "sensitivity: ..." rows hold one role or one block of 5 layers at W4 g32 asym and
+every other decoder Gemm at W8A16 INT8 (what that part alone costs); "Q4_K_M layers ..." is llama.cpp's layer choice
+with 8 bits for its Q6_K; "ranked: ..." widens whole roles in the order the sensitivity run measured (RANKED).
+They select Gemms by weight name (Wider, search/recipes.weights_kept), per layer where layers differ.
 
 With --residual-rotation, the model's residual stream is rotated first (QuaRot: models/residual_rotation.py,
 norms folded into the Gemms that read them, E Q, W Q, Q^T W, head untied): every genome runs on the rotated
