@@ -16,7 +16,12 @@ scaled per token at run time x INT8 weights per output channel, INT32 sums) on w
 rows ending ", head W8A16 INT8" keep the output Gemm (the tied LM head) at INT8 per channel with a BF16 Gemm
 (search/recipes.head_kept), as peers' 4-bit plans keep their head wider. Every row reports the stored bits per
 Gemm weight (scales included, each stored buffer once) and the weights held wider than 4 bits. One CSV:
-reports/bench/rotation.csv.
+reports/bench/rotation.csv (--csv another name).
+
+Mixed W4 plans (mixed_genomes): "sensitivity: ..." rows hold one role or one block of 5 layers at W4 g32 asym and
+every other decoder Gemm at W8A16 INT8 (what that part alone costs); "Q4_K_M layers ..." is llama.cpp's layer choice
+with 8 bits for its Q6_K; "ranked: ..." widens whole roles in the order the sensitivity run measured (RANKED).
+They select Gemms by weight name (Wider, search/recipes.weights_kept), per layer where layers differ.
 
 With --residual-rotation, the model's residual stream is rotated first (QuaRot: models/residual_rotation.py,
 norms folded into the Gemms that read them, E Q, W Q, Q^T W, head untied): every genome runs on the rotated
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -61,19 +67,41 @@ HEAD_W8A16 = frozenset({"store:int8_channel", "gemm:bf16"})  # the head kept at 
 
 
 @dataclass(frozen=True)
+class Wider:
+    """Some decoder Gemms held in `tags` instead of the row's recipe (search/recipes.weights_kept): those whose
+    weight is one of `roles` (the name inside a layer, e.g. "mlp.down_proj"; None: every Gemm of the layer) in one
+    of `layers` (None: every layer)."""
+
+    tags: frozenset[str]
+    roles: frozenset[str] | None = None
+    layers: frozenset[int] | None = None
+
+    def selects(self, weight: str) -> bool:
+        m = _LAYER.fullmatch(weight)
+        return m is not None and (self.layers is None or int(m["layer"]) in self.layers) \
+            and (self.roles is None or m["role"] in self.roles)
+
+
+_LAYER = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<role>.+)\.weight")
+
+
+@dataclass(frozen=True)
 class BenchGenome:
     """A row's plan: storage recipe `tags` on every Gemm, `transform` (None, "rot" or a smoothing variant of
-    hlir/smoothing.SMOOTHINGS) on every Gemm the space may transform, and the output Gemm (the LM head) set to
-    `head` instead where given (search/recipes.head_kept)."""
+    hlir/smoothing.SMOOTHINGS) on every Gemm the space may transform, the output Gemm (the LM head) set to
+    `head` instead where given (search/recipes.head_kept), then the Gemms each of `wider` selects set to its
+    tags (a mixed plan)."""
 
     tags: frozenset[str]
     transform: str | None = None
     head: frozenset[str] | None = None
+    wider: tuple[Wider, ...] = ()
 
     @property
     def calibrated(self) -> bool:
         """Whether it needs the calibration statistics (GPTQ fills, smoothing scales)."""
-        return any("+gptq" in t for t in self.tags | (self.head or frozenset())) or self.transform not in (None, "rot")
+        every = self.tags | (self.head or frozenset()) | frozenset(t for w in self.wider for t in w.tags)
+        return any("+gptq" in t for t in every) or self.transform not in (None, "rot")
 
 
 _HEAD = ", head W8A16 INT8"
@@ -106,15 +134,71 @@ GENOMES: dict[str, BenchGenome] = {
 }
 
 
+# -- mixed W4 plans (issue 32): mostly W4 g32 asym + rotation + GPTQ, some Gemms W8A16 INT8 + GPTQ -----------------
+W8A16_GPTQ = frozenset({"store:int8_channel+gptq", "gemm:bf16"})
+ROLES = {"q|k": frozenset({"self_attn.q_proj", "self_attn.k_proj"}), "v": frozenset({"self_attn.v_proj"}),
+         "o": frozenset({"self_attn.o_proj"}), "gate|up": frozenset({"mlp.gate_proj", "mlp.up_proj"}),
+         "down": frozenset({"mlp.down_proj"})}
+LAYERS = 30  # SmolLM2's: the layer sets below are for it
+BLOCKS = tuple(range(a, a + 5) for a in range(0, LAYERS, 5))
+
+
+def use_more_bits(i: int, n: int = LAYERS) -> bool:
+    """llama.cpp's Q4_K_M layer choice (src/llama-quant.cpp use_more_bits): attn_v and ffn_down of these layers
+    are Q6_K, the rest Q4_K: the first and last eighth and every third layer between (14 of SmolLM2's 30)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+Q4_K_M_LAYERS = frozenset(i for i in range(LAYERS) if use_more_bits(i))
+_REST8 = ", rest W8A16 INT8 + rotation + GPTQ" + _HEAD
+_W4G32 = " W4 g32 asym + rotation + GPTQ"
+
+
+def mixed_genomes() -> dict[str, BenchGenome]:
+    """Sensitivity rows (one Gemm role, or one block of 5 layers, at W4 and every other decoder Gemm at W8A16 INT8,
+    all rotated and GPTQ-filled, head INT8: what that part alone costs) and the mixed plans: llama.cpp's Q4_K_M
+    layer choice with 8-bit in place of Q6_K, on g32 asym and on g128."""
+    w4 = BenchGenome(W4_G32_GPTQ, "rot", HEAD_W8A16)
+    out = {"W8A16 INT8 + rotation + GPTQ" + _HEAD: BenchGenome(W8A16_GPTQ, "rot", HEAD_W8A16)}
+    out.update({f"sensitivity: {role}{_W4G32}{_REST8}":
+                BenchGenome(W8A16_GPTQ, "rot", HEAD_W8A16, (Wider(W4_G32_GPTQ, roles),)) for role, roles in ROLES.items()})
+    out.update({f"sensitivity: layers {b[0]}-{b[-1]}{_W4G32}{_REST8}":
+                BenchGenome(W8A16_GPTQ, "rot", HEAD_W8A16, (Wider(W4_G32_GPTQ, None, frozenset(b)),)) for b in BLOCKS})
+    q4km = Wider(W8A16_GPTQ, ROLES["v"] | ROLES["down"], Q4_K_M_LAYERS)
+    out["Q4_K_M layers (attn_v, ffn_down W8A16 INT8 in 14 of 30)," + _W4G32 + _HEAD] = \
+        BenchGenome(w4.tags, "rot", HEAD_W8A16, (q4km,))
+    out["Q4_K_M layers (attn_v, ffn_down W8A16 INT8 in 14 of 30), W4 g128 + rotation + GPTQ" + _HEAD] = \
+        BenchGenome(W4_GPTQ, "rot", HEAD_W8A16, (q4km,))
+    for k in range(1, 5):
+        roles = RANKED[:k]
+        out[f"ranked: {', '.join(roles)} W8A16 INT8, rest{_W4G32}{_HEAD}"] = \
+            BenchGenome(W4_G32_GPTQ, "rot", HEAD_W8A16, (Wider(W8A16_GPTQ, frozenset().union(*(ROLES[r] for r in roles))),))
+    # the last block of layers (the most sensitive, by the same CSV) wholly 8-bit on top of the three roles
+    three = Wider(W8A16_GPTQ, frozenset().union(*(ROLES[r] for r in RANKED[:3])))
+    out[f"ranked: {', '.join(RANKED[:3])} W8A16 INT8 and layers 25-29 all, rest{_W4G32}{_HEAD}"] = \
+        BenchGenome(W4_G32_GPTQ, "rot", HEAD_W8A16, (three, Wider(W8A16_GPTQ, None, frozenset(BLOCKS[-1]))))
+    return out
+
+
+# The roles by the KL that role alone at W4 adds per weight (reports/bench/rotation_w4_sensitivity.csv, 512 positions:
+# down 6.1e-4 per M weights, gate|up 3.7e-4, o 3.7e-4, v 1.5e-4, q|k 1.4e-4; gate|up before o for its 5x larger
+# absolute KL), the most sensitive first
+RANKED = ("down", "gate|up", "o", "v", "q|k")
+GENOMES.update(mixed_genomes())
+
+
 def genome_of(space, g: BenchGenome):
-    from luminal_num.search.recipes import head_kept, pick, rotated_recipe, smoothed_recipe
+    from luminal_num.search.recipes import head_kept, pick, rotated_recipe, smoothed_recipe, weights_kept
     if g.transform is None:
         genome = pick(space, g.tags.__contains__)
     elif g.transform == "rot":
         genome = rotated_recipe(space, g.tags)
     else:
         genome = smoothed_recipe(space, g.tags, g.transform)
-    return genome if g.head is None else head_kept(space, genome, g.head)
+    genome = genome if g.head is None else head_kept(space, genome, g.head)
+    for w in g.wider:
+        genome = weights_kept(space, genome, w.selects, w.tags)
+    return genome
 
 
 def gemm_weight_bits(program, weights) -> tuple[float, str]:

@@ -17,7 +17,8 @@ from ..codegen.llir import KernelKind
 from ..hlir.graph import Graph
 from ..hlir.ops import Op
 from ..quant.stored import GGUF_KEPT, SOURCE_BLOCKS, source_format
-from .space import Genome, SearchSpace
+from .extract import BASE
+from .space import ChunkSite, Genome, SearchSpace
 from .tags import Tag, TagKind, is_kind, kind_of
 
 # -- the lists, as published (torch.amp docs: "CUDA Ops that can autocast to float16" / "... to float32",
@@ -329,20 +330,28 @@ def head_classes(space: SearchSpace) -> dict[str, frozenset[str]]:
     gemms = {n for n in graph.matmuls if any(c in outputs for c in consumers.get(n, ()))}
     heads = gemms | {o for o in outputs if any(s.node in gemms for s in graph.nodes[o].srcs)}  # one e-class holds both
     out = {}
-    for gk, ks in space.knobs.items():
-        cs = space.groups[gk].space
-        tagged = {k.cls for k in ks if any(is_kind(t, TagKind.GEMM) or is_kind(t, TagKind.STORE) for t in k.tags)}
-        todo = [c for c in tagged if cs.class_node.get(c) in heads]
-        seen = set(todo)
-        while todo:
-            for n in cs.classes[todo.pop()]:
-                for c in _weight_side(cs, n):
-                    if c in tagged and c not in seen:
-                        seen.add(c)
-                        todo.append(c)
+    for gk in space.knobs:
+        seen = _gemm_side(space, gk, heads)
         if seen:
-            out[gk] = frozenset(seen)
+            out[gk] = seen
     return out
+
+
+def _gemm_side(space: SearchSpace, gk: str, nodes: set[int]) -> frozenset[str]:
+    """The knob e-classes of group `gk` that belong to the Gemms at HLIR `nodes` (its representative chunk's):
+    the Gemm's classes, its weight's storage, its rotated / smoothed forms' Gemms and weights."""
+    cs = space.groups[gk].space
+    tagged = {k.cls for k in space.knobs[gk] if any(is_kind(t, TagKind.GEMM) or is_kind(t, TagKind.STORE)
+                                                      for t in k.tags)}
+    todo = [c for c in tagged if cs.class_node.get(c) in nodes]
+    seen = set(todo)
+    while todo:
+        for n in cs.classes[todo.pop()]:
+            for c in _weight_side(cs, n):
+                if c in tagged and c not in seen:
+                    seen.add(c)
+                    todo.append(c)
+    return frozenset(seen)
 
 
 def _weight_side(cs, n) -> tuple[str, ...]:
@@ -370,3 +379,49 @@ def head_kept(space: SearchSpace, genome: Genome, tags: frozenset[str]) -> Genom
     chosen = {(g, c) for g, c, _ in kept}
     return kept | frozenset(ch for ch in pick(space, tags.__contains__)
                             if ch[1] in head.get(ch[0], ()) and (ch[0], ch[1]) not in chosen)
+
+
+# -- some Gemms held wider than the rest: mixed plans (issue 32) -------------------------------------------
+
+def gemm_weight(graph: Graph, gemm: int) -> str | None:
+    """The name of the weight a matmul's SumReduce `gemm` reads as B (None: both operands are activations)."""
+    mul = graph.nodes[graph.nodes[gemm].srcs[0].node]
+    return next((w for s in mul.srcs if (w := graph.weight_name(s.node)) is not None), None)
+
+
+def weights_kept(space: SearchSpace, genome: Genome, select: Callable[[str], bool], tags: frozenset[str]) -> Genome:
+    """`genome` with every Gemm whose weight's name `select` accepts set to `tags` (its storage and Gemm variant;
+    a rotation or smoothing the genome chose for it stays, its transformed weight then stored as `tags` say),
+    every other choice as it was: llama.cpp's Q4_K_M-style mixes (attn_v and some ffn_down wider). The Gemms a
+    group's chunks all select change for the group; the others each selecting chunk overrides for itself
+    (ChunkSite), so one layer's down_proj can be 8-bit while its group's others stay 4-bit. A horizontally fused
+    Gemm whose parts then differ is extracted unfused (horizontal.SliceChoice). Refused where `select` accepts
+    no Gemm's weight."""
+    graph = space.graph
+    matmuls = set(graph.matmuls)
+    transform = (TagKind.ROT, TagKind.SMOOTH)
+    wide = pick(space, tags.__contains__)
+    wide_of = {(g, c): t for g, c, t in wide}
+    out = set(genome)
+    found = False
+    for g in space.part.groups:
+        rep = g.representative
+        chosen = {c.index: frozenset(i for i, nid in enumerate(c.nodes) if nid in matmuls
+                                     and (w := gemm_weight(graph, nid)) is not None and select(w)) for c in g.chunks}
+        if not any(chosen.values()):
+            continue
+        found = True
+        common = frozenset.intersection(*chosen.values())  # selected in every chunk: the group's change
+        sites = [(g.key, common)] * bool(common) + [(ChunkSite(g.key, i), ls - common) for i, ls in chosen.items()
+                                                     if ls - common]
+        group_tags = {c: t for s, c, t in out if s == g.key}
+        for site, ls in sites:
+            classes = _gemm_side(space, g.key, {rep.nodes[i] for i in ls})
+            mine = {c: t for s, c, t in out if s == site}
+            # the tag each class has at this site (a chunk's own, else its group's): a transform stays
+            kept = {c for c in classes if any(is_kind(mine.get(c, group_tags.get(c, BASE)), k) for k in transform)}
+            out -= {(s, c, t) for s, c, t in out if s == site and c in classes and c not in kept}
+            out |= {(site, c, wide_of[(g.key, c)]) for c in classes - kept if (g.key, c) in wide_of}
+    if not found:
+        raise ValueError("no Gemm reads a weight the selection accepts: nothing to keep wider")
+    return frozenset(out)
