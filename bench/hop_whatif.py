@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 import pandas as pd
 
@@ -29,8 +28,7 @@ from luminal_num.search.space import SearchSpace
 from .fusion import GENOMES, _cases
 from .launch_model import TARGET
 from .storage_decode import SMOLLM2
-
-OUT = Path("reports/bench")
+from .summary import write_csv
 
 
 def without_new_row_hop(program, queue: WorkQueue, works: list, bindings):
@@ -79,8 +77,7 @@ def run(layers: int, max_cache: int) -> pd.DataFrame:
                          whatif_critical_hops=what.critical_hops, over_floor=now.total_s / floor,
                          whatif_over_floor=what.total_s / floor))
     df = pd.DataFrame(rows)
-    OUT.mkdir(parents=True, exist_ok=True)
-    df.to_csv(OUT / "launch_model_hop_whatif.csv", index=False)
+    write_csv(df, "launch_model_hop_whatif.csv")
     with pd.option_context("display.width", 250, "display.max_columns", 20):
         print(df.drop(columns=["model"]).round(2).to_string(index=False))
     return df

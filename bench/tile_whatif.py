@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 import pandas as pd
 
@@ -37,8 +36,7 @@ from .fusion import GENOMES, _cases
 from .hop_whatif import without_new_row_hop
 from .launch_model import TARGET
 from .storage_decode import SMOLLM2
-
-OUT = Path("reports/bench")
+from .summary import write_csv
 
 
 def with_bands(queue: WorkQueue, bands) -> WorkQueue:
@@ -96,8 +94,7 @@ def run(layers: int, max_cache: int) -> pd.DataFrame:
                 rows.append(dict(rows[-1], change=("" if change == "now" else "no scatter hop, ") + "unlimited SMs",
                                  us=1e6 * bound, over_floor=bound / floor))
     df = pd.DataFrame(rows)
-    OUT.mkdir(parents=True, exist_ok=True)
-    df.to_csv(OUT / "launch_model_tile_whatif.csv", index=False)
+    write_csv(df, "launch_model_tile_whatif.csv")
     with pd.option_context("display.width", 250, "display.max_columns", 20):
         print(df.drop(columns=["model"]).round(2).to_string(index=False))
     return df
