@@ -145,8 +145,8 @@ class MegakernelSource:
             if q.recomputes is not None and not (scale and (q.prologue[op.launch].ready or private)):
                 # every launch of the reader that reads A recomputes the row op (its last launch)
                 recompute, private_slot = last_of[q.recomputes], queue.ops[q.recomputes].kernel
-            if op.last and any(p.private and not p.staged for p in q.prologue):  # then A's scales, into a 2nd copy
-                scale_op = i - op.launch + next(li for li, p in enumerate(q.prologue) if p.private and not p.staged)
+            if op.last and any(p.second_pass for p in q.prologue):  # then A's scales, into a 2nd copy
+                scale_op = i - op.launch + next(li for li, p in enumerate(q.prologue) if p.second_pass)
                 scale_slot = self.ops[scale_op].arg_slots[0]  # the scale launch's output: the Gemm's scale scratch
             per_tile = _span_count(op, tiles, bindings)
             rows.append((i, entry, tiles, *grid[:3], *block[:3], counter, stride, begin, len(waits), elements,
@@ -172,7 +172,7 @@ class MegakernelSource:
         sizes = []
         for op, src in zip(self.ops, self.sources):
             q = queue.ops[op.queue_op]
-            if op.launch < len(q.prologue) and q.prologue[op.launch].private and not q.prologue[op.launch].staged:
+            if op.launch < len(q.prologue) and q.prologue[op.launch].second_pass:
                 scratch = src.scratch[uses[op.arg_slots[0]].index]
                 sizes.append(int(scratch.numel(bindings) * scratch.dtype.itemsize))
         return max(sizes, default=0)
@@ -210,12 +210,12 @@ def _stream_rows(op: CudaOp) -> list[tuple]:
             for off in op.stream.offsets for p, slot in zip(op.stream.parts, op.stream_slots)] + rows
 
 
-def _whole(q, queue: WorkQueue, program: Program) -> tuple[WholeRead, ...]:
+def _whole(q, queue: WorkQueue, whole: Mapping[int, tuple[WholeRead, ...]]) -> tuple[WholeRead, ...]:
     """What the op's body launch prefetches whole: its kernel's whole reads, and those of the row op it recomputes
     (its tiles run that body too; runtime/megakernel_cost.streamed_before_wait prices the same bytes)."""
-    reads = whole_reads(program.kernel(q.kernel), program)
+    reads = whole.get(q.kernel, ())
     if q.recomputes is not None:
-        reads += whole_reads(program.kernel(queue.ops[q.recomputes].kernel), program)
+        reads += whole.get(queue.ops[q.recomputes].kernel, ())
     return reads
 
 
@@ -298,6 +298,7 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             slot += 1
         return part_slots[(weight, index)]
 
+    whole = whole_reads(program)
     for qi, q in enumerate(queue.ops):
         kernel = program.kernel(q.kernel)
         stored = weight_only_gemm(kernel, program)
@@ -309,7 +310,7 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             grid = _body_grid(q, tuple(((g, 1),) for g in stored.grid))
             stream = _checked_stream(kernel, program, grid)
             ops.append(CudaOp(qi, 0, kernel.id, stored.name, grid, tuple(stored.block), tuple(args), True, stream,
-                              _stream_slots(stream, part_slot), whole=_whole(q, queue, program)))
+                              _stream_slots(stream, part_slot), whole=_whole(q, queue, whole)))
             sources.append(None)
             continue
         src = render_kernel(kernel, program)
@@ -342,7 +343,7 @@ def render_megakernel(program: Program, queue: WorkQueue) -> MegakernelSource:
             cache = cache_stream(kernel, program) if last else None
             ops.append(CudaOp(qi, li, kernel.id, launch.entry, grid, tuple(launch.block), args, last,
                               stream, _stream_slots(stream, part_slot), cache,
-                              _whole(q, queue, program) if last else ()))
+                              _whole(q, queue, whole) if last else ()))
             sources.append(src)
     if sum(staged_bytes.values()) > STAGED_SHARED_BYTES:
         raise MegakernelError(f"the staged A copies of {len(staged_bytes)} GEMV bodies take "

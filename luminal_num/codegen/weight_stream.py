@@ -150,16 +150,26 @@ class WholeRead:
 _SCATTERS = (KernelKind.SCATTER, KernelKind.SCATTER_NOCOPY, KernelKind.SCATTER_EW)
 
 
-def whole_reads(kernel: Kernel, program: Program) -> tuple[WholeRead, ...]:
-    """The kernel's inputs a tile may prefetch whole before its wait (WholeRead): EXTERNAL values in no storage
-    format, of concrete size up to WHOLE_READ_BYTES, whose view touches every element, and which are no KV cache
-    (no scatter's destination: a cache is read row by row, codegen/cache_stream.py). A Gemm's operands are left
-    out: its tiles read their own bands of a weight (WeightStream), not the whole of it; so is a Gather: its first
-    DRAM load is the table row its index names, which prefetching the index does not move before the wait."""
-    if kernel.kind.is_gemm or kernel.kind is KernelKind.GATHER:
-        return ()
+def whole_reads(program: Program) -> dict[int, tuple[WholeRead, ...]]:
+    """Launched kernel id -> the inputs its tiles may prefetch whole before their wait (WholeRead; kernels with
+    none left out): EXTERNAL values in no storage format, of concrete size up to WHOLE_READ_BYTES, whose view
+    touches every element, and which are no KV cache (no scatter's destination: a cache is read row by row,
+    codegen/cache_stream.py). A Gemm's operands are left out: its tiles read their own bands of a weight
+    (WeightStream), not the whole of it; so is a Gather: its first DRAM load is the table row its index names,
+    which prefetching the index does not move before the wait. One pass over the program: the caches and dtypes
+    are the program's, found once for every kernel."""
     caches = program.cache_buffers() | {k.inputs[0].buffer for k in program.kernels if k.kind in _SCATTERS}
     dtypes = program.dtypes()
+    out = {}
+    for kernel in program.launched():
+        if not (kernel.kind.is_gemm or kernel.kind is KernelKind.GATHER):
+            reads = _whole_reads(kernel, program, caches, dtypes)
+            if reads:
+                out[kernel.id] = reads
+    return out
+
+
+def _whole_reads(kernel: Kernel, program: Program, caches: frozenset[int], dtypes) -> tuple[WholeRead, ...]:
     out = []
     for slot, inp in enumerate(kernel.inputs):
         value = program.kernel(inp.buffer)

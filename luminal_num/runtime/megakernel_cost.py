@@ -246,10 +246,10 @@ def streamed_before_wait(program: Program) -> dict[int, int]:
     """Kernel id -> the bytes its tiles prefetch before their waits, as the loop does: a Gemm's weight stream
     (codegen/weight_stream.weight_stream) and any other kernel's whole reads (weight_stream.whole_reads; a
     recomputed row op's are prefetched by its reader's tiles). KV-cache rows are `cache_bytes`."""
-    out = {}
+    out, whole = {}, whole_reads(program)
     for k in program.launched():
         stream = weight_stream(k, program)
-        nbytes = stream.bytes_streamed() if stream is not None else sum(r.nbytes for r in whole_reads(k, program))
+        nbytes = stream.bytes_streamed() if stream is not None else sum(r.nbytes for r in whole.get(k.id, ()))
         if nbytes:
             out[k.id] = nbytes
     return out
