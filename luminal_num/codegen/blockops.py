@@ -32,13 +32,12 @@ from typing import Mapping
 from ..hlir.symbolic import Dim, evaluate, prod
 from ..quant.storage import STORAGE_FORMATS
 from .attention import score_shape
-from .gemm_scales import scale_blocks, staged_a_bytes, step_scales
+from .gemm_scales import GEMV_MAX_ROWS, scale_blocks, staged_a_bytes, step_scales
 from .cuda_gemm_epilogue import glu_offsets
 from .cuda_source import ELEMENTWISE_THREADS
 from .cuda_weight_only import TILE as BODY_TILE
 from .llir import Kernel, KernelKind
 
-GEMV_MAX_ROWS = 16    # a Gemm with at most this many output rows (batch * M) runs as a GEMV
 GEMV_COLS = 32        # GEMV: at most this many output columns (rows of W) per block, 4 per warp of 8 warps ...
 FILL_SMS = 132        # ... and fewer where that fills one wave of this many blocks (an H100/H200's SMs)
 GEMM_TILE = 64        # Gemm: square output tiles of 64 x 64
@@ -194,6 +193,11 @@ class ScaleLaunch:
     def __post_init__(self):
         if self.staged and not self.private:
             raise ValueError(f"scale launch over operand {self.slot}: only a private launch folds into its body")
+
+    @property
+    def second_pass(self) -> bool:
+        """Each body tile runs the launch's body itself, into its block's second copy, before the Gemm body."""
+        return self.private and not self.staged
 
 
 def scale_launches(k: Kernel, prequantized: tuple[bool, ...], ready: tuple[bool, ...]) -> tuple[ScaleLaunch, ...]:

@@ -49,19 +49,20 @@ def step_scales(kernel: Kernel, prequantized: tuple[bool, ...]) -> list[int]:
     return [s for s in own_scales(kernel, prequantized) if s not in static]
 
 
-STAGE_ROWS = 16          # A's rows a body stages at most (a GEMV's: codegen/blockops.GEMV_MAX_ROWS)
+GEMV_MAX_ROWS = 16       # a Gemm with at most this many output rows (batch * M) runs as a GEMV (codegen/blockops):
+                         # the rows of A a `_staged` body stages at most
 STAGE_BYTES = 8192       # FP32 bytes of A one body stages in shared memory at most (2,048 values: K = 1,536 at one row)
 
 
 def staged_a_bytes(kernel: Kernel, prequantized: tuple[bool, ...]) -> int | None:
     """Bytes of A's FP32 staged copy when the Gemm's `_staged` entry can compute A's step scales in its own pass over
     A (codegen/cuda_gemm.py: it loads A once into shared memory, taking each scale block's amax as it loads, then
-    quantizes from that copy), else None: A's scales a step computes, concrete (batch, M, K), at most STAGE_ROWS
+    quantizes from that copy), else None: A's scales a step computes, concrete (batch, M, K), at most GEMV_MAX_ROWS
     rows and STAGE_BYTES. Why: a GEMV tile computing A's scales privately otherwise reads A twice (issue 33)."""
     if 0 not in step_scales(kernel, prequantized):
         return None
     lay = kernel.layout
-    if not all(isinstance(d, int) for d in (lay.batch, lay.m, lay.k)) or lay.batch * lay.m > STAGE_ROWS:
+    if not all(isinstance(d, int) for d in (lay.batch, lay.m, lay.k)) or lay.batch * lay.m > GEMV_MAX_ROWS:
         return None
     size = 4 * lay.batch * lay.m * lay.k
     return size if size <= STAGE_BYTES else None
