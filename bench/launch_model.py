@@ -128,12 +128,18 @@ def run(layers: int = SMOLLM2.num_hidden_layers, max_cache: int = 256) -> dict:
                                                      f"{best_chosen.chosen_us:.1f} us"}
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__)
+def step_cli(run, doc: str, argv=None):
+    """The SmolLM2 decode-step benches' command line (this one and its what-ifs): --layers and --max-cache, then
+    run(layers, max_cache)."""
+    ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--layers", type=int, default=SMOLLM2.num_hidden_layers)
     ap.add_argument("--max-cache", type=int, default=256)
     args = ap.parse_args(argv)
     return run(args.layers, args.max_cache)
+
+
+def main(argv=None) -> dict:
+    return step_cli(run, __doc__, argv)
 
 
 if __name__ == "__main__":

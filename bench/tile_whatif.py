@@ -18,7 +18,6 @@ Writes reports/bench/launch_model_tile_whatif.csv.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import pandas as pd
@@ -34,8 +33,7 @@ from luminal_num.search.recipes import pick
 from luminal_num.search.space import SearchSpace
 from .fusion import GENOMES, _cases
 from .hop_whatif import without_new_row_hop
-from .launch_model import TARGET
-from .storage_decode import SMOLLM2
+from .launch_model import TARGET, step_cli
 from .summary import write_csv
 
 
@@ -101,11 +99,7 @@ def run(layers: int, max_cache: int) -> pd.DataFrame:
 
 
 def main(argv=None) -> pd.DataFrame:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--layers", type=int, default=SMOLLM2.num_hidden_layers)
-    ap.add_argument("--max-cache", type=int, default=256)
-    args = ap.parse_args(argv)
-    return run(args.layers, args.max_cache)
+    return step_cli(run, __doc__, argv)
 
 
 if __name__ == "__main__":
