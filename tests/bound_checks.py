@@ -44,3 +44,18 @@ def assert_random_genome_bounded(graph, space, batch: Mapping[str, np.ndarray], 
         except ValueError:
             return
     assert_within_bounds(rep.error_bounds, errors_of(out, evaluate(graph, batch)))
+
+
+def assert_plan_bounded(program, graph, batch: Mapping[str, np.ndarray], hessians) -> None:
+    """`program` run on `batch` (with `hessians` installed, as it was lowered) is within its static bound of the FP64
+    `graph`, every output element."""
+    from luminal_num.error.interval import Interval
+    from luminal_num.error.static import static_bound
+    from luminal_num.hlir import evaluate
+    from luminal_num.quant.calibration import CALIBRATION
+    from luminal_num.runtime.cpu import CpuRuntime
+    ranges = {n: Interval.point(np.asarray(v, dtype=np.float64)) for n, v in batch.items()}
+    with CALIBRATION.installed(hessians):
+        rep = static_bound(program, ranges, graph.bind_symbols(batch), graph.weights)
+        out = CpuRuntime(program, graph.weights).run(batch).outputs
+    assert_within_bounds(rep.error_bounds, errors_of(out, evaluate(graph, batch)))

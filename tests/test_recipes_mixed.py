@@ -7,24 +7,17 @@ soundness check (bound_checks) for a mixed plan.
 """
 from __future__ import annotations
 
-import functools
 import re
 import warnings
 
-import numpy as np
 import pytest
 
-from luminal_num.error.hessians import HessianCollector
-from luminal_num.error.interval import Interval
-from luminal_num.error.reference import references
-from luminal_num.error.static import static_bound
-from luminal_num.hlir import evaluate
-from luminal_num.models.llama import LLAMA_TINY, build_prefill, random_weights
+from luminal_num.models.llama import LLAMA_TINY
 from luminal_num.quant.calibration import CALIBRATION
-from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.recipes import head_kept, pick, rotated_recipe, weights_kept
-from luminal_num.search.space import ChunkSite, SearchSpace
-from bound_checks import assert_within_bounds, errors_of
+from luminal_num.search.space import ChunkSite
+from tiny_llama import llama_with_hessians
+from bound_checks import assert_plan_bounded
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 CFG = LLAMA_TINY.with_layers(2)
@@ -36,15 +29,8 @@ HEAD = frozenset({"store:int8_channel", "gemm:bf16"})
 LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-@functools.lru_cache(maxsize=None)
 def _llama(seq: int = 6):
-    m = build_prefill(CFG, random_weights(CFG, seed=0), seq=seq, max_cache=8)
-    space = SearchSpace.build(m.graph, rotation=True, calibrated=True)
-    batches = tuple(m.make_inputs(np.random.default_rng(s).integers(0, CFG.vocab_size, seq), np.arange(seq))
-                    for s in (1, 2))
-    collector = HessianCollector(m.graph)
-    references(m.graph, batches, space.part, collector)
-    return m, space, batches, collector.result()
+    return llama_with_hessians(CFG, seq)
 
 
 def _held(program, weights) -> dict[str, set[tuple[str, str, bool]]]:
@@ -88,11 +74,7 @@ def test_weights_kept_holds_exactly_the_selected_gemms_wider(rotated):
     assert len(sites) == 1
     # the mixed plan still runs within its static bound of FP64
     batch = batches[0]
-    ranges = {n: Interval.point(np.asarray(v, dtype=np.float64)) for n, v in batch.items()}
-    with CALIBRATION.installed(hs):
-        rep = static_bound(program, ranges, m.graph.bind_symbols(batch), m.graph.weights)
-        out = CpuRuntime(program, m.graph.weights).run(batch).outputs
-    assert_within_bounds(rep.error_bounds, errors_of(out, evaluate(m.graph, batch)))
+    assert_plan_bounded(program, m.graph, batch, hs)
 
 
 def test_weights_kept_of_a_whole_layer_and_of_nothing():

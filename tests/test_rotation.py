@@ -8,7 +8,6 @@ the BLAS kernel picks the summation order).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 
 import numpy as np
@@ -20,7 +19,6 @@ from hypothesis import strategies as st
 from luminal_num.codegen.llir import Kernel, KernelKind, verify
 from luminal_num.codegen.serialize import program_from_data, program_to_data
 from luminal_num.dtypes.formats import F32
-from luminal_num.error.hessians import HessianCollector
 from luminal_num.error.interval import Interval
 from luminal_num.error.reference import references
 from luminal_num.error.static import static_bound
@@ -31,7 +29,8 @@ from luminal_num.quant.calibration import CALIBRATION, hessian_of
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.recipes import pick, rotated_recipe
 from luminal_num.search.space import SearchSpace
-from bound_checks import assert_random_genome_bounded, assert_within_bounds, errors_of
+from tiny_llama import llama_with_hessians
+from bound_checks import assert_random_genome_bounded
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 CFG = LLAMA_TINY.with_layers(1)
@@ -82,15 +81,8 @@ def test_blocks_that_divide_no_k_are_not_offered():
         Rotation(32, "w")
 
 
-@functools.lru_cache(maxsize=None)
 def _llama(seq: int = 6):
-    m = build_prefill(CFG, random_weights(CFG, seed=0), seq=seq, max_cache=8)
-    space = SearchSpace.build(m.graph, rotation=True, calibrated=True)
-    batches = tuple(m.make_inputs(np.random.default_rng(s).integers(0, CFG.vocab_size, seq), np.arange(seq))
-                    for s in (1, 2))
-    collector = HessianCollector(m.graph)
-    references(m.graph, batches, space.part, collector)
-    return m, space, batches, collector.result()
+    return llama_with_hessians(CFG, seq)
 
 
 def test_every_weight_gemm_gets_a_rotation_knob_and_the_rotated_weight_every_format():

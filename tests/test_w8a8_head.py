@@ -7,24 +7,22 @@ the graph's own weight names for which Gemm is the head.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 
 import numpy as np
 import pytest
 
-from luminal_num.error.hessians import HessianCollector
 from luminal_num.error.interval import Interval
-from luminal_num.error.reference import references
 from luminal_num.error.static import static_bound
 from luminal_num.hlir import evaluate
 from luminal_num.hlir.graph import Graph
-from luminal_num.models.llama import LLAMA_TINY, build_prefill, random_weights
+from luminal_num.models.llama import LLAMA_TINY
 from luminal_num.quant.calibration import CALIBRATION
 from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.recipes import head_classes, head_kept, pick, rotated_recipe, smoothed_recipe
 from luminal_num.search.space import SearchSpace
-from bound_checks import assert_within_bounds, errors_of
+from tiny_llama import llama_with_hessians
+from bound_checks import assert_plan_bounded, assert_within_bounds, errors_of
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 CFG = LLAMA_TINY.with_layers(1)
@@ -36,15 +34,8 @@ HEAD = frozenset({"store:int8_channel", "gemm:bf16"})
 U32 = 2.0 ** -24
 
 
-@functools.lru_cache(maxsize=None)
 def _llama(seq: int = 6):
-    m = build_prefill(CFG, random_weights(CFG, seed=0), seq=seq, max_cache=8)
-    space = SearchSpace.build(m.graph, rotation=True, smoothing=True, calibrated=True)
-    batches = tuple(m.make_inputs(np.random.default_rng(s).integers(0, CFG.vocab_size, seq), np.arange(seq))
-                    for s in (1, 2))
-    collector = HessianCollector(m.graph)
-    references(m.graph, batches, space.part, collector)
-    return m, space, batches, collector.result()
+    return llama_with_hessians(CFG, seq, smoothing=True)
 
 
 def _weight_gemms(program, weights):
@@ -142,11 +133,7 @@ def test_head_kept_holds_exactly_the_head_at_int8_and_every_other_gemm_in_the_re
     assert {(g, c) for g, c, _ in genome ^ base} <= heads
     # and it still runs within its static bound of FP64
     batch = batches[0]
-    ranges = {n: Interval.point(np.asarray(v, dtype=np.float64)) for n, v in batch.items()}
-    with CALIBRATION.installed(hs):
-        rep = static_bound(program, ranges, m.graph.bind_symbols(batch), m.graph.weights)
-        out = CpuRuntime(program, m.graph.weights).run(batch).outputs
-    assert_within_bounds(rep.error_bounds, errors_of(out, evaluate(m.graph, batch)))
+    assert_plan_bounded(program, m.graph, batch, hs)
 
 
 def test_head_classes_find_only_the_output_gemm_and_refuse_a_graph_without_one():
