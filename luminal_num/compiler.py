@@ -1,8 +1,9 @@
 """compile(graph, budget, target, calibration) -> Plan: the whole pipeline as a straight line of stages.
 
-partition -> saturate -> reference -> headroom -> search -> confirm -> plan: each stage reads what the
-ones before it returned (one typed result each) and the one CompileContext, created once the headroom
-is known (budget, gate, headroom, target, the task pool); `on_stage` hears each stage's name and time.
+partition -> saturate -> reference -> headroom -> search -> confirm -> positions -> plan: each stage reads
+what the ones before it returned (one typed result each) and the one CompileContext, created once the
+headroom is known (budget, gate, headroom, target, the task pool); `on_stage` hears each stage's name and
+time. An LLM decode job's measurements are judged on its teacher-forced positions (PositionsJudge).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from .error.reference import Fp64Reference, reference_bytes, references
 from .error.executors import Executor, ExecutorKind, ExecutorSpec
 from .error.ray_pool import RayPool
 from .error.tasks import TaskPool, TaskProgress, TaskTimes
-from .error.verdict import program_key
+from .error.verdict import Verdict, program_key
 from .error.verdict_store import VerdictStore, context_key
 from .hlir.graph import Graph
 from .hlir.partition import Partition, partition
@@ -178,16 +179,22 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
         head = stage("headroom", lambda: choose_headroom(graph, budget, calibration, refs.batches, space,
                                                          options.headroom, ran, pool))
         gate = budget.gate(head.headroom)
+        # an LLM decode job's measurements are judged on its teacher-forced positions, when row statistics can
+        # judge the budget (else on the calibration batches, and the positions stage says why it skipped)
+        on_positions = PositionsJudge(space, positions, gate, budget, options.offers) \
+            if positions is not None and pooled.refusal(gate, positions.output) is None else None
         ctx = CompileContext(graph, tuple(calibration), budget, head, gate, target, options, use_static, pool,
-                             VerdictStore.open(cache_dir, context_key(graph, calibration, gate, budget))
+                             VerdictStore.open(cache_dir, context_key(graph, calibration, gate, budget,
+                                                                      on_positions.positions if on_positions else 0))
                              if cache_dir else None)
         judge = Judge(graph, budget, list(calibration), use_static=use_static, headroom=head.headroom, gate=gate,
-                      references=refs.batches, chunks=chunks, exact_chunks=exact, store=ctx.store, outputs_cache=ran)
+                      references=refs.batches, chunks=chunks, exact_chunks=exact, store=ctx.store, outputs_cache=ran,
+                      positions=on_positions)
         explored = stage("search", lambda: explore(space, judge, options, latency_inputs=calibration[0],
                                                    target=target))
         result = stage("confirm", lambda: confirm(explored))
         if positions is not None:
-            result = stage("positions", lambda: positions_stage(ctx, explored, result, positions))
+            result = stage("positions", lambda: positions_stage(ctx, explored, result, positions, on_positions))
         planned = stage("plan", lambda: plan_stage(ctx, space, refs, judge, result))
         return planned if pool is None else dataclasses.replace(planned, tasks=dataclasses.replace(pool.times))
 
@@ -196,45 +203,82 @@ POSITIONS_JUDGED = 4  # plans the positions stage judges at most (each a pass ov
 POSITION_ROWS = 32    # decode rows per run on the positions (fewer runs of a wider step; see positions_stage)
 
 
-def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchResult,
-                    source: PositionSource) -> SearchResult:
-    """The chosen plan judged again on every teacher-forced position pooled (thousands, where the search's
-    calibration batches hold a few dozen): its pooled verdict replaces the batches' one; a rejected plan
-    fails, and the next choice is confirmed and judged (at most POSITIONS_JUDGED plans). An interrupted
-    search, or a budget that row statistics cannot judge, skips the stage and says why.
+class PositionsJudge:
+    """A program judged on every teacher-forced position, pooled (error/pooled.py): each end-to-end measurement
+    of an LLM decode search (error/judge.EndToEnd) and the positions stage's. A decode step's rows are
+    independent sequences, so the positions run POSITION_ROWS rows a step: the genome lowered on the step rebuilt
+    with that many rows, used only when it launches the program's own kernels (kind, precision, dtype, storage,
+    in order) and none of them couples rows (a scale taken over the batch, codegen/invariance.py); otherwise
+    the program itself runs at the workload's rows. One pass per program: the same kernels on the same weights
+    and positions compute the same bits, so another genome lowering to it takes its verdict."""
 
-    A decode step's rows are independent sequences, so the positions run POSITION_ROWS rows a step: the
-    plan's genome lowered on the step rebuilt with that many rows, used only when it launches the plan's
-    own kernels (kind, precision, dtype, storage, in order) and none of them couples rows (a scale taken
-    over the batch, codegen/invariance.py); otherwise the plan's own program runs at the workload's rows."""
+    def __init__(self, space: SearchSpace, source: PositionSource, gate: Budget, budget: Budget,
+                 offers: Offers = Offers()):
+        self.wide: WidenedPositions | None = WidenedPositions(space, source, POSITION_ROWS, offers)
+        self.source, self.gate, self.budget = source, gate, budget
+        self.judged: dict[tuple[int, str], tuple[Verdict, pooled.RowStats]] = {}  # (rows, program key) ->
+
+    @property
+    def positions(self) -> int:
+        return self.source.positions
+
+    @property
+    def passes(self) -> int:
+        """Programs judged on the positions so far (each one pass over every position)."""
+        return len(self.judged)
+
+    def judge(self, program: Program, genome) -> tuple[Verdict, pooled.RowStats, bool]:
+        """The program's pooled verdict and row statistics, and whether a pass ran for it now."""
+        if self.wide is None:
+            raise RuntimeError("the positions were released (the positions stage ended)")
+        run, on = self.wide.program(genome, program)
+        key = (on.rows, program_key(run))
+        ran = key not in self.judged
+        if ran:
+            self.judged[key] = pooled.judge_positions(run, on.graph.weights, on, self.gate, self.budget)
+        verdict, stats = self.judged[key]
+        return verdict, stats, ran
+
+    def verdict(self, program: Program, genome) -> Verdict:
+        """What the judge's measurements read (error/pooled.PooledJudge)."""
+        return self.judge(program, genome)[0]
+
+    def release(self) -> int:
+        """Drop the wider step's space and graph (before the plan stage's memory check, issue 29); returns the
+        widest rows a step the positions ran at."""
+        rows = self.wide.rows_used
+        self.wide = None
+        gc.collect()
+        trim_heap()
+        return rows
+
+
+def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchResult,
+                    source: PositionSource, on_positions: PositionsJudge | None) -> SearchResult:
+    """The chosen plan's verdict on every teacher-forced position pooled (thousands, where the search's
+    calibration batches hold a few dozen): the search measured on them already (PositionsJudge), so this is
+    the chosen plan's own pass unless its verdict was taken without a measurement; a rejected plan fails, and
+    the next choice is confirmed and judged (at most POSITIONS_JUDGED passes here). An interrupted search, or a
+    budget that row statistics cannot judge, skips the stage and says why. The record counts every program
+    judged on the positions over the compile."""
     why = "the search was interrupted" if explored.interrupted else pooled.refusal(ctx.gate, source.output)
-    if why is not None or result.chosen is None:
-        record = PositionsRecord(0, 0, {}, why or "no plan passed the calibration batches")
+    if why is not None or on_positions is None or result.chosen is None:
+        record = PositionsRecord(0, 0, {}, why or "no plan passed the calibration batches") if on_positions is None \
+            else PositionsRecord(on_positions.positions, on_positions.passes, {}, why or "no plan passed",
+                                 rows=on_positions.release())
         return dataclasses.replace(result, stats=dataclasses.replace(result.stats, positions=record))
     space = explored.searcher.space
-    wide = WidenedPositions(space, source, POSITION_ROWS, ctx.options.offers)
     kept: dict[int, pooled.RowStats] = {}
-    by_program: dict[tuple[int, str], tuple] = {}  # (rows, program_key) -> (verdict, row statistics)
 
     def judge(e):
-        """A pass over every position, or, where another genome lowered to the same program, its verdict (the
-        same kernels on the same weights and positions compute the same bits: judging it again would spend one
-        of the POSITIONS_JUDGED passes on nothing new)."""
         program = e.program if e.program is not None else space.program(e.genome)
-        run, on = wide.program(e.genome, program)
-        key, ran = (on.rows, program_key(run)), False
-        if key not in by_program:
-            by_program[key], ran = pooled.judge_positions(run, on.graph.weights, on, ctx.gate, ctx.budget), True
-        verdict, kept[e.id] = by_program[key]
+        verdict, kept[e.id], ran = on_positions.judge(program, e.genome)
         return verdict, ran
-    chosen, judged = explored.searcher.judged_again(judge, POSITIONS_JUDGED)  # on one BLAS thread, as every verdict
-    rows_used = wide.rows_used
-    wide = None  # drops the wider step's space and graph before the plan stage's memory check (issue 29)
-    gc.collect()
-    trim_heap()
+    chosen, _ = explored.searcher.judged_again(judge, POSITIONS_JUDGED)  # on one BLAS thread, as every verdict
+    rows_used = on_positions.release()
     stats = kept[chosen.id] if chosen is not None else None
     values = {} if stats is None else {n: float(m.of(pooled.PooledRows(stats))) for n, m in METRICS.items() if m.rows}
-    record = PositionsRecord(source.positions, judged, values, rows=rows_used)
+    record = PositionsRecord(on_positions.positions, on_positions.passes, values, rows=rows_used)
     return dataclasses.replace(result, chosen=chosen, evaluated=list(explored.searcher.evaluated),
                                stats=dataclasses.replace(result.stats, positions=record))
 

@@ -1,6 +1,7 @@
-"""Teacher-forced positions over the calibration prompts (models/llm_positions.py) and the compile's positions
-stage (compiler.positions_stage): the streamed decode steps compute the FP64 runner's function, the chosen
-plan's pooled metrics equal a recomputation written here, and a plan the positions reject is replaced."""
+"""Teacher-forced positions over the calibration prompts (models/llm_positions.py), the search's measurements on
+them (compiler.PositionsJudge) and the compile's positions stage (compiler.positions_stage): the streamed decode
+steps compute the FP64 runner's function, every measured verdict and the chosen plan's pooled metrics equal a
+recomputation written here, and a plan the positions reject is replaced."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from luminal_num.cli import EXIT_OK, main
-from luminal_num.compiler import POSITION_ROWS, POSITIONS_JUDGED, BudgetUnreachable, compile
+from luminal_num.compiler import POSITION_ROWS, BudgetUnreachable, compile
 from luminal_num.error.budget import Budget
 from luminal_num.hlir.evaluate import evaluate_nodes
 from luminal_num.hlir.partition import partition
@@ -157,31 +158,84 @@ def _rejected_on_positions(result):
 
 
 def test_a_plan_the_positions_reject_is_replaced_by_the_next_choice(tiny):
+    """The first pass over the positions (the FP32 baseline's measurement, in the search) sees skewed references
+    and rejects: another plan is chosen, on its own pass; the calibration batches would have passed both."""
     _, model = tiny
     job = _job(model, minimum=16)
     skewed = _Skewed(job.llm.positions, bad=1)
     result = compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration, _options(),
                      positions=skewed)
-    assert result.search.stats.positions.judged == 2 and skewed.passes == 2
+    assert result.search.stats.positions.judged == skewed.passes >= 2
     (first,) = _rejected_on_positions(result.search)
+    assert first.genome == frozenset() and first.stage.value == "baseline"  # FP32, rejected in the search
     assert result.search.chosen.id != first.id and result.search.chosen.verdict.passed
     assert "on 16 teacher-forced positions" in result.search.chosen.verdict.reason
 
 
-def test_a_plan_lowering_to_a_program_already_judged_reuses_its_verdict(tiny, monkeypatch):
-    """The positions stage spends its POSITIONS_JUDGED passes on distinct programs: a next choice that lowers to
-    the program already rejected takes that verdict without a pass (SmolLM2 under a strict budget spent 3 of its 4
-    passes on one program and then chose nothing). Every program made "the same" here: one pass, then every
-    later choice is rejected by the cached verdict."""
-    import luminal_num.compiler as compiler
+def test_every_measurement_of_the_search_is_a_pass_over_the_positions(tiny):
+    """An LLM decode search measures on the positions (compiler.PositionsJudge behind judge.EndToEnd): every
+    measured verdict names them, one pass per program, and the plan measured after FP32 was rejected there has
+    the pooled metrics recomputed here, at 32 rows a step, from softmax rows written in this file."""
+    from luminal_num.error.verdict import VerdictSource, program_key
+    _, model = tiny
+    job = _job(model)
+    skewed = _Skewed(job.llm.positions, bad=1)  # FP32's pass (the first) fails: another plan is measured
+    result = compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration, _options(),
+                     positions=skewed)
+    measured = [e for e in result.search.evaluated if e.verdict.source == VerdictSource.MEASURED]
+    chosen = result.search.chosen
+    assert chosen.genome and chosen in measured and len(measured) >= 2
+    assert all("on 48 teacher-forced positions" in e.verdict.reason for e in measured)
+    assert result.search.stats.positions.judged == skewed.passes == len({program_key(e.program) for e in measured})
+    wide = job.llm.positions.widened(POSITION_ROWS)
+    space = SearchSpace.build(wide.graph)
+    runtime = CpuRuntime(space.program(result.plan.genome(space)), wide.graph.weights)
+    ys, refs, targets = [], [], []
+    for b in wide.batches():
+        ys.append(np.asarray(runtime.run(b.inputs).outputs["logits"], np.float64).reshape(b.reference.shape)[:b.rows])
+        refs.append(b.reference[:b.rows])
+        targets.append(b.targets[:b.rows])
+    want = _metrics(ys, refs, targets)
+    assert chosen.verdict.metrics
+    for name, value in chosen.verdict.metrics.items():
+        assert value == pytest.approx(want[name], rel=1e-9, abs=1e-15), name
+
+
+def test_a_judge_with_positions_takes_its_verdicts_from_them(tiny):
+    """judge.EndToEnd with a PooledJudge: the verdict of a measurement is the pooled one (given here), a single
+    change still keeps its calibration-batch outputs (the first-order prediction composes them), and the
+    calibrator's bands observe the pooled share."""
+    from luminal_num.error.calibrate import BandKind
+    from luminal_num.error.judge import Judge
+    from luminal_num.error.predict import Prediction
+    from luminal_num.error.share import Share
+    from luminal_num.error.verdict import Verdict, VerdictSource, program_key
+    from luminal_num.search.recipes import BF16_WEIGHTS, pick
     _, model = tiny
     job = _job(model, minimum=16)
-    skewed = _Skewed(job.llm.positions, bad=99)
-    monkeypatch.setattr(compiler, "program_key", lambda program: "one program")
-    with pytest.raises(BudgetUnreachable) as caught:
-        compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration, _options(), positions=skewed)
-    assert skewed.passes == 1 and caught.value.result.stats.positions.judged == 1
-    assert len(_rejected_on_positions(caught.value.result)) > 1  # the later choices took the cached rejection
+    space = SearchSpace.build(job.graph)
+    seen = []
+
+    class Given:
+        def verdict(self, program, genome):
+            seen.append(genome)
+            share = 0.25 * len(seen)
+            return Verdict(True, VerdictSource.MEASURED, Share(share, share, share), 0.0, None, "given")
+    budget = Budget.parse(job.default_budget)
+    judge = Judge(job.graph, budget, job.calibration, positions=Given())
+    fp32 = judge.judge(space.program(frozenset()), frozenset(), predict=False)
+    assert fp32.reason == "given" and fp32.share.gate == 0.25 and seen == [frozenset()]
+    base = program_key(space.program(frozenset()))
+    single = next(g for g in (frozenset([(site, k.cls, t)]) for site, ks in space.knobs.items() for k in ks
+                              for t in k.tags) if program_key(space.program(g)) != base)
+    v = judge.judge(space.program(single), single, predict=False)
+    assert v.reason == "given" and v.share.gate == 0.5 and seen[-1] == single
+    assert judge.measured == 2 and next(iter(single)) in judge.first_order.deltas.deltas
+    bf16 = pick(space, BF16_WEIGHTS.__contains__)  # a prediction the next measurement checks: against the pooled share
+    program = space.program(bf16)
+    judge.calibrator.expect(BandKind.FIRST_ORDER, program_key(program), Prediction(Share(0.1, 0.1, 0.1), "p"))
+    assert judge.judge(program, bf16, predict=False).share.gate == 0.75
+    assert judge.calibrator.band(BandKind.FIRST_ORDER).observed == [(0.1, 0.75)]
 
 
 def test_the_program_key_tells_programs_apart_and_not_lowerings(tiny):
@@ -199,11 +253,13 @@ def test_the_program_key_tells_programs_apart_and_not_lowerings(tiny):
 def test_when_the_positions_reject_every_plan_the_budget_is_unreachable(tiny):
     _, model = tiny
     job = _job(model, minimum=16)
+    skewed = _Skewed(job.llm.positions, bad=99)
     with pytest.raises(BudgetUnreachable) as caught:
-        compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration, _options(),
-                positions=_Skewed(job.llm.positions, bad=99))
-    rejected = _rejected_on_positions(caught.value.result)
-    assert 1 <= len(rejected) <= POSITIONS_JUDGED and caught.value.result.chosen is None
+        compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration, _options(), positions=skewed)
+    result = caught.value.result
+    rejected = _rejected_on_positions(result)
+    assert rejected and result.chosen is None and result.stats.positions.judged == skewed.passes
+    assert result.stats.positions.skipped == "no plan passed"
 
 
 def test_cli_text_calibration_and_positions_option(tiny, capsys):

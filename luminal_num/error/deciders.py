@@ -352,8 +352,8 @@ class FirstOrder:
 
 
 class Measurement:
-    """End to end on every calibration batch vs FP64 (or a measurement an earlier compile stored): the
-    last decider, which always decides. Its result is reported to the calibrator in candidate order."""
+    """End to end vs FP64, on the positions or every calibration batch (judge.EndToEnd), or a measurement an
+    earlier compile stored: the last decider, which always decides. Its result is reported to the calibrator in candidate order."""
 
     def __init__(self, counts: Counter, ev: Evidence, known: KnownPrograms, cal: Calibrator, runner,
                  deltas: FirstOrderDeltas | None, store):
@@ -368,7 +368,7 @@ class Measurement:
         try:
             v = None if single else self.stored(c.key)
             if v is None:
-                v, outs = self.runner.measure(c.program, keep_outputs=single)
+                v, outs = self.runner.measure(c.program, keep_outputs=single, genome=c.changes)
                 if outs is not None:
                     change = next(iter(c.changes))
                     self.deltas.record(change, outs)
@@ -381,14 +381,14 @@ class Measurement:
                 self.cal.report(ticket, None)
         return v
 
-    def confirm(self, key: str, program: Program) -> Verdict:
+    def confirm(self, key: str, program: Program, changes: frozenset = frozenset()) -> Verdict:
         """A predicted candidate measured end to end (stored or run now), reported to the calibrator."""
         ticket = self.cal.ticket()
         reported = False
         try:
             v = self.stored(key)
             if v is None:
-                v, _ = self.runner.measure(program)
+                v, _ = self.runner.measure(program, genome=changes)
                 self.persist(key, v)
             self.cal.report(ticket, Observation(key, v.share.gate))
             reported = True

@@ -30,6 +30,7 @@ from .predict import FirstOrderDeltas, budget_ratio
 from .reference import Fp64Reference, references
 from .share import Share
 from .executors import Executor
+from .pooled import PooledJudge
 from .tasks import RunTask, TaskPool
 from .verdict import PREDICTED_SOURCES, Verdict, VerdictSource, program_key
 from .verdict_store import VerdictStore
@@ -90,10 +91,15 @@ class JudgeSummary:
 class EndToEnd:
     """Runs whole programs on the calibration batches against FP64 (on the chunks' pool when there is one).
     `outputs_cache`: program key -> its outputs per batch, run once and read once (the headroom's probes
-    are also baselines of the search)."""
+    are also baselines of the search). `positions`: an LLM decode job's teacher-forced positions; a
+    measurement's verdict is then the program's on every position pooled (thousands of rows where the
+    calibration batches hold a few dozen), so every measured verdict, and every band a prediction is decided
+    by, rests on them."""
 
-    def __init__(self, counts: Counter, ev: Evidence, pool: Executor | None, outputs_cache: dict | None):
+    def __init__(self, counts: Counter, ev: Evidence, pool: Executor | None, outputs_cache: dict | None,
+                 positions: PooledJudge | None = None):
         self.counts, self.ev, self.pool, self.outputs_cache = counts, ev, pool, outputs_cache
+        self.positions = positions
 
     def has_outputs(self, program: Program) -> bool:
         return self.outputs_cache is not None and program_key(program) in self.outputs_cache
@@ -117,11 +123,27 @@ class EndToEnd:
             out.append([budget_ratio(ev.budget, ev.budget.check(o, ref)) for o, ref in zip(outs, ev.refs)])
         return out
 
-    def measure(self, program: Program, keep_outputs: bool = False) -> tuple[Verdict, list | None]:
+    def measure(self, program: Program, keep_outputs: bool = False,
+                genome: frozenset = frozenset()) -> tuple[Verdict, list | None]:
+        """End to end: on the positions when the job has them (the calibration batches run too only to keep
+        their outputs, which the first-order prediction composes; a run failing there is the verdict), else
+        on every calibration batch. The outputs of all batches come back when kept and complete."""
+        self.counts[Count.MEASURED] += 1
+        if self.positions is None:
+            return self.on_batches(program, keep_outputs)
+        outs = None
+        if keep_outputs:
+            failed, outs = self.on_batches(program, True)
+            if outs is None:
+                return failed, None
+        elif self.outputs_cache is not None:
+            self.outputs_cache.pop(program_key(program), None)  # read once: the headroom's outputs are not judged
+        return self.positions.verdict(program, genome), outs
+
+    def on_batches(self, program: Program, keep_outputs: bool = False) -> tuple[Verdict, list | None]:
         """End to end on every batch (stopping at the first failing one unless `keep_outputs`; with the
         chunks' pool, all batches run at once, in parallel); the outputs of all batches come back when
         kept and complete."""
-        self.counts[Count.MEASURED] += 1
         ev = self.ev
         worst, user, worst_abs, reason, passed, ratio = 0.0, 0.0, 0.0, "", True, 0.0
         values = MetricValues()  # the worst of each budget metric over the batches run
@@ -175,13 +197,15 @@ class Judge:
     decide multi-change candidates from their measured single changes; `chunks` / `exact_chunks`: per-chunk
     verdicts (SCALED, and EXACT where SCALED falls inside its band), tried before any measurement; `store`:
     measured verdicts on disk, reused across compiles; `outputs_cache`: outputs batch_ratios() ran, read
-    once by the measurement of the same program."""
+    once by the measurement of the same program; `positions`: an LLM's teacher-forced positions every
+    measurement judges on (EndToEnd), so the bands calibrate the calibration batches' predictions to them."""
 
     def __init__(self, graph: Graph, budget: Budget, calibration: Sequence[Mapping[str, np.ndarray]],
                  use_static: bool | str = "auto", headroom: float = 1.0, gate: Budget | None = None,
                  references: Sequence[Fp64Reference] | None = None, use_prediction: bool = True,
                  chunks: ChunkEffects | None = None, exact_chunks: ChunkEffects | None = None,
-                 store: VerdictStore | None = None, outputs_cache: dict[str, list] | None = None):
+                 store: VerdictStore | None = None, outputs_cache: dict[str, list] | None = None,
+                 positions: PooledJudge | None = None):
         if not calibration:
             raise ValueError("the numerics gate needs at least one calibration batch")
         gate = budget.gate(headroom) if gate is None else gate  # budget.gate(headroom) unless compile computed it
@@ -201,7 +225,8 @@ class Judge:
         self.composed = Composed(self.counts, self.ev, self.known, self.calibrator, chunks, exact_chunks) \
             if chunks is not None else None
         self.first_order = FirstOrder(self.counts, deltas, self.calibrator) if deltas is not None else None
-        self.runner = EndToEnd(self.counts, self.ev, chunks.pool if chunks is not None else None, outputs_cache)
+        self.runner = EndToEnd(self.counts, self.ev, chunks.pool if chunks is not None else None, outputs_cache,
+                               positions)
         self.measurement = Measurement(self.counts, self.ev, self.known, self.calibrator, self.runner, deltas, store)
         self.chain = tuple(d for d in (self.known, self.pruned, self.static, self.composed, Lowering(self.known),
                                        self.first_order, self.measurement) if d is not None)
@@ -239,7 +264,7 @@ class Judge:
         if candidates is not None and self.composed is not None and self.composed.exact is not None \
                 and not self.calibrator.expects(BandKind.EXACT, key):
             self.calibrator.expect(BandKind.EXACT, key, self.composed.exact_prediction(candidates))
-        v = self.measurement.confirm(key, program)
+        v = self.measurement.confirm(key, program, changes)
         if deferred is None:
             self.counts[Count.CONFIRMED] += 1
         self.known.verdicts[key] = v

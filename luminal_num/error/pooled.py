@@ -118,6 +118,13 @@ class PositionSource(Protocol):
     def batches(self) -> Iterator[PositionBatch]: ...
 
 
+class PooledJudge(Protocol):
+    """Judges a whole program on teacher-forced positions, pooled (the compile's: compiler.PositionsJudge). With
+    one, the judge's every end-to-end measurement is a pass over the positions (error/judge.py EndToEnd)."""
+
+    def verdict(self, program: Program, genome: frozenset) -> Verdict: ...
+
+
 def batch_stats(y: np.ndarray, batch: PositionBatch) -> RowStats:
     """Row statistics of one batch's output logits against its FP64 reference (its real rows only)."""
     y = np.asarray(y).reshape(batch.reference.shape)

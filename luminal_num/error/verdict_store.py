@@ -32,8 +32,11 @@ STORE_FORMAT = "luminal_num.verdicts"
 STORE_VERSION = 3
 
 
-def context_key(graph: Graph, calibration: Sequence[Mapping[str, np.ndarray]], gate: Budget, budget: Budget) -> str:
-    """What a verdict depends on besides the program: structure, weight values, inputs, both budgets."""
+def context_key(graph: Graph, calibration: Sequence[Mapping[str, np.ndarray]], gate: Budget, budget: Budget,
+                positions: int = 0) -> str:
+    """What a verdict depends on besides the program: structure, weight values, inputs, both budgets, and the
+    teacher-forced positions measurements are judged on (0: the calibration batches; the windows follow from
+    the model, the calibration prompts and their count)."""
     h = hashlib.sha256(graph.structural_key().encode())
     for name in sorted(graph.weights):  # each weight by its content key (computed once, hlir/store.py)
         h.update(f"{name}:{content_key(graph.weights[name])}".encode())
@@ -43,6 +46,8 @@ def context_key(graph: Graph, calibration: Sequence[Mapping[str, np.ndarray]], g
             h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
             h.update(a.tobytes())
     h.update(json.dumps([gate.to_dict(), budget.to_dict()], sort_keys=True).encode())
+    if positions:
+        h.update(f"positions:{positions}".encode())
     return h.hexdigest()[:32]
 
 
