@@ -12,20 +12,20 @@ The budget, STRICT, and why each term:
 - kl_p99<=1e-2 and kl_max<=5e-2: the default budget's tail terms (kl_max<=0.3 at kl<=0.02) scaled by the same
   ~20x as the mean, so no single next-token distribution drifts far even where the argmax holds.
 
-How the gate decides top-1 (issue 32's first must-show): during the search, on the calibration batches only:
-3 decode steps of 8 rows = 24 positions, each batch judged alone and the worst batch decides (Judge's
-EndToEnd.measure), against the budget tightened by the measured headroom. On 24 positions top1>=0.999 can only
-mean all 24 agree (one flip in a batch of 8 is 0.875). The >= 2,000-position check is the compile's
-`positions` stage (compiler.positions_stage): after the search, the chosen plan alone is judged again on every
-teacher-forced position pooled (against the same tightened gate); a rejection fails it and the next choice is
-confirmed and judged, at most POSITIONS_JUDGED (4) plans. So the gate's verdicts over the search come from 24
-positions; only the returned plan's verdict comes from >= 2,000. Both judge against the gate, the budget
-tightened by the headroom measured on split calibration batches (SmolLM2 at 2 layers: 0.40, so top1>=0.99960
-and kl<=4.0e-4): over 2,048 positions that gate allows no flip at all, where the user's top1>=0.999 allows 2.
+How the gate decides top-1 (issue 32's first must-show): every end-to-end measurement of the search is a pass
+over the >= 2,000 teacher-forced positions, pooled (compiler.PositionsJudge behind Judge's EndToEnd.measure):
+the FP32 baseline, candidates no prediction decides, the confirmations of the front and the chosen plan, and
+tentative rejects that would be chosen. The predictions (chunk compositions on the calibration batches: 3
+decode steps of 8 rows = 24 positions, where top1>=0.999 can only mean all 24 agree) decide only outside
+bands calibrated against those pooled measurements. The compile's `positions` stage (compiler.positions_stage)
+then reuses the chosen plan's pass; a rejection fails it and the next choice is confirmed and judged, at most
+POSITIONS_JUDGED (4) more passes. Both judge against the gate, the budget tightened by the headroom measured
+on split calibration batches (SmolLM2 at 2 layers: 0.40, so top1>=0.99960 and kl<=4.0e-4): over 2,048
+positions that gate allows no flip at all, where the user's top1>=0.999 allows 2.
 The CSV's `pos_passes` is the gate's verdict there, `pos_within_budget` the user's budget on the same values.
 
 Rows: `chosen` (the compile's returned plan, or `none` with the compile's one-line refusal), `rejected on
-positions` (each plan the positions stage judged and rejected: it had passed the gate on the 24 positions),
+positions` (each plan measured on the positions and rejected there, in the search or the positions stage),
 `reference` (BF16 weights, BF16 weights + fused attention, FP32, W8A16, GGUF source blocks kept);
 `vs_bf16_weights` is each row's modelled latency over BF16 weights' (the must-show's ratio on the chosen row).
 
@@ -175,8 +175,8 @@ POSITIONS_REASON = " teacher-forced positions"  # how compiler.positions_stage's
 
 
 def rejected_rows(search, judging: Judging, megakernel: bool) -> list[dict]:
-    """The plans the positions stage judged and rejected (each passed the gate on the calibration batches):
-    priced and judged on those batches here, their pooled values as the stage measured them."""
+    """The plans measured on the positions and rejected there (in the search or the positions stage): priced
+    and judged on the calibration batches here, their pooled values as measured."""
     rows = []
     for e in search.evaluated:
         if e.verdict.passed or not e.verdict.reason.endswith(POSITIONS_REASON):

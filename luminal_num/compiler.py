@@ -181,7 +181,7 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
         gate = budget.gate(head.headroom)
         # an LLM decode job's measurements are judged on its teacher-forced positions, when row statistics can
         # judge the budget (else on the calibration batches, and the positions stage says why it skipped)
-        on_positions = PositionsJudge(space, positions, gate, budget, options.offers) \
+        on_positions = PositionsJudge(space, positions, gate, budget, options.offers, options.progress) \
             if positions is not None and pooled.refusal(gate, positions.output) is None else None
         ctx = CompileContext(graph, tuple(calibration), budget, head, gate, target, options, use_static, pool,
                              VerdictStore.open(cache_dir, context_key(graph, calibration, gate, budget,
@@ -213,9 +213,9 @@ class PositionsJudge:
     and positions compute the same bits, so another genome lowering to it takes its verdict."""
 
     def __init__(self, space: SearchSpace, source: PositionSource, gate: Budget, budget: Budget,
-                 offers: Offers = Offers()):
+                 offers: Offers = Offers(), progress: bool = False):
         self.wide: WidenedPositions | None = WidenedPositions(space, source, POSITION_ROWS, offers)
-        self.source, self.gate, self.budget = source, gate, budget
+        self.source, self.gate, self.budget, self.progress = source, gate, budget, progress
         self.judged: dict[tuple[int, str], tuple[Verdict, pooled.RowStats]] = {}  # (rows, program key) ->
 
     @property
@@ -235,7 +235,8 @@ class PositionsJudge:
         key = (on.rows, program_key(run))
         ran = key not in self.judged
         if ran:
-            self.judged[key] = pooled.judge_positions(run, on.graph.weights, on, self.gate, self.budget)
+            self.judged[key] = pooled.judge_positions(run, on.graph.weights, on, self.gate, self.budget,
+                                                      progress=self.progress)
         verdict, stats = self.judged[key]
         return verdict, stats, ran
 

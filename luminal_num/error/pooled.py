@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from ..codegen.llir import Program
 from ..hlir.graph import Graph
@@ -143,23 +144,27 @@ def check_pooled(budget: Budget, output: str, stats: RowStats) -> BudgetVerdict:
 STEPS_TOGETHER = 4  # steps run kernel by kernel together (CpuRuntime.run_many): a weight form made once for 4
 
 
-def run_positions(runtime: CpuRuntime, source: PositionSource,
-                  steps_together: int = STEPS_TOGETHER) -> tuple[RowStats, str | None]:
+def run_positions(runtime: CpuRuntime, source: PositionSource, steps_together: int = STEPS_TOGETHER,
+                  progress: bool = False) -> tuple[RowStats, str | None]:
     """The runtime on every batch of `source`, `steps_together` at a time (fewer: less memory for the steps'
     inputs, more weight forms made again): the rows' statistics, and why a run failed (None: none did; the
-    statistics are then those of the batches before the failing one)."""
+    statistics are then those of the batches before the failing one). `progress`: a bar over the positions
+    (a pass over SmolLM2's 2,048 takes a minute or more)."""
     if steps_together < 1:
         raise ValueError(f"steps_together must be >= 1, got {steps_together}")
     parts = []
     group: list[PositionBatch] = []
-    for batch in source.batches():  # a step's inputs (its KV caches) live only while its group runs
-        group.append(batch)
-        if len(group) == steps_together:
-            failed = _run_group(runtime, source, group, parts)
-            if failed is not None:
-                return RowStats.concat(parts), failed
-            group = []
-    failed = _run_group(runtime, source, group, parts) if group else None
+    with tqdm(total=source.positions if progress else None, desc="positions", unit="pos", position=2,
+              leave=False, disable=not progress) as bar:
+        for batch in source.batches():  # a step's inputs (its KV caches) live only while its group runs
+            group.append(batch)
+            if len(group) == steps_together:
+                failed = _run_group(runtime, source, group, parts)
+                bar.update(sum(b.rows for b in group))
+                if failed is not None:
+                    return RowStats.concat(parts), failed
+                group = []
+        failed = _run_group(runtime, source, group, parts) if group else None
     return RowStats.concat(parts), failed
 
 
@@ -181,11 +186,11 @@ def _run_group(runtime: CpuRuntime, source: PositionSource, group: Sequence[Posi
     return None
 
 
-def judge_positions(program: Program, weights, source: PositionSource, gate: Budget,
-                    budget: Budget, steps_together: int = STEPS_TOGETHER) -> tuple[Verdict, RowStats]:
+def judge_positions(program: Program, weights, source: PositionSource, gate: Budget, budget: Budget,
+                    steps_together: int = STEPS_TOGETHER, progress: bool = False) -> tuple[Verdict, RowStats]:
     """The program run on every batch of `source` and judged against `gate` on all rows pooled; the verdict
     also carries its share of the user's `budget` (a run that fails is a rejection, as end to end)."""
-    stats, failed = run_positions(CpuRuntime(program, weights), source, steps_together)
+    stats, failed = run_positions(CpuRuntime(program, weights), source, steps_together, progress)
     if failed is not None:
         return Verdict(False, VerdictSource.MEASURED, Share(np.inf, np.inf, np.inf), np.inf, None,
                        f"run failed on the pooled positions: {failed}"), stats
