@@ -192,7 +192,7 @@ def _print_compile_summary(result, budget, files: dict, cache_dir: Path | None) 
     print(f"\nChosen plan{named}: budget share {fmt_num(chosen[ERROR_COLUMN])}{allclose} ({plan.verdict.source}; "
           f"budget 1, judged against {fmt_num(headroom)}), latency {fmt_latency(plan.latency.total_s)} "
           f"({_latency_how(plan)})")
-    if plan.verdict.metrics:  # the metric values it was judged on (the worst calibration batch)
+    if plan.verdict.metrics:  # the metric values it was judged on (pooled positions, or the worst batch)
         print(f"  {_metric_line(plan)}")
     elif not budget.allclose_applies:
         print(f"  {fmt_numbers_in(plan.verdict.reason)}")
@@ -203,9 +203,11 @@ def _print_compile_summary(result, budget, files: dict, cache_dir: Path | None) 
 
 
 def _metric_line(plan) -> str:
-    """The plan's metric values, worst over the calibration batches, beside the limits they were judged by."""
-    return (f"{plan.verdict.source}, worst over the calibration batches: "
-            f"{fmt_metric_values(plan.verdict.metrics, plan.budget, plan.headroom)}")
+    """The plan's metric values (pooled over the teacher-forced positions, else the worst calibration batch's),
+    beside the limits they were judged by."""
+    pooled = plan.pooled_positions
+    over = f"pooled over {pooled} teacher-forced positions" if pooled else "worst over the calibration batches"
+    return f"{plan.verdict.source}, {over}: {fmt_metric_values(plan.verdict.metrics, plan.budget, plan.headroom)}"
 
 
 def _print_notes(job, inputs: tuple[str, ...] = ("calibration", "heldout")) -> None:

@@ -62,7 +62,8 @@ def test_an_llm_plan_is_summed_up_by_its_metrics_not_allclose_0(compiled):
     plan = json.loads((report / "plan.json").read_text())
     recorded = plan["verdict"]["metrics"]
     assert set(recorded) == {"top1_agreement", "kl_logits", "kl_max"}  # every metric of the LLM budget
-    assert "worst over the calibration batches: " in values
+    pooled = plan["search"]["positions"]["positions"]  # the compile's default positions: the verdict is theirs
+    assert pooled >= 2000 and f"measured, pooled over {pooled} teacher-forced positions: " in values
     for name, value in recorded.items():  # each value beside the limit it was judged by and the user's
         assert re.search(rf"{name} {re.escape(fmt_num(value, 4))} \(judged [<>]=\S+, budget [<>]=\S+\)", values)
     table = pd.read_csv(report / "pareto.csv", keep_default_na=False)
@@ -80,7 +81,8 @@ def test_inspect_prints_no_nan_for_a_kernel_without_an_epilogue(compiled, capsys
     out = capsys.readouterr().out
     assert "epilogue" in out and "NaN" not in out and "nan" not in out.split("\n", 3)[3]
     assert "(budget share " in out.splitlines()[1]
-    assert out.splitlines()[2].startswith("measured, worst over the calibration batches: top1_agreement ")
+    pooled = json.loads((report / "plan.json").read_text())["search"]["positions"]["positions"]
+    assert out.splitlines()[2].startswith(f"measured, pooled over {pooled} teacher-forced positions: top1_agreement ")
 
 
 def test_pareto_prints_the_metric_columns_compile_printed(compiled, capsys):

@@ -365,6 +365,12 @@ class Plan:
         return list(self.data["kernels"])
 
     @property
+    def pooled_positions(self) -> int:
+        """The teacher-forced positions its verdict was pooled over (0: the calibration batches, worst batch)."""
+        record = (self.data.get("search") or {}).get("positions") or {}
+        return int(record.get("positions", 0)) if record.get("metrics") else 0
+
+    @property
     def interrupted(self) -> str:
         """Why the search stopped early ("" for a complete search's plan)."""
         return str(self.data.get("interrupted") or "")
