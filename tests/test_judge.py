@@ -135,3 +135,30 @@ def test_first_order_deltas_keep_only_the_compared_outputs_and_predict_as_from_a
         assert all(set(b) == kept for d in deltas.deltas.values() for b in d)
         for changes in (["a"], ["a", "b"]):
             assert deltas.predict(changes) == check.check(by_hand(budget, changes))
+
+
+def test_a_pooled_share_check_judges_every_batchs_rows_together():
+    """With measurements pooled over teacher-forced positions, a prediction estimates the same pooled statistic:
+    one flipped token among 3 batches of 8 rows is top-1 23/24, not the worst batch's 7/8; KL mean is the mean
+    over all 24 rows and KL max their max. The values are derived here from softmax rows written in the test."""
+    from luminal_num.error.predict import ShareCheck
+    rng = np.random.default_rng(1)
+    refs = tuple({"logits": rng.normal(size=(8, 40)) * 3} for _ in range(3))
+    preds = [{"logits": r["logits"] + rng.normal(scale=0.05, size=(8, 40))} for r in refs]
+    row = preds[1]["logits"][2]
+    top = int(np.argmax(refs[1]["logits"][2]))
+    row[top] = refs[1]["logits"][2].min() - 1.0  # row 2 of batch 1: its FP64 argmax is now its smallest logit
+    budget = Budget.parse("atol=inf,rtol=inf,outputs=logits,top1>=0.9,kl<=0.5,kl_max<=10")
+    y = np.concatenate([p["logits"] for p in preds])
+    r = np.concatenate([b["logits"] for b in refs])
+    log_q = y - np.log(np.exp(y - y.max(1, keepdims=True)).sum(1, keepdims=True)) - y.max(1, keepdims=True)
+    log_p = r - np.log(np.exp(r - r.max(1, keepdims=True)).sum(1, keepdims=True)) - r.max(1, keepdims=True)
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(1)
+    top1 = float(np.mean(y.argmax(1) == r.argmax(1)))
+    assert top1 == 23 / 24
+    pooled = ShareCheck(budget, budget, refs, pooled=True).check(preds)
+    want = max((1 - top1) / 0.1, kl.mean() / 0.5, kl.max() / 10)
+    assert pooled.share.gate == pytest.approx(want, rel=1e-9)
+    worst = ShareCheck(budget, budget, refs).check(preds)  # per batch, the worst: one flip in 8 rows
+    assert worst.share.gate == pytest.approx(max((1 / 8) / 0.1, kl[8:16].mean() / 0.5, kl.max() / 10), rel=1e-9)
+    assert worst.share.gate > 1.0 >= pooled.share.gate

@@ -223,6 +223,7 @@ def test_a_judge_with_positions_takes_its_verdicts_from_them(tiny):
             return Verdict(True, VerdictSource.MEASURED, Share(share, share, share), 0.0, None, "given")
     budget = Budget.parse(job.default_budget)
     judge = Judge(job.graph, budget, job.calibration, positions=Given())
+    assert judge.ev.checker.pooled  # its predictions pool the batches' rows too (predict.ShareCheck)
     fp32 = judge.judge(space.program(frozenset()), frozenset(), predict=False)
     assert fp32.reason == "given" and fp32.share.gate == 0.25 and seen == [frozenset()]
     base = program_key(space.program(frozenset()))

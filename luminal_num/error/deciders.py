@@ -7,6 +7,8 @@ and the predictions measurements check belong to the calibrator (error/calibrate
 """
 from __future__ import annotations
 
+import functools
+
 import enum
 from collections import Counter
 from dataclasses import dataclass
@@ -54,10 +56,11 @@ class Evidence:
     refs: tuple                    # FP64 outputs per batch
     gated_refs: tuple              # the outputs the gate names, per batch (what compositions predict)
     bindings: tuple                # dynamic dimension bindings per batch
+    pooled: bool = False           # measurements pool rows (teacher-forced positions): so do predictions
 
-    @property
+    @functools.cached_property
     def checker(self) -> ShareCheck:
-        return ShareCheck(self.gate, self.budget, self.refs)
+        return ShareCheck(self.gate, self.budget, self.refs, self.pooled)
 
 
 class Candidate:

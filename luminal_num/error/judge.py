@@ -212,7 +212,8 @@ class Judge:
         refs_ = _references(graph, calibration, references)
         refs = tuple(r.outputs(graph) for r in refs_)
         self.ev = Evidence(graph, budget, gate, tuple(calibration), refs,
-                           tuple({k: r[k] for k in gate.outputs or r} for r in refs), tuple(r.bindings for r in refs_))
+                           tuple({k: r[k] for k in gate.outputs or r} for r in refs), tuple(r.bindings for r in refs_),
+                           pooled=positions is not None)
         self.counts: Counter = Counter()
         self.calibrator = Calibrator(tuple(k for k, on in ((BandKind.FIRST_ORDER, use_prediction),
                                                            (BandKind.SCALED, chunks is not None),

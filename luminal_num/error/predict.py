@@ -10,6 +10,8 @@ ratio outside it widens the margin (reported). The bands are owned by the calibr
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -53,10 +55,18 @@ class Prediction:
 
 @dataclass(frozen=True)
 class ShareCheck:
-    """The gate (and the user's budget, for its allclose share) checked on predicted outputs."""
+    """The gate (and the user's budget, for its allclose share) checked on predicted outputs. `pooled`: the
+    batches' rows are judged together, as one batch (an LLM whose measurements pool thousands of teacher-forced
+    positions: a prediction then estimates the same pooled statistic, where the worst batch of 8 rows would
+    count one flipped token as top-1 0.875, 3x the share it is over 24 rows)."""
     gate: Budget
     budget: Budget
     refs: Sequence[Outputs]
+    pooled: bool = False
+
+    @functools.cached_property
+    def _pooled_refs(self) -> tuple[Outputs, ...]:
+        return (_rows_together(self.refs, self.compared),)
 
     @property
     def compared(self) -> tuple[str, ...]:
@@ -67,7 +77,10 @@ class ShareCheck:
         """The budget checked on predicted outputs (one dict per calibration batch), every metric."""
         ratio = allclose = user = 0.0
         reason, values = "", MetricValues()
-        for pred, ref in zip(predicted, self.refs):
+        refs = self.refs
+        if self.pooled and len(predicted) > 1:
+            predicted, refs = (_rows_together(predicted, self.compared),), self._pooled_refs
+        for pred, ref in zip(predicted, refs):
             compared = {n: Compared(pred[n], ref[n]) for n in self.budget.outputs or ref}
             v = self.gate.check(compared, ref)
             r = budget_ratio(self.gate, v)
@@ -80,6 +93,11 @@ class ShareCheck:
         if ratio <= 1.0 and not self.gate.allclose_applies:  # a pass: the worst values over the batches
             reason = self.gate.within(values, allclose)
         return Prediction(Share(ratio, allclose, user), reason, metrics=values)
+
+
+def _rows_together(batches: Sequence[Outputs], names: Sequence[str]) -> Outputs:
+    """Every batch's rows of the outputs `names`, stacked into one batch (outputs are (rows, ...) per batch)."""
+    return {name: np.concatenate([np.asarray(b[name]) for b in batches]) for name in names}
 
 
 @dataclass
