@@ -32,7 +32,7 @@ from luminal_num.error.held import HeldArrays  # noqa: E402
 from luminal_num.error.judge import Judge  # noqa: E402
 from luminal_num.error.metrics import METRICS  # noqa: E402
 from luminal_num.error.pooled import STEPS_TOGETHER, PooledRows, judge_positions  # noqa: E402
-from luminal_num.error.predict import budget_ratio  # noqa: E402
+from luminal_num.error.predict import ShareCheck, budget_ratio  # noqa: E402
 from luminal_num.error.reference import references  # noqa: E402
 from luminal_num.memory import MemoryPlan, parse_size, plan_memory  # noqa: E402
 from luminal_num.models.llm import load_llm  # noqa: E402
@@ -115,6 +115,7 @@ def _scatter_rows(name: str, n: int, seed: int, modes: tuple[Propagation, ...], 
                for m in (Propagation.SCALED, *modes)}
     judge = Judge(job.graph, budget, list(job.calibration), use_static=False,
                   references=refs, chunks=effects[Propagation.SCALED], use_prediction=False)
+    pooled_check = ShareCheck(judge.ev.gate, budget, judge.ev.refs, pooled=True)
     rng = np.random.default_rng(seed)
     rows = []
     source = job.llm.positions if positions and job.llm is not None and confirm else None
@@ -137,6 +138,8 @@ def _scatter_rows(name: str, n: int, seed: int, modes: tuple[Propagation, ...], 
         # each part of the share alone: a count (top-1 over a batch of 8 rows) is discrete where KL is not
         for part, share in metric_shares(judge.ev.gate, composed[Propagation.SCALED], judge.ev.refs).items():
             row[f"predicted_scaled_{part}"] = share
+        if job.llm is not None:  # the batches' rows pooled, as a compile whose measurements pool the positions checks
+            row["predicted_scaled_pooled"] = pooled_check.check(composed[Propagation.SCALED]).ratio
         for part, share in metric_shares(judge.ev.gate, outs, judge.ev.refs).items():
             row[f"measured_{part}"] = share
             p = row.get(f"predicted_scaled_{part}", float("nan"))
@@ -177,8 +180,34 @@ def within_2x_positions(row: dict) -> dict:
     on the positions, and the predicted share of the gate within 2x of the positions' share?"""
     kl, predicted = row["positions_kl"], row["predicted_scaled_kl"]
     share, p = row["positions_share"], row["predicted_scaled"]
-    return dict(within_2x_positions_kl=bool(0.5 <= kl / predicted <= 2.0) if predicted > 0 else kl == 0,
-                within_2x_positions_share=bool(0.5 <= share / p <= 2.0) if p > 0 else share == 0)
+    out = dict(within_2x_positions_kl=bool(0.5 <= kl / predicted <= 2.0) if predicted > 0 else kl == 0,
+               within_2x_positions_share=bool(0.5 <= share / p <= 2.0) if p > 0 else share == 0)
+    pooled = row.get("predicted_scaled_pooled", float("nan"))
+    if np.isfinite(pooled):  # the share a compile with positions predicts (predict.ShareCheck pooled)
+        out["within_2x_positions_share_pooled"] = bool(0.5 <= share / pooled <= 2.0) if pooled > 0 else share == 0
+    return out
+
+
+CONFIRMED = ("positions", "rows_per_step", "steps_together", "positions_share", "positions_kl", "positions_top1",
+             "positions_s")
+
+
+def with_earlier_confirmations(rows: list[dict], earlier: pd.DataFrame) -> list[dict]:
+    """New predictions of genomes an earlier run confirmed on the positions (same seed and index, checked by their
+    formats): their confirmed columns carried over and compared with the new predictions (the predictor changed,
+    the genomes' pooled verdicts did not)."""
+    old = {(int(r["seed"]), int(r["genome_index"])): r for r in earlier.to_dict("records")
+           if np.isfinite(r.get("positions_kl", float("nan")))}
+    out = []
+    for row in rows:
+        prior = old.get((int(row["seed"]), int(row["genome_index"])))
+        if prior is not None and row.get("positions") is None:
+            if prior["formats"] != row["formats"]:
+                raise ValueError(f"genome {row['genome_index']}: the earlier run's formats differ: not the same genome")
+            row = {**row, **{k: prior[k] for k in CONFIRMED}}
+            row.update(within_2x_positions(row))
+        out.append(row)
+    return out
 
 
 def confirm_rows(predicted: pd.DataFrame, positions: int, max_memory: int | None, steps_together: int,
@@ -267,6 +296,9 @@ def main(argv=None) -> None:
                     help="start at genome FIRST (the earlier ones are drawn, not judged; their rows are read from "
                          "the CSV): a long run split over processes")
     ap.add_argument("--seed", type=int, default=0, help="the genomes' random seed")
+    ap.add_argument("--confirmed-from", default=None,
+                    help="--phase predict: carry the positions' verdicts of the same genomes over from this earlier "
+                         "CSV under reports/bench/ (a new predictor checked against confirmations already made)")
     ap.add_argument("--out", default="prediction", help="the CSV and PNG names under reports/bench/")
     ap.add_argument("--exact-for", default="minilm,smollm2,transformer",
                     help="jobs that also get EXACT propagation (an FP64 run of the rest per chunk choice)")
@@ -292,6 +324,8 @@ def main(argv=None) -> None:
         rows += scatter_rows(name, args.n, args.seed, (Propagation.EXACT,) if name in exact else (), args.positions,
                              max_memory, args.steps_together, args.rows_per_step, done, args.phase == "both",
                              args.first)
+    if args.confirmed_from:
+        rows = with_earlier_confirmations(rows, pd.read_csv(OUT / f"{args.confirmed_from}.csv"))
     df = pd.DataFrame(rows)
     write_csv(df, f"{args.out}.csv")
     plot(df, f"{args.out}.png")
