@@ -98,6 +98,20 @@ def _metrics(ys, refs, targets):
             "ppl_ratio": np.exp(np.mean(-log_q[rows, t]) - np.mean(-log_p[rows, t]))}
 
 
+def _plan_metrics(job, plan):
+    """The plan's pooled metrics over the job's positions, 32 rows a step (its genome lowered there), from
+    _metrics' softmax rows."""
+    wide = job.llm.positions.widened(POSITION_ROWS)
+    space = SearchSpace.build(wide.graph)
+    runtime = CpuRuntime(space.program(plan.genome(space)), wide.graph.weights)
+    ys, refs, targets = [], [], []
+    for b in wide.batches():
+        ys.append(np.asarray(runtime.run(b.inputs).outputs["logits"], np.float64).reshape(b.reference.shape)[:b.rows])
+        refs.append(b.reference[:b.rows])
+        targets.append(b.targets[:b.rows])
+    return _metrics(ys, refs, targets)
+
+
 def _options():
     return SearchOptions(max_candidates=3, progress=False, workers=1, headroom=0.5)
 
@@ -111,15 +125,7 @@ def test_the_chosen_plan_is_judged_on_every_position_pooled(tiny):
     assert record.positions == 48 and record.judged == 1 and not record.skipped
     assert "on 48 teacher-forced positions" in result.plan.verdict.reason
     assert record.rows == POSITION_ROWS  # the plan's genome ran 32 rows a step: the plan, lowered there
-    wide = job.llm.positions.widened(POSITION_ROWS)
-    space = SearchSpace.build(wide.graph)
-    runtime = CpuRuntime(space.program(result.plan.genome(space)), wide.graph.weights)
-    ys, refs, targets = [], [], []
-    for b in wide.batches():
-        ys.append(np.asarray(runtime.run(b.inputs).outputs["logits"], np.float64).reshape(b.reference.shape)[:b.rows])
-        refs.append(b.reference[:b.rows])
-        targets.append(b.targets[:b.rows])
-    for name, value in _metrics(ys, refs, targets).items():
+    for name, value in _plan_metrics(job, result.plan).items():
         assert record.metrics[name] == pytest.approx(value, rel=1e-9, abs=1e-15), name
     assert record.metrics["kl_p99"] <= record.metrics["kl_max"]
     recorded = result.plan.verdict.metrics  # plan.json's verdict.metrics: the pooled values the budget limits
@@ -187,15 +193,7 @@ def test_every_measurement_of_the_search_is_a_pass_over_the_positions(tiny):
     assert chosen.genome and chosen in measured and len(measured) >= 2
     assert all("on 48 teacher-forced positions" in e.verdict.reason for e in measured)
     assert result.search.stats.positions.judged == skewed.passes == len({program_key(e.program) for e in measured})
-    wide = job.llm.positions.widened(POSITION_ROWS)
-    space = SearchSpace.build(wide.graph)
-    runtime = CpuRuntime(space.program(result.plan.genome(space)), wide.graph.weights)
-    ys, refs, targets = [], [], []
-    for b in wide.batches():
-        ys.append(np.asarray(runtime.run(b.inputs).outputs["logits"], np.float64).reshape(b.reference.shape)[:b.rows])
-        refs.append(b.reference[:b.rows])
-        targets.append(b.targets[:b.rows])
-    want = _metrics(ys, refs, targets)
+    want = _plan_metrics(job, result.plan)
     assert chosen.verdict.metrics
     for name, value in chosen.verdict.metrics.items():
         assert value == pytest.approx(want[name], rel=1e-9, abs=1e-15), name
