@@ -17,6 +17,7 @@ Each kernel kind is one function in KERNELS.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -43,6 +44,7 @@ from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, 
                          body64 as _body64, body_into_out, body_values, read64, read_input, reduce_sum,
                          rows_values, store32)
 from .cpu_compiled import KernelCache
+from .cpu_outputs import Float64Outputs
 from .cpu_pages import PageReleases, external_last_reads, page_releases
 from .cpu_softmax import softmax_f64_into
 from .cpu_gemm import quantize_input, run_gemm, run_quantize  # noqa: F401 (run_quantize: named here for the tests)
@@ -52,7 +54,7 @@ from .fixed_gemm import FixedOrderUnavailable
 
 @dataclass(frozen=True)
 class RunResult:
-    outputs: dict[str, np.ndarray]                 # float64 copies of the stored values
+    outputs: Mapping[str, np.ndarray]              # float64 copies of the stored values (each made when first read)
     kernel_seconds: tuple[tuple[int, float], ...]  # (kernel id, seconds) for launched kernels
     plan: BufferPlan
     exports: dict[int, np.ndarray] | None = None   # graph node id -> value (when asked for)
@@ -116,8 +118,9 @@ class CpuRuntime:
         self._epilogues: dict[int, Kernel] = {}  # Gemm epilogue kernel id -> its body as an ELEMENTWISE kernel
         self._compiled = KernelCache()
         # the last run's output buffers (bindings key -> kernel id -> its view of a slot), for the next
-        # run of the same shapes: no fresh pages to fault in, the same arrays for compiled reads
-        self._outputs: tuple[tuple, dict[int, np.ndarray]] | None = None
+        # run of the same shapes: no fresh pages to fault in, the same arrays for compiled reads; and that
+        # run's outputs (cpu_outputs.Float64Outputs), settled before the buffers are reused
+        self._outputs: tuple[tuple, dict[int, np.ndarray], weakref.ref] | None = None
         self._drops: dict[int, tuple[int, ...]] | None = None  # kernel id -> EXTERNALs it reads last
         self._releases: PageReleases | None = None  # streaming (hlir.store.STREAMING): which pages go when
 
@@ -154,9 +157,9 @@ class CpuRuntime:
                 r.state.stored.make = {}
         out = []
         for r in runs:
-            outputs = {name: r.state.stored[kid].astype(np.float64) for name, kid in self.program.outputs}
+            outputs = Float64Outputs({name: r.state.stored[kid] for name, kid in self.program.outputs})
             out.append(RunResult(outputs, tuple(r.timings), r.plan, r.exports if keep_exports else None))
-        self._outputs = (runs[0].key, runs[0].outs)
+        self._outputs = (runs[0].key, runs[0].outs, weakref.ref(out[0].outputs))
         return out
 
     def _begin(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None, keep_exports: bool,
@@ -180,7 +183,13 @@ class CpuRuntime:
         held = None
         if reuse:
             held, self._outputs = self._outputs, None  # a run that starts meanwhile allocates its own
-        outs = held[1] if held is not None and held[0] == key else self._output_views(plan, bindings)
+        if held is not None and held[0] == key:
+            last = held[2]()
+            if last is not None:  # the last run's outputs not read yet are read now: their buffers are this run's
+                last.settle()
+            outs = held[1]
+        else:
+            outs = self._output_views(plan, bindings)
         stored = _Stored()
         state = _Run(stored, {}, feed, bindings, weight_names, self._compiled)
         wanted = {kid for _, kid in self.program.exports} if keep_exports else set()
@@ -497,14 +506,25 @@ def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _scatter(rt, k: Kernel, state: _Run) -> np.ndarray:
-    return _scatter_rows(k, read64(k, 0, state), read64(k, 1, state), state, index_slot=2)
+    return _scatter_rows(k, read64(k, 1, state), state, index_slot=2)
 
 
-def _scatter_rows(k: Kernel, dest: np.ndarray, src: np.ndarray, state: _Run, index_slot: int = 1) -> np.ndarray:
+def _scatter_rows(k: Kernel, src: np.ndarray, state: _Run, index_slot: int = 1) -> np.ndarray:
+    """dest (input 0) with rows `idx` replaced by `src` (float64). Where dest is stored as the output is, it is
+    copied into the output as it lies and only the rows are cast: the bits of its float64 copy cast back (a KV
+    cache: 2 of its 5 passes a step, issue 32's positions), else through that float64 copy."""
+    dest = read_input(k, 0, state)
     idx = k.inputs[index_slot].view.realize(state.stored[k.inputs[index_slot].buffer], state.bindings).astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= dest.shape[0]):
         raise IndexError(f"scatter: index out of range [0, {dest.shape[0]})")
-    dest[idx] = src if k.storage is None else cache_values(src, k.storage)  # a KV cache: rows written converted
+    rows = src if k.storage is None else cache_values(src, k.storage)  # a KV cache: rows written converted
+    out = state.out
+    if out is not None and dest.shape == out.shape and dest.dtype == out.dtype:
+        np.copyto(out, dest)  # overlapping (an in-place plan): numpy copies through a buffer
+        out[idx] = rows
+        return out
+    dest = dest.astype(np.float64)
+    dest[idx] = rows
     return dest
 
 
@@ -524,7 +544,7 @@ def _scatter_ew(rt, k: Kernel, state: _Run) -> np.ndarray:
     """An in-place scatter of rows its body computes: the copy of the source it replaces wrote the same."""
     shape = tuple(eval_dim(d, state.bindings) for d in k.body_shape)
     src = np.broadcast_to(rows_values(k, state), shape).astype(np.float64)
-    return _scatter_rows(k, read64(k, 0, state), src, state)
+    return _scatter_rows(k, src, state)
 
 
 KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
