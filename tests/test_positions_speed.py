@@ -165,3 +165,34 @@ def test_outputs_read_late_are_their_own_runs(job, space):
         _same(dict(result.outputs), expected)
         _same(pickle.loads(pickle.dumps(result.outputs)), expected)
         assert type(pickle.loads(pickle.dumps(result.outputs))) is dict
+
+
+@pytest.mark.parametrize("genome", ["FP32 everywhere", "BF16 autocast"])
+def test_float64_inputs_stored_into_their_slots_are_stored_as_before(job, space, genome, monkeypatch):
+    """A KV cache stored straight into its slot: the same values as the fresh copy before (an overflow to inf
+    included), and a NaN is refused naming its input, either way."""
+    program = space.program(baseline_genomes(space)[genome])
+    steps = [dict(b.inputs) for b in job.llm.positions.batches()][3:7]
+    name = next(n for n in steps[0] if n.startswith("k_cache"))
+    steps[1][name] = steps[1][name].copy()
+    steps[1][name][0, 0] = 1e300  # finite, beyond FP32: stored as inf
+    taken = []
+    into = cpu._f32_into
+
+    def spy(k, val, out):
+        taken.append(into(k, val, out))
+        return taken[-1]
+    monkeypatch.setattr(cpu, "_f32_into", spy)
+    fast = [dict(r.outputs) for r in CpuRuntime(program, job.graph.weights).run_many(steps)]
+    assert sum(taken) >= 4 * 4  # every step's 4 caches went straight into their slots
+    monkeypatch.setattr(cpu, "_f32_into", lambda k, val, out: False)
+    slow = [dict(r.outputs) for r in CpuRuntime(program, job.graph.weights).run_many(steps)]
+    assert np.isinf(slow[1][name.replace("k_cache", "k_cache_out")]).sum() == 1  # stored as inf, carried to the output
+    for f, s in zip(fast, slow):
+        _same(f, s)
+    steps[2][name] = steps[2][name].copy()
+    steps[2][name][1, 1] = np.nan
+    for check in (spy, lambda k, val, out: False):
+        monkeypatch.setattr(cpu, "_f32_into", check)
+        with pytest.raises(ValueError, match=f"input '{name}' contains NaN or Inf"):
+            CpuRuntime(program, job.graph.weights).run(steps[2])

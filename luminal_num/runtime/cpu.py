@@ -341,7 +341,25 @@ def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
         return widen()
     if k.external in state.weight_names:
         return WEIGHTS.get(val, ("stored", k.dtype.name), lambda: _store_input(k, val))
+    if k.dtype is F32 and state.out is not None and _f32_into(k, val, state.out):  # the step's own slot, no copy
+        return state.out
     return _store_input(k, val)
+
+
+def _f32_into(k: Kernel, val, out: np.ndarray) -> bool:
+    """An FP32 input stored straight into its slot (`out`), as _store_input stores it (numpy's IEEE conversion);
+    False (nothing checked) where val is not a float64 array of out's shape. Why: a decode step's KV caches
+    are float64 inputs of every row; a fresh float32 copy of each, then copied into its slot, cost a pass more.
+    A finite sum of the stored values proves every input finite (a NaN or inf stays one); else they are checked."""
+    if not (isinstance(val, np.ndarray) and val.dtype == np.float64 and val.shape == out.shape
+            and out.dtype == np.float32):
+        return False
+    np.copyto(out, val, casting="unsafe")
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite = bool(np.isfinite(np.sum(out))) or bool(np.all(np.isfinite(val)))
+    if not finite:
+        raise ValueError(f"input {k.external!r} contains NaN or Inf")
+    return True
 
 
 def _stored_concat(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
