@@ -177,15 +177,15 @@ def test_float64_inputs_stored_into_their_slots_are_stored_as_before(job, space,
     steps[1][name] = steps[1][name].copy()
     steps[1][name][0, 0] = 1e300  # finite, beyond FP32: stored as inf
     taken = []
-    into = cpu._f32_into
+    into = cpu.f32_into
 
     def spy(k, val, out):
         taken.append(into(k, val, out))
         return taken[-1]
-    monkeypatch.setattr(cpu, "_f32_into", spy)
+    monkeypatch.setattr(cpu, "f32_into", spy)
     fast = [dict(r.outputs) for r in CpuRuntime(program, job.graph.weights).run_many(steps)]
     assert sum(taken) >= 4 * 4  # every step's 4 caches went straight into their slots
-    monkeypatch.setattr(cpu, "_f32_into", lambda k, val, out: False)
+    monkeypatch.setattr(cpu, "f32_into", lambda k, val, out: False)
     slow = [dict(r.outputs) for r in CpuRuntime(program, job.graph.weights).run_many(steps)]
     assert np.isinf(slow[1][name.replace("k_cache", "k_cache_out")]).sum() == 1  # stored as inf, carried to the output
     for f, s in zip(fast, slow):
@@ -193,6 +193,6 @@ def test_float64_inputs_stored_into_their_slots_are_stored_as_before(job, space,
     steps[2][name] = steps[2][name].copy()
     steps[2][name][1, 1] = np.nan
     for check in (spy, lambda k, val, out: False):
-        monkeypatch.setattr(cpu, "_f32_into", check)
+        monkeypatch.setattr(cpu, "f32_into", check)
         with pytest.raises(ValueError, match=f"input '{name}' contains NaN or Inf"):
             CpuRuntime(program, job.graph.weights).run(steps[2])

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..codegen.llir import FApply, FConstV, FLoad, Kernel, KernelKind, Program, epilogue_as_elementwise, external_value
 from ..dtypes.codec import encode_into
-from ..dtypes.formats import F32, Kind, get as get_format
+from ..dtypes.formats import F32, get as get_format
 from ..dtypes.rounding import store
 from ..hlir.evaluate import softmax
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
@@ -44,6 +44,7 @@ from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, 
                          body64 as _body64, body_into_out, body_values, read64, read_input, reduce_sum,
                          rows_values, store32)
 from .cpu_compiled import KernelCache
+from .cpu_inputs import f32_into, store_input
 from .cpu_outputs import Float64Outputs
 from .cpu_pages import PageReleases, external_last_reads, page_releases
 from .cpu_softmax import softmax_f64_into
@@ -317,7 +318,7 @@ def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
         return WEIGHTS.get(val, ("widened concat", k.storage, k.fill, fills, k.dtype.name, k.concat),
                            lambda: _stored_concat(rt, k, state))
     if k.storage is not None and k.external not in state.weight_names:  # a KV cache handed in: held in its format
-        return cache_values(_store_input(k, val), k.storage)
+        return cache_values(store_input(k, val), k.storage)
     if k.storage is not None:  # a weight held in its storage format: readers see it widened
         key = stored_key(k.external, k.storage, k.fill)
         held = rt.stored_weights.get(key)
@@ -340,26 +341,10 @@ def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
                                widen)
         return widen()
     if k.external in state.weight_names:
-        return WEIGHTS.get(val, ("stored", k.dtype.name), lambda: _store_input(k, val))
-    if k.dtype is F32 and state.out is not None and _f32_into(k, val, state.out):  # the step's own slot, no copy
+        return WEIGHTS.get(val, ("stored", k.dtype.name), lambda: store_input(k, val))
+    if k.dtype is F32 and state.out is not None and f32_into(k, val, state.out):  # the step's own slot, no copy
         return state.out
-    return _store_input(k, val)
-
-
-def _f32_into(k: Kernel, val, out: np.ndarray) -> bool:
-    """An FP32 input stored straight into its slot (`out`), as _store_input stores it (numpy's IEEE conversion);
-    False (nothing checked) where val is not a float64 array of out's shape. Why: a decode step's KV caches
-    are float64 inputs of every row; a fresh float32 copy of each, then copied into its slot, cost a pass more.
-    A finite sum of the stored values proves every input finite (a NaN or inf stays one); else they are checked."""
-    if not (isinstance(val, np.ndarray) and val.dtype == np.float64 and val.shape == out.shape
-            and out.dtype == np.float32):
-        return False
-    np.copyto(out, val, casting="unsafe")
-    with np.errstate(over="ignore", invalid="ignore"):
-        finite = bool(np.isfinite(np.sum(out))) or bool(np.all(np.isfinite(val)))
-    if not finite:
-        raise ValueError(f"input {k.external!r} contains NaN or Inf")
-    return True
+    return store_input(k, val)
 
 
 def _stored_concat(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
@@ -388,21 +373,6 @@ def _fill_key(rt: CpuRuntime, k: Kernel, name: str, val) -> tuple | None:
         return ("file", rt._held_digests[key])
     h = hessian_of(val)
     return None if h is None else ("hessian", h.key)
-
-
-def _store_input(k: Kernel, val) -> np.ndarray:
-    val = np.asarray(val)
-    if k.dtype.kind is not Kind.FLOAT:
-        return val.astype(k.dtype.storage)
-    if not np.all(np.isfinite(val)):
-        raise ValueError(f"input {k.external!r} contains NaN or Inf")
-    if val.dtype.itemsize > 8 or val.dtype.kind in "biu":  # longdouble / ints: via float64, as before
-        val = val.astype(np.float64)
-    out = store32(val.astype(np.float32, copy=False) if k.dtype is F32 else val, k.dtype)
-    out = np.ascontiguousarray(out).astype(k.dtype.storage, copy=False)
-    out = out.view() if out is val else out  # never change the caller's own array's flags
-    out.flags.writeable = False
-    return out
 
 
 def _const_kernel(rt, k: Kernel, state: _Run) -> np.ndarray:
