@@ -499,8 +499,8 @@ def _scatter(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 def _scatter_rows(k: Kernel, src: np.ndarray, state: _Run, index_slot: int = 1) -> np.ndarray:
     """dest (input 0) with rows `idx` replaced by `src` (float64). Where dest is stored as the output is, it is
-    copied into the output as it lies and only the rows are cast: the bits of its float64 copy cast back (a KV
-    cache: 2 of its 5 passes a step, issue 32's positions), else through that float64 copy."""
+    copied into the output as it lies and only the rows are cast to it: the bits its exact float64 copy gave,
+    cast back, without that copy's two passes over a whole KV cache per step; else through that float64 copy."""
     dest = read_input(k, 0, state)
     idx = k.inputs[index_slot].view.realize(state.stored[k.inputs[index_slot].buffer], state.bindings).astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= dest.shape[0]):
