@@ -10,7 +10,9 @@ prompt's own text, then FP64's greedy tokens), and after the last one FP64's own
 prompt by prompt (every prompt's first window, then second windows ...) until `minimum` positions, and
 run `batch` at a time as the workload runs them (a short last group repeats its first windows, counted
 once). Nothing is held per step: a group's FP64 logits come from one FP64 pass over its windows, and each
-step's inputs are cut from that pass's cache rows when the step runs.
+step's inputs are cut from that pass's cache rows when the step runs. The pass is the same for every plan
+judged on the positions, so it is kept for the next one (within FP64_HELD_BYTES): it was ~10 s of a 30-layer
+SmolLM2 pass's 16 s of step building.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .llm import LlmModel, Prompt, fitting_ids, stacked_caches
+from .llm import LlmModel, Prompt, fitting_ids, prefix_caches
 from .reference import Fp64State
 
 @dataclass(frozen=True)
@@ -95,21 +97,67 @@ class TeacherForcedWindows:
             group = list(self.windows[start:start + b])
             real = len(group)
             group += [group[i % real] for i in range(b - real)]  # a short last group: its own windows again, not counted
-            yield from self._group(group, real)
+            yield from self._group(group, real, self._fp64_pass(group, (start, b)))
 
-    def _group(self, group: list[tuple[int, ...]], real: int) -> Iterator[PositionBatch]:
+    def _group(self, group: list[tuple[int, ...]], real: int, ran: "GroupPass") -> Iterator[PositionBatch]:
         fp64 = self.model.fp64
-        ran = fp64.hidden_many([list(w) for w in group])  # one pass; each step's logits from its own rows
         for s in range(len(group[0])):
-            states = [Fp64State(tuple(k[:s] for k in st.k), tuple(v[:s] for v in st.v)) for _, st in ran]
             positions = [s] * len(group)
             inputs = self.built.make_batch_inputs(np.array([w[s] for w in group])[:, None],
-                                                  np.array(positions)[:, None], stacked_caches(states, self.built),
+                                                  np.array(positions)[:, None], prefix_caches(ran.k, ran.v, s, self.built),
                                                   positions)
-            reference = fp64.head(np.stack([x[s] for x, _ in ran]))
+            reference = fp64.head(np.ascontiguousarray(ran.hidden[:, s]))
             targets = np.array([w[s + 1] if s + 1 < len(w) else int(np.argmax(reference[j]))
                                 for j, w in enumerate(group)])
             yield PositionBatch(inputs, reference, targets, real)
+
+    def _fp64_pass(self, group: list[tuple[int, ...]], key: tuple[int, int]) -> "GroupPass":
+        """The FP64 pass over a group's windows (the same for every plan judged on them): made once and kept
+        while every pass kept stays within FP64_HELD_BYTES, else made again for every pass over the group."""
+        held = self._made.setdefault("fp64", {})
+        if key in held:
+            return held[key]
+        if len({len(w) for w in group}) != 1:
+            raise ValueError("a group's windows must be equally long (each is the context's tokens)")
+        ran = GroupPass.of(self.model.fp64.hidden_many([list(w) for w in group]))
+        if sum(p.nbytes for p in held.values()) + ran.nbytes <= FP64_HELD_BYTES:
+            held[key] = ran
+        return ran
+
+
+FP64_HELD_BYTES = 256 << 20  # FP64 passes kept for the next pass over the positions (SmolLM2's 2,048: 198 MB)
+
+
+@dataclass(frozen=True)
+class GroupPass:
+    """One FP64 pass over a group of equally long windows: the hidden rows after the last layer and every
+    layer's K and V rows, each stacked over the windows, (windows, positions, width)."""
+    hidden: np.ndarray
+    k: tuple[np.ndarray, ...]
+    v: tuple[np.ndarray, ...]
+
+    @staticmethod
+    def of(ran: list[tuple[np.ndarray, Fp64State]]) -> "GroupPass":
+        """Fp64Llama.hidden_many's result stacked; each sequence's rows are let go as their layer is stacked
+        (the pass is held once, not twice)."""
+        hidden = np.stack([x for x, _ in ran])
+        ks, vs = [list(st.k) for _, st in ran], [list(st.v) for _, st in ran]
+        del ran
+        return GroupPass(hidden, _stacked_layers(ks), _stacked_layers(vs))
+
+    @property
+    def nbytes(self) -> int:
+        return self.hidden.nbytes + sum(a.nbytes for a in self.k + self.v)
+
+
+def _stacked_layers(rows: list[list[np.ndarray]]) -> tuple[np.ndarray, ...]:
+    """rows[sequence][layer] -> per layer the sequences' rows stacked, each sequence's array let go once stacked."""
+    out = []
+    for layer in range(len(rows[0]) if rows else 0):
+        out.append(np.stack([seq[layer] for seq in rows]))
+        for seq in rows:
+            seq[layer] = None
+    return tuple(out)
 
 
 def _continued(model: LlmModel, ids: list[list[int]], lengths: list[int]) -> list[list[int]]:

@@ -17,6 +17,7 @@ Each kernel kind is one function in KERNELS.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from ..codegen.llir import FApply, FConstV, FLoad, Kernel, KernelKind, Program, epilogue_as_elementwise, external_value
 from ..dtypes.codec import encode_into
-from ..dtypes.formats import F32, Kind, get as get_format
+from ..dtypes.formats import F32, get as get_format
 from ..dtypes.rounding import store
 from ..hlir.evaluate import softmax
 from ..hlir.symbolic import bind_shapes, evaluate as eval_dim
@@ -43,6 +44,8 @@ from .cpu_bodies import (CORRECTLY_ROUNDED_F32, F32_EXACT_CUSTOM, SHARED_BYTES, 
                          body64 as _body64, body_into_out, body_values, read64, read_input, reduce_sum,
                          rows_values, store32)
 from .cpu_compiled import KernelCache
+from .cpu_inputs import f32_into, store_input
+from .cpu_outputs import Float64Outputs
 from .cpu_pages import PageReleases, external_last_reads, page_releases
 from .cpu_softmax import softmax_f64_into
 from .cpu_gemm import quantize_input, run_gemm, run_quantize  # noqa: F401 (run_quantize: named here for the tests)
@@ -52,7 +55,7 @@ from .fixed_gemm import FixedOrderUnavailable
 
 @dataclass(frozen=True)
 class RunResult:
-    outputs: dict[str, np.ndarray]                 # float64 copies of the stored values
+    outputs: Mapping[str, np.ndarray]              # float64 copies of the stored values (each made when first read)
     kernel_seconds: tuple[tuple[int, float], ...]  # (kernel id, seconds) for launched kernels
     plan: BufferPlan
     exports: dict[int, np.ndarray] | None = None   # graph node id -> value (when asked for)
@@ -116,8 +119,9 @@ class CpuRuntime:
         self._epilogues: dict[int, Kernel] = {}  # Gemm epilogue kernel id -> its body as an ELEMENTWISE kernel
         self._compiled = KernelCache()
         # the last run's output buffers (bindings key -> kernel id -> its view of a slot), for the next
-        # run of the same shapes: no fresh pages to fault in, the same arrays for compiled reads
-        self._outputs: tuple[tuple, dict[int, np.ndarray]] | None = None
+        # run of the same shapes: no fresh pages to fault in, the same arrays for compiled reads; and that
+        # run's outputs (cpu_outputs.Float64Outputs), settled before the buffers are reused
+        self._outputs: tuple[tuple, dict[int, np.ndarray], weakref.ref] | None = None
         self._drops: dict[int, tuple[int, ...]] | None = None  # kernel id -> EXTERNALs it reads last
         self._releases: PageReleases | None = None  # streaming (hlir.store.STREAMING): which pages go when
 
@@ -154,9 +158,9 @@ class CpuRuntime:
                 r.state.stored.make = {}
         out = []
         for r in runs:
-            outputs = {name: r.state.stored[kid].astype(np.float64) for name, kid in self.program.outputs}
+            outputs = Float64Outputs({name: r.state.stored[kid] for name, kid in self.program.outputs})
             out.append(RunResult(outputs, tuple(r.timings), r.plan, r.exports if keep_exports else None))
-        self._outputs = (runs[0].key, runs[0].outs)
+        self._outputs = (runs[0].key, runs[0].outs, weakref.ref(out[0].outputs))
         return out
 
     def _begin(self, inputs: Mapping[str, np.ndarray], bindings: Mapping[str, int] | None, keep_exports: bool,
@@ -180,7 +184,13 @@ class CpuRuntime:
         held = None
         if reuse:
             held, self._outputs = self._outputs, None  # a run that starts meanwhile allocates its own
-        outs = held[1] if held is not None and held[0] == key else self._output_views(plan, bindings)
+        if held is not None and held[0] == key:
+            last = held[2]()
+            if last is not None:  # the last run's outputs not read yet are read now: their buffers are this run's
+                last.settle()
+            outs = held[1]
+        else:
+            outs = self._output_views(plan, bindings)
         stored = _Stored()
         state = _Run(stored, {}, feed, bindings, weight_names, self._compiled)
         wanted = {kid for _, kid in self.program.exports} if keep_exports else set()
@@ -308,7 +318,7 @@ def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
         return WEIGHTS.get(val, ("widened concat", k.storage, k.fill, fills, k.dtype.name, k.concat),
                            lambda: _stored_concat(rt, k, state))
     if k.storage is not None and k.external not in state.weight_names:  # a KV cache handed in: held in its format
-        return cache_values(_store_input(k, val), k.storage)
+        return cache_values(store_input(k, val), k.storage)
     if k.storage is not None:  # a weight held in its storage format: readers see it widened
         key = stored_key(k.external, k.storage, k.fill)
         held = rt.stored_weights.get(key)
@@ -331,8 +341,10 @@ def _external(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
                                widen)
         return widen()
     if k.external in state.weight_names:
-        return WEIGHTS.get(val, ("stored", k.dtype.name), lambda: _store_input(k, val))
-    return _store_input(k, val)
+        return WEIGHTS.get(val, ("stored", k.dtype.name), lambda: store_input(k, val))
+    if k.dtype is F32 and state.out is not None and f32_into(k, val, state.out):  # the step's own slot, no copy
+        return state.out
+    return store_input(k, val)
 
 
 def _stored_concat(rt: CpuRuntime, k: Kernel, state: _Run) -> np.ndarray:
@@ -361,21 +373,6 @@ def _fill_key(rt: CpuRuntime, k: Kernel, name: str, val) -> tuple | None:
         return ("file", rt._held_digests[key])
     h = hessian_of(val)
     return None if h is None else ("hessian", h.key)
-
-
-def _store_input(k: Kernel, val) -> np.ndarray:
-    val = np.asarray(val)
-    if k.dtype.kind is not Kind.FLOAT:
-        return val.astype(k.dtype.storage)
-    if not np.all(np.isfinite(val)):
-        raise ValueError(f"input {k.external!r} contains NaN or Inf")
-    if val.dtype.itemsize > 8 or val.dtype.kind in "biu":  # longdouble / ints: via float64, as before
-        val = val.astype(np.float64)
-    out = store32(val.astype(np.float32, copy=False) if k.dtype is F32 else val, k.dtype)
-    out = np.ascontiguousarray(out).astype(k.dtype.storage, copy=False)
-    out = out.view() if out is val else out  # never change the caller's own array's flags
-    out.flags.writeable = False
-    return out
 
 
 def _const_kernel(rt, k: Kernel, state: _Run) -> np.ndarray:
@@ -497,14 +494,25 @@ def _gather(rt, k: Kernel, state: _Run) -> np.ndarray:
 
 
 def _scatter(rt, k: Kernel, state: _Run) -> np.ndarray:
-    return _scatter_rows(k, read64(k, 0, state), read64(k, 1, state), state, index_slot=2)
+    return _scatter_rows(k, read64(k, 1, state), state, index_slot=2)
 
 
-def _scatter_rows(k: Kernel, dest: np.ndarray, src: np.ndarray, state: _Run, index_slot: int = 1) -> np.ndarray:
+def _scatter_rows(k: Kernel, src: np.ndarray, state: _Run, index_slot: int = 1) -> np.ndarray:
+    """dest (input 0) with rows `idx` replaced by `src` (float64). Where dest is stored as the output is, it is
+    copied into the output as it lies and only the rows are cast to it: the bits its exact float64 copy gave,
+    cast back, without that copy's two passes over a whole KV cache per step; else through that float64 copy."""
+    dest = read_input(k, 0, state)
     idx = k.inputs[index_slot].view.realize(state.stored[k.inputs[index_slot].buffer], state.bindings).astype(np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= dest.shape[0]):
         raise IndexError(f"scatter: index out of range [0, {dest.shape[0]})")
-    dest[idx] = src if k.storage is None else cache_values(src, k.storage)  # a KV cache: rows written converted
+    rows = src if k.storage is None else cache_values(src, k.storage)  # a KV cache: rows written converted
+    out = state.out
+    if out is not None and dest.shape == out.shape and dest.dtype == out.dtype:
+        np.copyto(out, dest)  # overlapping (an in-place plan): numpy copies through a buffer
+        out[idx] = rows
+        return out
+    dest = dest.astype(np.float64)
+    dest[idx] = rows
     return dest
 
 
@@ -524,7 +532,7 @@ def _scatter_ew(rt, k: Kernel, state: _Run) -> np.ndarray:
     """An in-place scatter of rows its body computes: the copy of the source it replaces wrote the same."""
     shape = tuple(eval_dim(d, state.bindings) for d in k.body_shape)
     src = np.broadcast_to(rows_values(k, state), shape).astype(np.float64)
-    return _scatter_rows(k, read64(k, 0, state), src, state)
+    return _scatter_rows(k, src, state)
 
 
 KERNELS: dict[KernelKind, Callable[[CpuRuntime, Kernel, _Run], np.ndarray]] = {
