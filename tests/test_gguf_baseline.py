@@ -24,7 +24,7 @@ from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.search.recipes import (BASELINE_SOURCES, GGUF_KEPT_BASELINE, GGUF_KEPT_SOURCE, KEPT_TAGS,
                                         baseline_genomes, baselines, gguf_source_recipe)
 from luminal_num.search.search import SearchOptions
-from luminal_num.search.space import SearchSpace
+from luminal_num.search.space import SearchSpace, group_of
 from tiny_gguf import tiny_config, write_tiny_gguf
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")
@@ -180,3 +180,36 @@ def test_a_compile_of_a_quantized_gguf_lists_the_baseline_with_its_label_and_sou
     plan = json.loads((out / "plan.json").read_text())
     assert plan["search"]["baseline_sources"][GGUF_KEPT_BASELINE] == GGUF_KEPT_SOURCE
     assert "refused_baselines" not in plan["search"]
+
+
+def test_the_kept_blocks_are_crossed_with_the_fastest_plans_other_changes(tiny_q):
+    """The search's crossover (search.Searcher.crossover): each passing peer recipe with the fastest passing
+    plan's changes on the knobs the recipe leaves FP32. The GGUF blocks kept (zero added weight error) are then
+    tried with, e.g., fused attention, which no one-knob phase combines with a whole-model recipe. The child
+    computes the file's function: on a batch no search saw, its logits are within the budget of the FP64
+    Llama written straight from the file (gguf_reference.py)."""
+    _, path, model, _ = tiny_q
+    step = build_decode(model.config, model.weights, 8)
+    batches = [step.make_inputs(np.array([t]), np.array([0])) for t in (42, 7)]
+    result = compile_plan(step.graph, Budget.parse("atol=1e-1,rtol=1e-1"), "h200", batches,
+                          SearchOptions(max_candidates=40, progress=False, workers=1))
+    evaluated = result.search.evaluated
+    kept = next(e for e in evaluated if e.label == GGUF_KEPT_BASELINE)
+    assert kept.verdict.passed
+    crossed = [e for e in evaluated if e.stage.value == "crossover"]
+    assert crossed
+    recipes = [e for e in evaluated if e.stage.value == "baseline" and e.genome and e.verdict.passed]
+    for child in crossed:  # each: one passing recipe whole, plus changes on knobs that recipe does not set
+        parent = next(r for r in recipes if child.label.startswith(r.label))
+        extra = child.genome - parent.genome
+        assert parent.genome < child.genome and extra
+        assert not {(group_of(s), c) for s, c, _ in extra} & {(group_of(s), c) for s, c, _ in parent.genome}
+    child = next(e for e in crossed if e.label.startswith(GGUF_KEPT_BASELINE))
+    assert {t for _, _, t in child.genome - kept.genome} and not KEPT_TAGS & {t for _, _, t in child.genome - kept.genome}
+    space = result.space
+    runtime = CpuRuntime(space.program(child.genome), step.graph.weights)
+    assert child.verdict.passed
+    for t in (3, 11, 29):  # tokens no calibration batch held, at position 0
+        ref = gguf_logits(path, [t])  # FP64 from the file
+        y = np.asarray(runtime.run(step.make_inputs(np.array([t]), np.array([0]))).outputs["logits"], np.float64)
+        assert np.all(np.abs(y.reshape(ref.shape) - ref) <= 0.1 + 0.1 * np.abs(ref))  # within the budget

@@ -23,6 +23,7 @@ class Stage(enum.StrEnum):
     UNIFORM = "uniform"          # one Gemm variant on every Gemm
     SENSITIVITY = "sensitivity"  # one change alone
     GREEDY = "greedy"            # changes added by gain per unit of error
+    CROSSOVER = "crossover"      # a passing peer recipe with the fastest plan's changes on the knobs it leaves
     LAYER = "layer"              # per-layer overrides and allocations
     MUTATION = "mutation"        # random changes to a front member
 

@@ -27,7 +27,7 @@ from . import allocate
 from .front import Evaluated, Stage, choose, front, share
 from .outcome import Gate, SearchResult, SearchStats
 from .recipes import BASELINE_SOURCES, baselines, rotated_recipes
-from .space import ChunkSite, Genome, Offers, SearchSpace
+from .space import ChunkSite, Genome, Offers, SearchSpace, group_of
 from .tags import Tag, TagKind, is_kind, priority
 
 
@@ -141,6 +141,7 @@ class Searcher:
             self.uniform()
             singles = self.sensitivity(base)
             self.greedy(base, singles)
+            self.crossover()
             self.per_layer()
             self.mutate(singles)
             interrupts.check()  # dropped during the last candidate: the search was interrupted all the same
@@ -319,6 +320,21 @@ class Searcher:
             trial = self.evaluate(current | {change}, Stage.GREEDY)
             if trial.verdict.passed and trial.latency is not None and trial.latency_s < current_lat:
                 current, current_lat = trial.genome, trial.latency_s
+
+    def crossover(self) -> None:
+        """Each passing peer recipe with the fastest passing plan's changes on the knobs the recipe leaves FP32:
+        a recipe sets a whole model at once (every weight in its GGUF blocks) where the other phases change one
+        knob at a time, so a recipe's gain and a change it lacks (fused attention) are otherwise never combined."""
+        fastest = choose(self.passing())
+        if fastest is None:
+            return
+        for e in list(self.evaluated):
+            if e.stage != Stage.BASELINE or not e.genome or not e.verdict.passed or e.latency is None:
+                continue
+            taken = {(group_of(site), cls) for site, cls, _ in e.genome}
+            extra = {(site, cls, tag) for site, cls, tag in fastest.genome if (group_of(site), cls) not in taken}
+            if extra and self.budget_left():
+                self.evaluate(e.genome | extra, Stage.CROSSOVER, f"{e.label} + the fastest plan's other changes")
 
     def per_layer(self, share: float = 0.25) -> None:
         """Precision per chunk: from the fastest passing genome, give one chunk of a multi-chunk group the
