@@ -173,16 +173,22 @@ def _compile(graph: Graph, budget: Budget, target: str, calibration, options: Se
                                           space.candidates(frozenset()), mode, pool=pool, changes_of=space.knobs_of,
                                           outputs=budget.outputs, held=held)
                              for mode in (Propagation.SCALED, Propagation.EXACT))
-        # the caches sized to what the budget leaves now, less what the judging store will still hold; or one line
-        memory.fit("search", growing=0 if held is None else held.budget_bytes - held.in_memory)
+        # an LLM decode job's measurements are judged on its teacher-forced positions, when row statistics can
+        # judge the budget (else on the calibration batches, and the positions stage says why it skipped): their
+        # wider step is built now, so the caches are sized beside it
+        wide = WidenedPositions(space, positions, POSITION_ROWS, options.offers) \
+            if positions is not None and pooled.refusal(budget, positions.output) is None else None
+        if wide is not None:
+            wide.prepare()
+        # the caches sized to what the budget leaves now, less what the judging store and the positions' FP64
+        # passes will still hold; or one line
+        memory.fit("search", growing=(0 if held is None else held.budget_bytes - held.in_memory)
+                   + (positions.held_bytes if wide is not None else 0))
         ran: dict[str, list] = {}  # the headroom probes' outputs: the same programs are baselines of the search
         head = stage("headroom", lambda: choose_headroom(graph, budget, calibration, refs.batches, space,
                                                          options.headroom, ran, pool))
         gate = budget.gate(head.headroom)
-        # an LLM decode job's measurements are judged on its teacher-forced positions, when row statistics can
-        # judge the budget (else on the calibration batches, and the positions stage says why it skipped)
-        on_positions = PositionsJudge(space, positions, gate, budget, options.offers, options.progress) \
-            if positions is not None and pooled.refusal(gate, positions.output) is None else None
+        on_positions = PositionsJudge(wide, gate, budget, options.progress) if wide is not None else None
         ctx = CompileContext(graph, tuple(calibration), budget, head, gate, target, options, use_static, pool,
                              VerdictStore.open(cache_dir, context_key(graph, calibration, gate, budget,
                                                                       on_positions.positions if on_positions else 0))
@@ -212,10 +218,9 @@ class PositionsJudge:
     the program itself runs at the workload's rows. One pass per program: the same kernels on the same weights
     and positions compute the same bits, so another genome lowering to it takes its verdict."""
 
-    def __init__(self, space: SearchSpace, source: PositionSource, gate: Budget, budget: Budget,
-                 offers: Offers = Offers(), progress: bool = False):
-        self.wide: WidenedPositions | None = WidenedPositions(space, source, POSITION_ROWS, offers)
-        self.source, self.gate, self.budget, self.progress = source, gate, budget, progress
+    def __init__(self, wide: "WidenedPositions", gate: Budget, budget: Budget, progress: bool = False):
+        self.wide: WidenedPositions | None = wide
+        self.source, self.gate, self.budget, self.progress = wide.source, gate, budget, progress
         self.judged: dict[tuple[int, str], tuple[Verdict, pooled.RowStats]] = {}  # (rows, program key) ->
 
     @property
@@ -249,6 +254,7 @@ class PositionsJudge:
         widest rows a step the positions ran at."""
         rows = self.wide.rows_used
         self.wide = None
+        self.source.release()  # its FP64 passes: every pass of the compile is done
         gc.collect()
         trim_heap()
         return rows
@@ -292,15 +298,19 @@ class WidenedPositions:
         self.wide: tuple[SearchSpace, PositionSource] | None = None
         self.rows_used = 0
 
+    def prepare(self) -> None:
+        """Build the wider step's space now (a compile does it before sizing its caches, so they leave room)."""
+        if self.rows > self.source.rows and self.wide is None:
+            source = self.source.widened(self.rows)
+            self.wide = (SearchSpace.saturated(source.graph, partition(source.graph), **vars(self.offers))
+                         .with_batch_invariance(self.own.batch_invariant), source)
+
     def program(self, genome, program: Program) -> tuple[Program, PositionSource]:
         """What runs on the positions: the genome at `rows` rows if it is the same program row by row, else
         the program itself on the workload's own rows."""
         own_rows = self.source.rows
         if self.rows > own_rows:
-            if self.wide is None:
-                source = self.source.widened(self.rows)
-                self.wide = (SearchSpace.saturated(source.graph, partition(source.graph), **vars(self.offers))
-                             .with_batch_invariance(self.own.batch_invariant), source)
+            self.prepare()
             space, source = self.wide
             widened = _genome_on(genome, self.own, space)
             if widened is not None:

@@ -146,6 +146,10 @@ class _Skewed:
     positions = property(lambda self: self.inner.positions)
     graph = property(lambda self: self.inner.graph)
     rows = property(lambda self: self.inner.rows)
+    held_bytes = property(lambda self: self.inner.held_bytes)
+
+    def release(self):
+        self.inner.release()
     passes = property(lambda self: self.count[0])
 
     def widened(self, rows: int) -> "_Skewed":
@@ -307,3 +311,23 @@ def test_gptq_hessians_come_from_every_teacher_forced_position(tiny, minimum):
     assert all(again.by_weight[k].sum_xx.tobytes() == h.sum_xx.tobytes() for k, h in got.by_weight.items())
     batch_only = reference_stage(job.graph, job.calibration, space).hessians
     assert all(h.rows == sum(len(b["ids"]) for b in job.calibration) for h in batch_only.by_weight.values())
+
+
+def test_the_memory_plan_leaves_room_for_the_positions_and_they_give_it_back(tiny, monkeypatch):
+    """The wider step is built before the search's caches are sized, and their FP64 passes' most (held_bytes)
+    is reserved there; after the positions stage the source holds no FP64 pass."""
+    from luminal_num.memory import MemoryPlan
+    _, model = tiny
+    job = _job(model, minimum=16)
+    source = job.llm.positions
+    seen = []
+    fit = MemoryPlan.fit
+
+    def recording(self, stage, growing=0):
+        seen.append((stage, growing, "fp64" in source._made))
+        return fit(self, stage, growing)
+    monkeypatch.setattr(MemoryPlan, "fit", recording)
+    compile(job.graph, Budget.parse(job.default_budget), "h200", job.calibration, _options(), positions=source)
+    (search,) = [s for s in seen if s[0] == "search"]
+    assert search[1] >= source.held_bytes > 0 and not search[2]  # reserved before any pass held one
+    assert "fp64" not in source._made  # released by the positions stage

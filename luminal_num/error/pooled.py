@@ -114,7 +114,12 @@ class PositionSource(Protocol):
     @property
     def rows(self) -> int: ...  # decode rows per step
 
+    @property
+    def held_bytes(self) -> int: ...  # the most it keeps between passes (a compile's memory plan reserves it)
+
     def widened(self, rows: int) -> "PositionSource": ...
+
+    def release(self) -> None: ...  # drop what it keeps between passes (held_bytes at most)
 
     def batches(self) -> Iterator[PositionBatch]: ...
 

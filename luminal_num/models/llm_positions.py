@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 
@@ -58,6 +58,15 @@ class TeacherForcedWindows:
     def graph(self):
         """The decode step's HLIR graph these positions run through."""
         return self.built.graph
+
+    @property
+    def held_bytes(self) -> int:
+        """The most this source (and its widened copies, which share its passes) keeps between passes."""
+        return FP64_HELD_BYTES
+
+    def release(self) -> None:
+        """Drop the FP64 passes kept between passes (the windows stay): the compile's last pass is done."""
+        self._made.pop("fp64", None)
 
     @property
     def rows(self) -> int:
