@@ -34,6 +34,7 @@ from .error.reference import SPILL
 from .hlir.store import STREAMING, is_file_backed
 from .hlir.weightcache import WEIGHTS
 from .quant.stored import CONVERTED
+from .runtime.heap import trim_heap
 
 GiB = 1 << 30
 PROCESS_BASE = int(1.2 * GiB)   # the compiling process without weights (Python, egglog, numba, the e-graphs)
@@ -114,6 +115,7 @@ class MemoryPlan:
                 budget = cache.budget_bytes
                 cache.resize(int(cache.bytes * keep))
                 cache.resize(budget)
+            trim_heap()  # what they freed back to the system, not kept in the heap
             held = tree_pss()
         if held + need > self.budget:
             # "needs 0.0 GB more" read as nonsense where the compile is already over before the stage adds anything
