@@ -13,7 +13,7 @@ from luminal_num.runtime.cpu import CpuRuntime
 from luminal_num.runtime.latency import modelled_latency
 from luminal_num.search.extract import BASE
 from luminal_num.search.plan import stored_layout
-from luminal_num.search.search import variant_classes
+from luminal_num.search.variants import variant_classes
 from luminal_num.search.space import SearchSpace
 from luminal_num.search.tags import Tag, TagKind
 from tiny_gemma import kquant_layer_types, write_kquant_gemma
