@@ -25,8 +25,7 @@ from luminal_num.runtime.megakernel_cost import megakernel_latency
 from luminal_num.search.recipes import pick
 from luminal_num.search.space import SearchSpace
 from .fusion import GENOMES, _cases
-from .launch_model import TARGET, step_cli
-from .summary import write_csv
+from .launch_model import TARGET, bytes_floor_s, step_cli, write_and_show
 
 
 def without_new_row_hop(program, queue: WorkQueue, works: list, bindings):
@@ -68,17 +67,13 @@ def run(layers: int, max_cache: int) -> pd.DataFrame:
         now = megakernel_latency(queue, program, TARGET, bindings, works=works)
         what_queue, what_works = without_new_row_hop(program, queue, works, bindings)
         what = megakernel_latency(what_queue, program, TARGET, bindings, works=what_works)
-        floor = sum(w.bytes_moved for w in kernel_works(program, bindings)) / 4.8e12
+        floor = bytes_floor_s(kernel_works(program, bindings))
         rows.append(dict(model=name, genome=label, floor_us=1e6 * floor, megakernel_us=1e6 * now.total_s,
                          critical_path_us=1e6 * now.critical_path_s, critical_hops=now.critical_hops,
                          whatif_us=1e6 * what.total_s, whatif_critical_path_us=1e6 * what.critical_path_s,
                          whatif_critical_hops=what.critical_hops, over_floor=now.total_s / floor,
                          whatif_over_floor=what.total_s / floor))
-    df = pd.DataFrame(rows)
-    write_csv(df, "launch_model_hop_whatif.csv")
-    with pd.option_context("display.width", 250, "display.max_columns", 20):
-        print(df.drop(columns=["model"]).round(2).to_string(index=False))
-    return df
+    return write_and_show(rows, "launch_model_hop_whatif.csv")
 
 
 def main(argv=None) -> pd.DataFrame:

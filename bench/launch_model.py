@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import pandas as pd
 
@@ -43,8 +42,8 @@ from luminal_num.search.recipes import pick
 from luminal_num.search.space import SearchSpace
 from .fusion import GENOMES, _cases
 from .storage_decode import SMOLLM2
+from .summary import write_csv
 
-OUT = Path("reports/bench")
 TARGET = "h200"
 
 
@@ -76,12 +75,12 @@ def rows_for(name: str, graph, bindings) -> list[dict]:
         program = space.program(pick(space, tags.__contains__))
         works = kernel_works(program, bindings)
         moved = sum(w.bytes_moved for w in works)
+        floor = bytes_floor_s(works)
         old = modelled_latency(program, TARGET, bindings, launch=LEGACY_LAUNCH).total_s
         new = modelled_latency(program, TARGET, bindings).total_s
         queue = build_queue(program)
         mega = megakernel_latency(queue, program, TARGET, bindings)
         chosen = priced_latency(program, TARGET, bindings)
-        floor = moved / target.hbm_bandwidth
         rows.append(dict(model=name, genome=label, kernels=len(works), bytes_moved=moved, floor_us=1e6 * floor,
                          old_us=1e6 * old, new_us=1e6 * new, megakernel_us=1e6 * mega.total_s,
                          megakernel_critical_path_us=1e6 * mega.critical_path_s, critical_hops=mega.critical_hops,
@@ -105,10 +104,9 @@ def run(layers: int = SMOLLM2.num_hidden_layers, max_cache: int = 256) -> dict:
         more, parts = rows_for(name, graph, bindings)
         rows, breakdown = rows + more, breakdown + parts
     df = pd.DataFrame(rows)
-    OUT.mkdir(parents=True, exist_ok=True)
-    df.to_csv(OUT / "launch_model.csv", index=False)
+    write_csv(df, "launch_model.csv")
     parts = pd.DataFrame(breakdown).fillna(0.0)
-    parts.to_csv(OUT / "launch_model_breakdown.csv", index=False)
+    write_csv(parts, "launch_model_breakdown.csv")
     with pd.option_context("display.width", 250, "display.max_columns", 20):
         print(df[["genome", "kernels", "floor_us", "old_us", "new_us", "megakernel_us", "megakernel_over_floor",
                   "critical_hops", "overhead_share", "weight_streamed_share", "cache_streamed_share",
@@ -126,6 +124,20 @@ def run(layers: int = SMOLLM2.num_hidden_layers, max_cache: int = 256) -> dict:
                                          f"{best_mega.megakernel_over_floor:.2f}x the bytes floor",
             "SmolLM2 decode as the search prices it": f"{best_chosen.genome}: {best_chosen.chosen_form}, "
                                                      f"{best_chosen.chosen_us:.1f} us"}
+
+
+def bytes_floor_s(works) -> float:
+    """The step's bytes (weights at their stored bytes) over the target's HBM bandwidth: what no schedule beats."""
+    return sum(w.bytes_moved for w in works) / get_target(TARGET).hbm_bandwidth
+
+
+def write_and_show(rows: list[dict], csv: str) -> pd.DataFrame:
+    """A what-if's rows: written to reports/bench/`csv` and printed (the decode-step benches' one table form)."""
+    df = pd.DataFrame(rows)
+    write_csv(df, csv)
+    with pd.option_context("display.width", 250, "display.max_columns", 20):
+        print(df.drop(columns=["model"]).round(2).to_string(index=False))
+    return df
 
 
 def step_cli(run, doc: str, argv=None):

@@ -33,8 +33,7 @@ from luminal_num.search.recipes import pick
 from luminal_num.search.space import SearchSpace
 from .fusion import GENOMES, _cases
 from .hop_whatif import without_new_row_hop
-from .launch_model import TARGET, step_cli
-from .summary import write_csv
+from .launch_model import TARGET, bytes_floor_s, step_cli, write_and_show
 
 
 def with_bands(queue: WorkQueue, bands) -> WorkQueue:
@@ -72,7 +71,7 @@ def run(layers: int, max_cache: int) -> pd.DataFrame:
             continue
         program = space.program(pick(space, tags.__contains__))
         works = kernel_works(program, bindings, LaunchForm.MEGAKERNEL)
-        floor = sum(w.bytes_moved for w in kernel_works(program, bindings)) / 4.8e12
+        floor = bytes_floor_s(kernel_works(program, bindings))
         queue = build_queue(program)
         hop_queue, hop_works = without_new_row_hop(program, queue, works, bindings)
         variants = {"now": (queue, works), "bands x2": (with_bands(queue, lambda op, b: 2 * b), works),
@@ -91,11 +90,7 @@ def run(layers: int, max_cache: int) -> pd.DataFrame:
             if change in ("now", "no scatter hop"):
                 rows.append(dict(rows[-1], change=("" if change == "now" else "no scatter hop, ") + "unlimited SMs",
                                  us=1e6 * bound, over_floor=bound / floor))
-    df = pd.DataFrame(rows)
-    write_csv(df, "launch_model_tile_whatif.csv")
-    with pd.option_context("display.width", 250, "display.max_columns", 20):
-        print(df.drop(columns=["model"]).round(2).to_string(index=False))
-    return df
+    return write_and_show(rows, "launch_model_tile_whatif.csv")
 
 
 def main(argv=None) -> pd.DataFrame:
