@@ -270,10 +270,10 @@ def positions_stage(ctx: CompileContext, explored: Exploration, result: SearchRe
     budget that row statistics cannot judge, skips the stage and says why. The record counts every program
     judged on the positions over the compile."""
     why = "the search was interrupted" if explored.interrupted else pooled.refusal(ctx.gate, source.output)
-    if why is not None or on_positions is None or result.chosen is None:
-        record = PositionsRecord(0, 0, {}, why or "no plan passed the calibration batches") if on_positions is None \
-            else PositionsRecord(on_positions.positions, on_positions.passes, {}, why or "no plan passed",
-                                 rows=on_positions.release())
+    if why is not None or result.chosen is None:  # no PositionsJudge only where row statistics cannot judge
+        record = PositionsRecord(0, 0, {}, why) if on_positions is None else \
+            PositionsRecord(on_positions.positions, on_positions.passes, {}, why or "no plan passed",
+                            rows=on_positions.release())
         return dataclasses.replace(result, stats=dataclasses.replace(result.stats, positions=record))
     space = explored.searcher.space
     kept: dict[int, pooled.RowStats] = {}
