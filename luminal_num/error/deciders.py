@@ -356,7 +356,8 @@ class FirstOrder:
 
 class Measurement:
     """End to end vs FP64, on the positions or every calibration batch (judge.EndToEnd), or a measurement an
-    earlier compile stored: the last decider, which always decides. Its result is reported to the calibrator in candidate order."""
+    earlier compile stored: the last decider, which always decides. Its result is reported to the calibrator
+    in candidate order."""
 
     def __init__(self, counts: Counter, ev: Evidence, known: KnownPrograms, cal: Calibrator, runner,
                  deltas: FirstOrderDeltas | None, store):

@@ -17,6 +17,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ..hlir.store import keyed
+
 from .budget import Budget, BudgetVerdict
 from .metric_values import MetricValues
 from .metrics import METRICS, Compared, allclose_of
@@ -66,7 +68,9 @@ class ShareCheck:
 
     @functools.cached_property
     def _pooled_refs(self) -> tuple[Outputs, ...]:
-        return (_rows_together(self.refs, self.compared),)
+        """Keyed as the batches' references are: what metrics derive from a reference alone (its log-softmax
+        rows) is then made once, not at every prediction checked against it."""
+        return ({n: keyed(v) for n, v in _rows_together(self.refs, self.compared).items()},)
 
     @property
     def compared(self) -> tuple[str, ...]:
